@@ -1,0 +1,170 @@
+"""Packed token shards: the on-disk format `kiln train` reads.
+
+A shard directory holds
+
+    meta.json                      format, version, dtype, vocab size, eos id, shard list per split
+    tokenizer.json                 the tokenizer that produced the ids
+    {split}-{i:05d}.tokens.npy     flat 1-D array of token ids (uint16 if vocab <= 65536, else uint32)
+    {split}-{i:05d}.docs.npy       int64 document start offsets into the token array, length n_docs + 1
+
+Each document is written as its tokens followed by the EOS id, back to back, so a shard is one
+long token stream that `np.load(..., mmap_mode="r")` maps without reading. Every file is written
+under a temporary name and renamed, so a reader never sees a half-written shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from kiln.errors import DataError
+
+FORMAT = "kiln-shards"
+VERSION = 1
+DEFAULT_SHARD_TOKENS = 64 * 1024 * 1024
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@dataclass
+class ShardInfo:
+    tokens: str
+    docs: str
+    n_tokens: int
+    n_docs: int
+
+
+class ShardWriter:
+    """Streams documents (lists/arrays of ids) into shards of at most `shard_tokens` tokens.
+
+    Use one writer per split; call `finish()` for each, then `write_meta()` once.
+    """
+
+    def __init__(self, out_dir: str | Path, split: str, vocab_size: int, eos_id: int,
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.split, self.vocab_size, self.eos_id = split, vocab_size, eos_id
+        self.dtype = token_dtype(vocab_size)
+        self.shard_tokens = shard_tokens
+        self.shards: list[ShardInfo] = []
+        self._chunks: list[np.ndarray] = []
+        self._starts: list[int] = [0]
+        self._buffered = 0
+
+    def add(self, ids: Iterable[int] | np.ndarray) -> None:
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise DataError(f"token id out of range [0, {self.vocab_size}) in split {self.split}")
+        doc = np.empty(arr.size + 1, dtype=self.dtype)
+        doc[:-1] = arr
+        doc[-1] = self.eos_id
+        self._chunks.append(doc)
+        self._buffered += doc.size
+        self._starts.append(self._buffered)
+        if self._buffered >= self.shard_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._chunks:
+            return
+        i = len(self.shards)
+        tokens_name = f"{self.split}-{i:05d}.tokens.npy"
+        docs_name = f"{self.split}-{i:05d}.docs.npy"
+        _atomic_save_npy(self.out_dir / tokens_name, np.concatenate(self._chunks))
+        _atomic_save_npy(self.out_dir / docs_name, np.asarray(self._starts, dtype=np.int64))
+        self.shards.append(ShardInfo(tokens_name, docs_name, self._buffered, len(self._starts) - 1))
+        self._chunks, self._starts, self._buffered = [], [0], 0
+
+    def finish(self) -> list[ShardInfo]:
+        self._flush()
+        return self.shards
+
+
+def write_meta(out_dir: str | Path, writers: list[ShardWriter], extra: dict | None = None) -> None:
+    """Write meta.json last: its presence marks the directory as complete."""
+    w0 = writers[0]
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": w0.dtype.name,
+        "vocab_size": w0.vocab_size,
+        "eos_id": w0.eos_id,
+        "splits": {w.split: [vars(s) for s in w.shards] for w in writers},
+        **(extra or {}),
+    }
+    atomic_write_text(Path(out_dir) / "meta.json", json.dumps(meta, indent=1))
+
+
+def is_shard_dir(path: str | Path) -> bool:
+    return (Path(path) / "meta.json").is_file()
+
+
+class ShardSet:
+    """Read-only, memory-mapped view of one split of a shard directory."""
+
+    def __init__(self, shard_dir: str | Path, split: str):
+        self.dir = Path(shard_dir)
+        self.meta = read_meta(self.dir)
+        if split not in self.meta["splits"]:
+            raise DataError(f"{self.dir}/meta.json has no split {split!r}; it has {sorted(self.meta['splits'])}")
+        self.split = split
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.eos_id = int(self.meta["eos_id"])
+        self.tokens: list[np.ndarray] = []
+        self.docs: list[np.ndarray] = []
+        for info in self.meta["splits"][split]:
+            try:
+                self.tokens.append(np.load(self.dir / info["tokens"], mmap_mode="r"))
+                self.docs.append(np.load(self.dir / info["docs"], mmap_mode="r"))
+            except (OSError, ValueError) as e:
+                raise DataError(f"{self.dir}: cannot read shard {info['tokens']}: {e}") from None
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(t.shape[0] for t in self.tokens)
+
+    @property
+    def n_docs(self) -> int:
+        return sum(d.shape[0] - 1 for d in self.docs)
+
+    def document(self, shard: int, doc: int) -> np.ndarray:
+        """Token ids of one document, without its trailing EOS."""
+        starts = self.docs[shard]
+        return np.asarray(self.tokens[shard][starts[doc]:starts[doc + 1] - 1])
+
+
+def read_meta(shard_dir: str | Path) -> dict:
+    path = Path(shard_dir) / "meta.json"
+    if not path.is_file():
+        raise DataError(f"{shard_dir} is not a kiln shard directory (no meta.json)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise DataError(f"{path}: expected format {FORMAT!r} version {VERSION}, got "
+                        f"{meta.get('format')!r} version {meta.get('version')}")
+    return meta
