@@ -1,0 +1,58 @@
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms").
+
+    update = sign(beta1 * m + (1 - beta1) * g)
+    w      = w * (1 - lr * wd) - lr * update          (decoupled weight decay)
+    m      = beta2 * m + (1 - beta2) * g
+
+One momentum buffer per parameter (half of Adam's state). Implemented with torch's foreach ops
+over each group so a step is a handful of kernel launches, not one per tensor per op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+class Lion(torch.optim.Optimizer):
+    def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0):
+        if lr < 0:
+            raise ValueError(f"Lion: lr={lr} must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"Lion: betas={betas} must be in [0, 1)")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs = [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Lion does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+            if not params:
+                continue
+            lr, wd = group["lr"], group["weight_decay"]
+            beta1, beta2 = group["betas"]
+            if wd != 0:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            # lerp(g, m, beta1) = beta1 * m + (1 - beta1) * g
+            updates = torch._foreach_lerp(grads, exp_avgs, beta1)
+            torch._foreach_sign_(updates)
+            torch._foreach_add_(params, updates, alpha=-lr)
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
+        return loss

@@ -1,0 +1,130 @@
+"""Muon (Keller Jordan 2024, "Muon: MomentumOrthogonalized by Newton-Schulz").
+
+Hidden weight matrices get SGD-Nesterov momentum whose update is replaced by its nearest
+semi-orthogonal matrix, approximated by a quintic Newton-Schulz iteration; everything else
+(embeddings, the LM head, norms, biases) is updated by AdamW in the same optimizer object, so
+one state_dict and one LR schedule cover the whole model.
+
+Param groups carry `use_muon`: True for orthogonalized matrices, False for the AdamW ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.adamw import adamw as adamw_step
+
+# Quintic coefficients chosen (by the Muon authors) to push all singular values of a
+# unit-spectral-norm matrix into roughly [0.7, 1.2] within five steps, as fast as possible.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+
+
+def orthogonalize(update: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate U V^T of the SVD U S V^T of a 2-D (or batched, last two dims) matrix."""
+    a, b, c = NS_COEFFICIENTS
+    # bf16 matmuls are the point on GPUs; CPU bf16 matmul is slow without AMX, so keep fp32 there.
+    work_dtype = torch.bfloat16 if update.device.type == "cuda" else torch.float32
+    x = update.to(work_dtype)
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:  # iterate on the wide side: X X^T is then the smaller Gram matrix
+        x = x.mT
+    # Frobenius norm >= spectral norm, so this puts every singular value in [0, 1].
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    if transposed:
+        x = x.mT
+    return x.to(update.dtype)
+
+
+def shape_lr_scale(shape: torch.Size) -> float:
+    """Keller Jordan's scale: sqrt(max(1, rows / cols)) for an (out, in) weight."""
+    rows, cols = shape[0], _prod(shape[1:])
+    return max(1.0, rows / cols) ** 0.5
+
+
+def _prod(dims: Iterable[int]) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+class Muon(torch.optim.Optimizer):
+    def __init__(self, params: Iterable[Any], lr: float = 0.02, momentum: float = 0.95,
+                 nesterov: bool = True, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        if lr < 0:
+            raise ValueError(f"Muon: lr={lr} must be >= 0")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon: momentum={momentum} must be in [0, 1)")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, use_muon=True)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.ndim < 2:
+                        raise ValueError(
+                            f"Muon: a use_muon group holds a tensor of shape {tuple(p.shape)}; "
+                            "only matrices can be orthogonalized (put it in a use_muon=False group)"
+                        )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group(group)
+            else:
+                self._adamw_group(group)
+        return loss
+
+    def _muon_group(self, group: dict[str, Any]) -> None:
+        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1.0 - beta)  # buf = beta * buf + (1 - beta) * g
+            # Nesterov: look ahead along the momentum: (1 - beta) * g + beta * buf.
+            update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
+            ortho = orthogonalize(update.reshape(update.size(0), -1)).view_as(p)
+            if wd != 0:
+                p.mul_(1.0 - lr * wd)
+            p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape))
+
+    def _adamw_group(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon's AdamW part does not support sparse gradients")
+            state = self.state[p]
+            if not state:  # same state layout as torch.optim.AdamW
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw_step(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, amsgrad=False,
+                   beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                   eps=group["eps"], maximize=False)
