@@ -143,7 +143,9 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "bf16"  # fp32 | bf16 | fp16 (bf16/fp16 are autocast; fp16 uses a grad scaler)
+    # auto | fp32 | bf16 | fp16 (bf16/fp16 are autocast; fp16 uses a grad scaler). auto: bf16 on
+    # GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32 (emulated bf16 is slower).
+    dtype: str = "auto"
     compile: bool = False
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every other)
     clip_grad_norm: float = 1.0  # 0 disables clipping
@@ -153,9 +155,10 @@ class TrainConfig:
     early_stopping_patience: int = 0  # evaluations without improvement; 0 disables
     early_stopping_min_delta: float = 0.0
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    eval_sets: list[str] = field(default_factory=list)  # extra held-out text files scored at each eval
 
     def validate(self) -> None:
-        _choice("train.dtype", self.dtype, ("fp32", "bf16", "fp16"))
+        _choice("train.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
         _choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective"))
         for key in ("steps", "batch_size", "grad_accum", "eval_batches", "max_nonfinite_steps"):
             _positive(f"train.{key}", getattr(self, key))
@@ -302,6 +305,10 @@ def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
             return value
         if hint is float and type(value) is float:
             return value
+    elif origin is list:
+        (arg,) = typing.get_args(hint)
+        if isinstance(value, list):
+            return [_coerce(v, arg, dotted, source) for v in value]
     elif origin is tuple:
         args = typing.get_args(hint)
         if isinstance(value, (list, tuple)) and len(value) == len(args):

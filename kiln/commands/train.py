@@ -1,0 +1,47 @@
+"""kiln train [CONFIG.toml] [--set section.key=value ...] [--run-dir DIR] [--steps N] [--resume]"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kiln.checkpoint.manager import list_checkpoints
+from kiln.config import load_config
+from kiln.errors import KilnError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="job config TOML (default: the embedded default job)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key; repeatable")
+    p.add_argument("--run-dir", help="run directory (default: runs/<model.name>)")
+    p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
+    p.add_argument("--resume", metavar="RUN_DIR", nargs="?", const=True, default=None,
+                   help="continue the run in RUN_DIR (or --run-dir) from its latest checkpoint, "
+                        "with the config it was started with")
+    p.add_argument("--no-resume", action="store_true", help="start fresh even if the run dir has checkpoints")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.train.trainer import train
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    run_dir = Path(args.resume) if isinstance(args.resume, str) else (Path(args.run_dir) if args.run_dir else None)
+    config_path = args.config
+    if args.resume:
+        if run_dir is None:
+            raise KilnError("--resume needs a run directory: --resume RUN_DIR or --run-dir RUN_DIR")
+        if not list_checkpoints(run_dir / "checkpoints"):
+            raise KilnError(f"--resume: {run_dir} has no checkpoints/step-N to resume from")
+        if config_path is None:  # resume with the resolved config the run was started with
+            config_path = run_dir / "config.toml"
+    cfg = load_config(config_path, overrides)
+    if run_dir is None:
+        run_dir = Path("runs") / cfg.model.name
+    resume = True if args.resume else (False if args.no_resume else None)
+    result = train(cfg, run_dir, resume=resume)
+    print(f"done: {result.steps_done} steps in {run_dir} ({result.stop_reason}); final loss "
+          f"{result.final_loss:.4f}, val loss {result.last_val_loss:.4f}")
+    return 0

@@ -1,0 +1,97 @@
+"""Weight-initialization schemes, selected by `model.init`.
+
+- `normal`: every matrix and embedding ~ N(0, init_std), biases 0, norm gains 1 (GPT-1/BERT).
+- `gpt2`: `normal`, but the projections that write into the residual stream (attention.wo,
+  feed_forward.w2) use init_std / sqrt(2 * n_layers), so the residual's variance does not grow
+  with depth (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners", sec. 2.3).
+- `ds_init`: depth-scaled init: Xavier-uniform matrices in layer l (1-based) scaled by 1/sqrt(l)
+  (Zhang, Titov & Sennrich 2019, "Improving Deep Transformer with Depth-Scaled Initialization and
+  Merged Attention", eq. 8 with alpha = 1).
+- `t_fixup`: for training without norms and without warmup: Xavier-uniform matrices, embeddings
+  ~ N(0, dim^-1/2); then the value/output projections, the MLP and the embeddings are scaled by
+  (9 N)^-1/4 for N decoder layers (Huang et al. 2020, "Improving Transformer Optimization Through
+  Better Initialization", sec. 3.3). Pair it with `model.norm = "none"`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _normal(t: torch.Tensor, std: float, gen) -> None:
+    nn.init.normal_(t, mean=0.0, std=std, generator=gen)
+
+
+def _xavier(t: torch.Tensor, gain: float, gen) -> None:
+    nn.init.xavier_uniform_(t, gain=gain, generator=gen)
+
+
+def _reset_norms_and_biases(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            m.reset_parameters()
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def init_model(model: nn.Module, generator: torch.Generator | None = None) -> None:
+    cfg = model.cfg
+    scheme, std = cfg.init, cfg.init_std
+    _reset_norms_and_biases(model)
+    n_layers = cfg.n_layers
+    head_tied = cfg.tie_embeddings
+
+    if scheme in ("normal", "gpt2"):
+        _normal(model.tok_embeddings.weight, std, generator)
+        if model.pos_embeddings is not None:
+            _normal(model.pos_embeddings.weight, std, generator)
+        residual_std = std / math.sqrt(2 * n_layers) if scheme == "gpt2" else std
+        for layer in model.layers:
+            attn, ffn = layer.attention, layer.feed_forward
+            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
+                if lin is not None:
+                    _normal(lin.weight, std, generator)
+            _normal(attn.wo.weight, residual_std, generator)
+            _normal(ffn.w2.weight, residual_std, generator)
+        if not head_tied:
+            _normal(model.output.weight, std, generator)
+        return
+
+    if scheme == "ds_init":
+        _normal(model.tok_embeddings.weight, std, generator)
+        if model.pos_embeddings is not None:
+            _normal(model.pos_embeddings.weight, std, generator)
+        for i, layer in enumerate(model.layers):
+            gain = 1.0 / math.sqrt(i + 1)
+            for lin in _block_linears(layer):
+                _xavier(lin.weight, gain, generator)
+        if not head_tied:
+            _xavier(model.output.weight, 1.0, generator)
+        return
+
+    if scheme == "t_fixup":
+        scale = (9 * n_layers) ** -0.25
+        emb_std = cfg.dim ** -0.5
+        _normal(model.tok_embeddings.weight, emb_std * scale, generator)
+        if model.pos_embeddings is not None:
+            _normal(model.pos_embeddings.weight, emb_std * scale, generator)
+        for layer in model.layers:
+            attn, ffn = layer.attention, layer.feed_forward
+            _xavier(attn.wq.weight, 1.0, generator)
+            _xavier(attn.wk.weight, 1.0, generator)
+            for lin in (attn.wv, attn.wo, ffn.w1, ffn.w2, ffn.w3):
+                if lin is not None:
+                    _xavier(lin.weight, scale, generator)
+        if not head_tied:
+            _xavier(model.output.weight, 1.0, generator)
+        return
+
+    raise ValueError(f"unknown init scheme {scheme!r}")
+
+
+def _block_linears(layer: nn.Module) -> list[nn.Linear]:
+    attn, ffn = layer.attention, layer.feed_forward
+    return [lin for lin in (attn.wq, attn.wk, attn.wv, attn.wo, ffn.w1, ffn.w2, ffn.w3) if lin is not None]

@@ -1,0 +1,218 @@
+"""A decoder-only transformer whose options cover GPT-2 and Llama-style models.
+
+Built on the meta device first (no memory), parallelized, then materialized with `init_weights`
+(see kiln/model/init.py): the seam that lets TP/FSDP attach without rewriting the model and lets
+a 7B config be counted on a laptop. Module names follow torchtitan's Llama (tok_embeddings,
+layers.N.attention.wq, feed_forward.w1, norm, output) so parallel plans read the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config import ModelConfig
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    if cfg.ffn_hidden:
+        return cfg.ffn_hidden
+    hidden = 4 * cfg.dim
+    if cfg.activation in ("swiglu", "geglu"):  # keep parameters equal to the 4*dim GeLU MLP
+        hidden = int(2 * hidden / 3)
+        hidden = cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
+    return hidden
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.Identity()
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (max_len, head_dim // 2), computed in fp32 (Su et al. 2021, RoFormer)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by position; halves layout (first D/2 paired with last D/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, None], sin[None, None]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class KVCache:
+    """Keys/values of every layer for incremental decoding, preallocated to max_len."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 device, dtype):
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.max_len = max_len
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        end = start + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.dropout = cfg.dropout
+        self.use_rope = cfg.positions == "rope"
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        if self.use_rope and rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        causal = True
+        if cache is not None:
+            k, v = cache.update(self.layer_id, start_pos, k, v)
+            causal = seqlen > 1  # a single new token attends to everything cached
+            if causal and start_pos:
+                raise ValueError("prefill with a non-empty cache is not supported; decode one token at a time")
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = ffn_hidden_size(cfg)
+        self.gated = cfg.activation in ("swiglu", "geglu")
+        self.act = F.silu if cfg.activation == "swiglu" else F.gelu
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if self.gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.w1(x))
+        if self.w3 is not None:  # GLU variants (Shazeer 2020): act(x W1) * (x W3)
+            h = h * self.w3(x)
+        return self.w2(h)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.attention = Attention(cfg, layer_id)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = build_norm(cfg)
+        self.ffn_norm = build_norm(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope=None, cache=None, start_pos=0):
+        if self.pre_norm:
+            x = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, start_pos))
+            return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, rope, cache, start_pos)))
+        return self.ffn_norm(x + self.dropout(self.feed_forward(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (from the tokenizer) before building")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        # Post-norm blocks end in a norm already; pre-norm needs a final one.
+        self.norm = build_norm(cfg) if cfg.norm_placement == "pre" else nn.Identity()
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        head_dim = cfg.dim // cfg.n_heads
+        cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Materialized weights -> the configured init scheme; also recomputes the RoPE tables."""
+        from kiln.model.init import init_model
+
+        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len,
+                               self.cfg.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        init_model(self, generator)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        if start_pos + seqlen > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(start_pos, start_pos + seqlen, device=tokens.device))
+        h = self.dropout(h)
+        rope = (self.rope_cos[start_pos:start_pos + seqlen], self.rope_sin[start_pos:start_pos + seqlen])
+        for layer in self.layers:
+            h = layer(h, rope, cache, start_pos)
+        return self.output(self.norm(h))
+
+    def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads or cfg.n_heads, max_len or cfg.max_seq_len,
+                       cfg.dim // cfg.n_heads, self.tok_embeddings.weight.device,
+                       dtype or self.tok_embeddings.weight.dtype)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 (logits may be bf16 under autocast)."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def count_params(model: nn.Module) -> dict[str, int]:
+    """Unique parameters (tied weights once); also works on the meta device."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        seen[id(p)] = p
+    total = sum(p.numel() for p in seen.values())
+    emb = model.tok_embeddings.weight.numel()
+    if getattr(model, "pos_embeddings", None) is not None:
+        emb += model.pos_embeddings.weight.numel()
+    return {"total": total, "non_embedding": total - emb, "embedding": emb}
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * (parameters used in matmuls, LM head included) plus attention.
+
+    Attention scores and the weighted sum cost 2 * 2 * seq_len * dim per layer per token forward,
+    x3 for forward + backward: 12 * L * seq_len * dim (Chowdhery et al. 2022, PaLM, appendix B).
+    The embedding lookup is a gather, not a matmul, so it does not count.
+    """
+    cfg = model.cfg
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.dim

@@ -1,0 +1,86 @@
+"""Metrics are rows: one dict per step appended to metrics.jsonl, fanned out to the terminal
+(a rich progress bar on a TTY, plain lines otherwise) and TensorBoard when enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln.config import MetricsConfig
+
+
+class MetricsLogger:
+    def __init__(self, path: Path, cfg: MetricsConfig, total_steps: int, start_step: int,
+                 enabled: bool = True, tb_dir: Path | None = None):
+        self.enabled = enabled
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self._file = open(path, "a", encoding="utf-8") if enabled else None
+        mode = cfg.progress
+        if mode == "auto":
+            mode = "rich" if sys.stderr.isatty() else "plain"
+        self.mode = mode if enabled else "none"
+        self._progress = None
+        if self.mode == "rich":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"), transient=False)
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+        self._tb = None
+        if enabled and cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self.print("tensorboard is not installed (pip install tensorboard); metrics.tensorboard ignored")
+            else:
+                self._tb = SummaryWriter(str(tb_dir or path.parent / "tensorboard"))
+
+    def print(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(message)
+        elif self.mode != "none":
+            print(message, file=sys.stderr, flush=True)
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"time": time.time(), **row}
+        self._file.write(json.dumps(row, allow_nan=True) + "\n")
+        self._file.flush()
+        kind, step = row.get("kind"), row.get("step", 0)
+        if self._tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "time"):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+        if kind == "train":
+            info = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  "
+                    f"mfu {100 * row['mfu']:.1f}%  wait {row['data_wait_ms']:.1f} ms")
+            if self._progress is not None:
+                self._progress.update(self._task, completed=step, info=info)
+            elif self.mode == "plain" and (step % self.cfg.log_every == 0 or step == self.total_steps):
+                print(f"step {step}/{self.total_steps}  {info}  gnorm {row['grad_norm']:.3f}  "
+                      f"mem {row['memory_mb']:.0f} MB", file=sys.stderr, flush=True)
+        elif kind == "eval":
+            parts = [f"{k} {v:.4f}" for k, v in row.items() if k not in ("kind", "step", "time")
+                     and isinstance(v, float) and math.isfinite(v)]
+            self.print(f"eval @ step {step}: " + "  ".join(parts))
+        elif kind in ("event", "checkpoint"):
+            self.print(f"[{kind}] step {step}: {row.get('message') or row.get('path')}")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()

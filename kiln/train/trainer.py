@@ -1,0 +1,241 @@
+"""`kiln train`: build everything from a JobConfig, then run the loop.
+
+Read top to bottom: run directory -> mesh -> data -> model on meta -> parallelize -> materialize
+and init -> optimizer and schedule -> resume -> loop. The step itself (`train_step`) is pure
+compute; logging, evaluation and checkpointing happen around it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, RNGState
+from kiln.config import JobConfig, to_toml
+from kiln.data.dataset import TOKENIZER_FILE, prepare_shards
+from kiln.data.loader import Loader, TokenWindows
+from kiln.data.shards import ShardSet
+from kiln.errors import KilnError
+from kiln.model.transformer import Transformer, count_params, flops_per_token, lm_loss
+from kiln.parallel.dims import ParallelDims, pick_device
+from kiln.parallel.parallelize import parallelize
+from kiln.train.evaluate import Evaluator, autocast_context
+from kiln.train.metrics import MetricsLogger
+from kiln.train.optim import build_optimizer
+from kiln.train.peak import peak_flops
+from kiln.train.schedule import LRSchedule
+from kiln.train.system import memory_mb, resolve_dtype
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps_done: int
+    final_loss: float
+    best_val_loss: float
+    last_val_loss: float
+    stop_reason: str
+
+
+class TrainState:
+    """Counters that must survive a crash, as a Stateful for the checkpoint."""
+
+    def __init__(self):
+        self.step = 0
+        self.tokens = 0
+        self.best_val_loss = math.inf
+        self.evals_without_improvement = 0
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, type(getattr(self, key))(value))
+
+
+def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float):
+    """Forward/backward over the micro-batches, clip, step. Returns (loss, grad_norm, stepped)."""
+    total = torch.zeros((), device=micro_batches[0][0].device)
+    for x, y in micro_batches:
+        with autocast:
+            loss = lm_loss(model(x), y) / len(micro_batches)
+        (scaler.scale(loss) if scaler else loss).backward()
+        total += loss.detach()
+    if scaler:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf, foreach=True)
+    finite = bool(torch.isfinite(total) and torch.isfinite(grad_norm))
+    if scaler:  # the scaler skips non-finite steps itself and lowers its scale
+        scaler.step(optimizer)
+        scaler.update()
+    elif finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm, finite
+
+
+def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = parallelize(model, dims, cfg, device)
+    model.to_empty(device=device)
+    model.init_weights(torch.Generator(device=device).manual_seed(cfg.train.seed))
+    return model
+
+
+def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None) -> TrainResult:
+    run_dir = Path(run_dir)
+    dims = ParallelDims.from_config(cfg.parallel)
+    device = pick_device(cfg.train.device, dims)
+    dims.build_mesh(device.type)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    cfg.train.dtype = resolve_dtype(cfg.train.dtype, device)
+    if cfg.train.dtype == "fp16" and device.type != "cuda":
+        raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main)
+    resume_step = ckpt.latest_step() if resume is not False else None
+    if resume and resume_step is None:
+        raise KilnError(f"--resume: {run_dir}/checkpoints has no checkpoint to resume from")
+
+    # ---- data (rank 0 writes shards, the others wait and read them)
+    if dims.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shard_dir, tokenizer = prepare_shards(cfg.data, run_dir, log=lambda m: print(m, flush=True))
+        tokenizer.save(run_dir / TOKENIZER_FILE)
+    _barrier()
+    if not dims.is_main:
+        shard_dir, tokenizer = prepare_shards(cfg.data, run_dir)
+    train_windows = TokenWindows(ShardSet(shard_dir, "train"), cfg.data.seq_len)
+    val_set = ShardSet(shard_dir, "val")
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = train_windows.shards.vocab_size
+    elif cfg.model.vocab_size < train_windows.shards.vocab_size:
+        raise KilnError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                        f"{train_windows.shards.vocab_size}")
+    if dims.is_main:
+        (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
+
+    # ---- model, optimizer, schedule
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, dims, device)
+    model.train()
+    optimizer = build_optimizer(model, cfg.optim, device.type)
+    schedule = LRSchedule(optimizer, cfg.schedule, cfg.optim.lr, cfg.train.steps)
+    loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
+                    dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device)
+    evaluator = Evaluator(model, val_set, tokenizer, cfg, device)
+    state = TrainState()
+    stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
+                "rng": RNGState(), "train": state}
+    if resume_step is not None:
+        ckpt.load(stateful, resume_step)
+    scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
+    autocast = autocast_context(device, cfg.train.dtype)
+
+    # ---- metrics
+    counts = count_params(model)
+    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * dims.dp_size
+    flops_tok = flops_per_token(model, cfg.data.seq_len)
+    peak, peak_source = peak_flops(device, cfg.train.dtype, cfg.metrics.peak_flops)
+    metrics = MetricsLogger(run_dir / "metrics.jsonl", cfg.metrics, cfg.train.steps, state.step,
+                            enabled=dims.is_main)
+    metrics.log({"kind": "run", "step": state.step, "n_params": counts["total"],
+                 "n_params_non_embedding": counts["non_embedding"], "flops_per_token": flops_tok,
+                 "peak_flops": peak, "peak_source": peak_source, "device": str(device),
+                 "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
+                 "world_size": dims.world_size, "resumed_from": resume_step})
+    metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "
+                  f"{len(train_windows)} training windows, peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
+
+    def save(step: int) -> None:
+        path, seconds = ckpt.save(step, stateful, {"config.toml": to_toml(cfg)})
+        metrics.log({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
+
+    last_loss, last_val, stop_reason = math.nan, math.nan, "completed"
+    try:
+        while state.step < cfg.train.steps:
+            loader.wait_s = 0.0
+            t0 = time.perf_counter()
+            micro = [loader.next() for _ in range(cfg.train.grad_accum)]
+            loss, grad_norm, stepped = train_step(model, optimizer, micro, autocast=autocast, scaler=scaler,
+                                                  clip=cfg.train.clip_grad_norm)
+            loss_value = _mean_over_ranks(loss)  # the .item() inside also syncs the device for timing
+            lr = schedule.lr
+            schedule.step()
+            state.step += 1
+            state.tokens += tokens_per_step
+            step_s = time.perf_counter() - t0
+            tps = tokens_per_step / step_s
+            metrics.log({"kind": "train", "step": state.step, "loss": loss_value, "lr": lr,
+                         "grad_norm": float(grad_norm), "tokens": state.tokens, "tokens_per_s": tps,
+                         "mfu": flops_tok * tps / (peak * dims.world_size), "memory_mb": memory_mb(device),
+                         "data_wait_ms": 1000 * loader.wait_s, "step_ms": 1000 * step_s,
+                         "skipped": not stepped})
+            if stepped:
+                state.nonfinite_in_a_row = 0
+                last_loss = loss_value
+            else:
+                state.nonfinite_in_a_row += 1
+                state.nonfinite_total += 1
+                metrics.log({"kind": "event", "step": state.step,
+                             "message": f"non-finite loss/grad: step skipped ({state.nonfinite_in_a_row} in a row)"})
+                if state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
+                    stop_reason = (f"stopped: {state.nonfinite_in_a_row} non-finite steps in a row at step "
+                                   f"{state.step}; lower optim.lr, enable clipping or use fp32")
+                    metrics.log({"kind": "event", "step": state.step, "message": stop_reason})
+                    break
+
+            last_step = state.step == cfg.train.steps
+            if cfg.train.eval_every and (state.step % cfg.train.eval_every == 0 or last_step):
+                results = evaluator.run()
+                metrics.log({"kind": "eval", "step": state.step, **results})
+                last_val = results["val_loss"]
+                if schedule.observe(last_val):
+                    metrics.log({"kind": "event", "step": state.step,
+                                 "message": f"plateau: lr decayed to {schedule.lr:.3e}"})
+                if last_val < state.best_val_loss - cfg.train.early_stopping_min_delta:
+                    state.best_val_loss, state.evals_without_improvement = last_val, 0
+                else:
+                    state.evals_without_improvement += 1
+                patience = cfg.train.early_stopping_patience
+                if patience and state.evals_without_improvement >= patience:
+                    stop_reason = (f"early stop: no val_loss improvement > {cfg.train.early_stopping_min_delta} "
+                                   f"in {patience} evaluations (best {state.best_val_loss:.4f})")
+                    metrics.log({"kind": "event", "step": state.step, "message": stop_reason})
+                    save(state.step)
+                    break
+            if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
+                save(state.step)
+        else:
+            if cfg.checkpoint.save_final and ckpt.latest_step() != state.step:
+                save(state.step)
+    finally:
+        loader.close()
+        metrics.close()
+    if stop_reason.startswith("stopped:"):
+        raise KilnError(stop_reason)
+    return TrainResult(run_dir, state.step, last_loss, state.best_val_loss, last_val, stop_reason)
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    if dist.is_available() and dist.is_initialized():
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
+        if dist.get_backend() != "nccl":
+            loss /= dist.get_world_size()
+    return loss.item()
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
