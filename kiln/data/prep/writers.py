@@ -13,8 +13,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-import numpy as np
-
 from kiln.data.corpus import is_val
 from kiln.data.prep.base import Doc
 from kiln.data.shards import DEFAULT_SHARD_TOKENS, ShardInfo, ShardWriter, write_meta
@@ -173,11 +171,3 @@ def merge_token_parts(part_dirs: list[Path], parts: list[dict[str, Any]], out_di
         writers.append(w)
     write_meta(out, writers, extra)
     return totals
-
-
-def token_array_check(out_dir: Path) -> None:
-    """Cheap sanity check used by tests and the executor: every listed file loads."""
-    meta = json.loads((out_dir / "meta.json").read_text())
-    for infos in meta["splits"].values():
-        for info in infos:
-            np.load(out_dir / info["tokens"], mmap_mode="r")
