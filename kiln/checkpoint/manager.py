@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from kiln.errors import KilnError
+
+# DCP warns on every single-process save/load that it "assumes" single-process intent; we pass
+# no_dist explicitly, so the warning says nothing.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", nargs="?", const=True, default=None,
                    help="continue the run in RUN_DIR (or --run-dir) from its latest checkpoint, "
                         "with the config it was started with")
-    p.add_argument("--no-resume", action="store_true", help="start fresh even if the run dir has checkpoints")
+    p.add_argument("--stop-at", type=int, metavar="STEP",
+                   help="leave after STEP with a checkpoint (the schedule still spans train.steps)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(config_path, overrides)
     if run_dir is None:
         run_dir = Path("runs") / cfg.model.name
-    resume = True if args.resume else (False if args.no_resume else None)
-    result = train(cfg, run_dir, resume=resume)
+    resume = True if args.resume else None  # None: continue automatically when checkpoints exist
+    result = train(cfg, run_dir, resume=resume, stop_at=args.stop_at)
     print(f"done: {result.steps_done} steps in {run_dir} ({result.stop_reason}); final loss "
           f"{result.final_loss:.4f}, val loss {result.last_val_loss:.4f}")
     return 0

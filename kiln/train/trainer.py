@@ -92,7 +92,11 @@ def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Tra
     return model
 
 
-def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None) -> TrainResult:
+def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
+          stop_at: int | None = None) -> TrainResult:
+    """Train per `cfg` in `run_dir`. resume: None = continue from the latest checkpoint if there is
+    one, True = must resume, False = start fresh. stop_at: leave (with a checkpoint) after that
+    step, as a time-limited job would; the schedule still spans train.steps."""
     run_dir = Path(run_dir)
     dims = ParallelDims.from_config(cfg.parallel)
     device = pick_device(cfg.train.device, dims)
@@ -103,9 +107,15 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None) ->
     if cfg.train.dtype == "fp16" and device.type != "cuda":
         raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main)
-    resume_step = ckpt.latest_step() if resume is not False else None
+    resume_step = ckpt.latest_step()
     if resume and resume_step is None:
         raise KilnError(f"--resume: {run_dir}/checkpoints has no checkpoint to resume from")
+    if resume is False and resume_step is not None:
+        raise KilnError(f"{run_dir} already has checkpoints (latest step {resume_step}); resume it "
+                        f"or choose another --run-dir")
+    if resume_step is None and dims.is_main and (run_dir / "metrics.jsonl").exists():
+        # A fresh start in a dir whose earlier run never checkpointed: keep its rows aside.
+        (run_dir / "metrics.jsonl").rename(run_dir / f"metrics.{int(time.time())}.jsonl.old")
 
     # ---- data (rank 0 writes shards, the others wait and read them)
     if dims.is_main:
@@ -216,6 +226,11 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None) ->
                     break
             if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
                 save(state.step)
+            if stop_at is not None and state.step >= stop_at and not last_step:
+                stop_reason = f"paused at step {state.step} (--stop-at); resume with kiln train --resume"
+                if ckpt.latest_step() != state.step:
+                    save(state.step)
+                break
         else:
             if cfg.checkpoint.save_final and ckpt.latest_step() != state.step:
                 save(state.step)
