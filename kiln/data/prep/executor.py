@@ -449,10 +449,15 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
         hist_in = [a + b for a, b in zip(hist_in, r.get("hist_in", [0] * N_BINS))]
         hist_out = [a + b for a, b in zip(hist_out, r.get("hist_out", [0] * N_BINS))]
     order = [READ_STEP] + [s.name for s in cfg.steps]
+    global_state = {}
+    for k, g in enumerate(plan.globals):  # the memory estimate promised by GlobalStep.state_bytes_per_doc
+        indexed = sum(r.get("docs_out", 0) for r in results if r.get("stage") == f"stage-{k}")
+        global_state[g.name] = {"docs_indexed": indexed, "state_bytes_per_doc": g.state_bytes_per_doc,
+                                "state_bytes_estimate": indexed * g.state_bytes_per_doc}
     report = build_report(cfg, order, stats, hist_in, hist_out, token_info,
                           {"shards": len(shards), "rejects": n_rejects, "removed": n_removed,
                            "resumed": resumed, "seconds": round(time.time() - t0, 3),
-                           "executor": cfg.run.executor, "workers": workers})
+                           "executor": cfg.run.executor, "workers": workers, "global_steps": global_state})
     _atomic_json(out / "prep_report.json", report)
     write_html(report, out / "prep_report.html")
     if console is not None:

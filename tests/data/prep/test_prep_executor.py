@@ -34,6 +34,8 @@ def test_cli_end_to_end_with_global_step(tmp_path, capsys):
     assert steps["gopher_quality"]["dropped"] == {"gopher:word_count": 1}
     assert steps["test_exact_dedup"]["dropped"] == {"exact_dup": 2}
     assert steps["test_exact_dedup"]["info"] == {"duplicates": 2}
+    assert report["run"]["global_steps"]["test_exact_dedup"] == {
+        "docs_indexed": 32, "state_bytes_per_doc": 16, "state_bytes_estimate": 32 * 16}
     # doc005.txt and records.jsonl line 6 (a copy of it plus a suffix) hold an email and a phone number.
     assert steps["pii"]["modified"] == {"pii:EMAIL": 2, "pii:PHONE_NUMBER": 2}
     assert report["totals"]["docs_out"] == 35 - 2 - 1 - 2
@@ -127,3 +129,14 @@ def test_ray_and_local_executors_give_identical_outputs(tmp_path):
     a = json.loads((local_out / "prep_report.json").read_text())
     b = json.loads((ray_out / "prep_report.json").read_text())
     assert a["steps"] == b["steps"] and a["tokens"]["tokens"] == b["tokens"]["tokens"]
+
+
+def test_example_config_runs_on_a_directory_of_text_files(tmp_path):
+    raw = make_corpus(tmp_path)
+    out = tmp_path / "prepped"
+    example = REPO / "configs" / "prep" / "example.toml"
+    assert kiln_main(["prep", str(example), "--set", f"input.path={str(raw)!r}", f"output.dir={str(out)!r}",
+                      "tokenize.vocab_size=300", "run.progress='none'", "--workers", "1"]) == 0
+    assert ShardSet(out / "tokens", "train").n_docs > 0
+    meta = json.loads((out / "tokens" / "meta.json").read_text())
+    assert meta["vocab_size"] == 300 and set(meta["splits"]) == {"train", "val"}
