@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from kiln.config import OptimConfig
@@ -139,6 +140,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu"
     if cfg.name == "adafactor":
         if not hasattr(torch.optim, "Adafactor"):
             raise ConfigError(f"optim.name='adafactor' needs torch >= 2.5 (this is {torch.__version__})")
+        if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+            raise ConfigError("optim.name='adafactor': torch's Adafactor cannot step FSDP-sharded "
+                              "(DTensor) parameters; use adamw, lion, lamb, muon or sgd with data parallelism")
         # Adafactor has no first moment and sets its own second-moment decay and epsilons;
         # lr is its maximum relative step size and weight decay is decoupled (lr * wd).
         return torch.optim.Adafactor(groups, lr=cfg.lr)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_step
 
 # Quintic coefficients chosen (by the Muon authors) to push all singular values of a
@@ -40,6 +41,21 @@ def orthogonalize(update: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7
     if transposed:
         x = x.mT
     return x.to(update.dtype)
+
+
+def orthogonalize_update(update: torch.Tensor) -> torch.Tensor:
+    """`orthogonalize` of a weight-shaped update (conv kernels flattened to (out, in*k*k)).
+
+    A sharded update (FSDP2 DTensor) is gathered whole first: Newton-Schulz needs the full
+    matrix. Every rank computes the same result and keeps its own shard of it.
+    """
+    if isinstance(update, DTensor):
+        full = orthogonalize_update(update.full_tensor())
+        try:  # src_data_rank=None: slice locally instead of scattering from rank 0 (torch >= 2.7)
+            return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+        except TypeError:
+            return distribute_tensor(full, update.device_mesh, update.placements)
+    return orthogonalize(update.reshape(update.size(0), -1)).view_as(update)
 
 
 def shape_lr_scale(shape: torch.Size) -> float:
@@ -100,7 +116,7 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1.0 - beta)  # buf = beta * buf + (1 - beta) * g
             # Nesterov: look ahead along the momentum: (1 - beta) * g + beta * buf.
             update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-            ortho = orthogonalize(update.reshape(update.size(0), -1)).view_as(p)
+            ortho = orthogonalize_update(update)
             if wd != 0:
                 p.mul_(1.0 - lr * wd)
             p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape))
