@@ -19,6 +19,8 @@ ALL_TYPES = ("PRIVATE_KEY", "SECRET", "EMAIL", "IBAN", "CREDIT_CARD", "IP_ADDRES
 _PEM = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----.*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY-----", re.S)
 _AWS_KEY = re.compile(r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|AIPA)[0-9A-Z]{16}\b")
 _GITHUB = re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{60,255})\b")
+_AWS_PREFIXES = ("AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "AIPA")
+_SECRET_WORDS = ("key", "secret", "token", "passw")
 _SLACK = re.compile(r"\bxox[abprs]-[A-Za-z0-9-]{10,}\b")
 # key = value where key names a credential; the value (group "v") is replaced, the key kept.
 _ASSIGNED_SECRET = re.compile(
@@ -28,7 +30,7 @@ _ASSIGNED_SECRET = re.compile(
 _EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-9-]{1,63}\.)+[A-Za-z]{2,24}\b")
 _IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b")
 _CARD = re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])")
-_IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\w]|\.\d)")
+_IPV4 = re.compile(r"(?<![\w.])\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}(?![\w]|\.\d)")  # octets checked in code
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{1,4}:){1,7}:?(?::?[0-9A-Fa-f]{1,4}){1,7}(?![\w:])|(?<![\w:])::[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{1,4}){1,6}(?![\w:])")
 # +CC followed by 2-5 digit groups, or national 3-3-4 / (area) 3-4 formats.
 _PHONE = re.compile(
@@ -70,6 +72,13 @@ def card_ok(candidate: str) -> bool:
     if not re.match(r"4|5[1-5]|2[2-7]|3[47]|3[0689]|6(?:011|5|4[4-9]|2)|35", digits):
         return False
     return luhn_ok(digits)
+
+
+def _ipv4_ok(m: re.Match) -> bool:
+    octets = m.group(0).split(".")
+    if any(int(o) > 255 or (len(o) > 1 and o[0] == "0") for o in octets):
+        return False
+    return not _VERSION_CONTEXT.search(m.string[max(0, m.start() - 12):m.start()])
 
 
 def _ipv6_ok(candidate: str) -> bool:
@@ -125,9 +134,16 @@ class PiiRedact(Step):
         if "PRIVATE_KEY" in kinds and "PRIVATE KEY-----" in text:
             text = self._sub(_PEM, text, "PRIVATE_KEY", counts)
         if "SECRET" in kinds:
-            for pattern in (_AWS_KEY, _GITHUB, _SLACK):
-                text = self._sub(pattern, text, "SECRET", counts)
-            text = self._sub(_ASSIGNED_SECRET, text, "SECRET", counts, _looks_like_secret, group="v")
+            # Substring guards (C speed) skip regex passes that cannot match.
+            if any(p in text for p in _AWS_PREFIXES):
+                text = self._sub(_AWS_KEY, text, "SECRET", counts)
+            if "gh" in text and ("_" in text):
+                text = self._sub(_GITHUB, text, "SECRET", counts)
+            if "xox" in text:
+                text = self._sub(_SLACK, text, "SECRET", counts)
+            low = text.lower()
+            if ("=" in text or ":" in text) and any(k in low for k in _SECRET_WORDS):
+                text = self._sub(_ASSIGNED_SECRET, text, "SECRET", counts, _looks_like_secret, group="v")
         if "EMAIL" in kinds and "@" in text:
             text = self._sub(_EMAIL, text, "EMAIL", counts)
         if "IBAN" in kinds:
@@ -135,8 +151,7 @@ class PiiRedact(Step):
         if "CREDIT_CARD" in kinds:
             text = self._sub(_CARD, text, "CREDIT_CARD", counts, lambda m: card_ok(m.group(0)))
         if "IP_ADDRESS" in kinds:
-            text = self._sub(_IPV4, text, "IP_ADDRESS", counts,
-                             lambda m: not _VERSION_CONTEXT.search(m.string[max(0, m.start() - 12):m.start()]))
+            text = self._sub(_IPV4, text, "IP_ADDRESS", counts, _ipv4_ok)
             if "::" in text or text.count(":") >= 7:
                 text = self._sub(_IPV6, text, "IP_ADDRESS", counts, lambda m: _ipv6_ok(m.group(0)))
         if "PHONE_NUMBER" in kinds:

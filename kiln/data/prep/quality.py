@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
+
 from kiln.data.prep.base import Doc, Filter, Step, StepContext, register
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
@@ -108,31 +110,56 @@ def _dup_fractions(parts: list[str]) -> tuple[float, float]:
     return dup_count / len(parts), dup_chars / max(total_chars, 1)
 
 
-def top_ngram_char_frac(words: list[str], n: int) -> float:
+# n-gram statistics run on 64-bit n-gram hashes in numpy: one vectorised pass per n instead of
+# a Python loop per word (~10x faster on article-sized documents). A hash collision (odds ~N^2/2^64)
+# could only merge two distinct n-grams.
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def word_arrays(words: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(per-word hashes as uint64, word lengths)."""
+    hashes = np.fromiter(map(hash, words), dtype=np.int64, count=len(words)).view(np.uint64)
+    lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+    return hashes, lengths
+
+
+def ngram_hashes(word_hashes: np.ndarray, n: int) -> np.ndarray:
+    """Hash of the n-gram starting at each position (len(words) - n + 1 values)."""
+    h = word_hashes.copy()
+    with np.errstate(over="ignore"):
+        for k in range(1, n):
+            h = h[:-1] * _MULT + word_hashes[k:]
+    return h
+
+
+def top_ngram_char_frac(words: list[str], n: int, arrays: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """Characters covered by the most frequent n-gram (counting every occurrence) / all word characters."""
     if len(words) < n:
         return 0.0
-    counts = Counter(zip(*(words[i:] for i in range(n))))
-    gram, count = counts.most_common(1)[0]
-    if count < 2:
+    hashes, lengths = arrays or word_arrays(words)
+    grams = ngram_hashes(hashes, n)
+    uniq, first, counts = np.unique(grams, return_index=True, return_counts=True)
+    best = int(np.argmax(counts))
+    if counts[best] < 2:
         return 0.0
-    return sum(map(len, gram)) * count / max(sum(map(len, words)), 1)
+    start = int(first[best])
+    return float(lengths[start:start + n].sum()) * int(counts[best]) / max(int(lengths.sum()), 1)
 
 
-def dup_ngram_char_frac(words: list[str], n: int) -> float:
+def dup_ngram_char_frac(words: list[str], n: int, arrays: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """Characters of words inside any repeated occurrence of an n-gram / all word characters."""
     if len(words) < n:
         return 0.0
-    seen: set[tuple[str, ...]] = set()
-    covered = [False] * len(words)
-    for i, gram in enumerate(zip(*(words[j:] for j in range(n)))):
-        if gram in seen:
-            for j in range(i, i + n):
-                covered[j] = True
-        else:
-            seen.add(gram)
-    total = sum(map(len, words))
-    return sum(len(w) for w, c in zip(words, covered) if c) / max(total, 1)
+    hashes, lengths = arrays or word_arrays(words)
+    grams = ngram_hashes(hashes, n)
+    _, first = np.unique(grams, return_index=True)  # index of each n-gram's first occurrence
+    repeat = np.ones(grams.size, dtype=np.int64)
+    repeat[first] = 0
+    # Word j is covered when a repeated n-gram starts in [j-n+1, j]: a windowed sum of starts.
+    starts = np.concatenate([[0], np.cumsum(np.concatenate([repeat, np.zeros(n - 1, dtype=np.int64)]))])
+    idx = np.arange(len(words))
+    covered = (starts[idx + 1] - starts[np.maximum(idx - n + 1, 0)]) > 0
+    return float(lengths[covered].sum()) / max(int(lengths.sum()), 1)
 
 
 @register
@@ -158,12 +185,21 @@ class GopherRepetition(Filter):
         if chars > c.max_dup_line_char_frac:
             return "gopher_rep:dup_line_char_frac"
         words = text.split()
+        if not words:
+            return None
+        arrays = word_arrays(words)
         for n, limit in c.top_ngram_max_frac:
-            if top_ngram_char_frac(words, int(n)) > limit:
+            if top_ngram_char_frac(words, int(n), arrays) > limit:
                 return f"gopher_rep:top_{int(n)}gram"
-        for n, limit in c.dup_ngram_max_frac:
-            if dup_ngram_char_frac(words, int(n)) > limit:
-                return f"gopher_rep:dup_{int(n)}gram"
+        dup_limits = sorted((int(n), limit) for n, limit in c.dup_ngram_max_frac)
+        for i, (n, limit) in enumerate(dup_limits):
+            frac = dup_ngram_char_frac(words, n, arrays)
+            if frac > limit:
+                return f"gopher_rep:dup_{n}gram"
+            # Words covered by a repeated m-gram (m > n) are covered by repeated n-grams too, so
+            # the fraction only falls with n: below every later limit, no later check can fail.
+            if all(frac <= later for _, later in dup_limits[i + 1:]):
+                break
         return None
 
 

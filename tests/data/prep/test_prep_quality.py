@@ -83,3 +83,41 @@ def test_c4_line_cleaning_and_page_rules():
     assert stats["dropped"] == {"c4:too_few_sentences": 1}
     _, stats = run_c4("no punctuation at all\nnor here")
     assert stats["dropped"] == {"c4:no_lines_left": 1}
+
+
+def _reference_dup_frac(words, n):
+    seen, covered = set(), [False] * len(words)
+    for i in range(len(words) - n + 1):
+        gram = tuple(words[i:i + n])
+        if gram in seen:
+            covered[i:i + n] = [True] * n
+        seen.add(gram)
+    return sum(len(w) for w, c in zip(words, covered) if c) / sum(map(len, words))
+
+
+def _reference_top_frac(words, n):
+    """None when several n-grams tie for most frequent (then either may be reported)."""
+    from collections import Counter
+
+    ranked = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1)).most_common(2)
+    (gram, count), runner_up = ranked[0], ranked[1][1] if len(ranked) > 1 else 0
+    if count == runner_up:
+        return None
+    return 0.0 if count < 2 else sum(map(len, gram)) * count / sum(map(len, words))
+
+
+def test_vectorised_ngram_stats_match_reference():
+    import random
+
+    rng = random.Random(1)
+    checked_top = 0
+    for trial in range(40):
+        vocab = ["a", "bb", "ccc", "dddd", "the", "of"][: rng.randint(2, 6)]
+        words = [rng.choice(vocab) for _ in range(rng.randint(12, 80))]
+        for n in (2, 3, 5, 8):
+            assert abs(dup_ngram_char_frac(words, n) - _reference_dup_frac(words, n)) < 1e-12
+            ref = _reference_top_frac(words, n)
+            if ref is not None:
+                checked_top += 1
+                assert abs(top_ngram_char_frac(words, n) - ref) < 1e-12
+    assert checked_top > 20
