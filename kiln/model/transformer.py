@@ -158,6 +158,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
+        # to_empty allocates each module's parameters separately, which unties shared weights.
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Materialized weights -> the configured init scheme; also recomputes the RoPE tables."""

@@ -29,8 +29,9 @@ def gpu_peak(name: str) -> float | None:
 
 
 def cpu_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1536, seconds: float = 1.0) -> float:
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)  # never touch the global RNG: resume must stay exact
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
     for _ in range(3):
         a @ b  # warm up the kernel and the caches
     best = 0.0
@@ -59,8 +60,9 @@ def peak_flops(device: torch.device, dtype_name: str, configured: float = 0.0) -
 
 def gpu_matmul_probe(device: torch.device, dtype_name: str, n: int = 8192) -> float:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     for _ in range(3):
         a @ b
     torch.cuda.synchronize(device)
