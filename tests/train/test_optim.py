@@ -250,6 +250,7 @@ def _fsdp_worker(rank: int, world: int, store_path: str, ckpt_dir: str, names: l
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
+    torch.set_num_threads(1)  # two ranks on a small CPU: oversubscribed OpenMP threads crawl
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
