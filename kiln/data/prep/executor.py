@@ -256,7 +256,7 @@ class LocalRunner:
             import multiprocessing as mp
 
             # spawn: no forked Rust thread pools (tokenizers) or locks; workers import kiln afresh.
-            self._pool = mp.get_context("spawn").Pool(self.workers)
+            self._pool = mp.get_context("spawn").Pool(self.workers, initializer=_one_thread_per_worker)
         yield from self._pool.imap_unordered(_star, [(fn, a) for a in args])
 
     def call(self, fn: Callable, *args: Any) -> Any:
@@ -267,6 +267,12 @@ class LocalRunner:
             self._pool.terminate()
             self._pool.join()
             self._pool = None
+
+
+def _one_thread_per_worker() -> None:
+    # Each process already owns a shard; tokenizers' own thread pool would oversubscribe the CPUs.
+    os.environ.setdefault("RAYON_RS_NUM_CPUS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _star(item: tuple[Callable, tuple]) -> Any:
@@ -297,10 +303,16 @@ class RayRunner:
         while pending:
             ready, pending = self.ray.wait(pending, num_returns=1)
             for ref in ready:
-                yield self.ray.get(ref)
+                yield self._get(ref)
 
     def call(self, fn: Callable, *args: Any) -> Any:
-        return self.ray.get(self._remote.remote((fn, args)))
+        return self._get(self._remote.remote((fn, args)))
+
+    def _get(self, ref: Any) -> Any:
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None  # a KilnError stays a KilnError for the CLI
 
     def close(self) -> None:
         if self.started:
@@ -343,6 +355,10 @@ def _prepare_dirs(plan: Plan) -> bool:
     fingerprint = json.dumps(plan.cfg.describe(), sort_keys=True, default=str)
     fp_file = plan.work / "fingerprint.json"
     same = fp_file.is_file() and fp_file.read_text(encoding="utf-8") == fingerprint
+    ours = fp_file.is_file()
+    if not ours and any((plan.out / name).exists() for name in ("documents", "tokens")):
+        raise DataError(f"output.dir {plan.out} already has documents/ or tokens/ that kiln prep did not write "
+                        f"(no .work/fingerprint.json); choose a new or empty directory")
     if not (same and plan.cfg.run.resume):
         # A different config (or resume off): earlier results are stale.
         for name in (".work", "documents", "tokens"):

@@ -155,6 +155,10 @@ def _relative(file: str, root: str) -> str:
 
 def _decode(data: bytes) -> tuple[str | None, str, str]:
     """(text, reason, detail); text None when the bytes are not usable UTF-8 text."""
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return None, "not_utf8", "UTF-16 (byte-order mark); expected UTF-8"
+    if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte-order mark is not part of the text
+        data = data[3:]
     if b"\x00" in data[:8192]:
         return None, "binary", "NUL bytes in the first 8 KiB"
     try:

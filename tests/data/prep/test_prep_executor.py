@@ -140,3 +140,13 @@ def test_example_config_runs_on_a_directory_of_text_files(tmp_path):
     assert ShardSet(out / "tokens", "train").n_docs > 0
     meta = json.loads((out / "tokens" / "meta.json").read_text())
     assert meta["vocab_size"] == 300 and set(meta["splits"]) == {"train", "val"}
+
+
+def test_refuses_to_overwrite_foreign_output(tmp_path, capsys):
+    raw = make_corpus(tmp_path)
+    out = tmp_path / "out"
+    (out / "documents").mkdir(parents=True)
+    (out / "documents" / "mine.txt").write_text("precious")
+    assert kiln_main(["prep", str(write_config(tmp_path, raw, out))]) == 2
+    assert "did not write" in capsys.readouterr().err
+    assert (out / "documents" / "mine.txt").read_text() == "precious"

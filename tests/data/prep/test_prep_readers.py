@@ -41,11 +41,13 @@ def test_text_files_binary_non_utf8_empty_and_too_large(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "big.txt").write_text("x" * 1000)
     (tmp_path / "ignored.bin").write_bytes(b"\x00")
+    (tmp_path / "utf16.txt").write_bytes("hello".encode("utf-16"))
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfwith bom")
     docs, rejects, _ = read_all(tmp_path, max_doc_bytes=100)
-    assert [(d.id, d.text) for d in docs] == [("ok.txt", "hello world")]
+    assert [(d.id, d.text) for d in docs] == [("bom.txt", "with bom"), ("ok.txt", "hello world")]
     assert sorted((r[0], r[2]) for r in rejects) == [
         ("big.txt", "read:too_large"), ("bin.txt", "read:binary"), ("empty.txt", "read:empty"),
-        ("latin.txt", "read:not_utf8")]
+        ("latin.txt", "read:not_utf8"), ("utf16.txt", "read:not_utf8")]
 
 
 def test_compressed_jsonl_and_corrupt_stream(tmp_path):
