@@ -38,7 +38,8 @@ def lr_factor(name: str, step: int, cfg: ScheduleConfig, total_steps: int) -> fl
     floor = cfg.min_lr_ratio
     if name == "wsd":
         # Stable at the peak, then the last decay_fraction of all steps decays linearly (MiniCPM).
-        decay_start = max(warmup, total_steps - round(cfg.decay_fraction * total_steps))
+        decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+        decay_start = max(warmup, total_steps - decay_steps)
         if step < decay_start:
             return 1.0
         progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))

@@ -61,6 +61,15 @@ def test_wsd_closed_form(step, expected):
     assert lr_factor("wsd", step, cfg("wsd"), TOTAL) == pytest.approx(expected)
 
 
+def test_wsd_always_reaches_the_floor():
+    tiny = cfg("wsd", warmup_steps=0, decay_fraction=0.001)  # 0.11 steps rounds to 0: keep one
+    assert lr_factor("wsd", TOTAL - 1, tiny, TOTAL) == 1.0
+    assert lr_factor("wsd", TOTAL, tiny, TOTAL) == pytest.approx(0.1)
+    late = cfg("wsd", warmup_steps=100, decay_fraction=0.5)  # decay cannot start inside warmup
+    assert lr_factor("wsd", 99, late, TOTAL) == pytest.approx(1.0)
+    assert lr_factor("wsd", 105, late, TOTAL) == pytest.approx(1.0 - 0.9 * 5 / 10)
+
+
 def test_constant_and_no_warmup():
     assert lr_factor("constant", 1000, cfg("constant"), TOTAL) == 1.0
     assert lr_factor("cosine", 0, cfg("cosine", warmup_steps=0), TOTAL) == pytest.approx(1.0)
