@@ -6,7 +6,8 @@
 2. Tokenization: the pipeline's shard writer (`kiln.data.prep.writers.tokenize_docs`: batching,
    train/val split, ShardWriter, atomic .npy files) versus calling `tokenizers` directly
    (`Tokenizer.encode_batch_fast` over the same documents in the same batches, ids read out).
-   Target: overhead <= 15%. The two are timed in interleaved rounds; figures are medians.
+   Target: overhead <= 15%, in wall time and in process CPU time. The two are timed in
+   interleaved rounds; figures are medians.
 
     python benchmarks/prep_pipeline.py [CORPUS ...] [--rounds 5] [--max-mb 4]
 
@@ -137,21 +138,29 @@ def bench_tokenize(docs: list[str], rounds: int, work: Path, batch_bytes: int) -
         return sum(result["tokens"].values()) - len(items)  # minus one EOS per document
 
     direct(), pipeline(-1)  # warm-up: thread pools, page cache
-    t_direct, t_pipe = [], []
+    # Wall time and process CPU time (all threads): on a shared machine CPU time is the steadier
+    # measure of the work each side does; both are reported.
+    wall = {"direct": [], "pipeline": []}
+    cpu = {"direct": [], "pipeline": []}
     for i in range(rounds):
-        t0 = time.perf_counter()
-        n_direct = direct()
-        t_direct.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        n_pipe = pipeline(i)
-        t_pipe.append(time.perf_counter() - t0)
+        for name, fn in (("direct", direct), ("pipeline", lambda: pipeline(i))):
+            w0, c0 = time.perf_counter(), time.process_time()
+            n = fn()
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+            if name == "direct":
+                n_direct = n
+            else:
+                n_pipe = n
     assert n_direct == n_pipe, (n_direct, n_pipe)
-    d, p = statistics.median(t_direct), statistics.median(t_pipe)
+    d, p = statistics.median(wall["direct"]), statistics.median(wall["pipeline"])
+    dc, pc = statistics.median(cpu["direct"]), statistics.median(cpu["pipeline"])
     mb = sum(len(x.encode()) for x in docs) / 1e6
     return {"tokens": n_direct, "direct_s": d, "pipeline_s": p, "direct_mb_per_s": mb / d,
-            "pipeline_mb_per_s": mb / p, "overhead": p / d - 1, "target_overhead": 0.15,
-            "meets_target": p / d - 1 <= 0.15, "rounds": rounds, "batch_bytes": batch_bytes,
-            "direct_runs_s": t_direct, "pipeline_runs_s": t_pipe}
+            "pipeline_mb_per_s": mb / p, "overhead_wall": p / d - 1, "overhead_cpu": pc / dc - 1,
+            "direct_cpu_s": dc, "pipeline_cpu_s": pc, "target_overhead": 0.15,
+            "meets_target": max(p / d, pc / dc) - 1 <= 0.15, "rounds": rounds, "batch_bytes": batch_bytes,
+            "wall_runs_s": wall, "cpu_runs_s": cpu}
 
 
 def main() -> None:
@@ -184,8 +193,9 @@ def main() -> None:
         table.add_row(f"  step {name}, MB/s", f"{rate:.2f}")
     table.add_row("tokenize: tokenizers direct, MB/s", f"{tok['direct_mb_per_s']:.2f}")
     table.add_row("tokenize: prep shard writer, MB/s", f"{tok['pipeline_mb_per_s']:.2f}")
-    table.add_row("shard-writer overhead (target <= 15%)",
-                  f"{100 * tok['overhead']:+.1f}% {'ok' if tok['meets_target'] else 'MISSED'}")
+    table.add_row("shard-writer overhead, wall time", f"{100 * tok['overhead_wall']:+.1f}%")
+    table.add_row("shard-writer overhead, CPU time", f"{100 * tok['overhead_cpu']:+.1f}%")
+    table.add_row("target: both <= 15%", "ok" if tok["meets_target"] else "MISSED")
     Console().print(table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
