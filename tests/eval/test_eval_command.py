@@ -1,0 +1,158 @@
+"""`kiln eval` end to end on a tiny trained run."""
+
+import json
+import math
+import os
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from kiln.cli import main
+from kiln.config import load_config
+from kiln.data.corpus import stdlib_files
+
+TINY = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "data.tokenizer=byte", "data.seq_len=32",
+        "model.max_seq_len=32", "train.batch_size=2", "train.steps=3", "train.dtype=fp32",
+        "metrics.progress=none", "train.eval_every=0", "metrics.peak_flops=1e12", "schedule.warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from kiln.train.trainer import train
+
+    root = tmp_path_factory.mktemp("evalcmd")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(p.read_text(errors="replace") for p in list(stdlib_files())[:3])[:40000])
+    train(load_config(None, TINY + [f"data.source={corpus}"]), root / "run")
+    return root / "run"
+
+
+def _report(path):
+    return json.loads(path.read_text())
+
+
+@pytest.mark.timeout(120)
+def test_default_scores_the_validation_shards(run_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["eval", str(run_dir), "--out", str(out)]) == 0
+    ppl = _report(out)["parts"]["perplexity"]
+    assert ppl["tokens"] > 0 and math.isfinite(ppl["loss"]) and ppl["ppl"] == pytest.approx(math.exp(ppl["loss"]))
+    # Byte tokenizer: every token but EOS is one byte, so bits/byte is the summed loss over bytes.
+    assert ppl["bpb"] == pytest.approx(ppl["loss"] * ppl["tokens"] / math.log(2) / ppl["bytes"])
+    assert ppl["bytes"] <= ppl["tokens"]
+    assert "bits/byte" in capsys.readouterr().out
+    # The default report path is RUN_DIR/reports/eval-step-N.json.
+    assert main(["eval", str(run_dir), "--max-tokens", "200"]) == 0
+    default = _report(run_dir / "reports" / "eval-step-3.json")
+    assert default["step"] == 3 and default["parts"]["perplexity"]["tokens"] == 200
+
+
+@pytest.mark.timeout(120)
+def test_held_out_text_files_match_evaluate_texts(run_dir, tmp_path):
+    from kiln.eval.load import load_run
+    from kiln.eval.perplexity import evaluate_texts
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("def add(a, b):\n    return a + b\n" * 5)
+    b.write_text("import os\nprint(os.getcwd())\n" * 5)
+    out = tmp_path / "r.json"
+    assert main(["eval", str(run_dir), "--data", str(a), str(b), "--out", str(out)]) == 0
+    loaded = load_run(run_dir)
+    expected = evaluate_texts(loaded.model, loaded.tokenizer, [a.read_text(), b.read_text()], seq_len=32)
+    got = _report(out)["parts"]["perplexity"]
+    assert got["loss"] == pytest.approx(expected["loss"]) and got["bytes"] == expected["bytes"]
+
+
+@pytest.mark.timeout(120)
+def test_generation_metrics(run_dir, tmp_path):
+    from kiln.eval.genmetrics import all_metrics
+
+    gen = tmp_path / "gen.jsonl"
+    rows = [{"prompt": "def f(", "reference": "x):"}, {"prompt": "import ", "reference": ["os", "sys"], "stop": "\n"},
+            {"prompt": "class ", "reference": "A:"}]
+    gen.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.json"
+    assert main(["eval", str(run_dir), "--skip-perplexity", "--gen-file", str(gen), "--max-new-tokens", "8",
+                 "--out", str(out)]) == 0
+    part = _report(out)["parts"]["generation"]
+    assert part["n"] == 3 and len(part["samples"]) == 3
+    assert "\n" not in part["samples"][1]["prediction"]
+    recomputed = all_metrics([s["prediction"] for s in part["samples"]], [s["reference"] for s in part["samples"]])
+    for key in ("bleu", "chrf", "rouge1", "rouge2", "rougeL", "exact_match"):
+        assert part[key] == pytest.approx(recomputed[key])
+    # Greedy decoding is deterministic.
+    assert main(["eval", str(run_dir), "--skip-perplexity", "--gen-file", str(gen), "--max-new-tokens", "8",
+                 "--out", str(tmp_path / "again.json")]) == 0
+    assert _report(tmp_path / "again.json")["parts"]["generation"]["samples"] == part["samples"]
+
+
+@pytest.mark.timeout(180)
+def test_passk_on_a_problem_file(run_dir, tmp_path):
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(
+        json.dumps({"task_id": "t/one", "prompt": "def one():\n", "tests": "assert one() == 1\n",
+                    "entry_point": "one"}) + "\n"
+        + json.dumps({"task_id": "t/two", "prompt": "def two():\n", "entry_point": "two",
+                      "tests": "def check(candidate):\n    assert candidate() == 2\n"}) + "\n")
+    out = tmp_path / "r.json"
+    assert main(["eval", str(run_dir), "--skip-perplexity", "--passk-file", str(problems), "--n-samples", "2",
+                 "--k", "1,2", "--passk-max-new-tokens", "16", "--sample-timeout", "5", "--out", str(out)]) == 0
+    part = _report(out)["parts"]["passk"]
+    assert set(part["pass_at_k"]) == {"pass@1", "pass@2"} and part["n_problems"] == 2
+    for task in ("t/one", "t/two"):
+        stats = part["per_task"][task]
+        assert stats["n"] == 2 and sum(stats["statuses"].values()) == 2
+        # A 3-step model writes noise: its programs fail or crash, and the evaluator keeps going.
+        assert stats["correct"] == 0
+    assert part["pass_at_k"]["pass@1"] == 0.0 and part["isolation"]
+
+
+@pytest.mark.timeout(180)
+def test_lm_eval_local_task_through_the_cli(run_dir, tmp_path):
+    pytest.importorskip("lm_eval")
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{i} +", "choices": [" 1", " x"], "answer": 0}) + "\n"
+                            for i in range(4)))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "kiln_cli_mc.yaml").write_text(
+        f"task: kiln_cli_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+    out = tmp_path / "r.json"
+    assert main(["eval", str(run_dir), "--skip-perplexity", "--lm-eval", "kiln_cli_mc", "--lm-eval-include",
+                 str(tasks), "--limit", "3", "--out", str(out)]) == 0
+    results = _report(out)["parts"]["lm_eval"]["results"]["kiln_cli_mc"]
+    assert 0.0 <= results["acc,none"] <= 1.0
+
+
+@pytest.mark.timeout(120)
+def test_partial_results_survive_a_failing_part(run_dir, tmp_path, capsys):
+    gen = tmp_path / "gen.jsonl"
+    gen.write_text('{"prompt": "a", "reference": "b"}\n{"prompt": "a"}\n')
+    out = tmp_path / "r.json"
+    code = main(["eval", str(run_dir), "--max-tokens", "100", "--gen-file", str(gen), "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"{gen}:2: missing field 'reference'" in err and len(err.strip().splitlines()) == 1
+    report = _report(out)
+    assert report["parts"]["perplexity"]["tokens"] == 100
+    assert report["failed"]["part"] == "generation" and "reference" in report["failed"]["error"]
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_gives_one_line_errors(run_dir, tmp_path, capsys):
+    empty_run = tmp_path / "empty_run"
+    empty_run.mkdir()
+    assert main(["eval", str(empty_run)]) == 2
+    assert "no checkpoints" in capsys.readouterr().err
+    assert main(["eval", str(run_dir), "--passk-file", "--n-samples", "1", "--k", "1,5"]) == 2
+    assert "--n-samples >= 5" in capsys.readouterr().err
+    assert main(["eval", str(run_dir), "--data", str(tmp_path / "nope.txt")]) == 2
+    assert "nope.txt not found" in capsys.readouterr().err
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "a", "reference": "b"}\n\n{"prompt": "a", "reference": 3}\n')
+    assert main(["eval", str(run_dir), "--skip-perplexity", "--gen-file", str(bad_json)]) == 2
+    assert f"{bad_json}:3: field 'reference' must be a string or a list" in capsys.readouterr().err
