@@ -12,7 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+try:  # private in torch; the fallback is its list as of torch 2.6-2.13
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+except ImportError:  # pragma: no cover - depends on the torch version
+    def _get_fused_kernels_supported_devices() -> list[str]:
+        return ["mps", "cuda", "xpu", "hpu", "cpu"]
 
 from kiln.config import OptimConfig
 from kiln.errors import ConfigError, KilnError
@@ -124,6 +129,11 @@ def adamw_implementation(cfg: OptimConfig, params: list[torch.Tensor], device_ty
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu") -> torch.optim.Optimizer:
     """The optimizer for `model` (already materialized on its device) as `cfg` describes."""
+    cfg.validate()
+    if not 0.0 <= cfg.momentum < 1.0:
+        raise ConfigError(f"optim.momentum={cfg.momentum} must be in [0, 1)")
+    if cfg.name == "muon" and cfg.muon_adam_lr <= 0:
+        raise ConfigError(f"optim.muon_adam_lr={cfg.muon_adam_lr} must be > 0")
     if cfg.name == "muon":
         groups = _muon_param_groups(model, cfg)
     else:

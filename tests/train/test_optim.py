@@ -117,6 +117,17 @@ def test_optimizer_settings_reach_the_groups():
             assert tuple(decay["betas"]) == (0.8, 0.9)
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("momentum", 1.0, "optim.momentum=1.0"),
+    ("muon_adam_lr", 0.0, "optim.muon_adam_lr=0.0"),
+    ("lr", -1.0, "optim.lr=-1.0"),
+    ("name", "adam", "optim.name='adam'"),
+])
+def test_bad_settings_are_config_errors(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        build_optimizer(TinyLM(), OptimConfig(**{"name": "muon", key: value}))
+
+
 def test_no_trainable_parameters_is_a_kiln_error():
     model = TinyLM().requires_grad_(False)
     with pytest.raises(KilnError, match="no trainable parameters"):
