@@ -20,7 +20,10 @@ _PEM = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----.*?-----END (?:[A-
 _AWS_KEY = re.compile(r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|AIPA)[0-9A-Z]{16}\b")
 _GITHUB = re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{60,255})\b")
 _AWS_PREFIXES = ("AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ANPA", "AIPA")
-_SECRET_WORDS = ("key", "secret", "token", "passw")
+# Cheap searches (literal prefixes, simple classes) that must match before a costly pattern runs.
+_SECRET_HINT = re.compile(r"(?:key|secret|token|passw(?:or)?d)(?:[_-]?id)?[\"']?\s*[:=]")
+_CARD_HINT = re.compile(r"\d[\d -]{11,}\d")
+_IPV6_HINT = re.compile(r"(?:[0-9A-Fa-f]{1,4}:){4}")
 _SLACK = re.compile(r"\bxox[abprs]-[A-Za-z0-9-]{10,}\b")
 # key = value where key names a credential; the value (group "v") is replaced, the key kept.
 _ASSIGNED_SECRET = re.compile(
@@ -141,18 +144,17 @@ class PiiRedact(Step):
                 text = self._sub(_GITHUB, text, "SECRET", counts)
             if "xox" in text:
                 text = self._sub(_SLACK, text, "SECRET", counts)
-            low = text.lower()
-            if ("=" in text or ":" in text) and any(k in low for k in _SECRET_WORDS):
+            if _SECRET_HINT.search(text.lower()):
                 text = self._sub(_ASSIGNED_SECRET, text, "SECRET", counts, _looks_like_secret, group="v")
         if "EMAIL" in kinds and "@" in text:
             text = self._sub(_EMAIL, text, "EMAIL", counts)
         if "IBAN" in kinds:
             text = self._sub(_IBAN, text, "IBAN", counts, lambda m: iban_ok(m.group(0)))
-        if "CREDIT_CARD" in kinds:
+        if "CREDIT_CARD" in kinds and _CARD_HINT.search(text):
             text = self._sub(_CARD, text, "CREDIT_CARD", counts, lambda m: card_ok(m.group(0)))
         if "IP_ADDRESS" in kinds:
             text = self._sub(_IPV4, text, "IP_ADDRESS", counts, _ipv4_ok)
-            if "::" in text or text.count(":") >= 7:
+            if "::" in text or _IPV6_HINT.search(text):
                 text = self._sub(_IPV6, text, "IP_ADDRESS", counts, lambda m: _ipv6_ok(m.group(0)))
         if "PHONE_NUMBER" in kinds:
             text = self._sub(_PHONE, text, "PHONE_NUMBER", counts, lambda m: _phone_ok(m.group(0)))

@@ -17,6 +17,8 @@ import numpy as np
 
 from kiln.data.prep.base import Doc, Filter, Step, StepContext, register
 
+# A whitespace-delimited word without any letter (only digits, punctuation, symbols, "_").
+_NO_LETTER_WORD = re.compile(r"(?<!\S)(?:[^\w\s]|[\d_])+(?!\S)")
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
 BULLETS = ("•", "●", "○", "▪", "◦", "‣", "⁃", "-", "*", "·")
 ELLIPSES = ("...", "…")
@@ -62,8 +64,7 @@ class GopherQuality(Filter):
                 return "gopher:bullet_lines"
             if sum(ln.endswith(ELLIPSES) for ln in lines) / len(lines) > c.max_ellipsis_lines_frac:
                 return "gopher:ellipsis_lines"
-        alpha = sum(1 for w in words if any(ch.isalpha() for ch in w))
-        if alpha / n < c.min_alpha_words_frac:
+        if (n - len(_NO_LETTER_WORD.findall(doc.text))) / n < c.min_alpha_words_frac:
             return "gopher:alpha_words"
         stop = set(c.stop_words)
         if c.min_stop_words > 0:

@@ -121,3 +121,15 @@ def test_vectorised_ngram_stats_match_reference():
                 checked_top += 1
                 assert abs(top_ngram_char_frac(words, n) - ref) < 1e-12
     assert checked_top > 20
+
+
+def test_no_letter_word_regex_matches_isalpha_definition():
+    import random
+
+    from kiln.data.prep.quality import _NO_LETTER_WORD
+
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice("ab1_-.é©ж \n\t3") for _ in range(30))
+        expected = sum(1 for w in text.split() if not any(ch.isalpha() for ch in w))
+        assert len(_NO_LETTER_WORD.findall(text)) == expected, repr(text)
