@@ -1,0 +1,54 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.data.corpus import stdlib_files
+
+import torch
+
+# Test models are tiny: one intra-op thread is faster for them and leaves the other core to
+# the subprocesses some tests start.
+torch.set_num_threads(1)
+
+TINY = [
+    "--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
+    "--set", "data.tokenizer=byte", "--set", "data.seq_len=32", "--set", "model.max_seq_len=64",
+    "--set", "train.batch_size=4", "--set", "train.steps=12", "--set", "train.eval_every=6",
+    "--set", "train.eval_batches=2", "--set", "checkpoint.every=6", "--set", "train.dtype=fp32",
+    "--set", "metrics.progress=plain", "--set", "schedule.warmup_steps=2",
+]
+
+
+def tiny_overrides(source: Path, **extra) -> list[str]:
+    out = [TINY[i + 1] for i in range(0, len(TINY), 2)] + [f"data.source={str(source)!r}"]
+    out += [f"{k}={v}" for k, v in extra.items()]
+    return out
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """~200 KB of real text (standard-library sources) in one file."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    parts, size = [], 0
+    for f in stdlib_files():
+        text = f.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size > 200_000:
+            break
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory) -> Path:
+    """A directory of 40 small documents."""
+    d = tmp_path_factory.mktemp("docs")
+    for i, f in enumerate(stdlib_files()[:40]):
+        (d / f"doc{i:03d}.txt").write_text(f.read_text(encoding="utf-8", errors="replace")[:8000], encoding="utf-8")
+    return d
+
+
+def kiln_cmd() -> list[str]:
+    return [sys.executable, "-m", "kiln.cli"]
