@@ -29,10 +29,12 @@ def run(args: argparse.Namespace) -> int:
     if args.no_resume:
         overrides.append("run.resume=false")
     cfg = load_prep_config(args.config, overrides)
-    console = Console(file=sys.stdout)
+    # Logs and pipes get 120 columns rather than rich's 80, so the step table stays readable.
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
     report = run_prep(cfg, console=console)
     out = cfg.output.dir
-    console.print(f"report: {out}/prep_report.json, {out}/prep_report.html; rejects: {out}/rejects.jsonl")
+    console.print(f"report: {out}/prep_report.json, {out}/prep_report.html; rejects: {out}/rejects.jsonl",
+                  soft_wrap=True)
     if report["tokens"]:
-        console.print(f"train on it: kiln train --set data.source={report['tokens']['dir']}")
+        console.print(f"train on it: kiln train --set data.source={report['tokens']['dir']}", soft_wrap=True)
     return 0
