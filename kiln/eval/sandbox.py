@@ -397,14 +397,13 @@ def _run_sample(cfg: dict, isolation: dict, done_w: int, nonce: bytes) -> None:
         if cfg["audit_guard"]:
             _install_guard(cfg["work"])
         sys.dont_write_bytecode = True
-        code = compile(source, "program.py", "exec")
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(_EXIT_SETUP)
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
-        exec(code, namespace)
+        exec(compile(source, "program.py", "exec"), namespace)
         exit_code = _EXIT_OK
     except BaseException as e:
         exit_code = _exit_code_for(e)
