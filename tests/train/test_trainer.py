@@ -1,0 +1,119 @@
+import json
+import math
+
+import pytest
+import torch
+
+from kiln.config import load_config
+from kiln.errors import KilnError
+from kiln.train import trainer as trainer_mod
+from kiln.train.trainer import train
+
+from conftest import tiny_overrides
+
+
+def rows(run_dir, kind):
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["kind"] == kind:
+            out.append(row)
+    return out
+
+
+def cfg_for(text_file, **extra):
+    return load_config(None, tiny_overrides(text_file, **extra))
+
+
+def test_trains_and_writes_the_run_dir(tmp_path, text_file):
+    run = tmp_path / "run"
+    result = train(cfg_for(text_file, **{"train.steps": 30, "train.eval_every": 10, "optim.lr": 1e-2}), run)
+    assert result.steps_done == 30 and result.stop_reason == "completed"
+    for name in ("config.toml", "metrics.jsonl", "tokenizer.json", "data/meta.json", "checkpoints/step-30"):
+        assert (run / name).exists(), name
+    train_rows = rows(run, "train")
+    assert [r["step"] for r in train_rows] == list(range(1, 31))
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0
+    for key in ("lr", "grad_norm", "tokens_per_s", "mfu", "memory_mb", "data_wait_ms", "step_ms"):
+        assert all(math.isfinite(r[key]) for r in train_rows), key
+    assert 0 < train_rows[-1]["mfu"] < 1
+    evals = rows(run, "eval")
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert evals[-1]["val_bpb"] == pytest.approx(evals[-1]["val_loss"] / math.log(2), rel=0.05)  # bytes
+    assert len(list((run / "checkpoints").glob("step-*"))) == 2  # keep_last
+
+
+@pytest.mark.parametrize("extra", [{"model.dropout": 0.1}, {"optim.name": "lamb", "train.grad_accum": 2}])
+def test_exact_resume_is_bitwise(tmp_path, text_file, extra):
+    cfg = {"train.steps": 12, "train.eval_every": 4, "checkpoint.every": 0, **extra}
+    straight = tmp_path / "straight"
+    train(cfg_for(text_file, **cfg), straight)
+    paused = tmp_path / "paused"
+    r = train(cfg_for(text_file, **cfg), paused, stop_at=6)
+    assert r.steps_done == 6 and "paused" in r.stop_reason
+    train(load_config(paused / "config.toml"), paused, resume=True)
+    a = {x["step"]: (x["loss"], x["grad_norm"], x["lr"]) for x in rows(straight, "train")}
+    b = {x["step"]: (x["loss"], x["grad_norm"], x["lr"]) for x in rows(paused, "train")}
+    assert a == b
+    assert [e["val_loss"] for e in rows(straight, "eval")] == [e["val_loss"] for e in rows(paused, "eval")]
+
+
+def test_grad_accumulation_matches_bigger_batch(tmp_path, text_file):
+    big = train(cfg_for(text_file, **{"train.steps": 1, "train.batch_size": 4, "train.eval_every": 0}), tmp_path / "a")
+    acc = train(cfg_for(text_file, **{"train.steps": 1, "train.batch_size": 2, "train.grad_accum": 2,
+                                      "train.eval_every": 0}), tmp_path / "b")
+    assert acc.final_loss == pytest.approx(big.final_loss, rel=1e-5)
+    ga = rows(tmp_path / "a", "train")[0]["grad_norm"]
+    gb = rows(tmp_path / "b", "train")[0]["grad_norm"]
+    assert gb == pytest.approx(ga, rel=1e-4)
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, text_file, monkeypatch):
+    real_loss = trainer_mod.lm_loss
+    calls = {"n": 0}
+
+    def flaky(logits, targets):
+        calls["n"] += 1
+        loss = real_loss(logits, targets)
+        return loss * float("nan") if calls["n"] in (3,) or calls["n"] > 6 else loss
+
+    monkeypatch.setattr(trainer_mod, "lm_loss", flaky)
+    run = tmp_path / "nan"
+    with pytest.raises(KilnError, match="3 non-finite steps in a row"):
+        train(cfg_for(text_file, **{"train.max_nonfinite_steps": 3, "train.eval_every": 0}), run)
+    skipped = [r["step"] for r in rows(run, "train") if r["skipped"]]
+    assert skipped == [3, 7, 8, 9]
+
+
+def test_early_stopping(tmp_path, text_file):
+    run = tmp_path / "es"
+    result = train(cfg_for(text_file, **{"train.steps": 200, "train.eval_every": 2, "optim.lr": 1e-7,
+                                         "schedule.warmup_steps": 0, "train.early_stopping_patience": 2,
+                                         "train.early_stopping_min_delta": 0.5}), run)
+    assert result.stop_reason.startswith("early stop") and result.steps_done == 6
+    assert (run / "checkpoints" / "step-6").is_dir()
+
+
+def test_extra_eval_sets(tmp_path, text_file):
+    extra = tmp_path / "held-out.txt"
+    extra.write_text("print('hello world')\n" * 200)
+    run = tmp_path / "ev"
+    train(cfg_for(text_file, **{"train.steps": 2, "train.eval_every": 2, "train.eval_sets": f"[{str(extra)!r}]"}), run)
+    row = rows(run, "eval")[0]
+    assert {"held_out_loss", "held_out_ppl", "held_out_bpb", "val_loss"} <= row.keys()
+
+
+def test_fresh_start_refuses_existing_checkpoints(tmp_path, text_file):
+    run = tmp_path / "r"
+    train(cfg_for(text_file, **{"train.steps": 2, "train.eval_every": 0}), run)
+    with pytest.raises(KilnError, match="already has checkpoints"):
+        train(cfg_for(text_file, **{"train.steps": 2}), run, resume=False)
+    with pytest.raises(KilnError, match="no checkpoint to resume"):
+        train(cfg_for(text_file), tmp_path / "empty", resume=True)
+
+
+def test_seq_len_larger_than_data(tmp_path):
+    p = tmp_path / "small.txt"
+    p.write_text("tiny corpus " * 3)
+    with pytest.raises(KilnError, match="seq_len"):
+        train(cfg_for(p), tmp_path / "r")
