@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,8 +124,13 @@ def test_lm_eval_local_task_through_the_cli(run_dir, tmp_path):
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
         "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
     out = tmp_path / "r.json"
-    assert main(["eval", str(run_dir), "--skip-perplexity", "--lm-eval", "kiln_cli_mc", "--lm-eval-include",
-                 str(tasks), "--limit", "3", "--out", str(out)]) == 0
+    # A fresh process, so the offline switches are in force when `datasets` is first imported.
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "eval", str(run_dir), "--skip-perplexity",
+                           "--lm-eval", "kiln_cli_mc", "--lm-eval-include", str(tasks), "--limit", "3",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kiln_cli_mc" in proc.stdout
     results = _report(out)["parts"]["lm_eval"]["results"]["kiln_cli_mc"]
     assert 0.0 <= results["acc,none"] <= 1.0
 
