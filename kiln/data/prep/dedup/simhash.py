@@ -81,7 +81,9 @@ def block_masks(max_distance: int) -> list[np.uint64]:
 
 
 def near_pairs(fps: np.ndarray, max_distance: int) -> tuple[np.ndarray, np.ndarray]:
-    """All index pairs (u < v) whose fingerprints are within `max_distance` bits."""
+    """Index pairs (u < v) within `max_distance` bits: every such pair of distinct fingerprints;
+    a fingerprint carried by several documents is linked to its first carrier only (the
+    same connected components with fewer edges)."""
     fps = np.asarray(fps, dtype=np.uint64)
     unique, first, inverse = np.unique(fps, return_index=True, return_inverse=True)
     # identical fingerprints: join each to the first index carrying that fingerprint
