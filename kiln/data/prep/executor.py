@@ -291,10 +291,12 @@ class RayRunner:
         self.ray = ray
         self.started = False
         if not ray.is_initialized():
+            # One tokenizer thread per task: Ray already runs a task per CPU.
+            env = {"env_vars": {"RAYON_RS_NUM_CPUS": "1", "TOKENIZERS_PARALLELISM": "false"}}
             if address:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+                ray.init(address=address, include_dashboard=False, log_to_driver=False, runtime_env=env)
             else:
-                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, runtime_env=env)
             self.started = True
         self._remote = ray.remote(num_cpus=1, max_retries=0)(_star)
 
@@ -352,7 +354,13 @@ class _Progress:
 
 def _prepare_dirs(plan: Plan) -> bool:
     """Set up the work dir; returns True when resuming a previous run of the same config."""
-    fingerprint = json.dumps(plan.cfg.describe(), sort_keys=True, default=str)
+    # The config and the input files as they are now: new or edited inputs start over.
+    inputs = []
+    for shard in plan.shards:
+        for f in shard.files:
+            st = os.stat(f)
+            inputs.append([f, st.st_size, st.st_mtime_ns])
+    fingerprint = json.dumps({"config": plan.cfg.describe(), "inputs": inputs}, sort_keys=True, default=str)
     fp_file = plan.work / "fingerprint.json"
     same = fp_file.is_file() and fp_file.read_text(encoding="utf-8") == fingerprint
     ours = fp_file.is_file()
