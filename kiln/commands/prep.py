@@ -35,6 +35,6 @@ def run(args: argparse.Namespace) -> int:
     out = cfg.output.dir
     console.print(f"report: {out}/prep_report.json, {out}/prep_report.html; rejects: {out}/rejects.jsonl",
                   soft_wrap=True)
-    if report["tokens"]:
+    if report["tokens"] and report["tokens"]["docs"]["train"]:
         console.print(f"train on it: kiln train --set data.source={report['tokens']['dir']}", soft_wrap=True)
     return 0

@@ -35,11 +35,13 @@ def build_report(cfg: PrepConfig, order: list[str], stats: dict[str, dict[str, A
             reasons.append({"step": name, "reason": reason, "docs": n, "bytes": s["dropped_bytes"].get(reason, 0)})
     reasons.sort(key=lambda r: (-r["docs"], r["step"], r["reason"]))
     warnings = []
-    if tokens and tokens["docs"]["val"] == 0:
-        warnings.append("the val split is empty: too few documents for tokenize.val_fraction")
-    if tokens and tokens["docs"]["train"] == 0:
-        warnings.append("the train split is empty: every document was removed or went to val")
     first, last = (funnel[0], funnel[-1]) if funnel else ({}, {})
+    if not last.get("docs_kept"):
+        warnings.append("no document survived the pipeline; see the removal reasons")
+    elif tokens and tokens["docs"]["train"] == 0:
+        warnings.append("the train split is empty: every kept document went to val (lower tokenize.val_fraction)")
+    elif tokens and tokens["docs"]["val"] == 0:
+        warnings.append("the val split is empty: too few documents for tokenize.val_fraction (raise it)")
     return {
         "totals": {"docs_in": first.get("docs_in", 0), "bytes_in": first.get("bytes_in", 0),
                    "docs_out": last.get("docs_kept", 0), "bytes_out": last.get("bytes_kept", 0)},
