@@ -55,6 +55,7 @@ class SandboxLimits:
     fsize_mb: int = 16  # RLIMIT_FSIZE: largest file (stdout/stderr included)
     nofile: int = 64  # RLIMIT_NOFILE
     audit_guard: bool = True  # in-child audit hook (defense in depth)
+    namespaces: bool = True  # network/PID namespaces when the OS allows (False: test the fallback)
     preimport: tuple[str, ...] = PREIMPORT
 
     def validate(self) -> None:
@@ -101,6 +102,7 @@ def run_python(code: str, limits: SandboxLimits | None = None, tail_chars: int =
             "program": program, "work": work, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
             "nproc": limits.nproc, "fsize_mb": limits.fsize_mb, "nofile": limits.nofile,
             "audit_guard": limits.audit_guard, "preimport": list(limits.preimport),
+            "namespaces": limits.namespaces,
         }
         out_path, err_path = os.path.join(box, "stdout"), os.path.join(box, "stderr")
         verdict_r, verdict_w = os.pipe()
@@ -239,14 +241,19 @@ def _unshare(libc, flags: int) -> bool:
 
 def _enter_namespaces(libc, isolation: dict) -> None:
     root = os.geteuid() == 0
+    uid, gid = os.getuid(), os.getgid()
     base = 0 if root else _CLONE_NEWUSER  # unprivileged users may create namespaces in a user ns
-    if _unshare(libc, base | _CLONE_NEWNET | _CLONE_NEWPID):
+    if _CONFIG.get("namespaces", True) and _unshare(libc, base | _CLONE_NEWNET | _CLONE_NEWPID):
         isolation.update(network="netns", pid_namespace=True)
-    elif _unshare(libc, base | _CLONE_NEWNET):
+    elif _CONFIG.get("namespaces", True) and _unshare(libc, base | _CLONE_NEWNET):
         isolation.update(network="netns", pid_namespace=False)
     else:
         isolation.update(network="audit-hook" if _CONFIG["audit_guard"] else "none", pid_namespace=False)
-    if not root and (isolation["network"] == "netns"):
+    if not root and isolation["network"] == "netns":
+        # Map our uid/gid to themselves, else files the sample creates would have no owner (EOVERFLOW).
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
         isolation["user_namespace"] = True
 
 
@@ -289,7 +296,7 @@ def _set_limits(cfg: dict, isolation: dict) -> None:
         isolation["nproc"] = "not enforced (still root)"
     else:
         # RLIMIT_NPROC counts every process of the real uid, the evaluator's own included.
-        nproc += _count_my_processes(os.getuid())
+        nproc += int(cfg["existing_processes"])
         isolation["nproc"] = f"RLIMIT_NPROC={nproc} for uid {os.getuid()} (its existing processes + {cfg['nproc']})"
     cap(resource.RLIMIT_NPROC, nproc)
 
@@ -426,6 +433,8 @@ def _launcher_main(config_json: str, verdict_fd: int) -> None:
     cfg = _CONFIG = json.loads(config_json)
     isolation: dict = {"audit_guard": bool(cfg["audit_guard"])}
     verdict: dict = {}
+    # Counted before entering a user namespace, where every unmapped uid reads as 65534.
+    cfg["existing_processes"] = _count_my_processes(os.getuid()) if os.geteuid() != 0 else 0
     try:
         _enter_namespaces(_libc(), isolation)
     except OSError as e:  # ctypes/libc unavailable: rely on limits and the audit hook

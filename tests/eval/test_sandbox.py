@@ -150,3 +150,11 @@ def test_stdin_is_closed_and_isolation_is_reported():
     assert {"network", "pid_namespace", "user", "nproc", "audit_guard"} <= set(result.isolation)
     if os.geteuid() == 0:
         assert result.isolation["user"] in ("nobody", "root (no 'nobody' user to drop to)")
+
+
+@pytest.mark.timeout(30)
+def test_without_namespaces_the_audit_hook_blocks_sockets():
+    code = "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))"
+    result = run_python(code, SandboxLimits(namespaces=False, preimport=PREIMPORT + ("socket",), **FAST))
+    assert result.isolation["network"] == "audit-hook" and result.isolation["pid_namespace"] is False
+    assert result.status == "error" and "socket" in result.detail
