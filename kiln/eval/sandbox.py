@@ -234,9 +234,7 @@ def _libc():
 def _unshare(libc, flags: int) -> bool:
     import ctypes
 
-    if libc.unshare(ctypes.c_int(flags)) == 0:
-        return True
-    return False
+    return libc.unshare(ctypes.c_int(flags)) == 0
 
 
 def _enter_namespaces(libc, isolation: dict) -> None:
@@ -251,10 +249,13 @@ def _enter_namespaces(libc, isolation: dict) -> None:
         isolation.update(network="audit-hook" if _CONFIG["audit_guard"] else "none", pid_namespace=False)
     if not root and isolation["network"] == "netns":
         # Map our uid/gid to themselves, else files the sample creates would have no owner (EOVERFLOW).
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-        isolation["user_namespace"] = True
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+            isolation["user_namespace"] = True
+        except OSError as e:
+            isolation["user_namespace"] = f"unmapped ({e}); the sample cannot create files"
 
 
 def _count_my_processes(uid: int) -> int:
@@ -275,16 +276,15 @@ def _count_my_processes(uid: int) -> int:
 def _set_limits(cfg: dict, isolation: dict) -> None:
     import resource
 
-    def cap(which: int, value: int) -> None:
-        soft, hard = resource.getrlimit(which)
-        if hard != resource.RLIM_INFINITY:
-            value = min(value, hard)
-        resource.setrlimit(which, (value, value if which != resource.RLIMIT_CPU else value))
+    def cap(which: int, soft: int, hard: int | None = None) -> None:
+        current_hard = resource.getrlimit(which)[1]
+        hard = soft if hard is None else hard
+        if current_hard != resource.RLIM_INFINITY:  # never try to raise a hard limit
+            soft, hard = min(soft, current_hard), min(hard, current_hard)
+        resource.setrlimit(which, (soft, hard))
 
     cpu = int(cfg["cpu_s"])
-    hard_cpu = resource.getrlimit(resource.RLIMIT_CPU)[1]
-    # Soft limit sends SIGXCPU; one second later the hard limit sends SIGKILL.
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1 if hard_cpu == resource.RLIM_INFINITY else min(cpu + 1, hard_cpu)))
+    cap(resource.RLIMIT_CPU, cpu, cpu + 1)  # SIGXCPU at the soft limit, SIGKILL a second later
     cap(resource.RLIMIT_AS, int(cfg["memory_mb"]) << 20)
     cap(resource.RLIMIT_FSIZE, int(cfg["fsize_mb"]) << 20)
     cap(resource.RLIMIT_NOFILE, int(cfg["nofile"]))
@@ -398,8 +398,7 @@ def _run_sample(cfg: dict, isolation: dict, done_w: int, nonce: bytes) -> None:
         os.chdir(cfg["work"])
         _drop_privileges(cfg, isolation)
         _set_limits(cfg, isolation)  # after the drop: RLIMIT_NPROC then applies to `nobody`
-        if isolation.get("user") == "nobody":
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the launcher
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the launcher (set after the uid change)
         os.write(done_w, (json.dumps(isolation) + "\n").encode())
         if cfg["audit_guard"]:
             _install_guard(cfg["work"])

@@ -139,3 +139,11 @@ def test_unknown_task_is_a_clear_error(run_dir, tmp_path):
                     include_defaults=False)  # the built-in index is tens of seconds to build
     with pytest.raises(KilnError, match="not found"):
         run_lm_eval(load_run(run_dir), ["x"], include_path=[str(tmp_path / "missing")])
+
+
+def test_model_args_string_loads_the_run(run_dir):
+    lm = KilnLM.create_from_arg_string(f"run_dir={run_dir},step=3,batch_size=4")
+    assert lm.loaded.step == 3 and lm.batch_size == 4 and lm.max_length == 32
+    from lm_eval.api.registry import get_model
+
+    assert get_model("kiln") is KilnLM
