@@ -119,13 +119,18 @@ class PrepConfig:
         return {**sections, "steps": steps}
 
 
+_IMPORT_ERRORS: dict[str, str] = {}
+
+
 def load_step_types() -> dict[str, type[Step]]:
     for module in STEP_MODULES:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:
+            # A step module absent from this build, or one whose optional dependency is missing:
+            # pipelines that do not use its steps still run; unknown-type errors mention it.
             if e.name != module:
-                raise
+                _IMPORT_ERRORS[module] = f"{module} could not be imported ({e}); try pip install 'kiln-lm[prep]'"
     return STEP_TYPES
 
 
@@ -137,7 +142,8 @@ def build_step(table: dict[str, Any], where: str) -> Step:
     if kind is None:
         raise ConfigError(f"{where}: missing key 'type'; expected one of {sorted(types_)}")
     if kind not in types_:
-        raise ConfigError(f"{where}: unknown step type {kind!r}; expected one of {sorted(types_)}")
+        hint = "".join(f"; {msg}" for msg in _IMPORT_ERRORS.values())
+        raise ConfigError(f"{where}: unknown step type {kind!r}; expected one of {sorted(types_)}{hint}")
     name = table.pop("name", None)
     if name is not None and not isinstance(name, str):
         raise ConfigError(f"{where}: name must be a string")

@@ -40,3 +40,13 @@ def test_terminal_table(capsys):
     print_report(make_report(), Console(file=None, width=160))
     out = capsys.readouterr().out
     assert "gopher:word_count (3)" in out and "66.7" in out
+
+
+def test_warning_when_nothing_survives():
+    report = make_report()
+    assert report["warnings"] == []
+    cfg = PrepConfig(input=ReaderConfig(path="x"))
+    stats = new_stats()
+    stats.update(docs_in=3, dropped={"x": 3})
+    empty = build_report(cfg, ["read"], {"read": stats}, [0] * 41, [0] * 41, {}, {})
+    assert empty["warnings"] == ["no document survived the pipeline; see the removal reasons"]
