@@ -88,6 +88,8 @@ def test_file_size_limit():
     result = run_python("f = open('big.bin', 'wb')\nf.write(b'x' * (4 * 1024 ** 2))\nf.close()",
                         SandboxLimits(fsize_mb=1, audit_guard=False, **FAST))
     assert not result.passed and result.status == "error"
+    flood = run_python("while True:\n    print('x' * 1000)", SandboxLimits(fsize_mb=1, **FAST))
+    assert flood.status == "error" and "File too large" in flood.detail and len(flood.stdout_tail) <= 2000
 
 
 @pytest.mark.timeout(30)
