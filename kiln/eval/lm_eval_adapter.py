@@ -27,6 +27,7 @@ except ImportError as e:  # the optional extra is missing
 
 @register_model("kiln")
 class KilnLM(LM):
+    GEN_CHUNK = 32  # tokens generated between stop-string checks
     def __init__(self, run_dir: str | Path | None = None, step: int | str | None = None, device: str = "cpu",
                  batch_size: int | str = 8, loaded: Any = None, **_ignored):
         """Either `run_dir` (and optionally `step`) or an already `loaded` run (`kiln.eval.load.LoadedRun`)."""
@@ -128,10 +129,18 @@ class KilnLM(LM):
             max_new = int(gen_kwargs.pop("max_gen_toks", gen_kwargs.pop("max_new_tokens", 256)))
             do_sample = bool(gen_kwargs.pop("do_sample", False))
             temperature = float(gen_kwargs.pop("temperature", 0.0)) if do_sample else 0.0
+            top_k, top_p = int(gen_kwargs.pop("top_k", 0) or 0), float(gen_kwargs.pop("top_p", 1.0) or 1.0)
             prompt = self.tokenizer.encode(context) or [self.eot_token_id]
-            new_ids = generate(self.model, prompt, max_new_tokens=max_new, temperature=temperature,
-                               top_k=int(gen_kwargs.pop("top_k", 0) or 0),
-                               top_p=float(gen_kwargs.pop("top_p", 1.0) or 1.0), eos_id=self.eot_token_id)
+            new_ids: list[int] = []
+            # Generate in chunks and stop once a stop string appears, instead of always running
+            # to max_gen_toks; each chunk re-reads the (growing) prompt into a fresh KV cache.
+            while len(new_ids) < max_new:
+                want = min(self.GEN_CHUNK, max_new - len(new_ids))
+                chunk = generate(self.model, prompt + new_ids, max_new_tokens=want, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, eos_id=self.eot_token_id)
+                new_ids += chunk
+                if len(chunk) < want or any(s and s in self.tokenizer.decode(new_ids) for s in until):
+                    break  # EOS (or the context end), or a stop string
             text = self.tokenizer.decode(new_ids)
             for stop in until:
                 if stop and stop in text:

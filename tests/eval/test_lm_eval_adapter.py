@@ -93,6 +93,15 @@ def test_generate_until_stops_at_the_stop_string(run_dir):
     lm = KilnLM(loaded=loaded)
     (free,) = lm.generate_until([_request("generate_until", ("def ", {"until": [], "max_gen_toks": 12}))])
     assert len(free.encode()) <= 12
+    # Chunked generation (stop checks every GEN_CHUNK tokens) equals one greedy call.
+    from kiln.model.generate import generate
+
+    tok = loaded.tokenizer
+    single = tok.decode(generate(loaded.model, tok.encode("def "), max_new_tokens=12, temperature=0.0,
+                                 eos_id=tok.eos_id))
+    lm.GEN_CHUNK = 5
+    (chunked,) = lm.generate_until([_request("generate_until", ("def ", {"until": [], "max_gen_toks": 12}))])
+    assert chunked == single == free
     stop = free[3:5] if len(free) >= 5 else None
     if stop:
         (cut,) = lm.generate_until([_request("generate_until", ("def ", {"until": [stop], "max_gen_toks": 12}))])
