@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch.distributed as dist
+
 from kiln.checkpoint.manager import list_checkpoints
 from kiln.config import load_config
 from kiln.errors import KilnError
@@ -42,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
     if run_dir is None:
         run_dir = Path("runs") / cfg.model.name
     resume = True if args.resume else None  # None: continue automatically when checkpoints exist
-    result = train(cfg, run_dir, resume=resume, stop_at=args.stop_at)
-    print(f"done: {result.steps_done} steps in {run_dir} ({result.stop_reason}); final loss "
+    try:
+        result = train(cfg, run_dir, resume=resume, stop_at=args.stop_at)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if result.is_main:  # under torchrun, one summary line
+        print(f"done: {result.steps_done} steps in {run_dir} ({result.stop_reason}); final loss "
           f"{result.final_loss:.4f}, val loss {result.last_val_loss:.4f}")
     return 0

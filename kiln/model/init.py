@@ -19,14 +19,29 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def _fill(t: torch.Tensor, fill) -> None:
+    """Apply `fill` to t; a sharded (DTensor) t is filled as the full tensor, then re-sharded.
+
+    So every parallel layout starts from bit-identical weights to the single-device run, which is
+    what makes parallel == single-process testable (one full parameter in memory at a time).
+    """
+    if isinstance(t, DTensor):
+        full = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+        fill(full)
+        t.copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None))
+    else:
+        fill(t)
 
 
 def _normal(t: torch.Tensor, std: float, gen) -> None:
-    nn.init.normal_(t, mean=0.0, std=std, generator=gen)
+    _fill(t, lambda x: nn.init.normal_(x, mean=0.0, std=std, generator=gen))
 
 
 def _xavier(t: torch.Tensor, gain: float, gen) -> None:
-    nn.init.xavier_uniform_(t, gain=gain, generator=gen)
+    _fill(t, lambda x: nn.init.xavier_uniform_(x, gain=gain, generator=gen))
 
 
 def _reset_norms_and_biases(model: nn.Module) -> None:

@@ -40,6 +40,7 @@ class TrainResult:
     best_val_loss: float
     last_val_loss: float
     stop_reason: str
+    is_main: bool = True  # rank 0 (the one that writes metrics and prints)
 
 
 class TrainState:
@@ -239,7 +240,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         metrics.close()
     if stop_reason.startswith("stopped:"):
         raise KilnError(stop_reason)
-    return TrainResult(run_dir, state.step, last_loss, state.best_val_loss, last_val, stop_reason)
+    return TrainResult(run_dir, state.step, last_loss, state.best_val_loss, last_val, stop_reason, dims.is_main)
 
 
 def _mean_over_ranks(loss: torch.Tensor) -> float:
