@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_run(args.run_dir, args.step, args.device)
     out = Path(args.out) if args.out else Path(args.run_dir) / "reports" / f"eval-step-{loaded.step}.json"
     report: dict[str, Any] = {"run_dir": str(loaded.run_dir), "step": loaded.step, "time": time.time(),
-                              "parts": {}, "failed": None}
+                              "parts": _earlier_parts(out, loaded.step), "failed": None}
     parts: list[tuple[str, Callable[[], dict]]] = []
     if not args.skip_perplexity:
         parts.append(("perplexity", lambda: _perplexity(loaded, args)))
@@ -77,11 +77,11 @@ def run(args: argparse.Namespace) -> int:
         raise KilnError("nothing to evaluate: --skip-perplexity needs --gen-file, --passk-file or --lm-eval")
     for name, part in parts:
         try:
-            report["parts"][name] = part()
+            report["parts"][name] = {**part(), "evaluated_at": time.time()}
         except BaseException as e:
             report["failed"] = {"part": name, "error": f"{type(e).__name__}: {e}"}
             _write_report(out, report)
-            done = ", ".join(report["parts"]) or "none"
+            done = ", ".join(p for p in report["parts"] if p != name) or "none"
             print(f"eval part {name!r} failed; finished parts ({done}) are in {out}")
             raise
         _write_report(out, report)
@@ -94,6 +94,8 @@ def _validate(args: argparse.Namespace) -> None:
     for key in ("batch_size", "max_new_tokens", "n_samples", "passk_max_new_tokens", "sample_memory_mb", "workers"):
         if getattr(args, key) <= 0:
             raise KilnError(f"--{key.replace('_', '-')}={getattr(args, key)} must be > 0")
+    if args.max_tokens < 0:
+        raise KilnError(f"--max-tokens={args.max_tokens} must be >= 0 (0: all)")
     if args.seq_len is not None and args.seq_len <= 0:
         raise KilnError(f"--seq-len={args.seq_len} must be > 0")
     if args.sample_timeout <= 0:
@@ -244,6 +246,25 @@ def _lm_eval(loaded, args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------------------------------ output
+
+
+def _earlier_parts(path: Path, step: int) -> dict:
+    """Parts of an earlier report for the same checkpoint; parts run now replace their namesakes.
+
+    A report that cannot be read is moved aside (FILE.unreadable), never overwritten.
+    """
+    if not path.is_file():
+        return {}
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+        if earlier.get("step") != step:
+            return {}
+        return dict(earlier.get("parts") or {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        aside = path.with_name(path.name + ".unreadable")
+        os.replace(path, aside)
+        print(f"{path} was not a readable report; moved it to {aside}")
+        return {}
 
 
 def _write_report(path: Path, report: dict) -> None:

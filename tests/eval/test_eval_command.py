@@ -163,3 +163,19 @@ def test_bad_input_gives_one_line_errors(run_dir, tmp_path, capsys):
     bad_json.write_text('{"prompt": "a", "reference": "b"}\n\n{"prompt": "a", "reference": 3}\n')
     assert main(["eval", str(run_dir), "--skip-perplexity", "--gen-file", str(bad_json)]) == 2
     assert f"{bad_json}:3: field 'reference' must be a string or a list" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_later_eval_keeps_earlier_parts_of_the_same_checkpoint(run_dir, tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["eval", str(run_dir), "--max-tokens", "50", "--out", str(out)]) == 0
+    gen = tmp_path / "gen.jsonl"
+    gen.write_text('{"prompt": "def ", "reference": "f():"}\n')
+    assert main(["eval", str(run_dir), "--skip-perplexity", "--gen-file", str(gen), "--max-new-tokens", "4",
+                 "--out", str(out)]) == 0
+    parts = _report(out)["parts"]
+    assert parts["perplexity"]["tokens"] == 50 and parts["generation"]["n"] == 1
+    out.write_text("{not json")
+    assert main(["eval", str(run_dir), "--max-tokens", "20", "--out", str(out)]) == 0
+    assert (tmp_path / "r.json.unreadable").read_text() == "{not json"
+    assert set(_report(out)["parts"]) == {"perplexity"}
