@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     gen.add_argument("--seed", type=int, default=0)
     code = p.add_argument_group("pass@k on code problems (run in a sandbox)")
     code.add_argument("--passk-file", nargs="?", const=BUILTIN_PROBLEMS, metavar="F.jsonl",
-                      help="problem JSONL; without a value, kiln's shipped problem set")
+                      help="problem JSONL; without a value (put it after RUN_DIR), kiln's shipped problem set")
     code.add_argument("--n-samples", type=int, default=1, help="completions per problem")
     code.add_argument("--k", default="1", help="comma list of k, each <= --n-samples")
     code.add_argument("--passk-temperature", type=float,
