@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     if result.is_main:  # under torchrun, one summary line
-        print(f"done: {result.steps_done} steps in {run_dir} ({result.stop_reason}); final loss "
-          f"{result.final_loss:.4f}, val loss {result.last_val_loss:.4f}")
+        val = "" if result.last_val_loss != result.last_val_loss else f", val loss {result.last_val_loss:.4f}"
+        print(f"done: {result.steps_done} steps in {run_dir} ({result.stop_reason}); "
+              f"final loss {result.final_loss:.4f}{val}")
     return 0
