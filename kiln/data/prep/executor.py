@@ -47,7 +47,12 @@ class Plan:
     cfg: PrepConfig
     out: Path
     work: Path
-    shards: list[InputShard]
+    shards: list[InputShard]  # empty in the copy sent with each task (see `light`)
+    n_shards: int = 0
+
+    def light(self) -> "Plan":
+        """The plan without the shard list: what each task carries (one shard is passed alone)."""
+        return dataclasses.replace(self, shards=[])
 
     @property
     def globals(self) -> list[GlobalStep]:
@@ -139,9 +144,8 @@ def _check_accounting(stats: dict[str, dict[str, Any]], where: str) -> None:
                                f"and accounted for {sum(s['dropped'].values())} drops; a step lost documents")
 
 
-def run_shard_task(plan: Plan, stage: str, shard_index: int) -> dict[str, Any]:
+def run_shard_task(plan: Plan, stage: str, shard: InputShard) -> dict[str, Any]:
     """One stage ('stage-K', 'final' or 'tokenize') over one shard; idempotent and resumable."""
-    shard = plan.shards[shard_index]
     done = plan.done_file(stage, shard)
     if done.exists() and plan.cfg.run.resume:
         return json.loads(done.read_text(encoding="utf-8"))
@@ -158,7 +162,7 @@ def _filter_task(plan: Plan, stage: str, shard: InputShard) -> dict[str, Any]:
     k = len(plan.globals) if stage == "final" else int(stage.split("-")[1])
     rejects = _Log(plan.log_file(stage, shard, "rejects"))
     removed = _Log(plan.log_file(stage, shard, "removed"), cfg.output.write_removed)
-    ctx = StepContext(shard_index=shard.index, n_shards=len(plan.shards), shard_name=shard.name,
+    ctx = StepContext(shard_index=shard.index, n_shards=plan.n_shards, shard_name=shard.name,
                       max_examples=cfg.output.max_examples, example_chars=cfg.output.example_chars,
                       on_drop=lambda step, doc, reason: removed.write({"id": doc.id, "step": step, "reason": reason}))
     hist_in, hist_out = [0] * N_BINS, [0] * N_BINS
@@ -229,9 +233,9 @@ def run_prepare(plan: Plan, k: int) -> dict[str, Any]:
     if done.exists() and plan.cfg.run.resume:
         return json.loads(done.read_text(encoding="utf-8"))
     g = plan.globals[k]
-    ctx = StepContext(n_shards=len(plan.shards), work_dir=plan.step_dir(g),
+    ctx = StepContext(n_shards=plan.n_shards, work_dir=plan.step_dir(g),
                       max_examples=plan.cfg.output.max_examples)
-    g.prepare(ctx, len(plan.shards))
+    g.prepare(ctx, plan.n_shards)
     result = {"stage": f"prepare-{k}", "stats": ctx.stats}
     _atomic_json(done, result)
     return result
@@ -428,7 +432,8 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
     t0 = time.time()
     out = Path(cfg.output.dir)
     shards = list_shards(cfg.input)
-    plan = Plan(cfg, out, out / ".work", shards)
+    plan = Plan(cfg, out, out / ".work", shards, len(shards))
+    light = plan.light()
     resumed = _prepare_dirs(plan)
     workers = cfg.run.workers or os.cpu_count() or 1
     runner: LocalRunner | RayRunner = (RayRunner(workers, cfg.run.ray_address) if cfg.run.executor == "ray"
@@ -441,18 +446,18 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
         for k, stage in enumerate(filter_stages):
             advance = progress.task(stage, len(shards))
             stage_results = []
-            for result in runner.map(run_shard_task, [(plan, stage, i) for i in range(len(shards))]):
+            for result in runner.map(run_shard_task, [(light, stage, shard) for shard in shards]):
                 stage_results.append(result)
                 advance(result)
             results.extend(sorted(stage_results, key=lambda r: r["shard"]))
             if stage != "final":
-                results.append(runner.call(run_prepare, plan, k))
+                results.append(runner.call(run_prepare, light, k))
         token_info: dict[str, Any] = {}
         if cfg.tokenize.enabled:
             tokenizer = _train_or_load_tokenizer(plan)
             advance = progress.task("tokenize", len(shards))
             parts = []
-            for result in runner.map(run_shard_task, [(plan, "tokenize", i) for i in range(len(shards))]):
+            for result in runner.map(run_shard_task, [(light, "tokenize", shard) for shard in shards]):
                 parts.append(result)
                 advance(result)
             parts.sort(key=lambda r: r["shard"])
