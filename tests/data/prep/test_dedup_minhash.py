@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 from dedup_testdata import edit_words, random_docs
 
+from kiln.data.prep.dedup.jaccard import exact_jaccard_pairs, shingle_sets
 from kiln.data.prep.dedup.lsh_params import candidate_probability, format_s_curve, optimal_bands_rows, s_curve
 from kiln.data.prep.dedup.minhash import MinHashConfig, MinHasher, lsh_edges, minhash_duplicates
 from kiln.data.prep.dedup.minhash_stages import bands_for_worker, run_stages
@@ -84,23 +85,49 @@ def test_finds_planted_near_duplicates_and_keeps_unique():
 
 def test_chars_shingles_and_unverified_edges():
     texts = ["abcdefghij klmnop qrstuv wxyz " * 4, "abcdefghij klmnop qrstuv wxyz " * 4 + "!", "zzzz yyyy"]
-    config = MinHashConfig(shingle="char", ngram=5, verify=False)
+    config = MinHashConfig(shingle="char", ngram=5, verify="none")
     assert minhash_duplicates(texts, config).tolist() == [False, True, False]
     sig = MinHasher(config).signatures(texts)
     u, v = lsh_edges(sig, *config.bands_rows())
     assert (u.tolist(), v.tolist()) == ([0], [1])
 
 
-def test_sharded_stages_match_in_memory(tmp_path):
+@pytest.mark.parametrize("verify", ["exact", "signature", "none"])
+def test_sharded_stages_match_in_memory(tmp_path, verify):
     uniques = random_docs(40, seed=4)
     texts = uniques + [edit_words(uniques[i], 2, seed=i) for i in range(0, 40, 3)] + uniques[:3]
-    config = MinHashConfig()
+    texts += [edit_words(uniques[5], 12, seed=1)]  # Jaccard ~0.6: an LSH candidate at most
+    config = MinHashConfig(verify=verify)
     expected = np.flatnonzero(minhash_duplicates(texts, config))
     cuts = [0, 13, 14, 30, len(texts)]  # uneven shards, one with a single document
     drops = run_stages([texts[a:b] for a, b in zip(cuts, cuts[1:])], config, tmp_path)
     got = np.concatenate([d + a for d, a in zip(drops, cuts)])
-    assert np.array_equal(got, expected) and len(expected) == 17
+    assert np.array_equal(got, expected) and 17 <= len(expected) <= 18
+    if verify != "none":
+        assert len(expected) == 17
     assert sorted(sum((bands_for_worker(9, w, 4) for w in range(4)), [])) == list(range(9))
+
+
+def test_exact_jaccard_of_pairs_matches_python_sets():
+    docs = random_docs(6, words=120, seed=9)
+    docs += [edit_words(docs[0], k, seed=k) for k in (1, 5, 20)] + ["", "one"]
+    hashes, owners = shingle_hashes_of_texts(docs, "word", 5)
+    flat, offsets = shingle_sets(hashes, owners, len(docs))
+    u = np.array([0, 0, 0, 1, 9, 9, 10], dtype=np.int64)
+    v = np.array([6, 7, 8, 2, 10, 9, 10], dtype=np.int64)
+    got = exact_jaccard_pairs(flat, offsets, u, v, chunk=3)
+    for (a, b), j in zip(zip(u, v), got):
+        sa, sb = shingle_strings(docs[a], "word", 5), shingle_strings(docs[b], "word", 5)
+        want = len(sa & sb) / len(sa | sb) if sa | sb else 1.0
+        assert j == pytest.approx(want)
+
+
+def test_exact_verification_removes_lsh_false_positives():
+    base = random_docs(1, words=300, seed=21)[0]
+    texts = [base] + [edit_words(base, k, seed=k) for k in (8, 10, 12, 14)]  # Jaccard ~0.6-0.75
+    exact = minhash_duplicates(texts, MinHashConfig(verify="exact", threshold=0.8))
+    loose = minhash_duplicates(texts, MinHashConfig(verify="none", threshold=0.8, bands=32, rows=2))
+    assert not exact.any() and loose.any()
 
 
 def test_config_errors_name_keys():
@@ -108,5 +135,7 @@ def test_config_errors_name_keys():
         MinHasher(MinHashConfig(bands=20, rows=20))
     with pytest.raises(ConfigError, match="minhash.shingle"):
         MinHasher(MinHashConfig(shingle="sentence"))
+    with pytest.raises(ConfigError, match="minhash.verify"):
+        MinHasher(MinHashConfig(verify="maybe"))
     with pytest.raises(ConfigError, match="threshold"):
         MinHasher(MinHashConfig(threshold=1.5))

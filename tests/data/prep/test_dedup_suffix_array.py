@@ -52,3 +52,26 @@ def test_config_errors():
         dedup_substrings(["a"], SuffixArrayConfig(keep="some"))
     with pytest.raises(ConfigError, match="min_length"):
         dedup_substrings(["a"], SuffixArrayConfig(min_length=0))
+
+
+@pytest.mark.parametrize("keep", ["first", "none"])
+def test_mask_equals_brute_force_k_gram_definition(keep):
+    import random
+
+    rng = random.Random(3)
+    pieces = ["abcab", "xyz", "abcabxyz", "q", "zz"]
+    docs = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 8))) for _ in range(12)]
+    k = 6
+    corpus, starts = join_documents([d.encode() for d in docs])
+    mask = duplicate_mask(corpus, SuffixArrayConfig(min_length=k, keep=keep))
+    data = bytes(corpus)
+    windows: dict[bytes, list[int]] = {}
+    for doc_start, doc in zip(starts.tolist(), docs):
+        for q in range(doc_start, doc_start + len(doc) - k + 1):
+            windows.setdefault(data[q:q + k], []).append(q)
+    expected = [False] * len(data)
+    for occurrences in windows.values():
+        if len(occurrences) > 1:
+            for q in occurrences[1:] if keep == "first" else occurrences:
+                expected[q:q + k] = [True] * k
+    assert mask.tolist() == expected

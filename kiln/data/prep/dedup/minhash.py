@@ -10,11 +10,16 @@ the inputs are already uniform hashes and the minimum is decided by the well-mix
 
 Candidates: documents whose r signature values of some band agree share a bucket (band key =
 a 64-bit hash of the r values). Each bucket yields edges from its lowest id to every member
-and between id-consecutive members; with `verify`, an edge is kept only when the signatures
-agree on >= threshold of the permutations (an unbiased Jaccard estimate), removing the LSH
-false positives. Connected components of the edges are the clusters; the lowest id is kept.
+and between id-consecutive members. Verification then keeps an edge only when
+  verify="exact":     the exact Jaccard of the two shingle sets is >= threshold (default; LSH
+                      false positives are free to remove, so the auto (b, r) favours recall),
+  verify="signature": the signatures agree on >= threshold of the permutations (an unbiased
+                      estimate, std sqrt(J(1-J)/num_perm): pairs near the threshold go either way),
+  verify="none":      always (datasketch's behaviour).
+Connected components of the edges are the clusters; the lowest id of each is kept.
 
-Memory per document: signatures num_perm x 4 bytes; band keys 8 bytes + id 8 bytes per band
+Memory per document: signatures num_perm x 4 bytes, plus for exact verification the sorted
+unique 32-bit shingle hashes (~4 bytes per shingle); band keys 8 bytes + id 8 bytes per band
 while bucketing (one band at a time on the sharded path, `minhash_stages`).
 """
 
@@ -26,11 +31,14 @@ import numpy as np
 
 from kiln.data.prep.dedup.components import components_keep_lowest
 from kiln.data.prep.dedup.hashing import fmix64, mix_multiplier
+from kiln.data.prep.dedup.jaccard import exact_jaccard_pairs, shingle_sets
 from kiln.data.prep.dedup.lsh_params import optimal_bands_rows
 from kiln.data.prep.dedup.shingles import check_shingling, shingle_hashes_of_texts
 from kiln.errors import ConfigError
 
 EMPTY = np.uint32(0xFFFFFFFF)  # the signature value of a document without shingles
+VERIFY_MODES = ("exact", "signature", "none")
+AUTO_WEIGHTS = {"exact": (0.05, 0.95), "signature": (0.2, 0.8), "none": (0.5, 0.5)}
 
 
 @dataclass
@@ -41,13 +49,13 @@ class MinHashConfig:
     threshold: float = 0.8  # Jaccard similarity at which documents count as duplicates
     bands: int = 0  # 0 (with rows 0): chosen by `optimal_bands_rows`
     rows: int = 0
-    # weights of the false-positive/-negative areas for the auto (bands, rows) choice; verification
-    # removes false positives, so by default missing a duplicate costs more (0.5/0.5 without it)
-    fp_weight: float = 0.2
-    fn_weight: float = 0.8
-    verify: bool = True  # drop candidate pairs whose signature agreement is below threshold
+    # weights of the false-positive/-negative areas for the auto (bands, rows) choice; 0/0: by
+    # `verify` (exact 0.05/0.95, signature 0.2/0.8, none 0.5/0.5: verification removes FPs)
+    fp_weight: float = 0.0
+    fn_weight: float = 0.0
+    verify: str = "exact"  # exact | signature | none: how candidate pairs are confirmed
     seed: int = 1
-    batch_bytes: int = 4_000_000  # text hashed per vectorized batch
+    batch_bytes: int = 1_000_000  # text hashed per vectorized batch (~40 bytes of RAM per byte)
 
     def validate(self, where: str = "minhash") -> None:
         check_shingling(self.shingle, self.ngram, where)
@@ -60,13 +68,18 @@ class MinHashConfig:
         if self.bands < 0 or self.rows < 0 or self.bands * self.rows > self.num_perm:
             raise ConfigError(f"{where}.bands x rows = {self.bands} x {self.rows} must be >= 0 and "
                               f"<= num_perm={self.num_perm}")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"{where}.verify={self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
+        if self.fp_weight < 0 or self.fn_weight < 0 or (self.fp_weight == 0) != (self.fn_weight == 0):
+            raise ConfigError(f"{where}.fp_weight/fn_weight must both be > 0, or both 0 (auto)")
         if self.batch_bytes < 1:
             raise ConfigError(f"{where}.batch_bytes={self.batch_bytes} must be >= 1")
 
     def bands_rows(self) -> tuple[int, int]:
         if self.bands:
             return self.bands, self.rows
-        return optimal_bands_rows(self.threshold, self.num_perm, self.fp_weight, self.fn_weight)
+        weights = (self.fp_weight, self.fn_weight) if self.fp_weight else AUTO_WEIGHTS[self.verify]
+        return optimal_bands_rows(self.threshold, self.num_perm, *weights)
 
 
 class MinHasher:
@@ -81,20 +94,33 @@ class MinHasher:
 
     def signatures(self, texts: list[str]) -> np.ndarray:
         """(len(texts), num_perm) uint32 signatures."""
+        return self.signatures_and_sets(texts, with_sets=False)[0]
+
+    def signatures_and_sets(self, texts: list[str], with_sets: bool = True
+                            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(signatures, flat shingle sets, set offsets) -- the sets only `with_sets` (`jaccard`)."""
         out = np.empty((len(texts), self.config.num_perm), dtype=np.uint32)
+        flats, lengths = [], []
         lo = 0
         while lo < len(texts):  # batches of about batch_bytes of text
             hi, size = lo, 0
             while hi < len(texts) and (hi == lo or size + len(texts[hi]) <= self.config.batch_bytes):
                 size += len(texts[hi])
                 hi += 1
-            out[lo:hi] = self._batch(texts[lo:hi])
+            hashes, docs = shingle_hashes_of_texts(texts[lo:hi], self.config.shingle, self.config.ngram)
+            x = (hashes >> np.uint64(32)).astype(np.uint32)
+            out[lo:hi] = self.signatures_of_hashes(x, docs, hi - lo)
+            if with_sets:
+                flat, offsets = shingle_sets(x, docs, hi - lo)
+                flats.append(flat)
+                lengths.append(np.diff(offsets))
             lo = hi
-        return out
-
-    def _batch(self, texts: list[str]) -> np.ndarray:
-        hashes, docs = shingle_hashes_of_texts(texts, self.config.shingle, self.config.ngram)
-        return self.signatures_of_hashes((hashes >> np.uint64(32)).astype(np.uint32), docs, len(texts))
+        if not with_sets:
+            return out, None, None
+        offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+        if lengths:
+            np.cumsum(np.concatenate(lengths), out=offsets[1:])
+        return out, (np.concatenate(flats) if flats else np.zeros(0, np.uint32)), offsets
 
     def signatures_of_hashes(self, x: np.ndarray, docs: np.ndarray, n_docs: int,
                              chunk_rows: int = 1024) -> np.ndarray:
@@ -189,7 +215,15 @@ def unique_edges(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def minhash_duplicates(texts: list[str], config: MinHashConfig) -> np.ndarray:
     """Boolean mask: True for documents that are near-duplicates of a lower-index document."""
-    signatures = MinHasher(config).signatures(texts)
+    return ~components_keep_lowest(len(texts), *minhash_edges(texts, config))
+
+
+def minhash_edges(texts: list[str], config: MinHashConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The verified duplicate edges (u < v) between documents."""
+    signatures, flat, offsets = MinHasher(config).signatures_and_sets(texts, config.verify == "exact")
     bands, rows = config.bands_rows()
-    u, v = lsh_edges(signatures, bands, rows, config.threshold if config.verify else None)
-    return ~components_keep_lowest(len(texts), u, v)
+    u, v = lsh_edges(signatures, bands, rows, config.threshold if config.verify == "signature" else None)
+    if config.verify == "exact" and len(u):
+        keep = exact_jaccard_pairs(flat, offsets, u, v) >= config.threshold
+        u, v = u[keep], v[keep]
+    return u, v

@@ -189,9 +189,8 @@ class MinHashDedup(_DropListStep):
     def index(self, docs: Iterator[Doc], ctx: StepContext) -> None:
         self.config.validate(f"step {self.name!r}")  # again: --set may have edited the config
         hasher = MinHasher(self.config)
-        parts = [hasher.signatures(batch) for batch in _batches(docs, self.config.batch_bytes)]
-        sig = np.concatenate(parts) if parts else np.zeros((0, self.config.num_perm), np.uint32)
-        _save(minhash_stages.signature_path(_work_dir(ctx, self.name), ctx.shard_index), sig)
+        texts = [doc.text for doc in docs]  # one shard's text; hashed in batch_bytes batches
+        minhash_stages.write_signatures(texts, hasher, _work_dir(ctx, self.name), ctx.shard_index)
 
     def prepare(self, ctx: StepContext, n_shards: int) -> None:
         work_dir = _work_dir(ctx, self.name)
@@ -199,8 +198,7 @@ class MinHashDedup(_DropListStep):
         # bands are independent: done one at a time here (bounded memory); an executor may run
         # `minhash_stages.write_band_edges` for disjoint band groups in parallel instead
         minhash_stages.write_band_edges(work_dir, n_shards, list(range(bands)), rows)
-        counts = minhash_stages.write_drops(work_dir, n_shards, bands,
-                                            self.config.threshold if self.config.verify else None)
+        counts = minhash_stages.write_drops(work_dir, n_shards, bands, self.config.threshold, self.config.verify)
         (work_dir / "s_curve.txt").write_text(format_s_curve(bands, rows, self.config.threshold) + "\n")
         for key, value in counts.items():
             ctx.note(self.name, key, value)

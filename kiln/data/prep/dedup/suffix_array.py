@@ -2,19 +2,18 @@
 Language Models Better").
 
 The corpus is the UTF-8 bytes of all documents joined by 0xFF (a byte UTF-8 never contains, so
-no match crosses a document boundary once spans are clipped at it). `pydivsufsort` builds the
-suffix array (libdivsufsort) and its LCP array (Kasai) or longest-previous-factor array:
+a repeat that crosses a document boundary is recognised and ignored). `pydivsufsort` builds the
+suffix array (libdivsufsort) and the LCP array (Kasai); runs of suffix-array neighbours with
+LCP >= k are the occurrences of repeated k-grams (see `duplicate_mask`):
 
-* keep="first" (the paper's "all but one"): position p starts a repeat when the longest prefix
-  of its suffix that also starts at an earlier position (LPF[p]) is >= k; [p, p + LPF[p]) is
-  removed. Every removed byte thus has a copy earlier in the corpus.
-* keep="none": suffixes adjacent in the suffix array with LCP >= k both start a duplicated span
-  of that length; every occurrence is removed.
+* keep="first" (the paper's "all but one"): every occurrence but the earliest is removed, so
+  every removed byte has a copy earlier in the corpus;
+* keep="none": every occurrence is removed.
 
 Spans are unioned (a +1/-1 difference array), widened to whole UTF-8 characters, and cut out of
-their documents. Memory: ~4 bytes (int32 positions, < 2 GiB corpora; 8 beyond) for each of the
-suffix array and the LCP/LPF array per corpus byte, plus the bytes themselves: ~10-14 bytes per
-byte in total (measured by benchmarks/dedup_suffix_array.py).
+their documents. Memory: 4 bytes per corpus byte for each of the suffix array and the LCP array
+(int32 below 2 GiB; pydivsufsort switches to int64 beyond), 4 more inside Kasai, plus the bytes
+and per-repeated-position arrays (benchmarks/dedup_suffix_array.py measures it).
 """
 
 from __future__ import annotations
@@ -52,49 +51,61 @@ def join_documents(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return corpus, starts
 
 
-def _distance_to_separator(corpus: np.ndarray) -> np.ndarray:
-    """For each position, bytes until the next separator (or the end)."""
-    n = len(corpus)
-    sep = np.flatnonzero(corpus == SEPARATOR)
-    nxt = np.r_[sep, n]
-    return nxt[np.searchsorted(sep, np.arange(n), side="left")] - np.arange(n)
-
-
 def duplicate_mask(corpus: np.ndarray, config: SuffixArrayConfig) -> np.ndarray:
-    """Boolean mask of the corpus bytes that belong to a removed repeated span."""
+    """Boolean mask of the corpus bytes that belong to a removed repeated span.
+
+    A k-gram (k = min_length) that occurs more than once appears as a run of suffixes adjacent
+    in the suffix array with LCP >= k between neighbours. Its occurrences' windows [p, p + k)
+    are removed -- all but the earliest (keep="first") or all (keep="none"); the union of these
+    windows is exactly the union of the maximal repeated spans of >= k bytes. Windows holding a
+    separator (crossing a document boundary) are ignored. Memory: corpus, suffix array and LCP
+    array (int32 each below 2 GiB) plus arrays over the repeated positions only.
+    """
     config.validate()
-    n = len(corpus)
+    n, k = len(corpus), config.min_length
     if n == 0:
         return np.zeros(0, dtype=bool)
     sa = pydivsufsort.divsufsort(corpus)
-    if config.keep == "first":
-        start = np.arange(n)
-        length = pydivsufsort.longest_previous_factor(corpus, sa).astype(np.int64)
-    else:
-        lcp = pydivsufsort.kasai(corpus, sa).astype(np.int64)  # lcp[i]: sa[i] vs sa[i+1]
-        best = np.maximum(lcp, np.r_[0, lcp[:-1]])  # longest match with either SA neighbour
-        start = sa.astype(np.int64)
-        length = best
-        del lcp
-    del sa
-    candidates = np.flatnonzero(length >= config.min_length)
-    start, length = start[candidates], length[candidates]
-    length = np.minimum(length, _distance_to_separator(corpus)[start])  # clip at document ends
-    keep = length >= config.min_length
-    start, length = start[keep], length[keep]
+    lcp = pydivsufsort.kasai(corpus, sa)  # lcp[i]: common prefix of suffixes sa[i] and sa[i + 1]
+    joined = lcp >= k  # SA neighbours i and i + 1 share a k-gram
+    del lcp
+    in_run = joined.copy()
+    in_run[1:] |= joined[:-1]
+    rank = np.flatnonzero(in_run)  # SA indices of the repeated k-grams, runs are contiguous
+    del in_run
+    run_start = np.r_[True, ~joined[rank[:-1]]] if len(rank) else np.zeros(0, dtype=bool)
+    del joined
+    position = sa[rank].astype(np.int64)
+    del sa, rank
+    separators = np.flatnonzero(corpus == SEPARATOR)
+    next_sep = np.r_[separators, n][np.searchsorted(separators, position, side="left")]
+    inside_doc = next_sep - position >= k
+    run_id = np.cumsum(run_start) - 1
+    position, run_id = position[inside_doc], run_id[inside_doc]
+    if config.keep == "first" and len(position):
+        earliest = np.full(int(run_id[-1]) + 1, n, dtype=np.int64)
+        np.minimum.at(earliest, run_id, position)
+        position = position[position != earliest[run_id]]
+    start, end = _widen_to_characters(corpus, position, position + k)
     depth = np.zeros(n + 1, dtype=np.int32)
     np.add.at(depth, start, 1)
-    np.add.at(depth, start + length, -1)
-    removed = np.cumsum(depth[:n]) > 0
-    return _whole_characters(corpus, removed)
+    np.add.at(depth, end, -1)
+    np.cumsum(depth, out=depth)
+    return depth[:n] > 0
 
 
-def _whole_characters(corpus: np.ndarray, removed: np.ndarray) -> np.ndarray:
-    """Widen a byte mask so that a UTF-8 character is removed whole or not at all."""
-    lead = (corpus & 0xC0) != 0x80
-    char = np.cumsum(lead) - 1
-    char_removed = np.bincount(char, weights=removed, minlength=int(char[-1]) + 1) > 0
-    return char_removed[char]
+def _widen_to_characters(corpus: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Move span ends outward so a UTF-8 character is removed whole or not at all."""
+    start, end = start.copy(), end.copy()
+    n = len(corpus)
+    for _ in range(3):  # a UTF-8 character has at most 3 continuation bytes (10xxxxxx)
+        inside = (corpus[start] & 0xC0) == 0x80
+        start[inside] -= 1
+        cont = np.zeros(len(end), dtype=bool)
+        ok = end < n
+        cont[ok] = (corpus[end[ok]] & 0xC0) == 0x80
+        end[cont] += 1
+    return start, end
 
 
 @dataclass
