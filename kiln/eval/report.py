@@ -1,0 +1,368 @@
+"""`kiln report`: read a run's metrics.jsonl tolerantly and write a self-contained HTML page.
+
+The page has inline-SVG charts (kiln.eval.plots), the summary numbers, eval tables (from `eval`
+rows and `reports/eval-*.json`), events and the resolved config. Every plotted series is also
+embedded as `<script type="application/json" id="data-CHART">` so tools (and tests) can read the
+exact values behind a chart. Nothing is loaded from outside the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import DataError
+from kiln.eval.plots import CHART_CSS, Chart, Marker, Series, downsample, format_number, render_chart
+
+MAX_POINTS = 2000  # per plotted series; min/max decimation keeps spikes
+DEDUP_KINDS = ("train", "eval", "checkpoint")  # a resumed run repeats steps after its checkpoint
+
+
+@dataclass
+class RunMetrics:
+    path: Path
+    rows: dict[str, list[dict[str, Any]]]  # by kind; train/eval/checkpoint: last row per step, by step
+    skipped: list[str] = field(default_factory=list)  # "file:line: why" of malformed lines
+    wall_s: float = 0.0  # summed over the run's segments (each `run` row starts one)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return self.rows.get(kind, [])
+
+
+def read_metrics(path: str | Path) -> RunMetrics:
+    """Rows of a metrics.jsonl; malformed lines (e.g. one cut short by a crash) are skipped and
+    listed. A missing file or one without a single valid row is a DataError."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} not found; is {path.parent} a run directory written by `kiln train`?")
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    skipped: list[str] = []
+    segments: list[list[float]] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                skipped.append(f"{path}:{number}: not valid JSON ({e.msg})")
+                continue
+            problem = _row_problem(row)
+            if problem:
+                skipped.append(f"{path}:{number}: {problem}")
+                continue
+            by_kind.setdefault(row["kind"], []).append(row)
+            if row["kind"] == "run" or not segments:
+                segments.append([])
+            if _finite(row.get("time")):
+                segments[-1].append(float(row["time"]))
+    if not by_kind:
+        detail = f" ({len(skipped)} malformed lines; first: {skipped[0]})" if skipped else ""
+        raise DataError(f"{path}: no metrics rows{detail}; expected JSON objects with 'kind' and 'step'")
+    for kind in DEDUP_KINDS:
+        if kind in by_kind:
+            by_kind[kind] = sorted({r["step"]: r for r in by_kind[kind]}.values(), key=lambda r: r["step"])
+    wall = sum(max(s) - min(s) for s in segments if s)
+    return RunMetrics(path, by_kind, skipped, wall)
+
+
+def _row_problem(row: Any) -> str:
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    if not isinstance(row.get("kind"), str):
+        return "no 'kind' string"
+    if not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
+        return "no integer 'step'"
+    return ""
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [r[key] for r in rows if _finite(r.get(key))]
+
+
+def summarize(m: RunMetrics) -> dict[str, Any]:
+    """Headline numbers (None where the run has no data for one)."""
+    train, evals = m.of("train"), m.of("eval")
+    losses = [r["loss"] for r in train if _finite(r.get("loss")) and not r.get("skipped")]
+    val = _values(evals, "val_loss")
+    tps, mfu, mem = _values(train, "tokens_per_s"), _values(train, "mfu"), _values(train, "memory_mb")
+    return {
+        "steps": train[-1]["step"] if train else max((r["step"] for rs in m.rows.values() for r in rs), default=0),
+        "tokens": train[-1].get("tokens") if train else None,
+        "final_loss": losses[-1] if losses else None,
+        "best_loss": min(losses) if losses else None,
+        "final_val_loss": val[-1] if val else None,
+        "best_val_loss": min(val) if val else None,
+        "tokens_per_s_median": statistics.median(tps) if tps else None,
+        "mfu_median": statistics.median(mfu) if mfu else None,
+        "peak_memory_mb": max(mem) if mem else None,
+        "wall_time_s": m.wall_s,
+        "skipped_steps": sum(1 for r in train if r.get("skipped")),
+        "checkpoints": len(m.of("checkpoint")),
+        "malformed_lines": len(m.skipped),
+    }
+
+
+SUMMARY_LABELS = {
+    "steps": "steps", "tokens": "tokens", "final_loss": "final train loss", "best_loss": "best train loss",
+    "final_val_loss": "final val loss", "best_val_loss": "best val loss",
+    "tokens_per_s_median": "tokens/s (median)", "mfu_median": "MFU (median)", "peak_memory_mb": "peak memory (MB)",
+    "wall_time_s": "wall time", "skipped_steps": "skipped (non-finite) steps", "checkpoints": "checkpoints",
+    "malformed_lines": "malformed metrics lines",
+}
+
+
+def format_summary_value(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "mfu_median":
+        return f"{100 * value:.2f}%"
+    if key == "wall_time_s":
+        return format_duration(value)
+    if key in ("steps", "tokens", "skipped_steps", "checkpoints", "malformed_lines"):
+        return f"{int(value):,}"
+    if key in ("tokens_per_s_median", "peak_memory_mb"):
+        return f"{value:,.0f}"
+    return f"{value:.4f}"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m{rest % 60:02d}s" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def ema(values: list[float], span: float) -> list[float]:
+    """Debiased exponential moving average (as TensorBoard's smoothing); non-finite inputs are
+    passed over, keeping their slot as NaN so x positions still line up."""
+    alpha = 2.0 / (span + 1.0)
+    out, avg, weight = [], 0.0, 0.0
+    for v in values:
+        if not _finite(v):
+            out.append(math.nan)
+            continue
+        avg = (1 - alpha) * avg + alpha * v
+        weight = (1 - alpha) * weight + alpha
+        out.append(avg / weight)
+    return out
+
+
+# ------------------------------------------------------------------------------------ charts
+
+
+def build_charts(m: RunMetrics, max_points: int = MAX_POINTS) -> list[Chart]:
+    train = m.of("train")
+    steps = [r["step"] for r in train]
+    markers = [Marker(r["step"], f"checkpoint step {r['step']}: {r.get('path', '')}") for r in m.of("checkpoint")]
+
+    def col(key: str, scale: float = 1.0) -> list[float]:
+        return [r[key] * scale if _finite(r.get(key)) else math.nan for r in train]
+
+    def series(name: str, xs, ys, **kw) -> Series:
+        xs, ys = downsample(list(xs), list(ys), max_points)
+        return Series(name, xs, ys, **kw)
+
+    loss = col("loss")
+    loss_series = [series("train loss", steps, loss, style="points", width=1.3, opacity=0.35, color="#1f77b4"),
+                   series("train loss (EMA)", steps, ema(loss, min(200.0, max(4.0, len(loss) / 60))), color="#1f77b4", width=2.0)]
+    evals = m.of("eval")
+    eval_keys = sorted({k for r in evals for k in r if k.endswith("_loss")}, key=lambda k: (k != "val_loss", k))
+    for i, key in enumerate(eval_keys):
+        loss_series.append(series(key.replace("_", " "), [r["step"] for r in evals],
+                                  [r[key] if _finite(r.get(key)) else math.nan for r in evals],
+                                  style="line+points", width=2.0, color=("#d62728", "#2ca02c", "#ff7f0e", "#9467bd")[i % 4]))
+    grad = col("grad_norm")
+    finite_grad = [g for g in grad if _finite(g) and g > 0]
+    charts = [
+        Chart("chart-loss", "Loss (train and validation)", loss_series, y_label="loss (nats/token)"),
+        Chart("chart-lr", "Learning rate", [series("lr", steps, col("lr"))], y_label="lr"),
+        Chart("chart-grad-norm", "Gradient norm (before clipping)", [series("grad norm", steps, grad)],
+              y_label="grad norm", log_y=bool(finite_grad) and max(finite_grad) / min(finite_grad) > 100),
+        Chart("chart-tokens-per-s", "Throughput", [series("tokens/s", steps, col("tokens_per_s"))], y_label="tokens/s"),
+        Chart("chart-mfu", "Model FLOPs utilization", [series("MFU %", steps, col("mfu", 100.0))], y_label="MFU (%)"),
+        Chart("chart-memory", "Memory", [series("memory MB", steps, col("memory_mb"))], y_label="MB"),
+        Chart("chart-data-wait", "Data wait per step", [series("data wait ms", steps, col("data_wait_ms"))],
+              y_label="ms"),
+    ]
+    for c in charts:
+        c.markers = markers
+    return charts
+
+
+def chart_data(chart: Chart) -> dict[str, dict[str, list]]:
+    return {s.name: {"x": [_json_number(x) for x in s.xs], "y": [_json_number(y) for y in s.ys]} for s in chart.series}
+
+
+def _json_number(v: Any) -> Any:
+    return v if _finite(v) else None  # strict JSON has no NaN/Infinity
+
+
+def json_script(element_id: str, obj: Any) -> str:
+    text = json.dumps(obj, allow_nan=False).replace("</", "<\\/")  # cannot close the script element
+    return f'<script type="application/json" id="{escape(element_id)}">{text}</script>'
+
+
+# ------------------------------------------------------------------------------------ eval files
+
+
+def read_eval_files(run_dir: Path) -> tuple[list[tuple[str, list[tuple[str, Any]]]], list[str]]:
+    """(file name, flattened metrics) for each reports/eval-*.json, and warnings for unreadable ones."""
+    tables, warnings = [], []
+    for path in sorted((run_dir / "reports").glob("eval-*.json")):
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            warnings.append(f"{path}: not readable JSON ({e}); left out")
+            continue
+        tables.append((path.name, flatten(obj)))
+    return tables, warnings
+
+
+def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested dicts as dotted keys; long lists are summarized by their length."""
+    if isinstance(obj, dict):
+        out = []
+        for key, value in obj.items():
+            out += flatten(value, f"{prefix}.{key}" if prefix else str(key))
+        return out
+    if isinstance(obj, list):
+        if len(obj) <= 8 and all(isinstance(v, (int, float, str, bool)) or v is None for v in obj):
+            return [(prefix, ", ".join(_cell(v) for v in obj))]
+        return [(prefix, f"[{len(obj)} items]")]
+    return [(prefix or "value", obj)]
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v).lower() if v is not None else "-"
+    if isinstance(v, float):
+        return f"{v:.6g}" if math.isfinite(v) else str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    text = str(v)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+# ------------------------------------------------------------------------------------ page
+
+
+def build_report(run_dir: str | Path, max_points: int = MAX_POINTS) -> tuple[str, dict[str, Any], list[str]]:
+    """(HTML page, summary, warnings) for a run directory."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise DataError(f"run directory {run_dir} not found")
+    m = read_metrics(run_dir / "metrics.jsonl")
+    summary = summarize(m)
+    eval_tables, warnings = read_eval_files(run_dir)
+    if m.skipped:
+        more = " ..." if len(m.skipped) > 5 else ""
+        warnings.insert(0, f"{len(m.skipped)} malformed line(s) in metrics.jsonl skipped: "
+                           + "; ".join(m.skipped[:5]) + more)
+    charts = build_charts(m, max_points)
+    config_path = run_dir / "config.toml"
+    config_text = config_path.read_text(encoding="utf-8", errors="replace") if config_path.is_file() else None
+
+    body = [f"<h1>kiln run: {escape(run_dir.resolve().name)}</h1>",
+            f'<p class="meta">{escape(str(run_dir.resolve()))} &middot; report written '
+            f'{time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}</p>']
+    if warnings:
+        body.append('<ul id="warnings" class="warnings">' + "".join(f"<li>{escape(w)}</li>" for w in warnings) + "</ul>")
+    body.append('<h2>Summary</h2><table id="summary"><tbody>')
+    for key, label in SUMMARY_LABELS.items():
+        value = summary[key]
+        raw = "" if value is None else repr(value)
+        body.append(f'<tr data-key="{key}" data-value="{escape(raw)}"><th>{escape(label)}</th>'
+                    f'<td>{escape(format_summary_value(key, value))}</td></tr>')
+    body.append("</tbody></table>")
+    body.append(_run_info(m))
+    body.append('<h2>Training curves</h2><p class="note">Dashed vertical lines: checkpoints. Train loss: raw '
+                'steps as faint points, EMA as a line.</p><div class="charts">')
+    for chart in charts:
+        body.append(f'<figure>{render_chart(chart)}{json_script("data-" + chart.chart_id, chart_data(chart))}</figure>')
+    body.append("</div>")
+    body.append(_eval_section(m, eval_tables))
+    body.append(_events_section(m))
+    body.append('<h2>Resolved config</h2>')
+    body.append(f'<pre id="config">{escape(config_text)}</pre>' if config_text is not None
+                else f'<p id="config">{escape(str(config_path))} not found.</p>')
+    html = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>kiln report: {escape(run_dir.resolve().name)}</title><style>{PAGE_CSS}{CHART_CSS}</style>"
+            f"</head><body>{''.join(body)}</body></html>\n")
+    return html, summary, warnings
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None,
+                 max_points: int = MAX_POINTS) -> tuple[Path, dict[str, Any], list[str]]:
+    """Write the page (default RUN_DIR/reports/report.html) atomically; returns (path, summary, warnings)."""
+    html, summary, warnings = build_report(run_dir, max_points)
+    out = Path(out) if out else Path(run_dir) / "reports" / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(out)
+    return out, summary, warnings
+
+
+def _table(table_id: str, header: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{escape(_cell(v))}</td>" for v in row) + "</tr>" for row in rows)
+    return f'<table id="{escape(table_id)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _run_info(m: RunMetrics) -> str:
+    runs = m.of("run")
+    if not runs:
+        return ""
+    merged: dict[str, Any] = {}
+    for r in runs:  # later segments (resumes) override, e.g. resumed_from
+        merged.update(r)
+    rows = [[k, v] for k, v in merged.items() if k not in ("kind", "step", "time")]
+    if len(runs) > 1:
+        rows.append(["segments (resumes)", len(runs)])
+    return "<h2>Run</h2>" + _table("run-info", ["field", "value"], rows)
+
+
+def _eval_section(m: RunMetrics, eval_tables: list[tuple[str, list[tuple[str, Any]]]]) -> str:
+    out = ["<h2>Evaluation</h2>"]
+    evals = m.of("eval")
+    if evals:
+        keys = [k for k in dict.fromkeys(k for r in evals for k in r) if k not in ("kind", "step", "time")]
+        out.append(_table("eval-table", ["step", *keys], [[r["step"], *(r.get(k) for k in keys)] for r in evals]))
+    else:
+        out.append('<p>No periodic evaluations in metrics.jsonl (train.eval_every = 0?).</p>')
+    for i, (name, items) in enumerate(eval_tables):
+        out.append(f"<h3>{escape(name)}</h3>")
+        out.append(_table(f"eval-file-{i}", ["metric", "value"], [[k, v] for k, v in items]))
+    return "".join(out)
+
+
+def _events_section(m: RunMetrics) -> str:
+    events = m.of("event")
+    rows = [[r["step"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])) if _finite(r.get("time")) else "-",
+             r.get("message", "")] for r in events]
+    if not rows:
+        return '<h2>Events</h2><p id="events">No events.</p>'
+    return "<h2>Events</h2>" + _table("events", ["step", "time (UTC)", "message"], rows)
+
+
+PAGE_CSS = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1400px; }
+h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 18px; margin-top: 28px; } h3 { font-size: 15px; }
+.meta, .note { color: #666; font-size: 13px; }
+.warnings { background: #fff4e5; border: 1px solid #f0c36d; padding: 8px 8px 8px 28px; font-size: 13px; }
+table { border-collapse: collapse; font-size: 13px; margin: 6px 0; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+td { font-variant-numeric: tabular-nums; } thead th { background: #f4f4f4; }
+.charts { display: flex; flex-wrap: wrap; } figure { margin: 0; }
+pre { background: #f7f7f7; border: 1px solid #ddd; padding: 10px; font-size: 12px; overflow-x: auto; }
+"""
