@@ -114,11 +114,13 @@ class _Counter:
         self.stats = ctx.step_stats(READ_STEP)
         self.ctx, self.reject_fn = ctx, reject
 
+    # bytes_in = bytes_kept (UTF-8 text of kept documents) + dropped bytes (raw size of rejected
+    # records), so the funnel does not show JSON quoting overhead as a loss.
     def seen(self, nbytes: int) -> None:
         self.stats["docs_in"] += 1
-        self.stats["bytes_in"] += nbytes
 
     def reject(self, file: str, line: int | None, reason: str, detail: str, nbytes: int) -> None:
+        self.stats["bytes_in"] += nbytes
         key = f"read:{reason}"
         self.stats["dropped"][key] = self.stats["dropped"].get(key, 0) + 1
         self.stats["dropped_bytes"][key] = self.stats["dropped_bytes"].get(key, 0) + nbytes
@@ -129,8 +131,10 @@ class _Counter:
         self.reject_fn(file, line, key, detail)
 
     def kept(self, doc: Doc) -> Doc:
+        nbytes = text_bytes(doc.text)
         self.stats["docs_kept"] += 1
-        self.stats["bytes_kept"] += text_bytes(doc.text)
+        self.stats["bytes_kept"] += nbytes
+        self.stats["bytes_in"] += nbytes
         return doc
 
 

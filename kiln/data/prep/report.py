@@ -19,6 +19,12 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def _fmt_pow2(k: int) -> str:
+    """2**k bytes in binary units: 512 B, 1 KiB, 64 MiB."""
+    unit = min(k // 10, 4)
+    return f"{1 << (k - 10 * unit)} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
+
+
 def build_report(cfg: PrepConfig, order: list[str], stats: dict[str, dict[str, Any]], hist_in: list[int],
                  hist_out: list[int], tokens: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     types = {s.name: s.type for s in cfg.steps}
@@ -103,22 +109,26 @@ def _histogram_svg(before: list[int], after: list[int]) -> str:
         return "<p>no documents</p>"
     lo, hi = used[0], used[-1]
     top = max(max(before), max(after)) or 1
-    bw, height = 28, 160
+    bw, height, left, legend = 44, 180, 50, 24
     n = hi - lo + 1
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{n * bw + 60}" height="{height + 50}">']
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + n * bw + 20}" height="{legend + height + 60}">',
+             f'<rect x="{left}" y="4" width="10" height="10" fill="#9ecae1"/>'
+             f'<text x="{left + 14}" y="13" font-size="11">before the pipeline</text>'
+             f'<rect x="{left + 150}" y="4" width="10" height="10" fill="#3182bd"/>'
+             f'<text x="{left + 164}" y="13" font-size="11">kept</text>',
+             f'<text x="{left - 6}" y="{legend + 10}" font-size="10" text-anchor="end">{top:,}</text>'
+             f'<text x="{left - 6}" y="{legend + height}" font-size="10" text-anchor="end">0</text>']
+    base = legend + height
     for j, i in enumerate(range(lo, hi + 1)):
-        x = 40 + j * bw
+        x = left + j * bw
         for k, (series, color) in enumerate(((before, "#9ecae1"), (after, "#3182bd"))):
             hgt = height * series[i] / top
-            parts.append(f'<rect x="{x + k * (bw // 2 - 1)}" y="{height - hgt + 5:.1f}" width="{bw // 2 - 2}" '
-                         f'height="{hgt:.1f}" fill="{color}"><title>{series[i]} docs</title></rect>')
-        label = _fmt_bytes(1 << (i - 1)) if i else "0 B"
-        parts.append(f'<text x="{x + bw / 2}" y="{height + 20}" font-size="9" text-anchor="end" '
-                     f'transform="rotate(-45 {x + bw / 2} {height + 20})">{html.escape(label)}</text>')
-    parts.append(f'<rect x="40" y="{height + 32}" width="10" height="10" fill="#9ecae1"/>'
-                 f'<text x="54" y="{height + 41}" font-size="11">before</text>'
-                 f'<rect x="110" y="{height + 32}" width="10" height="10" fill="#3182bd"/>'
-                 f'<text x="124" y="{height + 41}" font-size="11">after</text></svg>')
+            parts.append(f'<rect x="{x + 2 + k * (bw // 2 - 2)}" y="{base - hgt:.1f}" width="{bw // 2 - 3}" '
+                         f'height="{hgt:.1f}" fill="{color}"><title>{series[i]:,} documents</title></rect>')
+        label = f"≥{_fmt_pow2(i - 1)}" if i else "0 B"
+        parts.append(f'<text x="{x + bw / 2}" y="{base + 14}" font-size="10" text-anchor="end" '
+                     f'transform="rotate(-40 {x + bw / 2} {base + 14})">{html.escape(label)}</text>')
+    parts.append(f'<line x1="{left}" y1="{base}" x2="{left + n * bw}" y2="{base}" stroke="#888"/></svg>')
     return "".join(parts)
 
 
