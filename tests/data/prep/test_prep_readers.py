@@ -32,6 +32,8 @@ def test_broken_jsonl_lines_are_rejected_with_file_and_line(tmp_path):
         (6, "read:empty"), (8, "read:too_large"), (9, "read:missing_text_field")]
     assert all(r[0] == "d.jsonl" for r in rejects)
     assert stats["docs_in"] == 9 and stats["docs_kept"] == 2 and sum(stats["dropped"].values()) == 7
+    assert stats["bytes_kept"] == len("good one") + len("good two")  # text bytes, not JSON lines
+    assert stats["bytes_in"] == stats["bytes_kept"] + sum(stats["dropped_bytes"].values())
 
 
 def test_text_files_binary_non_utf8_empty_and_too_large(tmp_path):
