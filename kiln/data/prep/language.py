@@ -56,6 +56,8 @@ class ScriptFilter(Filter):
         self._keep = {s.upper() for s in self.config.keep_scripts}
 
     def reason(self, doc: Doc) -> str | None:
+        if not hasattr(self, "_keep"):  # called directly, without the executor's setup
+            self.setup(StepContext())
         counts = script_counts(doc.text)
         total = sum(counts.values())
         if total < max(self.config.min_letters, 1):
@@ -96,6 +98,8 @@ class UrlBlocklist(Filter):
         self._substrings = [s.lower() for s in self.config.url_substrings]
 
     def reason(self, doc: Doc) -> str | None:
+        if not hasattr(self, "_domains"):  # called directly, without the executor's setup
+            self.setup(StepContext())
         url = doc.meta.get(self.config.url_field)
         if not isinstance(url, str) or not url:
             return None

@@ -133,7 +133,9 @@ class PiiRedact(Step):
 
     def redact(self, text: str) -> tuple[str, dict[str, int]]:
         counts: dict[str, int] = {}
-        kinds = set(getattr(self, "_kinds", ALL_TYPES))
+        if not hasattr(self, "_kinds"):  # called directly, without the executor's setup
+            self.setup(StepContext())
+        kinds = set(self._kinds)
         if "PRIVATE_KEY" in kinds and "PRIVATE KEY-----" in text:
             text = self._sub(_PEM, text, "PRIVATE_KEY", counts)
         if "SECRET" in kinds:
