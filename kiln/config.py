@@ -90,7 +90,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | adafactor | lamb | lion | muon | sgd
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak lr; muon wants ~0.02 for its matrices, lion ~3-10x less than adamw
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -110,6 +110,10 @@ class OptimConfig:
             raise ConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
         if self.weight_decay < 0:
             raise ConfigError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum={self.momentum} must be in [0, 1)")
+        if self.muon_adam_lr <= 0:
+            raise ConfigError(f"optim.muon_adam_lr={self.muon_adam_lr} must be > 0")
 
 
 @dataclass
