@@ -1,7 +1,7 @@
 """The dedup methods as `kiln prep` pipeline steps (global steps: index -> prepare -> run).
 
 Every step drops or edits documents with a specific reason: `dedup:exact`, `dedup:bloom`
-(whole documents), `dedup:exact_paragraph`/`dedup:exact_line` (all units were repeats),
+(whole documents), `dedup:exact_paragraph`/`dedup:bloom_line`/... (all units were repeats),
 `dedup:minhash`, `dedup:simhash`, `dedup:suffix_array` (nothing left after removing repeated
 spans). Units/spans removed from documents that survive are counted under `modified`.
 Stage-1 files are named by shard; a stage's output is written to a temporary name and renamed,
@@ -149,9 +149,7 @@ class ExactDedup(GlobalStep):
     def run(self, docs: Iterator[Doc], ctx: StepContext) -> Iterator[Doc]:
         flags = iter(self._keep)
         unit = self.config.unit
-        reason = f"dedup:{self.config.filter if unit == 'document' else 'exact'}"
-        if unit != "document":
-            reason += f"_{unit}"
+        reason = f"dedup:{self.config.filter}" + ("" if unit == "document" else f"_{unit}")
         for doc in docs:
             pieces, hashes = unit_hashes(doc.text, self.config)
             keep = [True if h is None else next(flags) for h in hashes[::2]]

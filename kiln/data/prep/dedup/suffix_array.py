@@ -82,20 +82,31 @@ def duplicate_mask(corpus: np.ndarray, config: SuffixArrayConfig) -> np.ndarray:
     inside_doc = next_sep - position >= k
     run_id = np.cumsum(run_start) - 1
     position, run_id = position[inside_doc], run_id[inside_doc]
-    if config.keep == "first" and len(position):
-        earliest = np.full(int(run_id[-1]) + 1, n, dtype=np.int64)
-        np.minimum.at(earliest, run_id, position)
-        position = position[position != earliest[run_id]]
-    start, end = _widen_to_characters(corpus, position, position + k)
-    depth = np.zeros(n + 1, dtype=np.int32)
-    np.add.at(depth, start, 1)
-    np.add.at(depth, end, -1)
-    np.cumsum(depth, out=depth)
-    return depth[:n] > 0
+    if config.keep == "first" and len(position):  # runs are contiguous: reduce per run
+        firsts = np.flatnonzero(np.r_[True, run_id[1:] != run_id[:-1]])
+        earliest = np.minimum.reduceat(position, firsts)
+        position = position[position != np.repeat(earliest, np.diff(np.r_[firsts, len(position)]))]
+    position.sort()
+    start, end = _merge(position, position + k)
+    start, end = _merge(*_widen_to_characters(corpus, start, end))
+    edges = np.zeros(n + 1, dtype=np.int8)  # merged spans are disjoint and apart: plain stores
+    edges[start] = 1
+    edges[end] = -1
+    return np.cumsum(edges[:n], dtype=np.int8) > 0
+
+
+def _merge(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Union of spans [start, end) sorted by start, as disjoint, non-touching spans."""
+    if not len(start):
+        return start, end
+    reach = np.maximum.accumulate(end)
+    new = np.r_[True, start[1:] > reach[:-1]]
+    return start[new], reach[np.r_[new[1:], True]]
 
 
 def _widen_to_characters(corpus: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Move span ends outward so a UTF-8 character is removed whole or not at all."""
+    """Move span ends outward so a UTF-8 character is removed whole or not at all (starts stay
+    sorted: each moves to the start of its character, a non-decreasing function of position)."""
     start, end = start.copy(), end.copy()
     n = len(corpus)
     for _ in range(3):  # a UTF-8 character has at most 3 continuation bytes (10xxxxxx)
