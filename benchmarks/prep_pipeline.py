@@ -1,8 +1,9 @@
 """Throughput of `kiln prep` on real text, and the cost of its token-shard writer.
 
 1. Whole pipeline (read JSONL -> normalize -> script -> gopher_quality -> gopher_repetition -> pii
-   -> write kept documents), one worker process: MB of input per second per core. Each step is
-   also timed alone, in memory, to show where the time goes.
+   -> write kept documents), one worker process: MB of input per second per core; then the same
+   with BPE training (vocab 8192) and token shards (tokenizers may use more than one thread for
+   those). Each step is also timed alone, in memory, to show where the time goes.
 2. Tokenization: the pipeline's shard writer (`kiln.data.prep.writers.tokenize_docs`: batching,
    train/val split, ShardWriter, atomic .npy files) versus calling `tokenizers` directly
    (`Tokenizer.encode_batch_fast` over the same documents in the same batches, ids read out).
@@ -78,16 +79,17 @@ def load_corpus(paths: list[str], max_mb: float) -> tuple[list[str], list[str]]:
     return names, out
 
 
-def bench_pipeline(docs: list[str], work: Path) -> dict:
+def bench_pipeline(docs: list[str], work: Path, tokenize: bool = False) -> dict:
     raw = work / "raw"
-    raw.mkdir()
+    raw.mkdir(exist_ok=True)
     n_files = 4
     for i in range(n_files):
         with open(raw / f"part{i}.jsonl", "w", encoding="utf-8") as f:
             for j, text in enumerate(docs[i::n_files]):
                 f.write(json.dumps({"text": text, "id": f"{i}-{j}"}) + "\n")
     cfg = config_from_dict({"input": {"path": str(raw), "id_field": "id"},
-                            "output": {"dir": str(work / "out")}, "tokenize": {"enabled": False},
+                            "output": {"dir": str(work / ("out-tok" if tokenize else "out"))},
+                            "tokenize": {"enabled": tokenize, "vocab_size": 8192},
                             "run": {"workers": 1, "progress": "none", "resume": False}, "step": STEPS})
     t0 = time.perf_counter()
     report = run_prep(cfg)
@@ -178,6 +180,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         pipe = bench_pipeline(docs, work)
+        pipe_tok = bench_pipeline(docs, work, tokenize=True)
         steps = bench_steps(docs)
         tok = bench_tokenize(docs, args.rounds, work, args.batch_bytes)
 
@@ -188,6 +191,7 @@ def main() -> None:
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("pipeline (1 worker), MB/s per core", f"{pipe['mb_per_s_per_core']:.2f}")
+    table.add_row("  + BPE training and token shards, MB/s", f"{pipe_tok['mb_per_s_per_core']:.2f}")
     table.add_row("documents kept", f"{pipe['docs_out']:,} / {pipe['docs_in']:,}")
     for name, rate in steps.items():
         table.add_row(f"  step {name}, MB/s", f"{rate:.2f}")
@@ -199,7 +203,7 @@ def main() -> None:
     Console().print(table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "corpus": names, "documents": len(docs), "mb": mb, "pipeline": pipe, "steps_mb_per_s": steps,
+        "corpus": names, "documents": len(docs), "mb": mb, "pipeline": pipe, "pipeline_with_tokenize": pipe_tok, "steps_mb_per_s": steps,
         "tokenize": tok, "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                                      "platform": platform.platform()},
         "command": "python benchmarks/prep_pipeline.py " + " ".join(sys.argv[1:]),
