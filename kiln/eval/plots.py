@@ -25,6 +25,7 @@ class Series:
     style: str = "line"  # line | points | line+points
     width: float = 1.6
     opacity: float = 1.0
+    radius: float = 0.0  # of points; 0: the line width
 
 
 @dataclass
@@ -45,7 +46,8 @@ class Chart:
     markers: list[Marker] = field(default_factory=list)
     log_x: bool = False
     log_y: bool = False
-    x_ticks: list[tuple[float, str]] | None = None  # fixed ticks (categorical axes)
+    x_ticks: list[tuple[float, str]] | None = None  # fixed ticks (categorical axes, few distinct values)
+    x_pad: float = 0.0  # margin as a fraction of the x range (keeps edge points off the frame)
     width: int = 640
     height: int = 300
 
@@ -91,7 +93,7 @@ def log_ticks(lo: float, hi: float) -> list[float]:
     """Powers of ten in [lo, hi]; with fewer than two, also 2x and 5x of them."""
     a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
     ticks = [10.0 ** k for k in range(a, b + 1) if lo <= 10.0 ** k <= hi]
-    if len(ticks) < 2:
+    if len(ticks) < 3:
         ticks = sorted(m * 10.0 ** k for k in range(a, b + 1) for m in (1, 2, 5) if lo <= m * 10.0 ** k <= hi)
     return ticks or [lo, hi]
 
@@ -123,11 +125,9 @@ def render_chart(chart: Chart) -> str:
         return "".join(parts)
     xs = [x for x, _ in points] + [m.x for m in chart.markers if _usable(m.x, chart.log_x)]
     ys = [y for _, y in points]
-    x_lo, x_hi = _padded_range(min(xs), max(xs), chart.log_x, pad=0.0)
+    xs += [t for t, _ in chart.x_ticks or [] if _usable(t, chart.log_x)]
+    x_lo, x_hi = _padded_range(min(xs), max(xs), chart.log_x, pad=chart.x_pad)
     y_lo, y_hi = _padded_range(min(ys), max(ys), chart.log_y, pad=0.05)
-    if chart.x_ticks:
-        x_lo = min(x_lo, min(t for t, _ in chart.x_ticks) - 0.5)
-        x_hi = max(x_hi, max(t for t, _ in chart.x_ticks) + 0.5)
     fx = _scale(x_lo, x_hi, left, left + pw, chart.log_x)
     fy = _scale(y_lo, y_hi, top + ph, top, chart.log_y)
 
@@ -186,7 +186,7 @@ def _series_svg(s: Series, color: str, fx, fy, log_x: bool, log_y: bool) -> str:
             out.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="{s.width}" '
                        f'stroke-opacity="{s.opacity}" stroke-linejoin="round"><title>{name}</title></path>')
     if "points" in s.style:
-        dots = "".join(f'<circle cx="{fx(x):.1f}" cy="{fy(y):.1f}" r="{max(s.width, 1.2):.1f}"/>'
+        dots = "".join(f'<circle cx="{fx(x):.1f}" cy="{fy(y):.1f}" r="{s.radius or max(s.width, 1.2):.1f}"/>'
                        for x, y in zip(s.xs, s.ys) if _usable(x, log_x) and _usable(y, log_y))
         out.append(f'<g fill="{color}" fill-opacity="{s.opacity}"><title>{name}</title>{dots}</g>')
     return "".join(out)
