@@ -2,15 +2,14 @@
 
 1. Whole pipeline (read JSONL -> normalize -> script -> gopher_quality -> gopher_repetition -> pii
    -> write kept documents), one worker process: MB of input per second per core; then the same
-   with BPE training (vocab 8192) and token shards (tokenizers may use more than one thread for
-   those). Each step is also timed alone, in memory, to show where the time goes.
+   with BPE training (vocab 8192) and token shards (tokenizers on --threads threads, default 1). Each step is also timed alone, in memory, to show where the time goes.
 2. Tokenization: the pipeline's shard writer (`kiln.data.prep.writers.tokenize_docs`: batching,
    train/val split, ShardWriter, atomic .npy files) versus calling `tokenizers` directly
    (`Tokenizer.encode_batch_fast` over the same documents in the same batches, ids read out).
    Target: overhead <= 15%, in wall time and in process CPU time. The two are timed in
    interleaved rounds; figures are medians.
 
-    python benchmarks/prep_pipeline.py [CORPUS ...] [--rounds 5] [--max-mb 4]
+    python benchmarks/prep_pipeline.py [CORPUS ...] [--rounds 5] [--max-mb 4] [--threads 1]
 
 CORPUS: text files (default /work/shared/data/*.txt; without them, the Python standard library
 sources). Text files are split into documents at wikitext article headings (" = Title = "), else
@@ -171,7 +170,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-mb", type=float, default=4.0, help="use at most this much text")
     parser.add_argument("--batch-bytes", type=int, default=4 << 20)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="tokenizers threads (default 1: per-core figures, steadier CPU times)")
     args = parser.parse_args()
+    # Must precede the first use of tokenizers, which sizes its thread pool once.
+    os.environ["RAYON_RS_NUM_CPUS"] = str(args.threads)
     names, docs = load_corpus(args.corpus, args.max_mb)
     if not docs:
         sys.exit("no documents in the corpus")
@@ -204,7 +207,7 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "corpus": names, "documents": len(docs), "mb": mb, "pipeline": pipe, "pipeline_with_tokenize": pipe_tok, "steps_mb_per_s": steps,
-        "tokenize": tok, "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+        "tokenize": tok, "tokenizer_threads": args.threads, "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                                      "platform": platform.platform()},
         "command": "python benchmarks/prep_pipeline.py " + " ".join(sys.argv[1:]),
     }, indent=1))
