@@ -119,11 +119,7 @@ min_length = 60
 """
 
 
-@pytest.mark.timeout(180)
-def test_pipeline_with_dedup_steps_under_local_executor(tmp_path):
-    from kiln.data.prep.executor import run_prep
-    from kiln.data.prep.pipeline import load_prep_config
-
+def _write_corpus(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     docs = random_docs(12, seed=13)
@@ -134,19 +130,44 @@ def test_pipeline_with_dedup_steps_under_local_executor(tmp_path):
     texts = [f"{d}\n\n{boiler}" for d in docs] + [docs[0] + f"\n\n{boiler}", edit_words(docs[1], 1)]
     for i, text in enumerate(texts):
         (raw / f"doc{i:02d}.txt").write_text(text, encoding="utf-8")
-    config = tmp_path / "prep.toml"
-    config.write_text(PIPELINE.format(raw=raw, out=tmp_path / "out"), encoding="utf-8")
-    report = run_prep(load_prep_config(config))
-    steps = report["steps"]
+    return raw, boiler, span
+
+
+def _run(tmp_path, raw, executor):
+    from kiln.data.prep.executor import run_prep
+    from kiln.data.prep.pipeline import load_prep_config
+
+    config = tmp_path / f"prep-{executor}.toml"
+    text = PIPELINE.format(raw=raw, out=tmp_path / executor).replace('"local"', f'"{executor}"')
+    config.write_text(text, encoding="utf-8")
+    return run_prep(load_prep_config(config))
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_with_dedup_steps_under_local_executor(tmp_path):
+    raw, boiler, span = _write_corpus(tmp_path)
+    steps = _run(tmp_path, raw, "local")["steps"]
     assert steps["dedup_exact"]["dropped"] == {"dedup:exact": 1}  # the verbatim copy of doc 0
     assert steps["dedup_minhash"]["dropped"] == {"dedup:minhash": 1}  # the edited copy of doc 1
     assert steps["paragraphs"]["modified"] == {"dedup:exact_paragraph": 11}  # boilerplate after the first
     assert steps["dedup_suffix_array"]["docs_modified"] == 1
-    kept = {d["id"]: d["text"] for f in sorted((tmp_path / "out" / "documents").glob("*"))
+    kept = {d["id"]: d["text"] for f in sorted((tmp_path / "local" / "documents").glob("*"))
             for d in map(json.loads, _read_lines(f))}
     assert len(kept) == 12 and "doc12.txt" not in kept and "doc13.txt" not in kept
     assert sum(boiler in t for t in kept.values()) == 1  # the paragraph step keeps its first copy
     assert span in kept["doc02.txt"] and span not in kept["doc03.txt"]  # first occurrence kept
+
+
+@pytest.mark.timeout(240)
+def test_ray_executor_gives_the_same_dedup_output(tmp_path):
+    pytest.importorskip("ray")
+    from prep_testlib import output_files
+
+    raw, _, _ = _write_corpus(tmp_path)
+    local = _run(tmp_path, raw, "local")["steps"]
+    ray = _run(tmp_path, raw, "ray")["steps"]
+    assert {k: v["dropped"] for k, v in local.items()} == {k: v["dropped"] for k, v in ray.items()}
+    assert output_files(tmp_path / "local") == output_files(tmp_path / "ray")
 
 
 def _read_lines(path):
