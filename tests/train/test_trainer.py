@@ -117,3 +117,14 @@ def test_seq_len_larger_than_data(tmp_path):
     p.write_text("tiny corpus " * 3)
     with pytest.raises(KilnError, match="seq_len"):
         train(cfg_for(p), tmp_path / "r")
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_matches_plain(tmp_path, text_file, mode):
+    base = {"train.steps": 3, "train.eval_every": 0, "model.dropout": 0.1, "model.n_layers": 3}
+    plain = train(cfg_for(text_file, **base), tmp_path / "plain")
+    ac = train(cfg_for(text_file, **base, **{"train.activation_checkpointing": mode}), tmp_path / mode)
+    a = [r["loss"] for r in rows(tmp_path / "plain", "train")]
+    b = [r["loss"] for r in rows(tmp_path / mode, "train")]
+    assert b == pytest.approx(a, rel=1e-5)
+    assert ac.steps_done == plain.steps_done == 3
