@@ -63,6 +63,7 @@ def test_minhash_step_drops_near_duplicates_in_other_shards(tmp_path):
     assert stats["dropped"] == {"dedup:minhash": 2}
     assert stats["info"]["verified_pairs"] == 2
     assert "bands x" in (tmp_path / "s_curve.txt").read_text()
+    assert stats["info"]["p_candidate@1.00"] == 1.0 and stats["info"]["lsh_bands"] * stats["info"]["lsh_rows"] <= 128
 
 
 def test_simhash_step(tmp_path):

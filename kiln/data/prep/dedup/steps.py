@@ -21,7 +21,7 @@ from kiln.data.prep.dedup import minhash_stages
 from kiln.data.prep.dedup.bloom import BloomFilter
 from kiln.data.prep.dedup.components import components_keep_lowest
 from kiln.data.prep.dedup.exact import ExactConfig, first_occurrences, join_kept, split_hash, unit_hashes
-from kiln.data.prep.dedup.lsh_params import format_s_curve
+from kiln.data.prep.dedup.lsh_params import format_s_curve, s_curve
 from kiln.data.prep.dedup.minhash import MinHashConfig, MinHasher
 from kiln.data.prep.dedup.simhash import SimHashConfig, fingerprints, near_pairs
 from kiln.data.prep.dedup.suffix_array import SEPARATOR, SuffixArrayConfig, duplicate_mask
@@ -200,6 +200,11 @@ class MinHashDedup(_DropListStep):
         (work_dir / "s_curve.txt").write_text(format_s_curve(bands, rows, self.config.threshold) + "\n")
         for key, value in counts.items():
             ctx.note(self.name, key, value)
+        # the LSH S-curve in the report: P(candidate) at Jaccard 0.50 .. 1.00
+        ctx.note(self.name, "lsh_bands", bands)
+        ctx.note(self.name, "lsh_rows", rows)
+        for similarity, probability in s_curve(bands, rows):
+            ctx.note(self.name, f"p_candidate@{similarity:.2f}", round(probability, 4))
 
 
 # ---------------------------------------------------------------------------- SimHash
