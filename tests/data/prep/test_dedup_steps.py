@@ -83,6 +83,15 @@ def test_suffix_array_step_removes_spans_and_drops_emptied_docs(tmp_path):
     assert stats["info"]["removed_bytes"] == stats["modified"]["dedup:suffix_array_bytes"] + len(span.strip())
 
 
+@pytest.mark.parametrize("step", [ExactDedup(), ExactDedup(ExactDedupConfig(filter="bloom")), MinHashDedup(),
+                                  SimHashDedup(), SuffixArrayDedup()], ids=lambda s: s.config.__class__.__name__)
+def test_empty_shards_pass_through(tmp_path, step):
+    out, stats = run_global(step, [[], as_docs(["only one document here"], "x"), []], tmp_path / "a")
+    assert [len(o) for o in out] == [0, 1, 0] and not stats.get("dropped")
+    out, stats = run_global(step, [[], []], tmp_path / "b")  # nothing at all
+    assert out == [[], []] and not stats.get("dropped")
+
+
 def test_missing_stage_files_and_bad_configs_are_clear_errors(tmp_path):
     step = MinHashDedup(MinHashConfig())
     with pytest.raises(DataError, match="stage 1"):

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from kiln.data.prep.dedup.exact import first_occurrences
 from kiln.errors import ConfigError
 
 
@@ -62,10 +63,7 @@ class BloomFilter:
         the filter before the call are 'not new' (up to the false-positive rate).
         """
         h1, h2 = np.asarray(h1, np.uint64), np.asarray(h2, np.uint64)
-        keys = np.empty(len(h1), dtype=[("a", np.uint64), ("b", np.uint64)])
-        keys["a"], keys["b"] = h1, h2
-        first = np.zeros(len(h1), dtype=bool)
-        first[np.unique(keys, return_index=True)[1]] = True
+        first = first_occurrences(h1, h2)
         pos = self._positions(h1, h2)
         new = first & ~self._test(pos)
         self._set(pos[new])

@@ -112,8 +112,10 @@ def split_hash(h: int) -> tuple[int, int]:
 
 def first_occurrences(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
     """Boolean mask of entries whose (hi, lo) key did not occur at an earlier index."""
-    keys = np.empty(len(hi), dtype=[("hi", np.uint64), ("lo", np.uint64)])
-    keys["hi"], keys["lo"] = hi, lo
+    if not len(hi):
+        return np.zeros(0, dtype=bool)
+    order = np.lexsort((lo, hi))  # stable: equal keys stay in index order, the earliest first
+    h, l = hi[order], lo[order]
     first = np.zeros(len(hi), dtype=bool)
-    first[np.unique(keys, return_index=True)[1]] = True
+    first[order[np.r_[True, (h[1:] != h[:-1]) | (l[1:] != l[:-1])]]] = True
     return first
