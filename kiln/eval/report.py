@@ -382,8 +382,16 @@ def _eval_section(m: RunMetrics, eval_tables: list[tuple[str, list[tuple[str, An
         out.append('<p>No periodic evaluations in metrics.jsonl (train.eval_every = 0?).</p>')
     for i, (name, items) in enumerate(eval_tables):
         out.append(f"<h3>{escape(name)}</h3>")
-        out.append(_table(f"eval-file-{i}", ["metric", "value"], [[k, v] for k, v in items]))
+        out.append(_table(f"eval-file-{i}", ["metric", "value"], [[k, _maybe_timestamp(k, v)] for k, v in items]))
     return "".join(out)
+
+
+def _maybe_timestamp(key: str, value: Any) -> Any:
+    """Unix times (keys `time`, `*.time`, `*_at`) as readable UTC dates."""
+    leaf = key.rsplit(".", 1)[-1]
+    if (leaf == "time" or leaf.endswith("_at")) and _finite(value) and value > 1e8:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+    return value
 
 
 def _events_section(m: RunMetrics) -> str:

@@ -116,7 +116,7 @@ def synthetic_run(run_dir: Path, steps: int = 120) -> list[dict]:
     (run_dir / "config.toml").write_text(CONFIG, encoding="utf-8")
     (run_dir / "reports").mkdir()
     (run_dir / "reports" / "eval-step-120.json").write_text(json.dumps(
-        {"step": 120, "parts": {"perplexity": {"loss": 2.345678, "ppl": 10.44}, "generation": {"samples": list(range(20))}},
+        {"step": 120, "time": 1_700_000_000.0, "parts": {"perplexity": {"loss": 2.345678, "ppl": 10.44}, "generation": {"samples": list(range(20))}},
          "failed": None}), encoding="utf-8")
     (run_dir / "reports" / "eval-broken.json").write_text("{not json", encoding="utf-8")
     return rows
@@ -213,6 +213,7 @@ def test_tables_events_config_and_no_external_resources(report):
     eval_file = {row[0]: row[1] for row in page.tables["eval-file-0"]}
     assert eval_file["parts.perplexity.loss"] == "2.34568"
     assert eval_file["parts.generation.samples"] == "[20 items]"
+    assert eval_file["time"] == "2023-11-14 22:13:20 UTC"
     assert page.tables["events"][1][2] == "early stop: no val_loss improvement <3>"
     assert {row[0]: row[1] for row in page.tables["run-info"]}["n_params"] == "123,456"
     assert page.config == CONFIG  # escaped in the page, intact when parsed
