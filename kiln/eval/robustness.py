@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import re
 import string
+from pathlib import Path
 from typing import Callable
 
 from kiln.errors import KilnError
@@ -106,6 +107,28 @@ def perturb(texts: list[str], spec: str, seed: int = 0) -> list[str]:
     label, fn = parse_perturbation(spec)
     # str seeds are hashed with SHA-512 by random.Random, so this does not depend on PYTHONHASHSEED
     return [fn(text, random.Random(f"{seed}/{label}/{i}")) for i, text in enumerate(texts)]
+
+
+def shard_texts(shard_dir: str | Path, tokenizer, split: str = "val", max_chars: int = 200_000) -> list[str]:
+    """Documents of a token-shard split decoded back to text (lossless for byte and byte-level BPE
+    tokenizers), in order, until `max_chars` characters: the probe needs text to perturb."""
+    from kiln.data.shards import ShardSet
+
+    shards = ShardSet(shard_dir, split)
+    texts: list[str] = []
+    total = 0
+    for shard in range(len(shards.docs)):
+        for doc in range(shards.docs[shard].shape[0] - 1):
+            text = tokenizer.decode(shards.document(shard, doc).tolist())
+            if not text.strip():
+                continue
+            texts.append(text[: max_chars - total])
+            total += len(texts[-1])
+            if total >= max_chars:
+                return texts
+    if not texts:
+        raise KilnError(f"{shard_dir}: the {split} split has no documents to probe; pass text files instead")
+    return texts
 
 
 def robustness_probe(model, tokenizer, texts: list[str], seq_len: int,

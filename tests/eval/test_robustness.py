@@ -6,7 +6,7 @@ from kiln.config import load_config
 from kiln.errors import KilnError
 from kiln.eval.load import load_run
 from kiln.eval.perplexity import evaluate_texts
-from kiln.eval.robustness import DEFAULT_PROBE, parse_perturbation, perturb, robustness_probe, typos
+from kiln.eval.robustness import DEFAULT_PROBE, parse_perturbation, perturb, robustness_probe, shard_texts, typos
 from kiln.train.trainer import train
 
 from conftest import tiny_overrides
@@ -95,3 +95,37 @@ def test_probe_rejects_empty_input_and_bad_specs_before_work(trained):
         robustness_probe(trained.model, trained.tokenizer, ["  "], seq_len=32)
     with pytest.raises(KilnError, match="unknown perturbation"):
         robustness_probe(trained.model, trained.tokenizer, ["hello"], seq_len=32, perturbations=["nope"])
+
+
+def test_shard_texts_decode_validation_documents(tmp_path):
+    from kiln.data.shards import ShardWriter, write_meta
+    from kiln.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    docs = ["first document\n", "   ", "second one, é ü", "third " * 50]
+    writers = []
+    for split, texts in (("train", ["x"]), ("val", docs)):
+        w = ShardWriter(tmp_path, split, tok.vocab_size, tok.eos_id, shard_tokens=40)  # several shards
+        for t in texts:
+            w.add(tok.encode(t))
+        w.finish()
+        writers.append(w)
+    write_meta(tmp_path, writers)
+    assert shard_texts(tmp_path, tok) == [docs[0], docs[2], docs[3]]  # blank documents are left out
+    capped = shard_texts(tmp_path, tok, max_chars=20)
+    assert "".join(capped) == (docs[0] + docs[2])[:20]
+    with pytest.raises(KilnError, match="no documents"):
+        shard_texts(_empty_val(tmp_path / "e", tok), tok)
+
+
+def _empty_val(path, tok):
+    from kiln.data.shards import ShardWriter, write_meta
+
+    writers = []
+    for split in ("train", "val"):
+        w = ShardWriter(path, split, tok.vocab_size, tok.eos_id)
+        w.add(tok.encode("  ") if split == "val" else tok.encode("x"))
+        w.finish()
+        writers.append(w)
+    write_meta(path, writers)
+    return path
