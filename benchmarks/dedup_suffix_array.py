@@ -26,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from kiln.data.corpus import stdlib_files
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.data.prep.dedup.hashing import ByteBatch, fmix64, mix_multiplier, normalize_text
+from kiln.data.prep.dedup.jaccard import ranges
 from kiln.errors import ConfigError
 
 SHINGLE_KINDS = ("word", "char")
@@ -20,15 +21,6 @@ def check_shingling(kind: str, n: int, where: str = "dedup") -> None:
         raise ConfigError(f"{where}.shingle={kind!r} is not one of {', '.join(SHINGLE_KINDS)}")
     if n < 1:
         raise ConfigError(f"{where}.ngram={n} must be >= 1")
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(starts[i], starts[i] + counts[i]) for all i."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(counts) - counts
-    return np.repeat(starts - offsets, counts) + np.arange(total, dtype=np.int64)
 
 
 def _combine(parts: np.ndarray, n: int) -> np.ndarray:
@@ -67,7 +59,7 @@ def shingle_hashes(batch: ByteBatch, kind: str = "word", n: int = 5) -> tuple[np
     elif kind == "char":
         lengths = batch.ends - batch.starts
         windows = np.maximum(lengths - n + 1, 0)
-        s = _ranges(batch.starts, windows)
+        s = ranges(batch.starts, windows)
         hashes = [batch.substring_hash(s, s + n)]
         docs = [np.repeat(np.arange(n_docs, dtype=np.int64), windows)]
         short = np.flatnonzero((lengths > 0) & (lengths < n))

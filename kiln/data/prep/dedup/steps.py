@@ -10,7 +10,7 @@ so an interrupted run never reads a half-written file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Iterator
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from kiln.data.prep.base import Doc, GlobalStep, StepContext, register
 from kiln.data.prep.dedup import minhash_stages
+from kiln.data.prep.dedup.minhash_stages import save_atomic
 from kiln.data.prep.dedup.bloom import BloomFilter
 from kiln.data.prep.dedup.components import components_keep_lowest
 from kiln.data.prep.dedup.exact import ExactConfig, first_occurrences, join_kept, split_hash, unit_hashes
@@ -33,12 +34,6 @@ def _work_dir(ctx: StepContext, step: str) -> Path:
         raise ConfigError(f"step {step!r} is a global dedup step and needs a work directory")
     Path(ctx.work_dir).mkdir(parents=True, exist_ok=True)
     return Path(ctx.work_dir)
-
-
-def _save(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    tmp.replace(path)
 
 
 def _load(path: Path, what: str) -> np.ndarray:
@@ -78,7 +73,7 @@ class _DropListStep(GlobalStep):
     def _write_drops(self, work_dir: Path, dup: np.ndarray, counts: list[int]) -> None:
         offsets = np.r_[0, np.cumsum(counts)]
         for shard in range(len(counts)):
-            _save(minhash_stages.drop_path(work_dir, shard), np.flatnonzero(dup[offsets[shard]:offsets[shard + 1]]))
+            save_atomic(minhash_stages.drop_path(work_dir, shard), np.flatnonzero(dup[offsets[shard]:offsets[shard + 1]]))
 
 
 # ---------------------------------------------------------------------------- exact / bloom
@@ -123,7 +118,7 @@ class ExactDedup(GlobalStep):
             _, hashes = unit_hashes(doc.text, self.config)
             halves += [split_hash(h) for h in hashes if h is not None]
         array = np.array(halves, dtype=np.uint64).reshape(-1, 2)
-        _save(self._hash_path(_work_dir(ctx, self.name), ctx.shard_index), array)
+        save_atomic(self._hash_path(_work_dir(ctx, self.name), ctx.shard_index), array)
 
     def prepare(self, ctx: StepContext, n_shards: int) -> None:
         work_dir = _work_dir(ctx, self.name)
@@ -139,7 +134,7 @@ class ExactDedup(GlobalStep):
             keeps = [bloom.add_new(s[:, 0], s[:, 1]) for s in shards]
             ctx.note(self.name, "bloom_bytes", bloom.nbytes)
         for shard, keep in enumerate(keeps):
-            _save(self._keep_path(work_dir, shard), keep)
+            save_atomic(self._keep_path(work_dir, shard), keep)
         ctx.note(self.name, "units_indexed", total)
         ctx.note(self.name, "units_repeated", int(sum((~k).sum() for k in keeps)))
 
@@ -227,7 +222,7 @@ class SimHashDedup(_DropListStep):
         self.config.validate(f"step {self.name!r}")  # again: --set may have edited the config
         parts = [fingerprints(batch, self.config) for batch in _batches(docs, self.config.batch_bytes)]
         fps = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
-        _save(_work_dir(ctx, self.name) / f"simhash-{ctx.shard_index:05d}.npy", fps)
+        save_atomic(_work_dir(ctx, self.name) / f"simhash-{ctx.shard_index:05d}.npy", fps)
 
     def prepare(self, ctx: StepContext, n_shards: int) -> None:
         work_dir = _work_dir(ctx, self.name)
@@ -267,7 +262,7 @@ class SuffixArrayDedup(GlobalStep):
                 f.write(bytes([SEPARATOR]))
                 lengths.append(len(data))
         tmp.replace(work_dir / f"text-{ctx.shard_index:05d}.bin")
-        _save(work_dir / f"lengths-{ctx.shard_index:05d}.npy", np.array(lengths, dtype=np.int64))
+        save_atomic(work_dir / f"lengths-{ctx.shard_index:05d}.npy", np.array(lengths, dtype=np.int64))
 
     def prepare(self, ctx: StepContext, n_shards: int) -> None:
         work_dir = _work_dir(ctx, self.name)
@@ -285,7 +280,7 @@ class SuffixArrayDedup(GlobalStep):
         mask = duplicate_mask(corpus, self.config)
         pos = 0
         for shard, size in enumerate(sizes):
-            _save(work_dir / f"removed-{shard:05d}.npy", np.packbits(mask[pos:pos + size]))
+            save_atomic(work_dir / f"removed-{shard:05d}.npy", np.packbits(mask[pos:pos + size]))
             pos += size
         ctx.note(self.name, "corpus_bytes", int(len(corpus)))
         ctx.note(self.name, "removed_bytes", int(mask.sum()))
