@@ -99,7 +99,8 @@ class ExactDedup(GlobalStep):
 
     type = "dedup_exact"
     Config = ExactDedupConfig
-    state_bytes_per_doc = 24  # (hi, lo) hash + position per unit, sorted in `prepare`
+    # per unit in `prepare`: the 16-byte hash, the sort order (8) and sorted copies (16)
+    state_bytes_per_doc = 40
 
     def __init__(self, config: ExactDedupConfig | None = None, name: str | None = None):
         super().__init__(config, name)
