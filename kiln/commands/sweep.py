@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.plan.sweep import (SweepPlan, grid_trials, parse_grid, parse_space, random_trials, rank, run_sweep,
+    from kiln.plan.sweep import (SweepPlan, grid_trials, parse_grid, parse_space, random_trials, run_sweep,
                                  sweep_page)
 
     if args.grid and (args.random is not None or args.space):

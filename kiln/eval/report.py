@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import DataError
-from kiln.eval.plots import CHART_CSS, Chart, Marker, Series, downsample, format_number, render_chart
+from kiln.eval.plots import CHART_CSS, Chart, Marker, Series, downsample, render_chart
 
 MAX_POINTS = 2000  # per plotted series; min/max decimation keeps spikes
 DEDUP_KINDS = ("eval", "checkpoint")  # a resumed run repeats steps after its checkpoint

@@ -291,7 +291,8 @@ def sweep_page(title: str, records: list[dict[str, Any]], keys: list[str]) -> st
     from kiln.eval.plots import CHART_CSS, render_chart
     from kiln.eval.report import PAGE_CSS, json_script
 
-    charts = [sweep_chart(records, keys, key, i) for i, key in enumerate(keys)]
+    grid = is_grid(records, keys)
+    charts = [sweep_chart(records, keys, key, i, grid) for i, key in enumerate(keys)]
     ranked = rank(records)
     head = ["rank", "trial", "status", *keys, "best val loss", "final val loss", "final train loss", "tokens/s",
             "wall s", "note"]
@@ -316,9 +317,17 @@ def sweep_page(title: str, records: list[dict[str, Any]], keys: list[str]) -> st
 RANKING_CSS = "#ranking td { white-space: nowrap; } #ranking td:last-child { white-space: normal; }"
 
 
-def sweep_chart(records: list[dict[str, Any]], keys: list[str], key: str, index: int):
-    """Best val loss against `key`. Trials that agree on the other keys (a grid's rows) are joined by
-    a line when there are few such groups; otherwise (random search) they are plain points."""
+def is_grid(records: list[dict[str, Any]], keys: list[str]) -> bool:
+    """Do the trials form a full grid (every combination of each key's distinct values, once)?"""
+    combos = {json.dumps([r["params"].get(k) for k in keys], sort_keys=True) for r in records}
+    distinct = [len({json.dumps(r["params"].get(k), sort_keys=True) for r in records}) for k in keys]
+    return len(combos) == len(records) == math.prod(distinct)
+
+
+def sweep_chart(records: list[dict[str, Any]], keys: list[str], key: str, index: int, grid: bool):
+    """Best val loss against `key`. In a grid, trials that agree on the other keys are joined by a
+    line (one per combination, when there are few) and the tried values are the ticks; a random
+    search is plain points on a 1-2-5 or log axis."""
     from kiln.eval.plots import Chart, Series, format_number
 
     done = [r for r in records if r["status"] == "completed" and r.get("best_val_loss") is not None]
@@ -331,7 +340,7 @@ def sweep_chart(records: list[dict[str, Any]], keys: list[str], key: str, index:
         distinct = list(dict.fromkeys(json.dumps(v, sort_keys=True) for v in values))
         position = {d: float(i) for i, d in enumerate(distinct)}
         x_ticks = [(float(i), d.strip('"')) for i, d in enumerate(distinct)]
-    if numeric and 0 < len(set(values)) <= 8:  # a grid: tick exactly the values tried
+    if grid and numeric and 0 < len(set(values)) <= 8:  # tick exactly the values tried
         x_ticks = [(v, format_number(v)) for v in sorted(set(values))]
 
     def x_of(r: dict[str, Any]) -> float:
@@ -342,7 +351,7 @@ def sweep_chart(records: list[dict[str, Any]], keys: list[str], key: str, index:
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in done:
         groups.setdefault(", ".join(f"{k}={r['params'].get(k)}" for k in others) or "trials", []).append(r)
-    if len(groups) > 8 or all(len(g) == 1 for g in groups.values()):
+    if not grid or len(groups) > 8 or all(len(g) == 1 for g in groups.values()):
         series = [Series("trials", [x_of(r) for r in done], [r["best_val_loss"] for r in done], style="points",
                          radius=4.0)]
     else:
@@ -352,7 +361,9 @@ def sweep_chart(records: list[dict[str, Any]], keys: list[str], key: str, index:
             series.append(Series(name, [x_of(r) for r in members], [r["best_val_loss"] for r in members],
                                  style="line+points", width=2.0, radius=3.5))
     positive = numeric and values and min(values) > 0
-    log_x = bool(positive and max(values) / min(values) >= 10)
+    # integer ranges of a random search (warmup steps) stay linear; rates and grids of sizes go log
+    log_x = bool(positive and max(values) / min(values) >= 10
+                 and (grid or any(isinstance(v, float) for v in values)))
     return Chart(f"chart-sweep-{index}", f"best val loss vs {key}", series, x_label=key + (" (log)" if log_x else ""),
                  y_label="best val loss", log_x=log_x, x_ticks=x_ticks, x_pad=0.06)
 

@@ -1,6 +1,6 @@
+import itertools
 import json
 import math
-import random
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -8,7 +8,6 @@ import pytest
 
 from kiln.cli import main
 from kiln.errors import ConfigError, KilnError
-from kiln.plan import sweep as sweep_mod
 from kiln.plan.sweep import (Space, SweepPlan, grid_trials, parse_grid, parse_space, random_trials, rank,
                              run_sweep, sweep_page)
 from kiln.train.trainer import TrainResult
@@ -189,3 +188,22 @@ def test_cli_usage_errors(tmp_path, capsys):
     assert main(["sweep", "--random", "3"]) == 2
     assert "--space" in capsys.readouterr().err
     assert main(["sweep", "--grid", "optim.lr=1", "--name", "a/b"]) == 2
+
+
+def test_grids_get_lines_and_exact_ticks_random_searches_get_points():
+    from kiln.plan.sweep import is_grid, sweep_chart
+
+    def rec(i, lr, wd, loss):
+        return {"trial": f"t{i}", "status": "completed", "params": {"optim.lr": lr, "optim.weight_decay": wd},
+                "best_val_loss": loss}
+    grid = [rec(i, lr, wd, 3.0 + i) for i, (lr, wd) in enumerate(itertools.product([1e-3, 1e-2], [0.0, 0.1]))]
+    keys = ["optim.lr", "optim.weight_decay"]
+    assert is_grid(grid, keys)
+    chart = sweep_chart(grid, keys, "optim.lr", 0, True)
+    assert [s.name for s in chart.series] == ["optim.weight_decay=0.0", "optim.weight_decay=0.1"]
+    assert chart.log_x and [t for t, _ in chart.x_ticks] == [1e-3, 1e-2]
+    rand = [rec(0, 1e-3, 0.05, 3.0), rec(1, 2e-3, 0.05, 2.0), rec(2, 5e-2, 0.07, 2.5)]
+    assert not is_grid(rand, keys)
+    chart = sweep_chart(rand, keys, "optim.lr", 0, False)
+    assert len(chart.series) == 1 and chart.series[0].style == "points" and chart.x_ticks is None
+    assert chart.series[0].xs == [1e-3, 2e-3, 5e-2] and chart.series[0].ys == [3.0, 2.0, 2.5]
