@@ -9,6 +9,7 @@ diverges or raises is recorded as failed and the sweep moves on.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -149,7 +150,10 @@ class SweepPlan:
         return self.overrides + extra + [f"{k}={v}" for k, v in self.trials[index].items()]
 
     def to_json(self) -> dict[str, Any]:
-        return {"config": self.config, "overrides": self.overrides, "steps": self.steps, "trials": self.trials}
+        # the config file's content is part of the plan: an edited file makes earlier trials stale
+        digest = hashlib.sha256(Path(self.config).read_bytes()).hexdigest() if self.config else None
+        return {"config": self.config, "config_sha256": digest, "overrides": self.overrides, "steps": self.steps,
+                "trials": self.trials}
 
 
 def trial_name(index: int) -> str:
@@ -187,8 +191,9 @@ def load_state(sweep_dir: Path, plan: SweepPlan) -> list[dict[str, Any]]:
     except (OSError, json.JSONDecodeError) as e:
         raise KilnError(f"{path}: not readable ({e}); move it away to start the sweep afresh") from None
     if saved.get("plan") != plan.to_json():
-        raise KilnError(f"{sweep_dir} holds a different sweep (its {SWEEP_FILE} has another plan: config, "
-                        f"--set, --steps or trials differ); use --name for a new sweep or delete that directory")
+        raise KilnError(f"{sweep_dir} holds a different sweep (its {SWEEP_FILE} has another plan: the config "
+                        f"file or its content, --set, --steps or the trials differ); use --name for a new sweep "
+                        f"or delete that directory")
     return saved["trials"]
 
 

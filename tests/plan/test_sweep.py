@@ -120,6 +120,16 @@ def test_interrupted_sweep_resumes_and_skips_finished_trials(tmp_path):
         run_sweep(other, tmp_path / "s", train_fn=fake_train({}, []), log=lambda m: None)
 
 
+def test_an_edited_config_file_is_a_different_sweep(tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text("[train]\neval_every = 5\n")
+    plan = SweepPlan(str(config), [], grid_trials({"optim.lr": ["0.1"]}), steps=10)
+    run_sweep(plan, tmp_path / "s", train_fn=fake_train({"0.1": 3.0}, []), log=lambda m: None)
+    config.write_text("[train]\neval_every = 2\n")
+    with pytest.raises(KilnError, match="holds a different sweep"):
+        run_sweep(plan, tmp_path / "s", train_fn=fake_train({"0.1": 3.0}, []), log=lambda m: None)
+
+
 def test_bad_trial_config_fails_before_any_training(tmp_path):
     plan = SweepPlan(None, [], grid_trials({"optim.lr": ["0.1", "-1"]}), steps=10)
     with pytest.raises(ConfigError, match=r"trial-001 \(optim.lr=-1\): optim.lr=-1.0 must be > 0"):
