@@ -119,7 +119,8 @@ def render_chart(chart: Chart) -> str:
              f'width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" aria-label="{escape(chart.title)}">',
              f'<text x="{left}" y="18" class="title">{escape(chart.title)}</text>']
 
-    points = [(x, y) for s in chart.series for x, y in zip(s.xs, s.ys) if _usable(x, chart.log_x) and _usable(y, chart.log_y)]
+    points = [(x, y) for s in chart.series for x, y in zip(s.xs, s.ys)
+              if _usable(x, chart.log_x) and _usable(y, chart.log_y)]
     if not points:
         parts.append(f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle" class="empty">no data</text></svg>')
         return "".join(parts)

@@ -22,6 +22,7 @@ import numpy as np
 from kiln.errors import DataError
 from kiln.eval.plots import CHART_CSS, Chart, Marker, Series, downsample, render_chart
 
+EVAL_COLORS = ("#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
 MAX_POINTS = 2000  # per plotted series; min/max decimation keeps spikes
 DEDUP_KINDS = ("eval", "checkpoint")  # a resumed run repeats steps after its checkpoint
 
@@ -213,14 +214,15 @@ def build_charts(m: RunMetrics, max_points: int = MAX_POINTS) -> list[Chart]:
         return Series(name, xs, ys, **kw)
 
     loss = col("loss")
+    smooth = ema(loss, span=min(200.0, max(4.0, len(loss) / 60)))
     loss_series = [series("train loss", steps, loss, style="points", width=1.3, opacity=0.35, color="#1f77b4"),
-                   series("train loss (EMA)", steps, ema(loss, min(200.0, max(4.0, len(loss) / 60))), color="#1f77b4", width=2.0)]
+                   series("train loss (EMA)", steps, smooth, color="#1f77b4", width=2.0)]
     evals = m.of("eval")
     eval_keys = sorted({k for r in evals for k in r if k.endswith("_loss")}, key=lambda k: (k != "val_loss", k))
     for i, key in enumerate(eval_keys):
         loss_series.append(series(key.replace("_", " "), [r["step"] for r in evals],
                                   [r[key] if _finite(r.get(key)) else math.nan for r in evals],
-                                  style="line+points", width=2.0, color=("#d62728", "#2ca02c", "#ff7f0e", "#9467bd")[i % 4]))
+                                  style="line+points", width=2.0, color=EVAL_COLORS[i % len(EVAL_COLORS)]))
     grad = col("grad_norm")
     finite_grad = [g for g in grad if _finite(g) and g > 0]
     charts = [
