@@ -110,6 +110,10 @@ class PrepConfig:
             raise ConfigError(f"{source}: step names must be unique; repeated: {dupes} (set `name` on [[step]])")
         if "read" in names:
             raise ConfigError(f"{source}: step name 'read' is reserved for the reader")
+        for step in self.steps:  # catch a bad --set step.X.key=... before any stage runs
+            config = getattr(step, "config", None)
+            if hasattr(config, "validate"):
+                config.validate(f"{source}: step {step.name!r}")
         return self
 
     def describe(self) -> dict[str, Any]:
