@@ -33,9 +33,16 @@ def test_train_generate_eval_resume(tmp_path, text_file):
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("def ") and len(p.stdout) > 5
 
-    p = kiln("eval", str(run), "--data", str(text_file))
+    p = kiln("eval", str(run), "--data", str(text_file), "--robustness", "upper,typos:0.05", "--max-tokens", "2000")
     assert p.returncode == 0, p.stderr
-    assert "bpb" in p.stdout.lower() or "bits" in p.stdout.lower()
+    assert "bits/byte" in p.stdout and "upper delta loss" in p.stdout
+    report = json.loads((run / "reports" / "eval-step-12.json").read_text())
+    assert report["parts"]["robustness"]["upper"]["delta_loss"] == pytest.approx(
+        report["parts"]["robustness"]["upper"]["loss"] - report["parts"]["robustness"]["clean"]["loss"])
+
+    p = kiln("report", str(run))
+    assert p.returncode == 0, p.stderr
+    assert (run / "reports" / "report.html").is_file()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     code.add_argument("--sample-timeout", type=float, default=10.0, help="wall seconds per program")
     code.add_argument("--sample-memory-mb", type=int, default=512)
     code.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="programs run at once")
+    robust = p.add_argument_group("robustness probe (loss under meaning-preserving perturbations)")
+    robust.add_argument("--robustness", nargs="?", const="default", metavar="SPECS",
+                        help="comma list such as upper,typos:0.05 (default set when given bare); "
+                             "scores --data or the run's validation text")
     harness = p.add_argument_group("lm-evaluation-harness")
     harness.add_argument("--lm-eval", metavar="TASKS", help="comma list of lm-eval task names")
     harness.add_argument("--lm-eval-include", nargs="+", metavar="PATH", help="directories of local task YAMLs")
@@ -71,10 +75,13 @@ def run(args: argparse.Namespace) -> int:
         parts.append(("generation", lambda: _generation(loaded, args)))
     if args.passk_file:
         parts.append(("passk", lambda: _passk(loaded, args)))
+    if args.robustness:
+        parts.append(("robustness", lambda: _robustness(loaded, args)))
     if args.lm_eval:
         parts.append(("lm_eval", lambda: _lm_eval(loaded, args)))
     if not parts:
-        raise KilnError("nothing to evaluate: --skip-perplexity needs --gen-file, --passk-file or --lm-eval")
+        raise KilnError("nothing to evaluate: --skip-perplexity needs --gen-file, --passk-file, "
+                        "--robustness or --lm-eval")
     for name, part in parts:
         try:
             report["parts"][name] = {**part(), "evaluated_at": time.time()}
@@ -235,6 +242,18 @@ def _passk(loaded, args: argparse.Namespace) -> dict:
             "completions": {k: v[:3] for k, v in completions.items()}}
 
 
+def _robustness(loaded, args: argparse.Namespace) -> dict:
+    from kiln.eval.robustness import DEFAULT_PROBE, robustness_probe, shard_texts
+
+    seq_len = min(args.seq_len or loaded.config.data.seq_len, loaded.config.model.max_seq_len)
+    texts = ([Path(p).read_text(encoding="utf-8") for p in args.data] if args.data
+             else shard_texts(_shard_dir(loaded), loaded.tokenizer, max_chars=200_000))
+    specs = DEFAULT_PROBE if args.robustness == "default" else args.robustness.split(",")
+    return robustness_probe(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, perturbations=specs,
+                            seed=args.seed, batch_size=args.batch_size, device=args.device,
+                            max_tokens=args.max_tokens)
+
+
 def _lm_eval(loaded, args: argparse.Namespace) -> dict:
     from kiln.eval.lm_eval_adapter import run_lm_eval
 
@@ -288,6 +307,9 @@ def summary_rows(report: dict) -> list[tuple[str, str, str]]:
                                                                    "exact_match")]
     if "passk" in parts:
         rows += [("pass@k", key, f"{value:.4f}") for key, value in parts["passk"]["pass_at_k"].items()]
+    if "robustness" in parts:
+        rows += [("robustness", f"{name} delta loss", f"{r['delta_loss']:+.4f}")
+                 for name, r in parts["robustness"].items() if isinstance(r, dict) and "delta_loss" in r]
     if "lm_eval" in parts:
         for task, metrics in parts["lm_eval"]["results"].items():
             for key, value in metrics.items():
