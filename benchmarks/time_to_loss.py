@@ -118,7 +118,7 @@ def run_recipes(corpus: str, recipes: dict[str, list[str]], args, workdir: Path)
         proc = ctx.Process(target=train_in_child, args=(overrides, str(run_dir)), daemon=True)
         proc.start()
         runs[name] = {"proc": proc, "ps": psutil.Process(proc.pid), "dir": run_dir, "dim": dim,
-                      "n_params": n_params, "overrides": overrides, "cpu_at_run": None, "cpu_at_target": None}
+                      "n_params": n_params, "overrides": overrides, "cpu_at_run": None, "cpu_at_target": None, "cpu_at": {}}
     deadline = time.monotonic() + args.max_minutes * 60
     try:
         while any(r["proc"].is_alive() for r in runs.values()) and time.monotonic() < deadline:
@@ -130,8 +130,11 @@ def run_recipes(corpus: str, recipes: dict[str, list[str]], args, workdir: Path)
                 cpu = _cpu_s(r["ps"])
                 if r["cpu_at_run"] is None and any(x["kind"] == "run" for x in rows):
                     r["cpu_at_run"] = cpu
+                for t in LADDER:  # CPU-seconds at the intermediate targets too
+                    if t > args.target and t not in r["cpu_at"] and crossing(rows, t) is not None:
+                        r["cpu_at"][t] = cpu
                 if crossing(rows, args.target) is not None:
-                    r["cpu_at_target"] = cpu
+                    r["cpu_at_target"] = r["cpu_at"][args.target] = cpu
                     r["proc"].terminate()  # reached the target: its core goes to the other run
     finally:
         for r in runs.values():
@@ -151,6 +154,8 @@ def run_recipes(corpus: str, recipes: dict[str, list[str]], args, workdir: Path)
                      "curve": [(x["step"], round(x["val_loss"], 4)) for x in rows if x["kind"] == "eval"],
                      "train_wall_s_to": {str(t): (c or {}).get("train_wall_s") for t in LADDER
                                          if t >= args.target for c in [crossing(rows, t)]},
+                     "cpu_s_to": {str(t): (c - r["cpu_at_run"]) if c is not None and r["cpu_at_run"] is not None
+                                  else None for t, c in sorted(r["cpu_at"].items(), reverse=True)},
                      "exit_code": r["proc"].exitcode}
     return out
 
