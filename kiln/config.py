@@ -142,7 +142,7 @@ class ScheduleConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 400  # the embedded default: ~8 minutes on 2 CPU cores
+    steps: int = 400  # the embedded default: ~10 minutes on 2 CPU cores
     batch_size: int = 16  # sequences per micro-batch per data-parallel rank
     grad_accum: int = 1
     seed: int = 1337
