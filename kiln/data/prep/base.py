@@ -223,6 +223,15 @@ class GlobalStep(Step):
         """Stage 2, once: combine the stage-1 files of shards 0..n_shards-1 in `ctx.work_dir`."""
         raise NotImplementedError
 
+    def prepare_parts(self, n_shards: int) -> int:
+        """Independent pieces of stage 2 the executor may run in parallel before `prepare`
+        (e.g. one per LSH band), so that work spreads over workers; 0 = none."""
+        return 0
+
+    def prepare_part(self, ctx: StepContext, n_shards: int, part: int, n_parts: int) -> None:
+        """One of the `prepare_parts` pieces; writes its result under `ctx.work_dir`."""
+        raise TypeError(f"{type(self).__name__} declares prepare_parts() but has no prepare_part()")
+
 
 def is_global(step: Step) -> bool:
     return isinstance(step, GlobalStep)

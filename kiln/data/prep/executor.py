@@ -228,6 +228,19 @@ def _tokenize_task(plan: Plan, shard: InputShard) -> dict[str, Any]:
     return {"stage": "tokenize", "shard": shard.name, **result}
 
 
+def run_prepare_part(plan: Plan, k: int, part: int, n_parts: int) -> dict[str, Any]:
+    done = plan.done_file(f"prepare-{k}-part-{part}-of-{n_parts}")
+    if done.exists() and plan.cfg.run.resume:
+        return json.loads(done.read_text(encoding="utf-8"))
+    g = plan.globals[k]
+    ctx = StepContext(n_shards=plan.n_shards, work_dir=plan.step_dir(g),
+                      max_examples=plan.cfg.output.max_examples)
+    g.prepare_part(ctx, plan.n_shards, part, n_parts)
+    result = {"stage": f"prepare-{k}-part-{part}"}
+    _atomic_json(done, result)
+    return result
+
+
 def run_prepare(plan: Plan, k: int) -> dict[str, Any]:
     done = plan.done_file(f"prepare-{k}")
     if done.exists() and plan.cfg.run.resume:
@@ -451,6 +464,10 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
                 advance(result)
             results.extend(sorted(stage_results, key=lambda r: r["shard"]))
             if stage != "final":
+                n_parts = plan.globals[k].prepare_parts(plan.n_shards)
+                if n_parts and not (plan.done_file(f"prepare-{k}").exists() and cfg.run.resume):
+                    # parallel pieces of stage 2 (e.g. MinHash bands) first, then the single prepare
+                    list(runner.map(run_prepare_part, [(light, k, p, n_parts) for p in range(n_parts)]))
                 results.append(runner.call(run_prepare, light, k))
         token_info: dict[str, Any] = {}
         if cfg.tokenize.enabled:

@@ -166,6 +166,11 @@ def test_pipeline_with_dedup_steps_under_local_executor(tmp_path):
     assert len(kept) == 12 and "doc12.txt" not in kept and "doc13.txt" not in kept
     assert sum(boiler in t for t in kept.values()) == 1  # the paragraph step keeps its first copy
     assert span in kept["doc02.txt"] and span not in kept["doc03.txt"]  # first occurrence kept
+    # MinHash's LSH bands ran as parallel prepare parts (one task per band) before its prepare
+    from kiln.data.prep.dedup.minhash import MinHashConfig
+
+    parts = list((tmp_path / "local").rglob("*prepare-*-part-*"))
+    assert len(parts) == MinHashConfig().bands_rows()[0]
 
 
 @pytest.mark.timeout(240)

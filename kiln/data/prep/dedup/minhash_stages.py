@@ -21,6 +21,7 @@ labels plus 16 B per candidate edge. Signatures (num_perm x 4 B/doc) and shingle
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,12 @@ def write_band_edges(work_dir: Path, n_shards: int, bands: list[int], rows: int)
         keys = np.concatenate([band_keys(np.asarray(s[:, band * rows:(band + 1) * rows]), 0, rows)
                                for s in sigs]) if len(ids) else np.zeros(0, np.uint64)
         u, v = bucket_edges(keys, ids)
-        np.save(edges_path(work_dir, band), np.stack([u, v]))
+        # atomic: a killed run must never leave an edges file that looks complete
+        path = edges_path(work_dir, band)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, np.stack([u, v]))
+        os.replace(tmp, path)
         total += len(u)
     return total
 

@@ -186,12 +186,20 @@ class MinHashDedup(_DropListStep):
         texts = [doc.text for doc in docs]  # one shard's text; hashed in batch_bytes batches
         minhash_stages.write_signatures(texts, hasher, _work_dir(ctx, self.name), ctx.shard_index)
 
+    def prepare_parts(self, n_shards: int) -> int:
+        return self.config.bands_rows()[0]  # LSH bands are independent: one task each
+
+    def prepare_part(self, ctx: StepContext, n_shards: int, part: int, n_parts: int) -> None:
+        bands, rows = self.config.bands_rows()
+        band_group = minhash_stages.bands_for_worker(bands, part, n_parts)
+        minhash_stages.write_band_edges(_work_dir(ctx, self.name), n_shards, band_group, rows)
+
     def prepare(self, ctx: StepContext, n_shards: int) -> None:
         work_dir = _work_dir(ctx, self.name)
         bands, rows = self.config.bands_rows()
-        # bands are independent: done one at a time here (bounded memory); an executor may run
-        # `minhash_stages.write_band_edges` for disjoint band groups in parallel instead
-        minhash_stages.write_band_edges(work_dir, n_shards, list(range(bands)), rows)
+        # Bands the executor did not already write in parallel (prepare_part), one at a time.
+        missing = [b for b in range(bands) if not minhash_stages.edges_path(work_dir, b).exists()]
+        minhash_stages.write_band_edges(work_dir, n_shards, missing, rows)
         counts = minhash_stages.write_drops(work_dir, n_shards, bands, self.config.threshold, self.config.verify)
         (work_dir / "s_curve.txt").write_text(format_s_curve(bands, rows, self.config.threshold) + "\n")
         for key, value in counts.items():
