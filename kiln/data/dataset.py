@@ -47,6 +47,11 @@ def prepare_shards(cfg: DataConfig, run_dir: Path, log=print) -> tuple[Path, Tok
     if is_shard_dir(shard_dir) and read_meta(shard_dir).get("fingerprint") == fingerprint:
         return shard_dir, load_tokenizer(shard_dir / TOKENIZER_FILE)
     if shard_dir.exists():  # stale (other settings) or half-written: rebuild from scratch
+        ours = all(p.name == "meta.json" or p.name == TOKENIZER_FILE or ".tokens.npy" in p.name
+                   or ".docs.npy" in p.name for p in shard_dir.iterdir())
+        if not ours:  # never delete files kiln did not write
+            raise DataError(f"data.shards_dir {shard_dir} holds files that are not kiln shards; "
+                            f"point it at an empty or kiln-written directory")
         shutil.rmtree(shard_dir)
 
     log(f"reading {cfg.source} ...")

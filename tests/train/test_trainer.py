@@ -128,3 +128,19 @@ def test_activation_checkpointing_matches_plain(tmp_path, text_file, mode):
     b = [r["loss"] for r in rows(tmp_path / mode, "train")]
     assert b == pytest.approx(a, rel=1e-5)
     assert ac.steps_done == plain.steps_done == 3
+
+
+def test_shards_are_cached_and_foreign_dirs_left_alone(tmp_path, text_file):
+    run = tmp_path / "r"
+    train(cfg_for(text_file, **{"train.steps": 1, "train.eval_every": 0}), run)
+    meta = (run / "data" / "meta.json").stat().st_mtime_ns
+    # same data settings in another run dir sharing the shard dir: reused, not rewritten
+    shared = {"data.shards_dir": f"'{run / 'data'}'", "train.steps": 1, "train.eval_every": 0}
+    train(cfg_for(text_file, **shared), tmp_path / "r3")
+    assert (run / "data" / "meta.json").stat().st_mtime_ns == meta
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("precious")
+    with pytest.raises(KilnError, match="not kiln shards"):
+        train(cfg_for(text_file, **{"data.shards_dir": f"'{foreign}'"}), tmp_path / "r4")
+    assert (foreign / "notes.txt").read_text() == "precious"
