@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kiln.train.optimizers.adam_state import adam_state_lists
+
 
 class Lamb(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -36,23 +38,7 @@ class Lamb(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    # A CPU float tensor like torch's Adam, so DCP checkpoints it as state.
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
+            params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Lamb")
             if params:
                 self._update_group(group, params, grads, exp_avgs, exp_avg_sqs, steps)
         return loss

@@ -18,6 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_step
 
+from kiln.train.optimizers.adam_state import adam_state_lists
+
 # Quintic coefficients chosen (by the Muon authors) to push all singular values of a
 # unit-spectral-norm matrix into roughly [0.7, 1.2] within five steps, as fast as possible.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -117,22 +119,7 @@ class Muon(torch.optim.Optimizer):
             p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape))
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("Muon's AdamW part does not support sparse gradients")
-            state = self.state[p]
-            if not state:  # same state layout as torch.optim.AdamW
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+        params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Muon's AdamW part")
         if not params:
             return
         beta1, beta2 = group["betas"]
