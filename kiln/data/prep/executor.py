@@ -228,13 +228,17 @@ def _tokenize_task(plan: Plan, shard: InputShard) -> dict[str, Any]:
     return {"stage": "tokenize", "shard": shard.name, **result}
 
 
+def _global_context(plan: Plan, k: int) -> tuple[GlobalStep, StepContext]:
+    g = plan.globals[k]
+    return g, StepContext(n_shards=plan.n_shards, work_dir=plan.step_dir(g),
+                          max_examples=plan.cfg.output.max_examples)
+
+
 def run_prepare_part(plan: Plan, k: int, part: int, n_parts: int) -> dict[str, Any]:
     done = plan.done_file(f"prepare-{k}-part-{part}-of-{n_parts}")
     if done.exists() and plan.cfg.run.resume:
         return json.loads(done.read_text(encoding="utf-8"))
-    g = plan.globals[k]
-    ctx = StepContext(n_shards=plan.n_shards, work_dir=plan.step_dir(g),
-                      max_examples=plan.cfg.output.max_examples)
+    g, ctx = _global_context(plan, k)
     g.prepare_part(ctx, plan.n_shards, part, n_parts)
     result = {"stage": f"prepare-{k}-part-{part}"}
     _atomic_json(done, result)
@@ -245,9 +249,7 @@ def run_prepare(plan: Plan, k: int) -> dict[str, Any]:
     done = plan.done_file(f"prepare-{k}")
     if done.exists() and plan.cfg.run.resume:
         return json.loads(done.read_text(encoding="utf-8"))
-    g = plan.globals[k]
-    ctx = StepContext(n_shards=plan.n_shards, work_dir=plan.step_dir(g),
-                      max_examples=plan.cfg.output.max_examples)
+    g, ctx = _global_context(plan, k)
     g.prepare(ctx, plan.n_shards)
     result = {"stage": f"prepare-{k}", "stats": ctx.stats}
     _atomic_json(done, result)
