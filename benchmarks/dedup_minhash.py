@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from kiln.data.corpus import stdlib_files
-from kiln.data.prep.dedup.components import component_labels, components_keep_lowest
-from kiln.data.prep.dedup.lsh_params import format_s_curve
-from kiln.data.prep.dedup.minhash import MinHashConfig, minhash_duplicates, minhash_edges
-from kiln.data.prep.dedup.shingles import shingle_strings
+from kiln.prep.dedup.components import component_labels, components_keep_lowest
+from kiln.prep.dedup.lsh_params import format_s_curve
+from kiln.prep.dedup.minhash import MinHashConfig, minhash_duplicates, minhash_edges
+from kiln.prep.dedup.shingles import shingle_strings
 
 RESULTS = Path(__file__).parent / "results" / "dedup_minhash.json"
 SHARED = Path("/work/shared/data")

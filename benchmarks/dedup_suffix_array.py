@@ -78,7 +78,7 @@ def rss_bytes() -> int:
 def _child(kind: str, corpus_file: str, min_length: int, out: mp.Queue) -> None:
     import pydivsufsort
 
-    from kiln.data.prep.dedup.suffix_array import SuffixArrayConfig, dedup_substrings, join_documents
+    from kiln.prep.dedup.suffix_array import SuffixArrayConfig, dedup_substrings, join_documents
 
     with open(corpus_file, "rb") as f:
         texts = pickle.load(f)

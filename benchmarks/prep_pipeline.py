@@ -3,7 +3,7 @@
 1. Whole pipeline (read JSONL -> normalize -> script -> gopher_quality -> gopher_repetition -> pii
    -> write kept documents), one worker process: MB of input per second per core; then the same
    with BPE training (vocab 8192) and token shards (tokenizers on --threads threads, default 1). Each step is also timed alone, in memory, to show where the time goes.
-2. Tokenization: the pipeline's shard writer (`kiln.data.prep.writers.tokenize_docs`: batching,
+2. Tokenization: the pipeline's shard writer (`kiln.prep.writers.tokenize_docs`: batching,
    train/val split, ShardWriter, atomic .npy files) versus calling `tokenizers` directly
    (`Tokenizer.encode_batch_fast` over the same documents in the same batches, ids read out).
    Target: overhead <= 15%, in wall time and in process CPU time. The two are timed in
@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 from kiln.data.corpus import stdlib_files
-from kiln.data.prep.base import Doc, StepContext
-from kiln.data.prep.executor import run_prep
-from kiln.data.prep.pipeline import config_from_dict
-from kiln.data.prep.writers import tokenize_docs
+from kiln.prep.base import Doc, StepContext
+from kiln.prep.executor import run_prep
+from kiln.prep.pipeline import config_from_dict
+from kiln.prep.writers import tokenize_docs
 from kiln.data.tokenizer import train_bpe
 
 RESULTS = Path(__file__).parent / "results" / "prep_pipeline.json"

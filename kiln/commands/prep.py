@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kiln.data.prep.executor import run_prep
-    from kiln.data.prep.pipeline import load_prep_config
+    from kiln.prep.executor import run_prep
+    from kiln.prep.pipeline import load_prep_config
 
     overrides = list(args.overrides)
     if args.workers is not None:

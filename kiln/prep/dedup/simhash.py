@@ -1,0 +1,128 @@
+"""Near-duplicate detection with 64-bit SimHash (Charikar 2002) and block tables (Manku et al. 2007).
+
+Fingerprint: every shingle hash votes +w / -w on each of the 64 bits, w = its occurrence count
+in the document (term-frequency weights); bit i of the fingerprint is 1 where the vote is
+positive. Similar documents get fingerprints at a small Hamming distance.
+
+Lookup: two fingerprints within distance k differ in at most k of k+1 disjoint bit blocks, so
+they agree exactly on at least one block (pigeonhole). Table t keys every fingerprint on block t
+(equivalently: the permutation that moves block t to the top bits, with the fingerprints sorted);
+candidates share a key in some table and are confirmed by an exact popcount of their XOR.
+Identical fingerprints are collapsed first, so exact duplicates never make quadratic buckets.
+
+Memory per document: the 8-byte fingerprint, plus 16 bytes (key, id) per table while looking up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.sparse import csr_matrix
+
+from kiln.prep.dedup.components import components_keep_lowest
+from kiln.prep.dedup.shingles import check_shingling, shingle_hashes_of_texts
+from kiln.errors import ConfigError
+
+_POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+
+@dataclass
+class SimHashConfig:
+    shingle: str = "word"  # word | char
+    ngram: int = 3
+    max_distance: int = 3  # Hamming distance k at which fingerprints count as duplicates
+    batch_bytes: int = 4_000_000
+
+    def validate(self, where: str = "simhash") -> None:
+        check_shingling(self.shingle, self.ngram, where)
+        if not 0 <= self.max_distance <= 31:
+            raise ConfigError(f"{where}.max_distance={self.max_distance} must be in [0, 31] "
+                              "(k + 1 blocks of a 64-bit fingerprint)")
+
+
+def popcount64(x: np.ndarray) -> np.ndarray:
+    """Set bits of each uint64."""
+    return _POPCOUNT8[x.view(np.uint8).reshape(-1, 8)].sum(axis=1, dtype=np.int64)
+
+
+def fingerprints_of_hashes(hashes: np.ndarray, docs: np.ndarray, n_docs: int) -> np.ndarray:
+    """uint64 SimHash per document from shingle hashes grouped by document index."""
+    out = np.zeros(n_docs, dtype=np.uint64)
+    if not len(hashes):
+        return out
+    bits = np.unpackbits(hashes.astype("<u8").view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
+    firsts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
+    totals = np.diff(np.r_[firsts, len(hashes)])
+    # votes for 1 per (document, bit): a sparse document-indicator matrix times the bit matrix
+    # (scipy's sparse product is ~20x faster here than numpy's add.reduceat over rows)
+    rows = np.repeat(np.arange(len(firsts)), totals)
+    indicator = csr_matrix((np.ones(len(hashes), np.float32), (rows, np.arange(len(hashes)))),
+                           shape=(len(firsts), len(hashes)))
+    ones = indicator @ bits.astype(np.float32)
+    positive = (2 * ones > totals[:, None]).astype(np.uint8)
+    out[docs[firsts]] = np.packbits(positive, axis=1, bitorder="little").view("<u8").ravel()
+    return out
+
+
+def fingerprints(texts: list[str], config: SimHashConfig) -> np.ndarray:
+    config.validate()
+    out = np.zeros(len(texts), dtype=np.uint64)
+    lo = 0
+    while lo < len(texts):
+        hi, size = lo, 0
+        while hi < len(texts) and (hi == lo or size + len(texts[hi]) <= config.batch_bytes):
+            size += len(texts[hi])
+            hi += 1
+        hashes, docs = shingle_hashes_of_texts(texts[lo:hi], config.shingle, config.ngram)
+        out[lo:hi] = fingerprints_of_hashes(hashes, docs, hi - lo)
+        lo = hi
+    return out
+
+
+def block_masks(max_distance: int) -> list[np.uint64]:
+    """Bit masks of the k+1 (nearly equal) blocks of a 64-bit fingerprint."""
+    edges = np.linspace(0, 64, max_distance + 2).round().astype(int)
+    return [np.uint64(((1 << int(hi)) - 1) ^ ((1 << int(lo)) - 1)) for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def near_pairs(fps: np.ndarray, max_distance: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index pairs (u < v) within `max_distance` bits: every such pair of distinct fingerprints;
+    a fingerprint carried by several documents is linked to its first carrier only (the
+    same connected components with fewer edges)."""
+    fps = np.asarray(fps, dtype=np.uint64)
+    unique, first, inverse = np.unique(fps, return_index=True, return_inverse=True)
+    # identical fingerprints: join each to the first index carrying that fingerprint
+    same = np.flatnonzero(first[inverse] != np.arange(len(fps)))
+    us, vs = [first[inverse[same]]], [same]
+    ids = np.arange(len(unique))
+    cand_u, cand_v = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for mask in block_masks(max_distance):
+        key = unique & mask
+        order = np.argsort(key, kind="stable")
+        k, i = key[order], ids[order]
+        # pairs at distance d in sorted order that share the key; stop when no bucket is that big
+        for d in range(1, len(k)):
+            same_key = k[d:] == k[:-d]
+            if not same_key.any():
+                break
+            cand_u.append(i[:-d][same_key])
+            cand_v.append(i[d:][same_key])
+    cu, cv = np.concatenate(cand_u), np.concatenate(cand_v)
+    close = popcount64(unique[cu] ^ unique[cv]) <= max_distance
+    cu, cv = cu[close], cv[close]
+    # back to original indices (the first document of each distinct fingerprint)
+    us.append(first[cu])
+    vs.append(first[cv])
+    u, v = np.concatenate(us), np.concatenate(vs)
+    lo_, hi_ = np.minimum(u, v), np.maximum(u, v)
+    if len(lo_):
+        pairs = np.unique(np.stack([lo_, hi_], axis=1), axis=0)
+        return pairs[:, 0], pairs[:, 1]
+    return lo_.astype(np.int64), hi_.astype(np.int64)
+
+
+def simhash_duplicates(texts: list[str], config: SimHashConfig) -> np.ndarray:
+    """Boolean mask: True for documents within max_distance of a lower-index document's cluster."""
+    u, v = near_pairs(fingerprints(texts, config), config.max_distance)
+    return ~components_keep_lowest(len(texts), u, v)
