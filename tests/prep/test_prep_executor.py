@@ -16,7 +16,7 @@ from kiln.data.tokenizer import load_tokenizer
 sys.path.insert(0, str(Path(__file__).parent))
 from prep_testlib import make_corpus, output_files, write_config  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cli_end_to_end_with_global_step(tmp_path, capsys):
