@@ -35,7 +35,7 @@ from kiln.config import ModelConfig, OptimConfig  # noqa: E402
 from kiln.model.transformer import Transformer, flops_per_token  # noqa: E402
 from kiln.train.evaluate import autocast_context  # noqa: E402
 from kiln.train.optim import build_optimizer  # noqa: E402
-from kiln.train.trainer import train_step  # noqa: E402
+from kiln.train.step import train_step  # noqa: E402
 
 
 @dataclass

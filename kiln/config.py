@@ -151,6 +151,16 @@ class TrainConfig:
     # GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32 (emulated bf16 is slower).
     dtype: str = "auto"
     compile: bool = False
+    # What compile covers: model = the whole forward + LM head + loss (one graph), blocks = each
+    # block on its own (what FSDP needs); auto = model on one device, blocks when sharded.
+    compile_scope: str = "auto"  # auto | model | blocks
+    cuda_graphs: bool = False  # torch.compile mode="reduce-overhead" (CUDA, compile_scope=model)
+    # full: logits then cross-entropy; chunked: LM head + cross-entropy in chunks, never full fp32
+    # logits (kiln/model/loss.py); auto: chunked on CUDA, full on CPU (see benchmarks/README.md).
+    loss: str = "auto"  # auto | full | chunked
+    attention_backend: str = "auto"  # auto | flash | cudnn | efficient | math (SDPA kernel; CUDA)
+    float8: bool = False  # float8 matmuls via torchao (GPUs with float8 tensor cores, e.g. H100)
+    float8_recipe: str = "tensorwise"  # tensorwise | rowwise
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every other)
     clip_grad_norm: float = 1.0  # 0 disables clipping
     max_nonfinite_steps: int = 5  # stop after this many non-finite steps in a row
@@ -164,6 +174,15 @@ class TrainConfig:
     def validate(self) -> None:
         _choice("train.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
         _choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective"))
+        _choice("train.compile_scope", self.compile_scope, ("auto", "model", "blocks"))
+        _choice("train.loss", self.loss, ("auto", "full", "chunked"))
+        _choice("train.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math"))
+        _choice("train.float8_recipe", self.float8_recipe, ("tensorwise", "rowwise"))
+        if self.cuda_graphs and not self.compile:
+            raise ConfigError("train.cuda_graphs=true needs train.compile=true (it is torch.compile's "
+                              "reduce-overhead mode)")
+        if self.cuda_graphs and self.compile_scope == "blocks":
+            raise ConfigError("train.cuda_graphs=true needs train.compile_scope='model' or 'auto'")
         for key in ("steps", "batch_size", "grad_accum", "eval_batches", "max_nonfinite_steps"):
             _positive(f"train.{key}", getattr(self, key))
         if self.clip_grad_norm < 0:
@@ -187,6 +206,7 @@ class MetricsConfig:
     log_every: int = 10  # terminal lines (plain mode); metrics.jsonl gets every step
     progress: str = "auto"  # auto | rich | plain | none
     tensorboard: bool = False
+    wandb: bool = False  # Weights & Biases, offline (wandb sync later); pip install 'kiln-lm[wandb]'
     peak_flops: float = 0.0  # per-device peak for MFU; 0: known GPU table, or a CPU matmul probe
 
     def validate(self) -> None:

@@ -16,3 +16,7 @@ class ConfigError(KilnError):
 
 class DataError(KilnError):
     """A corpus, shard directory or eval file is missing, empty or malformed."""
+
+
+class TrainingDiverged(KilnError):
+    """Training stopped after too many non-finite steps in a row; the message says what to change."""

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ModelConfig
+from kiln.model import loss as _loss
+from kiln.model.loss import lm_loss  # noqa: F401  (re-exported: the reference loss)
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -75,6 +77,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.dim // cfg.n_heads
         self.dropout = cfg.dropout
         self.use_rope = cfg.positions == "rope"
+        # Repeat K/V heads before attention instead of SDPA's enable_gqa, where that is what lets
+        # the flash/cuDNN kernel run (decided at startup by kiln/train/attention.py).
+        self.expand_kv = False
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
@@ -96,6 +101,9 @@ class Attention(nn.Module):
             causal = seqlen > 1  # a single new token attends to everything cached
             if causal and start_pos:
                 raise ValueError("prefill with a non-empty cache is not supported; decode one token at a time")
+        if self.expand_kv and q.shape[1] != k.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1],
@@ -153,6 +161,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # forward(tokens, targets) returns the loss; "chunked" never forms full fp32 logits
+        # (kiln/model/loss.py). Set by the trainer from train.loss.
+        self.loss_impl = "full"
         head_dim = cfg.dim // cfg.n_heads
         cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -176,7 +187,10 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
         init_model(self, generator)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                start_pos: int = 0) -> torch.Tensor:
+        """Logits (batch, seq, vocab), or the mean next-token loss when `targets` is given, so that
+        a whole-model compile covers the LM head and the loss too."""
         seqlen = tokens.shape[1]
         if start_pos + seqlen > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -187,18 +201,18 @@ class Transformer(nn.Module):
         rope = (self.rope_cos[start_pos:start_pos + seqlen], self.rope_sin[start_pos:start_pos + seqlen])
         for layer in self.layers:
             h = layer(h, rope, cache, start_pos)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        if targets is None:
+            return self.output(h)
+        if self.loss_impl == "chunked":
+            return _loss.chunked_lm_loss(h, self.output.weight, targets)
+        return _loss.lm_loss(self.output(h), targets)
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg
         return KVCache(cfg.n_layers, batch, cfg.n_kv_heads or cfg.n_heads, max_len or cfg.max_seq_len,
                        cfg.dim // cfg.n_heads, self.tok_embeddings.weight.device,
                        dtype or self.tok_embeddings.weight.dtype)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 (logits may be bf16 under autocast)."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def count_params(model: nn.Module) -> dict[str, int]:

@@ -1,8 +1,9 @@
 """The one `parallelize` entry for kiln's transformer, applied to the model on the meta device.
 
-Order (torchtitan's): pipeline split -> tensor/sequence parallel -> activation checkpointing ->
-compile -> FSDP/DDP. On one device only checkpointing and compile apply. Materialization and
-init come after this (see kiln/train/trainer.py), so sharded weights are allocated sharded.
+Order (torchtitan's): pipeline split -> tensor/sequence parallel -> float8 -> activation
+checkpointing -> compile -> FSDP/DDP. On one device float8, checkpointing and compile apply.
+Materialization and init come after this (see kiln/train/trainer.py), so sharded weights are
+allocated sharded.
 """
 
 from __future__ import annotations
@@ -22,7 +23,45 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=True)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_float8(model: nn.Module, recipe: str, device: torch.device) -> None:
+    """Swap the blocks' nn.Linear for torchao's float8 training linear (dynamic scaling, per
+    tensor or per row). The LM head stays in bf16 (its loss is sensitive; torchtitan does the
+    same), as does any linear whose dimensions are not multiples of 16 (a float8 GEMM limit)."""
+    from kiln.errors import ConfigError
+
+    if device.type != "cuda":
+        raise ConfigError("train.float8=true needs a CUDA GPU with float8 tensor cores (e.g. H100); "
+                          "set train.float8=false on this device")
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"train.float8=true needs float8 tensor cores (compute capability >= 8.9); "
+                          f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
+                          f"set train.float8=false")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ConfigError("train.float8=true needs torchao: pip install 'kiln-lm[float8]'") from None
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=eligible)
+
+
+def compile_scope(cfg: JobConfig, dims: ParallelDims) -> str:
+    """"model" (one graph: forward, LM head and loss) on one device, "blocks" under sharding,
+    where FSDP needs a module boundary per block to gather and free its parameters."""
+    if cfg.train.compile_scope != "auto":
+        return cfg.train.compile_scope
+    return "blocks" if dims.world_size > 1 else "model"
+
+
+def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False) -> None:
+    if scope == "model":
+        # In place (nn.Module.compile), so parameter names and checkpoints stay the same.
+        model.compile(mode="reduce-overhead" if cuda_graphs else None)
+        return
     # Per block: every block has the same graph, so one compilation serves all of them.
     for i, block in enumerate(model.layers):
         model.layers[i] = torch.compile(block, fullgraph=True)
@@ -44,11 +83,16 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
+    if cfg.train.float8:
+        apply_float8(model, cfg.train.float8_recipe, device)
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-    if cfg.train.compile:
-        apply_compile(model)
+    scope = compile_scope(cfg, dims)
+    if cfg.train.compile and scope == "blocks":
+        apply_compile(model, "blocks")
     if dims.world_size > 1 and dims.dp_size > 1:
         param_dtype = torch.bfloat16 if (cfg.train.dtype == "bf16" and device.type == "cuda") else None
         apply_fsdp(model, dims, param_dtype, cpu_offload=device.type == "cpu")
+    if cfg.train.compile and scope == "model":
+        apply_compile(model, "model", cfg.train.cuda_graphs)
     return model

@@ -20,3 +20,16 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The dtype matmuls run in for a resolved `train.dtype`."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
+
+
+def resolve_loss(name: str, device: torch.device) -> str:
+    """`auto` -> the chunked LM head + loss on CUDA (no fp32 logits in GPU memory), the plain one
+    on CPU, where it measured as fast or faster (benchmarks/README.md, "loss")."""
+    if name != "auto":
+        return name
+    return "chunked" if device.type == "cuda" else "full"

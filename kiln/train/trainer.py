@@ -20,16 +20,18 @@ from kiln.config import JobConfig, to_toml
 from kiln.data.dataset import TOKENIZER_FILE, prepare_shards
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
-from kiln.errors import KilnError
-from kiln.model.transformer import Transformer, count_params, flops_per_token, lm_loss
+from kiln.errors import KilnError, TrainingDiverged
+from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.dims import ParallelDims, pick_device
-from kiln.parallel.parallelize import parallelize
+from kiln.parallel.parallelize import compile_scope, parallelize
+from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.metrics import MetricsLogger
 from kiln.train.optim import build_optimizer
 from kiln.train.peak import peak_flops
 from kiln.train.schedule import LRSchedule
-from kiln.train.system import memory_mb, resolve_dtype
+from kiln.train.step import PendingSteps, skips_on_device, train_step
+from kiln.train.system import compute_dtype, memory_mb, resolve_dtype, resolve_loss
 
 
 @dataclass
@@ -62,28 +64,6 @@ class TrainState:
             setattr(self, key, type(getattr(self, key))(value))
 
 
-def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float):
-    """Forward/backward over the micro-batches, clip, step. Returns (loss, grad_norm, stepped)."""
-    total = torch.zeros((), device=micro_batches[0][0].device)
-    for x, y in micro_batches:
-        with autocast:
-            loss = lm_loss(model(x), y) / len(micro_batches)
-        (scaler.scale(loss) if scaler else loss).backward()
-        total += loss.detach()
-    if scaler:
-        scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf, foreach=True)
-    finite = bool(torch.isfinite(total) and torch.isfinite(grad_norm))
-    if scaler:  # the scaler skips non-finite steps itself and lowers its scale
-        scaler.step(optimizer)
-        scaler.update()
-    elif finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm, finite
-
-
 def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg.model)
@@ -107,6 +87,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     cfg.train.dtype = resolve_dtype(cfg.train.dtype, device)
     if cfg.train.dtype == "fp16" and device.type != "cuda":
         raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
+    if cfg.train.cuda_graphs and device.type != "cuda":
+        raise KilnError(f"train.cuda_graphs=true needs a CUDA device; this run is on {device.type}")
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main)
     resume_step = ckpt.latest_step()
     if resume and resume_step is None:
@@ -140,6 +122,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, dims, device)
     model.train()
+    model.loss_impl = resolve_loss(cfg.train.loss, device)
+    attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
+                                    cfg.train.batch_size, cfg.data.seq_len)
     optimizer = build_optimizer(model, cfg.optim, device.type)
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.optim.lr, cfg.train.steps)
     loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
@@ -164,7 +149,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                  "n_params_non_embedding": counts["non_embedding"], "flops_per_token": flops_tok,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
                  "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
-                 "world_size": dims.world_size, "resumed_from": resume_step})
+                 "world_size": dims.world_size, "resumed_from": resume_step,
+                 "nonfinite_check": "device" if skips_on_device(optimizer) else "host",
+                 "loss_impl": model.loss_impl, **attention,
+                 "compile": compile_scope(cfg, dims) if cfg.train.compile else "none"})
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "
                   f"{len(train_windows)} training windows, peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 
@@ -173,41 +161,65 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         metrics.log({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
 
     last_loss, last_val, stop_reason = math.nan, math.nan, "completed"
+    pending = PendingSteps()
+    window = {"t0": time.perf_counter()}
+
+    def flush() -> bool:
+        """Fetch the pending steps' results (one device sync), write their rows; False when the
+        run must stop (too many non-finite steps in a row), with rows up to that step only."""
+        nonlocal last_loss, stop_reason
+        results = pending.fetch()
+        if not results:
+            return True
+        elapsed = time.perf_counter() - window["t0"]
+        window["t0"] = time.perf_counter()
+        step_s = elapsed / len(results)  # the device ran asynchronously: time the window, not a step
+        tps = tokens_per_step / step_s
+        mem = memory_mb(device)
+        for r in results:
+            metrics.log({"kind": "train", "step": r.step, "loss": r.loss, "lr": r.lr,
+                         "grad_norm": r.grad_norm, "tokens": r.tokens, "tokens_per_s": tps,
+                         "mfu": flops_tok * tps / (peak * dims.world_size), "memory_mb": mem,
+                         "data_wait_ms": 1000 * r.data_wait_s, "step_ms": 1000 * step_s,
+                         "skipped": r.skipped})
+            if not r.skipped:
+                state.nonfinite_in_a_row = 0
+                last_loss = r.loss
+                continue
+            state.nonfinite_in_a_row += 1
+            state.nonfinite_total += 1
+            metrics.log({"kind": "event", "step": r.step,
+                         "message": f"non-finite loss/grad: step skipped ({state.nonfinite_in_a_row} in a row)"})
+            if state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
+                stop_reason = (f"{state.nonfinite_in_a_row} non-finite steps in a row at step {r.step}; "
+                               f"lower optim.lr, enable clipping or use fp32")
+                metrics.log({"kind": "event", "step": r.step, "message": "stopped: " + stop_reason})
+                state.step = r.step
+                return False
+        return True
+
+    diverged = False
     try:
         while state.step < cfg.train.steps:
             loader.wait_s = 0.0
-            t0 = time.perf_counter()
             micro = [loader.next() for _ in range(cfg.train.grad_accum)]
-            loss, grad_norm, stepped = train_step(model, optimizer, micro, autocast=autocast, scaler=scaler,
+            loss, grad_norm, skipped = train_step(model, optimizer, micro, autocast=autocast, scaler=scaler,
                                                   clip=cfg.train.clip_grad_norm)
-            loss_value = _mean_over_ranks(loss)  # the .item() inside also syncs the device for timing
-            lr = schedule.lr
-            schedule.step()
             state.step += 1
             state.tokens += tokens_per_step
-            step_s = time.perf_counter() - t0
-            tps = tokens_per_step / step_s
-            metrics.log({"kind": "train", "step": state.step, "loss": loss_value, "lr": lr,
-                         "grad_norm": float(grad_norm), "tokens": state.tokens, "tokens_per_s": tps,
-                         "mfu": flops_tok * tps / (peak * dims.world_size), "memory_mb": memory_mb(device),
-                         "data_wait_ms": 1000 * loader.wait_s, "step_ms": 1000 * step_s,
-                         "skipped": not stepped})
-            if stepped:
-                state.nonfinite_in_a_row = 0
-                last_loss = loss_value
-            else:
-                state.nonfinite_in_a_row += 1
-                state.nonfinite_total += 1
-                metrics.log({"kind": "event", "step": state.step,
-                             "message": f"non-finite loss/grad: step skipped ({state.nonfinite_in_a_row} in a row)"})
-                if state.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
-                    stop_reason = (f"stopped: {state.nonfinite_in_a_row} non-finite steps in a row at step "
-                                   f"{state.step}; lower optim.lr, enable clipping or use fp32")
-                    metrics.log({"kind": "event", "step": state.step, "message": stop_reason})
-                    break
+            pending.add(state.step, loss, grad_norm, skipped, lr=schedule.lr, data_wait_s=loader.wait_s,
+                        tokens=state.tokens)
+            schedule.step()
 
             last_step = state.step == cfg.train.steps
-            if cfg.train.eval_every and (state.step % cfg.train.eval_every == 0 or last_step):
+            evaluate = bool(cfg.train.eval_every) and (state.step % cfg.train.eval_every == 0 or last_step)
+            checkpoint = bool(cfg.checkpoint.every) and state.step % cfg.checkpoint.every == 0
+            pause = stop_at is not None and state.step >= stop_at and not last_step
+            if (state.step % cfg.metrics.log_every == 0 or last_step or evaluate or checkpoint or pause) \
+                    and not flush():
+                diverged = True
+                break
+            if evaluate:
                 results = evaluator.run()
                 metrics.log({"kind": "eval", "step": state.step, **results})
                 last_val = results["val_loss"]
@@ -225,9 +237,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                     metrics.log({"kind": "event", "step": state.step, "message": stop_reason})
                     save(state.step)
                     break
-            if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
+            if checkpoint:
                 save(state.step)
-            if stop_at is not None and state.step >= stop_at and not last_step:
+            if pause:
                 stop_reason = f"paused at step {state.step} (--stop-at); resume with kiln train --resume"
                 if ckpt.latest_step() != state.step:
                     save(state.step)
@@ -238,18 +250,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     finally:
         loader.close()
         metrics.close()
-    if stop_reason.startswith("stopped:"):
-        raise KilnError(stop_reason)
+    if diverged:
+        raise TrainingDiverged(f"stopped: {stop_reason}")
     return TrainResult(run_dir, state.step, last_loss, state.best_val_loss, last_val, stop_reason, dims.is_main)
-
-
-def _mean_over_ranks(loss: torch.Tensor) -> float:
-    if dist.is_available() and dist.is_initialized():
-        loss = loss.clone()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
-        if dist.get_backend() != "nccl":
-            loss /= dist.get_world_size()
-    return loss.item()
 
 
 def _barrier() -> None:

@@ -6,7 +6,7 @@ import torch
 
 from kiln.config import load_config
 from kiln.errors import KilnError
-from kiln.train import trainer as trainer_mod
+from kiln.model import loss as loss_mod
 from kiln.train.trainer import train
 
 from conftest import tiny_overrides
@@ -69,7 +69,7 @@ def test_grad_accumulation_matches_bigger_batch(tmp_path, text_file):
 
 
 def test_non_finite_steps_are_skipped_then_stop(tmp_path, text_file, monkeypatch):
-    real_loss = trainer_mod.lm_loss
+    real_loss = loss_mod.lm_loss
     calls = {"n": 0}
 
     def flaky(logits, targets):
@@ -77,7 +77,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, text_file, monkeypatch
         loss = real_loss(logits, targets)
         return loss * float("nan") if calls["n"] in (3,) or calls["n"] > 6 else loss
 
-    monkeypatch.setattr(trainer_mod, "lm_loss", flaky)
+    monkeypatch.setattr(loss_mod, "lm_loss", flaky)
     run = tmp_path / "nan"
     with pytest.raises(KilnError, match="3 non-finite steps in a row"):
         train(cfg_for(text_file, **{"train.max_nonfinite_steps": 3, "train.eval_every": 0}), run)
