@@ -9,8 +9,10 @@ rounds, with process CPU-seconds beside wall time. MFU = model FLOPs/token x tok
 best matmul FLOP/s this machine reaches, probed in the same run (several sizes, best kept).
 
     python benchmarks/throughput.py [--rounds 4] [--no-compile] [--quick]
+    python benchmarks/throughput.py --device cuda [--budget-s 420] [--corpus tinyshakespeare.txt]
 
-Prints tables and writes benchmarks/results/throughput.json.
+Prints tables and writes benchmarks/results/throughput.json. `--device cuda` runs the one-GPU
+comparison in benchmarks/gpu_throughput.py instead (`--device cpu --gpu-cases --quick` dry-runs it).
 """
 
 from __future__ import annotations
@@ -218,7 +220,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="debug,small")
     ap.add_argument("--quick", action="store_true", help="seconds-long smoke run; figures are noise")
     ap.add_argument("--out", default="throughput", help="results/NAME.json, or a path ending in .json")
+    gpu = ap.add_argument_group("one GPU (benchmarks/gpu_throughput.py)")
+    gpu.add_argument("--device", default="cpu", help="cuda: the GPU cases instead of the CPU ones")
+    gpu.add_argument("--gpu-cases", action="store_true", help="the GPU cases on --device (cpu: a dry run)")
+    gpu.add_argument("--budget-s", type=float, default=420, help="skip the remaining GPU cases after this")
+    gpu.add_argument("--gpu-steps", type=int, default=30, help="timed steps per GPU case")
+    gpu.add_argument("--corpus", help="text file for the time-to-target cases (tinyshakespeare)")
+    gpu.add_argument("--target", type=float, default=1.8, help="validation loss to reach (bytes, nats)")
+    gpu.add_argument("--target-steps", type=int, default=1200)
+    gpu.add_argument("--json", help="also write the GPU results to this file after every case")
+    gpu.add_argument("--only", default="", help="run only the GPU cases whose 'case @ shape' contains this")
     args = ap.parse_args(argv)
+    if args.device.startswith("cuda") or args.gpu_cases:
+        from gpu_throughput import run_all
+
+        results = run_all(args.device, args.quick, args.budget_s, args.gpu_steps, args.corpus, args.target,
+                          args.target_steps, args.json, args.only)
+        name = args.out if args.out.endswith(".json") else "gpu_throughput" + ("_dryrun" if args.quick else "")
+        path = write_results(name,
+                             {"command": "python benchmarks/throughput.py " + " ".join(argv or sys.argv[1:]),
+                              "results": [vars(r) for r in results]})
+        print(f"wrote {path}")
+        return 0
     if args.quick:
         args.rounds, args.steps, args.no_compile, args.no_bf16, args.sizes = 1, 1, True, True, "tiny"
     sizes = [SIZES[n] for n in args.sizes.split(",")]

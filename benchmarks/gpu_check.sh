@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything one GPU must show for kiln, in one go, with no network, in under 8 minutes on one
+# H100/H200: a device-side check of the sync-free step, then `benchmarks/throughput.py --device
+# cuda` (kiln vs a plain nanoGPT-style loop at GPT-2 124M and Llama-1B shapes, eager/compiled,
+# bf16/float8, the kiln train loop, CUDA graphs at the shakespeare-char size, float8 vs bf16 loss
+# curves, time to a target validation loss). Cases run in priority order under BUDGET_S seconds.
+#
+#   bash benchmarks/gpu_check.sh            # CORPUS=path/to/tinyshakespeare.txt for the text cases
+#
+# Packages the GPU image may lack (torchao for float8, tomli-w) are installed from wheels in .whl/
+# when that folder exists (see benchmarks/README.md, "One GPU"). Results: $OUT or benchmarks/results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${OUT:-benchmarks/results}
+mkdir -p "$RESULTS"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kiln-site .whl/*.whl \
+    && export PYTHONPATH=/tmp/kiln-site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 - <<'PY'
+# The step skips a non-finite update on the device: parameters and AdamW state stay bit-identical.
+import contextlib, torch
+from kiln.config import ModelConfig, OptimConfig
+from kiln.model.transformer import Transformer
+from kiln.train.optim import build_optimizer
+from kiln.train.step import skips_on_device, train_step
+dev = torch.device("cuda")
+m = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=64)).to(dev)
+m.init_weights(torch.Generator(device=dev).manual_seed(0))
+opt = build_optimizer(m, OptimConfig(), "cuda")
+x = torch.randint(0, 256, (2, 64), device=dev)
+ac = torch.autocast("cuda", dtype=torch.bfloat16)
+train_step(m, opt, [(x, x)], autocast=ac, scaler=None, clip=1.0)
+before = [p.detach().clone() for p in m.parameters()]
+m.loss_impl = "chunked"
+with torch.no_grad():
+    m.tok_embeddings.weight[0, 0] = float("nan")  # poisons the loss of any batch with token 0
+    before[0][0, 0] = float("nan")
+x[0, 0] = 0
+loss, gn, skipped = train_step(m, opt, [(x, x)], autocast=ac, scaler=None, clip=1.0)
+same = all(torch.equal(a.nan_to_num(), b.detach().nan_to_num()) for a, b in zip(before, m.parameters()))
+print(f"device-side skip: optimizer {'fused found_inf' if skips_on_device(opt) else 'host check'}, "
+      f"skipped={bool(skipped)}, parameters unchanged={same}")
+PY
+CORPUS=${CORPUS:-.gpudata/tinyshakespeare.txt}
+python3 benchmarks/throughput.py --device cuda --budget-s "${BUDGET_S:-360}" --corpus "$CORPUS" \
+  --json "$RESULTS/gpu_throughput_partial.json" --out "$RESULTS/gpu_throughput.json" 2>&1 | tee "$RESULTS/gpu_check.log"
