@@ -315,16 +315,16 @@ def float8_loss_check(corpus: Path | None, device: torch.device, quick: bool, wo
 
 
 def _seconds_to_target(rows: list[dict], target: float) -> tuple[float, str]:
-    """(training seconds to the first eval at or under target, a note); evals and pauses excluded."""
+    """(steady-state training seconds to the first eval at or under target, a note): steps to the
+    target times the median step time after the first logged windows, which hold the compile."""
     train_rows = [r for r in rows if r["kind"] == "train"]
-    seconds = 0.0
+    steady = sorted(r["step_ms"] for r in train_rows[len(train_rows) // 10 + 25:]) or [math.nan]
+    step_ms = steady[len(steady) // 2]
     for r in rows:
-        if r["kind"] == "train":
-            seconds += r["step_ms"] / 1000
         if r["kind"] == "eval" and r["val_loss"] <= target:
-            return seconds, f"reached at step {r['step']} ({seconds:.1f} s of steps)"
+            return r["step"] * step_ms / 1000, f"reached at step {r['step']} ({step_ms:.1f} ms/step steady)"
     best = min((r["val_loss"] for r in rows if r["kind"] == "eval"), default=math.nan)
-    return math.nan, f"not reached in {len(train_rows)} steps ({seconds:.1f} s); best val {best:.3f}"
+    return math.nan, f"not reached in {len(train_rows)} steps ({step_ms:.1f} ms/step); best val {best:.3f}"
 
 
 # ---------------------------------------------------------------------------- driver
