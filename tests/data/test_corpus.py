@@ -43,7 +43,7 @@ def test_bad_corpora(tmp_path, content, message):
 def test_missing_source_and_empty_dir(tmp_path):
     with pytest.raises(DataError, match="not found"):
         split_documents(str(tmp_path / "nope"), 0.1)
-    with pytest.raises(DataError, match="no text files"):
+    with pytest.raises(DataError, match="no document files"):
         split_documents(str(tmp_path), 0.1)
 
 
@@ -56,4 +56,7 @@ def test_jsonl_source_and_errors(tmp_path):
         list(iter_documents(str(p)))
     p.write_text('{"text": "ok"}\n{broken\n')
     with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
+        list(iter_documents(str(p)))
+    p.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: not UTF-8 at byte"):
         list(iter_documents(str(p)))

@@ -63,8 +63,8 @@ def test_compressed_jsonl_and_corrupt_stream(tmp_path):
     docs, rejects, _ = read_all(tmp_path)
     texts = [d.text for d in docs]
     assert texts[:6] == ["doc 0", "doc 1", "doc 2"] * 2
-    assert {r[2] for r in rejects} == {"read:corrupt_file", "read:empty"}
-    assert [r[0] for r in rejects if r[2] == "read:corrupt_file"] == ["c.jsonl.gz"]
+    assert {r[2] for r in rejects} == {"read:truncated", "read:empty"}
+    assert [r[0] for r in rejects if r[2] == "read:truncated"] == ["c.jsonl.gz"]
 
 
 def test_parquet_streaming_and_missing_column(tmp_path):
