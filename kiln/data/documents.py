@@ -99,7 +99,7 @@ class _ZstdReader(io.RawIOBase):
         self._raw, self._zstd = raw, zstandard.ZstdDecompressor()
         self._obj = self._zstd.decompressobj()
         self._in_frame = False
-        self._pending = b""  # compressed bytes not yet fed
+        self._pending, self._fed = b"", 0  # compressed bytes read, and how many went to the decoder
         self._out, self._pos = b"", 0
 
     def readable(self) -> bool:
@@ -109,13 +109,14 @@ class _ZstdReader(io.RawIOBase):
         import zstandard
 
         while self._pos >= len(self._out):
-            if not self._pending:
-                self._pending = self._raw.read(1 << 16)
+            if self._fed >= len(self._pending):
+                self._pending, self._fed = self._raw.read(1 << 16), 0
                 if not self._pending:
                     if self._in_frame:
                         raise DamagedStream("truncated", "truncated zstd stream (it ends inside a frame)")
                     return 0
-            data, self._pending = self._pending[:1024], self._pending[1024:]
+            data = self._pending[self._fed:self._fed + 1024]
+            self._fed += len(data)
             out = []
             while data:
                 self._in_frame = True
@@ -148,15 +149,13 @@ def open_binary(path: Path) -> BinaryIO:
     return open(path, "rb")
 
 
-def _damage(e: BaseException) -> DamagedStream | None:
-    """The DamagedStream an exception from a decompressing reader stands for (None: not one)."""
+def _damage(e: BaseException) -> DamagedStream:
+    """What an exception of a decompressing reader means (gzip raises its own kinds)."""
     if isinstance(e, DamagedStream):
         return e
     if isinstance(e, EOFError):  # gzip: "Compressed file ended before the end-of-stream marker"
         return DamagedStream("truncated", f"truncated gzip stream ({e})")
-    if isinstance(e, (zlib.error, gzip.BadGzipFile)):
-        return DamagedStream("corrupt", f"corrupt gzip stream ({e})")
-    return None
+    return DamagedStream("corrupt", f"corrupt gzip stream ({e})")  # zlib.error, BadGzipFile
 
 
 def decode_text(data: bytes) -> tuple[str | None, str, str]:
@@ -186,15 +185,11 @@ def read_file(path: Path, name: str, fmt: str, opts: ReadOptions, reject: Reject
             yield from _read_json(path, name, opts, reject, count)
         else:
             yield from _read_text(path, name, opts, reject, count)
-    except OSError as e:
-        if isinstance(e, gzip.BadGzipFile):
-            damage = _damage(e)
-            reject(name, None, damage.reason, f"{damage} after {count[0]} records", 0)
-        else:  # the file itself cannot be read (permissions, vanished, an I/O error)
-            reject(name, None, "unreadable", str(e.strerror or e), 0)
-    except (DamagedStream, EOFError, zlib.error) as e:
+    except (DamagedStream, EOFError, zlib.error, gzip.BadGzipFile) as e:
         damage = _damage(e)
         reject(name, None, damage.reason, f"{damage} after {count[0]} records", 0)
+    except OSError as e:  # the file itself cannot be read (permissions, vanished, an I/O error)
+        reject(name, None, "unreadable", str(e.strerror or e), 0)
 
 
 def _read_text(path: Path, name: str, opts: ReadOptions, reject: Reject, count: list[int]) -> Iterator[Doc]:
