@@ -89,8 +89,9 @@ class DamagedStream(Exception):
 class _ZstdReader(io.RawIOBase):
     """zstd frames -> bytes, raising DamagedStream when the input ends inside a frame.
 
-    Input goes to the decompressor 1 KiB at a time: a zstd block expands to at most 128 KiB,
-    so one call can never produce more than ~32 MiB, however hostile the file.
+    Input goes to the decompressor 4 KiB at a time: a zstd block (>= 4 bytes) expands to at most
+    128 KiB, so one call never produces more than 128 MiB, however hostile the file. (Measured on
+    12.6 MB of stdlib JSONL on a shared 2-core EPYC: 200-275 MB/s; `stream_reader` ~240 MB/s.)
     """
 
     def __init__(self, raw: BinaryIO):
@@ -115,7 +116,7 @@ class _ZstdReader(io.RawIOBase):
                     if self._in_frame:
                         raise DamagedStream("truncated", "truncated zstd stream (it ends inside a frame)")
                     return 0
-            data = self._pending[self._fed:self._fed + 1024]
+            data = self._pending[self._fed:self._fed + 4096]
             self._fed += len(data)
             out = []
             while data:
