@@ -20,6 +20,7 @@ binary, not UTF-8 or empty are skipped and listed in `ReadReport.summary()`.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 import zlib
 from dataclasses import dataclass, field
@@ -40,9 +41,14 @@ def stdlib_root() -> Path:
 
 
 def stdlib_files() -> list[Path]:
-    root = stdlib_root()
-    return sorted(p for p in root.rglob("*.py")
-                  if not (_SKIP_DIRS & set(p.relative_to(root).parts[:-1])))
+    """The standard library's .py files outside test and package directories, sorted.
+
+    `os.walk` with pruning, not `rglob`: site-packages may hold far more files than the stdlib."""
+    files = []
+    for folder, dirs, names in os.walk(stdlib_root()):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
+    return sorted(files)
 
 
 @dataclass
@@ -51,6 +57,7 @@ class ReadReport:
 
     formats: dict[str, int] = field(default_factory=dict)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    empty_records: int = 0  # JSON/JSONL/Parquet records whose text is empty or blank
 
     def summary(self, limit: int = 10) -> str:
         n = sum(self.formats.values())
@@ -60,6 +67,8 @@ class ReadReport:
             shown = ", ".join(f"{name} ({why})" for name, why in self.skipped[:limit])
             more = f" and {len(self.skipped) - limit} more" if len(self.skipped) > limit else ""
             line += f"; skipped {len(self.skipped)}: {shown}{more}"
+        if self.empty_records:
+            line += f"; {self.empty_records} empty record{'s' * (self.empty_records != 1)} skipped"
         return line
 
 
@@ -93,17 +102,18 @@ def iter_documents(source: str, glob: str = "**/*", text_field: str = "text",
     report = report if report is not None else ReadReport()
     files = source_files(source, glob, report)
     opts = ReadOptions(text_field=text_field)
-    in_dir = source == BUILTIN_STDLIB or Path(source).is_dir()
-    root = stdlib_root() if source == BUILTIN_STDLIB else None
+    builtin = source == BUILTIN_STDLIB
+    in_dir = builtin or Path(source).is_dir()
+    root = stdlib_root() if builtin else Path(source) if in_dir else None
     for path, fmt in files:
-        name = str(path.relative_to(root)) if root else str(path)
+        name = str(path.relative_to(root)) if builtin else str(path)  # the id: it decides the split
         skipped: list[str] = []
 
         def reject(file: str, line: int | None, reason: str, detail: str, nbytes: int) -> None:
-            if source == BUILTIN_STDLIB:  # a stray undecodable file in an installed stdlib is not the user's fault
+            if reason == "empty" and line is not None:
+                report.empty_records += 1
+            elif reason == "empty" or builtin:  # a stray undecodable stdlib file is not the user's fault
                 skipped.append(reason)
-            elif line is None and reason == "empty":
-                skipped.append("empty")
             elif line is None and in_dir and reason in _SKIPPABLE:
                 skipped.append(reason.replace("_", "-"))
             else:
@@ -112,13 +122,9 @@ def iter_documents(source: str, glob: str = "**/*", text_field: str = "text",
 
         yield from read_file(path, name, fmt, opts, reject)
         if skipped:
-            report.skipped.append((name if root else _short(path, source), skipped[0]))
+            report.skipped.append((str(path.relative_to(root)) if root else name, skipped[0]))
         else:
             report.formats[fmt] = report.formats.get(fmt, 0) + 1
-
-
-def _short(path: Path, source: str) -> str:
-    return str(path.relative_to(source)) if Path(source).is_dir() else str(path)
 
 
 def is_val(key: str, val_fraction: float) -> bool:
