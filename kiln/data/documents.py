@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
+from kiln.errors import DataError
+
 NO_LIMIT = 1 << 40
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text", ".py", ".html", ".htm")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json.gz", ".json.zst")
@@ -95,9 +97,8 @@ class _ZstdReader(io.RawIOBase):
     """
 
     def __init__(self, raw: BinaryIO):
-        import zstandard
-
-        self._raw, self._zstd = raw, zstandard.ZstdDecompressor()
+        zstandard = _optional("zstandard", ".zst files")
+        self._raw, self._zstd, self._error = raw, zstandard.ZstdDecompressor(), zstandard.ZstdError
         self._obj = self._zstd.decompressobj()
         self._in_frame = False
         self._pending, self._fed = b"", 0  # compressed bytes read, and how many went to the decoder
@@ -107,8 +108,6 @@ class _ZstdReader(io.RawIOBase):
         return True
 
     def readinto(self, buf) -> int:
-        import zstandard
-
         while self._pos >= len(self._out):
             if self._fed >= len(self._pending):
                 self._pending, self._fed = self._raw.read(1 << 16), 0
@@ -123,7 +122,7 @@ class _ZstdReader(io.RawIOBase):
                 self._in_frame = True
                 try:
                     out.append(self._obj.decompress(data))
-                except zstandard.ZstdError as e:
+                except self._error as e:
                     raise DamagedStream("corrupt", f"corrupt zstd stream ({e})") from None
                 if not self._obj.eof:
                     break
@@ -138,6 +137,17 @@ class _ZstdReader(io.RawIOBase):
     def close(self) -> None:
         self._raw.close()
         super().close()
+
+
+def _optional(module: str, what: str) -> Any:
+    """Import a package of the `prep` extra, or say in one line how to get it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"reading {what} needs the {module.split('.')[0]} package: "
+                        f"pip install 'kiln-lm[prep]'") from None
 
 
 def open_binary(path: Path) -> BinaryIO:
@@ -330,8 +340,8 @@ def record_to_doc(row: Any, name: str, line: int, opts: ReadOptions, reject: Rej
 
 def _read_parquet(path: Path, name: str, opts: ReadOptions, reject: Reject) -> Iterator[Doc]:
     """Streams row batches with pyarrow (`ParquetFile.iter_batches`)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa = _optional("pyarrow", "Parquet files")
+    pq = _optional("pyarrow.parquet", "Parquet files")
 
     try:
         pf = pq.ParquetFile(path)

@@ -90,3 +90,14 @@ def test_json_files_object_array_or_lines(tmp_path):
 def test_unreadable_file_is_rejected_not_raised(tmp_path):
     docs, rejects = read(tmp_path / "gone.jsonl")
     assert docs == [] and rejects[0][:3] == ("gone.jsonl", None, "unreadable")
+
+
+def test_missing_optional_package_is_one_clear_line(tmp_path, monkeypatch):
+    import sys
+
+    from kiln.errors import DataError
+
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "x"}\n'))
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed
+    with pytest.raises(DataError, match=r"reading \.zst files needs the zstandard package"):
+        read(tmp_path / "a.jsonl.zst")
