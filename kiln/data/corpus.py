@@ -13,8 +13,9 @@ convention for corpora such as tinyshakespeare.
 There is no rejects file on this side, so nothing is dropped quietly: a bad record (line of a
 JSONL file), an unreadable file, a file given directly that is not text, and a damaged compressed
 file (truncated or corrupt: training on part of a file without saying so is worse than stopping)
-are DataErrors naming the file. In a directory, files of other formats and text files that are
-binary, not UTF-8 or empty are skipped and listed in `ReadReport.summary()`.
+are DataErrors naming the file. In a directory, files of other formats, text files that are
+binary, not UTF-8 or empty, and .json files whose first record has no string text field (config or
+metadata files) are skipped and listed in `ReadReport.summary()`; empty records are counted there.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kiln.errors import DataError
 BUILTIN_STDLIB = "builtin:stdlib"
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 _SKIPPABLE = {"binary", "not_utf8", "empty"}  # file-level rejects a directory source may skip
+_NOT_TEXT_JSON = {"bad_json", "not_object", "missing_text_field"}  # first record of a .json in a directory
 _EDGE_BYTES = 1 << 20
 
 
@@ -108,9 +110,14 @@ def iter_documents(source: str, glob: str = "**/*", text_field: str = "text",
     for path, fmt in files:
         name = str(path.relative_to(root)) if builtin else str(path)  # the id: it decides the split
         skipped: list[str] = []
+        n_docs = 0
 
         def reject(file: str, line: int | None, reason: str, detail: str, nbytes: int) -> None:
-            if reason == "empty" and line is not None:
+            if skipped:
+                return
+            if fmt == "json" and in_dir and n_docs == 0 and reason in _NOT_TEXT_JSON:
+                skipped.append(f"JSON without a string {text_field!r}")  # config or metadata, not a corpus
+            elif reason == "empty" and line is not None:
                 report.empty_records += 1
             elif reason == "empty" or builtin:  # a stray undecodable stdlib file is not the user's fault
                 skipped.append(reason)
@@ -120,7 +127,11 @@ def iter_documents(source: str, glob: str = "**/*", text_field: str = "text",
                 where = f"{file}:{line}" if line is not None else file
                 raise DataError(f"{where}: {detail}")
 
-        yield from read_file(path, name, fmt, opts, reject)
+        for doc in read_file(path, name, fmt, opts, reject):
+            if skipped:
+                break
+            n_docs += 1
+            yield doc
         if skipped:
             report.skipped.append((str(path.relative_to(root)) if root else name, skipped[0]))
         else:

@@ -39,11 +39,20 @@ def test_directory_reads_every_format_and_reports_skips(tmp_path):
     (src / "g.bin").write_bytes(b"\x00\x01")
     (src / "h.txt").write_bytes(b"\x00binary after all")
     (src / "i.md").write_text("   \n")
+    (src / "j.json").write_text(json.dumps({"name": "a config file", "version": 2}))
     shard_dir, lines = prepare(src, tmp_path / "run")
     assert n_docs(shard_dir) == 7
     summary = next(line for line in lines if line.startswith("read "))
-    assert summary == ("read 6 files (json 1, jsonl 1, text 4); skipped 3: g.bin (unsupported suffix), "
-                       "h.txt (binary), i.md (empty)")
+    assert summary == ("read 6 files (json 1, jsonl 1, text 4); skipped 4: g.bin (unsupported suffix), "
+                       "h.txt (binary), i.md (empty), j.json (JSON without a string 'text')")
+
+
+def test_bad_record_after_good_ones_is_an_error_naming_file_and_line(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.json").write_text(json.dumps([{"text": "fine"}, {"body": "no text"}]))
+    with pytest.raises(DataError, match=r"a\.json:2: expected an object with a string field 'text'"):
+        prepare(src, tmp_path / "run")
 
 
 def test_compressed_file_given_directly(tmp_path):
