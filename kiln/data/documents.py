@@ -284,11 +284,13 @@ def _read_jsonl(path: Path, name: str, opts: ReadOptions, reject: Reject, count:
 def _read_json(path: Path, name: str, opts: ReadOptions, reject: Reject, count: list[int]) -> Iterator[Doc]:
     """A .json file: one object, or an array of objects (record i is 'line' i + 1); a file of
     several values one per line is read as JSONL."""
-    size = path.stat().st_size
+    with open_binary(path) as f:
+        data = _read_at_most(f, JSON_MAX_BYTES + 1)
+    size = len(data)
     if size > JSON_MAX_BYTES:
-        reject(name, None, "too_large", f"a .json file of {size} bytes is parsed whole; use JSONL", size)
+        reject(name, None, "too_large", f"a .json file over {JSON_MAX_BYTES} bytes (parsed whole); use JSONL", size)
         return
-    text, reason, detail = decode_text(path.read_bytes())
+    text, reason, detail = decode_text(data)
     if text is None:
         reject(name, None, reason, detail, size)
         return
