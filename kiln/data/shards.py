@@ -18,11 +18,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
 from kiln.errors import DataError
+
+if TYPE_CHECKING:
+    from kiln.data.documents import Doc
+    from kiln.data.tokenizer import Tokenizer
 
 FORMAT = "kiln-shards"
 VERSION = 1
@@ -101,6 +105,41 @@ class ShardWriter:
     def finish(self) -> list[ShardInfo]:
         self._flush()
         return self.shards
+
+
+def write_token_shards(docs: Iterable[Doc], tokenizer: Tokenizer, out_dir: str | Path,
+                       split_of: Callable[[Doc], str], batch_bytes: int = 4 << 20,
+                       shard_tokens: int = DEFAULT_SHARD_TOKENS) -> dict[str, Any]:
+    """The one shard-writing loop of `kiln train` and `kiln prep`: documents are tokenized in
+    batches of ~batch_bytes of text (one Rust-side `encode_batch` call each, so per-document
+    Python work stays small) and appended to the writer of `split_of(doc)` ("train" or "val").
+
+    Returns {"splits": {split: [ShardInfo dicts]}, "docs": {split: n}, "tokens": {split: n}};
+    the caller writes tokenizer.json and `write_meta`.
+    """
+    writers = {s: ShardWriter(out_dir, s, tokenizer.vocab_size, tokenizer.eos_id, shard_tokens)
+               for s in ("train", "val")}
+    counts: dict[str, dict[str, int]] = {"docs": {"train": 0, "val": 0}, "tokens": {"train": 0, "val": 0}}
+    batch: list[Doc] = []
+    size = 0
+
+    def flush() -> None:
+        for doc, ids in zip(batch, tokenizer.encode_batch([d.text for d in batch])):
+            split = split_of(doc)
+            writers[split].add(ids)
+            counts["docs"][split] += 1
+            counts["tokens"][split] += len(ids) + 1
+        batch.clear()
+
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc.text)
+        if size >= batch_bytes:
+            flush()
+            size = 0
+    if batch:
+        flush()
+    return {"splits": {s: [vars(i) for i in w.finish()] for s, w in writers.items()}, **counts}
 
 
 def write_meta(out_dir: str | Path, writers: list[ShardWriter], extra: dict | None = None) -> None:

@@ -90,6 +90,16 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
     return HFTokenizer(tok)
 
 
+def build_tokenizer(spec: str, vocab_size: int, texts: Iterable[str]) -> Tokenizer:
+    """The one tokenizer builder of `kiln train` and `kiln prep`: `spec` is "bpe" (trained on
+    `texts`, which is read only in that case), "byte", or the path of a tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec == "bpe":
+        return train_bpe(iter(texts), vocab_size)
+    return load_tokenizer(spec)
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     path = Path(path)
     if not path.is_file():
@@ -106,3 +116,28 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return HFTokenizer(_Tok.from_file(str(path)))
     except Exception as e:  # tokenizers raises plain Exception subclasses for bad files
         raise DataError(f"{path}: not a valid HF tokenizer.json ({e})") from None
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (0 for special tokens), for bits-per-byte.
+
+    Byte-level BPE tokens are strings over GPT-2's byte-to-unicode alphabet, so each character
+    maps back to exactly one byte; other tokenizers fall back to decoding ids one by one.
+    """
+    if isinstance(tokenizer, ByteTokenizer):
+        lengths = np.ones(256, dtype=np.int64)
+        lengths[tokenizer.eos_id] = 0
+        return lengths
+    from tokenizers import pre_tokenizers
+
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    special = {t.content for t in tokenizer.tok.get_added_tokens_decoder().values() if t.special}
+    lengths = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    for token, i in tokenizer.tok.get_vocab().items():
+        if i >= tokenizer.vocab_size or token in special:
+            continue
+        if all(c in alphabet for c in token):
+            lengths[i] = len(token)
+        else:
+            lengths[i] = len(tokenizer.tok.decode([i]).encode("utf-8"))
+    return lengths

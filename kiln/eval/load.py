@@ -10,7 +10,7 @@ from torch import nn
 
 from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, list_checkpoints
 from kiln.config import JobConfig, load_config
-from kiln.data.dataset import TOKENIZER_FILE
+from kiln.data.raw_to_shards import TOKENIZER_FILE
 from kiln.data.tokenizer import Tokenizer, load_tokenizer
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import torch
 
-from kiln.data.dataset import token_byte_lengths
+from kiln.data.tokenizer import token_byte_lengths
 from kiln.model.transformer import lm_loss
 
 

@@ -32,17 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
+from kiln.data.documents import Doc  # the one document type, shared with `kiln train`
+
 # ---------------------------------------------------------------------------- documents
-
-
-@dataclass
-class Doc:
-    """One document. `id` is stable across runs (it decides the train/val split); `meta` is
-    passed through untouched (url, source file, line, fields of the input record)."""
-
-    id: str
-    text: str
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def text_bytes(text: str) -> int:

@@ -396,27 +396,23 @@ def _prepare_dirs(plan: Plan) -> bool:
 
 
 def _train_or_load_tokenizer(plan: Plan) -> Any:
-    from kiln.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+    from kiln.data.tokenizer import build_tokenizer, load_tokenizer
 
     path = plan.work / "tokenizer.json"
     if path.is_file():
         return load_tokenizer(path)
     spec = plan.cfg.tokenize
-    if spec.tokenizer == "byte":
-        tok: Any = ByteTokenizer()
-    elif spec.tokenizer == "bpe":
-        def sample() -> Iterator[str]:
-            budget = spec.sample_bytes
-            for shard in plan.shards:  # in shard order: the same sample on every rerun
-                for doc in read_docs(plan.docs_file(shard)):
-                    yield doc.text[:budget]
-                    budget -= len(doc.text)
-                    if budget <= 0:
-                        return
 
-        tok = train_bpe(sample(), spec.vocab_size)
-    else:
-        tok = load_tokenizer(spec.tokenizer)
+    def sample() -> Iterator[str]:  # read only for bpe
+        budget = spec.sample_bytes
+        for shard in plan.shards:  # in shard order: the same sample on every rerun
+            for doc in read_docs(plan.docs_file(shard)):
+                yield doc.text[:budget]
+                budget -= len(doc.text)
+                if budget <= 0:
+                    return
+
+    tok = build_tokenizer(spec.tokenizer, spec.vocab_size, sample())
     tmp = path.with_name("tokenizer.json.tmp")
     tok.save(tmp)
     os.replace(tmp, path)

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 
 from kiln.data.corpus import is_val
 from kiln.prep.base import Doc
-from kiln.data.shards import DEFAULT_SHARD_TOKENS, ShardInfo, ShardWriter, write_meta
+from kiln.data.shards import DEFAULT_SHARD_TOKENS, ShardInfo, ShardWriter, write_meta, write_token_shards
 from kiln.data.tokenizer import Tokenizer
 from kiln.errors import DataError
 
@@ -117,34 +117,10 @@ def read_docs(path: str | Path) -> Iterator[Doc]:
 
 def tokenize_docs(docs: Iterable[Doc], tokenizer: Tokenizer, out_dir: str | Path, val_fraction: float,
                   batch_bytes: int = 4 << 20, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> dict[str, Any]:
-    """Tokenize documents in batches into `out_dir/{train,val}-*.npy`; the split is `is_val(doc.id)`.
-
-    Returns {"splits": {split: [ShardInfo dicts]}, "docs": {split: n}, "tokens": {split: n}}.
-    """
-    writers = {s: ShardWriter(out_dir, s, tokenizer.vocab_size, tokenizer.eos_id, shard_tokens)
-               for s in ("train", "val")}
-    batch: list[Doc] = []
-    size = 0
-    counts = {"docs": {"train": 0, "val": 0}, "tokens": {"train": 0, "val": 0}}
-
-    def flush() -> None:
-        # One Rust-side batch call per ~batch_bytes of text: per-document Python work stays small.
-        for doc, ids in zip(batch, tokenizer.encode_batch([d.text for d in batch])):
-            split = "val" if is_val(doc.id, val_fraction) else "train"
-            writers[split].add(ids)
-            counts["docs"][split] += 1
-            counts["tokens"][split] += len(ids) + 1
-        batch.clear()
-
-    for doc in docs:
-        batch.append(doc)
-        size += len(doc.text)
-        if size >= batch_bytes:
-            flush()
-            size = 0
-    if batch:
-        flush()
-    return {"splits": {s: [vars(i) for i in w.finish()] for s, w in writers.items()}, **counts}
+    """Tokenize documents into `out_dir/{train,val}-*.npy` with `kiln train`'s shard-writing loop;
+    the split is `is_val(doc.id)`. Returns what `write_token_shards` returns."""
+    return write_token_shards(docs, tokenizer, out_dir, lambda d: "val" if is_val(d.id, val_fraction) else "train",
+                              batch_bytes, shard_tokens)
 
 
 def merge_token_parts(part_dirs: list[Path], parts: list[dict[str, Any]], out_dir: str | Path,

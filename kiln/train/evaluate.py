@@ -16,7 +16,7 @@ import torch
 
 from kiln.config import JobConfig
 from kiln.data.corpus import split_documents
-from kiln.data.dataset import token_byte_lengths
+from kiln.data.tokenizer import token_byte_lengths
 from kiln.data.loader import TokenWindows, eval_batches
 from kiln.data.shards import ShardSet
 from kiln.errors import DataError

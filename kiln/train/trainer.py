@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, RNGState
 from kiln.config import JobConfig, to_toml
-from kiln.data.dataset import TOKENIZER_FILE, prepare_shards
+from kiln.data.raw_to_shards import TOKENIZER_FILE, prepare_shards
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError, TrainingDiverged

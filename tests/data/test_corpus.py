@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from kiln.data.corpus import iter_documents, split_documents, stdlib_files
+from kiln.data.corpus import ReadReport, iter_documents, split_documents, stdlib_files
 from kiln.errors import DataError
 
 
@@ -43,7 +43,7 @@ def test_bad_corpora(tmp_path, content, message):
 def test_missing_source_and_empty_dir(tmp_path):
     with pytest.raises(DataError, match="not found"):
         split_documents(str(tmp_path / "nope"), 0.1)
-    with pytest.raises(DataError, match="no text files"):
+    with pytest.raises(DataError, match="no document files"):
         split_documents(str(tmp_path), 0.1)
 
 
@@ -56,4 +56,11 @@ def test_jsonl_source_and_errors(tmp_path):
         list(iter_documents(str(p)))
     p.write_text('{"text": "ok"}\n{broken\n')
     with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
+        list(iter_documents(str(p)))
+    p.write_text('{"text": "ok"}\n{"text": ""}\n{"text": " "}\n')
+    report = ReadReport()
+    assert [d.text for d in iter_documents(str(p), report=report)] == ["ok"]
+    assert report.empty_records == 2 and report.summary() == "read 1 file (jsonl 1); 2 empty records skipped"
+    p.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: not UTF-8 at byte"):
         list(iter_documents(str(p)))

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from kiln.data.dataset import token_byte_lengths
+from kiln.data.tokenizer import token_byte_lengths
 from kiln.data.shards import ShardSet, ShardWriter, read_meta, token_dtype, write_meta
 from kiln.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from kiln.errors import DataError

@@ -63,8 +63,8 @@ def test_compressed_jsonl_and_corrupt_stream(tmp_path):
     docs, rejects, _ = read_all(tmp_path)
     texts = [d.text for d in docs]
     assert texts[:6] == ["doc 0", "doc 1", "doc 2"] * 2
-    assert {r[2] for r in rejects} == {"read:corrupt_file", "read:empty"}
-    assert [r[0] for r in rejects if r[2] == "read:corrupt_file"] == ["c.jsonl.gz"]
+    assert {r[2] for r in rejects} == {"read:truncated", "read:empty"}
+    assert [r[0] for r in rejects if r[2] == "read:truncated"] == ["c.jsonl.gz"]
 
 
 def test_parquet_streaming_and_missing_column(tmp_path):
@@ -105,3 +105,28 @@ def test_doc_writer_roundtrip(tmp_path, fmt):
     assert not path.exists()  # only the temporary file until close
     w.close()
     assert list(read_docs(path)) == docs
+
+
+@pytest.mark.parametrize("cut", [5, 30, 0.6])
+def test_truncated_zstd_is_counted_with_what_was_read(tmp_path, cut):
+    import zstandard
+
+    rows = b"".join(json.dumps({"text": f"document {i} " * 10}).encode() + b"\n" for i in range(3000))
+    whole = zstandard.ZstdCompressor().compress(rows)
+    (tmp_path / "big.jsonl.zst").write_bytes(whole[:int(len(whole) * cut) if isinstance(cut, float) else cut])
+    docs, rejects, stats = read_all(tmp_path)
+    assert [(r[0], r[1], r[2]) for r in rejects] == [("big.jsonl.zst", None, "read:truncated")]  # not "empty"
+    assert f"after {len(docs)} records" in rejects[0][3]
+    assert stats["docs_kept"] == len(docs) and stats["dropped"] == {"read:truncated": 1}
+    assert stats["docs_in"] == len(docs) + 1
+    if isinstance(cut, float):
+        assert 1000 < len(docs) < 3000
+
+
+def test_suffixes_any_case_and_json_files(tmp_path):
+    (tmp_path / "A.TXT").write_text("upper")
+    (tmp_path / "b.Jsonl.GZ").write_bytes(gzip.compress(b'{"text": "gz"}\n'))
+    (tmp_path / "c.json").write_text(json.dumps([{"text": "j1"}, {"text": "j2"}]))
+    (tmp_path / "d.markdown").write_text("md")
+    docs, rejects, _ = read_all(tmp_path)
+    assert sorted(d.text for d in docs) == ["gz", "j1", "j2", "md", "upper"] and rejects == []
