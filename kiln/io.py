@@ -16,6 +16,8 @@ through it.
         f.write(...)
     atomic_write_text(path, text); atomic_write_bytes(path, data); atomic_write_json(path, obj)
     w = AtomicFile(path, "wb"); ...; w.commit() or w.abort()   # for writers that outlive a block
+    with atomic_path(path) as tmp:        # for libraries that write to a path themselves
+        tokenizer.save(tmp)
 """
 
 from __future__ import annotations
@@ -123,3 +125,26 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True, 
     """json.dumps(obj, **dumps_kwargs) written atomically; the object is serialized before the file
     is opened, so an unserializable value leaves the old file untouched and no temporary file."""
     return atomic_write_text(path, json.dumps(obj, **dumps_kwargs), fsync=fsync)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temporary path for a library that writes files by name (`tokenizer.save(p)`); on
+    normal exit the file there replaces `path`, on an exception it is deleted."""
+    target = Path(path)
+    tmp = target.with_name(target.name + TMP_SUFFIX)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp.unlink(missing_ok=True)
+    try:
+        yield tmp
+        if not tmp.is_file() or tmp.is_symlink():
+            raise OSError(f"{tmp}: the writer left no regular file to move onto {target}")
+        if fsync:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_dir(target.parent)

@@ -77,3 +77,23 @@ def test_atomic_file_object_commit_and_abort(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a.bin"]
     with pytest.raises(ValueError):
         AtomicFile(tmp_path / "x", "a")
+
+
+def test_atomic_path_for_libraries_that_write_by_name(tmp_path):
+    from kiln.io import atomic_path
+
+    target = tmp_path / "tok.json"
+    target.write_text("old")
+    with atomic_path(target) as tmp:
+        assert tmp != target
+        tmp.write_text("new")
+        assert target.read_text() == "old"
+    assert target.read_text() == "new"
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("partial")
+            raise RuntimeError("writer crashed")
+    with pytest.raises(OSError, match="no regular file"):
+        with atomic_path(target):
+            pass  # the writer wrote nothing
+    assert target.read_text() == "new" and sorted(os.listdir(tmp_path)) == ["tok.json"]
