@@ -1,4 +1,4 @@
-"""Runs a prep pipeline over input shards: locally (processes) or on Ray, with the same stages.
+"""Runs a prep pipeline over input shards, stage by stage, on a runner (local processes or Ray).
 
 Stages, for a pipeline `seg0, G0, seg1, G1, ..., segM` (G = global steps, seg = streaming steps):
 
