@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.errors import KilnError
+from kiln.io import atomic_write_json
 
 BUILTIN_PROBLEMS = "builtin"
 
@@ -287,10 +288,7 @@ def _earlier_parts(path: Path, step: int) -> dict:
 
 
 def _write_report(path: Path, report: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_json(path, report, indent=1, default=str)
 
 
 def summary_rows(report: dict) -> list[tuple[str, str, str]]:

@@ -15,7 +15,6 @@ under a temporary name and renamed, so a reader never sees a half-written shard.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import numpy as np
 
 from kiln.errors import DataError
+from kiln.io import atomic_file, atomic_write_text
 
 if TYPE_CHECKING:
     from kiln.data.documents import Doc
@@ -38,18 +38,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(path, "wb") as f:
         np.save(f, array)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import DataError
+from kiln.io import atomic_write_text
 from kiln.eval.plots import CHART_CSS, Chart, Marker, Series, downsample, render_chart
 
 EVAL_COLORS = ("#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
@@ -348,10 +349,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     """Write the page (default RUN_DIR/reports/report.html) atomically; returns (path, summary, warnings)."""
     html, summary, warnings = build_report(run_dir, max_points)
     out = Path(out) if out else Path(run_dir) / "reports" / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(out)
+    atomic_write_text(out, html)
     return out, summary, warnings
 
 

@@ -13,7 +13,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import random
 import time
 import traceback
@@ -28,6 +27,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from kiln.config import JobConfig, load_config
 from kiln.errors import ConfigError, KilnError
+from kiln.io import atomic_write_json
 
 SWEEP_FILE = "sweep.json"
 FINISHED = ("completed", "diverged", "failed")
@@ -200,9 +200,7 @@ def load_state(sweep_dir: Path, plan: SweepPlan) -> list[dict[str, Any]]:
 def save_state(sweep_dir: Path, plan: SweepPlan, records: list[dict[str, Any]], keys: list[str]) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     obj = {"plan": plan.to_json(), "keys": keys, "trials": records, "ranking": [r["trial"] for r in rank(records)]}
-    tmp = sweep_dir / (SWEEP_FILE + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_json_default, allow_nan=False), encoding="utf-8")
-    os.replace(tmp, sweep_dir / SWEEP_FILE)
+    atomic_write_json(sweep_dir / SWEEP_FILE, obj, indent=1, default=_json_default, allow_nan=False)
 
 
 def _json_default(v: Any) -> Any:

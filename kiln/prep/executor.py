@@ -1,4 +1,4 @@
-"""Runs a prep pipeline over input shards: locally (processes) or on Ray, with the same stages.
+"""Runs a prep pipeline over input shards, stage by stage, on a runner (local processes or Ray).
 
 Stages, for a pipeline `seg0, G0, seg1, G1, ..., segM` (G = global steps, seg = streaming steps):
 
@@ -13,7 +13,12 @@ where `source` is the reader for the first stage and `G_{k-1}.run(stored stage-(
 after it. Every per-shard task writes its files under temporary names, renames them, then records
 `.work/done/<stage>/<part>.json` (its counters); a rerun with the same config skips recorded
 tasks, so a killed run resumes where it stopped. The output directory must be on a filesystem
-every worker sees (Ray clusters: a shared mount).
+every worker sees (Ray clusters: a shared mount). Where tasks run is the runner's business
+(`kiln/prep/runners.py`, chosen by `run.executor`); every file is written through `kiln.io`.
+
+A run that keeps no document fails (DataError, naming the main drop reasons) after writing its
+report and rejects, and skips tokenization; a run whose reader rejects more than
+`run.max_reject_share` of the input records gets a warning in the report naming the top reasons.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from kiln.errors import DataError
+from kiln.io import AtomicFile, atomic_file, atomic_write_json, atomic_write_text
 from kiln.prep.base import Doc, GlobalStep, Step, StepContext, merge_stats, text_bytes
 from kiln.prep.pipeline import PrepConfig
 from kiln.prep.readers import READ_STEP, InputShard, list_shards, read_shard
+from kiln.prep.runners import make_runner
 from kiln.prep.writers import DocWriter, doc_suffix, merge_token_parts, read_docs, tokenize_docs
-from kiln.errors import ConfigError, DataError
 
 N_BINS = 41  # length histogram: bin i holds documents of bit_length(bytes) == i
 
@@ -87,30 +94,23 @@ class Plan:
 # ---------------------------------------------------------------------------- per-shard tasks
 
 
-def _atomic_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj), encoding="utf-8")
-    os.replace(tmp, path)
-
-
 class _Log:
     """A JSONL log written to a temporary file and moved into place when the task succeeds."""
 
     def __init__(self, path: Path, enabled: bool = True):
-        self.path, self.enabled = path, enabled
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = path.with_name(path.name + ".tmp")
-        self.f = open(self.tmp, "w", encoding="utf-8") if enabled else None
+        self.file = AtomicFile(path, "w") if enabled else None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        if self.file is not None:
+            self.file.file.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
 
     def commit(self) -> None:
-        if self.f is not None:
-            self.f.close()
-            os.replace(self.tmp, self.path)
+        if self.file is not None:
+            self.file.commit()
+
+    def abort(self) -> None:
+        if self.file is not None:
+            self.file.abort()
 
 
 def _counted(docs: Iterable[Doc], stats: dict[str, Any], key: str) -> Iterator[Doc]:
@@ -153,15 +153,27 @@ def run_shard_task(plan: Plan, stage: str, shard: InputShard) -> dict[str, Any]:
         result = _tokenize_task(plan, shard)
     else:
         result = _filter_task(plan, stage, shard)
-    _atomic_json(done, result)
+    atomic_write_json(done, result)
     return result
 
 
 def _filter_task(plan: Plan, stage: str, shard: InputShard) -> dict[str, Any]:
+    rejects = _Log(plan.log_file(stage, shard, "rejects"))
+    removed = _Log(plan.log_file(stage, shard, "removed"), plan.cfg.output.write_removed)
+    try:
+        result = _filter_shard(plan, stage, shard, rejects, removed)
+    except BaseException:
+        rejects.abort()
+        removed.abort()
+        raise
+    rejects.commit()
+    removed.commit()
+    return result
+
+
+def _filter_shard(plan: Plan, stage: str, shard: InputShard, rejects: _Log, removed: _Log) -> dict[str, Any]:
     cfg = plan.cfg
     k = len(plan.globals) if stage == "final" else int(stage.split("-")[1])
-    rejects = _Log(plan.log_file(stage, shard, "rejects"))
-    removed = _Log(plan.log_file(stage, shard, "removed"), cfg.output.write_removed)
     ctx = StepContext(shard_index=shard.index, n_shards=plan.n_shards, shard_name=shard.name,
                       max_examples=cfg.output.max_examples, example_chars=cfg.output.example_chars,
                       on_drop=lambda step, doc, reason: removed.write({"id": doc.id, "step": step, "reason": reason}))
@@ -209,8 +221,6 @@ def _filter_task(plan: Plan, stage: str, shard: InputShard) -> dict[str, Any]:
         store.close()
         result["docs_out"] = store.count
     _check_accounting(ctx.stats, f"{stage} {shard.name}")
-    rejects.commit()
-    removed.commit()
     result.update(stats=ctx.stats, hist_in=hist_in, hist_out=hist_out)
     return result
 
@@ -241,7 +251,7 @@ def run_prepare_part(plan: Plan, k: int, part: int, n_parts: int) -> dict[str, A
     g, ctx = _global_context(plan, k)
     g.prepare_part(ctx, plan.n_shards, part, n_parts)
     result = {"stage": f"prepare-{k}-part-{part}"}
-    _atomic_json(done, result)
+    atomic_write_json(done, result)
     return result
 
 
@@ -252,92 +262,8 @@ def run_prepare(plan: Plan, k: int) -> dict[str, Any]:
     g, ctx = _global_context(plan, k)
     g.prepare(ctx, plan.n_shards)
     result = {"stage": f"prepare-{k}", "stats": ctx.stats}
-    _atomic_json(done, result)
+    atomic_write_json(done, result)
     return result
-
-
-# ---------------------------------------------------------------------------- runners
-
-
-class LocalRunner:
-    """Tasks in a pool of spawned processes (or in this process for one worker)."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self._pool = None
-
-    def map(self, fn: Callable, args: list[tuple]) -> Iterator[Any]:
-        if self.workers <= 1 or len(args) <= 1:
-            for a in args:
-                yield fn(*a)
-            return
-        if self._pool is None:
-            import multiprocessing as mp
-
-            # spawn: no forked Rust thread pools (tokenizers) or locks; workers import kiln afresh.
-            self._pool = mp.get_context("spawn").Pool(self.workers, initializer=_one_thread_per_worker)
-        yield from self._pool.imap_unordered(_star, [(fn, a) for a in args])
-
-    def call(self, fn: Callable, *args: Any) -> Any:
-        return fn(*args)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
-
-
-def _one_thread_per_worker() -> None:
-    # Each process already owns a shard; tokenizers' own thread pool would oversubscribe the CPUs.
-    os.environ.setdefault("RAYON_RS_NUM_CPUS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _star(item: tuple[Callable, tuple]) -> Any:
-    fn, args = item
-    return fn(*args)
-
-
-class RayRunner:
-    """The same tasks as Ray remote functions; starts a local Ray instance unless given an address."""
-
-    def __init__(self, workers: int, address: str):
-        try:
-            import ray
-        except ModuleNotFoundError:
-            raise ConfigError("run.executor='ray' needs Ray: pip install 'kiln-lm[prep]'") from None
-        self.ray = ray
-        self.started = False
-        if not ray.is_initialized():
-            # One tokenizer thread per task: Ray already runs a task per CPU.
-            env = {"env_vars": {"RAYON_RS_NUM_CPUS": "1", "TOKENIZERS_PARALLELISM": "false"}}
-            if address:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False, runtime_env=env)
-            else:
-                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, runtime_env=env)
-            self.started = True
-        self._remote = ray.remote(num_cpus=1, max_retries=0)(_star)
-
-    def map(self, fn: Callable, args: list[tuple]) -> Iterator[Any]:
-        pending = [self._remote.remote((fn, a)) for a in args]
-        while pending:
-            ready, pending = self.ray.wait(pending, num_returns=1)
-            for ref in ready:
-                yield self._get(ref)
-
-    def call(self, fn: Callable, *args: Any) -> Any:
-        return self._get(self._remote.remote((fn, args)))
-
-    def _get(self, ref: Any) -> Any:
-        try:
-            return self.ray.get(ref)
-        except self.ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None  # a KilnError stays a KilnError for the CLI
-
-    def close(self) -> None:
-        if self.started:
-            self.ray.shutdown()
 
 
 # ---------------------------------------------------------------------------- driver
@@ -390,8 +316,7 @@ def _prepare_dirs(plan: Plan) -> bool:
         # A different config (or resume off): earlier results are stale.
         for name in (".work", "documents", "tokens"):
             shutil.rmtree(plan.out / name, ignore_errors=True)
-    plan.work.mkdir(parents=True, exist_ok=True)
-    fp_file.write_text(fingerprint, encoding="utf-8")
+    atomic_write_text(fp_file, fingerprint)
     return same and plan.cfg.run.resume
 
 
@@ -420,9 +345,8 @@ def _train_or_load_tokenizer(plan: Plan) -> Any:
 
 
 def _concat_logs(plan: Plan, stages: list[str], kind: str, dest: Path) -> int:
-    tmp = dest.with_name(dest.name + ".tmp")
     n = 0
-    with open(tmp, "w", encoding="utf-8") as out:
+    with atomic_file(dest, "w") as out:
         for stage in stages:
             for shard in plan.shards:
                 path = plan.log_file(stage, shard, kind)
@@ -431,12 +355,13 @@ def _concat_logs(plan: Plan, stages: list[str], kind: str, dest: Path) -> int:
                         for line in f:
                             out.write(line)
                             n += 1
-    os.replace(tmp, dest)
     return n
 
 
 def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
-    """Run the pipeline; returns the report dict (also written to OUTPUT/prep_report.json/html)."""
+    """Run the pipeline; returns the report dict (also written to OUTPUT/prep_report.json/html).
+
+    Raises DataError, after the report and rejects.jsonl are written, when no document is kept."""
     from kiln.prep.report import build_report, print_report, write_html
 
     cfg.validate()
@@ -447,8 +372,7 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
     light = plan.light()
     resumed = _prepare_dirs(plan)
     workers = cfg.run.workers or os.cpu_count() or 1
-    runner: LocalRunner | RayRunner = (RayRunner(workers, cfg.run.ray_address) if cfg.run.executor == "ray"
-                                       else LocalRunner(workers))
+    runner = make_runner(cfg.run)
     progress = _Progress(cfg.run.progress)
     n_globals = len(plan.globals)
     filter_stages = [f"stage-{k}" for k in range(n_globals)] + ["final"]
@@ -468,7 +392,8 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
                     list(runner.map(run_prepare_part, [(light, k, p, n_parts) for p in range(n_parts)]))
                 results.append(runner.call(run_prepare, light, k))
         token_info: dict[str, Any] = {}
-        if cfg.tokenize.enabled:
+        kept = sum(r.get("docs_out", 0) for r in results if r.get("stage") == "final")
+        if cfg.tokenize.enabled and kept:  # nothing to tokenize: fail below, after the report
             tokenizer = _train_or_load_tokenizer(plan)
             advance = progress.task("tokenize", len(shards))
             parts = []
@@ -502,11 +427,59 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
                           {"shards": len(shards), "rejects": n_rejects, "removed": n_removed,
                            "resumed": resumed, "seconds": round(time.time() - t0, 3),
                            "executor": cfg.run.executor, "workers": workers, "global_steps": global_state})
-    _atomic_json(out / "prep_report.json", report)
+    reject_warning = _reject_share_warning(stats, cfg.run.max_reject_share, out / "rejects.jsonl")
+    if reject_warning:
+        report["warnings"].append(reject_warning)
+    atomic_write_json(out / "prep_report.json", report)
     write_html(report, out / "prep_report.html")
     if console is not None:
         print_report(report, console)
+    if not kept:
+        raise DataError(_nothing_kept_reason(cfg, stats, order, out))
     return report
+
+
+def _top_reasons(stats: dict[str, dict[str, Any]], steps: list[str], n: int = 3) -> list[tuple[str, int]]:
+    """The `n` most frequent drop reasons of `steps`, e.g. [('read:missing_text_field', 3000)]."""
+    counts = [(reason, count) for step in steps for reason, count in stats.get(step, {}).get("dropped", {}).items()]
+    return sorted(counts, key=lambda c: (-c[1], c[0]))[:n]
+
+
+def _format_reasons(reasons: list[tuple[str, int]]) -> str:
+    return ", ".join(f"{reason} {count:,}" for reason, count in reasons)
+
+
+# Reader rejects whose usual cause is the config rather than the data: what to check.
+_HINTS = {"read:missing_text_field": "check input.text_field", "read:bad_json": "check input.format",
+          "read:not_object": "check input.format"}
+
+
+def _reject_share_warning(stats: dict[str, dict[str, Any]], max_share: float, rejects_file: Path) -> str:
+    """A warning when the reader rejected more than `max_share` of the input records, else ''."""
+    read = stats.get(READ_STEP)
+    if not read:
+        return ""
+    rejected = sum(read["dropped"].values())
+    total = read["docs_kept"] + rejected
+    if not total or rejected / total <= max_share:
+        return ""
+    return (f"the reader rejected {rejected:,} of {total:,} input records ({100 * rejected / total:.1f}%), "
+            f"more than run.max_reject_share={max_share:g}: {_format_reasons(_top_reasons(stats, [READ_STEP]))}; "
+            f"see {rejects_file}")
+
+
+def _nothing_kept_reason(cfg: PrepConfig, stats: dict[str, dict[str, Any]], order: list[str], out: Path) -> str:
+    """One line: why no document was kept, with the top drop reasons and what to check."""
+    read = stats.get(READ_STEP, {"docs_kept": 0, "dropped": {}})
+    total = read["docs_kept"] + sum(read["dropped"].values())
+    if not total:
+        return f"no document kept: input.path {cfg.input.path!r} has no records; see {out}/prep_report.json"
+    top = _top_reasons(stats, order)
+    hint = _HINTS.get(top[0][0], "") if top else ""
+    if top and top[0][0] == "read:missing_text_field":
+        hint += f" (now {cfg.input.text_field!r})"
+    return (f"no document kept: all {total:,} input records were dropped, by {_format_reasons(top)}"
+            f"{'; ' + hint if hint else ''}; see {out}/rejects.jsonl and {out}/prep_report.json")
 
 
 def check_output_readable(out: Path) -> None:

@@ -79,6 +79,7 @@ class RunConfig:
     ray_address: str = ""  # "" starts a local Ray instance; "auto" or host:port joins a cluster
     resume: bool = True  # skip shards a previous run finished (same config)
     progress: str = "auto"  # auto | rich | none
+    max_reject_share: float = 0.5  # warn when the reader rejects more than this share of input records
 
     def validate(self, source: str) -> None:
         if self.executor not in ("local", "ray"):
@@ -87,6 +88,8 @@ class RunConfig:
             raise ConfigError(f"{source}: run.workers={self.workers} must be >= 0")
         if self.progress not in ("auto", "rich", "none"):
             raise ConfigError(f"{source}: run.progress={self.progress!r} is not one of auto, rich, none")
+        if not 0.0 <= self.max_reject_share <= 1.0:
+            raise ConfigError(f"{source}: run.max_reject_share={self.max_reject_share} must be in [0, 1]")
 
 
 @dataclass

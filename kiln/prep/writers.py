@@ -1,7 +1,7 @@
 """Writers: kept documents to JSONL(.zst)/Parquet, and kept documents to kiln token shards.
 
-Every file is written under a temporary name and renamed when complete, so a killed run leaves
-either a whole file or none. Documents are stored as `{"id", "text", "meta"}` records; the
+Every file is written under a temporary name and renamed when complete (`kiln.io.AtomicFile`),
+so a killed run leaves either a whole file or none. Documents are stored as `{"id", "text", "meta"}` records; the
 executor also uses this format for the documents it stores between the stages of global steps.
 """
 
@@ -18,6 +18,7 @@ from kiln.prep.base import Doc
 from kiln.data.shards import DEFAULT_SHARD_TOKENS, ShardInfo, ShardWriter, write_meta, write_token_shards
 from kiln.data.tokenizer import Tokenizer
 from kiln.errors import DataError
+from kiln.io import AtomicFile
 
 DOC_FORMATS = ("jsonl", "jsonl.zst", "parquet")
 
@@ -33,13 +34,12 @@ class DocWriter:
         if fmt not in DOC_FORMATS:
             raise DataError(f"document format {fmt!r} is not one of {', '.join(DOC_FORMATS)}")
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.fmt, self.count = fmt, 0
         self._rows: list[dict[str, Any]] = []
         self._parquet_rows = parquet_rows
         self._pq_writer = None
-        self._raw = open(self.tmp, "wb")
+        self._file = AtomicFile(self.path, "wb")
+        self._raw = self._file.file
         self._zst = None
         if fmt == "jsonl.zst":
             import zstandard
@@ -75,18 +75,12 @@ class DocWriter:
                 self._flush_parquet()
             self._pq_writer.close()
         if self._zst is not None:
-            self._zst.close()
-        self._raw.flush()
-        os.fsync(self._raw.fileno())
-        self._raw.close()
-        os.replace(self.tmp, self.path)
-        return self.path
+            self._zst.close()  # closefd=False: ends the zstd frame, leaves the file open
+        return self._file.commit()
 
     def abort(self) -> None:
-        try:
-            self._raw.close()
-        finally:
-            self.tmp.unlink(missing_ok=True)
+        """Discard the partial file; the target path is left as it was."""
+        self._file.abort()
 
 
 def read_docs(path: str | Path) -> Iterator[Doc]:

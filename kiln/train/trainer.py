@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, RNGState
 from kiln.config import JobConfig, to_toml
-from kiln.data.raw_to_shards import TOKENIZER_FILE, prepare_shards
+from kiln.data.raw_to_shards import prepare_shards
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError, TrainingDiverged
@@ -29,6 +29,7 @@ from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.metrics import MetricsLogger
 from kiln.train.optim import build_optimizer
 from kiln.train.peak import peak_flops
+from kiln.train.run_files import check_resume_settings, write_run_files
 from kiln.train.schedule import LRSchedule
 from kiln.train.step import PendingSteps, skips_on_device, train_step
 from kiln.train.system import compute_dtype, memory_mb, resolve_dtype, resolve_loss
@@ -96,15 +97,13 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if resume is False and resume_step is not None:
         raise KilnError(f"{run_dir} already has checkpoints (latest step {resume_step}); resume it "
                         f"or choose another --run-dir")
-    if resume_step is None and dims.is_main and (run_dir / "metrics.jsonl").exists():
-        # A fresh start in a dir whose earlier run never checkpointed: keep its rows aside.
-        (run_dir / "metrics.jsonl").rename(run_dir / f"metrics.{int(time.time())}.jsonl.old")
+    if resume_step is not None:  # before anything in run_dir is written
+        check_resume_settings(cfg, run_dir, resume_step)
 
     # ---- data (rank 0 writes shards, the others wait and read them)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         shard_dir, tokenizer = prepare_shards(cfg.data, run_dir, log=lambda m: print(m, flush=True))
-        tokenizer.save(run_dir / TOKENIZER_FILE)
     _barrier()
     if not dims.is_main:
         shard_dir, tokenizer = prepare_shards(cfg.data, run_dir)
@@ -115,8 +114,6 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     elif cfg.model.vocab_size < train_windows.shards.vocab_size:
         raise KilnError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                         f"{train_windows.shards.vocab_size}")
-    if dims.is_main:
-        (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
 
     # ---- model, optimizer, schedule
     torch.manual_seed(cfg.train.seed)
@@ -135,6 +132,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                 "rng": RNGState(), "train": state}
     if resume_step is not None:
         ckpt.load(stateful, resume_step)
+    if dims.is_main:  # only now: a start that failed above leaves the run's files as they were
+        write_run_files(run_dir, cfg, tokenizer, fresh=resume_step is None)
     scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
     autocast = autocast_context(device, cfg.train.dtype)
 

@@ -175,3 +175,70 @@ def test_python_api_parquet_output_and_changed_input_starts_over(tmp_path):
     assert second["run"]["resumed"] is False and second["totals"]["docs_out"] == 33
     third = run_prep(config())
     assert third["run"]["resumed"] is True and third["steps"] == second["steps"]
+
+
+def _jsonl_config(tmp_path: Path, records: list[str], **run: object) -> tuple[Path, Path]:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.jsonl").write_text("".join(r + "\n" for r in records), encoding="utf-8")
+    out = tmp_path / "out"
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in run.items())
+    cfg = tmp_path / "prep.toml"
+    cfg.write_text(f'[input]\npath = "{raw}"\n[output]\ndir = "{out}"\n[tokenize]\ntokenizer = "byte"\n'
+                   f'val_fraction = 0.2\n[run]\nworkers = 1\nprogress = "none"\n{extra}', encoding="utf-8")
+    return cfg, out
+
+
+def test_nothing_kept_fails_in_one_line_and_keeps_what_was_read(tmp_path, capsys):
+    # A wrong input.text_field: every record is rejected; before, this exited 0 with empty shards.
+    cfg, out = _jsonl_config(tmp_path, [json.dumps({"body": f"document number {i}"}) for i in range(40)])
+    assert kiln_main(["prep", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kiln prep: error: no document kept")
+    assert "all 40 input records" in err[0] and "read:missing_text_field 40" in err[0]
+    assert "check input.text_field" in err[0] and "'text'" in err[0]
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == 40 and {r["reason"] for r in rejects} == {"read:missing_text_field"}
+    assert json.loads((out / "prep_report.json").read_text())["totals"]["docs_out"] == 0
+    assert not (out / "tokens").exists()  # no empty shards for `kiln train` to pick up
+    # The fix named in the message works.
+    assert kiln_main(["prep", str(cfg), "--set", 'input.text_field="body"']) == 0
+    assert ShardSet(out / "tokens", "train").n_docs + ShardSet(out / "tokens", "val").n_docs == 40
+
+
+def test_nothing_kept_by_a_filter_step_names_the_step_reason(tmp_path, capsys):
+    raw = make_corpus(tmp_path)
+    cfg = write_config(tmp_path, raw, tmp_path / "out")
+    assert kiln_main(["prep", str(cfg), "--set", "step.gopher_quality.min_words=100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no document kept: all 35 input records were dropped" in err[0]
+    assert "by gopher:word_count 33, read:bad_json 1, read:binary 1;" in err[0]
+
+
+def test_reject_share_above_the_limit_warns_with_top_reasons(tmp_path, capsys):
+    good = [json.dumps({"text": f"a perfectly fine document {i}"}) for i in range(4)]
+    cfg, out = _jsonl_config(tmp_path, good + ["{broken"] * 5 + ["[1, 2]"])
+    assert kiln_main(["prep", str(cfg)]) == 0
+    printed = capsys.readouterr().out
+    warning = ("the reader rejected 6 of 10 input records (60.0%), more than run.max_reject_share=0.5: "
+               "read:bad_json 5, read:not_object 1")
+    assert warning in " ".join(printed.split())
+    assert any(w.startswith(warning) for w in json.loads((out / "prep_report.json").read_text())["warnings"])
+    assert kiln_main(["prep", str(cfg), "--set", "run.max_reject_share=0.6"]) == 0  # 60% is not more than 60%
+    assert "max_reject_share" not in capsys.readouterr().out
+    assert not any("max_reject_share" in w for w in json.loads((out / "prep_report.json").read_text())["warnings"])
+    assert kiln_main(["prep", str(cfg), "--set", "run.max_reject_share=1.5"]) == 2
+    assert "run.max_reject_share=1.5 must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_prep_command_imports_no_torch(tmp_path):
+    """`kiln prep` must not pay for torch (and its distributed checkpointing) at start-up."""
+    raw = make_corpus(tmp_path)
+    cfg = write_config(tmp_path, raw, tmp_path / "out")
+    code = ("import sys, argparse; sys.path.insert(0, %r); import prep_testlib; from kiln.commands import prep; "
+            "p = argparse.ArgumentParser(); prep.add_arguments(p); rc = prep.run(p.parse_args([%r])); "
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'scipy')); "
+            "print('HEAVY', heavy); sys.exit(rc)" % (str(Path(__file__).parent), str(cfg)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout

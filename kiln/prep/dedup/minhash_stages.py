@@ -21,7 +21,6 @@ labels plus 16 B per candidate edge. Signatures (num_perm x 4 B/doc) and shingle
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ from kiln.prep.dedup.jaccard import pair_jaccard, ranges
 from kiln.prep.dedup.minhash import (MinHashConfig, MinHasher, band_keys, bucket_edges,
                                           signature_agreement, unique_edges)
 from kiln.errors import DataError
+from kiln.io import atomic_file
 
 BYTES_PER_DOC_GLOBAL = 24
 
@@ -53,9 +53,8 @@ def sets_paths(work_dir: Path, shard: int) -> tuple[Path, Path]:
 
 def save_atomic(path: Path, array: np.ndarray) -> None:
     """np.save under a temporary name, then rename: a crashed worker leaves no truncated file."""
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    tmp.replace(path)
+    with atomic_file(path, "wb") as f:
+        np.save(f, array)
 
 
 def write_signatures(texts: list[str], hasher: MinHasher, work_dir: Path, shard: int) -> int:
@@ -96,11 +95,7 @@ def write_band_edges(work_dir: Path, n_shards: int, bands: list[int], rows: int)
                                for s in sigs]) if len(ids) else np.zeros(0, np.uint64)
         u, v = bucket_edges(keys, ids)
         # atomic: a killed run must never leave an edges file that looks complete
-        path = edges_path(work_dir, band)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            np.save(f, np.stack([u, v]))
-        os.replace(tmp, path)
+        save_atomic(edges_path(work_dir, band), np.stack([u, v]))
         total += len(u)
     return total
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.sparse import csr_matrix
 
 from kiln.prep.dedup.components import components_keep_lowest
 from kiln.prep.dedup.shingles import check_shingling, shingle_hashes_of_texts
@@ -57,6 +56,8 @@ def fingerprints_of_hashes(hashes: np.ndarray, docs: np.ndarray, n_docs: int) ->
     # votes for 1 per (document, bit): a sparse document-indicator matrix times the bit matrix
     # (scipy's sparse product is ~20x faster here than numpy's add.reduceat over rows)
     rows = np.repeat(np.arange(len(firsts)), totals)
+    from scipy.sparse import csr_matrix  # here: importing scipy costs ~1 s on every `kiln prep`
+
     indicator = csr_matrix((np.ones(len(hashes), np.float32), (rows, np.arange(len(hashes)))),
                            shape=(len(firsts), len(hashes)))
     ones = indicator @ bits.astype(np.float32)

@@ -27,6 +27,7 @@ from kiln.prep.dedup.minhash import MinHashConfig, MinHasher
 from kiln.prep.dedup.simhash import SimHashConfig, fingerprints, near_pairs
 from kiln.prep.dedup.suffix_array import SEPARATOR, SuffixArrayConfig, duplicate_mask
 from kiln.errors import ConfigError, DataError
+from kiln.io import atomic_file
 
 
 def _work_dir(ctx: StepContext, step: str) -> Path:
@@ -263,14 +264,12 @@ class SuffixArrayDedup(GlobalStep):
         self.config.validate(f"step {self.name!r}")  # again: --set may have edited the config
         work_dir = _work_dir(ctx, self.name)
         lengths = []
-        tmp = work_dir / f"text-{ctx.shard_index:05d}.bin.tmp"
-        with open(tmp, "wb") as f:
+        with atomic_file(work_dir / f"text-{ctx.shard_index:05d}.bin", "wb") as f:
             for doc in docs:
                 data = doc.text.encode("utf-8", errors="surrogatepass")
                 f.write(data)
                 f.write(bytes([SEPARATOR]))
                 lengths.append(len(data))
-        tmp.replace(work_dir / f"text-{ctx.shard_index:05d}.bin")
         save_atomic(work_dir / f"lengths-{ctx.shard_index:05d}.npy", np.array(lengths, dtype=np.int64))
 
     def prepare(self, ctx: StepContext, n_shards: int) -> None:
