@@ -192,7 +192,7 @@ class ScheduleConfig:
 class TrainConfig:
     steps: int = ranged(400, gt=0)  # the embedded default: ~10 minutes on 2 CPU cores
     batch_size: int = ranged(16, gt=0)  # sequences per micro-batch per data-parallel rank
-    grad_accum: int = ranged(1, gt=0, le=65536)
+    grad_accum: int = ranged(1, ge=1, le=65536)
     seed: int = ranged(1337, ge=0)
     device: str = ranged("auto", pattern=r"auto|cpu|cuda(:[0-9]{1,4})?")
     # auto | fp32 | bf16 | fp16 (bf16/fp16 are autocast; fp16 uses a grad scaler). auto: bf16 on
@@ -307,6 +307,11 @@ def parse_override(item: str, example: str) -> tuple[list[str], Any]:
     return parts, parse_literal(text.strip())
 
 
+def shown(name: str) -> str:
+    """A key as written, or its repr when it holds newlines or other unprintables (one line)."""
+    return name if name.isprintable() else repr(name)
+
+
 def fill_dataclass(cls: type, raw: dict[str, Any], source: str, prefix: str = "") -> Any:
     """A new `cls()` with the keys of `raw` set through `set_fields`."""
     obj = cls()
@@ -321,7 +326,7 @@ def set_fields(obj: Any, raw: dict[str, Any], source: str, prefix: str = "") -> 
     hints = typing.get_type_hints(type(obj))
     for key, value in raw.items():
         if key not in fields:
-            raise ConfigError(f"{source}: unknown key {prefix}{key}; expected one of {sorted(fields)}")
+            raise ConfigError(f"{source}: unknown key {shown(prefix + str(key))}; expected one of {sorted(fields)}")
         setattr(obj, key, coerce(value, hints[key], f"{source}: {prefix}{key}"))
 
 
@@ -375,7 +380,7 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> JobConfig:
     sections = {f.name for f in dataclasses.fields(JobConfig)}
     for name, values in raw.items():
         if name not in sections:
-            raise ConfigError(f"{source}: unknown section [{name}]; expected one of {sorted(sections)}")
+            raise ConfigError(f"{source}: unknown section [{shown(name)}]; expected one of {sorted(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of keys")
         set_fields(getattr(cfg, name), values, source, f"{name}.")
@@ -388,7 +393,7 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> None:
     for item in overrides:
         parts, value = parse_override(item, "train.steps=100")
         if parts[0] not in sections:
-            raise ConfigError(f"--set {item!r}: unknown section [{parts[0]}]; expected one of {sorted(sections)}")
+            raise ConfigError(f"--set {item!r}: unknown section [{shown(parts[0])}]; expected one of {sorted(sections)}")
         key = ".".join(parts[1:])
         set_fields(getattr(cfg, parts[0]), {key: value}, "--set", f"{parts[0]}.")
 
