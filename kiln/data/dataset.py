@@ -34,7 +34,10 @@ def build_tokenizer(cfg: DataConfig, train_texts: list[str]) -> Tokenizer:
         return ByteTokenizer()
     if cfg.tokenizer == "bpe":
         return train_bpe(iter(train_texts), cfg.vocab_size)
-    return load_tokenizer(cfg.tokenizer)
+    try:
+        return load_tokenizer(cfg.tokenizer)
+    except DataError as e:  # name the key that pointed at the file
+        raise DataError(f"data.tokenizer: {e}") from None
 
 
 def prepare_shards(cfg: DataConfig, run_dir: Path, log=print) -> tuple[Path, Tokenizer]:
