@@ -15,6 +15,7 @@ import torch
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import ffn_hidden_size
+from kiln.parallel.dims import ParallelDims
 
 # Optimizer state in bytes per fp32 parameter: two moments for adamw/lamb (muon: AdamW's two for
 # its non-matrix part, one momentum for matrices; counted as two), one for lion and sgd. torch's
@@ -43,9 +44,10 @@ def count_params_closed_form(m: ModelConfig, vocab: int) -> int:
     return params + (m.max_seq_len * m.dim if m.positions == "learned" else 0)
 
 
-def estimate_train_bytes(cfg: JobConfig) -> int:
-    """A lower estimate of one rank's training memory: fp32 weights, grads and optimizer state,
-    the activations kept for backward (per layer ~8*dim + 2*ffn floats per token) and the logits."""
+def estimate_train_bytes(cfg: JobConfig, dims: ParallelDims | None = None) -> int:
+    """A lower estimate of one rank's training memory: fp32 weights, grads and optimizer state
+    (split over dp_shard*tp*pp ranks), the activations kept for backward (per layer ~8*dim + 2*ffn
+    floats per token; split over tp*cp*pp) and the logits."""
     m = cfg.model
     vocab, _ = vocab_estimate(cfg)
     params = count_params_closed_form(m, vocab)
@@ -53,6 +55,9 @@ def estimate_train_bytes(cfg: JobConfig) -> int:
     tokens = cfg.train.batch_size * cfg.data.seq_len
     activations = 4 * tokens * (m.n_layers * (8 * m.dim + 2 * ffn_hidden_size(m)) + 2 * vocab)
     rope = 4 * m.max_seq_len * (m.dim // m.n_heads)
+    if dims is not None:
+        weights //= dims.dp_shard * dims.tp * dims.pp
+        activations //= dims.tp * dims.cp * dims.pp
     return weights + activations + rope
 
 
@@ -63,10 +68,11 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits_memory(cfg: JobConfig, device: torch.device, available: int | None = None) -> None:
-    """Raise `KEY=VALUE needs ~X GiB to train ..., this machine has Y GiB` when the estimate
-    exceeds `available` (default: the device's total memory)."""
-    need = estimate_train_bytes(cfg)
+def check_fits_memory(cfg: JobConfig, device: torch.device, dims: ParallelDims | None = None,
+                      available: int | None = None) -> None:
+    """Raise `KEY=VALUE needs ~X GiB to train ..., this machine has Y GiB` when the per-rank
+    estimate exceeds `available` (default: the device's total memory)."""
+    need = estimate_train_bytes(cfg, dims)
     have = device_memory_bytes(device) if available is None else available
     if need <= have:
         return

@@ -102,7 +102,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     run_dir = Path(run_dir)
     dims = ParallelDims.from_config(cfg.parallel)
     device = pick_device(cfg.train.device, dims)
-    check_fits_memory(cfg, device)  # before the tokenizer, the shards or the model allocate anything
+    check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
     dims.build_mesh(device.type)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

@@ -57,3 +57,15 @@ def test_trainer_refuses_before_writing_anything(tmp_path, text_file, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "model.n_layers=1000000 needs ~" in err[0]
     assert not run.exists()  # no tokenizer, shards or checkpoints were made
+
+
+def test_sharded_weights_count_per_rank():
+    from kiln.parallel.dims import ParallelDims
+
+    cfg = load_config(None, ["model.dim=4096", "model.n_layers=32", "model.n_heads=32", "train.batch_size=1"])
+    one = estimate_train_bytes(cfg)
+    eight = estimate_train_bytes(cfg, ParallelDims.from_config(cfg.parallel, world_size=8, rank=0))
+    assert one / 8 < eight < one / 4  # weights, grads and state split 8 ways; activations are not
+    with pytest.raises(ConfigError, match="model.n_layers=32 needs|model.dim=4096 needs"):
+        check_fits_memory(cfg, CPU, available=80 << 30)
+    check_fits_memory(cfg, CPU, ParallelDims.from_config(cfg.parallel, world_size=8, rank=0), available=80 << 30)
