@@ -40,14 +40,13 @@ NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
 # ---------------------------------------------------------------------------- range rules
 
 
-def ranged(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, gt: float | None = None,
-           ge: float | None = None, lt: float | None = None, le: float | None = None,
-           choices: tuple[str, ...] | None = None, pattern: str | None = None) -> Any:
+def ranged(default: Any, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
+           le: float | None = None, choices: tuple[str, ...] | None = None, pattern: str | None = None) -> Any:
     """A dataclass field with range rules that `check_fields` enforces (bounds are inclusive for
     ge/le, exclusive for gt/lt; `choices` and `pattern` are for strings)."""
     rules = {k: v for k, v in dict(gt=gt, ge=ge, lt=lt, le=le, choices=choices, pattern=pattern).items()
              if v is not None}
-    return field(default=default, default_factory=factory, metadata={"range": rules})
+    return field(default=default, metadata={"range": rules})
 
 
 def _num(x: float) -> str:
@@ -288,13 +287,15 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise ConfigError(f"{path}: not valid TOML (arrays or tables nested too deeply)") from None
 
 
 def parse_literal(text: str) -> Any:
     """A value as `--set` reads it: a TOML literal (1e-3, 8, true, [0.9, 0.95]) or else a string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # tomllib recurses into nested arrays
         return text
 
 
@@ -361,7 +362,8 @@ def coerce(value: Any, hint: Any, what: str) -> Any:
             except ConfigError:
                 continue
     name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-    raise ConfigError(f"{what}={value!r} has the wrong type; expected {name}")
+    shown_value = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise ConfigError(f"{what}={shown_value} has the wrong type; expected {name}")
 
 
 # ---------------------------------------------------------------------------- job config

@@ -152,3 +152,12 @@ def test_hostile_keys_still_give_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert "\n" not in str(e.value) and "model.k\\ney" in str(e.value)
+
+
+def test_deeply_nested_toml_is_a_config_error_not_a_recursion_traceback(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[model]\ndim = " + "[" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="model.dim=.* has the wrong type; expected int"):
+        load_config(None, ["model.dim=" + "[" * 100_000])
