@@ -395,7 +395,8 @@ def apply_overrides(cfg: JobConfig, overrides: list[str]) -> None:
     for item in overrides:
         parts, value = parse_override(item, "train.steps=100")
         if parts[0] not in sections:
-            raise ConfigError(f"--set {item!r}: unknown section [{shown(parts[0])}]; expected one of {sorted(sections)}")
+            raise ConfigError(f"--set {item!r}: unknown section [{shown(parts[0])}]; "
+                              f"expected one of {sorted(sections)}")
         key = ".".join(parts[1:])
         set_fields(getattr(cfg, parts[0]), {key: value}, "--set", f"{parts[0]}.")
 

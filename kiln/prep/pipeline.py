@@ -54,7 +54,8 @@ class TokenizeConfig:
     tokenizer: str = "bpe"  # bpe (trained on kept documents) | byte | path to a tokenizer.json
     vocab_size: int = ranged(8192, gt=0, le=MAX_VOCAB)  # for bpe
     sample_bytes: int = ranged(50_000_000, gt=0)  # bpe is trained on at most this much kept text
-    val_fraction: float = ranged(0.05, gt=0.0, lt=1.0)  # a document goes to val when kiln.data.corpus.is_val(id) says so
+    # a document goes to val when kiln.data.corpus.is_val(id) says so
+    val_fraction: float = ranged(0.05, gt=0.0, lt=1.0)
     shard_tokens: int = ranged(64 * 1024 * 1024, gt=0)
     batch_bytes: int = ranged(4 << 20, gt=0)  # text per encode_batch call
 
