@@ -41,11 +41,13 @@ NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
 
 
 def ranged(default: Any, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
-           le: float | None = None, choices: tuple[str, ...] | None = None, pattern: str | None = None) -> Any:
+           le: float | None = None, choices: tuple[str, ...] | None = None, pattern: str | None = None,
+           expect: str | None = None) -> Any:
     """A dataclass field with range rules that `check_fields` enforces (bounds are inclusive for
-    ge/le, exclusive for gt/lt; `choices` and `pattern` are for strings)."""
-    rules = {k: v for k, v in dict(gt=gt, ge=ge, lt=lt, le=le, choices=choices, pattern=pattern).items()
-             if v is not None}
+    ge/le, exclusive for gt/lt; `choices` and `pattern` are for strings, `expect` says in words
+    what `pattern` accepts)."""
+    rules = {k: v for k, v in dict(gt=gt, ge=ge, lt=lt, le=le, choices=choices, pattern=pattern,
+                                   expect=expect).items() if v is not None}
     return field(default=default, metadata={"range": rules})
 
 
@@ -73,7 +75,7 @@ def check_value(key: str, value: Any, rules: dict[str, Any], source: str = "") -
         if "choices" in rules and value not in rules["choices"]:
             raise ConfigError(f"{where}{key}={value!r} is not one of {', '.join(rules['choices'])}")
         if "pattern" in rules and not re.fullmatch(rules["pattern"], value):
-            raise ConfigError(f"{where}{key}={value!r} must match {rules['pattern']}")
+            raise ConfigError(f"{where}{key}={value!r} must be {rules.get('expect', 'like ' + rules['pattern'])}")
         return
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
@@ -100,7 +102,9 @@ def check_fields(section: Any, prefix: str, source: str = "") -> None:
 
 @dataclass
 class ModelConfig:
-    name: str = ranged("kiln-small", pattern=NAME_PATTERN)  # also the default run dir, runs/NAME
+    # Also the default run dir, runs/NAME.
+    name: str = ranged("kiln-small", pattern=NAME_PATTERN,
+                       expect="a plain name: letters, digits, '.', '_', '-', no '/', not starting with '.'")
     vocab_size: int = ranged(0, ge=0, le=MAX_VOCAB)  # 0: take it from the tokenizer
     dim: int = ranged(256, gt=0)
     n_layers: int = ranged(4, gt=0)
@@ -193,7 +197,7 @@ class TrainConfig:
     batch_size: int = ranged(16, gt=0)  # sequences per micro-batch per data-parallel rank
     grad_accum: int = ranged(1, ge=1, le=65536)
     seed: int = ranged(1337, ge=0)
-    device: str = ranged("auto", pattern=r"auto|cpu|cuda(:[0-9]{1,4})?")
+    device: str = ranged("auto", pattern=r"auto|cpu|cuda(:[0-9]{1,4})?", expect="auto, cpu, cuda or cuda:N")
     # auto | fp32 | bf16 | fp16 (bf16/fp16 are autocast; fp16 uses a grad scaler). auto: bf16 on
     # GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32 (emulated bf16 is slower).
     dtype: str = ranged("auto", choices=("auto", "fp32", "bf16", "fp16"))
