@@ -1,56 +1,132 @@
-"""Typed job configuration: dataclasses filled from TOML, overridable with `--set section.key=value`.
+"""Typed job configuration, and the one config engine every kiln config uses.
 
-Every section is a dataclass; unknown keys, wrong types and out-of-range values raise a
-`ConfigError` naming the key (and file) and what was expected.
+The engine (this module, used by `kiln train`, `kiln prep` and `kiln sweep`): dataclass sections
+are filled from TOML tables and `--set section.key=value` strings; a `--set` value is parsed as a
+TOML literal, else kept as a string; values are coerced to the field's type; and every field may
+carry declarative range rules in its metadata (`ranged(default, gt=0)`, `choices=...`), checked
+by `check_fields`, so each key is range-checked in one place. Every mistake raises a one-line
+`ConfigError` naming the key (and file) and what was expected. Parsing is `tomllib` (stdlib) and
+coercion follows the dataclass type hints; the checks themselves are ours.
 """
 
 from __future__ import annotations
 
 import dataclasses
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 from kiln.errors import ConfigError
+
+INT64_MAX = 2**63 - 1  # every int goes to torch/numpy sooner or later
+# BPE trainers size per-token tables by the requested vocabulary (10**9 aborts the process);
+# real vocabularies stay under ~1M, so 2**24 leaves ample room.
+MAX_VOCAB = 1 << 24
+SCHEDULES = ("cosine", "linear", "step", "wsd", "constant", "plateau")
+OPTIMIZERS = ("adamw", "adafactor", "lamb", "lion", "muon", "sgd")
+# A run name becomes a directory under runs/: one path component, no "..".
+NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+
+
+# ---------------------------------------------------------------------------- range rules
+
+
+def ranged(default: Any, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
+           le: float | None = None, choices: tuple[str, ...] | None = None, pattern: str | None = None,
+           expect: str | None = None) -> Any:
+    """A dataclass field with range rules that `check_fields` enforces (bounds are inclusive for
+    ge/le, exclusive for gt/lt; `choices` and `pattern` are for strings, `expect` says in words
+    what `pattern` accepts)."""
+    rules = {k: v for k, v in dict(gt=gt, ge=ge, lt=lt, le=le, choices=choices, pattern=pattern,
+                                   expect=expect).items() if v is not None}
+    return field(default=default, metadata={"range": rules})
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _interval(bounds: dict[str, Any]) -> str:
+    lo = ("(", bounds["gt"]) if "gt" in bounds else ("[", bounds["ge"]) if "ge" in bounds else None
+    hi = (")", bounds["lt"]) if "lt" in bounds else ("]", bounds["le"]) if "le" in bounds else None
+    if lo and hi:
+        return f"in {lo[0]}{_num(lo[1])}, {_num(hi[1])}{hi[0]}"
+    if lo:
+        return f"{'>' if lo[0] == '(' else '>='} {_num(lo[1])}"
+    return f"{'<' if hi[0] == ')' else '<='} {_num(hi[1])}"
+
+
+def check_value(key: str, value: Any, rules: dict[str, Any], source: str = "") -> None:
+    """Raise a ConfigError `section.key=value must be ...` when `value` breaks `rules`; floats
+    must also be finite and ints must fit in int64."""
+    where = f"{source}: " if source else ""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}{key}={value} must be a finite number")
+    if isinstance(value, str):
+        if "choices" in rules and value not in rules["choices"]:
+            raise ConfigError(f"{where}{key}={value!r} is not one of {', '.join(rules['choices'])}")
+        if "pattern" in rules and not re.fullmatch(rules["pattern"], value):
+            raise ConfigError(f"{where}{key}={value!r} must be {rules.get('expect', 'like ' + rules['pattern'])}")
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    bounds = {k: rules[k] for k in ("gt", "ge", "lt", "le") if k in rules}
+    if isinstance(value, int) and not -INT64_MAX <= value <= INT64_MAX:
+        raise ConfigError(f"{where}{key}={value} does not fit in 64 bits")
+    broken = (("gt" in bounds and not value > bounds["gt"]) or ("ge" in bounds and not value >= bounds["ge"])
+              or ("lt" in bounds and not value < bounds["lt"]) or ("le" in bounds and not value <= bounds["le"]))
+    if broken:
+        raise ConfigError(f"{where}{key}={value} must be {_interval(bounds)}")
+
+
+def check_fields(section: Any, prefix: str, source: str = "") -> None:
+    """Check every field of a dataclass section against its `ranged` rules (and finiteness)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        rules = f.metadata.get("range", {})
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            check_value(f"{prefix}{f.name}", item, rules, source)
+
+
+# ---------------------------------------------------------------------------- job sections
 
 
 @dataclass
 class ModelConfig:
-    name: str = "kiln-small"
-    vocab_size: int = 0  # 0: take it from the tokenizer
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0: same as n_heads (plain multi-head attention); fewer: grouped-query
-    ffn_hidden: int = 0  # 0: 4*dim for gelu, 2/3 of that (rounded to multiple_of) for gated units
-    multiple_of: int = 64
-    max_seq_len: int = 256
-    norm: str = "rmsnorm"  # layernorm | rmsnorm | none (none is meant for t_fixup init)
-    norm_eps: float = 1e-5
-    norm_placement: str = "pre"  # pre | post
-    activation: str = "swiglu"  # gelu | swiglu | geglu
-    positions: str = "rope"  # rope | learned
-    rope_theta: float = 10000.0
+    # Also the default run dir, runs/NAME.
+    name: str = ranged("kiln-small", pattern=NAME_PATTERN,
+                       expect="a plain name: letters, digits, '.', '_', '-', no '/', not starting with '.'")
+    vocab_size: int = ranged(0, ge=0, le=MAX_VOCAB)  # 0: take it from the tokenizer
+    dim: int = ranged(256, gt=0)
+    n_layers: int = ranged(4, gt=0)
+    n_heads: int = ranged(4, gt=0)
+    n_kv_heads: int = ranged(0, ge=0)  # 0: same as n_heads (plain multi-head attention); fewer: grouped-query
+    ffn_hidden: int = ranged(0, ge=0)  # 0: 4*dim for gelu, 2/3 of that (rounded to multiple_of) for gated units
+    multiple_of: int = ranged(64, gt=0)
+    max_seq_len: int = ranged(256, gt=0)
+    norm: str = ranged("rmsnorm", choices=("layernorm", "rmsnorm", "none"))  # none is meant for t_fixup init
+    norm_eps: float = ranged(1e-5, gt=0.0, lt=1.0)
+    norm_placement: str = ranged("pre", choices=("pre", "post"))
+    activation: str = ranged("swiglu", choices=("gelu", "swiglu", "geglu"))
+    positions: str = ranged("rope", choices=("rope", "learned"))
+    rope_theta: float = ranged(10000.0, gt=0.0)
     tie_embeddings: bool = True
     bias: bool = False
-    dropout: float = 0.0
-    init: str = "gpt2"  # normal | gpt2 | ds_init | t_fixup
-    init_std: float = 0.02
+    dropout: float = ranged(0.0, ge=0.0, lt=1.0)
+    init: str = ranged("gpt2", choices=("normal", "gpt2", "ds_init", "t_fixup"))
+    init_std: float = ranged(0.02, gt=0.0, le=1.0)
 
     def validate(self) -> None:
-        _choice("model.norm", self.norm, ("layernorm", "rmsnorm", "none"))
-        _choice("model.norm_placement", self.norm_placement, ("pre", "post"))
-        _choice("model.activation", self.activation, ("gelu", "swiglu", "geglu"))
-        _choice("model.positions", self.positions, ("rope", "learned"))
-        _choice("model.init", self.init, ("normal", "gpt2", "ds_init", "t_fixup"))
-        for key in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
-            _positive(f"model.{key}", getattr(self, key))
+        check_fields(self, "model.")
         if self.dim % self.n_heads:
             raise ConfigError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         kv = self.n_kv_heads or self.n_heads
@@ -58,8 +134,6 @@ class ModelConfig:
             raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={kv}")
         if (self.dim // self.n_heads) % 2 and self.positions == "rope":
             raise ConfigError(f"model.dim/n_heads={self.dim // self.n_heads} must be even for rope positions")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
 
 
 @dataclass
@@ -69,165 +143,133 @@ class DataConfig:
     source: str = "builtin:stdlib"
     glob: str = "**/*"  # which files of a directory source to read
     text_field: str = "text"  # for .jsonl sources
-    max_bytes: int = 8_000_000  # read at most this much raw text (0: all of it)
+    max_bytes: int = ranged(8_000_000, ge=0)  # read at most this much raw text (0: all of it)
     tokenizer: str = "bpe"  # bpe | byte | path to a tokenizer.json
-    vocab_size: int = 4096  # for tokenizer = "bpe"
-    val_fraction: float = 0.05
-    seq_len: int = 256
-    prefetch: int = 4  # batches prepared ahead by a background thread
+    vocab_size: int = ranged(4096, gt=0, le=MAX_VOCAB)  # for tokenizer = "bpe"
+    val_fraction: float = ranged(0.05, gt=0.0, lt=1.0)
+    seq_len: int = ranged(256, gt=0)
+    prefetch: int = ranged(4, ge=1, le=1024)  # batches prepared ahead by a background thread
     shards_dir: str = ""  # where to write token shards; "" = RUN_DIR/data
 
     def validate(self) -> None:
-        _positive("data.seq_len", self.seq_len)
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        check_fields(self, "data.")
         if self.tokenizer == "bpe" and self.vocab_size < 257:
             raise ConfigError(f"data.vocab_size={self.vocab_size} must be > 256 for a BPE tokenizer")
-        if self.max_bytes < 0:
-            raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | adafactor | lamb | lion | muon | sgd
-    lr: float = 3e-3  # peak lr; muon wants ~0.02 for its matrices, lion ~3-10x less than adamw
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    name: str = ranged("adamw", choices=OPTIMIZERS)
+    lr: float = ranged(3e-3, gt=0.0)  # peak lr; muon wants ~0.02 for its matrices, lion ~3-10x less than adamw
+    betas: tuple[float, float] = ranged((0.9, 0.95), ge=0.0, lt=1.0)
+    eps: float = ranged(1e-8, gt=0.0)
+    weight_decay: float = ranged(0.1, ge=0.0)
     # Decay only matrices by default; these switch it on for the other groups.
     decay_embeddings: bool = False
     decay_norms_and_biases: bool = False
-    momentum: float = 0.95  # sgd and muon
-    muon_adam_lr: float = 3e-3  # lr of the AdamW that muon uses for non-matrix params
-    implementation: str = "auto"  # auto | fused | foreach | single (torch AdamW/Adam kernels)
+    momentum: float = ranged(0.95, ge=0.0, lt=1.0)  # sgd and muon
+    muon_adam_lr: float = ranged(3e-3, gt=0.0)  # lr of the AdamW that muon uses for non-matrix params
+    # torch AdamW/Adam kernels
+    implementation: str = ranged("auto", choices=("auto", "fused", "foreach", "single"))
 
     def validate(self) -> None:
-        _choice("optim.name", self.name, ("adamw", "adafactor", "lamb", "lion", "muon", "sgd"))
-        _choice("optim.implementation", self.implementation, ("auto", "fused", "foreach", "single"))
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr={self.lr} must be > 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"optim.weight_decay={self.weight_decay} must be >= 0")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"optim.momentum={self.momentum} must be in [0, 1)")
-        if self.muon_adam_lr <= 0:
-            raise ConfigError(f"optim.muon_adam_lr={self.muon_adam_lr} must be > 0")
+        check_fields(self, "optim.")
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = "cosine"  # cosine | linear | step | wsd | constant | plateau
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1  # final lr as a fraction of optim.lr (cosine, linear, wsd)
-    decay_fraction: float = 0.2  # wsd: fraction of the steps spent in the final decay
-    step_size: int = 1000  # step: decay every this many steps
-    gamma: float = 0.5  # step and plateau: multiply lr by this
-    plateau_patience: int = 2  # plateau: evaluations without improvement before decaying
-    plateau_threshold: float = 1e-3  # plateau: relative improvement that counts
+    name: str = ranged("cosine", choices=SCHEDULES)
+    warmup_steps: int = ranged(100, ge=0)
+    min_lr_ratio: float = ranged(0.1, ge=0.0, le=1.0)  # final lr as a fraction of optim.lr (cosine, linear, wsd)
+    decay_fraction: float = ranged(0.2, gt=0.0, le=1.0)  # wsd: fraction of the steps spent in the final decay
+    step_size: int = ranged(1000, gt=0)  # step: decay every this many steps
+    gamma: float = ranged(0.5, gt=0.0, le=1.0)  # step and plateau: multiply lr by this
+    plateau_patience: int = ranged(2, gt=0)  # plateau: evaluations without improvement before decaying
+    plateau_threshold: float = ranged(1e-3, ge=0.0, lt=1.0)  # plateau: relative improvement that counts
 
     def validate(self) -> None:
-        _choice("schedule.name", self.name, ("cosine", "linear", "step", "wsd", "constant", "plateau"))
-        if self.warmup_steps < 0:
-            raise ConfigError(f"schedule.warmup_steps={self.warmup_steps} must be >= 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"schedule.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise ConfigError(f"schedule.decay_fraction={self.decay_fraction} must be in (0, 1]")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ConfigError(f"schedule.gamma={self.gamma} must be in (0, 1]")
-        _positive("schedule.step_size", self.step_size)
+        check_fields(self, "schedule.")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 400  # the embedded default: ~10 minutes on 2 CPU cores
-    batch_size: int = 16  # sequences per micro-batch per data-parallel rank
-    grad_accum: int = 1
-    seed: int = 1337
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    steps: int = ranged(400, gt=0)  # the embedded default: ~10 minutes on 2 CPU cores
+    batch_size: int = ranged(16, gt=0)  # sequences per micro-batch per data-parallel rank
+    grad_accum: int = ranged(1, ge=1, le=65536)
+    seed: int = ranged(1337, ge=0)
+    device: str = ranged("auto", pattern=r"auto|cpu|cuda(:[0-9]{1,4})?", expect="auto, cpu, cuda or cuda:N")
     # auto | fp32 | bf16 | fp16 (bf16/fp16 are autocast; fp16 uses a grad scaler). auto: bf16 on
     # GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32 (emulated bf16 is slower).
-    dtype: str = "auto"
+    dtype: str = ranged("auto", choices=("auto", "fp32", "bf16", "fp16"))
     compile: bool = False
     # What compile covers: model = the whole forward + LM head + loss (one graph), blocks = each
     # block on its own (what FSDP needs); auto = model on one device, blocks when sharded.
-    compile_scope: str = "auto"  # auto | model | blocks
+    compile_scope: str = ranged("auto", choices=("auto", "model", "blocks"))
     cuda_graphs: bool = False  # torch.compile mode="reduce-overhead" (CUDA, compile_scope=model)
     # full: logits then cross-entropy; chunked: LM head + cross-entropy in chunks, never full fp32
-    # logits (kiln/model/loss.py); auto: chunked on CUDA, full on CPU (see benchmarks/README.md).
-    loss: str = "auto"  # auto | full | chunked
-    attention_backend: str = "auto"  # auto | flash | cudnn | efficient | math (SDPA kernel; CUDA)
+    # logits (kiln/model/loss.py); auto: chosen per device and compile scope from the figures in
+    # benchmarks/README.md ("One GPU") - see kiln/train/system.py resolve_loss.
+    loss: str = ranged("auto", choices=("auto", "full", "chunked"))
+    # SDPA kernel (CUDA): auto lets torch pick and logs it; another name insists on that kernel
+    attention_backend: str = ranged("auto", choices=("auto", "flash", "cudnn", "efficient", "math"))
     float8: bool = False  # float8 matmuls via torchao (GPUs with float8 tensor cores, e.g. H100)
-    float8_recipe: str = "tensorwise"  # tensorwise | rowwise
-    activation_checkpointing: str = "none"  # none | full (every block) | selective (every other)
-    clip_grad_norm: float = 1.0  # 0 disables clipping
-    max_nonfinite_steps: int = 5  # stop after this many non-finite steps in a row
-    eval_every: int = 100  # 0 disables periodic evaluation
-    eval_batches: int = 20
-    early_stopping_patience: int = 0  # evaluations without improvement; 0 disables
-    early_stopping_min_delta: float = 0.0
-    threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    float8_recipe: str = ranged("tensorwise", choices=("tensorwise", "rowwise"))
+    # none | full (every block) | selective (every other)
+    activation_checkpointing: str = ranged("none", choices=("none", "full", "selective"))
+    clip_grad_norm: float = ranged(1.0, ge=0.0)  # 0 disables clipping
+    max_nonfinite_steps: int = ranged(5, gt=0)  # stop after this many non-finite steps in a row
+    eval_every: int = ranged(100, ge=0)  # 0 disables periodic evaluation
+    eval_batches: int = ranged(20, gt=0)
+    early_stopping_patience: int = ranged(0, ge=0)  # evaluations without improvement; 0 disables
+    early_stopping_min_delta: float = ranged(0.0, ge=0.0)
+    threads: int = ranged(0, ge=0, le=4096)  # torch intra-op threads on CPU; 0 leaves torch's default
     eval_sets: list[str] = field(default_factory=list)  # extra held-out text files scored at each eval
 
     def validate(self) -> None:
-        _choice("train.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
-        _choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "full", "selective"))
-        _choice("train.compile_scope", self.compile_scope, ("auto", "model", "blocks"))
-        _choice("train.loss", self.loss, ("auto", "full", "chunked"))
-        _choice("train.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math"))
-        _choice("train.float8_recipe", self.float8_recipe, ("tensorwise", "rowwise"))
+        check_fields(self, "train.")
         if self.cuda_graphs and not self.compile:
             raise ConfigError("train.cuda_graphs=true needs train.compile=true (it is torch.compile's "
                               "reduce-overhead mode)")
         if self.cuda_graphs and self.compile_scope == "blocks":
             raise ConfigError("train.cuda_graphs=true needs train.compile_scope='model' or 'auto'")
-        for key in ("steps", "batch_size", "grad_accum", "eval_batches", "max_nonfinite_steps"):
-            _positive(f"train.{key}", getattr(self, key))
-        if self.clip_grad_norm < 0:
-            raise ConfigError(f"train.clip_grad_norm={self.clip_grad_norm} must be >= 0")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 200  # steps between checkpoints; 0 disables periodic saving
-    keep_last: int = 2
+    every: int = ranged(200, ge=0)  # steps between checkpoints; 0 disables periodic saving
+    keep_last: int = ranged(2, gt=0)
     save_final: bool = True
 
     def validate(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"checkpoint.every={self.every} must be >= 0")
-        _positive("checkpoint.keep_last", self.keep_last)
+        check_fields(self, "checkpoint.")
 
 
 @dataclass
 class MetricsConfig:
-    log_every: int = 10  # terminal lines (plain mode); metrics.jsonl gets every step
-    progress: str = "auto"  # auto | rich | plain | none
+    log_every: int = ranged(10, gt=0)  # terminal lines (plain mode); metrics.jsonl gets every step
+    progress: str = ranged("auto", choices=("auto", "rich", "plain", "none"))
     tensorboard: bool = False
     wandb: bool = False  # Weights & Biases, offline (wandb sync later); pip install 'kiln-lm[wandb]'
-    peak_flops: float = 0.0  # per-device peak for MFU; 0: known GPU table, or a CPU matmul probe
+    # per-device peak FLOP/s for MFU; 0: known GPU table, or a CPU matmul probe
+    peak_flops: float = ranged(0.0, ge=0.0)
 
     def validate(self) -> None:
-        _choice("metrics.progress", self.progress, ("auto", "rich", "plain", "none"))
-        _positive("metrics.log_every", self.log_every)
+        check_fields(self, "metrics.")
 
 
 @dataclass
 class ParallelConfig:
     # Degrees of each mesh dimension; dp_shard = -1 takes whatever the world size leaves over.
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    dp_replicate: int = ranged(1, gt=0)
+    dp_shard: int = ranged(-1, ge=-1)
+    tp: int = ranged(1, gt=0)
+    pp: int = ranged(1, gt=0)
+    cp: int = ranged(1, gt=0)
+    ep: int = ranged(1, gt=0)
 
     def validate(self) -> None:
-        for key in ("dp_replicate", "tp", "pp", "cp", "ep"):
-            _positive(f"parallel.{key}", getattr(self, key))
-        if self.dp_shard == 0 or self.dp_shard < -1:
+        check_fields(self, "parallel.")
+        if self.dp_shard == 0:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be -1 (auto) or >= 1")
 
 
@@ -255,23 +297,104 @@ class JobConfig:
         return _plain(dataclasses.asdict(self))
 
 
-# ---------------------------------------------------------------------------- loading
+# ---------------------------------------------------------------------------- the engine
+
+
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The tables of a TOML file; a missing file or bad TOML is a one-line ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} not found")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise ConfigError(f"{path}: not valid TOML (arrays or tables nested too deeply)") from None
+
+
+def parse_literal(text: str) -> Any:
+    """A value as `--set` reads it: a TOML literal (1e-3, 8, true, [0.9, 0.95]) or else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except (tomllib.TOMLDecodeError, RecursionError):  # tomllib recurses into nested arrays
+        return text
+
+
+def parse_override(item: str, example: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], parsed value); at least one dot before the `=`."""
+    dotted, sep, text = item.partition("=")
+    parts = [p.strip() for p in dotted.split(".")]
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. {example}")
+    return parts, parse_literal(text.strip())
+
+
+def shown(name: str) -> str:
+    """A key as written, or its repr when it holds newlines or other unprintables (one line)."""
+    return name if name.isprintable() else repr(name)
+
+
+def fill_dataclass(cls: type, raw: dict[str, Any], source: str, prefix: str = "") -> Any:
+    """A new `cls()` with the keys of `raw` set through `set_fields`."""
+    obj = cls()
+    set_fields(obj, raw, source, prefix)
+    return obj
+
+
+def set_fields(obj: Any, raw: dict[str, Any], source: str, prefix: str = "") -> None:
+    """Set dataclass fields from `raw`, coercing each value to its type hint; errors name
+    `{source}: {prefix}{key}`."""
+    fields = {f.name for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown key {shown(prefix + str(key))}; expected one of {sorted(fields)}")
+        setattr(obj, key, coerce(value, hints[key], f"{source}: {prefix}{key}"))
+
+
+def coerce(value: Any, hint: Any, what: str) -> Any:
+    """`value` as type `hint` (ints widen to float; lists to tuples of the right length), else a
+    ConfigError `{what}=value has the wrong type`. Non-finite floats are refused here too."""
+    origin = typing.get_origin(hint)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{what}={value} must be a finite number")
+        return float(value)
+    if hint in (int, str, bool):
+        if type(value) is hint:
+            return value
+    elif hint is Any:
+        return value
+    elif origin is list:
+        (arg,) = typing.get_args(hint) or (Any,)
+        if isinstance(value, (list, tuple)):
+            return [coerce(v, arg, what) for v in value]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    elif origin is tuple:
+        args = typing.get_args(hint)
+        if isinstance(value, (list, tuple)) and len(value) == len(args):
+            return tuple(coerce(v, a, what) for v, a in zip(value, args))
+    elif origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            try:
+                return coerce(value, arg, what)
+            except ConfigError:
+                continue
+    name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    shown_value = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise ConfigError(f"{what}={shown_value} has the wrong type; expected {name}")
+
+
+# ---------------------------------------------------------------------------- job config
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Build a validated JobConfig from an optional TOML file and `section.key=value` overrides."""
-    raw: dict[str, Any] = {}
-    source = "<defaults>"
-    if path is not None:
-        path = Path(path)
-        source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    cfg = from_dict(raw, source=source)
+    raw = read_toml(path) if path is not None else {}
+    cfg = from_dict(raw, source=str(path) if path is not None else "<defaults>")
     apply_overrides(cfg, overrides or [])
     return cfg.validate()
 
@@ -281,29 +404,23 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> JobConfig:
     sections = {f.name for f in dataclasses.fields(JobConfig)}
     for name, values in raw.items():
         if name not in sections:
-            raise ConfigError(f"{source}: unknown section [{name}]; expected one of {sorted(sections)}")
+            raise ConfigError(f"{source}: unknown section [{shown(name)}]; expected one of {sorted(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of keys")
-        section = getattr(cfg, name)
-        for key, value in values.items():
-            _set_field(section, f"{name}.{key}", key, value, source)
+        set_fields(getattr(cfg, name), values, source, f"{name}.")
     return cfg
 
 
 def apply_overrides(cfg: JobConfig, overrides: list[str]) -> None:
     """Apply `section.key=value` strings; the value is parsed as a TOML literal, else a string."""
+    sections = {f.name for f in dataclasses.fields(JobConfig)}
     for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=100")
-        dotted, text = item.split("=", 1)
-        section_name, key = dotted.strip().split(".", 1)
-        if not hasattr(cfg, section_name) or section_name.startswith("_"):
-            raise ConfigError(f"--set {item!r}: unknown section [{section_name}]")
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text
-        _set_field(getattr(cfg, section_name), dotted.strip(), key, value, "--set")
+        parts, value = parse_override(item, "train.steps=100")
+        if parts[0] not in sections:
+            raise ConfigError(f"--set {item!r}: unknown section [{shown(parts[0])}]; "
+                              f"expected one of {sorted(sections)}")
+        key = ".".join(parts[1:])
+        set_fields(getattr(cfg, parts[0]), {key: value}, "--set", f"{parts[0]}.")
 
 
 def to_toml(cfg: JobConfig) -> str:
@@ -312,57 +429,9 @@ def to_toml(cfg: JobConfig) -> str:
     return tomli_w.dumps(cfg.to_dict())
 
 
-def _set_field(section: Any, dotted: str, key: str, value: Any, source: str) -> None:
-    fields = {f.name: f for f in dataclasses.fields(section)}
-    if key not in fields:
-        raise ConfigError(f"{source}: unknown key {dotted}; expected one of {sorted(fields)}")
-    hint = typing.get_type_hints(type(section))[key]
-    setattr(section, key, _coerce(value, hint, dotted, source))
-
-
-def _coerce(value: Any, hint: Any, dotted: str, source: str) -> Any:
-    origin = typing.get_origin(hint)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, str, bool, float):
-        if type(value) is hint:
-            return value
-        if hint is float and type(value) is float:
-            return value
-    elif origin is list:
-        (arg,) = typing.get_args(hint)
-        if isinstance(value, list):
-            return [_coerce(v, arg, dotted, source) for v in value]
-    elif origin is tuple:
-        args = typing.get_args(hint)
-        if isinstance(value, (list, tuple)) and len(value) == len(args):
-            return tuple(_coerce(v, a, dotted, source) for v, a in zip(value, args))
-    elif origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(hint):
-            try:
-                return _coerce(value, arg, dotted, source)
-            except ConfigError:
-                continue
-    raise ConfigError(f"{source}: {dotted}={value!r} has the wrong type; expected {_type_name(hint)}")
-
-
-def _type_name(hint: Any) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-
-
 def _plain(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _plain(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
         return [_plain(v) for v in obj]
     return obj
-
-
-def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(options)}")
-
-
-def _positive(key: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key}={value} must be > 0")

@@ -69,3 +69,95 @@ def test_apply_overrides_in_place():
     cfg = JobConfig()
     apply_overrides(cfg, ["model.dropout=0.1"])
     assert cfg.model.dropout == 0.1
+
+
+# Issue 10: each of these once gave a traceback, or was accepted and ran into NaN or nonsense.
+@pytest.mark.parametrize("override, message", [
+    ("model.n_kv_heads=-2", "model.n_kv_heads=-2 must be >= 0"),
+    ("model.ffn_hidden=-5", "model.ffn_hidden=-5 must be >= 0"),
+    ("train.threads=-1", "train.threads=-1 must be in [0, 4096]"),
+    ("model.init_std=-1", "model.init_std=-1.0 must be in (0, 1]"),
+    ("optim.lr=nan", "optim.lr=nan must be a finite number"),
+    ("optim.lr=inf", "optim.lr=inf must be a finite number"),
+    ("optim.lr=-inf", "optim.lr=-inf must be a finite number"),
+    ("optim.weight_decay=nan", "optim.weight_decay=nan must be a finite number"),
+    ("train.device=bogus", "train.device='bogus' must be auto, cpu, cuda or cuda:N"),
+    ("train.device='cuda:x'", "train.device='cuda:x' must be auto, cpu, cuda or cuda:N"),
+    ("data.vocab_size=1000000000", "data.vocab_size=1000000000 must be in (0, 16777216]"),
+    ("model.vocab_size=1000000000", "model.vocab_size=1000000000 must be in [0, 16777216]"),
+    ("model.norm_eps=-1", "model.norm_eps=-1.0 must be in (0, 1)"),
+    ("model.rope_theta=0", "model.rope_theta=0.0 must be > 0"),
+    ("model.rope_theta=-5", "model.rope_theta=-5.0 must be > 0"),
+    ("train.eval_every=-1", "train.eval_every=-1 must be >= 0"),
+    ("data.prefetch=-3", "data.prefetch=-3 must be in [1, 1024]"),
+    ("metrics.peak_flops=-1", "metrics.peak_flops=-1.0 must be >= 0"),
+    ("train.grad_accum=1000000", "train.grad_accum=1000000 must be in [1, 65536]"),
+    ("train.seed=99999999999999999999", "train.seed=99999999999999999999 does not fit in 64 bits"),
+    ("optim.betas=[0.9, nan]", "optim.betas=nan must be a finite number"),
+    ("optim.betas=[0.9, 1.5]", "optim.betas=1.5 must be in [0, 1)"),
+    ("schedule.plateau_patience=0", "schedule.plateau_patience=0 must be > 0"),
+    ("parallel.dp_shard=0", "parallel.dp_shard=0 must be -1 (auto) or >= 1"),
+    ("parallel.dp_shard=-2", "parallel.dp_shard=-2 must be >= -1"),
+    ("train.steps=true", "train.steps=True has the wrong type; expected int"),
+])
+def test_out_of_range_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["../../etc", "a/b", ".hidden", "", "x" * 200, "a\nb"])
+def test_run_name_cannot_leave_the_runs_directory(name):
+    # model.name is the default run dir runs/NAME: it must stay one plain path component.
+    with pytest.raises(ConfigError, match="model.name=.* must be a plain name"):
+        load_config(None, [f"model.name={name!r}"])
+
+
+def test_valid_device_names():
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        assert load_config(None, [f"train.device={device!r}"]).train.device == device
+
+
+def test_non_finite_numbers_in_a_toml_file_name_file_and_key(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[optim]\nlr = nan\n")
+    with pytest.raises(ConfigError, match=f"{p}: optim.lr=nan must be a finite number"):
+        load_config(p)
+
+
+def test_python_built_configs_are_checked_by_validate():
+    cfg = JobConfig()
+    cfg.optim.lr = float("inf")
+    with pytest.raises(ConfigError, match="optim.lr=inf must be a finite number"):
+        cfg.validate()
+
+
+def test_one_engine_parses_values_for_every_command():
+    from kiln.config import parse_literal
+    from kiln.plan.sweep import parse_value
+    from kiln.prep import pipeline
+
+    assert parse_value is parse_literal
+    assert parse_literal("1e-3") == 1e-3 and parse_literal("[1, 2]") == [1, 2] and parse_literal("x/y") == "x/y"
+    assert not hasattr(pipeline, "tomllib") and not hasattr(pipeline, "coerce")
+
+
+def test_hostile_keys_still_give_one_line(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('["sec\\nx"]\na = 1\n[model]\n"k\\ney" = 1\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "\n" not in str(e.value) and "sec\\nx" in str(e.value)
+    p.write_text('[model]\n"k\\ney" = 1\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "\n" not in str(e.value) and "model.k\\ney" in str(e.value)
+
+
+def test_deeply_nested_toml_is_a_config_error_not_a_recursion_traceback(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[model]\ndim = " + "[" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="model.dim=.* has the wrong type; expected int"):
+        load_config(None, ["model.dim=" + "[" * 100_000])

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from kiln.checkpoint.manager import list_checkpoints
 from kiln.config import load_config
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.train.trainer import train
 
+    if args.stop_at is not None and args.stop_at <= 0:
+        raise ConfigError(f"--stop-at={args.stop_at} must be > 0 (a training step to pause after)")
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")

@@ -55,7 +55,10 @@ def prepare_shards(cfg: DataConfig, run_dir: Path, log=print) -> tuple[Path, Tok
     corpus = read_corpus(cfg.source, cfg.val_fraction, cfg.max_bytes, cfg.glob, cfg.text_field)
     log(corpus.report.summary())
     log(f"tokenizer: {cfg.tokenizer} ...")
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.vocab_size, (d.text for d in corpus.train))
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer, cfg.vocab_size, (d.text for d in corpus.train))
+    except DataError as e:  # name the key that pointed at the file
+        raise DataError(f"data.tokenizer: {e}") from None
     shard_dir.mkdir(parents=True, exist_ok=True)
     for d in corpus.train:
         d.meta["split"] = "train"

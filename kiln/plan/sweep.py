@@ -20,12 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-from kiln.config import JobConfig, load_config
+from kiln.config import JobConfig, load_config, parse_literal
 from kiln.errors import ConfigError, KilnError
 from kiln.io import atomic_write_json
 
@@ -51,12 +46,8 @@ class Space:
         return min(max(int(round(value)), int(self.lo)), int(self.hi)) if self.integer else value
 
 
-def parse_value(text: str) -> Any:
-    """A value as `--set` reads it: a TOML literal (1e-3, 8, true, [0.9, 0.95]) or else a string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+# A value as `--set` reads it (a TOML literal, else a string): the config engine's parse.
+parse_value = parse_literal
 
 
 def _split_key(item: str, flag: str, example: str) -> tuple[str, str]:

@@ -10,28 +10,24 @@
 
 The same pipeline is usable from Python: `PrepConfig(input=ReaderConfig(path=...), steps=[...])`
 with step objects. Unknown sections, keys and step types raise a ConfigError naming the key and
-the file.
+the file. Parsing, coercion and range checks are kiln.config's engine; this module keeps only its
+section classes and the `[[step]]` lookup.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
+from kiln.config import (MAX_VOCAB, check_fields, fill_dataclass, parse_override, ranged, read_toml, set_fields,
+                         shown)
+from kiln.errors import ConfigError
 from kiln.prep.base import STEP_TYPES, Step
 from kiln.prep.readers import ReaderConfig
 from kiln.prep.writers import DOC_FORMATS
-from kiln.errors import ConfigError
 
 # Modules whose import registers step types; the dedup subpackage is optional in a build.
 STEP_MODULES = ("kiln.prep.normalize", "kiln.prep.quality", "kiln.prep.language",
@@ -41,14 +37,13 @@ STEP_MODULES = ("kiln.prep.normalize", "kiln.prep.quality", "kiln.prep.language"
 @dataclass
 class OutputConfig:
     dir: str = "prepped"
-    docs_format: str = "jsonl.zst"  # kept documents: jsonl | jsonl.zst | parquet
+    docs_format: str = ranged("jsonl.zst", choices=tuple(DOC_FORMATS))  # kept documents: jsonl | jsonl.zst | parquet
     write_removed: bool = True  # removed.jsonl: id, step and reason of every removed document
-    max_examples: int = 5  # example removed documents per reason in the report
-    example_chars: int = 400
+    max_examples: int = ranged(5, ge=0)  # example removed documents per reason in the report
+    example_chars: int = ranged(400, ge=0)
 
     def validate(self, source: str) -> None:
-        if self.docs_format not in DOC_FORMATS:
-            raise ConfigError(f"{source}: output.docs_format={self.docs_format!r} is not one of {', '.join(DOC_FORMATS)}")
+        check_fields(self, "output.", source)
         if not self.dir:
             raise ConfigError(f"{source}: output.dir is required")
 
@@ -57,39 +52,31 @@ class OutputConfig:
 class TokenizeConfig:
     enabled: bool = True  # write token shards to OUTPUT/tokens for `kiln train`
     tokenizer: str = "bpe"  # bpe (trained on kept documents) | byte | path to a tokenizer.json
-    vocab_size: int = 8192  # for bpe
-    sample_bytes: int = 50_000_000  # bpe is trained on at most this much kept text
-    val_fraction: float = 0.05  # a document goes to val when kiln.data.corpus.is_val(id) says so
-    shard_tokens: int = 64 * 1024 * 1024
-    batch_bytes: int = 4 << 20  # text per encode_batch call
+    vocab_size: int = ranged(8192, gt=0, le=MAX_VOCAB)  # for bpe
+    sample_bytes: int = ranged(50_000_000, gt=0)  # bpe is trained on at most this much kept text
+    # a document goes to val when kiln.data.corpus.is_val(id) says so
+    val_fraction: float = ranged(0.05, gt=0.0, lt=1.0)
+    shard_tokens: int = ranged(64 * 1024 * 1024, gt=0)
+    batch_bytes: int = ranged(4 << 20, gt=0)  # text per encode_batch call
 
     def validate(self, source: str) -> None:
+        check_fields(self, "tokenize.", source)
         if self.tokenizer == "bpe" and self.vocab_size < 257:
             raise ConfigError(f"{source}: tokenize.vocab_size={self.vocab_size} must be > 256 for a bpe tokenizer")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"{source}: tokenize.val_fraction={self.val_fraction} must be in (0, 1)")
-        if self.sample_bytes <= 0 or self.shard_tokens <= 0 or self.batch_bytes <= 0:
-            raise ConfigError(f"{source}: tokenize.sample_bytes, shard_tokens and batch_bytes must be > 0")
 
 
 @dataclass
 class RunConfig:
-    executor: str = "local"  # local | ray
-    workers: int = 0  # parallel shards; 0 = all CPUs
+    executor: str = ranged("local", choices=("local", "ray"))
+    workers: int = ranged(0, ge=0, le=65536)  # parallel shards; 0 = all CPUs
     ray_address: str = ""  # "" starts a local Ray instance; "auto" or host:port joins a cluster
     resume: bool = True  # skip shards a previous run finished (same config)
-    progress: str = "auto"  # auto | rich | none
-    max_reject_share: float = 0.5  # warn when the reader rejects more than this share of input records
+    progress: str = ranged("auto", choices=("auto", "rich", "none"))
+    # warn when the reader rejects more than this share of input records
+    max_reject_share: float = ranged(0.5, ge=0.0, le=1.0)
 
     def validate(self, source: str) -> None:
-        if self.executor not in ("local", "ray"):
-            raise ConfigError(f"{source}: run.executor={self.executor!r} is not one of local, ray")
-        if self.workers < 0:
-            raise ConfigError(f"{source}: run.workers={self.workers} must be >= 0")
-        if self.progress not in ("auto", "rich", "none"):
-            raise ConfigError(f"{source}: run.progress={self.progress!r} is not one of auto, rich, none")
-        if not 0.0 <= self.max_reject_share <= 1.0:
-            raise ConfigError(f"{source}: run.max_reject_share={self.max_reject_share} must be in [0, 1]")
+        check_fields(self, "run.", source)
 
 
 @dataclass
@@ -159,51 +146,6 @@ def build_step(table: dict[str, Any], where: str) -> Step:
     return cls(config, name=name)
 
 
-def fill_dataclass(cls: type, raw: dict[str, Any], where: str) -> Any:
-    obj = cls()
-    set_fields(obj, raw, where)
-    return obj
-
-
-def set_fields(obj: Any, raw: dict[str, Any], where: str) -> None:
-    fields = {f.name for f in dataclasses.fields(obj)}
-    hints = typing.get_type_hints(type(obj))
-    for key, value in raw.items():
-        if key not in fields:
-            raise ConfigError(f"{where}: unknown key {key!r}; expected one of {sorted(fields)}")
-        setattr(obj, key, coerce(value, hints[key], f"{where}: {key}"))
-
-
-def coerce(value: Any, hint: Any, what: str) -> Any:
-    origin = typing.get_origin(hint)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, str, bool, float):
-        if type(value) is hint:
-            return value
-    elif hint is Any:
-        return value
-    elif origin is list:
-        (arg,) = typing.get_args(hint) or (Any,)
-        if isinstance(value, (list, tuple)):
-            return [coerce(v, arg, what) for v in value]
-    elif origin is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    elif origin is tuple:
-        args = typing.get_args(hint)
-        if isinstance(value, (list, tuple)) and len(value) == len(args):
-            return tuple(coerce(v, a, what) for v, a in zip(value, args))
-    elif origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(hint):
-            try:
-                return coerce(value, arg, what)
-            except ConfigError:
-                continue
-    name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-    raise ConfigError(f"{what}={value!r} has the wrong type; expected {name}")
-
-
 SECTIONS = {"input": ReaderConfig, "output": OutputConfig, "tokenize": TokenizeConfig, "run": RunConfig}
 
 
@@ -219,10 +161,10 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> PrepConfig:
                 cfg.step_tables.append(dict(table))
             continue
         if name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{name}]; expected one of {sorted(SECTIONS) + ['[[step]]']}")
+            raise ConfigError(f"{source}: unknown section [{shown(name)}]; expected one of {sorted(SECTIONS) + ['[[step]]']}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of keys")
-        set_fields(getattr(cfg, name), values, f"{source}: [{name}]")
+        set_fields(getattr(cfg, name), values, source, f"{name}.")
     return cfg
 
 
@@ -230,19 +172,12 @@ def apply_overrides(cfg: PrepConfig, overrides: list[str]) -> None:
     """`section.key=value` for [input]/[output]/[tokenize]/[run], `step.N.key=value` (N from 1)
     or `step.NAME.key=value` for steps; the value is a TOML literal, else a string."""
     for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. output.dir=out")
-        dotted, text = (s.strip() for s in item.split("=", 1))
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text
-        parts = dotted.split(".")
+        parts, value = parse_override(item, "output.dir=out")
         if parts[0] == "step" and len(parts) == 3:
             step = _find_step(cfg, parts[1], item)
             set_fields(step.config, {parts[2]: value}, f"--set {item!r}")
         elif len(parts) == 2 and parts[0] in SECTIONS:
-            set_fields(getattr(cfg, parts[0]), {parts[1]: value}, f"--set {item!r}")
+            set_fields(getattr(cfg, parts[0]), {parts[1]: value}, "--set", f"{parts[0]}.")
         else:
             raise ConfigError(f"--set {item!r}: expected one of {sorted(SECTIONS)}.KEY=VALUE or step.N.KEY=VALUE")
 
@@ -257,13 +192,7 @@ def _find_step(cfg: PrepConfig, ref: str, item: str) -> Step:
 
 
 def load_prep_config(path: str | Path, overrides: list[str] | None = None) -> PrepConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"prep config {path} not found")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    raw = read_toml(path, "prep config")
     cfg = config_from_dict(raw, str(path))
     apply_overrides(cfg, overrides or [])
     # Relative paths are relative to the current directory, like every other kiln path.

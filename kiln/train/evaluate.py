@@ -34,6 +34,8 @@ class Evaluator:
             raise DataError(f"{e}; raise data.val_fraction or lower data.seq_len") from None
         self.sets = {"val": list(eval_batches(windows, bs, cfg.train.eval_batches))}
         for path in cfg.train.eval_sets:
+            if not Path(path).exists():
+                raise DataError(f"train.eval_sets: {path!r} not found")
             name = Path(path).stem.replace("-", "_").replace(".", "_")
             texts = sum(split_documents(path, 0.5, 0), [])
             ids = np.concatenate([np.append(tokenizer.encode_array(t), tokenizer.eos_id) for t in texts])

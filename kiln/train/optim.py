@@ -1,8 +1,10 @@
 """Build the optimizer named by `OptimConfig`: param groups with weight decay on matrices only,
 torch's AdamW / Adafactor / SGD, or kiln's LAMB / Lion / Muon (kiln/train/optimizers/).
 
-Every group carries `name` (for logs and tests) and `lr_scale` (its lr as a fraction of optim.lr,
-which `LRSchedule` keeps applying), and its lr starts at `cfg.lr * lr_scale`.
+Every group carries `name` (for logs and tests) and `initial_lr`, its peak lr (optim.lr, or
+optim.muon_adam_lr for muon's AdamW part): torch's convention, the key torch's own LRScheduler
+keeps. `LRSchedule` is the only writer of `group["lr"]`, computed from `initial_lr`. The config
+is validated once, by `OptimConfig.validate` at load time; nothing here re-checks its ranges.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
     for _, p in _trainable(model):
         (decay if _decays(p, embedding_ids, cfg) else no_decay).append(p)
     groups = [
-        {"name": "decay", "params": decay, "weight_decay": cfg.weight_decay, "lr_scale": 1.0},
-        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
+        {"name": "decay", "params": decay, "weight_decay": cfg.weight_decay, "initial_lr": cfg.lr},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0, "initial_lr": cfg.lr},
     ]
     return [g for g in groups if g["params"]]
 
@@ -89,14 +91,13 @@ def _muon_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any
             adam_decay.append(p)
         else:
             adam_no_decay.append(p)
-    adam_scale = cfg.muon_adam_lr / cfg.lr
     groups = [
         {"name": "muon", "params": muon, "use_muon": True, "weight_decay": cfg.weight_decay,
-         "lr_scale": 1.0},
+         "initial_lr": cfg.lr},
         {"name": "adamw_decay", "params": adam_decay, "use_muon": False,
-         "weight_decay": cfg.weight_decay, "lr_scale": adam_scale},
+         "weight_decay": cfg.weight_decay, "initial_lr": cfg.muon_adam_lr},
         {"name": "adamw_no_decay", "params": adam_no_decay, "use_muon": False, "weight_decay": 0.0,
-         "lr_scale": adam_scale},
+         "initial_lr": cfg.muon_adam_lr},
     ]
     return [g for g in groups if g["params"]]
 
@@ -120,26 +121,16 @@ def adamw_implementation(cfg: OptimConfig, params: list[torch.Tensor], device_ty
         return "fused"
     if cfg.implementation in ("foreach", "single"):
         return cfg.implementation
-    if cfg.implementation != "auto":
-        raise ConfigError(f"optim.implementation={cfg.implementation!r} is not one of auto, fused, foreach, single")
     if _fused_supported(params, device_type) and FUSED_ADAMW_FASTER.get(device_type, True):
         return "fused"
     return "foreach"
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu") -> torch.optim.Optimizer:
-    """The optimizer for `model` (already materialized on its device) as `cfg` describes."""
-    cfg.validate()
-    if not 0.0 <= cfg.momentum < 1.0:
-        raise ConfigError(f"optim.momentum={cfg.momentum} must be in [0, 1)")
-    if cfg.name == "muon" and cfg.muon_adam_lr <= 0:
-        raise ConfigError(f"optim.muon_adam_lr={cfg.muon_adam_lr} must be > 0")
-    if cfg.name == "muon":
-        groups = _muon_param_groups(model, cfg)
-    else:
-        groups = param_groups(model, cfg)
-    for group in groups:
-        group["lr"] = cfg.lr * group["lr_scale"]
+    """The optimizer for `model` (already materialized on its device) as `cfg` (validated)
+    describes. The constructors' `lr` is only torch's placeholder until `LRSchedule` sets each
+    group's lr from its `initial_lr`."""
+    groups = _muon_param_groups(model, cfg) if cfg.name == "muon" else param_groups(model, cfg)
     betas = tuple(cfg.betas)
 
     if cfg.name == "adamw":
@@ -165,4 +156,4 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu"
     if cfg.name == "sgd":
         # Note torch's SGD weight decay is L2 added to the gradient, not decoupled.
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-    raise ConfigError(f"optim.name={cfg.name!r} is not one of adamw, adafactor, lamb, lion, muon, sgd")
+    raise ValueError(f"optim.name={cfg.name!r}: validate the config first (OptimConfig.validate)")

@@ -1,8 +1,10 @@
 """Learning-rate schedules: linear warmup, then cosine / linear / step / wsd / constant / plateau.
 
 `lr_factor` is the pure closed form (a multiplier of the peak lr at a step); `LRSchedule` applies
-it to an optimizer's param groups as `base_lr * group["lr_scale"] * factor`, so groups that run at
-a fixed fraction of the main lr (muon's AdamW part) follow the same curve.
+it to an optimizer's param groups as `group["initial_lr"] * factor` (torch's convention: the peak
+lr per group lives in `initial_lr`, which `build_optimizer` sets), so groups with their own peak
+(muon's AdamW part) follow the same curve. `LRSchedule` is the only writer of `group["lr"]`; the
+schedule names (`SCHEDULES`) and ranges are kiln.config's, checked once when the config loads.
 
 Steps count from 0: the lr of training step `s` is set before that step runs. Warmup uses
 (step + 1) / warmup_steps so the first step does not waste a batch at lr 0.
@@ -15,10 +17,10 @@ from typing import Any
 
 import torch
 
-from kiln.config import ScheduleConfig
-from kiln.errors import ConfigError
+from kiln.config import SCHEDULES, ScheduleConfig
+from kiln.errors import KilnError
 
-SCHEDULES = ("cosine", "linear", "step", "wsd", "constant", "plateau")
+__all__ = ["SCHEDULES", "LRSchedule", "lr_factor"]
 
 
 def lr_factor(name: str, step: int, cfg: ScheduleConfig, total_steps: int) -> float:
@@ -26,8 +28,6 @@ def lr_factor(name: str, step: int, cfg: ScheduleConfig, total_steps: int) -> fl
 
     `plateau` returns the warmup-then-constant part; its decays come from `LRSchedule.observe`.
     """
-    if name not in SCHEDULES:
-        raise ConfigError(f"schedule.name={name!r} is not one of {', '.join(SCHEDULES)}")
     warmup = cfg.warmup_steps
     if step < warmup:
         return (step + 1) / warmup
@@ -47,23 +47,21 @@ def lr_factor(name: str, step: int, cfg: ScheduleConfig, total_steps: int) -> fl
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     if name == "cosine":
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0 - (1.0 - floor) * progress  # linear
+    if name == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    raise ValueError(f"schedule {name!r} is not one of {', '.join(SCHEDULES)}; validate the config first")
 
 
 class LRSchedule:
-    """Sets every param group's lr each step; call `step()` after each `optimizer.step()`."""
+    """Sets every param group's lr each step from its `initial_lr`; call `step()` after each
+    `optimizer.step()`. Groups without `initial_lr` get their current lr as it, as torch's
+    LRScheduler does on its first use."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, base_lr: float,
-                 total_steps: int):
-        if cfg.name not in SCHEDULES:
-            raise ConfigError(f"schedule.name={cfg.name!r} is not one of {', '.join(SCHEDULES)}")
-        if total_steps <= 0:
-            raise ConfigError(f"train.steps={total_steps} must be > 0 for an lr schedule")
-        if base_lr <= 0:
-            raise ConfigError(f"optim.lr={base_lr} must be > 0")
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int):
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", float(group["lr"]))
         self.optimizer = optimizer
         self.cfg = cfg
-        self.base_lr = float(base_lr)
         self.total_steps = int(total_steps)
         self.step_count = 0
         # Plateau state: product of the decays so far, best loss seen, evaluations since it.
@@ -73,10 +71,14 @@ class LRSchedule:
         self._apply()
 
     @property
+    def factor(self) -> float:
+        """The current multiplier of every group's `initial_lr` (schedule and plateau decays)."""
+        return lr_factor(self.cfg.name, self.step_count, self.cfg, self.total_steps) * self.plateau_scale
+
+    @property
     def lr(self) -> float:
-        """The current lr before any per-group lr_scale."""
-        factor = lr_factor(self.cfg.name, self.step_count, self.cfg, self.total_steps)
-        return self.base_lr * factor * self.plateau_scale
+        """The current lr of the first param group (optim.lr's curve for kiln's optimizers)."""
+        return float(self.optimizer.param_groups[0]["initial_lr"]) * self.factor
 
     def step(self) -> None:
         self.step_count += 1
@@ -117,7 +119,7 @@ class LRSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"step", "plateau_scale", "best_loss", "bad_evals"} - set(state)
         if missing:
-            raise ConfigError(f"lr schedule state is missing {sorted(missing)}; is it from another kiln version?")
+            raise KilnError(f"lr schedule state is missing {sorted(missing)}; is it from another kiln version?")
         self.step_count = int(state["step"])
         self.plateau_scale = float(state["plateau_scale"])
         self.best_loss = float(state["best_loss"])
@@ -125,9 +127,12 @@ class LRSchedule:
         self._apply()
 
     def _apply(self) -> None:
-        lr = self.lr
-        for group in self.optimizer.param_groups:
-            value = lr * group.get("lr_scale", 1.0)
+        factor = self.factor
+        for i, group in enumerate(self.optimizer.param_groups):
+            if "initial_lr" not in group:  # an optimizer state loaded from an older checkpoint
+                raise KilnError(f"optimizer param group {i} has no initial_lr; the checkpoint is from an "
+                                f"older kiln (before the peak lr moved to initial_lr)")
+            value = float(group["initial_lr"]) * factor
             if isinstance(group["lr"], torch.Tensor):  # tensor lr (capturable/fused): keep the object
                 group["lr"].fill_(value)
             else:

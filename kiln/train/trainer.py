@@ -26,6 +26,7 @@ from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import compile_scope, parallelize
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
+from kiln.train.memory import check_fits_memory
 from kiln.train.metrics import MetricsLogger
 from kiln.train.optim import build_optimizer
 from kiln.train.peak import peak_flops
@@ -82,6 +83,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     run_dir = Path(run_dir)
     dims = ParallelDims.from_config(cfg.parallel)
     device = pick_device(cfg.train.device, dims)
+    check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
     dims.build_mesh(device.type)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -123,7 +125,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
                                     cfg.train.batch_size, cfg.data.seq_len)
     optimizer = build_optimizer(model, cfg.optim, device.type)
-    schedule = LRSchedule(optimizer, cfg.schedule, cfg.optim.lr, cfg.train.steps)
+    schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
     loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
                     dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device)
     evaluator = Evaluator(model, val_set, tokenizer, cfg, device)

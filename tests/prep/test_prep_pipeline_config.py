@@ -34,11 +34,11 @@ def test_load_steps_and_overrides(tmp_path):
 
 @pytest.mark.parametrize("raw, message", [
     ({"inputs": {}}, "unknown section [inputs]"),
-    ({"input": {"path": "x", "txt_field": "t"}}, "unknown key 'txt_field'"),
-    ({"input": {"path": 5}}, "input]: path=5 has the wrong type"),
+    ({"input": {"path": "x", "txt_field": "t"}}, "unknown key input.txt_field"),
+    ({"input": {"path": 5}}, "cfg.toml: input.path=5 has the wrong type"),
     ({"step": [{"type": "gopher"}]}, "unknown step type 'gopher'"),
     ({"step": [{"min_words": 3}]}, "missing key 'type'"),
-    ({"step": [{"type": "gopher_quality", "min_word": 3}]}, "[[step]] #1 (gopher_quality): unknown key 'min_word'"),
+    ({"step": [{"type": "gopher_quality", "min_word": 3}]}, "[[step]] #1 (gopher_quality): unknown key min_word"),
     ({"step": [{"type": "pii", "types": "EMAIL"}]}, "types='EMAIL' has the wrong type; expected list"),
 ])
 def test_config_errors_name_the_key(raw, message):

@@ -1,3 +1,4 @@
+import math
 import io
 
 import pytest
@@ -75,10 +76,11 @@ def test_muon_groups_split_hidden_matrices_from_the_rest():
     assert ids(group(groups, "muon")["params"]) == ids([model.hidden.weight, model.proj.weight])
     assert ids(group(groups, "adamw_decay")["params"]) == ids([model.output.weight])
     assert id(model.tok_embeddings.weight) in ids(group(groups, "adamw_no_decay")["params"])
-    assert group(groups, "muon")["lr"] == pytest.approx(0.02)
-    assert group(groups, "adamw_decay")["lr"] == pytest.approx(0.004)
-    # The schedule keeps the AdamW part at muon_adam_lr / lr of the main lr.
-    sched = LRSchedule(opt, ScheduleConfig(name="linear", warmup_steps=4, min_lr_ratio=0.0), cfg.lr, 10)
+    # Peak lrs in torch's initial_lr; the schedule is the one writer of "lr" and keeps the AdamW
+    # part on the same curve from its own peak.
+    assert group(groups, "muon")["initial_lr"] == pytest.approx(0.02)
+    assert group(groups, "adamw_decay")["initial_lr"] == pytest.approx(0.004)
+    sched = LRSchedule(opt, ScheduleConfig(name="linear", warmup_steps=4, min_lr_ratio=0.0), 10)
     assert group(groups, "muon")["lr"] == pytest.approx(0.02 * 0.25)
     assert group(groups, "adamw_no_decay")["lr"] == pytest.approx(0.004 * 0.25)
     assert sched.lr == pytest.approx(0.005)
@@ -111,21 +113,33 @@ def test_optimizer_settings_reach_the_groups():
     for name in ALL:
         opt = build_optimizer(TinyLM(), OptimConfig(**{**cfg.__dict__, "name": name}))
         decay = opt.param_groups[0]
-        assert decay["lr"] == pytest.approx(0.01) and decay["weight_decay"] == 0.3
+        assert decay["initial_lr"] == pytest.approx(0.01) and decay["weight_decay"] == 0.3
         assert opt.param_groups[-1]["weight_decay"] == 0.0
         if name in ("adamw", "lamb", "lion", "muon"):
             assert tuple(decay["betas"]) == (0.8, 0.9)
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("momentum", 1.0, "optim.momentum=1.0"),
-    ("muon_adam_lr", 0.0, "optim.muon_adam_lr=0.0"),
-    ("lr", -1.0, "optim.lr=-1.0"),
-    ("name", "adam", "optim.name='adam'"),
+    ("momentum", 1.0, "optim.momentum=1.0 must be in [0, 1)"),
+    ("muon_adam_lr", 0.0, "optim.muon_adam_lr=0.0 must be > 0"),
+    ("lr", -1.0, "optim.lr=-1.0 must be > 0"),
+    ("lr", math.nan, "optim.lr=nan must be a finite number"),
+    ("weight_decay", math.inf, "optim.weight_decay=inf must be a finite number"),
+    ("name", "adam", "optim.name='adam' is not one of"),
 ])
-def test_bad_settings_are_config_errors(key, value, match):
-    with pytest.raises(ConfigError, match=match):
-        build_optimizer(TinyLM(), OptimConfig(**{"name": "muon", key: value}))
+def test_bad_settings_are_config_errors_at_the_config_boundary(key, value, match):
+    # Checked once, by the config; build_optimizer trusts a validated config.
+    with pytest.raises(ConfigError) as e:
+        OptimConfig(**{"name": "muon", key: value}).validate()
+    assert match in str(e.value)
+
+
+def test_schedule_is_the_only_writer_of_lr():
+    opt = build_optimizer(TinyLM(), OptimConfig(lr=0.01))
+    assert all("lr_scale" not in g for g in opt.param_groups)
+    sched = LRSchedule(opt, ScheduleConfig(name="linear", warmup_steps=4), 10)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.01 / 4] * len(opt.param_groups))
+    assert sched.lr == pytest.approx(0.01 / 4)
 
 
 def test_no_trainable_parameters_is_a_kiln_error():
@@ -154,7 +168,7 @@ def fresh(name: str, impl: str = "auto", seed: int = 0):
     model = TinyLM(tie=False)
     cfg = OptimConfig(name=name, implementation=impl, lr=0.01, muon_adam_lr=0.005)
     opt = build_optimizer(model, cfg)
-    sched = LRSchedule(opt, ScheduleConfig(name="cosine", warmup_steps=2), cfg.lr, 8)
+    sched = LRSchedule(opt, ScheduleConfig(name="cosine", warmup_steps=2), 8)
     return model, opt, sched
 
 
@@ -273,11 +287,11 @@ def _fsdp_worker(rank: int, world: int, store_path: str, ckpt_dir: str, names: l
             torch.manual_seed(0)
             ref = ShardedLM()  # every rank sees the same batches, so the mean gradient is this one's
             ref_opt = build_optimizer(ref, cfg)
-            train(ref, ref_opt, LRSchedule(ref_opt, sched_cfg, cfg.lr, 4), range(0, 4))
+            train(ref, ref_opt, LRSchedule(ref_opt, sched_cfg, 4), range(0, 4))
 
             model = _sharded(mesh, 0)
             opt = build_optimizer(model, cfg)
-            sched = LRSchedule(opt, sched_cfg, cfg.lr, 4)
+            sched = LRSchedule(opt, sched_cfg, 4)
             train(model, opt, sched, range(0, 2))
             model_sd, optim_sd = get_state_dict(model, opt)
             dcp.save({"model": model_sd, "optim": optim_sd, "sched": sched.state_dict()},
@@ -285,7 +299,7 @@ def _fsdp_worker(rank: int, world: int, store_path: str, ckpt_dir: str, names: l
 
             model = _sharded(mesh, 1)
             opt = build_optimizer(model, cfg)
-            sched = LRSchedule(opt, sched_cfg, cfg.lr, 4)
+            sched = LRSchedule(opt, sched_cfg, 4)
             model_sd, optim_sd = get_state_dict(model, opt)
             loaded = {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict()}
             dcp.load(loaded, checkpoint_id=f"{ckpt_dir}/{name}")

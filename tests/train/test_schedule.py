@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from kiln.config import ScheduleConfig
-from kiln.errors import ConfigError
-from kiln.train.schedule import LRSchedule, lr_factor
+from kiln.config import load_config
+from kiln.errors import ConfigError, KilnError
+from kiln.train.schedule import SCHEDULES, LRSchedule, lr_factor
 
 TOTAL = 110
 
@@ -16,9 +17,9 @@ def cfg(name: str, **kw) -> ScheduleConfig:
     return ScheduleConfig(**base)
 
 
-def optimizer(lr_scales=(1.0,)) -> torch.optim.Optimizer:
-    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "lr_scale": s} for s in lr_scales]
-    return torch.optim.SGD(groups, lr=1.0)
+def optimizer(peaks=(1.0,)) -> torch.optim.Optimizer:
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "initial_lr": p} for p in peaks]
+    return torch.optim.SGD(groups, lr=123.0)  # the constructor's lr is a placeholder
 
 
 @pytest.mark.parametrize("name", ["cosine", "linear", "step", "wsd", "constant", "plateau"])
@@ -76,19 +77,25 @@ def test_constant_and_no_warmup():
     assert lr_factor("cosine", TOTAL, cfg("cosine", warmup_steps=0), TOTAL) == pytest.approx(0.1)
 
 
-def test_unknown_schedule_is_a_config_error():
-    with pytest.raises(ConfigError, match="schedule.name='exp'"):
-        lr_factor("exp", 0, cfg("cosine"), TOTAL)
-    with pytest.raises(ConfigError, match="schedule.name"):
-        LRSchedule(optimizer(), cfg("exp"), 1e-3, TOTAL)
-    with pytest.raises(ConfigError, match="train.steps=0"):
-        LRSchedule(optimizer(), cfg("cosine"), 1e-3, 0)
+def test_schedule_names_are_checked_once_by_the_config():
+    with pytest.raises(ConfigError, match="schedule.name='exp' is not one of " + ", ".join(SCHEDULES)):
+        load_config(None, ["schedule.name=exp"])
+    with pytest.raises(ConfigError, match="train.steps=0 must be > 0"):
+        load_config(None, ["train.steps=0"])
+    with pytest.raises(ValueError, match="validate the config first"):  # a bug, not a user error
+        lr_factor("exp", 20, cfg("cosine"), TOTAL)
+
+
+def test_groups_without_initial_lr_take_their_lr_as_torch_does():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
+    LRSchedule(opt, cfg("cosine"), TOTAL)
+    assert opt.param_groups[0]["initial_lr"] == 0.5 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("name", ["cosine", "linear", "step", "wsd", "constant"])
 def test_schedule_sets_group_lrs_each_step(name):
-    opt = optimizer(lr_scales=(1.0, 0.25))
-    sched = LRSchedule(opt, cfg(name), 2e-3, TOTAL)
+    opt = optimizer(peaks=(2e-3, 0.5e-3))
+    sched = LRSchedule(opt, cfg(name), TOTAL)
     for step in range(TOTAL + 3):
         expected = 2e-3 * lr_factor(name, step, cfg(name), TOTAL)
         assert sched.lr == pytest.approx(expected)
@@ -101,13 +108,13 @@ def test_schedule_sets_group_lrs_each_step(name):
 
 def test_lr_is_set_at_construction():
     opt = optimizer()
-    LRSchedule(opt, cfg("cosine"), 1.0, TOTAL)
+    LRSchedule(opt, cfg("cosine"), TOTAL)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
 def test_plateau_decays_after_patience_and_not_before():
     opt = optimizer()
-    sched = LRSchedule(opt, cfg("plateau", warmup_steps=0, plateau_patience=2, plateau_threshold=0.01), 1.0, TOTAL)
+    sched = LRSchedule(opt, cfg("plateau", warmup_steps=0, plateau_patience=2, plateau_threshold=0.01), TOTAL)
     assert sched.observe(1.0) is False  # first evaluation sets the best
     assert sched.observe(0.995) is False  # 0.5% better: below the 1% threshold, one bad evaluation
     assert opt.param_groups[0]["lr"] == 1.0
@@ -122,7 +129,7 @@ def test_plateau_decays_after_patience_and_not_before():
 
 
 def test_plateau_counts_nan_as_no_improvement():
-    sched = LRSchedule(optimizer(), cfg("plateau", warmup_steps=0, plateau_patience=1), 1.0, TOTAL)
+    sched = LRSchedule(optimizer(), cfg("plateau", warmup_steps=0, plateau_patience=1), TOTAL)
     assert sched.observe(2.0) is False
     assert sched.observe(float("nan")) is True
 
@@ -130,8 +137,8 @@ def test_plateau_counts_nan_as_no_improvement():
 @pytest.mark.parametrize("name", ["cosine", "plateau"])
 def test_state_dict_round_trip_resumes_identical_lrs(name):
     c = cfg(name, plateau_patience=1)
-    opt = optimizer(lr_scales=(1.0, 0.5))
-    sched = LRSchedule(opt, c, 3e-3, TOTAL)
+    opt = optimizer(peaks=(3e-3, 1.5e-3))
+    sched = LRSchedule(opt, c, TOTAL)
     losses = iter([3.0, 3.0, 2.0, 2.0, 2.0, 1.0] * 10)
     for step in range(40):
         sched.step()
@@ -140,8 +147,8 @@ def test_state_dict_round_trip_resumes_identical_lrs(name):
     state = sched.state_dict()
     assert all(type(v) in (int, float) for v in state.values())
 
-    opt2 = optimizer(lr_scales=(1.0, 0.5))
-    resumed = LRSchedule(opt2, c, 3e-3, TOTAL)
+    opt2 = optimizer(peaks=(3e-3, 1.5e-3))
+    resumed = LRSchedule(opt2, c, TOTAL)
     resumed.load_state_dict(dict(state))
     for step in range(40, 80):
         assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
@@ -153,16 +160,16 @@ def test_state_dict_round_trip_resumes_identical_lrs(name):
 
 
 def test_load_state_dict_rejects_foreign_state():
-    sched = LRSchedule(optimizer(), cfg("cosine"), 1.0, TOTAL)
-    with pytest.raises(ConfigError, match="missing"):
+    sched = LRSchedule(optimizer(), cfg("cosine"), TOTAL)
+    with pytest.raises(KilnError, match="missing"):
         sched.load_state_dict({"step": 3})
 
 
 def test_tensor_lr_is_updated_in_place():
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.Adam([p], lr=torch.tensor(1.0))
+    opt = torch.optim.Adam([{"params": [p], "initial_lr": 1.0}], lr=torch.tensor(1.0))
     lr_tensor = opt.param_groups[0]["lr"]
-    sched = LRSchedule(opt, cfg("linear"), 1.0, TOTAL)
+    sched = LRSchedule(opt, cfg("linear"), TOTAL)
     assert opt.param_groups[0]["lr"] is lr_tensor
     assert float(lr_tensor) == pytest.approx(0.1)
     sched.step()

@@ -1,0 +1,71 @@
+import time
+
+import pytest
+import torch
+
+from kiln.config import load_config
+from kiln.errors import ConfigError
+from kiln.model.transformer import Transformer, count_params
+from kiln.train.memory import check_fits_memory, count_params_closed_form, estimate_train_bytes
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["model.tie_embeddings=false", "model.activation=gelu", "model.bias=false"],
+    ["model.n_kv_heads=2", "model.positions=learned", "model.ffn_hidden=100"],
+    ["model.vocab_size=5000", "model.dim=96", "model.n_heads=6", "model.n_layers=3"],
+])
+def test_closed_form_count_matches_the_model_on_meta(overrides):
+    cfg = load_config(None, ["model.vocab_size=300", *overrides])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    assert count_params_closed_form(cfg.model, cfg.model.vocab_size) == count_params(model)["total"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.dim=1000000000", "model.dim=1000000000 needs ~"),
+    ("model.n_layers=1000000", "model.n_layers=1000000 needs ~"),
+    ("model.vocab_size=16000000", "model.vocab_size=16000000 needs ~"),
+    ("train.batch_size=100000000", "train.batch_size=100000000 needs ~"),
+])
+def test_sizes_that_cannot_fit_are_refused_quickly_naming_the_key(override, key):
+    cfg = load_config(None, [override])
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        check_fits_memory(cfg, CPU, available=64 << 30)
+    assert time.perf_counter() - t0 < 1.0  # closed form: nothing is built
+    assert str(e.value).startswith(key) and "this machine has 64.0 GiB (cpu)" in str(e.value)
+
+
+def test_default_job_fits_and_estimate_grows_with_the_model():
+    small = load_config(None)
+    check_fits_memory(small, CPU, available=4 << 30)  # ~7M params: far below 4 GiB
+    big = load_config(None, ["model.dim=512"])
+    assert estimate_train_bytes(big) > estimate_train_bytes(small) > 7e6 * 16
+    with pytest.raises(ConfigError, match="this machine has 0.0 GiB"):
+        check_fits_memory(small, CPU, available=1 << 20)
+
+
+def test_trainer_refuses_before_writing_anything(tmp_path, text_file, capsys):
+    from kiln.cli import main
+
+    run = tmp_path / "run"
+    rc = main(["train", "--run-dir", str(run), "--set", f"data.source={str(text_file)!r}",
+               "--set", "data.tokenizer=byte", "--set", "model.n_layers=1000000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "model.n_layers=1000000 needs ~" in err[0]
+    assert not run.exists()  # no tokenizer, shards or checkpoints were made
+
+
+def test_sharded_weights_count_per_rank():
+    from kiln.parallel.dims import ParallelDims
+
+    cfg = load_config(None, ["model.dim=4096", "model.n_layers=32", "model.n_heads=32", "train.batch_size=1"])
+    one = estimate_train_bytes(cfg)
+    eight = estimate_train_bytes(cfg, ParallelDims.from_config(cfg.parallel, world_size=8, rank=0))
+    assert one / 8 < eight < one / 4  # weights, grads and state split 8 ways; activations are not
+    with pytest.raises(ConfigError, match="model.n_layers=32 needs|model.dim=4096 needs"):
+        check_fits_memory(cfg, CPU, available=80 << 30)
+    check_fits_memory(cfg, CPU, ParallelDims.from_config(cfg.parallel, world_size=8, rank=0), available=80 << 30)
