@@ -9,7 +9,7 @@ import torch
 
 from kiln.config import ModelConfig, load_config
 from kiln.data.dataset import token_byte_lengths
-from kiln.data.loader import TokenWindows, eval_batches, leading_batches
+from kiln.data.loader import TokenWindows, leading_batches
 from kiln.data.shards import ShardSet, ShardWriter, write_meta
 from kiln.data.tokenizer import ByteTokenizer
 from kiln.errors import DataError
@@ -144,17 +144,14 @@ def test_the_three_entry_points_agree_on_the_same_windows(model, text_file):
     assert probe["clean"]["loss"] == evaluate_texts(model, tok, [text], seq_len=SEQ, batch_size=4)["loss"]
 
 
-def test_windows_with_a_ragged_tail(tmp_path):
-    ids = np.arange(40)
-    w = TokenWindows([ids], 16, ragged_tail=True)
-    assert len(w) == 3 and w.lengths(np.arange(3)).tolist() == [17, 17, 8]
-    batches = list(leading_batches(w, 8))
-    assert [tuple(x.shape) for x, _ in batches] == [(2, 16), (1, 7)]
-    assert batches[1][1][0].tolist() == list(range(33, 40))
-    with pytest.raises(ValueError, match="different lengths"):
-        w.gather(np.arange(3))
-    assert len(TokenWindows([ids], 16)) == 2  # full windows only
-    assert len(list(eval_batches(TokenWindows([ids], 16), 1, 5))) == 2
+def test_a_too_short_eval_set_names_itself(model, tmp_path):
+    tok = ByteTokenizer()
+    val = _shards(tmp_path / "shards", tok, ["some validation text " * 20])
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("abc")
+    cfg = load_config(None, [f"data.seq_len={SEQ}", "train.dtype=fp32", f"train.eval_sets=[{str(tiny)!r}]"])
+    with pytest.raises(DataError, match=f"eval set {tiny} has \\d+ tokens, fewer than seq_len\\+1=17"):
+        Evaluator(model, val, tok, cfg, torch.device("cpu"))
 
 
 def test_scoring_restores_the_training_mode(model):
