@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kiln.eval.report import SUMMARY_LABELS, format_summary_value, write_report
+    from kiln.report.run_page import SUMMARY_LABELS, format_summary_value, write_report
 
     if args.max_points < 2:
         raise KilnError(f"--max-points={args.max_points} must be >= 2")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -24,27 +25,58 @@ from kiln.errors import DataError
 
 
 class TokenWindows:
-    """Index of all seq_len+1 windows across the shards of one split."""
+    """Index of the seq_len+1 windows of one split's shards, or of in-memory token streams.
 
-    def __init__(self, shards: ShardSet, seq_len: int):
-        self.shards, self.seq_len = shards, seq_len
-        counts = [max(0, (t.shape[0] - 1) // seq_len) for t in shards.tokens]
+    Window k of a stream starts at token k*seq_len; windows never cross from one stream (shard)
+    into the next. With `ragged_tail`, each stream's last, shorter window (at least 2 tokens: one
+    input, one target) is kept too, so every token but a stream's first is scored once - what
+    held-out evaluation wants; training and the trainer's validation use full windows only.
+    """
+
+    def __init__(self, streams: ShardSet | Sequence[np.ndarray], seq_len: int, *, ragged_tail: bool = False,
+                 source: str = "token stream"):
+        self.seq_len, self.ragged_tail = seq_len, ragged_tail
+        self.shards = streams if isinstance(streams, ShardSet) else None
+        self.tokens = list(streams.tokens) if self.shards is not None else [np.asarray(t) for t in streams]
+        sizes = [int(t.shape[0]) for t in self.tokens]
+        if ragged_tail:
+            counts = [max(0, -(-(n - 1) // seq_len)) for n in sizes]  # ceil((n - 1) / seq_len)
+        else:
+            counts = [max(0, (n - 1) // seq_len) for n in sizes]
         self.offsets = np.cumsum([0] + counts)
         if self.offsets[-1] == 0:
-            raise DataError(
-                f"{shards.dir}: split {shards.split!r} has {shards.n_tokens} tokens, fewer than "
-                f"seq_len+1={seq_len + 1}; lower data.seq_len or add data")
+            need = "2" if ragged_tail else f"seq_len+1={seq_len + 1}"
+            if self.shards is not None:
+                raise DataError(f"{streams.dir}: split {streams.split!r} has {streams.n_tokens} tokens, fewer than "
+                                f"{need}; lower data.seq_len or add data")
+            raise DataError(f"{source} has {sum(sizes)} tokens, fewer than {need}")
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(stream, start token) of each window index."""
+        stream = np.searchsorted(self.offsets, indices, side="right") - 1
+        return stream, (np.asarray(indices, dtype=np.int64) - self.offsets[stream]) * self.seq_len
+
+    def lengths(self, indices: np.ndarray) -> np.ndarray:
+        """Tokens in each window: seq_len + 1, less for a ragged tail."""
+        stream, start = self._locate(indices)
+        sizes = np.array([t.shape[0] for t in self.tokens], dtype=np.int64)
+        return np.minimum(self.seq_len + 1, sizes[stream] - start)
+
     def gather(self, indices: np.ndarray) -> np.ndarray:
-        """(len(indices), seq_len + 1) int64 array of the windows."""
-        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
-        shard_ids = np.searchsorted(self.offsets, indices, side="right") - 1
-        for row, (i, s) in enumerate(zip(indices, shard_ids)):
-            start = (int(i) - int(self.offsets[s])) * self.seq_len
-            out[row] = self.shards.tokens[s][start:start + self.seq_len + 1]
+        """(len(indices), length) int64 array of windows that all have the same length."""
+        length = self.seq_len + 1
+        if self.ragged_tail:
+            lengths = self.lengths(indices)
+            if len(lengths) and lengths.min() != lengths.max():
+                raise ValueError("gather: windows of different lengths; batch a ragged tail on its own")
+            length = int(lengths[0]) if len(lengths) else length
+        out = np.empty((len(indices), length), dtype=np.int64)
+        stream, start = self._locate(indices)
+        for row, (s, a) in enumerate(zip(stream.tolist(), start.tolist())):
+            out[row] = self.tokens[s][a:a + length]
         return out
 
 
@@ -142,10 +174,29 @@ class Loader:
         self._shutdown()
 
 
+def window_batches(windows: TokenWindows, indices: np.ndarray, batch_size: int):
+    """(inputs, targets) batches of the given windows, in order, `batch_size` at a time; a window
+    shorter than seq_len + 1 (a ragged tail) is scored as a batch of its own."""
+    indices = np.asarray(indices, dtype=np.int64)
+    for i in range(0, len(indices), batch_size):
+        chunk = indices[i:i + batch_size]
+        groups = [chunk]
+        if windows.ragged_tail:
+            full = windows.lengths(chunk) == windows.seq_len + 1
+            groups = [chunk[full]] + [chunk[j:j + 1] for j in np.flatnonzero(~full)]
+        for group in groups:
+            if len(group):
+                batch = torch.from_numpy(windows.gather(group))
+                yield batch[:, :-1], batch[:, 1:]
+
+
 def eval_batches(windows: TokenWindows, batch_size: int, max_batches: int):
     """A fixed set of validation windows spread evenly over the split, in batches (no shuffling)."""
     n = min(len(windows), batch_size * max_batches)
-    idx = np.linspace(0, len(windows) - 1, n).round().astype(np.int64)
-    for i in range(0, n, batch_size):
-        batch = torch.from_numpy(windows.gather(idx[i:i + batch_size]))
-        yield batch[:, :-1], batch[:, 1:]
+    return window_batches(windows, np.linspace(0, len(windows) - 1, n).round().astype(np.int64), batch_size)
+
+
+def leading_batches(windows: TokenWindows, batch_size: int, max_batches: int = 0):
+    """The first windows in stream order, at most `batch_size * max_batches` of them (0: all)."""
+    n = min(len(windows), batch_size * max_batches) if max_batches else len(windows)
+    return window_batches(windows, np.arange(n), batch_size)

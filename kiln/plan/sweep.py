@@ -205,7 +205,7 @@ def _finite_or_none(v: Any) -> float | None:
 def run_sweep(plan: SweepPlan, sweep_dir: str | Path, *, retry_failed: bool = False,
               train_fn: Callable | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run every unfinished trial in order; returns the trial records (see sweep.json)."""
-    from kiln.eval.report import read_metrics, summarize
+    from kiln.report.run_page import read_metrics, summarize
 
     if train_fn is None:
         from kiln.train.trainer import train as train_fn
@@ -282,8 +282,7 @@ def sweep_page(title: str, records: list[dict[str, Any]], keys: list[str]) -> st
     """A self-contained HTML page: best validation loss against each swept key, and the ranking."""
     from html import escape
 
-    from kiln.eval.plots import CHART_CSS, render_chart
-    from kiln.eval.report import PAGE_CSS, json_script
+    from kiln.report.charts import CHART_CSS, PAGE_CSS, json_script, render_chart
 
     grid = is_grid(records, keys)
     charts = [sweep_chart(records, keys, key, i, grid) for i, key in enumerate(keys)]
@@ -322,7 +321,7 @@ def sweep_chart(records: list[dict[str, Any]], keys: list[str], key: str, index:
     """Best val loss against `key`. In a grid, trials that agree on the other keys are joined by a
     line (one per combination, when there are few) and the tried values are the ticks; a random
     search is plain points on a 1-2-5 or log axis."""
-    from kiln.eval.plots import Chart, Series, format_number
+    from kiln.report.charts import Chart, Series, format_number
 
     done = [r for r in records if r["status"] == "completed" and r.get("best_val_loss") is not None]
     values = [r["params"].get(key) for r in done]

@@ -1,6 +1,7 @@
 """The prep report: `prep_report.json`, a terminal table, and a self-contained HTML page
-(inline SVG, no external assets): funnel of documents and bytes per step, length histograms
-before and after, top removal reasons, and example removed documents (HTML-escaped)."""
+(inline SVG drawn by kiln.report.charts, no external assets): funnel of documents and bytes per
+step, length histograms before and after, top removal reasons, and example removed documents
+(HTML-escaped)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import html
 from pathlib import Path
 from typing import Any
 
+from kiln.io import atomic_write_text
 from kiln.prep.pipeline import PrepConfig
+from kiln.report.charts import bar_chart, column_chart
 
 
 def _fmt_bytes(n: float) -> str:
@@ -88,48 +91,15 @@ def print_report(report: dict[str, Any], console: Any) -> None:
 # ---------------------------------------------------------------------------- HTML
 
 
-def _bar_chart(rows: list[tuple[str, float, str]], color: str, width: int = 640) -> str:
-    """Horizontal bars: (label, value, value text); bars scaled to the largest value."""
-    top = max((v for _, v, _ in rows), default=0) or 1
-    h, label_w = 22, 170
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + label_w + 120}" height="{h * len(rows) + 6}">']
-    for i, (label, value, text) in enumerate(rows):
-        y = i * h + 3
-        w = max(1.0, width * value / top)
-        parts.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end" font-size="12">{html.escape(label)}</text>'
-                     f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{h - 5}" fill="{color}"/>'
-                     f'<text x="{label_w + w + 5:.1f}" y="{y + 15}" font-size="12">{html.escape(text)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
 def _histogram_svg(before: list[int], after: list[int]) -> str:
+    """Document lengths before and after the pipeline, by power-of-two byte bins (empty ends trimmed)."""
     used = [i for i in range(len(before)) if before[i] or after[i]]
     if not used:
         return "<p>no documents</p>"
-    lo, hi = used[0], used[-1]
-    top = max(max(before), max(after)) or 1
-    bw, height, left, legend = 44, 180, 50, 24
-    n = hi - lo + 1
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + n * bw + 20}" height="{legend + height + 60}">',
-             f'<rect x="{left}" y="4" width="10" height="10" fill="#9ecae1"/>'
-             f'<text x="{left + 14}" y="13" font-size="11">before the pipeline</text>'
-             f'<rect x="{left + 150}" y="4" width="10" height="10" fill="#3182bd"/>'
-             f'<text x="{left + 164}" y="13" font-size="11">kept</text>',
-             f'<text x="{left - 6}" y="{legend + 10}" font-size="10" text-anchor="end">{top:,}</text>'
-             f'<text x="{left - 6}" y="{legend + height}" font-size="10" text-anchor="end">0</text>']
-    base = legend + height
-    for j, i in enumerate(range(lo, hi + 1)):
-        x = left + j * bw
-        for k, (series, color) in enumerate(((before, "#9ecae1"), (after, "#3182bd"))):
-            hgt = height * series[i] / top
-            parts.append(f'<rect x="{x + 2 + k * (bw // 2 - 2)}" y="{base - hgt:.1f}" width="{bw // 2 - 3}" '
-                         f'height="{hgt:.1f}" fill="{color}"><title>{series[i]:,} documents</title></rect>')
-        label = f"≥{_fmt_pow2(i - 1)}" if i else "0 B"
-        parts.append(f'<text x="{x + bw / 2}" y="{base + 14}" font-size="10" text-anchor="end" '
-                     f'transform="rotate(-40 {x + bw / 2} {base + 14})">{html.escape(label)}</text>')
-    parts.append(f'<line x1="{left}" y1="{base}" x2="{left + n * bw}" y2="{base}" stroke="#888"/></svg>')
-    return "".join(parts)
+    bins = range(used[0], used[-1] + 1)
+    labels = [f"≥{_fmt_pow2(i - 1)}" if i else "0 B" for i in bins]
+    return column_chart(labels, [("before the pipeline", [before[i] for i in bins], "#9ecae1"),
+                                 ("kept", [after[i] for i in bins], "#3182bd")], unit="documents")
 
 
 def render_html(report: dict[str, Any]) -> str:
@@ -169,8 +139,8 @@ th{{background:#f3f3f3}}pre{{white-space:pre-wrap;background:#f7f7f7;padding:6px
 ({_fmt_bytes(tot['bytes_out'])}) kept; {run['shards']} shards, {run['rejects']:,} rejected records,
 {run['seconds']:.1f} s on {esc(str(run['executor']))} with {run['workers']} workers.</p>
 {token_line}{warnings}
-<h2>Funnel: documents</h2>{_bar_chart(docs_rows, "#3182bd")}
-<h2>Funnel: bytes</h2>{_bar_chart(bytes_rows, "#31a354")}
+<h2>Funnel: documents</h2>{bar_chart(docs_rows, "#3182bd")}
+<h2>Funnel: bytes</h2>{bar_chart(bytes_rows, "#31a354")}
 <h2>Document length (UTF-8 bytes)</h2>{_histogram_svg(report["histograms"]["before"], report["histograms"]["after"])}
 <h2>Removal reasons</h2><table><tr><th>step</th><th>reason</th><th>documents</th><th>bytes</th></tr>{reasons}</table>
 <h2>Modifications</h2><table><tr><th>step</th><th>kind</th><th>count</th></tr>{modified}</table>
@@ -180,8 +150,4 @@ th{{background:#f3f3f3}}pre{{white-space:pre-wrap;background:#f7f7f7;padding:6px
 
 
 def write_html(report: dict[str, Any], path: Path) -> None:
-    import os
-
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_html(report), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, render_html(report))

@@ -2,13 +2,13 @@
 
 The same fixed windows are scored every time (spread evenly over the validation split), so the
 curve moves only because the model does. Extra eval sets (`train.eval_sets`, text files) are
-tokenized once and reported as NAME_loss / NAME_ppl / NAME_bpb.
+tokenized once and reported as NAME_loss / NAME_ppl / NAME_bpb. Windows are cut by
+kiln.data.loader and scored by kiln.eval.scoring.score_batches, as `kiln eval` does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +16,11 @@ import torch
 
 from kiln.config import JobConfig
 from kiln.data.corpus import split_documents
+from kiln.data.loader import TokenWindows, eval_batches, leading_batches
 from kiln.data.tokenizer import token_byte_lengths
-from kiln.data.loader import TokenWindows, eval_batches
 from kiln.data.shards import ShardSet
 from kiln.errors import DataError
-from kiln.model.transformer import lm_loss
+from kiln.eval.scoring import score_batches
 
 
 class Evaluator:
@@ -39,29 +39,16 @@ class Evaluator:
             name = Path(path).stem.replace("-", "_").replace(".", "_")
             texts = sum(split_documents(path, 0.5, 0), [])
             ids = np.concatenate([np.append(tokenizer.encode_array(t), tokenizer.eos_id) for t in texts])
-            self.sets[name] = list(_text_batches(torch.from_numpy(ids.astype(np.int64)), seq_len, bs,
-                                                 cfg.train.eval_batches, path))
+            stream = TokenWindows([ids.astype(np.int64)], seq_len, source=f"eval set {path}")
+            self.sets[name] = list(leading_batches(stream, bs, cfg.train.eval_batches))
 
-    @torch.no_grad()
     def run(self) -> dict[str, float]:
-        was_training = self.model.training
-        self.model.eval()
         results: dict[str, float] = {}
         autocast = autocast_context(self.device, self.cfg.train.dtype)
         for name, batches in self.sets.items():
-            total_loss, n_tokens, n_bytes = 0.0, 0, 0
-            for x, y in batches:
-                x, y = x.to(self.device), y.to(self.device)
-                with autocast:
-                    loss = lm_loss(self.model(x), y)
-                total_loss += loss.item() * y.numel()
-                n_tokens += y.numel()
-                n_bytes += int(self.byte_lengths[y.cpu()].sum())
-            loss = total_loss / n_tokens
-            results[f"{name}_loss"] = loss
-            results[f"{name}_ppl"] = math.exp(min(loss, 700.0))
-            results[f"{name}_bpb"] = total_loss / math.log(2) / max(n_bytes, 1)
-        self.model.train(was_training)
+            scores = score_batches(self.model, batches, self.byte_lengths, device=self.device, autocast=autocast)
+            for key in ("loss", "ppl", "bpb"):
+                results[f"{name}_{key}"] = scores[key]
         return results
 
 
@@ -70,13 +57,3 @@ def autocast_context(device: torch.device, dtype: str):
     if dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
-
-
-def _text_batches(ids: torch.Tensor, seq_len: int, batch_size: int, max_batches: int, path: str):
-    n = (ids.numel() - 1) // seq_len
-    if n == 0:
-        raise DataError(f"eval set {path} has {ids.numel()} tokens, fewer than data.seq_len+1={seq_len + 1}")
-    n = min(n, batch_size * max_batches)
-    windows = torch.stack([ids[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)])
-    for i in range(0, n, batch_size):
-        yield windows[i:i + batch_size, :-1], windows[i:i + batch_size, 1:]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.data.loader import Loader, TokenWindows, epoch_order, eval_batches
+from kiln.data.loader import Loader, TokenWindows, epoch_order, eval_batches, leading_batches
 from kiln.data.shards import ShardSet, ShardWriter, write_meta
 from kiln.errors import DataError
 
@@ -97,3 +97,17 @@ def test_eval_batches_fixed_and_spread(windows):
 def test_epoch_order_is_a_permutation():
     order = epoch_order(100, 5, 2)
     assert sorted(order.tolist()) == list(range(100))
+
+
+def test_stream_windows_with_a_ragged_tail():
+    """The windower `kiln eval` uses: a stream's last, shorter window is its own batch."""
+    ids = np.arange(40)
+    w = TokenWindows([ids], 16, ragged_tail=True)
+    assert len(w) == 3 and w.lengths(np.arange(3)).tolist() == [17, 17, 8]
+    batches = list(leading_batches(w, 8))
+    assert [tuple(x.shape) for x, _ in batches] == [(2, 16), (1, 7)]
+    assert batches[1][1][0].tolist() == list(range(33, 40))
+    with pytest.raises(ValueError, match="different lengths"):
+        w.gather(np.arange(3))
+    assert len(TokenWindows([ids], 16)) == 2  # full windows only
+    assert len(list(eval_batches(TokenWindows([ids], 16), 1, 5))) == 2

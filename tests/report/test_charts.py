@@ -1,7 +1,8 @@
 import math
 import xml.etree.ElementTree as ET
 
-from kiln.eval.plots import Chart, Marker, Series, downsample, log_ticks, nice_ticks, render_chart
+from kiln.report.charts import (Chart, Marker, Series, bar_chart, column_chart, downsample, json_script, log_ticks,
+                                nice_ticks, render_chart)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -84,3 +85,26 @@ def test_categorical_ticks():
     chart = Chart("c", "t", [Series("s", [0, 1], [1.0, 2.0], style="points")], x_ticks=[(0, "adamw"), (1, "lion")])
     texts = [t.text for t in parse(render_chart(chart)).iter(f"{SVG}text")]
     assert "adamw" in texts and "lion" in texts
+
+
+def test_bar_chart_scales_to_the_largest_value_and_escapes_labels():
+    root = parse(bar_chart([("input", 200, "200 docs"), ("<b>step</b>", 50, "50 docs")], "#3182bd"))
+    widths = [float(r.get("width")) for r in root.iter(SVG + "rect")]
+    assert widths == [640.0, 160.0]
+    assert [t.text for t in root.iter(SVG + "text")][2] == "<b>step</b>"  # escaped in the source, text once parsed
+    assert float(parse(bar_chart([("none", 0, "0")], "#000")).find(SVG + "rect").get("width")) == 1.0
+
+
+def test_column_chart_groups_side_by_side():
+    root = parse(column_chart(["0 B", "≥1 KiB"], [("before", [4, 8], "#9ecae1"), ("kept", [2, 0], "#3182bd")],
+                              unit="documents"))
+    columns = [r for r in root.iter(SVG + "rect") if r.find(SVG + "title") is not None]
+    assert [float(r.get("height")) for r in columns] == [90.0, 45.0, 180.0, 0.0]
+    assert columns[0].find(SVG + "title").text == "4 documents"
+    assert float(columns[1].get("x")) > float(columns[0].get("x"))  # the second group sits to the right
+    assert "≥1 KiB" in [t.text for t in root.iter(SVG + "text")]
+
+
+def test_json_script_cannot_be_closed_from_inside():
+    html = json_script("data-x", {"name": "</script><script>alert(1)</script>"})
+    assert html.count("</script>") == 1 and html.endswith("</script>")

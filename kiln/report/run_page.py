@@ -1,6 +1,8 @@
-"""`kiln report`: read a run's metrics.jsonl tolerantly and write a self-contained HTML page.
+"""The HTML page of a *training run* (`kiln report`): read its metrics.jsonl tolerantly and write a
+self-contained page.
 
-The page has inline-SVG charts (kiln.eval.plots), the summary numbers, eval tables (from `eval`
+Named for what it reports (a run's curves), not for `kiln eval`, whose report files it only shows.
+The page has inline-SVG charts (kiln.report.charts), the summary numbers, eval tables (from `eval`
 rows and `reports/eval-*.json`), events and the resolved config. Every plotted series is also
 embedded as `<script type="application/json" id="data-CHART">` so tools (and tests) can read the
 exact values behind a chart. Nothing is loaded from outside the file.
@@ -21,7 +23,8 @@ import numpy as np
 
 from kiln.errors import DataError
 from kiln.io import atomic_write_text
-from kiln.eval.plots import CHART_CSS, Chart, Marker, Series, downsample, render_chart
+from kiln.report.charts import (CHART_CSS, PAGE_CSS, Chart, Marker, Series, downsample, json_script,
+                                render_chart)
 
 EVAL_COLORS = ("#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
 MAX_POINTS = 2000  # per plotted series; min/max decimation keeps spikes
@@ -250,11 +253,6 @@ def _json_number(v: Any) -> Any:
     return v if _finite(v) else None  # strict JSON has no NaN/Infinity
 
 
-def json_script(element_id: str, obj: Any) -> str:
-    text = json.dumps(obj, allow_nan=False).replace("</", "<\\/")  # cannot close the script element
-    return f'<script type="application/json" id="{escape(element_id)}">{text}</script>'
-
-
 # ------------------------------------------------------------------------------------ eval files
 
 
@@ -349,6 +347,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     """Write the page (default RUN_DIR/reports/report.html) atomically; returns (path, summary, warnings)."""
     html, summary, warnings = build_report(run_dir, max_points)
     out = Path(out) if out else Path(run_dir) / "reports" / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, html)
     return out, summary, warnings
 
@@ -401,16 +400,3 @@ def _events_section(m: RunMetrics) -> str:
     if not rows:
         return '<h2>Events</h2><p id="events">No events.</p>'
     return "<h2>Events</h2>" + _table("events", ["step", "time (UTC)", "message"], rows)
-
-
-PAGE_CSS = """
-body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1400px; }
-h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 18px; margin-top: 28px; } h3 { font-size: 15px; }
-.meta, .note { color: #666; font-size: 13px; }
-.warnings { background: #fff4e5; border: 1px solid #f0c36d; padding: 8px 8px 8px 28px; font-size: 13px; }
-table { border-collapse: collapse; font-size: 13px; margin: 6px 0; }
-th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
-td { font-variant-numeric: tabular-nums; } thead th { background: #f4f4f4; }
-.charts { display: flex; flex-wrap: wrap; } figure { margin: 0; }
-pre { background: #f7f7f7; border: 1px solid #ddd; padding: 10px; font-size: 12px; overflow-x: auto; }
-"""

@@ -1,15 +1,25 @@
-"""A small inline-SVG line/scatter chart writer for self-contained HTML reports.
+"""The one chart module behind kiln's self-contained HTML reports (run page, prep report, sweep page).
 
-No matplotlib and no JavaScript: each chart is one `<svg>` element with axes, 1-2-5 ticks, a
-legend and optional vertical markers (checkpoints), so a report opens anywhere, offline.
-Non-finite values leave gaps in lines instead of breaking the scale.
+No matplotlib and no JavaScript: each chart is one inline `<svg>` element, so a report opens
+anywhere, offline. Three kinds, all hand-written here (plotting libraries either need a browser
+runtime or write files that are not inline SVG):
+
+- `render_chart(Chart)`: line/scatter with axes, 1-2-5 or log ticks, a legend and optional vertical
+  markers (checkpoints); non-finite values leave gaps in lines instead of breaking the scale.
+- `bar_chart(rows)`: labelled horizontal bars (the prep funnel).
+- `column_chart(labels, groups)`: grouped vertical columns over categories (length histograms).
+
+Also the pieces the report pages share: `PAGE_CSS`, `CHART_CSS` and `json_script` (a chart's
+values embedded as JSON for tools and tests).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from html import escape
+from typing import Any
 
 import numpy as np
 
@@ -229,4 +239,65 @@ svg.chart .grid { stroke: #eee; stroke-width: 1; }
 svg.chart .axis { stroke: #888; stroke-width: 1; }
 svg.chart .frame { fill: none; stroke: #bbb; stroke-width: 1; }
 svg.chart .marker { stroke: #999; stroke-width: 1; stroke-dasharray: 3 3; }
+"""
+
+
+def bar_chart(rows: list[tuple[str, float, str]], color: str, width: int = 640) -> str:
+    """Horizontal bars, one per (label, value, value text), scaled to the largest value."""
+    top = max((v for _, v, _ in rows), default=0) or 1
+    h, label_w = 22, 170
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + label_w + 120}" height="{h * len(rows) + 6}">']
+    for i, (label, value, text) in enumerate(rows):
+        y = i * h + 3
+        w = max(1.0, width * value / top)
+        parts.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end" font-size="12">{escape(label)}</text>'
+                     f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{h - 5}" fill="{escape(color)}"/>'
+                     f'<text x="{label_w + w + 5:.1f}" y="{y + 15}" font-size="12">{escape(text)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def column_chart(labels: list[str], groups: list[tuple[str, list[float], str]], unit: str = "") -> str:
+    """Vertical columns: for each category label, one column per (name, values, color) group side by
+    side, scaled to the largest value; a legend on top, slanted labels below, the unit in hover titles."""
+    top = max((v for _, values, _ in groups for v in values), default=0) or 1
+    cw, height, left, legend = 44, 180, 50, 24
+    n, k = len(labels), max(len(groups), 1)
+    base = legend + height
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + n * cw + 20}" height="{base + 60}">']
+    for g, (name, _, color) in enumerate(groups):
+        parts.append(f'<rect x="{left + 150 * g}" y="4" width="10" height="10" fill="{escape(color)}"/>'
+                     f'<text x="{left + 150 * g + 14}" y="13" font-size="11">{escape(name)}</text>')
+    parts.append(f'<text x="{left - 6}" y="{legend + 10}" font-size="10" text-anchor="end">{format_number(top)}</text>'
+                 f'<text x="{left - 6}" y="{base}" font-size="10" text-anchor="end">0</text>')
+    width = cw // k - 3 if k > 1 else cw - 6
+    for j, label in enumerate(labels):
+        x = left + j * cw
+        for g, (_, values, color) in enumerate(groups):
+            hgt = height * values[j] / top
+            parts.append(f'<rect x="{x + 2 + g * (cw // k - 2)}" y="{base - hgt:.1f}" width="{width}" '
+                         f'height="{hgt:.1f}" fill="{escape(color)}"><title>{format_number(values[j])} '
+                         f'{escape(unit)}</title></rect>')
+        parts.append(f'<text x="{x + cw / 2}" y="{base + 14}" font-size="10" text-anchor="end" '
+                     f'transform="rotate(-40 {x + cw / 2} {base + 14})">{escape(label)}</text>')
+    parts.append(f'<line x1="{left}" y1="{base}" x2="{left + n * cw}" y2="{base}" stroke="#888"/></svg>')
+    return "".join(parts)
+
+
+def json_script(element_id: str, obj: Any) -> str:
+    """`obj` as strict JSON in a `<script type="application/json">` element that nothing in it can close."""
+    text = json.dumps(obj, allow_nan=False).replace("</", "<\\/")
+    return f'<script type="application/json" id="{escape(element_id)}">{text}</script>'
+
+
+PAGE_CSS = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1400px; }
+h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 18px; margin-top: 28px; } h3 { font-size: 15px; }
+.meta, .note { color: #666; font-size: 13px; }
+.warnings { background: #fff4e5; border: 1px solid #f0c36d; padding: 8px 8px 8px 28px; font-size: 13px; }
+table { border-collapse: collapse; font-size: 13px; margin: 6px 0; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+td { font-variant-numeric: tabular-nums; } thead th { background: #f4f4f4; }
+.charts { display: flex; flex-wrap: wrap; } figure { margin: 0; }
+pre { background: #f7f7f7; border: 1px solid #ddd; padding: 10px; font-size: 12px; overflow-x: auto; }
 """
