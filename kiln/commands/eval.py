@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     code.add_argument("--sample-timeout", type=float, default=10.0, help="wall seconds per program")
     code.add_argument("--sample-memory-mb", type=int, default=512)
     code.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="programs run at once")
+    code.add_argument("--passk-allow-unsandboxed", action="store_true",
+                      help="where the kernel refuses namespaces (no bwrap sandbox), run the samples anyway "
+                           "with only rlimits, seccomp and the nobody user: no filesystem isolation")
     robust = p.add_argument_group("robustness probe (loss under meaning-preserving perturbations)")
     robust.add_argument("--robustness", nargs="?", const="default", metavar="SPECS",
                         help="comma list such as upper,typos:0.05 (default set when given bare); "
@@ -218,10 +221,13 @@ def _passk(loaded, args: argparse.Namespace) -> dict:
     import torch
 
     from kiln.eval.passk import load_problems, run_samples, score, truncate_completion
-    from kiln.eval.sandbox import SandboxLimits
+    from kiln.eval.sandbox import SandboxLimits, ensure_available
     from kiln.model.generate import generate
 
     problems = load_problems(None if args.passk_file == BUILTIN_PROBLEMS else args.passk_file)
+    limits = SandboxLimits(wall_s=args.sample_timeout, cpu_s=max(1, math.ceil(args.sample_timeout)),
+                           memory_mb=args.sample_memory_mb, allow_unisolated=args.passk_allow_unsandboxed)
+    ensure_available(limits)  # refuse before generating anything
     temperature = args.passk_temperature if args.passk_temperature is not None else \
         (0.0 if args.n_samples == 1 else 0.8)
     tok = loaded.tokenizer
@@ -234,8 +240,6 @@ def _passk(loaded, args: argparse.Namespace) -> dict:
                 loaded.model, prompt_ids, max_new_tokens=args.passk_max_new_tokens, temperature=temperature,
                 top_p=0.95 if temperature > 0 else 1.0, eos_id=tok.eos_id, generator=generator)))
             for _ in range(args.n_samples)]
-    limits = SandboxLimits(wall_s=args.sample_timeout, cpu_s=max(1, math.ceil(args.sample_timeout)),
-                           memory_mb=args.sample_memory_mb)
     report = score(problems, run_samples(problems, completions, limits, workers=args.workers), args.ks)
     return {"file": "kiln:basic" if args.passk_file == BUILTIN_PROBLEMS else str(args.passk_file),
             "temperature": temperature, **report.to_dict(),

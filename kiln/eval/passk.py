@@ -105,8 +105,19 @@ def build_program(problem: Problem, completion: str) -> str:
 
 def judge(problem: Problem, completion: str, limits: SandboxLimits | None = None) -> SandboxResult:
     """One sample's verdict; the candidate cannot reach it (see `kiln.eval.sandbox.run_tests`)."""
-    return run_tests(problem.prompt + completion, problem.entry_point, problem.prompt, problem.tests,
-                     "def check(" in problem.tests, limits)
+    return run_tests(problem.prompt + completion, problem.entry_point, checker_setup(problem.prompt),
+                     problem.tests, "def check(" in problem.tests, limits)
+
+
+def checker_setup(prompt: str) -> str:
+    """The prompt as the checker runs it (for its helpers and imports): given a body if it lacks one."""
+    for source in (prompt, prompt + "    pass\n"):
+        try:
+            compile(source, "prompt.py", "exec")
+            return source
+        except (SyntaxError, ValueError):
+            continue
+    return ""  # the tests then see only the candidate
 
 
 def run_samples(problems: list[Problem], completions: dict[str, list[str]],

@@ -369,7 +369,8 @@ def _builtin_exception(name: str, text: str) -> BaseException:
             return kind(text)
         except Exception:
             pass
-    return RuntimeError(f"{name}: {text}")  # a raised AssertionError is an error, not a failed assert
+    # Other types (and AssertionError: the candidate's own, not a failed test) become errors.
+    return RuntimeError(f"the candidate raised {name}: {text}")
 
 
 # ---- the two processes --------------------------------------------------------------------------
