@@ -35,8 +35,10 @@ EXIT_SETUP, EXIT_CANDIDATE_GONE = 6, 7
 MAX_MESSAGE = 16 << 20  # largest request/response line between checker and candidate
 
 # ---- seccomp ------------------------------------------------------------------------------------
-# Syscalls refused with EPERM: process creation and exec, other processes' memory, sockets,
-# signals to other processes, and the namespace/mount/kernel-object calls a sandbox never needs.
+# Syscalls refused with EPERM: process creation and exec, other processes' memory and fds,
+# sockets, signals to other processes (tgkill stays: abort() needs it), and the
+# namespace/mount/kernel-object calls a sandbox never needs. Numbers from the kernel's
+# asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64).
 _DENY = {
     "x86_64": dict(fork=57, vfork=58, execve=59, execveat=322, ptrace=101, process_vm_readv=310,
                    process_vm_writev=311, kill=62, tkill=200, socket=41, mount=165, umount2=166,
@@ -44,14 +46,17 @@ _DENY = {
                    userfaultfd=323, keyctl=250, add_key=248, request_key=249, io_uring_setup=425,
                    init_module=175, finit_module=313, kexec_load=246, open_by_handle_at=304,
                    name_to_handle_at=303, personality=135, mount_setattr=442, fsopen=430,
-                   fsmount=432, open_tree=428, move_mount=429),
+                   fsmount=432, open_tree=428, move_mount=429, pidfd_open=434, pidfd_getfd=438,
+                   pidfd_send_signal=424, process_madvise=440, rt_sigqueueinfo=129,
+                   rt_tgsigqueueinfo=297),
     "aarch64": dict(execve=221, execveat=281, ptrace=117, process_vm_readv=270, process_vm_writev=271,
                     kill=129, tkill=130, socket=198, mount=40, umount2=39, pivot_root=41, chroot=51,
                     unshare=97, setns=268, bpf=280, perf_event_open=241, userfaultfd=282, keyctl=219,
                     add_key=217, request_key=218, io_uring_setup=425, init_module=105,
                     finit_module=273, kexec_load=104, open_by_handle_at=265, name_to_handle_at=264,
                     personality=92, mount_setattr=442, fsopen=430, fsmount=432, open_tree=428,
-                    move_mount=429),
+                    move_mount=429, pidfd_open=434, pidfd_getfd=438, pidfd_send_signal=424,
+                    process_madvise=440, rt_sigqueueinfo=138, rt_tgsigqueueinfo=240),
 }
 _CLONE = {"x86_64": 56, "aarch64": 220}
 _CLONE3 = 435  # same number on both

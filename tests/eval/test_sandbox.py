@@ -155,6 +155,27 @@ def test_process_creation_is_refused_at_the_syscall_level(tmp_path):
 
 @needs_sandbox
 @pytest.mark.timeout(60)
+def test_namespaces_still_contain_a_shell_without_seccomp(tmp_path):
+    # Defense in depth, and proof the attack above is real: with seccomp and the audit hook off,
+    # fork_exec does start /bin/sh, whose files and processes still end with the sandbox.
+    os.chmod(tmp_path, 0o777)
+    marker = _marker()
+    code = ("import _posixsubprocess, os, time\n"
+            f"cmd = [b'/bin/sh', b'-c', b'touch /tmp/{marker} /dev/shm/{marker} {tmp_path}/{marker}; sleep 30; true']\n"
+            "r, w = os.pipe()\n"
+            "pid = _posixsubprocess.fork_exec(cmd, [cmd[0]], True, (w,), None, None, -1, -1, -1, -1, -1, -1,"
+            " r, w, True, True, -1, None, None, None, -1, None, False)\n"
+            f"for _ in range(100):\n    if os.path.exists('/tmp/{marker}'):\n        break\n    time.sleep(0.05)\n"
+            f"assert os.path.exists('/tmp/{marker}')")
+    result = attack(code, {"seccomp": False, "audit_guard": False})
+    assert result.passed and result.isolation["seccomp"] == "off", result
+    time.sleep(0.2)
+    assert not any(Path(d, marker).exists() for d in ("/tmp", "/dev/shm", str(tmp_path)))
+    assert _processes_mentioning(marker) == []
+
+
+@needs_sandbox
+@pytest.mark.timeout(60)
 def test_signals_cannot_reach_host_processes():
     victim = subprocess.Popen(["sleep", "60"], user=65534, group=65534, extra_groups=[]) if os.geteuid() == 0 \
         else subprocess.Popen(["sleep", "60"])
