@@ -391,6 +391,9 @@ def _run_worker(cfg: dict, isolation: dict, done_w: int, nonce: bytes) -> None:
         _drop_root(cfg, isolation)
         _set_limits(cfg, isolation)  # after the drop: RLIMIT_NPROC then applies to `nobody`
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
+        # PR_SET_DUMPABLE 0: without namespaces, another sample of the same uid could otherwise
+        # open this process's /proc/PID/mem (seccomp only covers ptrace and process_vm_*).
+        libc.prctl(4, 0)
         isolation["seccomp"] = install_seccomp(libc) if cfg["seccomp"] else "off"
         if cfg["audit_guard"]:
             _install_audit_hook(cfg["work"])

@@ -289,6 +289,13 @@ def test_without_namespaces_untrusted_code_needs_an_explicit_opt_in(tmp_path):
     assert "denied" in fallback.isolation["seccomp"]  # seccomp needs no namespace
     with pytest.warns(RuntimeWarning):
         assert judge(ADD, "    return a + b\n", SandboxLimits(namespaces=False, allow_unisolated=True, **FAST)).passed
+    # Without namespaces the checker is visible in /proc; its memory must still be out of reach.
+    peek = ("    import os\n    pids = [p for p in os.listdir('/proc') if p.isdigit() and os.path.exists(f'/proc/{p}/cmdline')"
+            " and b'checker.json' in open(f'/proc/{p}/cmdline', 'rb').read()]\n    assert pids\n"
+            "    for p in pids:\n        open(f'/proc/{p}/mem', 'rb')\n    return a + b\n")
+    with pytest.warns(RuntimeWarning):
+        result = judge(ADD, peek, SandboxLimits(namespaces=False, allow_unisolated=True, audit_guard=False, **FAST))
+    assert result.status == "error" and "PermissionError" in result.detail, result
 
 
 def test_sandbox_limits_are_validated():
