@@ -130,8 +130,11 @@ def _bwrap_probe() -> tuple[str | None, str]:
     path, why = find_bwrap()
     if path is None:
         return None, why
-    probe = subprocess.run([path, *_bwrap_args(tempfile.gettempdir(), 1 << 20), "--", "true"],
-                           capture_output=True, text=True, timeout=30)
+    try:
+        probe = subprocess.run([path, *_bwrap_args(tempfile.gettempdir(), 1 << 20), "--", "true"],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"bwrap did not start: {e}"
     if probe.returncode != 0:
         return None, f"bwrap cannot create namespaces here: {probe.stderr.strip()[-300:]}"
     return path, ""

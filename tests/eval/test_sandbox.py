@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 from pathlib import Path
@@ -124,6 +125,11 @@ def test_the_candidate_cannot_read_tests_solutions_or_host_files(tmp_path):
     assert own.passed and "candidate(2, 3)" not in own.stdout_tail and "'etc'" not in own.stdout_tail
     found = attack("import sys\nprint([p for p in sys.path])\nimport kiln")
     assert found.status == "error" and "ModuleNotFoundError" in found.detail
+    # The interpreter's own site-packages (where a non-editable kiln would live) is an empty tmpfs.
+    base_site = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"]
+    if os.path.isdir(base_site) and os.listdir(base_site):
+        listing = attack(f"print(sorted(__import__('os').listdir({base_site!r})))")
+        assert listing.passed and set(listing.stdout_tail.split()) == {"[]"}, listing
 
 
 @needs_sandbox
