@@ -218,6 +218,19 @@ def test_no_connection_leaves_the_sandbox():
 
 @needs_sandbox
 @pytest.mark.timeout(60)
+def test_writes_through_open_cannot_reach_the_host(tmp_path):
+    os.chmod(tmp_path, 0o777)  # so only the sandbox, not file permissions, can stop the write
+    marker = _marker()
+    for target, guard in ((tmp_path / marker, True), (tmp_path / marker, False),
+                          (Path(sys.base_prefix) / marker, False), (Path("/usr/lib") / marker, False)):
+        result = attack(f"open({str(target)!r}, 'w').write('x')", {"audit_guard": guard})
+        assert result.status == "error" and any(why in result.detail for why in (
+            "FileNotFoundError", "Read-only file system", "outside the sandbox")), (target, result)
+        assert not target.exists()
+
+
+@needs_sandbox
+@pytest.mark.timeout(60)
 def test_disk_quota_and_no_files_outlive_the_sample():
     marker = _marker()
     # 120 MB in many files: each below RLIMIT_FSIZE, together over the tmpfs size.
