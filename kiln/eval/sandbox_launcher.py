@@ -141,14 +141,22 @@ def _set_limits(cfg: dict, isolation: dict) -> None:
     cap(resource.RLIMIT_FSIZE, int(cfg["fsize_mb"]) << 20)
     cap(resource.RLIMIT_NOFILE, int(cfg["nofile"]))
     cap(resource.RLIMIT_CORE, 0)
-    cap(resource.RLIMIT_NPROC, int(cfg["nproc"]))
-    isolation["nproc"] = f"RLIMIT_NPROC={cfg['nproc']} (backup: seccomp refuses new processes)"
+    nproc = int(cfg["nproc"]) + int(cfg["nproc_base"])
+    cap(resource.RLIMIT_NPROC, nproc)
+    isolation["nproc"] = (f"RLIMIT_NPROC={nproc} (the uid's {cfg['nproc_base']} existing tasks + {cfg['nproc']}; "
+                          "a backup: seccomp refuses new processes)")
 
 
 def _drop_root(cfg: dict, isolation: dict) -> None:
-    """Without bubblewrap the worker is still root: become `nobody` (imports first, see PREIMPORT)."""
+    """A root worker becomes uid 65534 (`nobody`); without bwrap it imports PREIMPORT first."""
     if cfg["bwrap"]:
-        isolation["user"] = "uid 65534 in a user namespace"
+        if os.geteuid() == 0:  # bwrap left us CAP_SETUID/SETGID for this; setuid clears them
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            isolation["user"] = "uid 65534 (outside the sandbox too)"
+        else:
+            isolation["user"] = "uid 65534 in a user namespace (the evaluator's uid outside)"
         return
     if os.geteuid() != 0:
         isolation["user"] = f"uid {os.getuid()} (unchanged, not root)"

@@ -81,6 +81,29 @@ def test_canonical_passes_and_wrong_fails_through_judge():
 
 @needs_sandbox
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="as non-root the sample keeps the evaluator's uid by design")
+def test_a_root_evaluator_runs_samples_as_uid_65534_outside_too():
+    import threading
+
+    done = []
+    runner = threading.Thread(target=lambda: done.append(attack("import time\ntime.sleep(1.0)")))
+    runner.start()
+    uids = set()
+    while runner.is_alive():
+        for pid in _processes_mentioning("/kiln/launcher.py"):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            uids.add(tuple(status.split("Uid:")[1].split("\n")[0].split()))
+        time.sleep(0.05)
+    runner.join()
+    assert done[0].passed and done[0].isolation["user"].startswith("uid 65534 (outside")
+    assert ("65534",) * 4 in uids, uids  # real, effective, saved and filesystem uid of the worker
+
+
+@needs_sandbox
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("eq_attack", [
     "class Liar:\n    def __eq__(self, other):\n        return True\nreturn Liar()",
     "class Liar(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\nreturn Liar(0)",
@@ -120,9 +143,11 @@ def test_the_candidate_cannot_read_tests_solutions_or_host_files(tmp_path):
         result = attack(f"print(open({target!r}).read())")
         assert result.status == "error" and "FileNotFoundError" in result.detail, (target, result)
         assert "root:" not in result.stdout_tail and "canonical_solution" not in result.stdout_tail
-    # Its own config holds only prompt + completion: the tests live in the checker's sandbox.
-    own = attack("print(open('/kiln/config.json').read())\nimport os\nprint(os.listdir('/'))")
-    assert own.passed and "candidate(2, 3)" not in own.stdout_tail and "'etc'" not in own.stdout_tail
+    # Not even its own config (the launcher read it as root); the tests are in the checker's sandbox.
+    own = attack("print(open('/kiln/config.json').read())")
+    assert own.status == "error" and "PermissionError" in own.detail, own
+    root = attack("import os\nprint(sorted(os.listdir('/')), os.getuid())")
+    assert root.passed and "'etc'" not in root.stdout_tail and "'proc'" not in root.stdout_tail
     found = attack("import sys\nprint([p for p in sys.path])\nimport kiln")
     assert found.status == "error" and "ModuleNotFoundError" in found.detail
     # The interpreter's own site-packages (where a non-editable kiln would live) is an empty tmpfs.
