@@ -19,8 +19,6 @@ reach it. `run_python` runs one whole program (a program "passes" when it runs t
 Where namespaces are refused (no usable bwrap, kernel policy), `SandboxUnavailable` is raised
 unless `SandboxLimits.allow_unisolated` is set: then the launcher runs directly with rlimits,
 seccomp, the audit hook and (as root) the `nobody` user, but without any filesystem isolation.
-
-This file must only import the standard library at top level (kiln.errors is imported lazily).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 Standard library only: under bubblewrap this file is bind-mounted alone at /kiln/launcher.py, and
 nothing else of kiln (nor any site-packages) is visible.
 
-The launcher process (PID 1 of the sandbox's PID namespace under bubblewrap) reads its config,
-forks the worker and reports to the evaluator, over an fd the worker closes, how the worker ended.
-The worker sets rlimits, drops root when there is no user namespace to do it, installs a seccomp
-filter and (optionally) an audit hook, then runs one of three roles:
+The launcher process reads its config (as root when the evaluator is root), forks the worker and
+reports to the evaluator, over an fd the worker closes, how the worker ended. The worker drops
+root to uid 65534, sets rlimits, makes itself non-dumpable, installs a seccomp filter and
+(optionally) an audit hook, then runs one of three roles:
 
 - `program`: exec a whole program; it passes when it runs to the end (a random token the worker
   writes after the program proves that; code written to forge it can find the token in its own
@@ -18,8 +18,9 @@ filter and (optionally) an audit hook, then runs one of three roles:
   back as plain data (no user classes), so the candidate can neither reach this verdict nor hand
   the tests an object whose `__eq__` lies.
 
-The seccomp filter is a hand-written classic-BPF program loaded with prctl(2) through ctypes: no
-maintained wheel ships libseccomp, and the filter is a short deny list.
+The seccomp filter is a hand-written classic-BPF program loaded with prctl(2) through ctypes: the
+PyPI bindings (`seccomp`, `pyseccomp`) need the system's libseccomp, which a fresh machine set up
+by pip alone may lack, and the filter is a short deny list.
 """
 
 from __future__ import annotations
