@@ -347,3 +347,41 @@ def test_sandbox_limits_are_validated():
 
     with pytest.raises(ConfigError, match="disk_mb"):
         run_python("pass", SandboxLimits(disk_mb=0))
+
+
+# ---- pieces of the launcher, without a sandbox -------------------------------------------------------
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_seccomp_program_is_well_formed(machine):
+    import struct
+
+    from kiln.eval import sandbox_launcher as launcher
+
+    code = launcher.seccomp_program(machine)
+    ops = [struct.unpack("=HBBI", code[i:i + 8]) for i in range(0, len(code), 8)]
+    assert 0 < len(ops) < 4096 and ops[-1] == (0x06, 0, 0, 0x7FFF0000)  # ends allowing
+    assert ops[0][3] == 4 and ops[1][3] == launcher._AUDIT_ARCH[machine]  # checks the ABI first
+    for i, (op, jt, jf, k) in enumerate(ops):
+        if op & 0x07 == 0x05:  # a jump: both targets inside the program
+            assert i + 1 + max(jt, jf) < len(ops)
+    denied = {k for op, jt, jf, k in ops if op == 0x15}
+    for name in ("execve", "socket", "kill", "ptrace", "process_vm_writev", "unshare"):
+        assert launcher._DENY[machine][name] in denied
+
+
+def test_plain_data_codec_round_trips_and_refuses_objects():
+    from kiln.eval.sandbox_launcher import decode, encode
+
+    value = [None, True, 3, -0.5, "s", (1, (2,)), {"k": [1], (1, 2): {3}}, frozenset({1}), b"\x00", 1 + 2j, []]
+    assert decode(encode(value)) == value and type(decode(encode(value))[5]) is tuple
+
+    class Liar(int):
+        def __eq__(self, other):
+            return True
+
+    for bad in (object(), Liar(1), [Liar(1)], {"k": Liar(1)}, lambda: 0):
+        with pytest.raises(TypeError, match="plain data"):
+            encode(bad)
+    for forged in ({"x": 1}, {"t": 1}, {"d": [[1]]}, {"t": [], "d": []}):
+        with pytest.raises((ValueError, TypeError)):
+            decode(forged)
