@@ -125,19 +125,30 @@ def find_bwrap() -> tuple[str | None, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _bwrap_probe() -> tuple[str | None, str]:
-    """bwrap's path if it can create the sandbox here, else (None, the reason)."""
+def _bwrap_setup() -> tuple[str | None, str, bool]:
+    """(bwrap's path or None, why not, privileged) for the first way bwrap can sandbox here.
+
+    As root, privileged first (no user namespace, so the worker can become uid 65534 for real),
+    then with a user namespace (e.g. a container without CAP_SYS_ADMIN).
+    """
     path, why = find_bwrap()
     if path is None:
-        return None, why
-    try:
-        probe = subprocess.run([path, *_bwrap_args(tempfile.gettempdir(), 1 << 20), "--", "true"],
-                               capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"bwrap did not start: {e}"
-    if probe.returncode != 0:
-        return None, f"bwrap cannot create namespaces here: {probe.stderr.strip()[-300:]}"
-    return path, ""
+        return None, why, False
+    for privileged in ((True, False) if os.geteuid() == 0 else (False,)):
+        try:
+            probe = subprocess.run([path, *_bwrap_args(tempfile.gettempdir(), 1 << 20, privileged), "--", "true"],
+                                   capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"bwrap did not start: {e}", False
+        if probe.returncode == 0:
+            return path, "", privileged
+        why = f"bwrap cannot create namespaces here: {probe.stderr.strip()[-300:]}"
+    return None, why, False
+
+
+def _bwrap_probe() -> tuple[str | None, str]:
+    """bwrap's path if it can create the sandbox here, else (None, the reason)."""
+    return _bwrap_setup()[:2]
 
 
 def ensure_available(limits: SandboxLimits) -> str:
@@ -167,8 +178,8 @@ def _hidden_dirs() -> list[str]:
     return sorted(found)
 
 
-def _bwrap_args(box: str, disk_bytes: int) -> list[str]:
-    if os.geteuid() == 0:
+def _bwrap_args(box: str, disk_bytes: int, privileged: bool) -> list[str]:
+    if privileged:
         # No user namespace: the launcher starts as root holding only CAP_SETUID/SETGID, and its
         # worker becomes uid 65534 for real (outside too), so RLIMIT_NPROC applies to it.
         args = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
@@ -218,7 +229,8 @@ class _Sandbox:
         config_path = os.path.join(box, f"{role}.json")
         if mode == "bwrap":
             config["work"], cwd = "/work", box
-            argv = [_bwrap_probe()[0], *_bwrap_args(box, limits.disk_mb << 20),
+            path, _, privileged = _bwrap_setup()
+            argv = [path, *_bwrap_args(box, limits.disk_mb << 20, privileged),
                     "--ro-bind", LAUNCHER, "/kiln/launcher.py", "--ro-bind", config_path, "/kiln/config.json",
                     "--", python, "-I", "-S", "-B", "/kiln/launcher.py", "/kiln/config.json", str(status_w)]
         else:

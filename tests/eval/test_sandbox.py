@@ -295,6 +295,29 @@ def test_tests_from_a_hostile_problem_file_are_sandboxed_too(tmp_path):
     assert result.status == "error" and not marker.exists()
 
 
+@needs_sandbox
+@pytest.mark.timeout(60)
+def test_the_user_namespace_mode_contains_samples_too(monkeypatch, tmp_path):
+    # What a root evaluator gets where bwrap cannot run privileged (a container without CAP_SYS_ADMIN).
+    import kiln.eval.sandbox as sandbox
+
+    try:
+        userns = subprocess.run([_BWRAP, *sandbox._bwrap_args(str(tmp_path), 1 << 20, False), "--", "true"],
+                                capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        userns = False
+    if not userns:
+        pytest.skip("no unprivileged user namespaces here; the privileged mode is tested above")
+    monkeypatch.setattr(sandbox, "_bwrap_setup", lambda: (_BWRAP, "", False))
+    ok = attack("pass")
+    assert ok.passed and ok.isolation["user"].startswith("uid 65534 in a user namespace"), ok
+    assert refused(attack("import os\nos.fork()", {"audit_guard": False}))
+    passwd = attack("print(open('/etc/passwd').read())")
+    assert passwd.status == "error" and "FileNotFoundError" in passwd.detail
+    flood = attack("open('/tmp/big', 'wb').write(b'x' * (8 << 20))", {"disk_mb": 4, "audit_guard": False})
+    assert flood.status == "error" and "No space left" in flood.detail, flood
+
+
 # ---- whole programs (run_python) --------------------------------------------------------------------
 
 @needs_sandbox
