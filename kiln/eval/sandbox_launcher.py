@@ -314,6 +314,13 @@ def _send(fd: int, message: dict) -> None:
         data = data[os.write(fd, data):]
 
 
+def _send_quietly(fd: int, message: dict) -> None:
+    try:
+        _send(fd, message)
+    except OSError:  # the checker is gone; the exit status still says what happened
+        pass
+
+
 def _serve_calls(namespace: dict, cfg: dict) -> None:
     """Candidate role: answer one request line per call until the checker closes the pipe."""
     req, resp = cfg["req_fd"], cfg["resp_fd"]
@@ -414,7 +421,12 @@ def _run_worker(cfg: dict, isolation: dict, done_w: int, nonce: bytes) -> None:
         os._exit(EXIT_SETUP)
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
-        exec(compile(cfg["source"], "program.py", "exec"), namespace)
+        try:
+            exec(compile(cfg["source"], "program.py", "exec"), namespace)
+        except Exception as e:  # a broken completion: tell the checker why (SyntaxError, ...)
+            if cfg["role"] == "candidate":
+                _send_quietly(cfg["resp_fd"], {"error": [type(e).__name__, str(e)[:2000]]})
+            raise
         if cfg["role"] == "candidate":
             _serve_calls(namespace, cfg)
         elif cfg["role"] == "checker":

@@ -69,6 +69,10 @@ def test_canonical_passes_and_wrong_fails_through_judge():
     assert attack("pass").passed
     wrong = judge(ADD, "    return a - b\n", SandboxLimits(**FAST))
     assert wrong.status == "failed" and "AssertionError" in wrong.detail
+    broken = judge(ADD, "    return (a +\n", SandboxLimits(**FAST))
+    assert broken.status == "error" and broken.detail.startswith("SyntaxError"), broken
+    missing = judge(ADD, "    return a + b\ndel add\n", SandboxLimits(**FAST))
+    assert missing.status == "error" and "NameError" in missing.detail, missing
     expects_raise = Problem("t/inv", "def inv(x):\n", "def check(candidate):\n    try:\n        candidate(0)\n"
                             "    except ZeroDivisionError:\n        pass\n    else:\n        assert False\n"
                             "    assert candidate(4) == 0.25\n    assert candidate.__name__ == 'inv'\n", "inv")
