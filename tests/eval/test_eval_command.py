@@ -137,8 +137,9 @@ def test_passk_cli_passes_a_correct_completion_and_fails_forgeries(run_dir, tmp_
     assert main(["eval", str(run_dir), "--skip-perplexity", "--passk-file", str(problems), "--n-samples", "2",
                  "--k", "1", "--sample-timeout", "8", "--out", str(out)]) == 0
     part = _report(out)["parts"]["passk"]
-    assert part["per_task"]["t/one"]["correct"] == 1 and part["per_task"]["t/one"]["statuses"] == {"passed": 1, "error": 1}
-    assert part["per_task"]["t/two"]["correct"] == 1 and part["per_task"]["t/two"]["statuses"] == {"passed": 1, "failed": 1}
+    one, two = part["per_task"]["t/one"], part["per_task"]["t/two"]
+    assert one["correct"] == 1 and one["statuses"] == {"passed": 1, "error": 1}  # the lying __eq__
+    assert two["correct"] == 1 and two["statuses"] == {"passed": 1, "failed": 1}  # the forged token
     assert part["pass_at_k"]["pass@1"] == 0.5 and part["isolation"]["sandbox"] == "bwrap"
 
 
