@@ -223,7 +223,7 @@ class _Sandbox:
                   "audit_guard": limits.audit_guard, "seccomp": limits.seccomp,
                   "preimport": list(limits.preimport), "bwrap": mode == "bwrap",
                   # RLIMIT_NPROC counts every task of the uid, other samples' included.
-                  "nproc_base": _tasks_of(SANDBOX_UID) if os.geteuid() == 0 else 0}
+                  "nproc_base": _tasks_of(SANDBOX_UID if os.geteuid() == 0 else os.getuid())}
         self.status_r, status_w = os.pipe()
         python = os.path.realpath(sys.executable)
         config_path = os.path.join(box, f"{role}.json")
