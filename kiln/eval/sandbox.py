@@ -232,14 +232,15 @@ class _Sandbox:
             path, _, privileged = _bwrap_setup()
             argv = [path, *_bwrap_args(box, limits.disk_mb << 20, privileged),
                     "--ro-bind", LAUNCHER, "/kiln/launcher.py", "--ro-bind", config_path, "/kiln/config.json",
-                    "--", python, "-I", "-S", "-B", "/kiln/launcher.py", "/kiln/config.json", str(status_w)]
+                    # `box` last: ignored by the launcher, it names the sample's processes in `ps`.
+                    "--", python, "-I", "-S", "-B", "/kiln/launcher.py", "/kiln/config.json", str(status_w), box]
         else:
             config["work"] = cwd = os.path.join(box, f"{role}-work")
             os.mkdir(cwd)
             if os.geteuid() == 0 and (uid := _nobody()) is not None:
                 os.chown(cwd, *uid)
                 os.chmod(box, 0o711)  # `nobody` may traverse to its work dir, not list box/
-            argv = [python, "-I", "-S", "-B", LAUNCHER, config_path, str(status_w)]
+            argv = [python, "-I", "-S", "-B", LAUNCHER, config_path, str(status_w), box]
         # Only the launcher reads it (as root, before its worker drops privileges, when root).
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with open(fd, "w", encoding="utf-8") as f:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -31,7 +32,23 @@ ADD = Problem("t/add", "def add(a, b):\n", "def check(candidate):\n    assert ca
 _BWRAP, _WHY = _bwrap_probe()
 if _BWRAP is None and os.environ.get("KILN_REQUIRE_SANDBOX"):
     raise RuntimeError(f"KILN_REQUIRE_SANDBOX is set but the sandbox is unavailable: {_WHY}")
-needs_sandbox = pytest.mark.skipif(_BWRAP is None, reason=f"no namespace sandbox here: {_WHY}")
+
+
+def needs_sandbox(test):
+    """Skip without a sandbox; afterwards, no sandbox process or box directory may remain."""
+    return pytest.mark.usefixtures("leaves_nothing")(
+        pytest.mark.skipif(_BWRAP is None, reason=f"no namespace sandbox here: {_WHY}")(test))
+
+
+@pytest.fixture
+def leaves_nothing(tmp_path_factory, monkeypatch):
+    boxes = tmp_path_factory.mktemp("boxes")  # every sandbox's box (and so its argv) lands here
+    monkeypatch.setattr(tempfile, "tempdir", str(boxes))
+    yield
+    deadline = time.monotonic() + 5
+    while (left := _processes_mentioning(str(boxes))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [] and list(boxes.iterdir()) == []
 
 
 def attack(body: str, limits: dict | None = None):
