@@ -41,6 +41,7 @@ from kiln.errors import KilnError
 
 STATUSES = ("passed", "failed", "timeout", "memory", "error")
 LAUNCHER = os.path.abspath(launcher.__file__)
+WIRE = os.path.join(os.path.dirname(LAUNCHER), "sandbox_wire.py")  # the launcher imports it
 SANDBOX_UID = 65534
 MIN_BWRAP = (0, 10)  # --size (the tmpfs quota) arrived in bubblewrap 0.10
 
@@ -231,7 +232,8 @@ class _Sandbox:
             config["work"], cwd = "/work", box
             path, _, privileged = _bwrap_setup()
             argv = [path, *_bwrap_args(box, limits.disk_mb << 20, privileged),
-                    "--ro-bind", LAUNCHER, "/kiln/launcher.py", "--ro-bind", config_path, "/kiln/config.json",
+                    "--ro-bind", LAUNCHER, "/kiln/launcher.py", "--ro-bind", WIRE, "/kiln/sandbox_wire.py",
+                    "--ro-bind", config_path, "/kiln/config.json",
                     # `box` last: ignored by the launcher, it names the sample's processes in `ps`.
                     "--", python, "-I", "-S", "-B", "/kiln/launcher.py", "/kiln/config.json", str(status_w), box]
         else:

@@ -1,7 +1,8 @@
 """The inside of the code sandbox: runs in a fresh `python -I -S -B` (see `kiln.eval.sandbox`).
 
-Standard library only: under bubblewrap this file is bind-mounted alone at /kiln/launcher.py, and
-nothing else of kiln (nor any site-packages) is visible.
+Standard library only: under bubblewrap this file is bind-mounted at /kiln/launcher.py next to
+`sandbox_wire.py` (the checker <-> candidate channel), and nothing else of kiln (nor any
+site-packages) is visible.
 
 The launcher process reads its config (as root when the evaluator is root), forks the worker and
 reports to the evaluator, over an fd the worker closes, how the worker ended. The worker drops
@@ -11,8 +12,8 @@ root to uid 65534, sets rlimits, makes itself non-dumpable, installs a seccomp f
 - `program`: exec a whole program; it passes when it runs to the end (a random token the worker
   writes after the program proves that; code written to forge it can find the token in its own
   memory, so pass@k does not use this role for verdicts);
-- `candidate`: exec the prompt + completion, then serve calls to the entry point: one tagged-JSON
-  request line per call on fd `req`, one response line on fd `resp`;
+- `candidate`: exec the prompt + completion, then serve calls to the entry point
+  (`sandbox_wire.serve_calls`: one request line per call on fd `req`, one response on `resp`);
 - `checker`: exec the prompt (helpers), bind the entry point's name to a proxy that calls the
   candidate process, exec the tests. Candidate code never runs in this process, and results come
   back as plain data (no user classes), so the candidate can neither reach this verdict nor hand
@@ -31,9 +32,16 @@ import signal
 import struct
 import sys
 
+if __package__:  # imported by the evaluator (kiln.eval.sandbox) or the tests
+    from kiln.eval import sandbox_wire as wire
+else:  # the launcher script: `python -I` leaves its own directory off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sandbox_wire as wire
+
+    del sys.path[0]  # samples must not import this directory's other files
+
 EXIT_OK, EXIT_ASSERT, EXIT_EXCEPTION, EXIT_MEMORY, EXIT_SYSEXIT, EXIT_BLOCKED = 0, 1, 2, 3, 4, 5
 EXIT_SETUP, EXIT_CANDIDATE_GONE = 6, 7
-MAX_MESSAGE = 16 << 20  # largest request/response line between checker and candidate
 
 # ---- seccomp ------------------------------------------------------------------------------------
 # Syscalls refused with EPERM: process creation and exec, other processes' memory and fds,
@@ -238,160 +246,11 @@ def exit_code_for(e: BaseException) -> int:
         return EXIT_MEMORY
     if isinstance(e, SystemExit):
         return EXIT_SYSEXIT
-    if isinstance(e, CandidateGone):
+    if isinstance(e, wire.CandidateGone):
         return EXIT_CANDIDATE_GONE
     if isinstance(e, PermissionError) and str(e).startswith("kiln sandbox:"):
         return EXIT_BLOCKED
     return EXIT_EXCEPTION
-
-
-# ---- plain-data codec between checker and candidate ---------------------------------------------
-
-class CandidateGone(Exception):
-    """The candidate process ended (or broke the protocol) before the tests finished."""
-
-
-_SCALARS = (type(None), bool, int, float, str)
-
-
-def encode(value):
-    """Plain data to JSON-able form; tuples, dicts, sets and bytes are tagged objects."""
-    kind = type(value)  # exact types: a subclass could override __eq__
-    if kind in _SCALARS:
-        return value
-    if kind is list:
-        return [encode(v) for v in value]
-    if kind is tuple:
-        return {"t": [encode(v) for v in value]}
-    if kind is dict:
-        return {"d": [[encode(k), encode(v)] for k, v in value.items()]}
-    if kind in (set, frozenset):
-        return {"s" if kind is set else "f": [encode(v) for v in value]}
-    if kind is bytes:
-        return {"b": value.hex()}
-    if kind is complex:
-        return {"c": [value.real, value.imag]}
-    raise TypeError(f"the sandbox passes only plain data between tests and candidate, not {kind.__name__}")
-
-
-def decode(value):
-    if type(value) in _SCALARS:
-        return value
-    if type(value) is list:
-        return [decode(v) for v in value]
-    if type(value) is dict and len(value) == 1:
-        (tag, body), = value.items()
-        if tag == "t" and type(body) is list:
-            return tuple(decode(v) for v in body)
-        if tag == "d" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
-            return {decode(k): decode(v) for k, v in body}
-        if tag in ("s", "f") and type(body) is list:
-            return (set if tag == "s" else frozenset)(decode(v) for v in body)
-        if tag == "b" and type(body) is str:
-            return bytes.fromhex(body)
-        if tag == "c" and type(body) is list and len(body) == 2:
-            return complex(float(body[0]), float(body[1]))
-    raise ValueError("not a tagged plain-data value")
-
-
-def _read_line(fd: int) -> bytes:
-    """One message; the protocol is strictly request/response, so nothing follows it unasked."""
-    chunks, size = [], 0
-    while not chunks or not chunks[-1].endswith(b"\n"):
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > MAX_MESSAGE:
-            raise CandidateGone(f"a message over {MAX_MESSAGE >> 20} MB")
-    return b"".join(chunks)
-
-
-def _send(fd: int, message: dict) -> None:
-    data = json.dumps(message, allow_nan=True).encode() + b"\n"
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _send_quietly(fd: int, message: dict) -> None:
-    try:
-        _send(fd, message)
-    except OSError:  # the checker is gone; the exit status still says what happened
-        pass
-
-
-def _serve_calls(namespace: dict, cfg: dict) -> None:
-    """Candidate role: answer one request line per call until the checker closes the pipe."""
-    req, resp = cfg["req_fd"], cfg["resp_fd"]
-    function = namespace.get(cfg["entry_point"])
-    if not callable(function):
-        _send(resp, {"error": ["NameError", f"the completion defines no function {cfg['entry_point']!r}"]})
-        raise SystemExit(0)
-    _send(resp, {"ready": True})
-    while line := _read_line(req):
-        args, kwargs = decode(json.loads(line))
-        try:
-            message = {"ok": encode(function(*args, **kwargs))}
-        except Exception as e:  # the tests may expect it: raised again in the checker
-            message = {"raised": [type(e).__name__, str(e)[:2000]]}
-        _send(resp, message)
-
-
-class _Proxy:
-    """The candidate as the tests see it: each call is a request to the candidate process."""
-
-    def __init__(self, cfg: dict):
-        self._req, self._resp, self._ready = cfg["req_fd"], cfg["resp_fd"], False
-        self.__name__ = cfg["entry_point"]
-
-    def _receive(self):
-        line = _read_line(self._resp)
-        if not line:
-            raise CandidateGone("the candidate process ended before the tests finished")
-        try:
-            message = json.loads(line)
-        except ValueError:
-            raise CandidateGone("the candidate sent an unreadable reply") from None
-        if type(message) is not dict or len(message) != 1:
-            raise CandidateGone("the candidate broke the reply protocol")
-        return message
-
-    def __call__(self, *args, **kwargs):
-        if not self._ready:
-            message = self._receive()
-            if "error" in message:
-                name, text = message["error"]
-                raise _builtin_exception(name, text)
-            if message != {"ready": True}:
-                raise CandidateGone("the candidate broke the reply protocol")
-            self._ready = True
-        try:
-            _send(self._req, encode([list(args), kwargs]))
-        except BrokenPipeError:
-            raise CandidateGone("the candidate process ended before the tests finished") from None
-        message = self._receive()
-        if "ok" in message:
-            try:
-                return decode(message["ok"])
-            except (ValueError, TypeError, RecursionError):
-                raise CandidateGone("the candidate returned something that is not plain data") from None
-        if "raised" in message and type(message["raised"]) is list and len(message["raised"]) == 2:
-            raise _builtin_exception(*map(str, message["raised"]))
-        raise CandidateGone("the candidate broke the reply protocol")
-
-
-def _builtin_exception(name: str, text: str) -> BaseException:
-    import builtins
-
-    kind = getattr(builtins, name, None)
-    if isinstance(kind, type) and issubclass(kind, Exception) and kind is not AssertionError:
-        try:
-            return kind(text)
-        except Exception:
-            pass
-    # Other types (and AssertionError: the candidate's own, not a failed test) become errors.
-    return RuntimeError(f"the candidate raised {name}: {text}")
 
 
 # ---- the two processes --------------------------------------------------------------------------
@@ -425,12 +284,12 @@ def _run_worker(cfg: dict, isolation: dict, done_w: int, nonce: bytes) -> None:
             exec(compile(cfg["source"], "program.py", "exec"), namespace)
         except Exception as e:  # a broken completion: tell the checker why (SyntaxError, ...)
             if cfg["role"] == "candidate":
-                _send_quietly(cfg["resp_fd"], {"error": [type(e).__name__, str(e)[:2000]]})
+                wire.send_quietly(cfg["resp_fd"], {"error": [type(e).__name__, str(e)[:2000]]})
             raise
         if cfg["role"] == "candidate":
-            _serve_calls(namespace, cfg)
+            wire.serve_calls(namespace, cfg)
         elif cfg["role"] == "checker":
-            namespace[cfg["entry_point"]] = proxy = _Proxy(cfg)
+            namespace[cfg["entry_point"]] = proxy = wire.Proxy(cfg)
             exec(compile(cfg["tests"], "tests.py", "exec"), namespace)
             if cfg["call_check"]:
                 namespace["check"](proxy)

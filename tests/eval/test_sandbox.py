@@ -417,7 +417,7 @@ def test_seccomp_program_is_well_formed(machine):
 
 
 def test_plain_data_codec_round_trips_and_refuses_objects():
-    from kiln.eval.sandbox_launcher import decode, encode
+    from kiln.eval.sandbox_wire import decode, encode
 
     value = [None, True, 3, -0.5, "s", (1, (2,)), {"k": [1], (1, 2): {3}}, frozenset({1}), b"\x00", 1 + 2j, []]
     assert decode(encode(value)) == value and type(decode(encode(value))[5]) is tuple
