@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     code.add_argument("--sample-timeout", type=float, default=D.sample_timeout, help="wall seconds per program")
     code.add_argument("--sample-memory-mb", type=int, default=D.sample_memory_mb)
     code.add_argument("--workers", type=int, default=D.workers, help="programs run at once")
+    code.add_argument("--passk-allow-unsandboxed", action="store_true",
+                      help="where the kernel refuses namespaces (no bwrap sandbox), run the samples anyway "
+                           "with only rlimits, seccomp and the nobody user: no filesystem isolation")
     robust = p.add_argument_group("robustness probe (loss under meaning-preserving perturbations)")
     robust.add_argument("--robustness", nargs="?", const="default", metavar="SPECS",
                         help="comma list such as upper,typos:0.05 (default set when given bare); "

@@ -48,6 +48,8 @@ class EvalOptions:
     sample_timeout: float = 10.0
     sample_memory_mb: int = 512
     workers: int = min(4, os.cpu_count() or 1)
+    # where namespaces are refused (no bwrap sandbox): run samples anyway, without filesystem isolation
+    passk_allow_unsandboxed: bool = False
     robustness: str | None = None  # "default" or a comma list of perturbation specs
     lm_eval: str | None = None
     lm_eval_include: list[str] | None = None
@@ -246,11 +248,14 @@ def passk(loaded: LoadedRun, options: EvalOptions) -> dict:
     import torch
 
     from kiln.eval.passk import load_problems, run_samples, score, truncate_completion
-    from kiln.eval.sandbox import SandboxLimits
+    from kiln.eval.sandbox import SandboxLimits, ensure_available
     from kiln.model.generate import generate
 
     builtin = options.passk_file == BUILTIN_PROBLEMS
     problems = load_problems(None if builtin else options.passk_file)
+    limits = SandboxLimits(wall_s=options.sample_timeout, cpu_s=max(1, math.ceil(options.sample_timeout)),
+                           memory_mb=options.sample_memory_mb, allow_unisolated=options.passk_allow_unsandboxed)
+    ensure_available(limits)  # refuse before generating anything
     temperature = options.passk_temperature if options.passk_temperature is not None else \
         (0.0 if options.n_samples == 1 else 0.8)
     tok = loaded.tokenizer
@@ -263,8 +268,6 @@ def passk(loaded: LoadedRun, options: EvalOptions) -> dict:
                 loaded.model, prompt_ids, max_new_tokens=options.passk_max_new_tokens, temperature=temperature,
                 top_p=0.95 if temperature > 0 else 1.0, eos_id=tok.eos_id, generator=generator)))
             for _ in range(options.n_samples)]
-    limits = SandboxLimits(wall_s=options.sample_timeout, cpu_s=max(1, math.ceil(options.sample_timeout)),
-                           memory_mb=options.sample_memory_mb)
     report = score(problems, run_samples(problems, completions, limits, workers=options.workers), options.ks())
     return {"file": "kiln:basic" if builtin else str(options.passk_file),
             "temperature": temperature, **report.to_dict(),

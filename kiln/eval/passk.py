@@ -2,8 +2,10 @@
 
 A problem file is JSONL with `task_id`, `prompt` (a function signature and docstring),
 `tests` (Python with asserts, or a `check(candidate)` function), `entry_point` (the function's
-name) and optionally `canonical_solution`. A program is `prompt + completion + tests`, plus
-`check(entry_point)` when the tests define `check`; it runs in `kiln.eval.sandbox`.
+name) and optionally `canonical_solution`. A sample is judged by `kiln.eval.sandbox.run_tests`:
+`prompt + completion` runs in one sandbox, `prompt + tests` (plus `check(entry_point)` when the
+tests define `check`) in another, and the tests call the candidate across a plain-data pipe.
+`build_program` gives the single-program form (`run_python`), for reading and debugging.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 
 from kiln.errors import DataError
 from kiln.eval.jsonl import read_jsonl
-from kiln.eval.sandbox import SandboxLimits, SandboxResult, run_python
+from kiln.eval.sandbox import SandboxLimits, SandboxResult, ensure_available, run_tests
 
 # Where a completion of a function body ends: the next top-level statement.
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ", "\n@")
@@ -101,12 +103,35 @@ def build_program(problem: Problem, completion: str) -> str:
     return program
 
 
+def judge(problem: Problem, completion: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """One sample's verdict; the candidate cannot reach it (see `kiln.eval.sandbox.run_tests`)."""
+    return run_tests(problem.prompt + completion, problem.entry_point, checker_setup(problem.prompt),
+                     problem.tests, "def check(" in problem.tests, limits)
+
+
+def checker_setup(prompt: str) -> str:
+    """The prompt as the checker runs it (for its helpers and imports): given a body if it lacks one."""
+    for source in (prompt, prompt + "    pass\n"):
+        try:
+            compile(source, "prompt.py", "exec")
+            return source
+        except (SyntaxError, ValueError):
+            continue
+    return ""  # the tests then see only the candidate
+
+
 def run_samples(problems: list[Problem], completions: dict[str, list[str]],
                 limits: SandboxLimits | None = None, workers: int = 2) -> list[SampleResult]:
-    """Execute every completion of every problem in the sandbox, `workers` at a time."""
+    """Judge every completion of every problem in the sandbox, `workers` at a time.
+
+    Raises `SandboxUnavailable` before running anything where there is no sandbox and
+    `limits.allow_unisolated` is not set.
+    """
+    limits = limits or SandboxLimits()
+    ensure_available(limits)
     jobs = [(p, c) for p in problems for c in completions.get(p.task_id, [])]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(lambda job: run_python(build_program(*job), limits), jobs))
+        results = list(pool.map(lambda job: judge(*job, limits), jobs))
     return [SampleResult(p.task_id, c, r) for (p, c), r in zip(jobs, results)]
 
 

@@ -112,6 +112,52 @@ def test_passk_on_a_problem_file(run_dir, tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_passk_cli_passes_a_correct_completion_and_fails_forgeries(run_dir, tmp_path, monkeypatch):
+    import kiln.eval.passk
+    import kiln.model.generate
+    from kiln.eval.sandbox import _bwrap_probe
+
+    if _bwrap_probe()[0] is None and not os.environ.get("KILN_REQUIRE_SANDBOX"):
+        pytest.skip(f"no namespace sandbox here: {_bwrap_probe()[1]}")
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(
+        json.dumps({"task_id": "t/one", "prompt": "def one():\n", "tests": "assert one() == 1\n",
+                    "entry_point": "one"}) + "\n"
+        + json.dumps({"task_id": "t/two", "prompt": "def two():\n", "entry_point": "two",
+                      "tests": "def check(candidate):\n    assert candidate() == 2\n"}) + "\n")
+    liar = "    class Liar:\n        def __eq__(self, other):\n            return True\n    return Liar()\n"
+    forge = ("    import sys, os\n    f = sys._getframe()\n    while f is not None:\n"
+             "        if 'nonce' in f.f_locals:\n            os.write(f.f_locals['done_w'], f.f_locals['nonce'])\n"
+             "            os._exit(0)\n        f = f.f_back\n    os._exit(0)\n")
+    # The model's text is replaced (in generation order) by known completions; the rest is the CLI's path.
+    queue = iter(["    return 1\n", liar, "    return 2\n", forge])
+    monkeypatch.setattr(kiln.model.generate, "generate", lambda *a, **k: [])
+    monkeypatch.setattr(kiln.eval.passk, "truncate_completion", lambda text: next(queue))
+    out = tmp_path / "r.json"
+    assert main(["eval", str(run_dir), "--skip-perplexity", "--passk-file", str(problems), "--n-samples", "2",
+                 "--k", "1", "--sample-timeout", "8", "--out", str(out)]) == 0
+    part = _report(out)["parts"]["passk"]
+    one, two = part["per_task"]["t/one"], part["per_task"]["t/two"]
+    assert one["correct"] == 1 and one["statuses"] == {"passed": 1, "error": 1}  # the lying __eq__
+    assert two["correct"] == 1 and two["statuses"] == {"passed": 1, "failed": 1}  # the forged token
+    assert part["pass_at_k"]["pass@1"] == 0.5 and part["isolation"]["sandbox"] == "bwrap"
+
+
+@pytest.mark.timeout(60)
+def test_passk_refuses_to_run_without_a_sandbox_unless_asked(run_dir, tmp_path, monkeypatch, capsys):
+    import kiln.eval.sandbox
+    import kiln.model.generate
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation must not start when the sandbox is refused")
+
+    monkeypatch.setattr(kiln.model.generate, "generate", no_generation)
+    monkeypatch.setattr(kiln.eval.sandbox, "_bwrap_probe", lambda: (None, "namespaces refused (test)"))
+    assert main(["eval", str(run_dir), "--skip-perplexity", "--passk-file"]) == 2
+    assert "--passk-allow-unsandboxed" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
 def test_lm_eval_local_task_through_the_cli(run_dir, tmp_path):
     pytest.importorskip("lm_eval")
     data = tmp_path / "mc.jsonl"
