@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, RNGState
+from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState, RNGState
 from kiln.config import JobConfig, to_toml
 from kiln.data.dataset import TOKENIZER_FILE, prepare_shards
 from kiln.data.loader import Loader, TokenWindows
@@ -148,7 +148,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(), "train": state}
-    if resume_step is not None:
+    if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
+        ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
+    elif resume_step is not None:
         ckpt.load(stateful, resume_step)
     scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
     autocast = autocast_context(device, cfg.train.dtype)

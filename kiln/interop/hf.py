@@ -1,0 +1,254 @@
+"""kiln runs <-> Hugging Face `transformers` checkpoints (Llama and GPT-2 layouts).
+
+Export (`export_run`): a run's checkpoint -> `config.json` (written by transformers' own
+`LlamaConfig`/`GPT2Config.to_json_file`), `model.safetensors` (`safetensors.torch.save_file`) and
+the tokenizer, loadable as `LlamaForCausalLM` / `GPT2LMHeadModel`. A kiln option with no HF
+equivalent stops the export with one line naming it.
+
+Import (`import_hf`): a local HF directory -> a kiln run (config.toml, tokenizer.json and a
+weights-only checkpoint step-0). Only JSON and safetensors files are read (never pickle), shard
+names from an index must stay inside the directory, and every tensor is checked against the
+shape kiln expects before anything is written.
+
+Hand-written here: the name/layout mapping between the two module trees (GPT-2's Conv1D stores
+weights transposed and fuses q, k, v into one `c_attn`). kiln's RoPE uses the "halves" pairing,
+the same as transformers' `rotate_half`, so Llama q/k weights need no permutation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kiln.config import ModelConfig
+from kiln.errors import KilnError
+from kiln.model.transformer import ffn_hidden_size
+
+LLAMA, GPT2 = "llama", "gpt2"
+HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+# What each HF family fixes; a kiln option outside it has no equivalent there.
+FAMILY_OPTIONS = {
+    LLAMA: {"norm": "rmsnorm", "norm_placement": "pre", "activation": "swiglu", "positions": "rope"},
+    GPT2: {"norm": "layernorm", "norm_placement": "pre", "activation": "gelu", "positions": "learned",
+           "bias": True},
+}
+
+
+# ---------------------------------------------------------------------------- kiln -> HF
+
+
+def export_family(cfg: ModelConfig) -> str:
+    """Which HF family holds this model (llama for RoPE, gpt2 for learned positions), or refuse."""
+    family = LLAMA if cfg.positions == "rope" else GPT2
+    for key, wanted in FAMILY_OPTIONS[family].items():
+        value = getattr(cfg, key)
+        if value != wanted:
+            raise KilnError(f"model.{key}={value!r} has no equivalent in HF {HF_CLASS[family]} "
+                            f"(a {cfg.positions}-position model exports there and needs model.{key}={wanted!r})")
+    if family == GPT2 and cfg.n_kv_heads not in (0, cfg.n_heads):
+        raise KilnError(f"model.n_kv_heads={cfg.n_kv_heads} (grouped-query attention) has no equivalent in "
+                        f"HF GPT2LMHeadModel; use positions='rope' (Llama) for GQA models")
+    return family
+
+
+def hf_config(cfg: ModelConfig, eos_id: int):
+    """The transformers config object for a kiln ModelConfig (vocab_size already resolved)."""
+    family = export_family(cfg)
+    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=eos_id,
+                  eos_token_id=eos_id, architectures=[HF_CLASS[family]])
+    if family == LLAMA:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=cfg.dim, intermediate_size=ffn_hidden_size(cfg),
+                           num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                           num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.dim // cfg.n_heads,
+                           max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                           rope_theta=cfg.rope_theta, hidden_act="silu", attention_bias=cfg.bias,
+                           mlp_bias=cfg.bias, attention_dropout=cfg.dropout, **common)
+    from transformers import GPT2Config
+
+    # activation "gelu" is the exact erf GELU, like kiln's F.gelu (GPT-2's default is the tanh one).
+    return GPT2Config(n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=ffn_hidden_size(cfg),
+                      n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu",
+                      resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, **common)
+
+
+def _llama_names(cfg: ModelConfig) -> dict[str, str]:
+    """kiln name -> HF name for every Llama tensor (biases only when model.bias)."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    parts = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+             "feed_forward.w2": "mlp.down_proj"}
+    for i in range(cfg.n_layers):
+        for ours, theirs in parts.items():
+            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                names[f"layers.{i}.{ours}.{kind}"] = f"model.layers.{i}.{theirs}.{kind}"
+        names[f"layers.{i}.attention_norm.weight"] = f"model.layers.{i}.input_layernorm.weight"
+        names[f"layers.{i}.ffn_norm.weight"] = f"model.layers.{i}.post_attention_layernorm.weight"
+    return names
+
+
+def to_hf_state(model_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """kiln state dict -> HF tensors, contiguous, each stored once (tied head left to HF)."""
+    sd = {k: v.detach().float().cpu() for k, v in model_state.items()}
+    if export_family(cfg) == LLAMA:
+        out = {hf: sd[ours] for ours, hf in _llama_names(cfg).items()}
+    else:
+        out = {"transformer.wte.weight": sd["tok_embeddings.weight"],
+               "transformer.wpe.weight": sd["pos_embeddings.weight"],
+               "transformer.ln_f.weight": sd["norm.weight"], "transformer.ln_f.bias": sd["norm.bias"]}
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = sd["output.weight"]
+        for i in range(cfg.n_layers):
+            p, h = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+                out[h + theirs + ".weight"] = sd[p + ours + ".weight"]
+                out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
+            # Conv1D keeps weights as (in, out): the transpose of nn.Linear's (out, in).
+            qkv = [p + f"attention.{w}" for w in ("wq", "wk", "wv")]
+            out[h + "attn.c_attn.weight"] = torch.cat([sd[n + ".weight"] for n in qkv]).t()
+            out[h + "attn.c_attn.bias"] = torch.cat([sd[n + ".bias"] for n in qkv])
+            for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"),
+                                 ("feed_forward.w2", "mlp.c_proj")):
+                out[h + theirs + ".weight"] = sd[p + ours + ".weight"].t()
+                out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------- HF -> kiln
+
+
+def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
+    """An HF config.json (as a dict) -> kiln ModelConfig; unsupported features name their key."""
+    model_type = hf.get("model_type")
+    get = _getter(hf, source)
+    if model_type == LLAMA:
+        rope = hf.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise KilnError(f"{source}: rope_parameters must be an object")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if hf.get("rope_scaling") is not None or rope_type != "default":
+            key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters.rope_type"
+            raise KilnError(f"{source}: {key} (RoPE scaling) is not supported by kiln; only plain RoPE imports")
+        _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
+        if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+            raise KilnError(f"{source}: attention_bias={hf.get('attention_bias')} with mlp_bias="
+                            f"{hf.get('mlp_bias')}: kiln's model.bias sets both together")
+        for key in ("sliding_window", "use_sliding_window"):
+            if hf.get(key):
+                raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln")
+        dim, heads = get("hidden_size", int), get("num_attention_heads", int)
+        head_dim = hf.get("head_dim") or (dim // heads if heads else 0)
+        if heads <= 0 or head_dim * heads != dim:
+            raise KilnError(f"{source}: head_dim={head_dim} x num_attention_heads={heads} must equal "
+                            f"hidden_size={dim} for kiln")
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        cfg = ModelConfig(dim=dim, n_layers=get("num_hidden_layers", int), n_heads=heads,
+                          n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                          ffn_hidden=get("intermediate_size", int),
+                          max_seq_len=get("max_position_embeddings", int),
+                          norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
+                          positions="rope", rope_theta=float(rope_theta), bias=bool(hf.get("attention_bias", False)),
+                          dropout=float(hf.get("attention_dropout", 0.0)))
+    elif model_type == GPT2:
+        _require(hf, source, "activation_function", "gelu",
+                 "kiln's gelu is the exact erf GELU; GPT-2's default gelu_new is the tanh approximation")
+        for key, fine in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("add_cross_attention", False)):
+            if key in hf and bool(hf[key]) != fine:
+                raise KilnError(f"{source}: {key}={hf[key]!r} is not supported by kiln (expected {fine})")
+        dim = get("n_embd", int)
+        cfg = ModelConfig(dim=dim, n_layers=get("n_layer", int), n_heads=get("n_head", int),
+                          ffn_hidden=int(hf.get("n_inner") or 4 * dim), max_seq_len=get("n_positions", int),
+                          norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                          activation="gelu", positions="learned", bias=True,
+                          dropout=float(hf.get("resid_pdrop", 0.0)))
+    else:
+        raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama' and 'gpt2'")
+    cfg.vocab_size = get("vocab_size", int)
+    cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
+    return cfg
+
+
+def _getter(hf: dict, source: str) -> Callable:
+    def get(key: str, kind: type):
+        value = hf.get(key)
+        if type(value) is not kind or (kind is int and value <= 0):
+            raise KilnError(f"{source}: {key}={value!r}; expected a positive {kind.__name__}")
+        return value
+    return get
+
+
+def _require(hf: dict, source: str, key: str, wanted: str, why: str) -> None:
+    if hf.get(key, wanted) != wanted:
+        raise KilnError(f"{source}: {key}={hf[key]!r} is not supported ({why}); expected {wanted!r}")
+
+
+# Non-parameter tensors some older checkpoints carry (causal masks, RoPE frequencies).
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def from_hf_state(hf_tensors: dict[str, Callable[[], torch.Tensor]], cfg: ModelConfig,
+                  expected: dict[str, torch.Size], source: str) -> dict[str, torch.Tensor]:
+    """HF tensors (name -> loader) -> kiln state dict; every tensor's presence and shape checked.
+
+    `expected` is kiln's state-dict shapes for `cfg` (from a model on the meta device).
+    """
+    gpt2 = cfg.positions == "learned"
+    tied = cfg.tie_embeddings
+    if gpt2:
+        # GPT-2 checkpoints come with and without the "transformer." prefix.
+        hf_tensors = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
+                      for k, v in hf_tensors.items()}
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in hf_tensors:
+            raise KilnError(f"{source}: tensor {name} is missing")
+        t = hf_tensors[name]()
+        if tuple(t.shape) != tuple(shape):
+            raise KilnError(f"{source}: tensor {name} has shape {list(t.shape)}; expected {list(shape)}")
+        if not t.is_floating_point():
+            raise KilnError(f"{source}: tensor {name} has dtype {t.dtype}; expected floating point")
+        used.add(name)
+        return t.float()
+
+    out: dict[str, torch.Tensor] = {}
+    if not gpt2:
+        names = _llama_names(cfg)
+        for ours, hf in names.items():
+            out[ours] = take(hf, expected[ours])
+    else:
+        # Inverse of to_hf_state's GPT-2 branch.
+        for ours, hf in (("tok_embeddings.weight", "wte.weight"), ("pos_embeddings.weight", "wpe.weight"),
+                         ("norm.weight", "ln_f.weight"), ("norm.bias", "ln_f.bias")):
+            out[ours] = take("transformer." + hf, expected[ours])
+        if not tied:
+            out["output.weight"] = take("lm_head.weight", expected["output.weight"])
+        for i in range(cfg.n_layers):
+            p, h = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+                for kind in ("weight", "bias"):
+                    out[f"{p}{ours}.{kind}"] = take(f"{h}{theirs}.{kind}", expected[f"{p}{ours}.{kind}"])
+            q, k, v = (expected[p + f"attention.{w}.weight"][0] for w in ("wq", "wk", "wv"))
+            qkv_w = take(h + "attn.c_attn.weight", (cfg.dim, q + k + v)).t()
+            qkv_b = take(h + "attn.c_attn.bias", (q + k + v,))
+            for w, wt, b in zip(("wq", "wk", "wv"), qkv_w.split([q, k, v]), qkv_b.split([q, k, v])):
+                out[p + f"attention.{w}.weight"], out[p + f"attention.{w}.bias"] = wt, b
+            for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"),
+                                 ("feed_forward.w2", "mlp.c_proj")):
+                shape = expected[p + ours + ".weight"]
+                out[p + ours + ".weight"] = take(h + theirs + ".weight", (shape[1], shape[0])).t()
+                out[p + ours + ".bias"] = take(h + theirs + ".bias", expected[p + ours + ".bias"])
+    if tied:
+        out["output.weight"] = out["tok_embeddings.weight"]
+        used.update(k for k in hf_tensors if k == "lm_head.weight")  # a tied head stored anyway
+    extra = sorted(k for k in hf_tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise KilnError(f"{source}: tensor {extra[0]} has no place in a kiln {cfg.positions}-position model"
+                        f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
+    return {k: v.contiguous() for k, v in out.items()}

@@ -1,0 +1,146 @@
+"""`kiln import-hf HF_DIR --run-dir RUN_DIR`: a local transformers Llama/GPT-2 directory as a kiln run.
+
+Reads only `config.json`, `tokenizer.json` and safetensors weights (`model.safetensors`, or the
+shards a `model.safetensors.index.json` names) -- never pickle, so `pytorch_model.bin` is refused.
+The run gets config.toml, tokenizer.json and a weights-only checkpoint step-0 (marked with
+`WEIGHTS_ONLY_MARKER`): `kiln eval` scores it, and `kiln train --resume` continues from those
+weights with a fresh optimizer, schedule and data position. Everything is built in a hidden
+sibling directory and renamed into place, so a refused import writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from kiln.errors import KilnError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+MAX_JSON_BYTES = 64 << 20  # config/index files are small; refuse absurd ones before parsing
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise KilnError(f"{path} not found")
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise KilnError(f"{path}: {path.stat().st_size} bytes is too large for a JSON config")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KilnError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise KilnError(f"{path}: expected a JSON object")
+    return data
+
+
+def weight_files(hf_dir: Path) -> dict[str, list[str]]:
+    """safetensors file -> tensor names it should hold; shard names must stay inside hf_dir."""
+    if (hf_dir / WEIGHTS_FILE).is_file():
+        return {WEIGHTS_FILE: []}  # [] = every tensor in the file
+    if not (hf_dir / INDEX_FILE).is_file():
+        raise KilnError(f"{hf_dir}: no {WEIGHTS_FILE} or {INDEX_FILE} (kiln reads safetensors only, "
+                        f"never pytorch_model.bin)")
+    index_path = hf_dir / INDEX_FILE
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise KilnError(f"{index_path}: weight_map must be a non-empty object of tensor name -> file")
+    root = hf_dir.resolve()
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        if (not isinstance(file, str) or Path(file).name != file or file in ("", ".", "..")
+                or not file.endswith(".safetensors") or (root / file).resolve().parent != root):
+            raise KilnError(f"{index_path}: weight_map[{name!r}]={file!r} must name a .safetensors file "
+                            f"in {hf_dir}")
+        if not (hf_dir / file).is_file():
+            raise KilnError(f"{index_path}: shard {file} (for {name}) not found")
+        files.setdefault(file, []).append(name)
+    return files
+
+
+def open_tensors(hf_dir: Path, stack: contextlib.ExitStack) -> dict:
+    """name -> zero-argument loader, over safetensors files opened lazily (memory-mapped)."""
+    from safetensors import SafetensorError, safe_open
+
+    loaders: dict = {}
+    for file, names in weight_files(hf_dir).items():
+        path = hf_dir / file
+        try:
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            keys = set(handle.keys())
+        except (SafetensorError, OSError) as e:
+            raise KilnError(f"{path}: not a readable safetensors file ({e})") from None
+        for name in names or sorted(keys):
+            if name not in keys:
+                raise KilnError(f"{path}: tensor {name} (listed in {INDEX_FILE}) is missing")
+            if name in loaders:
+                raise KilnError(f"{path}: tensor {name} appears in more than one file")
+            loaders[name] = (lambda h=handle, n=name: h.get_tensor(n))
+    return loaders
+
+
+def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str]:
+    """Build RUN_DIR from HF_DIR; returns (run_dir, model_type)."""
+    from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState
+    from kiln.config import JobConfig, to_toml
+    from kiln.data.tokenizer import load_tokenizer
+    from kiln.errors import ConfigError
+    from kiln.interop.hf import from_hf_state, model_config_from_hf
+    from kiln.model.transformer import Transformer
+
+    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    if not hf_dir.is_dir():
+        raise KilnError(f"{hf_dir} is not a directory (expected a local Hugging Face model directory)")
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise KilnError(f"{run_dir} already exists and is not an empty directory; choose a new --run-dir")
+    hf = read_json(hf_dir / CONFIG_FILE)
+    model_cfg = model_config_from_hf(hf, str(hf_dir / CONFIG_FILE))
+    model_cfg.name = run_dir.name or "imported"
+    tokenizer = load_tokenizer(hf_dir / TOKENIZER_FILE)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise KilnError(f"{hf_dir / TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, more than the model's "
+                        f"vocab_size={model_cfg.vocab_size} in {CONFIG_FILE}")
+    cfg = JobConfig(model=model_cfg)
+    # Continued training reads the imported tokenizer, not a newly trained one.
+    cfg.data.tokenizer = str((run_dir / TOKENIZER_FILE).resolve())
+    cfg.data.seq_len = min(cfg.data.seq_len, model_cfg.max_seq_len)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise KilnError(f"{hf_dir / CONFIG_FILE}: maps to an invalid kiln config: {e}") from None
+
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in Transformer(model_cfg).state_dict().items()}
+    with contextlib.ExitStack() as stack:
+        state = from_hf_state(open_tensors(hf_dir, stack), model_cfg, expected, str(hf_dir))
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    model.to_empty(device="cpu")
+    model.init_weights()  # fills the RoPE tables; every weight is overwritten next
+    model.load_state_dict(state, strict=True)
+
+    tmp = run_dir.parent / f".{run_dir.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        config_text = to_toml(cfg)
+        (tmp / "config.toml").write_text(config_text, encoding="utf-8")
+        tokenizer.save(tmp / TOKENIZER_FILE)
+        marker = json.dumps({"imported_from": str(hf_dir.resolve()), "model_type": hf["model_type"]})
+        CheckpointManager(tmp / "checkpoints").save(
+            0, {"app": ModelOptimizerState(model)}, {"config.toml": config_text, WEIGHTS_ONLY_MARKER: marker})
+        if run_dir.exists():
+            run_dir.rmdir()
+        os.replace(tmp, run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return run_dir, hf["model_type"]
