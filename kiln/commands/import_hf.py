@@ -20,7 +20,9 @@ def run(args: argparse.Namespace) -> int:
     from kiln.interop.hf_import import import_hf
 
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.hf_dir).resolve().name
-    run_dir, model_type = import_hf(args.hf_dir, run_dir)
+    run_dir, model_type, notes = import_hf(args.hf_dir, run_dir)
+    for note in notes:
+        print(f"note: {note}")
     print(f"imported {args.hf_dir} ({model_type}) as {run_dir}; try kiln eval {run_dir} --data FILE, "
           f"or kiln train --resume {run_dir} --set data.source=... to continue training")
     return 0

@@ -155,8 +155,10 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           positions="rope", rope_theta=float(rope_theta), bias=bool(hf.get("attention_bias", False)),
                           dropout=float(hf.get("attention_dropout", 0.0)))
     elif model_type == GPT2:
-        _require(hf, source, "activation_function", "gelu",
-                 "kiln's gelu is the exact erf GELU; GPT-2's default gelu_new is the tanh approximation")
+        if hf.get("activation_function", "gelu_new") != "gelu":  # absent means GPT-2's default, gelu_new
+            raise KilnError(f"{source}: activation_function={hf.get('activation_function', 'gelu_new')!r} is not "
+                            f"supported (kiln's gelu is the exact erf GELU; gelu_new is the tanh approximation); "
+                            f"expected 'gelu'")
         for key, fine in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                           ("add_cross_attention", False)):
             if key in hf and bool(hf[key]) != fine:
@@ -166,11 +168,12 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           ffn_hidden=int(hf.get("n_inner") or 4 * dim), max_seq_len=get("n_positions", int),
                           norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
                           activation="gelu", positions="learned", bias=True,
-                          dropout=float(hf.get("resid_pdrop", 0.0)))
+                          dropout=float(hf.get("resid_pdrop", 0.1)))
     else:
         raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama' and 'gpt2'")
     cfg.vocab_size = get("vocab_size", int)
-    cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
+    # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
+    cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", model_type == GPT2))
     return cfg
 
 

@@ -86,8 +86,8 @@ def open_tensors(hf_dir: Path, stack: contextlib.ExitStack) -> dict:
     return loaders
 
 
-def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str]:
-    """Build RUN_DIR from HF_DIR; returns (run_dir, model_type)."""
+def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str, list[str]]:
+    """Build RUN_DIR from HF_DIR; returns (run_dir, model_type, notes for the user)."""
     from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState
     from kiln.config import JobConfig, to_toml
     from kiln.data.tokenizer import load_tokenizer
@@ -107,6 +107,12 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str]:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise KilnError(f"{hf_dir / TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, more than the model's "
                         f"vocab_size={model_cfg.vocab_size} in {CONFIG_FILE}")
+    notes = []
+    hf_eos = hf.get("eos_token_id")
+    if isinstance(hf_eos, int) and hf_eos != tokenizer.eos_id:
+        # kiln takes EOS from tokenizer.json alone (<|endoftext|>, else its first special token).
+        notes.append(f"{CONFIG_FILE} has eos_token_id={hf_eos} but kiln will separate documents and stop "
+                     f"generating at token {tokenizer.eos_id}")
     cfg = JobConfig(model=model_cfg)
     # Continued training reads the imported tokenizer, not a newly trained one.
     cfg.data.tokenizer = str((run_dir / TOKENIZER_FILE).resolve())
@@ -143,4 +149,4 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return run_dir, hf["model_type"]
+    return run_dir, hf["model_type"], notes

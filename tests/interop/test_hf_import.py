@@ -86,14 +86,39 @@ def test_imported_model_matches_hf_evaluates_and_trains_on(family, text_file, tm
     assert load_run(run).step == 3
 
 
-def test_export_then_import_round_trips(text_file, tmp_path):
+def test_llama_with_biases_imports_and_round_trips(tmp_path):
     hf_dir = tmp_path / "hf"
-    tiny_llama(hf_dir)
+    model = tiny_llama(hf_dir, attention_bias=True, mlp_bias=True)
     assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
     assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
     assert main(["import-hf", str(tmp_path / "hf2"), "--run-dir", str(tmp_path / "b")]) == 0
-    ids = tokens(300)
     torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), kiln_logits(tmp_path / "b", ids), atol=0, rtol=0)
+
+
+def test_absent_keys_take_the_transformers_class_defaults(tmp_path, capsys):
+    from kiln.interop.hf import model_config_from_hf
+
+    llama = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 48,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
+    cfg = model_config_from_hf(llama, "config.json")
+    assert not cfg.tie_embeddings and cfg.n_kv_heads == 4 and cfg.rope_theta == 10000.0 and cfg.norm_eps == 1e-6
+    # GPT-2 without activation_function means gelu_new (tanh), which kiln cannot represent.
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    cfg_json = json.loads((hf_dir / "config.json").read_text())
+    del cfg_json["activation_function"]
+    (hf_dir / "config.json").write_text(json.dumps(cfg_json))
+    _refused(hf_dir, tmp_path / "run", capsys, "activation_function='gelu_new'")
+
+
+def test_eos_disagreement_is_reported(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    _edit_config(hf_dir, eos_token_id=7)
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "run")]) == 0
+    assert "note: config.json has eos_token_id=7 but kiln will" in capsys.readouterr().out
 
 
 def _refused(hf_dir, run, capsys, named):
