@@ -25,6 +25,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 MAX_JSON_BYTES = 64 << 20  # config/index files are small; refuse absurd ones before parsing
+MAX_POSITIONS = 1 << 21  # kiln allocates RoPE tables for every position (2M x head_dim/2 x 2 floats)
 
 
 def read_json(path: Path) -> dict:
@@ -52,11 +53,11 @@ def weight_files(hf_dir: Path) -> dict[str, list[str]]:
     weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise KilnError(f"{index_path}: weight_map must be a non-empty object of tensor name -> file")
-    root = hf_dir.resolve()
     files: dict[str, list[str]] = {}
     for name, file in weight_map.items():
+        # A bare file name keeps reads in HF_DIR (the entry may be a symlink, as in the HF cache).
         if (not isinstance(file, str) or Path(file).name != file or file in ("", ".", "..")
-                or not file.endswith(".safetensors") or (root / file).resolve().parent != root):
+                or not file.endswith(".safetensors")):
             raise KilnError(f"{index_path}: weight_map[{name!r}]={file!r} must name a .safetensors file "
                             f"in {hf_dir}")
         if not (hf_dir / file).is_file():
@@ -107,6 +108,10 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str, list[
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise KilnError(f"{hf_dir / TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, more than the model's "
                         f"vocab_size={model_cfg.vocab_size} in {CONFIG_FILE}")
+    if model_cfg.max_seq_len > MAX_POSITIONS:
+        raise KilnError(f"{hf_dir / CONFIG_FILE}: {'n_positions' if hf['model_type'] == 'gpt2' else 'max_position_embeddings'}"
+                        f"={model_cfg.max_seq_len}; kiln precomputes RoPE tables for every position and supports "
+                        f"at most {MAX_POSITIONS}")
     notes = []
     hf_eos = hf.get("eos_token_id")
     if isinstance(hf_eos, int) and hf_eos != tokenizer.eos_id:
@@ -122,12 +127,16 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str, list[
     except ConfigError as e:
         raise KilnError(f"{hf_dir / CONFIG_FILE}: maps to an invalid kiln config: {e}") from None
 
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in Transformer(model_cfg).state_dict().items()}
     with contextlib.ExitStack() as stack:
-        state = from_hf_state(open_tensors(hf_dir, stack), model_cfg, expected, str(hf_dir))
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
+        tensors = open_tensors(hf_dir, stack)
+        # Checked before building even a meta model: a hostile layer count must not exhaust memory.
+        if model_cfg.n_layers > len(tensors):
+            raise KilnError(f"{hf_dir / CONFIG_FILE}: {model_cfg.n_layers} layers but only {len(tensors)} tensors "
+                            f"in the weights")
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        state = from_hf_state(tensors, model_cfg, expected, str(hf_dir))
     model.to_empty(device="cpu")
     model.init_weights()  # fills the RoPE tables; every weight is overwritten next
     model.load_state_dict(state, strict=True)

@@ -202,6 +202,30 @@ def test_index_cannot_name_files_outside_the_model_directory(tmp_path, capsys):
         _refused(hf_dir, tmp_path / "run", capsys, f"weight_map[{first!r}]")
 
 
+def test_symlinked_shards_like_the_hf_cache_are_read(tmp_path):
+    hf_dir, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    model = tiny_gpt2(hf_dir, max_shard_size="40KB")
+    blobs.mkdir()
+    for shard in hf_dir.glob("*.safetensors"):
+        shard.rename(blobs / shard.name)
+        shard.symlink_to(blobs / shard.name)
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "run")]) == 0
+    ids = tokens(256)
+    torch.testing.assert_close(kiln_logits(tmp_path / "run", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("changes,named", [
+    ({"num_hidden_layers": 10**9}, "1000000000 layers but only"),
+    ({"max_position_embeddings": 10**9}, "max_position_embeddings=1000000000"),
+])
+def test_absurd_sizes_are_refused_before_allocating(changes, named, tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_llama(hf_dir)
+    _edit_config(hf_dir, **changes)
+    _refused(hf_dir, tmp_path / "run", capsys, named)
+
+
 def test_wrong_shapes_and_stray_tensors_are_named(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
