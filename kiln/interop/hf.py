@@ -17,6 +17,7 @@ the same as transformers' `rotate_half`, so Llama q/k weights need no permutatio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -195,63 +196,78 @@ def _require(hf: dict, source: str, key: str, wanted: str, why: str) -> None:
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
-def from_hf_state(hf_tensors: dict[str, Callable[[], torch.Tensor]], cfg: ModelConfig,
-                  expected: dict[str, torch.Size], source: str) -> dict[str, torch.Tensor]:
-    """HF tensors (name -> loader) -> kiln state dict; every tensor's presence and shape checked.
+@dataclass
+class HFTensor:
+    """One tensor of an HF checkpoint: shape and dtype from the file header, data read by `load`."""
 
-    `expected` is kiln's state-dict shapes for `cfg` (from a model on the meta device).
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' dtype name (F32, BF16, ...)
+    load: Callable[[], torch.Tensor]
+
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+Loader = Callable[[], torch.Tensor]
+
+
+def from_hf_state(hf_tensors: dict[str, HFTensor], cfg: ModelConfig, expected: dict[str, torch.Size],
+                  source: str) -> dict[str, Loader]:
+    """HF tensors -> kiln state-dict name -> loader of the fp32 tensor in kiln's layout.
+
+    Every tensor's presence, shape and dtype is checked from the headers before any data is read;
+    `expected` is kiln's state-dict shapes for `cfg` (from a model on the meta device). A tied
+    output head is left out (the model ties it to the embedding).
     """
     gpt2 = cfg.positions == "learned"
-    tied = cfg.tie_embeddings
     if gpt2:
         # GPT-2 checkpoints come with and without the "transformer." prefix.
         hf_tensors = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
                       for k, v in hf_tensors.items()}
     used: set[str] = set()
 
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in hf_tensors:
+    def take(name: str, shape: tuple[int, ...], change: Callable = lambda t: t) -> Loader:
+        ref = hf_tensors.get(name)
+        if ref is None:
             raise KilnError(f"{source}: tensor {name} is missing")
-        t = hf_tensors[name]()
-        if tuple(t.shape) != tuple(shape):
-            raise KilnError(f"{source}: tensor {name} has shape {list(t.shape)}; expected {list(shape)}")
-        if not t.is_floating_point():
-            raise KilnError(f"{source}: tensor {name} has dtype {t.dtype}; expected floating point")
+        if tuple(ref.shape) != tuple(shape):
+            raise KilnError(f"{source}: tensor {name} has shape {list(ref.shape)}; expected {list(shape)}")
+        if ref.dtype not in FLOAT_DTYPES:
+            raise KilnError(f"{source}: tensor {name} has dtype {ref.dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
         used.add(name)
-        return t.float()
+        return lambda: change(ref.load().float()).contiguous()
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Loader] = {}
     if not gpt2:
-        names = _llama_names(cfg)
-        for ours, hf in names.items():
+        for ours, hf in _llama_names(cfg).items():
             out[ours] = take(hf, expected[ours])
     else:
         # Inverse of to_hf_state's GPT-2 branch.
         for ours, hf in (("tok_embeddings.weight", "wte.weight"), ("pos_embeddings.weight", "wpe.weight"),
                          ("norm.weight", "ln_f.weight"), ("norm.bias", "ln_f.bias")):
             out[ours] = take("transformer." + hf, expected[ours])
-        if not tied:
+        if not cfg.tie_embeddings:
             out["output.weight"] = take("lm_head.weight", expected["output.weight"])
         for i in range(cfg.n_layers):
             p, h = f"layers.{i}.", f"transformer.h.{i}."
             for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
                 for kind in ("weight", "bias"):
                     out[f"{p}{ours}.{kind}"] = take(f"{h}{theirs}.{kind}", expected[f"{p}{ours}.{kind}"])
-            q, k, v = (expected[p + f"attention.{w}.weight"][0] for w in ("wq", "wk", "wv"))
-            qkv_w = take(h + "attn.c_attn.weight", (cfg.dim, q + k + v)).t()
-            qkv_b = take(h + "attn.c_attn.bias", (q + k + v,))
-            for w, wt, b in zip(("wq", "wk", "wv"), qkv_w.split([q, k, v]), qkv_b.split([q, k, v])):
-                out[p + f"attention.{w}.weight"], out[p + f"attention.{w}.bias"] = wt, b
+            sizes = [expected[p + f"attention.{w}.weight"][0] for w in ("wq", "wk", "wv")]
+            starts = [0, sizes[0], sizes[0] + sizes[1]]
+            for w, start, size in zip(("wq", "wk", "wv"), starts, sizes):
+                # c_attn is (dim, q|k|v) in Conv1D layout: take the columns, then transpose.
+                out[p + f"attention.{w}.weight"] = take(h + "attn.c_attn.weight", (cfg.dim, sum(sizes)),
+                                                        lambda t, a=start, n=size: t[:, a:a + n].t())
+                out[p + f"attention.{w}.bias"] = take(h + "attn.c_attn.bias", (sum(sizes),),
+                                                      lambda t, a=start, n=size: t[a:a + n])
             for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"),
                                  ("feed_forward.w2", "mlp.c_proj")):
                 shape = expected[p + ours + ".weight"]
-                out[p + ours + ".weight"] = take(h + theirs + ".weight", (shape[1], shape[0])).t()
+                out[p + ours + ".weight"] = take(h + theirs + ".weight", (shape[1], shape[0]), torch.t)
                 out[p + ours + ".bias"] = take(h + theirs + ".bias", expected[p + ours + ".bias"])
-    if tied:
-        out["output.weight"] = out["tok_embeddings.weight"]
+    if cfg.tie_embeddings:
         used.update(k for k in hf_tensors if k == "lm_head.weight")  # a tied head stored anyway
     extra = sorted(k for k in hf_tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise KilnError(f"{source}: tensor {extra[0]} has no place in a kiln {cfg.positions}-position model"
                         f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
-    return {k: v.contiguous() for k, v in out.items()}
+    return out

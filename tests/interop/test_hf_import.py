@@ -238,6 +238,8 @@ def test_wrong_shapes_and_stray_tensors_are_named(tmp_path, capsys):
     _refused(hf_dir, tmp_path / "run", capsys, "tensor transformer.h.1.mlp.c_fc.weight has shape [128, 32]")
     save_file({**good, "transformer.h.0.attn.q_norm.weight": torch.ones(8)}, str(hf_dir / "model.safetensors"))
     _refused(hf_dir, tmp_path / "run", capsys, "tensor transformer.h.0.attn.q_norm.weight has no place")
+    save_file({**good, "transformer.ln_f.bias": torch.zeros(32, dtype=torch.int64)}, str(hf_dir / "model.safetensors"))
+    _refused(hf_dir, tmp_path / "run", capsys, "tensor transformer.ln_f.bias has dtype I64")
     del good["transformer.ln_f.bias"]
     save_file(good, str(hf_dir / "model.safetensors"))
     _refused(hf_dir, tmp_path / "run", capsys, "tensor transformer.ln_f.bias is missing")
