@@ -97,6 +97,22 @@ def test_llama_with_biases_imports_and_round_trips(tmp_path):
     torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), kiln_logits(tmp_path / "b", ids), atol=0, rtol=0)
 
 
+def test_bf16_weights_import_as_fp32(tmp_path):
+    hf_dir = tmp_path / "hf"
+    model = tiny_llama(tmp_path / "fp32")
+    model.to(torch.bfloat16).save_pretrained(str(hf_dir))
+    (tmp_path / "fp32" / "tokenizer.json").rename(hf_dir / "tokenizer.json")
+    assert json.loads((hf_dir / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "run")]) == 0
+    from kiln.eval.load import load_run
+
+    assert load_run(tmp_path / "run").model.tok_embeddings.weight.dtype == torch.float32
+    # transformers' own fp32 load of the bf16 file (model.float() would keep bf16-rounded RoPE buffers)
+    upcast = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "run", ids), hf_logits(upcast, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_absent_keys_take_the_transformers_class_defaults(tmp_path, capsys):
     from kiln.interop.hf import model_config_from_hf
 
