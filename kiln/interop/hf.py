@@ -1,14 +1,14 @@
 """kiln runs <-> Hugging Face `transformers` checkpoints (Llama and GPT-2 layouts).
 
-Export (`export_run`): a run's checkpoint -> `config.json` (written by transformers' own
+Export (kiln/interop/hf_export.py): a run's checkpoint -> `config.json` (written by transformers' own
 `LlamaConfig`/`GPT2Config.to_json_file`), `model.safetensors` (`safetensors.torch.save_file`) and
 the tokenizer, loadable as `LlamaForCausalLM` / `GPT2LMHeadModel`. A kiln option with no HF
 equivalent stops the export with one line naming it.
 
-Import (`import_hf`): a local HF directory -> a kiln run (config.toml, tokenizer.json and a
+Import (kiln/interop/hf_import.py): a local HF directory -> a kiln run (config.toml, tokenizer.json and a
 weights-only checkpoint step-0). Only JSON and safetensors files are read (never pickle), shard
-names from an index must stay inside the directory, and every tensor is checked against the
-shape kiln expects before anything is written.
+names from an index must stay inside the directory, and every tensor's shape and dtype is
+checked from the file headers before any data is read.
 
 Hand-written here: the name/layout mapping between the two module trees (GPT-2's Conv1D stores
 weights transposed and fuses q, k, v into one `c_attn`). kiln's RoPE uses the "halves" pairing,
@@ -136,25 +136,27 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
             key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters.rope_type"
             raise KilnError(f"{source}: {key} (RoPE scaling) is not supported by kiln; only plain RoPE imports")
         _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
-        if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
-            raise KilnError(f"{source}: attention_bias={hf.get('attention_bias')} with mlp_bias="
-                            f"{hf.get('mlp_bias')}: kiln's model.bias sets both together")
+        bias = get("attention_bias", bool, False)
+        if get("mlp_bias", bool, False) != bias:
+            raise KilnError(f"{source}: attention_bias={bias} with mlp_bias={not bias}: kiln's model.bias "
+                            f"sets both together")
         for key in ("sliding_window", "use_sliding_window"):
             if hf.get(key):
                 raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln")
         dim, heads = get("hidden_size", int), get("num_attention_heads", int)
-        head_dim = hf.get("head_dim") or (dim // heads if heads else 0)
-        if heads <= 0 or head_dim * heads != dim:
+        head_dim = get("head_dim", int, dim // heads or 1)
+        if head_dim * heads != dim:
             raise KilnError(f"{source}: head_dim={head_dim} x num_attention_heads={heads} must equal "
                             f"hidden_size={dim} for kiln")
-        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_theta = get("rope_theta", float, 10000.0)  # transformers < 5 keeps it at the top level
+        rope_theta = _getter(rope, f"{source}: rope_parameters")("rope_theta", float, rope_theta)
         cfg = ModelConfig(dim=dim, n_layers=get("num_hidden_layers", int), n_heads=heads,
-                          n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                          n_kv_heads=get("num_key_value_heads", int, heads),
                           ffn_hidden=get("intermediate_size", int),
                           max_seq_len=get("max_position_embeddings", int),
-                          norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
-                          positions="rope", rope_theta=float(rope_theta), bias=bool(hf.get("attention_bias", False)),
-                          dropout=float(hf.get("attention_dropout", 0.0)))
+                          norm="rmsnorm", norm_eps=get("rms_norm_eps", float, 1e-6), activation="swiglu",
+                          positions="rope", rope_theta=rope_theta, bias=bias,
+                          dropout=get("attention_dropout", float, 0.0))
     elif model_type == GPT2:
         if hf.get("activation_function", "gelu_new") != "gelu":  # absent means GPT-2's default, gelu_new
             raise KilnError(f"{source}: activation_function={hf.get('activation_function', 'gelu_new')!r} is not "
@@ -162,27 +164,39 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                             f"expected 'gelu'")
         for key, fine in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                           ("add_cross_attention", False)):
-            if key in hf and bool(hf[key]) != fine:
+            if get(key, bool, fine) != fine:
                 raise KilnError(f"{source}: {key}={hf[key]!r} is not supported by kiln (expected {fine})")
         dim = get("n_embd", int)
         cfg = ModelConfig(dim=dim, n_layers=get("n_layer", int), n_heads=get("n_head", int),
-                          ffn_hidden=int(hf.get("n_inner") or 4 * dim), max_seq_len=get("n_positions", int),
-                          norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                          ffn_hidden=get("n_inner", int, 4 * dim), max_seq_len=get("n_positions", int),
+                          norm="layernorm", norm_eps=get("layer_norm_epsilon", float, 1e-5),
                           activation="gelu", positions="learned", bias=True,
-                          dropout=float(hf.get("resid_pdrop", 0.1)))
+                          dropout=get("resid_pdrop", float, 0.1))
     else:
         raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama' and 'gpt2'")
     cfg.vocab_size = get("vocab_size", int)
     # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
-    cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", model_type == GPT2))
+    cfg.tie_embeddings = get("tie_word_embeddings", bool, model_type == GPT2)
     return cfg
 
 
+_MISSING = object()
+
+
 def _getter(hf: dict, source: str) -> Callable:
-    def get(key: str, kind: type):
-        value = hf.get(key)
-        if type(value) is not kind or (kind is int and value <= 0):
-            raise KilnError(f"{source}: {key}={value!r}; expected a positive {kind.__name__}")
+    """get(key, kind, default): a typed config.json value (ints positive, floats >= 0) or one clear error."""
+    def get(key: str, kind: type, default=_MISSING):
+        value = hf.get(key, default)
+        if value is _MISSING:
+            raise KilnError(f"{source}: {key} is missing; expected a positive {kind.__name__}")
+        if value is None and default is not _MISSING:
+            value = default  # HF writes null for "use the default"
+        if kind is float and type(value) is int:
+            value = float(value)
+        ok = type(value) is kind and (kind is bool or (value > 0 if kind is int else value >= 0))
+        if not ok:
+            wanted = "true or false" if kind is bool else f"a {'positive' if kind is int else 'non-negative'} {kind.__name__}"
+            raise KilnError(f"{source}: {key}={value!r}; expected {wanted}")
         return value
     return get
 

@@ -120,6 +120,10 @@ def test_absent_keys_take_the_transformers_class_defaults(tmp_path, capsys):
              "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
     cfg = model_config_from_hf(llama, "config.json")
     assert not cfg.tie_embeddings and cfg.n_kv_heads == 4 and cfg.rope_theta == 10000.0 and cfg.norm_eps == 1e-6
+    from kiln.errors import KilnError
+
+    with pytest.raises(KilnError, match="config.json: vocab_size is missing; expected a positive int"):
+        model_config_from_hf({k: v for k, v in llama.items() if k != "vocab_size"}, "config.json")
     # GPT-2 without activation_function means gelu_new (tanh), which kiln cannot represent.
     hf_dir = tmp_path / "hf"
     tiny_gpt2(hf_dir)
@@ -160,6 +164,15 @@ def _edit_config(hf_dir, **changes):
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"sliding_window": 16}, "sliding_window=16"),
     ({"hidden_size": "32"}, "hidden_size='32'"),
+    ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive int"),
+    ({"head_dim": [8]}, "head_dim=[8]"),
+    ({"head_dim": 16}, "head_dim=16 x num_attention_heads=4"),
+    ({"num_key_value_heads": "2"}, "num_key_value_heads='2'"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5'"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings='no'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}, "rope_parameters: rope_theta='big'"),
+    ({"num_attention_heads": 3}, "head_dim=8 x num_attention_heads=3 must equal hidden_size=32"),
+    ({"num_key_value_heads": 3}, "invalid kiln config: model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
     ({"vocab_size": 100}, "vocab_size=100"),  # fewer than the tokenizer's 290 tokens
 ])
 def test_unsupported_llama_features_are_refused_by_key(changes, named, tmp_path, capsys):
