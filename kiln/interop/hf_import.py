@@ -93,29 +93,28 @@ def open_tensors(hf_dir: Path, stack: contextlib.ExitStack) -> dict:
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str, list[str]]:
     """Build RUN_DIR from HF_DIR; returns (run_dir, model_type, notes for the user)."""
-    from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState
-    from kiln.config import JobConfig, to_toml
+    from kiln.config import JobConfig
     from kiln.data.tokenizer import load_tokenizer
     from kiln.errors import ConfigError
-    from kiln.interop.hf import from_hf_state, model_config_from_hf
-    from kiln.model.transformer import Transformer
+    from kiln.interop.hf import model_config_from_hf
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     if not hf_dir.is_dir():
         raise KilnError(f"{hf_dir} is not a directory (expected a local Hugging Face model directory)")
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise KilnError(f"{run_dir} already exists and is not an empty directory; choose a new --run-dir")
-    hf = read_json(hf_dir / CONFIG_FILE)
-    model_cfg = model_config_from_hf(hf, str(hf_dir / CONFIG_FILE))
+    config_path = hf_dir / CONFIG_FILE
+    hf = read_json(config_path)
+    model_cfg = model_config_from_hf(hf, str(config_path))
     model_cfg.name = run_dir.name or "imported"
+    if model_cfg.max_seq_len > MAX_POSITIONS:
+        key = "n_positions" if model_cfg.positions == "learned" else "max_position_embeddings"
+        raise KilnError(f"{config_path}: {key}={model_cfg.max_seq_len}; kiln precomputes position tables "
+                        f"for every position and supports at most {MAX_POSITIONS}")
     tokenizer = load_tokenizer(hf_dir / TOKENIZER_FILE)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise KilnError(f"{hf_dir / TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, more than the model's "
                         f"vocab_size={model_cfg.vocab_size} in {CONFIG_FILE}")
-    if model_cfg.max_seq_len > MAX_POSITIONS:
-        raise KilnError(f"{hf_dir / CONFIG_FILE}: {'n_positions' if hf['model_type'] == 'gpt2' else 'max_position_embeddings'}"
-                        f"={model_cfg.max_seq_len}; kiln precomputes RoPE tables for every position and supports "
-                        f"at most {MAX_POSITIONS}")
     notes = []
     hf_eos = hf.get("eos_token_id")
     if isinstance(hf_eos, int) and hf_eos != tokenizer.eos_id:
@@ -129,26 +128,42 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str, list[
     try:
         cfg.validate()
     except ConfigError as e:
-        raise KilnError(f"{hf_dir / CONFIG_FILE}: maps to an invalid kiln config: {e}") from None
+        raise KilnError(f"{config_path}: maps to an invalid kiln config: {e}") from None
+    model = read_model(hf_dir, model_cfg)
+    write_run(run_dir, cfg, tokenizer, model, {"imported_from": str(hf_dir.resolve()), "model_type": hf["model_type"]})
+    return run_dir, hf["model_type"], notes
+
+
+def read_model(hf_dir: Path, model_cfg):
+    """The kiln Transformer for `model_cfg` with HF_DIR's weights (fp32, on the CPU)."""
+    from kiln.interop.hf import from_hf_state
+    from kiln.model.transformer import Transformer
 
     with contextlib.ExitStack() as stack:
         tensors = open_tensors(hf_dir, stack)
         # Checked before building even a meta model: a hostile layer count must not exhaust memory.
         if model_cfg.n_layers > len(tensors):
-            raise KilnError(f"{hf_dir / CONFIG_FILE}: {model_cfg.n_layers} layers but only {len(tensors)} tensors "
-                            f"in the weights")
+            raise KilnError(f"{hf_dir / CONFIG_FILE}: {model_cfg.n_layers} layers but only {len(tensors)} "
+                            f"tensors in the weights")
         with torch.device("meta"):
             model = Transformer(model_cfg)
         expected = {k: v.shape for k, v in model.state_dict().items()}
         loaders = from_hf_state(tensors, model_cfg, expected, str(hf_dir))
         model.to_empty(device="cpu")
         model.init_weights()  # fills the RoPE tables; every weight is overwritten next
-        targets = model.state_dict()  # shares storage with the parameters (a tied head once)
+        targets = model.state_dict()  # shares storage with the parameters
         missing = set(targets) - set(loaders) - ({"output.weight"} if model_cfg.tie_embeddings else set())
         assert not missing, f"HF mapping leaves {sorted(missing)} unset"  # a bug in kiln, not bad input
         with torch.no_grad():
-            for name, load in loaders.items():  # one tensor in memory at a time
+            for name, load in loaders.items():  # one source tensor in memory at a time
                 targets[name].copy_(load())
+    return model
+
+
+def write_run(run_dir: Path, cfg, tokenizer, model, provenance: dict) -> None:
+    """config.toml, tokenizer.json and a weights-only step-0, built aside and renamed into place."""
+    from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState
+    from kiln.config import to_toml
 
     tmp = run_dir.parent / f".{run_dir.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -158,13 +173,12 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str, list[
         config_text = to_toml(cfg)
         (tmp / "config.toml").write_text(config_text, encoding="utf-8")
         tokenizer.save(tmp / TOKENIZER_FILE)
-        marker = json.dumps({"imported_from": str(hf_dir.resolve()), "model_type": hf["model_type"]})
         CheckpointManager(tmp / "checkpoints").save(
-            0, {"app": ModelOptimizerState(model)}, {"config.toml": config_text, WEIGHTS_ONLY_MARKER: marker})
+            0, {"app": ModelOptimizerState(model)},
+            {"config.toml": config_text, WEIGHTS_ONLY_MARKER: json.dumps(provenance)})
         if run_dir.exists():
-            run_dir.rmdir()
+            run_dir.rmdir()  # empty (checked by the caller)
         os.replace(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return run_dir, hf["model_type"], notes
