@@ -195,7 +195,8 @@ def _getter(hf: dict, source: str) -> Callable:
             value = float(value)
         ok = type(value) is kind and (kind is bool or (value > 0 if kind is int else value >= 0))
         if not ok:
-            wanted = "true or false" if kind is bool else f"a {'positive' if kind is int else 'non-negative'} {kind.__name__}"
+            wanted = ("true or false" if kind is bool
+                      else f"a {'positive' if kind is int else 'non-negative'} {kind.__name__}")
             raise KilnError(f"{source}: {key}={value!r}; expected {wanted}")
         return value
     return get

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -102,3 +100,9 @@ def test_export_never_overwrites_a_non_empty_directory(tmp_path, capsys):
 def test_export_of_a_run_without_checkpoints_says_so(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), "--to", "hf", str(tmp_path / "hf")]) == 2
     assert "not found" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+def test_export_without_transformers_says_how_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import now raises ImportError
+    assert main(["export", str(tmp_path), "--to", "hf", str(tmp_path / "hf")]) == 2
+    assert "pip install 'kiln-lm[hf]'" in capsys.readouterr().err

@@ -60,7 +60,8 @@ def test_imported_model_matches_hf_evaluates_and_trains_on(family, text_file, tm
     vocab = model.config.vocab_size
     ids = tokens(vocab)
     torch.testing.assert_close(kiln_logits(run, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
-    assert load_tokenizer(run / "tokenizer.json").encode(SAMPLE) == load_tokenizer(hf_dir / "tokenizer.json").encode(SAMPLE)
+    imported_tok, hf_tok = load_tokenizer(run / "tokenizer.json"), load_tokenizer(hf_dir / "tokenizer.json")
+    assert imported_tok.encode(SAMPLE) == hf_tok.encode(SAMPLE)
 
     held_out = tmp_path / "held_out.txt"
     held_out.write_text(SAMPLE * 20)
