@@ -61,12 +61,15 @@ def hf_config(cfg: ModelConfig, eos_id: int):
     if family == LLAMA:
         from transformers import LlamaConfig
 
-        return LlamaConfig(hidden_size=cfg.dim, intermediate_size=ffn_hidden_size(cfg),
-                           num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                           num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.dim // cfg.n_heads,
-                           max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                           rope_theta=cfg.rope_theta, hidden_act="silu", attention_bias=cfg.bias,
-                           mlp_bias=cfg.bias, attention_dropout=cfg.dropout, **common)
+        config = LlamaConfig(hidden_size=cfg.dim, intermediate_size=ffn_hidden_size(cfg),
+                             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                             num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.dim // cfg.n_heads,
+                             max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                             rope_theta=cfg.rope_theta, hidden_act="silu", attention_bias=cfg.bias,
+                             mlp_bias=cfg.bias, attention_dropout=cfg.dropout, **common)
+        # transformers >= 5 keeps theta only in rope_parameters; older readers look for this key.
+        config.rope_theta = cfg.rope_theta
+        return config
     from transformers import GPT2Config
 
     # activation "gelu" is the exact erf GELU, like kiln's F.gelu (GPT-2's default is the tanh one).

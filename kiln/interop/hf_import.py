@@ -111,6 +111,9 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> tuple[Path, str, list[
         key = "n_positions" if model_cfg.positions == "learned" else "max_position_embeddings"
         raise KilnError(f"{config_path}: {key}={model_cfg.max_seq_len}; kiln precomputes position tables "
                         f"for every position and supports at most {MAX_POSITIONS}")
+    if not (hf_dir / TOKENIZER_FILE).is_file():
+        raise KilnError(f"{hf_dir / TOKENIZER_FILE} not found (kiln reads the fast-tokenizer file; a "
+                        f"SentencePiece tokenizer.model alone is not converted)")
     tokenizer = load_tokenizer(hf_dir / TOKENIZER_FILE)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise KilnError(f"{hf_dir / TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, more than the model's "

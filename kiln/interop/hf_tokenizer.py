@@ -10,6 +10,7 @@ same ids as in kiln.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kiln.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -57,4 +58,10 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, model_max_length=model_max_length,
                                    clean_up_tokenization_spaces=False, **extra)
     fast.save_pretrained(str(out_dir))
+    # transformers >= 5 names its class TokenizersBackend, which older versions cannot resolve;
+    # PreTrainedTokenizerFast is the name both load.
+    config_path = Path(out_dir) / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tok_config, indent=2), encoding="utf-8")
     return eos_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -46,6 +48,10 @@ def test_transformers_loads_the_export_with_equal_logits(case, text_file, tmp_pa
     tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert tied == ("untied" not in case)
 
+    config = json.loads((out / "config.json").read_text())
+    if hf_class == "LlamaForCausalLM":  # also the pre-transformers-5 key, so older readers get theta right
+        assert config["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert hf_tok(SAMPLE, add_special_tokens=False)["input_ids"] == kiln_tok.encode(SAMPLE)
     assert hf_tok.eos_token_id == kiln_tok.eos_id == model.config.eos_token_id
