@@ -43,20 +43,20 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int
     from transformers import PreTrainedTokenizerFast
 
     if isinstance(tokenizer, ByteTokenizer):
-        tok = byte_level_tokenizer()
-        eos_id = tokenizer.eos_id
-        # The EOS "token" is byte 0's character; split_special_tokens keeps that character in
-        # input text an ordinary byte sequence (as in kiln) instead of matching it as EOS.
-        extra = {"split_special_tokens": True}
+        tok, eos_id = byte_level_tokenizer(), tokenizer.eos_id
     elif isinstance(tokenizer, HFTokenizer):
-        tok, eos_id, extra = tokenizer.tok, tokenizer.eos_id, {}
+        tok, eos_id = tokenizer.tok, tokenizer.eos_id
     else:
         raise KilnError(f"cannot export a tokenizer of type {type(tokenizer).__name__}")
     eos = tok.id_to_token(eos_id)
     if eos is None:
         raise KilnError(f"tokenizer has no token for its EOS id {eos_id}")
+    # When EOS is an ordinary vocabulary entry (the byte tokenizer's byte 0, or a tokenizer.json
+    # without special tokens), declaring it would make transformers match its string in input
+    # text; split_special_tokens keeps such text the same ids as in kiln.
+    special = any(t.special and t.content == eos for t in tok.get_added_tokens_decoder().values())
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, model_max_length=model_max_length,
-                                   clean_up_tokenization_spaces=False, **extra)
+                                   clean_up_tokenization_spaces=False, split_special_tokens=not special)
     fast.save_pretrained(str(out_dir))
     # transformers >= 5 names its class TokenizersBackend, which older versions cannot resolve;
     # PreTrainedTokenizerFast is the name both load.

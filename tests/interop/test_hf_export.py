@@ -69,6 +69,18 @@ def test_byte_tokenizer_export_keeps_every_byte_id(tmp_path):
     assert hf_tok.eos_token_id == 0 and len(hf_tok) == 256
 
 
+def test_a_non_special_eos_in_input_text_keeps_kiln_ids(tmp_path):
+    from kiln.data.tokenizer import HFTokenizer
+    from kiln.interop.hf_tokenizer import byte_level_tokenizer, save_hf_tokenizer
+
+    kiln_tok = HFTokenizer(byte_level_tokenizer())  # no special tokens: kiln's EOS is the last id, "ÿ"
+    save_hf_tokenizer(kiln_tok, tmp_path, 64)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "ÿ and ÿÿ"
+    assert hf_tok.eos_token_id == kiln_tok.eos_id == 255
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == kiln_tok.encode(text)
+
+
 REFUSED = [
     (LLAMA + ["model.norm_placement=post"], "model.norm_placement='post'"),
     (LLAMA + ["model.activation=geglu"], "model.activation='geglu'"),
