@@ -19,6 +19,8 @@ COMMANDS = {
     "prep": "prepare raw documents into clean, deduplicated token shards",
     "report": "write an HTML report of a run",
     "sweep": "short-run hyperparameter search",
+    "export": "export a run as a Hugging Face transformers model (--to hf)",
+    "import-hf": "turn a local Hugging Face Llama or GPT-2 model into a kiln run",
 }
 
 
@@ -27,9 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
         try:
-            module = importlib.import_module(f"kiln.commands.{name}")
+            module_name = f"kiln.commands.{name.replace('-', '_')}"  # import-hf -> import_hf.py
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if e.name != f"kiln.commands.{name}":
+            if e.name != module_name:
                 raise
             continue  # a command whose module is not part of this build
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -30,6 +30,9 @@ from kiln.errors import KilnError
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# A checkpoint holding model weights only (written by `kiln import-hf`): resuming from it loads the
+# weights and starts the optimizer, schedule, data position and counters fresh.
+WEIGHTS_ONLY_MARKER = "weights-only.json"
 
 
 class ModelOptimizerState(Stateful):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, RNGState
+from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState, RNGState
 from kiln.config import JobConfig, to_toml
 from kiln.data.raw_to_shards import prepare_shards
 from kiln.data.loader import Loader, TokenWindows
@@ -132,7 +132,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(), "train": state}
-    if resume_step is not None:
+    if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
+        ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
+    elif resume_step is not None:
         ckpt.load(stateful, resume_step)
     if dims.is_main:  # only now: a start that failed above leaves the run's files as they were
         write_run_files(run_dir, cfg, tokenizer, fresh=resume_step is None)

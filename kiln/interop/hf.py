@@ -1,0 +1,291 @@
+"""kiln runs <-> Hugging Face `transformers` checkpoints (Llama and GPT-2 layouts).
+
+Export (kiln/interop/hf_export.py): a run's checkpoint -> `config.json` (written by transformers' own
+`LlamaConfig`/`GPT2Config.to_json_file`), `model.safetensors` (`safetensors.torch.save_file`) and
+the tokenizer, loadable as `LlamaForCausalLM` / `GPT2LMHeadModel`. A kiln option with no HF
+equivalent stops the export with one line naming it.
+
+Import (kiln/interop/hf_import.py): a local HF directory -> a kiln run (config.toml, tokenizer.json and a
+weights-only checkpoint step-0). Only JSON and safetensors files are read (never pickle), shard
+names from an index must stay inside the directory, and every tensor's shape and dtype is
+checked from the file headers before any data is read.
+
+Hand-written here: the name/layout mapping between the two module trees (GPT-2's Conv1D stores
+weights transposed and fuses q, k, v into one `c_attn`). kiln's RoPE uses the "halves" pairing,
+the same as transformers' `rotate_half`, so Llama q/k weights need no permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kiln.config import ModelConfig
+from kiln.errors import KilnError
+from kiln.model.transformer import ffn_hidden_size
+
+LLAMA, GPT2 = "llama", "gpt2"
+HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+# What each HF family fixes; a kiln option outside it has no equivalent there.
+FAMILY_OPTIONS = {
+    LLAMA: {"norm": "rmsnorm", "norm_placement": "pre", "activation": "swiglu", "positions": "rope"},
+    GPT2: {"norm": "layernorm", "norm_placement": "pre", "activation": "gelu", "positions": "learned",
+           "bias": True},
+}
+
+
+# ---------------------------------------------------------------------------- kiln -> HF
+
+
+def export_family(cfg: ModelConfig) -> str:
+    """Which HF family holds this model (llama for RoPE, gpt2 for learned positions), or refuse."""
+    family = LLAMA if cfg.positions == "rope" else GPT2
+    for key, wanted in FAMILY_OPTIONS[family].items():
+        value = getattr(cfg, key)
+        if value != wanted:
+            raise KilnError(f"model.{key}={value!r} has no equivalent in HF {HF_CLASS[family]} "
+                            f"(a {cfg.positions}-position model exports there and needs model.{key}={wanted!r})")
+    if family == GPT2 and cfg.n_kv_heads not in (0, cfg.n_heads):
+        raise KilnError(f"model.n_kv_heads={cfg.n_kv_heads} (grouped-query attention) has no equivalent in "
+                        f"HF GPT2LMHeadModel; use positions='rope' (Llama) for GQA models")
+    return family
+
+
+def hf_config(cfg: ModelConfig, eos_id: int):
+    """The transformers config object for a kiln ModelConfig (vocab_size already resolved)."""
+    family = export_family(cfg)
+    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=eos_id,
+                  eos_token_id=eos_id, architectures=[HF_CLASS[family]])
+    if family == LLAMA:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(hidden_size=cfg.dim, intermediate_size=ffn_hidden_size(cfg),
+                             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                             num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.dim // cfg.n_heads,
+                             max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                             rope_theta=cfg.rope_theta, hidden_act="silu", attention_bias=cfg.bias,
+                             mlp_bias=cfg.bias, attention_dropout=cfg.dropout, **common)
+        # transformers >= 5 keeps theta only in rope_parameters; older readers look for this key.
+        config.rope_theta = cfg.rope_theta
+        return config
+    from transformers import GPT2Config
+
+    # activation "gelu" is the exact erf GELU, like kiln's F.gelu (GPT-2's default is the tanh one).
+    return GPT2Config(n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=ffn_hidden_size(cfg),
+                      n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu",
+                      resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, **common)
+
+
+def _llama_names(cfg: ModelConfig) -> dict[str, str]:
+    """kiln name -> HF name for every Llama tensor (biases only when model.bias)."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    parts = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+             "feed_forward.w2": "mlp.down_proj"}
+    for i in range(cfg.n_layers):
+        for ours, theirs in parts.items():
+            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                names[f"layers.{i}.{ours}.{kind}"] = f"model.layers.{i}.{theirs}.{kind}"
+        names[f"layers.{i}.attention_norm.weight"] = f"model.layers.{i}.input_layernorm.weight"
+        names[f"layers.{i}.ffn_norm.weight"] = f"model.layers.{i}.post_attention_layernorm.weight"
+    return names
+
+
+def to_hf_state(model_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """kiln state dict -> HF tensors, contiguous, each stored once (tied head left to HF)."""
+    sd = {k: v.detach().float().cpu() for k, v in model_state.items()}
+    if export_family(cfg) == LLAMA:
+        out = {hf: sd[ours] for ours, hf in _llama_names(cfg).items()}
+    else:
+        out = {"transformer.wte.weight": sd["tok_embeddings.weight"],
+               "transformer.wpe.weight": sd["pos_embeddings.weight"],
+               "transformer.ln_f.weight": sd["norm.weight"], "transformer.ln_f.bias": sd["norm.bias"]}
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = sd["output.weight"]
+        for i in range(cfg.n_layers):
+            p, h = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+                out[h + theirs + ".weight"] = sd[p + ours + ".weight"]
+                out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
+            # Conv1D keeps weights as (in, out): the transpose of nn.Linear's (out, in).
+            qkv = [p + f"attention.{w}" for w in ("wq", "wk", "wv")]
+            out[h + "attn.c_attn.weight"] = torch.cat([sd[n + ".weight"] for n in qkv]).t()
+            out[h + "attn.c_attn.bias"] = torch.cat([sd[n + ".bias"] for n in qkv])
+            for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"),
+                                 ("feed_forward.w2", "mlp.c_proj")):
+                out[h + theirs + ".weight"] = sd[p + ours + ".weight"].t()
+                out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------- HF -> kiln
+
+
+def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
+    """An HF config.json (as a dict) -> kiln ModelConfig; unsupported features name their key."""
+    model_type = hf.get("model_type")
+    get = _getter(hf, source)
+    if model_type == LLAMA:
+        rope = hf.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise KilnError(f"{source}: rope_parameters must be an object")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if hf.get("rope_scaling") is not None or rope_type != "default":
+            key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters.rope_type"
+            raise KilnError(f"{source}: {key} (RoPE scaling) is not supported by kiln; only plain RoPE imports")
+        _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
+        bias = get("attention_bias", bool, False)
+        if get("mlp_bias", bool, False) != bias:
+            raise KilnError(f"{source}: attention_bias={bias} with mlp_bias={not bias}: kiln's model.bias "
+                            f"sets both together")
+        for key in ("sliding_window", "use_sliding_window"):
+            if hf.get(key):
+                raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln")
+        dim, heads = get("hidden_size", int), get("num_attention_heads", int)
+        head_dim = get("head_dim", int, dim // heads or 1)
+        if head_dim * heads != dim:
+            raise KilnError(f"{source}: head_dim={head_dim} x num_attention_heads={heads} must equal "
+                            f"hidden_size={dim} for kiln")
+        rope_theta = get("rope_theta", float, 10000.0)  # transformers < 5 keeps it at the top level
+        rope_theta = _getter(rope, f"{source}: rope_parameters")("rope_theta", float, rope_theta)
+        cfg = ModelConfig(dim=dim, n_layers=get("num_hidden_layers", int), n_heads=heads,
+                          n_kv_heads=get("num_key_value_heads", int, heads),
+                          ffn_hidden=get("intermediate_size", int),
+                          max_seq_len=get("max_position_embeddings", int),
+                          norm="rmsnorm", norm_eps=get("rms_norm_eps", float, 1e-6), activation="swiglu",
+                          positions="rope", rope_theta=rope_theta, bias=bias,
+                          dropout=get("attention_dropout", float, 0.0))
+    elif model_type == GPT2:
+        if hf.get("activation_function", "gelu_new") != "gelu":  # absent means GPT-2's default, gelu_new
+            raise KilnError(f"{source}: activation_function={hf.get('activation_function', 'gelu_new')!r} is not "
+                            f"supported (kiln's gelu is the exact erf GELU; gelu_new is the tanh approximation); "
+                            f"expected 'gelu'")
+        for key, fine in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("add_cross_attention", False)):
+            if get(key, bool, fine) != fine:
+                raise KilnError(f"{source}: {key}={hf[key]!r} is not supported by kiln (expected {fine})")
+        dim = get("n_embd", int)
+        cfg = ModelConfig(dim=dim, n_layers=get("n_layer", int), n_heads=get("n_head", int),
+                          ffn_hidden=get("n_inner", int, 4 * dim), max_seq_len=get("n_positions", int),
+                          norm="layernorm", norm_eps=get("layer_norm_epsilon", float, 1e-5),
+                          activation="gelu", positions="learned", bias=True,
+                          dropout=get("resid_pdrop", float, 0.1))
+    else:
+        raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama' and 'gpt2'")
+    cfg.vocab_size = get("vocab_size", int)
+    # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
+    cfg.tie_embeddings = get("tie_word_embeddings", bool, model_type == GPT2)
+    return cfg
+
+
+_MISSING = object()
+
+
+def _getter(hf: dict, source: str) -> Callable:
+    """get(key, kind, default): a typed config.json value (ints positive, floats >= 0) or one clear error."""
+    def get(key: str, kind: type, default=_MISSING):
+        value = hf.get(key, default)
+        if value is _MISSING:
+            raise KilnError(f"{source}: {key} is missing; expected a positive {kind.__name__}")
+        if value is None and default is not _MISSING:
+            value = default  # HF writes null for "use the default"
+        if kind is float and type(value) is int:
+            value = float(value)
+        ok = type(value) is kind and (kind is bool or (value > 0 if kind is int else value >= 0))
+        if not ok:
+            wanted = ("true or false" if kind is bool
+                      else f"a {'positive' if kind is int else 'non-negative'} {kind.__name__}")
+            raise KilnError(f"{source}: {key}={value!r}; expected {wanted}")
+        return value
+    return get
+
+
+def _require(hf: dict, source: str, key: str, wanted: str, why: str) -> None:
+    if hf.get(key, wanted) != wanted:
+        raise KilnError(f"{source}: {key}={hf[key]!r} is not supported ({why}); expected {wanted!r}")
+
+
+# Non-parameter tensors some older checkpoints carry (causal masks, RoPE frequencies).
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+@dataclass
+class HFTensor:
+    """One tensor of an HF checkpoint: shape and dtype from the file header, data read by `load`."""
+
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' dtype name (F32, BF16, ...)
+    load: Callable[[], torch.Tensor]
+
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+Loader = Callable[[], torch.Tensor]
+
+
+def from_hf_state(hf_tensors: dict[str, HFTensor], cfg: ModelConfig, expected: dict[str, torch.Size],
+                  source: str) -> dict[str, Loader]:
+    """HF tensors -> kiln state-dict name -> loader of the fp32 tensor in kiln's layout.
+
+    Every tensor's presence, shape and dtype is checked from the headers before any data is read;
+    `expected` is kiln's state-dict shapes for `cfg` (from a model on the meta device). A tied
+    output head is left out (the model ties it to the embedding).
+    """
+    gpt2 = cfg.positions == "learned"
+    if gpt2:
+        # GPT-2 checkpoints come with and without the "transformer." prefix.
+        hf_tensors = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
+                      for k, v in hf_tensors.items()}
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...], change: Callable = lambda t: t) -> Loader:
+        ref = hf_tensors.get(name)
+        if ref is None:
+            raise KilnError(f"{source}: tensor {name} is missing")
+        if tuple(ref.shape) != tuple(shape):
+            raise KilnError(f"{source}: tensor {name} has shape {list(ref.shape)}; expected {list(shape)}")
+        if ref.dtype not in FLOAT_DTYPES:
+            raise KilnError(f"{source}: tensor {name} has dtype {ref.dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
+        used.add(name)
+        return lambda: change(ref.load().float()).contiguous()
+
+    out: dict[str, Loader] = {}
+    if not gpt2:
+        for ours, hf in _llama_names(cfg).items():
+            out[ours] = take(hf, expected[ours])
+    else:
+        # Inverse of to_hf_state's GPT-2 branch.
+        for ours, hf in (("tok_embeddings.weight", "wte.weight"), ("pos_embeddings.weight", "wpe.weight"),
+                         ("norm.weight", "ln_f.weight"), ("norm.bias", "ln_f.bias")):
+            out[ours] = take("transformer." + hf, expected[ours])
+        if not cfg.tie_embeddings:
+            out["output.weight"] = take("lm_head.weight", expected["output.weight"])
+        for i in range(cfg.n_layers):
+            p, h = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+                for kind in ("weight", "bias"):
+                    out[f"{p}{ours}.{kind}"] = take(f"{h}{theirs}.{kind}", expected[f"{p}{ours}.{kind}"])
+            sizes = [expected[p + f"attention.{w}.weight"][0] for w in ("wq", "wk", "wv")]
+            starts = [0, sizes[0], sizes[0] + sizes[1]]
+            for w, start, size in zip(("wq", "wk", "wv"), starts, sizes):
+                # c_attn is (dim, q|k|v) in Conv1D layout: take the columns, then transpose.
+                out[p + f"attention.{w}.weight"] = take(h + "attn.c_attn.weight", (cfg.dim, sum(sizes)),
+                                                        lambda t, a=start, n=size: t[:, a:a + n].t())
+                out[p + f"attention.{w}.bias"] = take(h + "attn.c_attn.bias", (sum(sizes),),
+                                                      lambda t, a=start, n=size: t[a:a + n])
+            for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"),
+                                 ("feed_forward.w2", "mlp.c_proj")):
+                shape = expected[p + ours + ".weight"]
+                out[p + ours + ".weight"] = take(h + theirs + ".weight", (shape[1], shape[0]), torch.t)
+                out[p + ours + ".bias"] = take(h + theirs + ".bias", expected[p + ours + ".bias"])
+    if cfg.tie_embeddings:
+        used.update(k for k in hf_tensors if k == "lm_head.weight")  # a tied head stored anyway
+    extra = sorted(k for k in hf_tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise KilnError(f"{source}: tensor {extra[0]} has no place in a kiln {cfg.positions}-position model"
+                        f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
+    return out

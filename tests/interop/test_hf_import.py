@@ -1,0 +1,289 @@
+"""kiln import-hf: a local transformers Llama/GPT-2 becomes a run that evaluates and trains on."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.cli import main  # noqa: E402
+from kiln.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
+from kiln.interop.hf_tokenizer import byte_level_tokenizer  # noqa: E402
+
+from hf_testlib import SAMPLE, hf_logits, kiln_logits, tokens  # noqa: E402
+
+
+def tiny_llama(out, **extra):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rope_theta=1000.0, tie_word_embeddings=False, initializer_range=0.2,
+                                   rms_norm_eps=1e-5, **extra)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(str(out))
+    train_bpe(iter([SAMPLE * 50]), 290).save(out / "tokenizer.json")  # fewer tokens than vocab_size
+    return model
+
+
+def tiny_gpt2(out, max_shard_size=None, **extra):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  activation_function="gelu", initializer_range=0.2, **extra)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.save_pretrained(str(out), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    byte_level_tokenizer().save(str(out / "tokenizer.json"))
+    return model
+
+
+def continue_training(run, text_file, steps):
+    return main(["train", "--resume", str(run), "--set", f"data.source={str(text_file)!r}", "--set",
+                 f"train.steps={steps}", "--set", "train.batch_size=2", "--set", "data.seq_len=16", "--set",
+                 "train.dtype=fp32", "--set", "train.eval_every=0", "--set", "metrics.progress=none", "--set",
+                 "metrics.peak_flops=1e12", "--set", "schedule.warmup_steps=1", "--set", "optim.lr=1e-3",
+                 "--set", "data.max_bytes=20000", "--set", "data.prefetch=1"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("family", ["llama", "gpt2-sharded"])
+def test_imported_model_matches_hf_evaluates_and_trains_on(family, text_file, tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    model = tiny_llama(hf_dir) if family == "llama" else tiny_gpt2(hf_dir, max_shard_size="40KB")
+    if family != "llama":
+        assert (hf_dir / "model.safetensors.index.json").is_file()  # the sharded path is exercised
+    run = tmp_path / "run"
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(run)]) == 0
+    assert "imported" in capsys.readouterr().out
+    vocab = model.config.vocab_size
+    ids = tokens(vocab)
+    torch.testing.assert_close(kiln_logits(run, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    imported_tok, hf_tok = load_tokenizer(run / "tokenizer.json"), load_tokenizer(hf_dir / "tokenizer.json")
+    assert imported_tok.encode(SAMPLE) == hf_tok.encode(SAMPLE)
+
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text(SAMPLE * 20)
+    report = tmp_path / "eval.json"
+    assert main(["eval", str(run), "--data", str(held_out), "--out", str(report)]) == 0
+    ppl = json.loads(report.read_text())["parts"]["perplexity"]
+    assert ppl["tokens"] > 0 and ppl["loss"] > 0
+
+    # Continue training from the imported weights: fresh optimizer/schedule, 2 steps, then a normal resume.
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert continue_training(run, text_file, 2) == 0
+    assert "done: 2 steps" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["resumed_from"] == 0 and [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+    from kiln.eval.load import load_run
+
+    trained = load_run(run)
+    assert trained.step == 2
+    emb = "model.embed_tokens.weight" if family == "llama" else "transformer.wte.weight"
+    drift = (trained.model.tok_embeddings.weight - before[emb]).abs().max().item()
+    assert 0 < drift < 0.05  # moved by two small steps from the imported weights, not re-initialized
+    assert continue_training(run, text_file, 3) == 0  # step-2 is a full checkpoint: ordinary resume
+    assert load_run(run).step == 3
+
+
+def test_llama_with_biases_imports_and_round_trips(tmp_path):
+    hf_dir = tmp_path / "hf"
+    model = tiny_llama(hf_dir, attention_bias=True, mlp_bias=True)
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
+    assert main(["import-hf", str(tmp_path / "hf2"), "--run-dir", str(tmp_path / "b")]) == 0
+    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), kiln_logits(tmp_path / "b", ids), atol=0, rtol=0)
+
+
+def test_bf16_weights_import_as_fp32(tmp_path):
+    hf_dir = tmp_path / "hf"
+    model = tiny_llama(tmp_path / "fp32")
+    model.to(torch.bfloat16).save_pretrained(str(hf_dir))
+    (tmp_path / "fp32" / "tokenizer.json").rename(hf_dir / "tokenizer.json")
+    assert json.loads((hf_dir / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "run")]) == 0
+    from kiln.eval.load import load_run
+
+    assert load_run(tmp_path / "run").model.tok_embeddings.weight.dtype == torch.float32
+    # transformers' own fp32 load of the bf16 file (model.float() would keep bf16-rounded RoPE buffers)
+    upcast = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "run", ids), hf_logits(upcast, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_absent_keys_take_the_transformers_class_defaults(tmp_path, capsys):
+    from kiln.interop.hf import model_config_from_hf
+
+    llama = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 48,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
+    cfg = model_config_from_hf(llama, "config.json")
+    assert not cfg.tie_embeddings and cfg.n_kv_heads == 4 and cfg.rope_theta == 10000.0 and cfg.norm_eps == 1e-6
+    from kiln.errors import KilnError
+
+    with pytest.raises(KilnError, match="config.json: vocab_size is missing; expected a positive int"):
+        model_config_from_hf({k: v for k, v in llama.items() if k != "vocab_size"}, "config.json")
+    # GPT-2 without activation_function means gelu_new (tanh), which kiln cannot represent.
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    cfg_json = json.loads((hf_dir / "config.json").read_text())
+    del cfg_json["activation_function"]
+    (hf_dir / "config.json").write_text(json.dumps(cfg_json))
+    _refused(hf_dir, tmp_path / "run", capsys, "activation_function='gelu_new'")
+
+
+def test_eos_disagreement_is_reported(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    _edit_config(hf_dir, eos_token_id=7)
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "run")]) == 0
+    assert "note: config.json has eos_token_id=7 but kiln will" in capsys.readouterr().out
+
+
+def _refused(hf_dir, run, capsys, named):
+    capsys.readouterr()  # drop save_pretrained's progress bars
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
+    assert not run.exists()
+    assert not [p for p in run.parent.iterdir() if p.name.startswith(f".{run.name}.tmp")]
+
+
+def _edit_config(hf_dir, **changes):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.update(changes)
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"model_type": "mistral"}, "model_type='mistral'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0}}, "rope_parameters.rope_type"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"sliding_window": 16}, "sliding_window=16"),
+    ({"hidden_size": "32"}, "hidden_size='32'"),
+    ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive int"),
+    ({"head_dim": [8]}, "head_dim=[8]"),
+    ({"head_dim": 16}, "head_dim=16 x num_attention_heads=4"),
+    ({"num_key_value_heads": "2"}, "num_key_value_heads='2'"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5'"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings='no'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}, "rope_parameters: rope_theta='big'"),
+    ({"num_attention_heads": 3}, "head_dim=8 x num_attention_heads=3 must equal hidden_size=32"),
+    ({"num_key_value_heads": 3}, "invalid kiln config: model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
+    ({"vocab_size": 100}, "vocab_size=100"),  # fewer than the tokenizer's 290 tokens
+])
+def test_unsupported_llama_features_are_refused_by_key(changes, named, tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_llama(hf_dir)
+    _edit_config(hf_dir, **changes)
+    _refused(hf_dir, tmp_path / "run", capsys, named)
+
+
+def test_tanh_gelu_gpt2_is_refused(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    _edit_config(hf_dir, activation_function="gelu_new")
+    _refused(hf_dir, tmp_path / "run", capsys, "activation_function='gelu_new'")
+
+
+def test_missing_files_are_named(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    (hf_dir / "tokenizer.json").unlink()
+    _refused(hf_dir, tmp_path / "run", capsys, "tokenizer.json not found")
+    byte_level_tokenizer().save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "config.json").unlink()
+    _refused(hf_dir, tmp_path / "run", capsys, "config.json not found")
+    _refused(tmp_path / "nothing", tmp_path / "run", capsys, "is not a directory")
+
+
+class _Boom:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):  # unpickling this would create a file: proof that pickle was run
+        return (open, (self.path, "w"))
+
+
+def test_pickle_weights_are_never_loaded(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    (hf_dir / "model.safetensors").unlink()
+    sentinel = tmp_path / "pwned"
+    (hf_dir / "pytorch_model.bin").write_bytes(pickle.dumps(_Boom(str(sentinel))))
+    _refused(hf_dir, tmp_path / "run", capsys, "never pytorch_model.bin")
+    assert not sentinel.exists()
+
+
+def test_index_cannot_name_files_outside_the_model_directory(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir, max_shard_size="40KB")
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    outside = tmp_path / "outside.safetensors"
+    first = next(iter(index["weight_map"]))
+    (outside).write_bytes((hf_dir / index["weight_map"][first]).read_bytes())
+    for bad in ("../outside.safetensors", str(outside)):
+        index["weight_map"][first] = bad
+        (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+        _refused(hf_dir, tmp_path / "run", capsys, f"weight_map[{first!r}]")
+
+
+def test_symlinked_shards_like_the_hf_cache_are_read(tmp_path):
+    hf_dir, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    model = tiny_gpt2(hf_dir, max_shard_size="40KB")
+    blobs.mkdir()
+    for shard in hf_dir.glob("*.safetensors"):
+        shard.rename(blobs / shard.name)
+        shard.symlink_to(blobs / shard.name)
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "run")]) == 0
+    ids = tokens(256)
+    torch.testing.assert_close(kiln_logits(tmp_path / "run", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("changes,named", [
+    ({"num_hidden_layers": 10**9}, "1000000000 layers but only"),
+    ({"max_position_embeddings": 10**9}, "max_position_embeddings=1000000000"),
+])
+def test_absurd_sizes_are_refused_before_allocating(changes, named, tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_llama(hf_dir)
+    _edit_config(hf_dir, **changes)
+    _refused(hf_dir, tmp_path / "run", capsys, named)
+
+
+def test_wrong_shapes_and_stray_tensors_are_named(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    good = dict(tensors)
+    tensors["transformer.h.1.mlp.c_fc.weight"] = tensors["transformer.h.1.mlp.c_fc.weight"].t().contiguous()
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+    _refused(hf_dir, tmp_path / "run", capsys, "tensor transformer.h.1.mlp.c_fc.weight has shape [128, 32]")
+    save_file({**good, "transformer.h.0.attn.q_norm.weight": torch.ones(8)}, str(hf_dir / "model.safetensors"))
+    _refused(hf_dir, tmp_path / "run", capsys, "tensor transformer.h.0.attn.q_norm.weight has no place")
+    save_file({**good, "transformer.ln_f.bias": torch.zeros(32, dtype=torch.int64)}, str(hf_dir / "model.safetensors"))
+    _refused(hf_dir, tmp_path / "run", capsys, "tensor transformer.ln_f.bias has dtype I64")
+    del good["transformer.ln_f.bias"]
+    save_file(good, str(hf_dir / "model.safetensors"))
+    _refused(hf_dir, tmp_path / "run", capsys, "tensor transformer.ln_f.bias is missing")
+    (hf_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    _refused(hf_dir, tmp_path / "run", capsys, "not a readable safetensors file")
+
+
+def test_existing_run_directory_is_left_alone(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    tiny_gpt2(hf_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(run)]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in run.iterdir()] == ["notes.txt"]
