@@ -22,6 +22,7 @@ from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer, count_params, flops_per_token, lm_loss
+from kiln.parallel.data_parallel import shard_optimizer_state, step_stats_over_ranks, sum_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import parallelize
 from kiln.train.evaluate import Evaluator, autocast_context
@@ -140,7 +141,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, dims, device)
     model.train()
-    optimizer = build_optimizer(model, cfg.optim, device.type)
+    optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.optim.lr, cfg.train.steps)
     loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
                     dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device)
@@ -158,13 +159,16 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * dims.dp_size
     flops_tok = flops_per_token(model, cfg.data.seq_len)
     peak, peak_source = peak_flops(device, cfg.train.dtype, cfg.metrics.peak_flops)
+    world_peak = sum_over_ranks(peak, device)  # MFU is of the whole job: every rank's peak
     metrics = MetricsLogger(run_dir / "metrics.jsonl", cfg.metrics, cfg.train.steps, state.step,
                             enabled=dims.is_main)
     metrics.log({"kind": "run", "step": state.step, "n_params": counts["total"],
                  "n_params_non_embedding": counts["non_embedding"], "flops_per_token": flops_tok,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
                  "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
-                 "world_size": dims.world_size, "resumed_from": resume_step})
+                 "world_size": dims.world_size, "dp_mode": dims.dp_mode if dims.dp_size > 1 else "none",
+                 "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "world_peak_flops": world_peak,
+                 "resumed_from": resume_step})
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "
                   f"{len(train_windows)} training windows, peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 
@@ -180,16 +184,19 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
             micro = [loader.next() for _ in range(cfg.train.grad_accum)]
             loss, grad_norm, stepped = train_step(model, optimizer, micro, autocast=autocast, scaler=scaler,
                                                   clip=cfg.train.clip_grad_norm)
-            loss_value = _mean_over_ranks(loss)  # the .item() inside also syncs the device for timing
+            # Loss averaged over ranks, slowest rank's time, memory per rank (the gather syncs the device).
+            stats = step_stats_over_ranks(loss, t0, memory_mb(device))
+            loss_value = stats["loss"]
             lr = schedule.lr
             schedule.step()
             state.step += 1
             state.tokens += tokens_per_step
-            step_s = time.perf_counter() - t0
-            tps = tokens_per_step / step_s
+            step_s = stats["step_s"]
+            tps = tokens_per_step / step_s  # global tokens (all data-parallel ranks) per second
             metrics.log({"kind": "train", "step": state.step, "loss": loss_value, "lr": lr,
                          "grad_norm": float(grad_norm), "tokens": state.tokens, "tokens_per_s": tps,
-                         "mfu": flops_tok * tps / (peak * dims.world_size), "memory_mb": memory_mb(device),
+                         "mfu": flops_tok * tps / world_peak, "memory_mb": stats["memory_mb"],
+                         "memory_mb_min": stats["memory_mb_min"],
                          "data_wait_ms": 1000 * loader.wait_s, "step_ms": 1000 * step_s,
                          "skipped": not stepped})
             if stepped:
@@ -241,15 +248,6 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if stop_reason.startswith("stopped:"):
         raise KilnError(stop_reason)
     return TrainResult(run_dir, state.step, last_loss, state.best_val_loss, last_val, stop_reason, dims.is_main)
-
-
-def _mean_over_ranks(loss: torch.Tensor) -> float:
-    if dist.is_available() and dist.is_initialized():
-        loss = loss.clone()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
-        if dist.get_backend() != "nccl":
-            loss /= dist.get_world_size()
-    return loss.item()
 
 
 def _barrier() -> None:

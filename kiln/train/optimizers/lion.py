@@ -5,7 +5,9 @@
     m      = beta2 * m + (1 - beta2) * g
 
 One momentum buffer per parameter (half of Adam's state). Implemented with torch's foreach ops
-over each group so a step is a handful of kernel launches, not one per tensor per op.
+over each group so a step is a handful of kernel launches, not one per tensor per op; only ops
+with DTensor sharding rules across the declared torch range (mul, add, sign), so it steps
+FSDP-sharded parameters too.
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ class Lion(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             if wd != 0:
                 torch._foreach_mul_(params, 1.0 - lr * wd)
-            # lerp(g, m, beta1) = beta1 * m + (1 - beta1) * g
-            updates = torch._foreach_lerp(grads, exp_avgs, beta1)
+            # Interpolations as mul + add rather than _foreach_lerp: torch < 2.13 has no DTensor
+            # sharding rule for _foreach_lerp, so FSDP-sharded parameters would fail to step.
+            updates = torch._foreach_mul(exp_avgs, beta1)  # beta1 * m + (1 - beta1) * g
+            torch._foreach_add_(updates, grads, alpha=1.0 - beta1)
             torch._foreach_sign_(updates)
             torch._foreach_add_(params, updates, alpha=-lr)
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
+            torch._foreach_mul_(exp_avgs, beta2)  # m = beta2 * m + (1 - beta2) * g
+            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
         return loss
