@@ -112,6 +112,14 @@ class ParallelDims:
         self.mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
 
 
+def rank_label() -> str:
+    """"[rank N] " inside a multi-process launch, "" otherwise: prefixes a failing rank's error line
+    (before any ParallelDims exists, e.g. for a config error, so it reads torchrun's RANK itself)."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return f"[rank {os.environ.get('RANK', '?')}] "
+    return ""
+
+
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:
     """The device of this rank. `cuda` / `auto` give local rank i the GPU `cuda:i`; more processes
     on a node than GPUs is a configuration error, not a CUDA crash (train.device=cpu runs them all

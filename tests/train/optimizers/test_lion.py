@@ -38,3 +38,14 @@ def test_lion_skips_params_without_grad_and_rejects_bad_betas():
     assert torch.equal(b.detach(), torch.ones(2)) and b not in opt.state
     with pytest.raises(ValueError, match="betas"):
         Lion([a], betas=(0.9, 1.0))
+
+
+def test_lion_steps_without_foreach_lerp(monkeypatch):
+    # torch < 2.13 has no DTensor sharding rule for _foreach_lerp, so Lion on FSDP-sharded
+    # parameters failed there; the step must not depend on it.
+    def refuse(*args, **kwargs):
+        raise AssertionError("Lion called a foreach lerp")
+
+    monkeypatch.setattr(torch, "_foreach_lerp", refuse)
+    monkeypatch.setattr(torch, "_foreach_lerp_", refuse)
+    test_lion_matches_hand_computed_steps(0.5, [0.85, -1.8, 0.475], [0.7075, -1.81, 0.35125])
