@@ -41,7 +41,7 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
     `get_state_dict` asks every rank for the same full, FQN-keyed dict (it saves replicated
     tensors once and reshards on load). So the full state is consolidated to each rank in turn at
     save time (a transient full copy: ZeRO-1 saves memory in the step, not in the checkpoint).
-    `load_state_dict` of a full dict is torch's own: each rank keeps its partition.
+    Loading takes the full dict DCP gives back; torch's own loader keeps this rank's partition.
     """
 
     def step(self, closure=None):
@@ -53,9 +53,9 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
         return loss
 
     def state_dict(self) -> dict:
-        for rank in range(dist.get_world_size(self.process_group)):
-            self.consolidate_state_dict(to=dist.get_global_rank(self.process_group, rank))
-            if rank == dist.get_rank(self.process_group):
+        for rank in range(dist.get_world_size(self.process_group)):  # ranks within the group
+            self.consolidate_state_dict(to=rank)
+            if rank == self.rank:
                 full = super().state_dict()
         return full
 
