@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from kiln.errors import KilnError
 
 COMMANDS = {
@@ -41,12 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@record  # under torchrun, a rank's uncaught exception reaches the launcher's summary with its rank
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._module.run(args) or 0)
     except KilnError as e:
-        print(f"kiln {args.command}: error: {e}", file=sys.stderr)
+        from kiln.parallel.dims import rank_label
+
+        print(f"{rank_label()}kiln {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"kiln {args.command}: interrupted", file=sys.stderr)

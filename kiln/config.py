@@ -266,11 +266,26 @@ class ParallelConfig:
     pp: int = ranged(1, gt=0)
     cp: int = ranged(1, gt=0)
     ep: int = ranged(1, gt=0)
+    # How the data-parallel ranks share the model (exact mapping in docs/parallel.md):
+    #   auto:  ddp when only dp_replicate > 1, else fsdp (hsdp when both dp_replicate and dp_shard > 1)
+    #   ddp:   replicated params/grads/optimizer, gradients all-reduced (DistributedDataParallel)
+    #   zero1: ddp + optimizer state sharded (ZeroRedundancyOptimizer)
+    #   zero2: FSDP2 with reshard_after_forward=False (params kept gathered from forward to backward)
+    #   fsdp:  FSDP2 = ZeRO-3 (params resharded after forward); with dp_replicate > 1 this is HSDP
+    dp_mode: str = ranged("auto", choices=("auto", "ddp", "zero1", "zero2", "fsdp"))
+    reduce_dtype: str = ranged("fp32", choices=("fp32", "bf16"))  # dtype FSDP2 reduce-scatters gradients in
+    cpu_offload: bool = False  # zero2/fsdp on GPU: parameters, gradients and optimizer state in CPU memory
 
     def validate(self) -> None:
         check_fields(self, "parallel.")
         if self.dp_shard == 0:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be -1 (auto) or >= 1")
+        if self.dp_mode in ("ddp", "zero1") and self.dp_shard not in (-1, 1):
+            raise ConfigError(f"parallel.dp_mode={self.dp_mode!r} replicates the model on every data-parallel "
+                              f"rank; set parallel.dp_shard=1 (or -1), or use dp_mode='fsdp' for HSDP")
+        if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
+            raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "
+                              f"not {self.dp_mode!r}")
 
 
 @dataclass

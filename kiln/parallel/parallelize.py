@@ -1,7 +1,8 @@
 """The one `parallelize` entry for kiln's transformer, applied to the model on the meta device.
 
 Order (torchtitan's): pipeline split -> tensor/sequence parallel -> float8 -> activation
-checkpointing -> compile -> FSDP/DDP. On one device float8, checkpointing and compile apply.
+checkpointing -> compile -> FSDP/DDP (DDP and ZeRO-1 live in data_parallel.py). On one device
+float8, checkpointing and compile apply; a whole-model compile comes last, after data parallelism.
 Materialization and init come after this (see kiln/train/trainer.py), so sharded weights are
 allocated sharded.
 """
@@ -13,6 +14,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from kiln.config import JobConfig
+from kiln.parallel.data_parallel import apply_ddp
 from kiln.parallel.dims import ParallelDims
 
 
@@ -67,19 +69,23 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False) -> No
         model.layers[i] = torch.compile(block, fullgraph=True)
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None, cpu_offload: bool) -> None:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None, cpu_offload: bool,
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> None:
+    """FSDP2 over the data-parallel mesh: 1-D (dp_shard) shards, 2-D (dp_replicate x dp_shard) is
+    HSDP (sharded within a replica group, all-reduced across groups). reshard_after_forward=True
+    is ZeRO-3; False keeps each block's parameters gathered from forward to backward (ZeRO-2:
+    parameters are still stored sharded between steps, gradients and optimizer state always)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    names = [n for n in ("dp_replicate", "dp_shard") if n in dims.mesh.mesh_dim_names]
-    mesh = dims.mesh[tuple(names)]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mesh = dims.mesh[dims.dp_mesh_names]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:  # gloo cannot all-gather pinned CPU tensors; pin_memory=False is required on CPU
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     for i, block in enumerate(model.layers):
         # The last block is not resharded after forward: backward needs it first.
-        fully_shard(block, reshard_after_forward=i < len(model.layers) - 1, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(model.layers) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
@@ -91,8 +97,20 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
     if cfg.train.compile and scope == "blocks":
         apply_compile(model, "blocks")
     if dims.world_size > 1 and dims.dp_size > 1:
-        param_dtype = torch.bfloat16 if (cfg.train.dtype == "bf16" and device.type == "cuda") else None
-        apply_fsdp(model, dims, param_dtype, cpu_offload=device.type == "cpu")
+        apply_data_parallel(model, dims, cfg, device)
     if cfg.train.compile and scope == "model":
         apply_compile(model, "model", cfg.train.cuda_graphs)
     return model
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> None:
+    """The last stage: ddp/zero1 replicate (zero1's optimizer side is in data_parallel.py);
+    zero2/fsdp/hsdp shard with FSDP2."""
+    if dims.dp_mode in ("ddp", "zero1"):
+        apply_ddp(model, dims)
+        return
+    # Mixed precision: compute in bf16 on GPUs when train.dtype=bf16 (autocast does it on CPU).
+    param_dtype = torch.bfloat16 if (cfg.train.dtype == "bf16" and device.type == "cuda") else None
+    reduce_dtype = torch.bfloat16 if cfg.parallel.reduce_dtype == "bf16" else torch.float32
+    apply_fsdp(model, dims, param_dtype, cpu_offload=cfg.parallel.cpu_offload or device.type == "cpu",
+               reduce_dtype=reduce_dtype, reshard_after_forward=dims.dp_mode != "zero2")

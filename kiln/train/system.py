@@ -27,9 +27,12 @@ def compute_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
 
 
-def resolve_loss(name: str, device: torch.device) -> str:
-    """`auto` -> the chunked LM head + loss on CUDA (no fp32 logits in GPU memory), the plain one
-    on CPU, where it measured as fast or faster (benchmarks/README.md, "loss")."""
+def resolve_loss(name: str, device: torch.device, whole_model_compiled: bool = False) -> str:
+    """`auto` -> the chunked LM head + loss on CUDA unless the whole model (head and loss included)
+    is compiled: there inductor fuses the cross-entropy itself and the plain loss measured 2%
+    faster at GPT-2 124M shapes on an H200 (benchmarks/README.md, "One GPU"); eager or per-block
+    compiled, chunking keeps the fp32 logits (2.5 GB at 124M shapes) out of GPU memory. CPU: the
+    plain loss (no GPU memory to save, and one matmul beats many small ones)."""
     if name != "auto":
         return name
-    return "chunked" if device.type == "cuda" else "full"
+    return "chunked" if device.type == "cuda" and not whole_model_compiled else "full"

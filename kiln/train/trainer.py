@@ -22,6 +22,7 @@ from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
+from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import compile_scope, parallelize
 from kiln.train.attention import configure_attention
@@ -121,10 +122,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, dims, device)
     model.train()
-    model.loss_impl = resolve_loss(cfg.train.loss, device)
+    model.loss_impl = resolve_loss(cfg.train.loss, device, cfg.train.compile and compile_scope(cfg, dims) == "model")
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
                                     cfg.train.batch_size, cfg.data.seq_len)
-    optimizer = build_optimizer(model, cfg.optim, device.type)
+    optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
     loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
                     dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device)
@@ -146,13 +147,16 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * dims.dp_size
     flops_tok = flops_per_token(model, cfg.data.seq_len)
     peak, peak_source = peak_flops(device, cfg.train.dtype, cfg.metrics.peak_flops)
+    world_peak = sum_over_ranks(peak, device)  # MFU is of the whole job: every rank's peak
     metrics = MetricsLogger(run_dir / "metrics.jsonl", cfg.metrics, cfg.train.steps, state.step,
                             enabled=dims.is_main)
     metrics.log({"kind": "run", "step": state.step, "n_params": counts["total"],
                  "n_params_non_embedding": counts["non_embedding"], "flops_per_token": flops_tok,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
                  "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
-                 "world_size": dims.world_size, "resumed_from": resume_step,
+                 "world_size": dims.world_size, "dp_mode": dims.dp_mode if dims.dp_size > 1 else "none",
+                 "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "world_peak_flops": world_peak,
+                 "resumed_from": resume_step,
                  "nonfinite_check": "device" if skips_on_device(optimizer) else "host",
                  "loss_impl": model.loss_impl, **attention,
                  "compile": compile_scope(cfg, dims) if cfg.train.compile else "none"})
@@ -176,13 +180,16 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
             return True
         elapsed = time.perf_counter() - window["t0"]
         window["t0"] = time.perf_counter()
-        step_s = elapsed / len(results)  # the device ran asynchronously: time the window, not a step
-        tps = tokens_per_step / step_s
-        mem = memory_mb(device)
+        # The device ran asynchronously: time the window, not a step; the job runs at the pace of
+        # its slowest rank; memory is per rank (max and min).
+        stats = window_stats_over_ranks(elapsed, memory_mb(device), device)
+        step_s = stats["window_s"] / len(results)
+        tps = tokens_per_step / step_s  # global tokens (all data-parallel ranks) per second
         for r in results:
             metrics.log({"kind": "train", "step": r.step, "loss": r.loss, "lr": r.lr,
                          "grad_norm": r.grad_norm, "tokens": r.tokens, "tokens_per_s": tps,
-                         "mfu": flops_tok * tps / (peak * dims.world_size), "memory_mb": mem,
+                         "mfu": flops_tok * tps / world_peak, "memory_mb": stats["memory_mb"],
+                         "memory_mb_min": stats["memory_mb_min"],
                          "data_wait_ms": 1000 * r.data_wait_s, "step_ms": 1000 * step_s,
                          "skipped": r.skipped})
             if not r.skipped:

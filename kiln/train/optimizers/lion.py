@@ -5,7 +5,9 @@
     m      = beta2 * m + (1 - beta2) * g
 
 One momentum buffer per parameter (half of Adam's state). Implemented with torch's foreach ops
-over each group so a step is a handful of kernel launches, not one per tensor per op.
+over each group so a step is a handful of kernel launches, not one per tensor per op; only ops
+with DTensor sharding rules across the declared torch range, so it steps FSDP-sharded
+parameters too (the sign is per tensor: torch 2.11 has no rule for _foreach_sign).
 """
 
 from __future__ import annotations
@@ -50,9 +52,14 @@ class Lion(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             if wd != 0:
                 torch._foreach_mul_(params, 1.0 - lr * wd)
-            # lerp(g, m, beta1) = beta1 * m + (1 - beta1) * g
-            updates = torch._foreach_lerp(grads, exp_avgs, beta1)
-            torch._foreach_sign_(updates)
+            # torch 2.11 has no DTensor sharding rule for the out-of-place _foreach_lerp nor for
+            # _foreach_sign(_), so FSDP-sharded parameters could not step: mul + add, and a
+            # per-tensor sign_ (a plain pointwise op, which DTensor supports everywhere).
+            updates = torch._foreach_mul(exp_avgs, beta1)  # beta1 * m + (1 - beta1) * g
+            torch._foreach_add_(updates, grads, alpha=1.0 - beta1)
+            for update in updates:
+                update.sign_()
             torch._foreach_add_(params, updates, alpha=-lr)
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
+            torch._foreach_mul_(exp_avgs, beta2)  # m = beta2 * m + (1 - beta2) * g
+            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
         return loss

@@ -38,3 +38,15 @@ def test_lion_skips_params_without_grad_and_rejects_bad_betas():
     assert torch.equal(b.detach(), torch.ones(2)) and b not in opt.state
     with pytest.raises(ValueError, match="betas"):
         Lion([a], betas=(0.9, 1.0))
+
+
+def test_lion_steps_without_foreach_ops_that_dtensor_lacks_in_torch_2_11(monkeypatch):
+    # torch 2.11 has no DTensor sharding rule for _foreach_lerp (out of place) or _foreach_sign(_)
+    # (seen on an H200 machine with torch 2.11.0+cu130), so Lion on FSDP-sharded parameters failed
+    # there; the step must not depend on them.
+    def refuse(*args, **kwargs):
+        raise AssertionError("Lion called a foreach op without a DTensor rule in torch 2.11")
+
+    for name in ("_foreach_lerp", "_foreach_sign", "_foreach_sign_"):
+        monkeypatch.setattr(torch, name, refuse)
+    test_lion_matches_hand_computed_steps(0.5, [0.85, -1.8, 0.475], [0.7075, -1.81, 0.35125])

@@ -1,0 +1,193 @@
+"""Per-rank memory, step time and bytes sent per step of each data-parallel mode, on CPU/gloo.
+
+For world sizes 1, 2, 4 and dp_mode ddp, zero1, zero2, fsdp, N processes (gloo) each build
+kiln's transformer through the trainer's own path (`build_model` -> parallelize, then
+`build_optimizer` -> `shard_optimizer_state`) and run AdamW steps on a fixed global batch.
+Measured on every rank, then the largest rank is reported:
+
+- parameters, gradients, optimizer state: bytes of the tensors this rank holds (the local shard
+  of a DTensor) after a step; "after fwd" is parameter bytes held between forward and backward
+  (what ZeRO-2 keeps gathered and ZeRO-3 does not);
+- ideal: the single-process bytes / N for the parts the mode shards, the full bytes otherwise;
+- step time: median wall time of the timed steps (slowest rank);
+- sent per step: bytes this process wrote to its gloo sockets during one step (Linux
+  /proc/self/io `wchar`; the step does no other writes). Ring all-reduce sends 2(N-1)/N of the
+  gradient bytes per rank; all-gather and reduce-scatter (N-1)/N each.
+
+    python benchmarks/parallel_memory.py [--dim 384 --layers 6 --vocab 4096] [--worlds 1,2,4]
+        [--modes ddp,zero1,zero2,fsdp] [--steps 3] [--quick]
+
+Writes benchmarks/results/parallel_memory.json and prints a markdown table. Memory figures are
+exact byte counts (not allocator statistics), so they do not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, machine_info  # noqa: E402
+
+MODES = ("ddp", "zero1", "zero2", "fsdp")
+SHARDED = {"ddp": (), "zero1": ("optimizer",), "zero2": ("params", "grads", "optimizer"),
+           "fsdp": ("params", "grads", "optimizer")}
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_state(optimizer) -> list[torch.Tensor]:
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's optimizer
+    return [v for state in inner.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def sent_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from kiln.config import load_config
+    from kiln.model.transformer import lm_loss
+    from kiln.parallel.data_parallel import shard_optimizer_state
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.optim import build_optimizer
+    from kiln.train.trainer import build_model
+
+    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+                             f"model.vocab_size={args.vocab}", f"data.seq_len={args.seq}", f"model.max_seq_len={args.seq}",
+                             "train.dtype=fp32", f"parallel.dp_mode={mode!r}", "optim.implementation='foreach'"])
+    dims = ParallelDims.from_config(cfg.parallel)
+    device = torch.device("cpu")
+    dims.build_mesh("cpu")
+    model = build_model(cfg, dims, device)
+    optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    per_rank = args.batch // world
+    x = tokens[rank * per_rank:(rank + 1) * per_rank, :-1]
+    y = tokens[rank * per_rank:(rank + 1) * per_rank, 1:]
+
+    def step() -> tuple[int, int]:
+        loss = lm_loss(model(x), y)
+        after_forward = local_bytes(model.parameters())
+        loss.backward()
+        grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return after_forward, grads
+
+    after_forward, grads = step()  # warm-up: builds DDP's reducer, FSDP's buffers, the optimizer state
+    times, sent = [], []
+    for _ in range(args.steps):
+        if dist.is_initialized():
+            dist.barrier()
+        s0, t0 = sent_bytes(), time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        sent.append(sent_bytes() - s0)
+    row = {"params": local_bytes(model.parameters()), "params_after_forward": after_forward, "grads": grads,
+           "optimizer": local_bytes(optimizer_state(optimizer)), "step_s": statistics.median(times),
+           "sent": statistics.median(sent), "n_params": sum(p.numel() for p in model.parameters())}
+    rows = [row]
+    if dist.is_initialized():
+        rows = [None] * world
+        dist.all_gather_object(rows, row)
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(world: int, mode: str, args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        if world == 1:
+            worker(0, 1, 0, args, mode, out)
+        else:
+            mp.spawn(worker, args=(world, free_port(), args, mode, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over the ranks")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--quick", action="store_true", help="tiny model, world 1 and 2: checks the script runs")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "parallel_memory.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.dim, args.layers, args.heads, args.vocab, args.seq, args.batch, args.steps = 32, 2, 2, 256, 16, 4, 1
+        args.worlds = "1,2"
+    worlds = [int(w) for w in args.worlds.split(",")]
+    modes = args.modes.split(",")
+    if any(args.batch % w for w in worlds):
+        ap.error(f"--batch {args.batch} must be divisible by every world size {worlds}")
+
+    single = measure(1, "ddp", args)[0]
+    results = {"single": single, "runs": []}
+    lines = [f"model: {single['n_params'] / 1e6:.2f}M params, global batch {args.batch} x {args.seq} tokens, "
+             f"fp32 AdamW; bytes per rank (largest rank), MB = 2^20 bytes", "",
+             "| mode | N | params MB (ideal) | after fwd MB | grads MB (ideal) | optim MB (ideal) | "
+             "worst part / ideal | step s | sent/step MB |",
+             "|---|---|---|---|---|---|---|---|---|",
+             f"| single | 1 | {single['params'] / 2**20:.2f} | {single['params_after_forward'] / 2**20:.2f} | "
+             f"{single['grads'] / 2**20:.2f} | {single['optimizer'] / 2**20:.2f} | 1.00 | {single['step_s']:.3f} | 0 |"]
+    for world in worlds:
+        if world == 1:
+            continue
+        for mode in modes:
+            rows = measure(world, mode, args)
+            worst = {k: max(r[k] for r in rows) for k in rows[0]}
+            ideal = {k: single[k] / (world if k in SHARDED[mode] else 1) for k in ("params", "grads", "optimizer")}
+            ratio = max(worst[k] / ideal[k] for k in ideal)
+            results["runs"].append({"mode": mode, "world": world, "per_rank": rows, "ideal": ideal,
+                                    "worst_over_ideal": ratio})
+            lines.append(
+                f"| {mode} | {world} | " + " | ".join(
+                    f"{worst[k] / 2**20:.2f} ({ideal[k] / 2**20:.2f})" if k != "params_after_forward"
+                    else f"{worst[k] / 2**20:.2f}" for k in ("params", "params_after_forward", "grads", "optimizer"))
+                + f" | {ratio:.2f} | {worst['step_s']:.3f} | {worst['sent'] / 2**20:.2f} |")
+            print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    results.update(table=table, machine=machine_info(), command="python " + " ".join(sys.argv))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

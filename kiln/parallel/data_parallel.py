@@ -1,0 +1,109 @@
+"""Data parallelism beyond FSDP2: DDP replication, ZeRO-1 optimizer-state sharding, and the
+per-step metrics that need every rank.
+
+Which torch API does what (nothing here is a hand-written collective):
+  ddp   -> torch.distributed._composable.replicate (DistributedDataParallel, applied in place so
+           parameter names, `model.layers` and checkpoints keep the plain model's FQNs; DDP is
+           built at the first forward, after the meta-device model is materialized)
+  zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
+           optimizer state of its partition of the parameters, then broadcasts the new values)
+  zero2 / fsdp / hsdp -> FSDP2 `fully_shard` in kiln/parallel/parallelize.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from kiln.parallel.dims import ParallelDims
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims) -> None:
+    """Replicate `model` over the data-parallel mesh: gradients are all-reduced (averaged) in
+    buckets during backward, overlapping with it."""
+    from torch.distributed._composable.replicate import replicate
+
+    mesh = dims.mesh[dims.dp_mesh_names]
+    if mesh.ndim > 1:
+        mesh = mesh._flatten()
+    replicate(model, device_mesh=mesh, bucket_cap_mb=25)
+
+
+class ZeroRedundancyState(ZeroRedundancyOptimizer):
+    """ZeroRedundancyOptimizer whose `state_dict()` works wherever a plain optimizer's does.
+
+    torch's version returns the full state only on the rank it was consolidated to; DCP's
+    `get_state_dict` asks every rank for the same full, FQN-keyed dict (it saves replicated
+    tensors once and reshards on load). So the full state is consolidated to each rank in turn at
+    save time (a transient full copy: ZeRO-1 saves memory in the step, not in the checkpoint).
+    Loading takes the full dict DCP gives back; torch's own loader keeps this rank's partition.
+    """
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        # DCP takes an empty `state` for "never stepped" and initializes it with a zero-gradient
+        # step, which would decay momenta; the top-level state is only filled by load_state_dict,
+        # so expose this rank's partition (state_dict() replaces it with the full state anyway).
+        self.state = self.optim.state
+        return loss
+
+    def state_dict(self) -> dict:
+        for rank in range(dist.get_world_size(self.process_group)):  # ranks within the group
+            self.consolidate_state_dict(to=rank)
+            if rank == self.rank:
+                full = super().state_dict()
+        return full
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # DCP hands over FQN-keyed state (a plain optimizer matches keys by their position in the
+        # param groups); ZeRO looks states up by that position number, so translate to it.
+        order = [key for group in state_dict["param_groups"] for key in group["params"]]
+        position = {key: i for i, key in enumerate(order)}
+        super().load_state_dict({
+            "state": {position[key]: value for key, value in state_dict["state"].items()},
+            "param_groups": [{**g, "params": [position[k] for k in g["params"]]} for g in state_dict["param_groups"]],
+        })
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
+    """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state
+    partitioned over the data-parallel ranks. Returns `optimizer` itself unless dp_mode is zero1."""
+    if dims.dp_mode != "zero1" or dims.dp_size == 1:
+        return optimizer
+    mesh = dims.mesh[dims.dp_mesh_names]
+    group = (mesh._flatten() if mesh.ndim > 1 else mesh).get_group()
+    groups = [dict(g) for g in optimizer.param_groups]
+    # ZeRO builds a new optimizer per rank from the class and keyword arguments; `defaults` can
+    # hold derived keys the constructor does not take (AdamW's decoupled_weight_decay), which the
+    # param groups carry anyway.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return ZeroRedundancyState(groups, optimizer_class=type(optimizer), process_group=group, **kwargs)
+
+
+def window_stats_over_ranks(window_s: float, memory_mb: float, device: torch.device) -> dict[str, float]:
+    """One all-gather per metrics window (not per step): the slowest rank's time for the window
+    (the job steps as fast as its slowest rank) and memory per rank (max and min). The caller has
+    already waited for its device (the fetch of the window's losses), so the time is compute's."""
+    row = torch.tensor([window_s, memory_mb], dtype=torch.float64, device=device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {"window_s": window_s, "memory_mb": memory_mb, "memory_mb_min": memory_mb}
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    table = torch.stack(rows).cpu()
+    return {"window_s": table[:, 0].max().item(), "memory_mb": table[:, 1].max().item(),
+            "memory_mb_min": table[:, 1].min().item()}
+
+
+def sum_over_ranks(value: float, device: torch.device) -> float:
+    """Sum of a per-rank number (e.g. each rank's peak FLOP/s, for MFU of the whole job)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()

@@ -1,0 +1,97 @@
+"""`[parallel]` -> degrees and data-parallel mode, bad layouts as one line, and one GPU per rank."""
+
+import pytest
+import torch
+
+from kiln.config import ParallelConfig, load_config
+from kiln.errors import ConfigError
+from kiln.parallel.dims import ParallelDims, pick_device
+
+
+def dims(world, **cfg):
+    return ParallelDims.from_config(ParallelConfig(**cfg), world_size=world, rank=0, local_rank=0,
+                                    local_world_size=world)
+
+
+def layout(d):
+    return d.dp_mode, d.dp_replicate, d.dp_shard
+
+
+def test_dp_replicate_alone_means_ddp():
+    assert layout(dims(2, dp_replicate=2)) == ("ddp", 2, 1)
+    assert layout(dims(8, dp_replicate=8)) == ("ddp", 8, 1)
+
+
+def test_default_shards_over_every_rank():
+    assert layout(dims(4)) == ("fsdp", 1, 4)
+    assert layout(dims(1)) == ("fsdp", 1, 1)
+
+
+def test_replicate_and_shard_is_hsdp():
+    assert layout(dims(4, dp_replicate=2)) == ("fsdp", 2, 2)
+    assert layout(dims(8, dp_replicate=2, dp_shard=4, dp_mode="zero2")) == ("zero2", 2, 4)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_replicating_modes_take_every_rank_as_a_replica(mode):
+    assert layout(dims(4, dp_mode=mode)) == (mode, 4, 1)
+    assert layout(dims(4, dp_mode=mode, dp_shard=1, dp_replicate=4)) == (mode, 4, 1)
+
+
+@pytest.mark.parametrize("mode", ["zero2", "fsdp"])
+def test_sharding_modes(mode):
+    assert layout(dims(2, dp_mode=mode)) == (mode, 1, 2)
+
+
+@pytest.mark.parametrize("world, cfg, names", [
+    (3, {"dp_replicate": 2}, "parallel.dp_replicate"),
+    (4, {"dp_shard": 3}, "parallel.dp_shard"),
+    (4, {"dp_replicate": 2, "dp_shard": 4}, "parallel.dp_shard"),
+    (4, {"dp_mode": "ddp", "dp_replicate": 3}, "parallel.dp_shard"),
+    (3, {"tp": 2}, "parallel.cp*tp*pp"),
+])
+def test_impossible_layout_is_one_line_naming_the_key(world, cfg, names):
+    with pytest.raises(ConfigError) as e:
+        dims(world, **cfg)
+    assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_mode_values_are_config_errors():
+    with pytest.raises(ConfigError, match="parallel.dp_mode='zero3' is not one of"):
+        load_config(overrides=["parallel.dp_mode=zero3"])
+    with pytest.raises(ConfigError, match="set parallel.dp_shard=1"):
+        load_config(overrides=["parallel.dp_mode=ddp", "parallel.dp_shard=2"])
+    with pytest.raises(ConfigError, match="cpu_offload=true needs a sharded dp_mode"):
+        load_config(overrides=["parallel.dp_mode=zero1", "parallel.cpu_offload=true"])
+    with pytest.raises(ConfigError, match="parallel.reduce_dtype"):
+        load_config(overrides=["parallel.reduce_dtype=fp16"])
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_more_ranks_on_a_node_than_gpus_is_one_line_not_a_cuda_crash(monkeypatch, device):
+    # The one-GPU machine that gave rank 1 `cuda:1` (CUDA error: invalid device ordinal).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    d = ParallelDims.from_config(ParallelConfig(), world_size=2, rank=1, local_rank=1, local_world_size=2)
+    with pytest.raises(ConfigError, match=r"2 processes on this node but 1 visible GPU\(s\).*"
+                                          r"--nproc-per-node=1.*train.device=cpu"):
+        pick_device(device, d, device_count=1)
+
+
+def test_rank_zero_of_too_many_also_refuses():
+    # Rank 0 would fit, but the job cannot: every rank must fail the same way, before any work.
+    d = ParallelDims.from_config(ParallelConfig(), world_size=4, rank=0, local_rank=0, local_world_size=4)
+    with pytest.raises(ConfigError, match="4 processes on this node but 2 visible"):
+        pick_device("cuda", d, device_count=2)
+
+
+def test_one_named_gpu_for_several_ranks_and_no_gpu():
+    d = ParallelDims.from_config(ParallelConfig(), world_size=2, rank=0, local_rank=0, local_world_size=2)
+    with pytest.raises(ConfigError, match="names one GPU for all 2 processes"):
+        pick_device("cuda:0", d, device_count=2)
+    with pytest.raises(ConfigError, match="no CUDA device is available"):
+        pick_device("cuda", d, device_count=0)
+
+
+def test_cpu_is_the_explicit_fallback():
+    d = ParallelDims.from_config(ParallelConfig(), world_size=2, rank=1, local_rank=1, local_world_size=2)
+    assert pick_device("cpu", d).type == "cpu"
