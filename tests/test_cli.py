@@ -67,3 +67,20 @@ def test_bad_corpus_is_reported(tmp_path):
     bad.write_bytes("café".encode("latin-1") * 100)
     p = kiln("train", "--run-dir", str(tmp_path / "r"), "--set", f"data.source='{bad}'", "--set", "data.tokenizer=byte")
     assert p.returncode == 2 and "not UTF-8" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("argv, absent", [
+    (["--help"], "torch"),
+    (["prep", "--help"], "torch"),
+    (["report", "--help"], "torch"),
+    (["sweep", "--help"], "torch.distributed.checkpoint"),
+])
+def test_light_commands_import_no_torch(argv, absent):
+    """Only the chosen command's module is imported: `kiln --help` and `kiln prep` start fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kiln.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "print(%r in sys.modules)" % (argv, absent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import ParallelConfig
+from kiln.errors import rank_label  # noqa: F401  (re-exported)
 from kiln.errors import ConfigError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -110,14 +111,6 @@ class ParallelDims:
         if not dims:
             dims = [("dp_shard", 1)]
         self.mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
-
-
-def rank_label() -> str:
-    """"[rank N] " inside a multi-process launch, "" otherwise: prefixes a failing rank's error line
-    (before any ParallelDims exists, e.g. for a config error, so it reads torchrun's RANK itself)."""
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        return f"[rank {os.environ.get('RANK', '?')}] "
-    return ""
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

@@ -1,5 +1,6 @@
 """Metrics are rows: one dict per step appended to metrics.jsonl, fanned out to the terminal
-(a rich progress bar on a TTY, plain lines otherwise) and TensorBoard when enabled.
+(a rich progress bar on a TTY, plain lines otherwise) and the sinks of kiln/train/metric_sinks.py
+(TensorBoard, Weights & Biases offline) when enabled.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import MetricsConfig
+from kiln.train.metric_sinks import open_sinks
 
 
 class MetricsLogger:
     def __init__(self, path: Path, cfg: MetricsConfig, total_steps: int, start_step: int,
-                 enabled: bool = True, tb_dir: Path | None = None):
+                 enabled: bool = True):
         self.enabled = enabled
         self.cfg = cfg
         self.total_steps = total_steps
@@ -34,14 +36,7 @@ class MetricsLogger:
                 TextColumn("{task.fields[info]}"), transient=False)
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
             self._progress.start()
-        self._tb = None
-        if enabled and cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                self.print("tensorboard is not installed (pip install tensorboard); metrics.tensorboard ignored")
-            else:
-                self._tb = SummaryWriter(str(tb_dir or path.parent / "tensorboard"))
+        self._sinks = open_sinks(cfg, path.parent, self.print) if enabled else []
 
     def print(self, message: str) -> None:
         if not self.enabled:
@@ -58,10 +53,8 @@ class MetricsLogger:
         self._file.write(json.dumps(row, allow_nan=True) + "\n")
         self._file.flush()
         kind, step = row.get("kind"), row.get("step", 0)
-        if self._tb is not None:
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "time"):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+        for sink in self._sinks:
+            sink.write(row)
         if kind == "train":
             info = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  "
                     f"mfu {100 * row['mfu']:.1f}%  wait {row['data_wait_ms']:.1f} ms")
@@ -80,7 +73,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
         if self._file is not None:
             self._file.close()
