@@ -173,13 +173,20 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 200  # steps between checkpoints; 0 disables periodic saving
-    keep_last: int = 2
+    keep_last: int = 2  # newest complete checkpoints kept (the newest is never pruned)
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
     save_final: bool = True
+    async_save: bool = True  # block only while state is copied to host memory; write in the background
+    on_error: str = "continue"  # a failed save (disk full, I/O error): continue training | stop
+    make_room: bool = True  # when the disk is short, prune what retention would prune before saving
 
     def validate(self) -> None:
         if self.every < 0:
             raise ConfigError(f"checkpoint.every={self.every} must be >= 0")
         _positive("checkpoint.keep_last", self.keep_last)
+        if self.keep_every < 0:
+            raise ConfigError(f"checkpoint.keep_every={self.keep_every} must be >= 0")
+        _choice("checkpoint.on_error", self.on_error, ("continue", "stop"))
 
 
 @dataclass

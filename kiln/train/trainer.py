@@ -107,7 +107,11 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     cfg.train.dtype = resolve_dtype(cfg.train.dtype, device)
     if cfg.train.dtype == "fp16" and device.type != "cuda":
         raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
-    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main)
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main,
+                             keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save,
+                             make_room=cfg.checkpoint.make_room)
+    if resume is not False:
+        ckpt.clean_stray()
     resume_step = ckpt.latest_step()
     if resume and resume_step is None:
         raise KilnError(f"--resume: {run_dir}/checkpoints has no checkpoint to resume from")
@@ -148,8 +152,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(), "train": state}
-    if resume_step is not None:
-        ckpt.load(stateful, resume_step)
+    if resume_step is not None:  # the newest checkpoint that verifies; damaged ones are one line each
+        resume_step = ckpt.load(stateful)
     scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
     autocast = autocast_context(device, cfg.train.dtype)
 
@@ -168,9 +172,14 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "
                   f"{len(train_windows)} training windows, peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 
+    def log_saves(results) -> None:
+        for result in results:
+            metrics.log(result.row())
+            if not result.ok and cfg.checkpoint.on_error == "stop":
+                raise KilnError(f"{result.error} (checkpoint.on_error='stop')")
+
     def save(step: int) -> None:
-        path, seconds = ckpt.save(step, stateful, {"config.toml": to_toml(cfg)})
-        metrics.log({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
+        log_saves(ckpt.save(step, stateful, {"config.toml": to_toml(cfg)}))
 
     last_loss, last_val, stop_reason = math.nan, math.nan, "completed"
     try:
@@ -235,7 +244,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         else:
             if cfg.checkpoint.save_final and ckpt.latest_step() != state.step:
                 save(state.step)
+        log_saves(ckpt.close())
     finally:
+        ckpt.close()
         loader.close()
         metrics.close()
     if stop_reason.startswith("stopped:"):
