@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from kiln.checkpoint import manifest, retention
 from kiln.checkpoint.errors import describe_write_error
 from kiln.checkpoint.manifest import CheckpointInvalid
-from kiln.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
+from kiln.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, load_metadata
 from kiln.errors import KilnError
 
 # DCP warns on every single-process save/load that it "assumes" single-process intent; we pass
@@ -285,6 +285,9 @@ class CheckpointManager:
             path = found[candidate]
             try:
                 manifest.verify(path)
+                # Refuse a hostile .metadata here, in one line: inside dcp.load the reader's
+                # refusal (same allowlist) would come back wrapped in DCP's own errors.
+                load_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
                 dcp.load(states, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
                          no_dist=not _distributed())
                 return candidate
