@@ -111,11 +111,13 @@ def _stderr(message: str) -> None:
 
 class CheckpointManager:
     def __init__(self, ckpt_dir: Path, keep_last: int = 2, is_main: bool = True, *, keep_every: int = 0,
-                 async_save: bool = False, make_room: bool = True, log: Callable[[str], None] = _stderr):
+                 async_save: bool = False, make_room: bool = True, stop_on_error: bool = False,
+                 log: Callable[[str], None] = _stderr):
         self.dir = Path(ckpt_dir)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.is_main = is_main
         self.make_room = make_room
+        self.stop_on_error = stop_on_error  # after a failed save, start no other (the trainer stops)
         self.log = log
         self.async_save = async_save
         self._executor: ThreadPoolExecutor | None = None
@@ -152,6 +154,8 @@ class CheckpointManager:
         `error` line, never exceptions."""
         t0 = time.perf_counter()
         note = self._wait_pending()
+        if self.stop_on_error and any(not r.ok for r in self._finished):
+            return self._take_finished()
         final, tmp = self.dir / f"step-{step}", self.dir / f".step-{step}.tmp"
         try:
             if self.is_main:

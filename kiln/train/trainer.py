@@ -109,7 +109,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main,
                              keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save,
-                             make_room=cfg.checkpoint.make_room)
+                             make_room=cfg.checkpoint.make_room, stop_on_error=cfg.checkpoint.on_error == "stop")
     if resume is not False:
         ckpt.clean_stray()
     resume_step = ckpt.latest_step()
