@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from kiln.checkpoint import manifest, retention
 from kiln.checkpoint.errors import describe_write_error
 from kiln.checkpoint.manifest import CheckpointInvalid
+from kiln.checkpoint.staging import ReusedStaging, StagingFileSystemWriter
 from kiln.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, load_metadata
 from kiln.errors import KilnError
 
@@ -124,6 +125,7 @@ class CheckpointManager:
         self._pending: Future | None = None
         self._pending_step: int | None = None
         self._finished: list[SaveResult] = []
+        self._staging = ReusedStaging()
         # Async saves run DCP's collectives from a background thread; they get their own gloo
         # group so they never interleave with the training loop's collectives.
         self._group = dist.new_group(backend="gloo") if async_save and _distributed() else None
@@ -167,8 +169,8 @@ class CheckpointManager:
                     note = "; ".join(filter(None, [note, freed]))
             _barrier()
             if self.async_save:
-                writer = dcp.FileSystemWriter(str(tmp), cache_staged_state_dict=torch.cuda.is_available())
-                kwargs = {"storage_writer": writer, "process_group": self._group}
+                kwargs = {"storage_writer": StagingFileSystemWriter(str(tmp), self._staging),
+                          "process_group": self._group}
                 if "no_dist" in inspect.signature(dcp.async_save).parameters:
                     kwargs["no_dist"] = not _distributed()
                 dcp_future = dcp.async_save(states, **kwargs)
