@@ -172,7 +172,8 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 200  # steps between checkpoints; 0 disables periodic saving
+    every: int | str = 200  # steps between checkpoints; 0 disables periodic saving; "auto": Young/Daly
+    mtbf_hours: float = 24.0  # mean time between failures, for every = "auto"
     keep_last: int = 2  # newest complete checkpoints kept (the newest is never pruned)
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this; 0: none
     save_final: bool = True
@@ -181,8 +182,12 @@ class CheckpointConfig:
     make_room: bool = True  # when the disk is short, prune what retention would prune before saving
 
     def validate(self) -> None:
-        if self.every < 0:
+        if isinstance(self.every, str) and self.every != "auto":
+            raise ConfigError(f"checkpoint.every={self.every!r} must be a step count >= 0 or 'auto'")
+        if isinstance(self.every, int) and self.every < 0:
             raise ConfigError(f"checkpoint.every={self.every} must be >= 0")
+        if not self.mtbf_hours > 0:
+            raise ConfigError(f"checkpoint.mtbf_hours={self.mtbf_hours} must be > 0")
         _positive("checkpoint.keep_last", self.keep_last)
         if self.keep_every < 0:
             raise ConfigError(f"checkpoint.keep_every={self.keep_every} must be >= 0")

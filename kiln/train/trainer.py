@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kiln.checkpoint.interval import CheckpointInterval
 from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, RNGState
 from kiln.config import JobConfig, to_toml
 from kiln.data.dataset import TOKENIZER_FILE, prepare_shards
@@ -178,8 +179,15 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
             if not result.ok and cfg.checkpoint.on_error == "stop":
                 raise KilnError(f"{result.error} (checkpoint.on_error='stop')")
 
+    interval = CheckpointInterval(cfg.checkpoint.every, cfg.checkpoint.mtbf_hours, state.step)
+
     def save(step: int) -> None:
-        log_saves(ckpt.save(step, stateful, {"config.toml": to_toml(cfg)}))
+        t0 = time.perf_counter()
+        results = ckpt.save(step, stateful, {"config.toml": to_toml(cfg)})
+        planned = interval.saved(step, time.perf_counter() - t0)
+        log_saves(results)
+        if planned:
+            metrics.log({"kind": "event", "step": step, "message": planned})
 
     last_loss, last_val, stop_reason = math.nan, math.nan, "completed"
     try:
@@ -234,7 +242,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                     metrics.log({"kind": "event", "step": state.step, "message": stop_reason})
                     save(state.step)
                     break
-            if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
+            if interval.due(state.step):
                 save(state.step)
             if stop_at is not None and state.step >= stop_at and not last_step:
                 stop_reason = f"paused at step {state.step} (--stop-at); resume with kiln train --resume"
