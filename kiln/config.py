@@ -180,6 +180,10 @@ class CheckpointConfig:
     async_save: bool = True  # block only while state is copied to host memory; write in the background
     on_error: str = "continue"  # a failed save (disk full, I/O error): continue training | stop
     make_room: bool = True  # when the disk is short, prune what retention would prune before saving
+    spike_zscore: float = 0.0  # loss-spike recovery: restore + skip data when loss z-score exceeds this; 0: off
+    spike_window: int = 50  # losses the z-score is computed over
+    spike_max_recoveries: int = 3
+    spike_skip_batches: int = 0  # global micro-batches skipped after the spike (besides those before it)
 
     def validate(self) -> None:
         if isinstance(self.every, str) and self.every != "auto":
@@ -192,6 +196,9 @@ class CheckpointConfig:
         if self.keep_every < 0:
             raise ConfigError(f"checkpoint.keep_every={self.keep_every} must be >= 0")
         _choice("checkpoint.on_error", self.on_error, ("continue", "stop"))
+        if self.spike_zscore < 0 or self.spike_window < 2 or self.spike_max_recoveries < 0 or self.spike_skip_batches < 0:
+            raise ConfigError("checkpoint.spike_*: spike_zscore >= 0, spike_window >= 2, "
+                              "spike_max_recoveries >= 0 and spike_skip_batches >= 0 expected")
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from kiln.checkpoint.interval import CheckpointInterval
 from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, RNGState
+from kiln.checkpoint.spike import SpikeGuard
 from kiln.config import JobConfig, to_toml
 from kiln.data.dataset import TOKENIZER_FILE, prepare_shards
 from kiln.data.loader import Loader, TokenWindows
@@ -180,6 +181,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                 raise KilnError(f"{result.error} (checkpoint.on_error='stop')")
 
     interval = CheckpointInterval(cfg.checkpoint.every, cfg.checkpoint.mtbf_hours, state.step)
+    spikes = SpikeGuard(cfg.checkpoint.spike_zscore, cfg.checkpoint.spike_window,
+                        cfg.checkpoint.spike_max_recoveries, cfg.checkpoint.spike_skip_batches)
 
     def save(step: int) -> None:
         t0 = time.perf_counter()
@@ -209,6 +212,13 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                          "mfu": flops_tok * tps / (peak * dims.world_size), "memory_mb": memory_mb(device),
                          "data_wait_ms": 1000 * loader.wait_s, "step_ms": 1000 * step_s,
                          "skipped": not stepped})
+            if stepped and (z := spikes.observe(loss_value)) is not None and spikes.can_recover():
+                log_saves(ckpt.wait())
+                if ckpt.latest_step() is not None:
+                    restored, row = spikes.recover(ckpt, stateful, loader, state.step, loss_value, z)
+                    metrics.log(row)
+                    interval.saved(restored, 0.0)
+                    continue
             if stepped:
                 state.nonfinite_in_a_row = 0
                 last_loss = loss_value
