@@ -42,6 +42,10 @@ class CheckpointInterval:
             return step - self._last_step >= self.every
         return step % self.every == 0
 
+    def restart_from(self, step: int) -> None:
+        """Training went back to `step` (a loss-spike restore): count the interval from there."""
+        self._last_step, self._last_time = step, time.perf_counter()
+
     def saved(self, step: int, block_s: float) -> str | None:
         """Record a save's blocking time; for "auto", recompute the interval and return the line
         to log (None when nothing changed or the interval is fixed)."""

@@ -124,6 +124,7 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_step: int | None = None
+        self._saved_step: int | None = None
         self._finished: list[SaveResult] = []
         self._staging = ReusedStaging()
         # Async saves run DCP's collectives from a background thread; they get their own gloo
@@ -132,9 +133,13 @@ class CheckpointManager:
 
     # ---- state of the directory
     def latest_step(self) -> int | None:
-        """Newest complete checkpoint (manifest present; not hashed), or the save in flight."""
+        """The save in flight, else the newest this manager wrote, else the newest complete one on
+        disk (manifest present; not hashed). The first two are the same on every rank, so ranks
+        that ask whether to save agree even before rank 0 has renamed the directory."""
         if self._pending_step is not None:
             return self._pending_step
+        if self._saved_step is not None:
+            return self._saved_step
         steps = retention.complete_steps(self.dir)
         return steps[-1] if steps else None
 
@@ -185,6 +190,7 @@ class CheckpointManager:
             self._finished.append(self._failed(step, tmp, e, time.perf_counter() - t0))
             return self._take_finished()
         self._finished.append(self._finish(step, tmp, final, extra_files, time.perf_counter() - t0, None, note))
+        _barrier()  # the other ranks see step-N only once rank 0 has renamed it
         return self._take_finished()
 
     def wait(self) -> list[SaveResult]:
@@ -211,6 +217,9 @@ class CheckpointManager:
 
     def _take_finished(self) -> list[SaveResult]:
         done, self._finished = self._finished, []
+        for result in done:
+            if result.ok:
+                self._saved_step = max(result.step, self._saved_step or 0)
         return done
 
     def _finish(self, step: int, tmp: Path, final: Path, extra_files: dict[str, str] | None, block_s: float,

@@ -217,7 +217,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                 if ckpt.latest_step() is not None:
                     restored, row = spikes.recover(ckpt, stateful, loader, state.step, loss_value, z)
                     metrics.log(row)
-                    interval.saved(restored, 0.0)
+                    interval.restart_from(restored)
                     continue
             if stepped:
                 state.nonfinite_in_a_row = 0
