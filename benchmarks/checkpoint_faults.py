@@ -4,7 +4,7 @@ to an uninterrupted run (CPU, fp32).
 
 Each trial starts `kiln train` in a subprocess and sends SIGKILL either after a random training step
 ("step") or as soon as a checkpoint's temporary directory appears ("save", i.e. inside an async
-save's write/manifest/rename). It then lists the complete checkpoints left, runs `kiln train` again
+save's write/manifest/rename; which of the 2nd to 5th saves is drawn at random). It then lists the complete checkpoints left, runs `kiln train` again
 on the same run directory (resume is automatic), and checks: the resumed run's `resumed_from` is
 the newest complete checkpoint (or a fresh start when there was none), every metrics line parses,
 every train row's loss equals the uninterrupted run's loss at that step, and the run completes.
@@ -29,9 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 STEPS = 16
+EVERY = 3
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.n_heads=2", "data.tokenizer=byte", "data.seq_len=32",
             "model.max_seq_len=64", "train.batch_size=4", f"train.steps={STEPS}", "train.eval_every=0",
-            "checkpoint.every=3", "checkpoint.keep_last=2", "train.dtype=fp32", "metrics.progress=none",
+            f"checkpoint.every={EVERY}", "checkpoint.keep_last=2", "train.dtype=fp32", "metrics.progress=none",
             "metrics.peak_flops=1e12", "schedule.warmup_steps=2", "train.threads=1"]
 
 
@@ -74,11 +75,12 @@ def trial(root: Path, corpus: Path, index: int, mode: str, rng: random.Random, r
     run = root / f"trial-{index}"
     proc = subprocess.Popen(_cmd(run, corpus), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kill_after = rng.randint(1, STEPS - 1)
+    kill_in_save = rng.randint(2, STEPS // EVERY)  # which save to interrupt (the 1st has no predecessor)
     killed, deadline = False, time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         if mode == "step" and _train_steps_logged(run) >= kill_after:
             killed = True
-        elif mode == "save" and any((run / "checkpoints").glob(".step-*.tmp")):
+        elif mode == "save" and (run / "checkpoints" / f".step-{EVERY * kill_in_save}.tmp").exists():
             killed = True
         if killed:
             proc.send_signal(signal.SIGKILL)
