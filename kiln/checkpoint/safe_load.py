@@ -85,6 +85,13 @@ def load_metadata(data: bytes, source: str) -> dcp_metadata.Metadata:
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{source}: refused to load: holds {type(metadata).__name__}, "
                                     f"not DCP metadata")
+    # DCP opens `relative_path` under the checkpoint directory: only plain file names, so a
+    # crafted entry cannot make it read (and load as weights) a file outside it.
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise UnsafeCheckpointError(f"{source}: refused to load: data file {name!r} is not a plain "
+                                        f"file name inside the checkpoint")
     return metadata
 
 

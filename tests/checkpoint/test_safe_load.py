@@ -109,3 +109,13 @@ def test_plain_values_still_round_trip(tmp_path):
     assert mgr.load(out) == 3
     assert {k: v for k, v in out.items() if k != "w"} == {k: v for k, v in state.items() if k != "w"}
     assert torch.equal(out["w"], state["w"])
+
+
+def test_metadata_cannot_point_outside_the_checkpoint(trained, tmp_path):
+    import dataclasses
+
+    real = load_metadata((trained / "checkpoints" / "step-4" / ".metadata").read_bytes(), "real")
+    key = next(iter(real.storage_data))
+    real.storage_data[key] = dataclasses.replace(real.storage_data[key], relative_path="../../config.toml")
+    with pytest.raises(UnsafeCheckpointError, match="not a plain file name"):
+        load_metadata(pickle.dumps(real), "crafted")
