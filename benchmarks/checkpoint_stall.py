@@ -71,14 +71,14 @@ def one_save(mgr: CheckpointManager, states: dict, step: int) -> dict:
             "size_bytes": result.size_bytes}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10M,100M,400M")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dir", help="where to write checkpoints (default: a temporary directory)")
     ap.add_argument("--quick", action="store_true", help="1M model, one round (smoke test)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = ["1M"] if args.quick else args.sizes.split(",")
     rounds = 1 if args.quick else args.rounds
     device = torch.device(args.device)
@@ -122,6 +122,7 @@ def main() -> None:
         RESULTS_DIR.mkdir(exist_ok=True)
         name = "checkpoint_stall" + ("" if device.type == "cpu" else f"_{device.type}") + ".json"
         (RESULTS_DIR / name).write_text(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":
