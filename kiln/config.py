@@ -180,6 +180,8 @@ class CheckpointConfig:
     async_save: bool = True  # block only while state is copied to host memory; write in the background
     on_error: str = "continue"  # a failed save (disk full, I/O error): continue training | stop
     make_room: bool = True  # when the disk is short, prune what retention would prune before saving
+    memory_replicas: bool = False  # keep each save in host memory + a peer rank's (needs async_save)
+    replica_dir: str = "/dev/shm"  # tmpfs that outlives a worker restart
     spike_zscore: float = 0.0  # loss-spike recovery: restore + skip data when loss z-score exceeds this; 0: off
     spike_window: int = 50  # losses the z-score is computed over
     spike_max_recoveries: int = 3
@@ -196,6 +198,9 @@ class CheckpointConfig:
         if self.keep_every < 0:
             raise ConfigError(f"checkpoint.keep_every={self.keep_every} must be >= 0")
         _choice("checkpoint.on_error", self.on_error, ("continue", "stop"))
+        if self.memory_replicas and not self.async_save:
+            raise ConfigError("checkpoint.memory_replicas=true needs checkpoint.async_save=true (it keeps the "
+                              "async save's host snapshot)")
         if self.spike_zscore < 0 or self.spike_window < 2 or self.spike_max_recoveries < 0 or self.spike_skip_batches < 0:
             raise ConfigError("checkpoint.spike_*: spike_zscore >= 0, spike_window >= 2, "
                               "spike_max_recoveries >= 0 and spike_skip_batches >= 0 expected")

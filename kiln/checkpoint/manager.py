@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from kiln.checkpoint import manifest, retention
 from kiln.checkpoint.errors import describe_write_error
 from kiln.checkpoint.manifest import CheckpointInvalid
+from kiln.checkpoint.replica import MemoryReplicas
 from kiln.checkpoint.staging import ReusedStaging, StagingFileSystemWriter
 from kiln.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, load_metadata
 from kiln.errors import KilnError
@@ -113,7 +114,7 @@ def _stderr(message: str) -> None:
 class CheckpointManager:
     def __init__(self, ckpt_dir: Path, keep_last: int = 2, is_main: bool = True, *, keep_every: int = 0,
                  async_save: bool = False, make_room: bool = True, stop_on_error: bool = False,
-                 log: Callable[[str], None] = _stderr):
+                 replica_dir: str | None = None, log: Callable[[str], None] = _stderr):
         self.dir = Path(ckpt_dir)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.is_main = is_main
@@ -130,6 +131,10 @@ class CheckpointManager:
         # Async saves run DCP's collectives from a background thread; they get their own gloo
         # group so they never interleave with the training loop's collectives.
         self._group = dist.new_group(backend="gloo") if async_save and _distributed() else None
+        self.replicas = None  # in-memory replicas need the async path's staged snapshot
+        if replica_dir and async_save:
+            rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+            self.replicas = MemoryReplicas(self.dir, replica_dir, rank, world, self._group)
 
     # ---- state of the directory
     def latest_step(self) -> int | None:
@@ -230,6 +235,8 @@ class CheckpointManager:
         try:
             if dcp_future is not None:
                 dcp_future.result()
+                if self.replicas is not None:  # DCP's write succeeded on every rank: same on all
+                    self.replicas.publish(step, self._staging.last)
             size = 0
             if self.is_main:
                 for name, text in (extra_files or {}).items():
@@ -286,6 +293,18 @@ class CheckpointManager:
         return ""
 
     # ---- load
+    def restore(self, states: dict[str, Any]) -> tuple[int, str, float]:
+        """Resume: from host memory when a replica at least as new as storage's newest is there
+        (replica.py), else from storage. Returns (step, "own memory" | "peer memory" | "storage", seconds)."""
+        storage_step = self.latest_step()
+        if self.replicas is not None:
+            recovered = self.replicas.restore(states, storage_step)
+            if recovered is not None:
+                return recovered
+        t0 = time.perf_counter()
+        step = self.load(states)
+        return step, "storage", time.perf_counter() - t0
+
     def load(self, states: dict[str, Any], step: int | None = None) -> int:
         """Load `states` from `step`, or from the newest checkpoint that verifies. Each one passed
         over is one warning line; if none is good, a KilnError lists why."""

@@ -22,6 +22,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 class ReusedStaging:
     def __init__(self):
         self._buffers: dict[str, Any] | None = None
+        self._last: dict[str, Any] | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self._buffers is not None:
@@ -31,6 +32,11 @@ class ReusedStaging:
                 self._buffers = None
         self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
         return self._copy(state_dict)
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """The most recent snapshot (valid until the next stage call)."""
+        return self._last
 
     def _copy(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         # One intra-op thread: these copies are memory-bound, and on a busy machine each of the
@@ -44,6 +50,7 @@ class ReusedStaging:
                 torch.cuda.synchronize()  # the copies must land before the loop changes the weights
         finally:
             torch.set_num_threads(threads)
+        self._last = staged
         return staged
 
     @property

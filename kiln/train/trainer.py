@@ -111,7 +111,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main,
                              keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save,
-                             make_room=cfg.checkpoint.make_room, stop_on_error=cfg.checkpoint.on_error == "stop")
+                             make_room=cfg.checkpoint.make_room, stop_on_error=cfg.checkpoint.on_error == "stop",
+                             replica_dir=cfg.checkpoint.replica_dir if cfg.checkpoint.memory_replicas else None)
     if resume is not False:
         ckpt.clean_stray()
     resume_step = ckpt.latest_step()
@@ -154,8 +155,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(), "train": state}
-    if resume_step is not None:  # the newest checkpoint that verifies; damaged ones are one line each
-        resume_step = ckpt.load(stateful)
+    recovery = None
+    if resume_step is not None:  # memory replica, else the newest checkpoint that verifies
+        resume_step, recovered_from, recovery_s = ckpt.restore(stateful)
+        recovery = f"resumed step {resume_step} from {recovered_from} in {recovery_s:.2f} s"
     scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
     autocast = autocast_context(device, cfg.train.dtype)
 
@@ -171,6 +174,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
                  "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
                  "world_size": dims.world_size, "resumed_from": resume_step})
+    if recovery:
+        metrics.log({"kind": "event", "step": state.step, "message": recovery})
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "
                   f"{len(train_windows)} training windows, peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 
