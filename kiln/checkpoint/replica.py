@@ -94,6 +94,15 @@ class MemoryReplicas:
         except (OSError, ValueError, KeyError, TypeError):
             return -1
 
+    def discard(self) -> None:
+        """Free the host memory (the run finished; storage holds its checkpoints)."""
+        for f in self.dir.glob(f"*-{self.rank}.*"):
+            f.unlink(missing_ok=True)
+        try:
+            self.dir.rmdir()
+        except OSError:
+            pass  # another rank's files are still there
+
     # ---- publish (every rank, after a save succeeded; collective when world > 1)
     def publish(self, step: int, staged: dict[str, Any]) -> None:
         buf = io.BytesIO()

@@ -3,7 +3,8 @@ the spike.
 
 A step's loss is a spike when it lies more than `zscore` standard deviations above the mean of
 the previous `window` finite losses. Recovery waits for any save in flight, loads the newest
-checkpoint that verifies (CheckpointManager.load, step R < spike step S), and moves the loader's
+checkpoint (CheckpointManager.restore: its in-memory replica when there is one, else the newest
+checkpoint on storage that verifies; step R < spike step S), and moves the loader's
 global position to where it stood after step S plus `skip_batches` more global micro-batches: the
 batches of steps R+1..S (the ones that led into the spike) and those right after it are skipped,
 never replayed. The guard itself is not checkpointed (restoring must not reset its recovery
@@ -43,7 +44,7 @@ class SpikeGuard:
         """Restore and skip; returns (restored step, the event row). The caller logs ckpt.wait()'s
         results first, so a save in flight is complete before it is chosen to restore."""
         spike_epoch, spike_position = loader.epoch, loader.position
-        restored = ckpt.load(stateful)
+        restored, source, _ = ckpt.restore(stateful)  # host memory when a replica is as new as storage
         from_epoch, from_position = loader.epoch, loader.position
         to_position = spike_position + self.skip_batches * loader.global_batch
         loader.load_state_dict({"epoch": spike_epoch, "position": to_position, "seed": loader.seed})
@@ -51,7 +52,7 @@ class SpikeGuard:
         skipped = {"from_epoch": from_epoch, "from_position": from_position,
                    "to_epoch": spike_epoch, "to_position": to_position}
         message = (f"loss spike at step {step} (loss {loss:.4f}, z {z:.1f} > {self.zscore:g}): restored step "
-                   f"{restored}, skipped samples epoch {from_epoch} position {from_position} to epoch "
+                   f"{restored} from {source}, skipped samples epoch {from_epoch} position {from_position} to epoch "
                    f"{spike_epoch} position {to_position} (recovery {self.recoveries}/{self.max_recoveries})")
         return restored, {"kind": "event", "step": step, "message": message, "spike_recovery": True,
-                          "restored_step": restored, "skipped_samples": skipped}
+                          "restored_step": restored, "restored_from": source, "skipped_samples": skipped}

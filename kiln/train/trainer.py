@@ -272,6 +272,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         ckpt.close()
         loader.close()
         metrics.close()
+    if ckpt.replicas is not None and not stop_reason.startswith(("paused", "stopped:")):
+        ckpt.replicas.discard()  # finished: free the tmpfs copies (a paused run keeps them for its resume)
     if stop_reason.startswith("stopped:"):
         raise KilnError(stop_reason)
     return TrainResult(run_dir, state.step, last_loss, state.best_val_loss, last_val, stop_reason, dims.is_main)

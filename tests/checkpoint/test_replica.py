@@ -33,11 +33,14 @@ def test_single_process_resume_from_own_memory(tmp_path, text_file):
     a = {r["step"]: r["loss"] for r in rows(straight, "train")}
     b = {r["step"]: r["loss"] for r in rows(paused, "train")}
     assert a == b
-    # A replica older than storage is not used; a corrupted one falls back to storage.
-    for f in (tmp_path / "shm").glob("*/own-0.pt"):
-        f.write_bytes(b"garbage")
-    train(load_config(paused / "config.toml", ["train.steps=10"]), paused, resume=True)
-    assert _events(paused, "resumed step 8 from storage")
+    assert not list((tmp_path / "shm").glob("*/*.pt"))  # a finished run frees its host memory
+    # A corrupted replica falls back to storage.
+    again = tmp_path / "again"
+    train(load_config(None, tiny_overrides(text_file, **extra)), again, stop_at=4)
+    [replica] = [f for f in (tmp_path / "shm").glob("*/own-0.pt") if f.stat().st_size]
+    replica.write_bytes(b"garbage")
+    train(load_config(again / "config.toml"), again, resume=True)
+    assert _events(again, "resumed step 4 from storage")
 
 
 def _rank_pids(parent: int) -> dict[int, int]:

@@ -51,7 +51,7 @@ def test_spike_restores_and_skips_the_batches(tmp_path, text_file, monkeypatch):
     skipped = event["skipped_samples"]
     # Restored at step 8's position; skips steps 9-10's batches and 2 more.
     assert skipped["from_position"] == 8 * batch and skipped["to_position"] == (10 + 2) * batch
-    assert "skipped samples" in event["message"]
+    assert "skipped samples" in event["message"] and event["restored_from"] == "storage"
     steps = [r["step"] for r in rows(run, "train")]
     assert steps == list(range(1, 11)) + list(range(9, 15))  # steps 9-10 are redone after the restore
 
@@ -70,3 +70,12 @@ def test_replayed_steps_use_new_data(tmp_path, text_file, monkeypatch):
     redo = {r["step"]: r["loss"] for r in recovered[10:]}
     assert [first[s] for s in range(1, 10)] == [r["loss"] for r in recovered[:9]]
     assert redo[9] != pytest.approx(first[9], abs=0)  # different data after the restore
+
+
+def test_spike_restores_from_memory_when_there_is_a_replica(tmp_path, text_file, monkeypatch):
+    _spike_at(monkeypatch, {10})
+    run = tmp_path / "run"
+    extra = {**SPIKE, "checkpoint.memory_replicas": "true", "checkpoint.replica_dir": repr(str(tmp_path / "shm"))}
+    assert train(load_config(None, tiny_overrides(text_file, **extra)), run).steps_done == 14
+    [event] = [r for r in rows(run, "event") if r.get("spike_recovery")]
+    assert event["restored_step"] == 8 and event["restored_from"] == "own memory"
