@@ -10,7 +10,8 @@ parent; with `async_save` the loop blocks only while DCP copies the state to hos
 one save is in flight (a new one waits for it). A failed write is one line, the partial directory
 is removed and the previous checkpoints stay. Load: the newest checkpoint whose manifest verifies
 is read through DCP with the safe reader and planner (safe_load.py); a bad one is one warning line
-and the next older one is tried. Retention: retention.py.
+and the next older one is tried. `restore` (resume, spike recovery) first tries the in-memory
+replicas (replica.py). Retention: retention.py; staging buffers: staging.py; interval: interval.py.
 """
 
 from __future__ import annotations
