@@ -18,6 +18,8 @@ import hashlib
 import io
 import json
 import os
+import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -68,8 +70,19 @@ class MemoryReplicas:
         self.peer, self.source = (rank + 1) % world, (rank - 1) % world
 
     # ---- files: DATA.pt + DATA.json ({"step", "sha256", "world"}), written data first
+    def _private(self) -> bool:
+        """The replica directory is ours alone: /dev/shm is shared by every local user, so a
+        directory someone else created (or made readable/writable to others) is never used."""
+        try:
+            st = os.lstat(self.dir)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
     def _write(self, name: str, step: int, data: bytes) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self._private():
+            raise OSError(f"{self.dir}: not a private directory of this user; replica not written")
         for suffix, payload in ((".pt", data), (".json", json.dumps(
                 {"step": step, "world": self.world, "sha256": hashlib.sha256(data).hexdigest()}).encode())):
             tmp = self.dir / f".{name}{suffix}.tmp"
@@ -77,6 +90,8 @@ class MemoryReplicas:
             os.replace(tmp, self.dir / f"{name}{suffix}")
 
     def _read(self, name: str) -> tuple[int, bytes] | None:
+        if not self._private():
+            return None
         try:
             info = json.loads((self.dir / f"{name}.json").read_text())
             data = (self.dir / f"{name}.pt").read_bytes()
@@ -88,6 +103,8 @@ class MemoryReplicas:
         return info["step"], data
 
     def _step_of(self, name: str) -> int:
+        if not self._private():
+            return -1
         try:
             info = json.loads((self.dir / f"{name}.json").read_text())
             return int(info["step"]) if info.get("world") == self.world else -1
@@ -108,10 +125,17 @@ class MemoryReplicas:
         buf = io.BytesIO()
         torch.save(_plain(staged), buf)
         data = buf.getvalue()
-        self._write(f"own-{self.rank}", step, data)
-        if self.world > 1:
-            received = self._ring(data)
-            self._write(f"peer-of-{self.source}", step, received)
+        self._write_or_warn(f"own-{self.rank}", step, data)
+        if self.world > 1:  # always reached on every rank: the ring is collective
+            self._write_or_warn(f"peer-of-{self.source}", step, self._ring(data))
+
+    def _write_or_warn(self, name: str, step: int, data: bytes) -> None:
+        """A replica that cannot be written (tmpfs full, foreign directory) costs only the fast
+        recovery path; the checkpoint on storage is unaffected."""
+        try:
+            self._write(name, step, data)
+        except OSError as e:
+            print(f"memory replica {name} of step {step} not written: {e}", file=sys.stderr, flush=True)
 
     def _ring(self, data: bytes) -> bytes:
         """Send `data` to the peer, receive the source rank's bytes (gloo point-to-point)."""

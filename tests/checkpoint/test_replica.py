@@ -100,3 +100,18 @@ def test_two_ranks_kill_one_recover_from_peer_memory(tmp_path, text_file):
     recovered = _events(run, "from peer memory for rank(s) 1")
     assert len(recovered) == 1 and int(recovered[0].split()[2]) >= 8, recovered
     assert rows(run, "train")[-1]["step"] == 40
+
+
+def test_replica_dir_must_be_private(tmp_path):
+    """tmpfs is shared by all local users: a replica directory others can write is ignored."""
+    import torch
+
+    from kiln.checkpoint.replica import MemoryReplicas
+
+    replicas = MemoryReplicas(tmp_path / "run", tmp_path / "shm", rank=0, world=1)
+    state = {"w": torch.arange(4.0)}
+    replicas.publish(3, state)
+    assert replicas._step_of("own-0") == 3
+    replicas.dir.chmod(0o777)
+    assert replicas._step_of("own-0") == -1 and replicas._read("own-0") is None
+    assert replicas.restore({"w": torch.zeros(4)}, storage_step=None) is None
