@@ -39,8 +39,8 @@ from kiln.checkpoint import manifest, retention
 from kiln.checkpoint.errors import describe_write_error
 from kiln.checkpoint.manifest import CheckpointInvalid
 from kiln.checkpoint.replica import MemoryReplicas
-from kiln.checkpoint.staging import ReusedStaging, StagingFileSystemWriter
 from kiln.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, load_metadata
+from kiln.checkpoint.staging import ReusedStaging, StagingFileSystemWriter
 from kiln.errors import KilnError
 
 # DCP warns on every single-process save/load that it "assumes" single-process intent; we pass

@@ -1,6 +1,5 @@
 """A checkpoint can come from someone else: loading it must never run code it carries."""
 
-import io
 import os
 import pickle
 import pickletools

@@ -5,7 +5,6 @@ import errno
 import json
 
 import pytest
-import torch
 from torch.distributed.checkpoint import filesystem as dcp_fs
 
 from kiln.checkpoint.errors import describe_write_error
