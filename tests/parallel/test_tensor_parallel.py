@@ -7,6 +7,8 @@ reductions and the sharded softmax). The optimizer is SGD with momentum, so a gr
 wrong on any rank shows in the next step's loss.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,10 +18,12 @@ from kiln.config import JobConfig, ParallelConfig, load_config
 from kiln.errors import ConfigError
 from kiln.model.transformer import Transformer
 from kiln.parallel.dims import ParallelDims
+from kiln.train.step import train_step
 
 STEPS = 5
 REL = 1e-5
 BATCH, SEQ = 2, 16
+CLIP = 1.0
 
 LLAMA = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=64",
          "model.max_seq_len=32", "model.dropout=0.0", "data.seq_len=16"]
@@ -34,8 +38,9 @@ def model_config(overrides):
     return load_config(None, overrides).model
 
 
-def run_steps(overrides, tp_mesh=None, plan_edit=None):
-    """STEPS of SGD on fixed batches; the losses. With a tp_mesh, the model is tensor-parallel."""
+def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False):
+    """STEPS of SGD with kiln's train_step on one batch: [loss, grad norm] per step (plain_step:
+    loss.backward + SGD, losses only). With a tp_mesh, the model is tensor-parallel."""
     from kiln.parallel import tensor_parallel
 
     torch.manual_seed(0)
@@ -56,11 +61,17 @@ def run_steps(overrides, tp_mesh=None, plan_edit=None):
     tokens = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     out = []
     for _ in range(STEPS):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
+        if plain_step:  # (clip_grad_norm_ cannot mix the broken plan's plain and DTensor gradients)
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+            continue
+        # kiln's step, clipping included (the clip is below the first steps' gradient norms).
+        loss, grad_norm, _ = train_step(model, opt, [(tokens[:, :-1], tokens[:, 1:])],
+                                        autocast=contextlib.nullcontext(), scaler=None, clip=CLIP)
+        out += [loss.item(), grad_norm.item()]
     return out
 
 
@@ -77,7 +88,7 @@ def _worker(rank, world, store_path, result_path):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        losses = {name: run_steps(overrides, mesh, _drop_norm_sequence_parallel if wrong else None)
+        losses = {name: run_steps(overrides, mesh, _drop_norm_sequence_parallel if wrong else None, wrong)
                   for name, (overrides, wrong) in CASES.items()}
         torch.save(losses, f"{result_path}.{rank}")
     finally:
@@ -109,15 +120,17 @@ def tp2(tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama", "gpt2", "post_norm"])
 def test_tp2_matches_one_process(tp2, name):
     expected = run_steps(CASES[name][0])
+    # (loss, grad norm) per step
     assert tp2[name] == pytest.approx(expected, rel=REL), (tp2[name], expected)
-    assert expected[-1] < expected[0]  # it trains
+    assert expected[-2] < expected[0]  # it trains
+    assert expected[1] > CLIP  # and clipping is exercised
 
 
 @pytest.mark.timeout(300)
 def test_wrong_plan_changes_the_losses(tp2):
-    expected = run_steps(LLAMA)
+    expected = run_steps(LLAMA, plain_step=True)
     got = tp2["llama_wrong_plan"]
-    assert got[0] == pytest.approx(expected[0], rel=REL)  # the forward is still right...
+    assert got[0] == pytest.approx(expected[0], rel=REL)  # the first loss is still right...
     assert got[1:] != pytest.approx(expected[1:], rel=REL)  # ...the norms' gradients are not
 
 
@@ -147,3 +160,44 @@ def test_tp_layouts():
     with pytest.raises(ConfigError, match="parallel.dp_mode='ddp' cannot combine with parallel.tp=2"):
         dims_for(2, 4, dp_mode="ddp")
     assert isinstance(JobConfig(), JobConfig)
+
+
+# ---- end to end: `kiln train` under torchrun, the loader and checkpoints included
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_file):
+    from test_data_parallel import GLOBAL_BATCH, common, losses, run_kiln, sets
+
+    run = tmp_path_factory.mktemp("tp") / "single"
+    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH}))])
+    return losses(run)
+
+
+@pytest.mark.timeout(600)
+def test_kiln_train_tp2_matches_and_its_checkpoint_continues_in_one_process(tmp_path, text_file, reference):
+    import json
+    import shutil
+
+    from test_data_parallel import GLOBAL_BATCH, STEPS, assert_same_losses, common, losses, run_kiln, sets
+
+    run = tmp_path / "tp2"
+    run_kiln(["train", "--run-dir", str(run),
+              *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH, "parallel.tp": 2}))], nproc=2)
+    run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert (run_row["tp"], run_row["loss_impl"], run_row["world_size"]) == (2, "parallel", 2)
+    assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+    # TP=2 -> one process from the step-3 checkpoint: same weights, optimizer, loader position.
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")
+    run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume", *sets(["parallel.tp=1"])])
+    assert_same_losses(reference, losses(run), range(4, STEPS + 1))
+
+
+@pytest.mark.timeout(600)
+def test_kiln_train_fsdp2_x_tp2_on_four_ranks_matches(tmp_path, text_file, reference):
+    from test_data_parallel import GLOBAL_BATCH, STEPS, assert_same_losses, common, losses, run_kiln, sets
+
+    run = tmp_path / "dp2tp2"
+    run_kiln(["train", "--run-dir", str(run),
+              *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2}))], nproc=4)
+    assert_same_losses(reference, losses(run), range(1, STEPS + 1))
