@@ -27,8 +27,9 @@ CLIP = 1.0
 
 LLAMA = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=64",
          "model.max_seq_len=32", "model.dropout=0.0", "data.seq_len=16"]
-# GPT-2: learned positions, LayerNorm with bias, biases in every linear, GeLU MLP, untied head.
-GPT2 = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=64", "model.max_seq_len=32",
+# GPT-2: learned positions, LayerNorm with bias, biases in every linear, GeLU MLP, untied head;
+# a vocabulary that 2 ranks split unevenly (33 + 32 rows).
+GPT2 = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=65", "model.max_seq_len=32",
         "model.positions=learned", "model.norm=layernorm", "model.bias=true", "model.activation=gelu",
         "model.tie_embeddings=false", "model.dropout=0.0", "data.seq_len=16"]
 POST_NORM = LLAMA + ["model.norm_placement=post", "model.tie_embeddings=false"]
