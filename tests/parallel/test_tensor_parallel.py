@@ -8,6 +8,7 @@ wrong on any rank shows in the next step's loss.
 """
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -113,8 +114,14 @@ def tp2(tmp_path_factory):
     world = 2
     ctx = mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp / "losses")),
                              nprocs=world, join=False, start_method="spawn")
-    while not ctx.join(timeout=240):
-        pass
+    deadline = time.monotonic() + 240
+    # join() returns False whenever some rank is still running (one may finish first); a hung rank
+    # fails the test at the deadline instead of hanging it.
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail("the 2-rank tensor-parallel run did not finish in 240 s")
     per_rank = [torch.load(tmp / f"losses.{r}") for r in range(world)]
     assert per_rank[0] == per_rank[1]  # the loss is replicated over the tp ranks
     return per_rank[0]
