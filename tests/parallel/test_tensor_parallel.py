@@ -212,3 +212,18 @@ def test_kiln_train_fsdp2_x_tp2_on_four_ranks_matches(tmp_path, text_file, refer
     run_kiln(["train", "--run-dir", str(run),
               *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2}))], nproc=4)
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+
+
+def test_kiln_train_with_tp_not_dividing_heads_fails_before_any_work(tmp_path, text_file, monkeypatch, capsys):
+    from test_data_parallel import common, sets
+
+    from kiln.cli import main
+
+    run = tmp_path / "bad"
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    args = sets(common(text_file, **{"parallel.tp": 2, "model.n_heads": 1, "model.dim": 16}))
+    assert main(["train", "--run-dir", str(run), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "parallel.tp=2 must divide model.n_heads=1" in lines[0], lines
+    assert not run.exists()  # nothing was written, no process group was started
