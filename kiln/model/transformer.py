@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config import ModelConfig
 from kiln.model import loss as _loss
@@ -162,7 +163,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # forward(tokens, targets) returns the loss; "chunked" never forms full fp32 logits
-        # (kiln/model/loss.py). Set by the trainer from train.loss.
+        # (kiln/model/loss.py); "parallel" is the full loss on vocab-sharded logits under tensor
+        # parallelism (kiln/parallel/tensor_parallel.py). Set by the trainer from train.loss.
         self.loss_impl = "full"
         head_dim = cfg.dim // cfg.n_heads
         cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -202,11 +204,16 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, rope, cache, start_pos)
         h = self.norm(h)
-        if targets is None:
-            return self.output(h)
-        if self.loss_impl == "chunked":
+        if self.loss_impl == "chunked" and targets is not None:
             return _loss.chunked_lm_loss(h, self.output.weight, targets)
-        return _loss.lm_loss(self.output(h), targets)
+        logits = self.output(h)
+        if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary
+            if targets is None:
+                return logits.full_tensor()
+            from kiln.parallel.tensor_parallel import parallel_lm_loss
+
+            return parallel_lm_loss(logits, targets)
+        return logits if targets is None else _loss.lm_loss(logits, targets)
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kiln.config import ParallelConfig
+from kiln.config import JobConfig, ParallelConfig
 from kiln.errors import rank_label  # noqa: F401  (re-exported)
 from kiln.errors import ConfigError
+from kiln.model.transformer import ffn_hidden_size
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -71,11 +72,34 @@ class ParallelDims:
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1 and (dp_shard * cfg.cp) % cfg.ep:
             raise ConfigError(f"parallel.ep={cfg.ep} must divide dp_shard*cp={dp_shard * cfg.cp}")
-        unsupported = [k for k in ("tp", "pp", "cp", "ep") if getattr(cfg, k) > 1]
+        if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
+            # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
+            raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
+                              f"parallel.dp_mode='fsdp' (or 'zero2') for data x tensor parallelism")
+        unsupported = [k for k in ("pp", "cp", "ep") if getattr(cfg, k) > 1]
         if unsupported:  # the mesh is built for them; the model-side plans land with their issues
             raise ConfigError(f"parallel.{unsupported[0]} > 1 is not supported yet; use data parallelism")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size)
+
+    def check_model(self, cfg: JobConfig) -> None:
+        """The layout against the model, before any work: tensor parallelism splits attention heads,
+        KV heads and FFN hidden units over the tp ranks, the sequence between blocks (sequence
+        parallel), and computes the loss on vocab-sharded logits (not the chunked head)."""
+        tp = self.tp
+        if tp == 1:
+            return
+        m = cfg.model
+        sizes = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
+                 ("model.ffn_hidden (the FFN hidden size)", ffn_hidden_size(m)), ("data.seq_len", cfg.data.seq_len)]
+        for key, value in sizes:
+            if value % tp:
+                raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")
+        if cfg.train.float8:  # torchao's float8 linears need their own TP styles (not wired yet)
+            raise ConfigError(f"train.float8=true with parallel.tp={tp} is not supported yet; set train.float8=false")
+        if cfg.train.loss == "chunked":
+            raise ConfigError(f"train.loss='chunked' cannot run with parallel.tp={tp} (the logits are sharded "
+                              f"on the vocabulary, the loss runs under loss_parallel); set train.loss='auto'")
 
     @property
     def dp_mesh_names(self) -> tuple[str, ...]:
@@ -93,6 +117,8 @@ class ParallelDims:
         if self.mesh is None:
             return 0
         names = self.dp_mesh_names
+        if not names:  # tensor parallelism alone: every rank sees the same data
+            return 0
         return self.mesh[names]._flatten().get_local_rank() if len(names) > 1 \
             else self.mesh[names[0]].get_local_rank()
 

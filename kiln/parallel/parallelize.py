@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from kiln.config import JobConfig
 from kiln.parallel.data_parallel import apply_ddp
 from kiln.parallel.dims import ParallelDims
+from kiln.parallel.tensor_parallel import apply_tp
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -89,6 +90,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
+    if dims.tp > 1:
+        apply_tp(model, dims.mesh["tp"])
     if cfg.train.float8:
         apply_float8(model, cfg.train.float8_recipe, device)
     if cfg.train.activation_checkpointing != "none":

@@ -85,6 +85,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     step, as a time-limited job would; the schedule still spans train.steps."""
     run_dir = Path(run_dir)
     dims = ParallelDims.from_config(cfg.parallel)
+    dims.check_model(cfg)
     device = pick_device(cfg.train.device, dims)
     check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
     dims.build_mesh(device.type)
@@ -129,7 +130,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, dims, device)
     model.train()
-    model.loss_impl = resolve_loss(cfg.train.loss, device, cfg.train.compile and compile_scope(cfg, dims) == "model")
+    model.loss_impl = resolve_loss(cfg.train.loss, device, cfg.train.compile and compile_scope(cfg, dims) == "model",
+                                  tp=dims.tp)
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
                                     cfg.train.batch_size, cfg.data.seq_len)
     optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
@@ -164,7 +166,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
                  "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
                  "world_size": dims.world_size, "dp_mode": dims.dp_mode if dims.dp_size > 1 else "none",
-                 "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "world_peak_flops": world_peak,
+                 "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "world_peak_flops": world_peak,
                  "resumed_from": resume_step,
                  "nonfinite_check": "device" if skips_on_device(optimizer) else "host",
                  "loss_impl": model.loss_impl, **attention,
