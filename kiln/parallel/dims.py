@@ -36,7 +36,8 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int | None = None, rank: int | None = None,
-                    local_rank: int | None = None, local_world_size: int | None = None) -> "ParallelDims":
+                    local_rank: int | None = None, local_world_size: int | None = None,
+                    seq_len: int | None = None) -> "ParallelDims":
         # torchrun's environment is read here, once, and nowhere else.
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -44,6 +45,10 @@ class ParallelDims:
         if local_world_size is None:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1 if world_size == 1 else world_size))
         cfg.validate()
+        if seq_len is not None:  # context parallel's zig-zag split of each sequence
+            from kiln.parallel.context_parallel import check_cp_seq_len
+
+            check_cp_seq_len(cfg.cp, seq_len)
         others = cfg.cp * cfg.tp * cfg.pp
         if world_size % others:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.cp*tp*pp={others}; "
@@ -70,7 +75,7 @@ class ParallelDims:
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1 and (dp_shard * cfg.cp) % cfg.ep:
             raise ConfigError(f"parallel.ep={cfg.ep} must divide dp_shard*cp={dp_shard * cfg.cp}")
-        unsupported = [k for k in ("tp", "pp", "cp", "ep") if getattr(cfg, k) > 1]
+        unsupported = [k for k in ("tp", "pp", "ep") if getattr(cfg, k) > 1]
         if unsupported:  # the mesh is built for them; the model-side plans land with their issues
             raise ConfigError(f"parallel.{unsupported[0]} > 1 is not supported yet; use data parallelism")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
@@ -84,6 +89,14 @@ class ParallelDims:
         return tuple(n for n in ("dp_replicate", "dp_shard") if n in self.mesh.mesh_dim_names)
 
     @property
+    def grad_mesh_names(self) -> tuple[str, ...]:
+        """The mesh dimensions gradients are averaged over: data parallel and context parallel
+        (cp ranks hold the same parameters and each has the gradient of its slice's loss)."""
+        if self.mesh is None:
+            return ()
+        return self.dp_mesh_names + (("cp",) if "cp" in self.mesh.mesh_dim_names else ())
+
+    @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -92,6 +105,8 @@ class ParallelDims:
         if self.mesh is None:
             return 0
         names = self.dp_mesh_names
+        if not names:
+            return 0
         return self.mesh[names]._flatten().get_local_rank() if len(names) > 1 \
             else self.mesh[names[0]].get_local_rank()
 
