@@ -59,18 +59,16 @@ def reference(tmp_path_factory, text_file):
     return losses(run)
 
 
-# DDP averages the gradients over dp x cp. (FSDP over cp is wired in parallelize.py but not run
-# here: a 2-process fsdp run fails in PendingSteps.fetch on this
-# torch, with or without cp, also on main.)
+# Gradients are averaged over dp x cp: by DDP (cp=2 alone), and by FSDP2 sharding over the
+# flattened dp_shard x cp mesh (torchtitan's dp_shard_cp) on 4 ranks.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc,extra", [
-    (2, {"parallel.cp": 2, "train.batch_size": GLOBAL_BATCH}),
-    (4, {"parallel.cp": 2, "parallel.dp_replicate": 2, "train.batch_size": GLOBAL_BATCH // 2}),
-], ids=["cp2", "dp2xcp2"])
+    (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train.batch_size": GLOBAL_BATCH}),
+    (4, {"parallel.cp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH // 2}),
+], ids=["cp2-ddp", "fsdp2xcp2"])
 def test_context_parallel_run_matches_one_process(tmp_path, text_file, reference, nproc, extra):
     run = tmp_path / "cp"
-    extra = {"parallel.dp_mode": "'ddp'", **extra}
     run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **extra))], nproc=nproc)
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
-    assert run_row["world_size"] == nproc
+    assert run_row["world_size"] == nproc and run_row["dp_replicate"] * run_row["dp_shard"] == nproc // 2
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
