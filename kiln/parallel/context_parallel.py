@@ -54,7 +54,7 @@ def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Ten
 class Ring:
     """The cp process group as a ring: this rank's place, and the shift to the next rank."""
 
-    def __init__(self, group, device_type: str = "cpu"):
+    def __init__(self, group):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -182,7 +182,7 @@ class ContextParallel:
         if model.cfg.dropout > 0:
             raise ConfigError(f"model.dropout={model.cfg.dropout} is not supported with parallel.cp="
                               f"{self.cp} (ring attention has no attention dropout); set model.dropout=0")
-        self.ring = Ring(dims.mesh["cp"].get_group(), device.type)
+        self.ring = Ring(dims.mesh["cp"].get_group())
         self.index = zigzag_positions(seq_len, self.cp, self.ring.rank, device=device)
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
