@@ -72,3 +72,16 @@ def test_context_parallel_run_matches_one_process(tmp_path, text_file, reference
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
     assert run_row["world_size"] == nproc and run_row["dp_replicate"] * run_row["dp_shard"] == nproc // 2
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+
+
+def test_train_with_cp_not_dividing_seq_len_fails_before_any_work(tmp_path, text_file, monkeypatch, capsys):
+    from kiln.cli import main
+
+    run = tmp_path / "bad"
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--run-dir", str(run), *sets(common(text_file, **{"parallel.cp": 2,
+                                                                             "data.seq_len": 30}))]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "data.seq_len=30 is not divisible by 2*parallel.cp=4" in lines[0], lines
+    assert not run.exists()  # nothing was written
