@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from kiln.config import ParallelConfig
 from kiln.errors import ConfigError
+from kiln.parallel.context_parallel import check_cp_seq_len
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -46,8 +47,6 @@ class ParallelDims:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1 if world_size == 1 else world_size))
         cfg.validate()
         if seq_len is not None:  # context parallel's zig-zag split of each sequence
-            from kiln.parallel.context_parallel import check_cp_seq_len
-
             check_cp_seq_len(cfg.cp, seq_len)
         others = cfg.cp * cfg.tp * cfg.pp
         if world_size % others:
