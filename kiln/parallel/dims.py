@@ -16,6 +16,7 @@ from kiln.config import JobConfig, ParallelConfig
 from kiln.errors import rank_label  # noqa: F401  (re-exported)
 from kiln.errors import ConfigError
 from kiln.model.transformer import ffn_hidden_size
+from kiln.parallel.context_parallel import check_cp_seq_len
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -38,7 +39,8 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int | None = None, rank: int | None = None,
-                    local_rank: int | None = None, local_world_size: int | None = None) -> "ParallelDims":
+                    local_rank: int | None = None, local_world_size: int | None = None,
+                    seq_len: int | None = None) -> "ParallelDims":
         # torchrun's environment is read here, once, and nowhere else.
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -46,6 +48,8 @@ class ParallelDims:
         if local_world_size is None:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1 if world_size == 1 else world_size))
         cfg.validate()
+        if seq_len is not None:  # context parallel's zig-zag split of each sequence
+            check_cp_seq_len(cfg.cp, seq_len)
         others = cfg.cp * cfg.tp * cfg.pp
         if world_size % others:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.cp*tp*pp={others}; "
@@ -76,7 +80,7 @@ class ParallelDims:
             # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
             raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
                               f"parallel.dp_mode='fsdp' (or 'zero2') for data x tensor parallelism")
-        unsupported = [k for k in ("pp", "cp", "ep") if getattr(cfg, k) > 1]
+        unsupported = [k for k in ("pp", "ep") if getattr(cfg, k) > 1]
         if unsupported:  # the mesh is built for them; the model-side plans land with their issues
             raise ConfigError(f"parallel.{unsupported[0]} > 1 is not supported yet; use data parallelism")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
@@ -109,6 +113,14 @@ class ParallelDims:
         return tuple(n for n in ("dp_replicate", "dp_shard") if n in self.mesh.mesh_dim_names)
 
     @property
+    def grad_mesh_names(self) -> tuple[str, ...]:
+        """The mesh dimensions gradients are averaged over: data parallel and context parallel
+        (cp ranks hold the same parameters and each has the gradient of its slice's loss)."""
+        if self.mesh is None:
+            return ()
+        return self.dp_mesh_names + (("cp",) if "cp" in self.mesh.mesh_dim_names else ())
+
+    @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -117,7 +129,7 @@ class ParallelDims:
         if self.mesh is None:
             return 0
         names = self.dp_mesh_names
-        if not names:  # tensor parallelism alone: every rank sees the same data
+        if not names:  # tensor or context parallelism alone: every rank sees the same batch
             return 0
         return self.mesh[names]._flatten().get_local_rank() if len(names) > 1 \
             else self.mesh[names[0]].get_local_rank()

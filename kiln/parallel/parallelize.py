@@ -78,7 +78,13 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
     parameters are still stored sharded between steps, gradients and optimizer state always)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = dims.mesh[dims.dp_mesh_names]
+    names = dims.grad_mesh_names
+    if "cp" in names and len(names) > 1:  # cp shards with dp_shard (torchtitan's dp_shard_cp)
+        shard = tuple(n for n in names if n != "dp_replicate")
+        if len(shard) > 1:
+            dims.mesh[shard]._flatten("dp_shard_cp")
+            names = tuple(n for n in names if n not in shard) + ("dp_shard_cp",)
+    mesh = dims.mesh[names]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:  # gloo cannot all-gather pinned CPU tensors; pin_memory=False is required on CPU
@@ -99,7 +105,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
     scope = compile_scope(cfg, dims)
     if cfg.train.compile and scope == "blocks":
         apply_compile(model, "blocks")
-    if dims.world_size > 1 and dims.dp_size > 1:
+    # Context parallel needs no module change (its attention is swapped in per step, see
+    # context_parallel.py), only the gradient average over cp, which data parallelism does.
+    if dims.world_size > 1 and dims.dp_size * dims.cp > 1:
         apply_data_parallel(model, dims, cfg, device)
     if cfg.train.compile and scope == "model":
         apply_compile(model, "model", cfg.train.cuda_graphs)

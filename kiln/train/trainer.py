@@ -24,6 +24,7 @@ from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
+from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import compile_scope, parallelize
@@ -84,7 +85,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     one, True = must resume, False = start fresh. stop_at: leave (with a checkpoint) after that
     step, as a time-limited job would; the schedule still spans train.steps."""
     run_dir = Path(run_dir)
-    dims = ParallelDims.from_config(cfg.parallel)
+    dims = ParallelDims.from_config(cfg.parallel, seq_len=cfg.data.seq_len)
     dims.check_model(cfg)
     device = pick_device(cfg.train.device, dims)
     check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
@@ -134,6 +135,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                                   tp=dims.tp)
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
                                     cfg.train.batch_size, cfg.data.seq_len)
+    context_parallel = ContextParallel(model, dims, cfg.data.seq_len, device)
     optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
     loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
@@ -250,9 +252,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     try:
         while state.step < cfg.train.steps:
             loader.wait_s = 0.0
-            micro = [loader.next() for _ in range(cfg.train.grad_accum)]
-            loss, grad_norm, skipped = train_step(model, optimizer, micro, autocast=autocast, scaler=scaler,
-                                                  clip=cfg.train.clip_grad_norm)
+            micro = [context_parallel.shard(*loader.next()) for _ in range(cfg.train.grad_accum)]
+            with context_parallel:
+                loss, grad_norm, skipped = train_step(model, optimizer, micro, autocast=autocast, scaler=scaler,
+                                                      clip=cfg.train.clip_grad_norm)
             state.step += 1
             state.tokens += tokens_per_step
             pending.add(state.step, loss, grad_norm, skipped, lr=schedule.lr, data_wait_s=loader.wait_s,
