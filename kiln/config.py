@@ -116,7 +116,8 @@ class ModelConfig:
     norm: str = ranged("rmsnorm", choices=("layernorm", "rmsnorm", "none"))  # none is meant for t_fixup init
     norm_eps: float = ranged(1e-5, gt=0.0, lt=1.0)
     norm_placement: str = ranged("pre", choices=("pre", "post"))
-    activation: str = ranged("swiglu", choices=("gelu", "swiglu", "geglu"))
+    # gelu: exact (erf); gelu_tanh: the tanh approximation GPT-2 was trained with (HF "gelu_new")
+    activation: str = ranged("swiglu", choices=("gelu", "gelu_tanh", "swiglu", "geglu"))
     positions: str = ranged("rope", choices=("rope", "learned"))
     rope_theta: float = ranged(10000.0, gt=0.0)
     tie_embeddings: bool = True

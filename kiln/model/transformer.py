@@ -9,6 +9,7 @@ layers.N.attention.wq, feed_forward.w1, norm, output) so parallel plans read the
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +124,7 @@ class FeedForward(nn.Module):
         super().__init__()
         hidden = ffn_hidden_size(cfg)
         self.gated = cfg.activation in ("swiglu", "geglu")
-        self.act = F.silu if cfg.activation == "swiglu" else F.gelu
+        self.act = {"swiglu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}.get(cfg.activation, F.gelu)
         self.w1 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.w2 = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
         self.w3 = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if self.gated else None
