@@ -66,11 +66,14 @@ class ParallelDims:
                 f"parallel degrees dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
                 f"tp={cfg.tp} x pp={cfg.pp} = {total}, but the world size is {world_size}; change "
                 f"parallel.dp_shard (-1 takes what is left) or the number of processes")
+        if cfg.pp > 1 and dp_replicate * dp_shard > 1:
+            raise ConfigError(f"parallel.pp={cfg.pp} with data parallelism ({dp_replicate * dp_shard} ranks) is not "
+                              f"supported yet; run pp alone (world size = parallel.pp)")
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1 and (dp_shard * cfg.cp) % cfg.ep:
             raise ConfigError(f"parallel.ep={cfg.ep} must divide dp_shard*cp={dp_shard * cfg.cp}")
-        unsupported = [k for k in ("tp", "pp", "cp", "ep") if getattr(cfg, k) > 1]
+        unsupported = [k for k in ("tp", "cp", "ep") if getattr(cfg, k) > 1]
         if unsupported:  # the mesh is built for them; the model-side plans land with their issues
             raise ConfigError(f"parallel.{unsupported[0]} > 1 is not supported yet; use data parallelism")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
@@ -89,9 +92,9 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        if self.mesh is None:
-            return 0
         names = self.dp_mesh_names
+        if not names:  # one device, or no data-parallel dimension (e.g. pp alone)
+            return 0
         return self.mesh[names]._flatten().get_local_rank() if len(names) > 1 \
             else self.mesh[names[0]].get_local_rank()
 

@@ -89,6 +89,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
+    if dims.pp > 1:  # this rank keeps its stages' modules (kiln/parallel/pipeline.py)
+        from kiln.parallel.pipeline import split_model
+
+        model = split_model(model, cfg, dims.mesh["pp"].get_local_rank())
     if cfg.train.float8:
         apply_float8(model, cfg.train.float8_recipe, device)
     if cfg.train.activation_checkpointing != "none":
