@@ -66,9 +66,9 @@ class ParallelDims:
                 f"parallel degrees dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
                 f"tp={cfg.tp} x pp={cfg.pp} = {total}, but the world size is {world_size}; change "
                 f"parallel.dp_shard (-1 takes what is left) or the number of processes")
-        if cfg.pp > 1 and dp_replicate * dp_shard > 1:
-            raise ConfigError(f"parallel.pp={cfg.pp} with data parallelism ({dp_replicate * dp_shard} ranks) is not "
-                              f"supported yet; run pp alone (world size = parallel.pp)")
+        if cfg.pp > 1 and dp_replicate * dp_shard > 1 and mode in ("ddp", "zero1"):
+            raise ConfigError(f"parallel.dp_mode={mode!r} with parallel.pp={cfg.pp} is not supported yet; "
+                              f"use dp_mode='fsdp' (or 'zero2') for data parallelism across pipelines")
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1 and (dp_shard * cfg.cp) % cfg.ep:

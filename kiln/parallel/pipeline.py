@@ -22,6 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config import JobConfig
 from kiln.errors import ConfigError
@@ -284,6 +285,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     params = [p for p in pipeline.model.parameters() if p.grad is not None]
     local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params \
         else torch.zeros((), device=x.device)
+    if isinstance(local, DTensor):  # FSDP across pipelines: the norm over this stage's dp shards
+        local = local.full_tensor()
     squares = local.float() ** 2
     dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pipeline.group)
     grad_norm = squares.sqrt()

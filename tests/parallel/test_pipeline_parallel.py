@@ -91,6 +91,15 @@ def test_bad_pipeline_config_names_the_key():
             pl.check_pipeline_config(cfg)
 
 
+def test_replicated_data_parallel_with_pp_is_refused_naming_the_key():
+    from kiln.parallel.dims import ParallelDims
+
+    cfg = job()
+    cfg.parallel.dp_mode = "ddp"
+    with pytest.raises(ConfigError, match=r"parallel\.dp_mode='ddp' with parallel\.pp=2"):
+        ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
+
+
 def test_pp_larger_than_layer_count_fails_before_any_work(tmp_path, text_file, monkeypatch, capsys):
     from kiln.cli import main
 
@@ -214,15 +223,25 @@ def test_tolerance_catches_unscaled_microbatch_gradients(two_ranks):
 # ---------------------------------------------------------------- the trainer: PP=2 -> 1 process
 
 
+def trainer_overrides(text_file, **extra):
+    return tiny_overrides(text_file, **{"train.steps": 6, "train.eval_every": 6, "checkpoint.every": 3,
+                                        "checkpoint.keep_last": 5, "optim.name": "sgd", "optim.lr": 0.1,
+                                        "train.clip_grad_norm": 0, "train.device": "cpu", "model.n_layers": 4,
+                                        "model.tie_embeddings": "false", "train.batch_size": 2,
+                                        "train.grad_accum": 2, **extra})
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, text_file):
+    run = tmp_path_factory.mktemp("pp") / "single"
+    run_kiln(["train", "--run-dir", str(run), *sets(trainer_overrides(text_file))])
+    return run
+
+
 @pytest.mark.timeout(600)
-def test_trainer_pp2_matches_and_checkpoint_continues_in_one_process(tmp_path, text_file):
-    common = tiny_overrides(text_file, **{"train.steps": 6, "train.eval_every": 6, "checkpoint.every": 3,
-                                          "checkpoint.keep_last": 5, "optim.name": "sgd", "optim.lr": 0.1,
-                                          "train.clip_grad_norm": 0, "train.device": "cpu", "model.n_layers": 4,
-                                          "model.tie_embeddings": "false", "train.batch_size": 2,
-                                          "train.grad_accum": 2})
-    single, piped = tmp_path / "single", tmp_path / "pp"
-    run_kiln(["train", "--run-dir", str(single), *sets(common)])
+def test_trainer_pp2_matches_and_checkpoint_continues_in_one_process(tmp_path, text_file, single):
+    common = trainer_overrides(text_file)
+    piped = tmp_path / "pp"
     run_kiln(["train", "--run-dir", str(piped), *sets(common + ["parallel.pp=2", "parallel.pp_schedule='1f1b'",
                                                                 "parallel.pp_microbatches=4"])], nproc=2)
     rows = [json.loads(x) for x in (piped / "metrics.jsonl").read_text().splitlines()]
@@ -239,3 +258,16 @@ def test_trainer_pp2_matches_and_checkpoint_continues_in_one_process(tmp_path, t
     shutil.rmtree(piped / "checkpoints" / "step-6")  # continue the PP=2 step-3 checkpoint in one process
     run_kiln(["train", str(piped / "config.toml"), "--run-dir", str(piped), "--resume", "--set", "parallel.pp=1"])
     assert_same_losses(expected, losses(piped), range(4, 7))
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_across_two_pipelines_on_four_ranks_matches_one_process(tmp_path, text_file, single):
+    # DP x PP: 2 pipelines of 2 stages, each stage FSDP-sharded over the 2 pipelines; the global
+    # batch (2 ranks x 1 x grad_accum 2) is the single run's.
+    run = tmp_path / "dxp"
+    run_kiln(["train", "--run-dir", str(run),
+              *sets(trainer_overrides(text_file, **{"train.batch_size": 1, "parallel.pp": 2,
+                                                    "parallel.pp_schedule": "'gpipe'"}))], nproc=4)
+    run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert (run_row["pp"], run_row["dp_mode"], run_row["dp_shard"]) == (2, "fsdp", 2)
+    assert_same_losses(losses(single), losses(run), range(1, 7))
