@@ -17,8 +17,6 @@ Tied embeddings are refused with pp > 1 (the head and the embedding live on diff
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,6 +26,7 @@ from kiln.config import JobConfig
 from kiln.errors import ConfigError
 from kiln.model.loss import lm_loss
 from kiln.model.transformer import Transformer
+from kiln.train.step import skips_on_device
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
@@ -265,6 +264,7 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     The grad-accumulation micro-batches are one batch to the schedule, which splits it into
     parallel.pp_microbatches. The loss is the mean of the last stage's micro-batch losses,
     broadcast to every pp rank; the grad norm is over all stages (squares summed over pp ranks).
+    Non-finite steps are skipped as in train_step (on the device where the optimizer allows).
     """
     if scaler is not None:
         raise ConfigError("train.dtype='fp16' (grad scaler) with parallel.pp > 1 is not supported; use bf16")
@@ -293,8 +293,6 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     if clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
     skipped = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    from kiln.train.step import skips_on_device
-
     if skips_on_device(optimizer):
         optimizer.found_inf, optimizer.grad_scale = skipped.float(), None
         optimizer.step()
