@@ -72,6 +72,9 @@ class ParallelDims:
                 f"parallel degrees dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
                 f"tp={cfg.tp} x pp={cfg.pp} = {total}, but the world size is {world_size}; change "
                 f"parallel.dp_shard (-1 takes what is left) or the number of processes")
+        if cfg.pp > 1 and dp_replicate * dp_shard > 1 and mode in ("ddp", "zero1"):
+            raise ConfigError(f"parallel.dp_mode={mode!r} with parallel.pp={cfg.pp} is not supported yet; "
+                              f"use dp_mode='fsdp' (or 'zero2') for data parallelism across pipelines")
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1 and (dp_shard * cfg.cp) % cfg.ep:
@@ -80,7 +83,7 @@ class ParallelDims:
             # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
             raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
                               f"parallel.dp_mode='fsdp' (or 'zero2') for data x tensor parallelism")
-        unsupported = [k for k in ("pp", "ep") if getattr(cfg, k) > 1]
+        unsupported = [k for k in ("ep",) if getattr(cfg, k) > 1]
         if unsupported:  # the mesh is built for them; the model-side plans land with their issues
             raise ConfigError(f"parallel.{unsupported[0]} > 1 is not supported yet; use data parallelism")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
@@ -90,6 +93,9 @@ class ParallelDims:
         """The layout against the model, before any work: tensor parallelism splits attention heads,
         KV heads and FFN hidden units over the tp ranks, the sequence between blocks (sequence
         parallel), and computes the loss on vocab-sharded logits (not the chunked head)."""
+        if self.pp > 1 and (self.tp > 1 or self.cp > 1):
+            raise ConfigError(f"parallel.pp={self.pp} with parallel.tp={self.tp} / parallel.cp={self.cp} is not "
+                              f"supported yet; use pipeline parallelism with data parallelism only")
         tp = self.tp
         if tp == 1:
             return
@@ -126,10 +132,8 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        if self.mesh is None:
-            return 0
         names = self.dp_mesh_names
-        if not names:  # tensor or context parallelism alone: every rank sees the same batch
+        if not names:  # no data-parallel dimension (tp, cp or pp alone): every rank sees the same batch
             return 0
         return self.mesh[names]._flatten().get_local_rank() if len(names) > 1 \
             else self.mesh[names[0]].get_local_rank()

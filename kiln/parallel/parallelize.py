@@ -96,6 +96,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
+    if dims.pp > 1:  # this rank keeps its stages' modules (kiln/parallel/pipeline.py)
+        from kiln.parallel.pipeline import split_model
+
+        model = split_model(model, cfg, dims.mesh["pp"].get_local_rank())
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
     if cfg.train.float8:
@@ -123,5 +127,6 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, de
     # Mixed precision: compute in bf16 on GPUs when train.dtype=bf16 (autocast does it on CPU).
     param_dtype = torch.bfloat16 if (cfg.train.dtype == "bf16" and device.type == "cuda") else None
     reduce_dtype = torch.bfloat16 if cfg.parallel.reduce_dtype == "bf16" else torch.float32
-    apply_fsdp(model, dims, param_dtype, cpu_offload=cfg.parallel.cpu_offload or device.type == "cpu",
-               reduce_dtype=reduce_dtype, reshard_after_forward=dims.dp_mode != "zero2")
+    for root in getattr(model, "chunks", [model]):  # under pp: FSDP per stage (what the schedule calls)
+        apply_fsdp(root, dims, param_dtype, cpu_offload=cfg.parallel.cpu_offload or device.type == "cpu",
+                   reduce_dtype=reduce_dtype, reshard_after_forward=dims.dp_mode != "zero2")

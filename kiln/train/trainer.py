@@ -28,6 +28,7 @@ from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import compile_scope, parallelize
+from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, check_pipeline_config, pipeline_train_step
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.memory import check_fits_memory
@@ -87,6 +88,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     run_dir = Path(run_dir)
     dims = ParallelDims.from_config(cfg.parallel, seq_len=cfg.data.seq_len)
     dims.check_model(cfg)
+    check_pipeline_config(cfg)
     device = pick_device(cfg.train.device, dims)
     check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
     dims.build_mesh(device.type)
@@ -131,6 +133,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, dims, device)
     model.train()
+    pipeline = Pipeline(model, cfg, dims, device) if dims.pp > 1 else None
     model.loss_impl = resolve_loss(cfg.train.loss, device, cfg.train.compile and compile_scope(cfg, dims) == "model",
                                   tp=dims.tp)
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
@@ -140,7 +143,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
     loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
                     dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device)
-    evaluator = Evaluator(model, val_set, tokenizer, cfg, device)
+    evaluator = Evaluator(PipelineEvalModel(pipeline) if pipeline else model, val_set, tokenizer, cfg, device)
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(), "train": state}
@@ -156,9 +159,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     autocast = autocast_context(device, cfg.train.dtype)
 
     # ---- metrics
-    counts = count_params(model)
+    whole = getattr(model, "_full", model)  # under pp: the whole model, still on meta
+    counts = count_params(whole)
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * dims.dp_size
-    flops_tok = flops_per_token(model, cfg.data.seq_len)
+    flops_tok = flops_per_token(whole, cfg.data.seq_len)
     peak, peak_source = peak_flops(device, cfg.train.dtype, cfg.metrics.peak_flops)
     world_peak = sum_over_ranks(peak, device)  # MFU is of the whole job: every rank's peak
     metrics = MetricsLogger(run_dir / "metrics.jsonl", cfg.metrics, cfg.train.steps, state.step,
@@ -168,8 +172,11 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
                  "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
                  "world_size": dims.world_size, "dp_mode": dims.dp_mode if dims.dp_size > 1 else "none",
-                 "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "world_peak_flops": world_peak,
-                 "resumed_from": resume_step,
+                 "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "cp": dims.cp,
+                 "world_peak_flops": world_peak, "resumed_from": resume_step, "pp": dims.pp,
+                 **({"pp_schedule": cfg.parallel.pp_schedule, "pp_microbatches": pipeline.microbatches,
+                     "pp_virtual_stages": cfg.parallel.pp_virtual_stages, "bubble_fraction": pipeline.bubble}
+                    if pipeline else {}),
                  "nonfinite_check": "device" if skips_on_device(optimizer) else "host",
                  "loss_impl": model.loss_impl, **attention,
                  "compile": compile_scope(cfg, dims) if cfg.train.compile else "none"})
@@ -253,9 +260,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         while state.step < cfg.train.steps:
             loader.wait_s = 0.0
             micro = [context_parallel.shard(*loader.next()) for _ in range(cfg.train.grad_accum)]
+            step_fn = train_step if pipeline is None else pipeline_train_step
             with context_parallel:
-                loss, grad_norm, skipped = train_step(model, optimizer, micro, autocast=autocast, scaler=scaler,
-                                                      clip=cfg.train.clip_grad_norm)
+                loss, grad_norm, skipped = step_fn(pipeline or model, optimizer, micro, autocast=autocast,
+                                                   scaler=scaler, clip=cfg.train.clip_grad_norm)
             state.step += 1
             state.tokens += tokens_per_step
             pending.add(state.step, loss, grad_norm, skipped, lr=schedule.lr, data_wait_s=loader.wait_s,
