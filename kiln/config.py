@@ -124,9 +124,18 @@ class ModelConfig:
     dropout: float = ranged(0.0, ge=0.0, lt=1.0)
     init: str = ranged("gpt2", choices=("normal", "gpt2", "ds_init", "t_fixup"))
     init_std: float = ranged(0.02, gt=0.0, le=1.0)
+    # Mixture of experts (kiln/model/moe.py): 0 experts = dense FeedForward in every block.
+    moe_experts: int = ranged(0, ge=0, le=4096)
+    moe_top_k: int = ranged(1, ge=1, le=64)  # 1 = Switch (Fedus et al. 2021), 2 = GShard (Lepikhin et al. 2020)
+    moe_capacity_factor: float = ranged(1.25, ge=0.0, le=64.0)  # 0 = dropless (every token reaches its experts)
+    moe_aux_loss_weight: float = ranged(0.01, ge=0.0)  # load-balancing loss (Switch eq. 4)
+    moe_z_loss_weight: float = ranged(0.001, ge=0.0)  # router z-loss (ST-MoE, Zoph et al. 2022)
+    moe_every: int = ranged(1, ge=1)  # MoE in every moe_every-th block (1: all), dense FeedForward elsewhere
 
     def validate(self) -> None:
         check_fields(self, "model.")
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ConfigError(f"model.moe_top_k={self.moe_top_k} must be <= model.moe_experts={self.moe_experts}")
         if self.dim % self.n_heads:
             raise ConfigError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         kv = self.n_kv_heads or self.n_heads
@@ -275,6 +284,11 @@ class ParallelConfig:
     dp_mode: str = ranged("auto", choices=("auto", "ddp", "zero1", "zero2", "fsdp"))
     reduce_dtype: str = ranged("fp32", choices=("fp32", "bf16"))  # dtype FSDP2 reduce-scatters gradients in
     cpu_offload: bool = False  # zero2/fsdp on GPU: parameters, gradients and optimizer state in CPU memory
+    # DiLoCo (Douillard et al. 2023, kiln/parallel/diloco.py): 0 = off; H > 0 = every replica takes
+    # H local optimizer steps, then one outer Nesterov step on the replica-averaged parameter delta.
+    diloco_inner_steps: int = ranged(0, ge=0)
+    diloco_outer_lr: float = ranged(0.7, gt=0.0)
+    diloco_outer_momentum: float = ranged(0.9, ge=0.0, lt=1.0)
 
     def validate(self) -> None:
         check_fields(self, "parallel.")
@@ -306,6 +320,13 @@ class JobConfig:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        ep = self.parallel.ep
+        if ep > 1 and not self.model.moe_experts:
+            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; set model.moe_experts "
+                              f"(a multiple of {ep}) or parallel.ep=1")
+        if ep > 1 and self.model.moe_experts % ep:
+            raise ConfigError(f"parallel.ep={ep} must divide model.moe_experts={self.model.moe_experts}; "
+                              f"change parallel.ep or model.moe_experts")
         return self
 
     def to_dict(self) -> dict[str, Any]:
