@@ -297,6 +297,9 @@ class ParallelConfig:
         if self.dp_mode in ("ddp", "zero1") and self.dp_shard not in (-1, 1):
             raise ConfigError(f"parallel.dp_mode={self.dp_mode!r} replicates the model on every data-parallel "
                               f"rank; set parallel.dp_shard=1 (or -1), or use dp_mode='fsdp' for HSDP")
+        if self.diloco_inner_steps and self.dp_mode not in ("auto", "ddp"):
+            raise ConfigError(f"parallel.diloco_inner_steps={self.diloco_inner_steps} keeps a whole replica on "
+                              f"every rank; set parallel.dp_mode='auto' or 'ddp' (not {self.dp_mode!r})")
         if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
             raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "
                               f"not {self.dp_mode!r}")
@@ -320,6 +323,11 @@ class JobConfig:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        h = self.parallel.diloco_inner_steps
+        if h and self.checkpoint.every % h:
+            # Between outer steps the replicas differ and a checkpoint would keep rank 0's alone.
+            raise ConfigError(f"checkpoint.every={self.checkpoint.every} must be a multiple of "
+                              f"parallel.diloco_inner_steps={h} (checkpoints are taken at outer steps)")
         ep = self.parallel.ep
         if ep > 1 and not self.model.moe_experts:
             raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; set model.moe_experts "

@@ -96,7 +96,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
     scope = compile_scope(cfg, dims)
     if cfg.train.compile and scope == "blocks":
         apply_compile(model, "blocks")
-    if dims.world_size > 1 and dims.dp_size > 1:
+    # DiLoCo: every rank trains its own replica; the replicas meet in kiln/parallel/diloco.py.
+    if dims.world_size > 1 and dims.dp_size > 1 and not cfg.parallel.diloco_inner_steps:
         apply_data_parallel(model, dims, cfg, device)
     if cfg.train.compile and scope == "model":
         apply_compile(model, "model", cfg.train.cuda_graphs)

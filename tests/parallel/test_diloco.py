@@ -92,3 +92,25 @@ def test_two_ranks_match_the_single_process_definition(tmp_path):
     assert int(state["outer_steps"]) == STEPS // H
     # Not the same run as other outer settings (outer lr 1, no momentum = plain parameter averaging).
     assert losses != pytest.approx(simulated(outer_lr=1.0, momentum=0.0), rel=REL)
+
+
+def test_kiln_train_logs_moe_losses_and_outer_steps(tmp_path, text_file):
+    # One process: the trainer wiring (outer step every H steps with its row, MoE losses in every
+    # train row, active parameters in the run row); the 2-rank numerics are checked above.
+    import json
+
+    from conftest import tiny_overrides
+    from kiln.cli import main
+
+    run = tmp_path / "run"
+    sets = [x for o in tiny_overrides(text_file, **{
+        "train.steps": 4, "train.eval_every": 0, "checkpoint.every": 2, "parallel.diloco_inner_steps": 2,
+        "model.moe_experts": 4, "model.moe_top_k": 2, "train.device": "cpu"}) for x in ("--set", o)]
+    assert main(["train", "--run-dir", str(run), *sets]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    run_row = next(r for r in rows if r["kind"] == "run")
+    assert run_row["dp_mode"] == "diloco" and run_row["n_params_active"] < run_row["n_params"]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 4 and all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in train)
+    assert [(r["step"], r["outer_step"], r["bytes_sent"]) for r in rows if r["kind"] == "diloco"] == \
+        [(2, 1, 0), (4, 2, 0)]  # one process: nothing to send
