@@ -156,3 +156,19 @@ def test_expert_init_is_per_expert_and_scaled_like_the_dense_ffn():
 def test_bad_moe_and_diloco_settings_are_one_line_naming_the_key(raw, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("(", r"\(")):
         from_dict(raw).validate()
+
+
+@pytest.mark.parametrize("kw", [dict(moe_top_k=2), dict(n_layers=4, moe_every=2, activation="gelu")])
+def test_memory_planner_counts_the_experts(kw):
+    from kiln.train.memory import count_params_closed_form
+
+    model = Transformer(cfg(**kw))
+    assert count_params_closed_form(model.cfg, 53) == count_params(model)["total"]
+
+
+def test_hf_export_refuses_moe_in_one_line():
+    from kiln.errors import KilnError
+    from kiln.interop.hf import export_family
+
+    with pytest.raises(KilnError, match="model.moe_experts=4"):
+        export_family(cfg())
