@@ -63,10 +63,12 @@ def _experts(t: torch.Tensor | None, experts, fill) -> None:
     """Fill all `experts.n_experts` expert matrices in order (one fill per expert), keep the local slice."""
     if t is None:
         return
-    full = torch.empty((experts.n_experts, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    device = t.to_local().device if isinstance(t, DTensor) else t.device
+    full = torch.empty((experts.n_experts, *t.shape[1:]), dtype=t.dtype, device=device)
     for e in range(experts.n_experts):
         fill(full[e])
-    t.copy_(full[experts.first:experts.first + experts.n_local])
+    mine = full[experts.first:experts.first + experts.n_local]
+    _fill(t, lambda x: x.copy_(mine))  # FSDP-sharded (DTensor) experts are filled whole, then resharded
 
 
 def _init_moe(ffn, matrix_fill, residual_fill) -> None:

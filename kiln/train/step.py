@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -88,8 +89,11 @@ class PendingSteps:
             *, lr: float, data_wait_s: float, tokens: int, extras: dict[str, torch.Tensor] | None = None) -> None:
         extras = extras or {}
         self._steps.append((step, lr, data_wait_s, tokens, tuple(extras)))
-        self._values.append(torch.stack([loss.float(), grad_norm.float(), skipped.float(),
-                                         *(v.float().to(loss.device) for v in extras.values())]))
+        # Under FSDP the grad norm (and so `skipped`) are replicated DTensors: their plain value, so
+        # the row stays a plain tensor for the all-reduce in fetch (no communication for Replicate).
+        row = [t.full_tensor() if isinstance(t, DTensor) else t
+               for t in (loss, grad_norm, skipped, *extras.values())]
+        self._values.append(torch.stack([t.float().to(loss.device) for t in row]))
 
     def fetch(self) -> list[StepResult]:
         if not self._steps:
