@@ -57,7 +57,7 @@ class DiLoCo:
                 dist.all_reduce(flat, group=self.group)  # gloo has no AVG: sum, then divide
         flat.div_(world)
         offset = 0
-        for anchor, p in zip(self.anchor, self.params):
+        for anchor in self.anchor:
             n = anchor.numel()
             anchor.grad = anchor - flat[offset:offset + n].view_as(anchor)
             offset += n
