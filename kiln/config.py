@@ -125,9 +125,18 @@ class ModelConfig:
     dropout: float = ranged(0.0, ge=0.0, lt=1.0)
     init: str = ranged("gpt2", choices=("normal", "gpt2", "ds_init", "t_fixup"))
     init_std: float = ranged(0.02, gt=0.0, le=1.0)
+    # Mixture of experts (kiln/model/moe.py): 0 experts = dense FeedForward in every block.
+    moe_experts: int = ranged(0, ge=0, le=4096)
+    moe_top_k: int = ranged(1, ge=1, le=64)  # 1 = Switch (Fedus et al. 2021), 2 = GShard (Lepikhin et al. 2020)
+    moe_capacity_factor: float = ranged(1.25, ge=0.0, le=64.0)  # 0 = dropless (every token reaches its experts)
+    moe_aux_loss_weight: float = ranged(0.01, ge=0.0)  # load-balancing loss (Switch eq. 4)
+    moe_z_loss_weight: float = ranged(0.001, ge=0.0)  # router z-loss (ST-MoE, Zoph et al. 2022)
+    moe_every: int = ranged(1, ge=1)  # MoE in every moe_every-th block (1: all), dense FeedForward elsewhere
 
     def validate(self) -> None:
         check_fields(self, "model.")
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ConfigError(f"model.moe_top_k={self.moe_top_k} must be <= model.moe_experts={self.moe_experts}")
         if self.dim % self.n_heads:
             raise ConfigError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         kv = self.n_kv_heads or self.n_heads
@@ -304,6 +313,11 @@ class ParallelConfig:
     # Explicit split: the first layer of every stage after the first (pp*pp_virtual_stages - 1
     # increasing indices); empty: layers spread evenly.
     pp_split_points: list[int] = field(default_factory=list)
+    # DiLoCo (Douillard et al. 2023, kiln/parallel/diloco.py): 0 = off; H > 0 = every replica takes
+    # H local optimizer steps, then one outer Nesterov step on the replica-averaged parameter delta.
+    diloco_inner_steps: int = ranged(0, ge=0)
+    diloco_outer_lr: float = ranged(0.7, gt=0.0)
+    diloco_outer_momentum: float = ranged(0.9, ge=0.0, lt=1.0)
 
     def validate(self) -> None:
         check_fields(self, "parallel.")
@@ -312,6 +326,9 @@ class ParallelConfig:
         if self.dp_mode in ("ddp", "zero1") and self.dp_shard not in (-1, 1):
             raise ConfigError(f"parallel.dp_mode={self.dp_mode!r} replicates the model on every data-parallel "
                               f"rank; set parallel.dp_shard=1 (or -1), or use dp_mode='fsdp' for HSDP")
+        if self.diloco_inner_steps and self.dp_mode not in ("auto", "ddp"):
+            raise ConfigError(f"parallel.diloco_inner_steps={self.diloco_inner_steps} keeps a whole replica on "
+                              f"every rank; set parallel.dp_mode='auto' or 'ddp' (not {self.dp_mode!r})")
         if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
             raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "
                               f"not {self.dp_mode!r}")
@@ -335,6 +352,18 @@ class JobConfig:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        h = self.parallel.diloco_inner_steps
+        if h and self.checkpoint.every % h:
+            # Between outer steps the replicas differ and a checkpoint would keep rank 0's alone.
+            raise ConfigError(f"checkpoint.every={self.checkpoint.every} must be a multiple of "
+                              f"parallel.diloco_inner_steps={h} (checkpoints are taken at outer steps)")
+        ep = self.parallel.ep
+        if ep > 1 and not self.model.moe_experts:
+            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; set model.moe_experts "
+                              f"(a multiple of {ep}) or parallel.ep=1")
+        if ep > 1 and self.model.moe_experts % ep:
+            raise ConfigError(f"parallel.ep={ep} must divide model.moe_experts={self.model.moe_experts}; "
+                              f"change parallel.ep or model.moe_experts")
         return self
 
     def to_dict(self) -> dict[str, Any]:

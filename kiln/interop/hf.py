@@ -44,6 +44,9 @@ FAMILY_OPTIONS = {
 def export_family(cfg: ModelConfig) -> str:
     """Which HF family holds this model (llama for RoPE, gpt2 for learned positions), or refuse."""
     family = LLAMA if cfg.positions == "rope" else GPT2
+    if cfg.moe_experts:
+        raise KilnError(f"model.moe_experts={cfg.moe_experts}: mixture-of-experts models have no HF export "
+                        f"in kiln yet (only dense Llama/GPT-2)")
     for key, wanted in FAMILY_OPTIONS[family].items():
         value = getattr(cfg, key)
         allowed = wanted if isinstance(wanted, tuple) else (wanted,)

@@ -11,6 +11,11 @@
   ~ N(0, dim^-1/2); then the value/output projections, the MLP and the embeddings are scaled by
   (9 N)^-1/4 for N decoder layers (Huang et al. 2020, "Improving Transformer Optimization Through
   Better Initialization", sec. 3.3). Pair it with `model.norm = "none"`.
+
+Mixture-of-experts layers (kiln/model/moe.py): the router like a block matrix (std or Xavier), and
+each expert's w1/w3/w2 exactly as the dense FeedForward's in the same scheme, expert by expert.
+All experts are drawn in order, then this rank's slice is kept, so expert parallelism starts from
+the single-process weights.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import math
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from kiln.model.moe import MoE
 
 
 def _fill(t: torch.Tensor, fill, gen: torch.Generator | None = None) -> None:
@@ -55,6 +62,26 @@ def _reset_norms_and_biases(model: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
+def _experts(t: torch.Tensor | None, experts, fill) -> None:
+    """Fill all `experts.n_experts` expert matrices in order (one fill per expert), keep the local slice."""
+    if t is None:
+        return
+    device = t.to_local().device if isinstance(t, DTensor) else t.device
+    full = torch.empty((experts.n_experts, *t.shape[1:]), dtype=t.dtype, device=device)
+    for e in range(experts.n_experts):
+        fill(full[e])
+    mine = full[experts.first:experts.first + experts.n_local]
+    _fill(t, lambda x: x.copy_(mine))  # FSDP-sharded (DTensor) experts are filled whole, then resharded
+
+
+def _init_moe(ffn, matrix_fill, residual_fill) -> None:
+    matrix_fill(ffn.router.weight)
+    ex = ffn.experts
+    _experts(ex.w1, ex, matrix_fill)
+    _experts(ex.w3, ex, matrix_fill)
+    _experts(ex.w2, ex, residual_fill)
+
+
 def init_model(model: nn.Module, generator: torch.Generator | None = None) -> None:
     cfg = model.cfg
     scheme, std = cfg.init, cfg.init_std
@@ -69,11 +96,17 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
         residual_std = std / math.sqrt(2 * n_layers) if scheme == "gpt2" else std
         for layer in model.layers:
             attn, ffn = layer.attention, layer.feed_forward
-            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
-                if lin is not None:
-                    _normal(lin.weight, std, generator)
+            for lin in (attn.wq, attn.wk, attn.wv):
+                _normal(lin.weight, std, generator)
+            if isinstance(ffn, MoE):
+                _init_moe(ffn, lambda t: _normal(t, std, generator), lambda t: _normal(t, residual_std, generator))
+            else:
+                for lin in (ffn.w1, ffn.w3):
+                    if lin is not None:
+                        _normal(lin.weight, std, generator)
             _normal(attn.wo.weight, residual_std, generator)
-            _normal(ffn.w2.weight, residual_std, generator)
+            if not isinstance(ffn, MoE):
+                _normal(ffn.w2.weight, residual_std, generator)
         if not head_tied:
             _normal(model.output.weight, std, generator)
         return
@@ -86,6 +119,9 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
             gain = 1.0 / math.sqrt(i + 1)
             for lin in _block_linears(layer):
                 _xavier(lin.weight, gain, generator)
+            if isinstance(layer.feed_forward, MoE):
+                xav = lambda t: _xavier(t, gain, generator)  # noqa: E731
+                _init_moe(layer.feed_forward, xav, xav)
         if not head_tied:
             _xavier(model.output.weight, 1.0, generator)
         return
@@ -100,9 +136,12 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
             attn, ffn = layer.attention, layer.feed_forward
             _xavier(attn.wq.weight, 1.0, generator)
             _xavier(attn.wk.weight, 1.0, generator)
-            for lin in (attn.wv, attn.wo, ffn.w1, ffn.w2, ffn.w3):
+            for lin in (attn.wv, attn.wo) if isinstance(ffn, MoE) else (attn.wv, attn.wo, ffn.w1, ffn.w2, ffn.w3):
                 if lin is not None:
                     _xavier(lin.weight, scale, generator)
+            if isinstance(ffn, MoE):
+                xav = lambda t: _xavier(t, scale, generator)  # noqa: E731
+                _init_moe(ffn, xav, xav)
         if not head_tied:
             _xavier(model.output.weight, 1.0, generator)
         return
@@ -111,5 +150,7 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
 
 
 def _block_linears(layer: nn.Module) -> list[nn.Linear]:
+    """The block's nn.Linear matrices (an MoE FFN's router and experts are initialized by _init_moe)."""
     attn, ffn = layer.attention, layer.feed_forward
-    return [lin for lin in (attn.wq, attn.wk, attn.wv, attn.wo, ffn.w1, ffn.w2, ffn.w3) if lin is not None]
+    ffn_linears = () if isinstance(ffn, MoE) else (ffn.w1, ffn.w2, ffn.w3)
+    return [lin for lin in (attn.wq, attn.wk, attn.wv, attn.wo, *ffn_linears) if lin is not None]

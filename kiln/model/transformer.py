@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from kiln.config import ModelConfig
 from kiln.model import loss as _loss
 from kiln.model.loss import lm_loss  # noqa: F401  (re-exported: the reference loss)
+from kiln.model.moe import MoE
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -136,12 +137,17 @@ class FeedForward(nn.Module):
         return self.w2(h)
 
 
+def uses_moe(cfg: ModelConfig, layer_id: int) -> bool:
+    """Block `layer_id` has a mixture-of-experts FFN: model.moe_experts > 0, every moe_every-th block."""
+    return cfg.moe_experts > 0 and layer_id % cfg.moe_every == cfg.moe_every - 1
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.attention = Attention(cfg, layer_id)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg, ffn_hidden_size(cfg)) if uses_moe(cfg, layer_id) else FeedForward(cfg)
         self.attention_norm = build_norm(cfg)
         self.ffn_norm = build_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -176,6 +182,9 @@ class Transformer(nn.Module):
         # Global positions of the tokens this rank holds, when they are not 0..seqlen-1 (context
         # parallel's zig-zag slices; set around a training step by kiln/parallel/context_parallel.py).
         self.seq_positions: torch.Tensor | None = None
+        # MoE: (load-balancing loss, z-loss) summed over MoE layers in the last forward with
+        # targets, a detached device tensor read at metrics-fetch time (no host sync per step).
+        self.moe_losses: torch.Tensor | None = None
         head_dim = cfg.dim // cfg.n_heads
         cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -221,15 +230,26 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache, start_pos)
         h = self.norm(h)
         if self.loss_impl == "chunked" and targets is not None:
-            return _loss.chunked_lm_loss(h, self.output.weight, targets)
-        logits = self.output(h)
-        if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary
-            if targets is None:
-                return logits.full_tensor()
-            from kiln.parallel.tensor_parallel import parallel_lm_loss
+            loss = _loss.chunked_lm_loss(h, self.output.weight, targets)
+        else:
+            logits = self.output(h)
+            if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary
+                if targets is None:
+                    return logits.full_tensor()
+                from kiln.parallel.tensor_parallel import parallel_lm_loss
 
-            return parallel_lm_loss(logits, targets)
-        return logits if targets is None else _loss.lm_loss(logits, targets)
+                loss = parallel_lm_loss(logits, targets)
+            elif targets is None:
+                return logits
+            else:
+                loss = _loss.lm_loss(logits, targets)
+        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        if moes:  # Switch/ST-MoE: the weighted auxiliary losses, summed over layers, join the loss
+            aux = torch.stack([m.last_aux_loss for m in moes]).sum()
+            z = torch.stack([m.last_z_loss for m in moes]).sum()
+            self.moe_losses = torch.stack([aux, z]).detach()
+            loss = loss + self.cfg.moe_aux_loss_weight * aux + self.cfg.moe_z_loss_weight * z
+        return loss
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg
@@ -247,7 +267,11 @@ def count_params(model: nn.Module) -> dict[str, int]:
     emb = model.tok_embeddings.weight.numel()
     if getattr(model, "pos_embeddings", None) is not None:
         emb += model.pos_embeddings.weight.numel()
-    return {"total": total, "non_embedding": total - emb, "embedding": emb}
+    # Active: what one token uses; an MoE layer's token passes through top_k of its experts.
+    # (Under expert parallelism the module holds only the local experts: counts are per rank.)
+    idle = sum((m.experts.n_local - m.top_k) * m.experts.params_per_expert()
+               for m in model.modules() if isinstance(m, MoE))
+    return {"total": total, "non_embedding": total - emb, "embedding": emb, "active": total - max(idle, 0)}
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -256,7 +280,10 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     Attention scores and the weighted sum cost 2 * 2 * seq_len * dim per layer per token forward,
     x3 for forward + backward: 12 * L * seq_len * dim (Chowdhery et al. 2022, PaLM, appendix B).
     The embedding lookup is a gather, not a matmul, so it does not count.
+    An MoE layer counts its router and the top_k experts a token is routed to (active parameters,
+    Switch Transformer sec. 2); capacity drops and padding are not subtracted.
     """
     cfg = model.cfg
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    matmul_params += sum(m.top_k * m.experts.params_per_expert() for m in model.modules() if isinstance(m, MoE))
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.dim

@@ -111,7 +111,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
         apply_compile(model, "blocks")
     # Context parallel needs no module change (its attention is swapped in per step, see
     # context_parallel.py), only the gradient average over cp, which data parallelism does.
-    if dims.world_size > 1 and dims.dp_size * dims.cp > 1:
+    # DiLoCo: every rank trains its own replica; the replicas meet in kiln/parallel/diloco.py.
+    if dims.world_size > 1 and dims.dp_size * dims.cp > 1 and not cfg.parallel.diloco_inner_steps:
         apply_data_parallel(model, dims, cfg, device)
     if cfg.train.compile and scope == "model":
         apply_compile(model, "model", cfg.train.cuda_graphs)

@@ -39,8 +39,12 @@ def count_params_closed_form(m: ModelConfig, vocab: int) -> int:
     kv = m.n_kv_heads or m.n_heads
     ffn = ffn_hidden_size(m)
     per_layer = 2 * m.dim * m.n_heads * head_dim + 2 * m.dim * kv * head_dim
-    per_layer += (3 if m.activation in ("swiglu", "geglu") else 2) * m.dim * ffn + 2 * m.dim
+    ffn_params = (3 if m.activation in ("swiglu", "geglu") else 2) * m.dim * ffn
+    per_layer += ffn_params + 2 * m.dim
     params = vocab * m.dim * (1 if m.tie_embeddings else 2) + m.n_layers * per_layer + m.dim
+    # MoE blocks (kiln/model/moe.py): E bias-free experts + a router instead of one dense FFN.
+    moe_layers = m.n_layers // m.moe_every if m.moe_experts else 0
+    params += moe_layers * ((m.moe_experts - 1) * ffn_params + m.moe_experts * m.dim)
     return params + (m.max_seq_len * m.dim if m.positions == "learned" else 0)
 
 
@@ -52,6 +56,8 @@ def estimate_train_bytes(cfg: JobConfig, dims: ParallelDims | None = None) -> in
     vocab, _ = vocab_estimate(cfg)
     params = count_params_closed_form(m, vocab)
     weights = params * (8 + OPTIM_STATE_BYTES.get(cfg.optim.name, 8))
+    if cfg.parallel.diloco_inner_steps:  # DiLoCo's fp32 anchor and outer momentum
+        weights += params * 8
     tokens = cfg.train.batch_size * cfg.data.seq_len
     activations = 4 * tokens * (m.n_layers * (8 * m.dim + 2 * ffn_hidden_size(m)) + 2 * vocab)
     rope = 4 * m.max_seq_len * (m.dim // m.n_heads)

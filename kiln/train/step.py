@@ -71,36 +71,46 @@ class StepResult:
     lr: float
     data_wait_s: float
     tokens: int
+    extras: dict[str, float] | None = None  # e.g. MoE aux losses, DiLoCo bytes; averaged over ranks
 
 
 class PendingSteps:
     """Device results of the steps since the last fetch; `fetch` moves them to the host at once.
 
-    The loss is averaged over all ranks (one all-reduce per fetch, not per step).
+    The loss and the `extras` are averaged over all ranks (one all-reduce per fetch, not per step).
     """
 
     def __init__(self):
-        self._steps: list[tuple[int, float, float, int]] = []  # (step, lr, data wait s, tokens)
+        self._steps: list[tuple[int, float, float, int, tuple[str, ...]]] = []  # (step, lr, wait s, tokens, extra names)
         self._values: list[torch.Tensor] = []
 
     def __len__(self) -> int:
         return len(self._steps)
 
     def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped: torch.Tensor,
-            *, lr: float, data_wait_s: float, tokens: int) -> None:
-        self._steps.append((step, lr, data_wait_s, tokens))
-        self._values.append(torch.stack([loss.float(), grad_norm.float(), skipped.float()]))
+            *, lr: float, data_wait_s: float, tokens: int, extras: dict[str, torch.Tensor] | None = None) -> None:
+        extras = extras or {}
+        self._steps.append((step, lr, data_wait_s, tokens, tuple(extras)))
+        # Under FSDP the grad norm (and so `skipped`) are replicated DTensors: their plain value, so
+        # the row stays a plain tensor for the all-reduce in fetch (no communication for Replicate).
+        row = [t.full_tensor() if isinstance(t, DTensor) else t
+               for t in (loss, grad_norm, skipped, *extras.values())]
+        self._values.append(torch.stack([t.float().to(loss.device) for t in row]))
 
     def fetch(self) -> list[StepResult]:
         if not self._steps:
             return []
-        values = torch.stack(self._values)
+        # Every step of a run has the same extras (or none): pad to the widest row to be safe.
+        width = max(v.numel() for v in self._values)
+        values = torch.stack([torch.cat([v, v.new_zeros(width - v.numel())]) for v in self._values])
         if dist.is_available() and dist.is_initialized():
-            loss = values[:, 0].contiguous()
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # gloo has no AVG
-            values[:, 0] = loss / dist.get_world_size()
+            averaged = torch.cat([values[:, :1], values[:, 3:]], dim=1).contiguous()
+            dist.all_reduce(averaged, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            averaged /= dist.get_world_size()
+            values[:, 0], values[:, 3:] = averaged[:, 0], averaged[:, 1:]
         host = values.cpu().tolist()
-        out = [StepResult(step, loss, gnorm, bool(skip), lr, wait, tokens)
-               for (step, lr, wait, tokens), (loss, gnorm, skip) in zip(self._steps, host)]
+        out = [StepResult(step, row[0], row[1], bool(row[2]), lr, wait, tokens,
+                          dict(zip(names, row[3:])) if names else None)
+               for (step, lr, wait, tokens, names), row in zip(self._steps, host)]
         self._steps, self._values = [], []
         return out

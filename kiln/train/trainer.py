@@ -25,6 +25,7 @@ from kiln.data.shards import ShardSet
 from kiln.errors import KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
+from kiln.parallel.diloco import DiLoCo
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import compile_scope, parallelize
@@ -147,6 +148,11 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(), "train": state}
+    diloco = None
+    if cfg.parallel.diloco_inner_steps:  # every rank a replica (no DP wrapper): kiln/parallel/diloco.py
+        diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
+                        cfg.parallel.diloco_outer_momentum)
+        stateful["diloco"] = diloco
     recovery = None
     if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
         ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
@@ -171,7 +177,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                  "n_params_non_embedding": counts["non_embedding"], "flops_per_token": flops_tok,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
                  "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
-                 "world_size": dims.world_size, "dp_mode": dims.dp_mode if dims.dp_size > 1 else "none",
+                 "world_size": dims.world_size,
+                 "dp_mode": "diloco" if diloco else dims.dp_mode if dims.dp_size > 1 else "none",
+                 "n_params_active": counts["active"],
                  "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "cp": dims.cp,
                  "world_peak_flops": world_peak, "resumed_from": resume_step, "pp": dims.pp,
                  **({"pp_schedule": cfg.parallel.pp_schedule, "pp_microbatches": pipeline.microbatches,
@@ -229,7 +237,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                          "mfu": flops_tok * tps / world_peak, "memory_mb": stats["memory_mb"],
                          "memory_mb_min": stats["memory_mb_min"],
                          "data_wait_ms": 1000 * r.data_wait_s, "step_ms": 1000 * step_s,
-                         "skipped": r.skipped})
+                         "skipped": r.skipped, **(r.extras or {})})
             if not r.skipped and (z := spikes.observe(r.loss)) is not None and spikes.can_recover():
                 log_saves(ckpt.wait())
                 if ckpt.latest_step() is not None:
@@ -266,8 +274,15 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                                                    scaler=scaler, clip=cfg.train.clip_grad_norm)
             state.step += 1
             state.tokens += tokens_per_step
+            # MoE (last micro-batch): the unweighted load-balancing and z-losses, fetched with the loss.
+            extras = None if model.moe_losses is None else {"moe_aux_loss": model.moe_losses[0],
+                                                             "moe_z_loss": model.moe_losses[1]}
             pending.add(state.step, loss, grad_norm, skipped, lr=schedule.lr, data_wait_s=loader.wait_s,
-                        tokens=state.tokens)
+                        tokens=state.tokens, extras=extras)
+            if diloco is not None and diloco.due(state.step):
+                sent = diloco.outer_step()
+                metrics.log({"kind": "diloco", "step": state.step, "outer_step": diloco.outer_steps,
+                             "bytes_sent": sent})
             schedule.step()
 
             last_step = state.step == cfg.train.steps

@@ -1,0 +1,83 @@
+"""Expert parallelism: each rank of an `ep` group holds `E / ep` of every MoE layer's experts;
+tokens travel to their expert's rank and back with `all_to_all_single`.
+
+torch APIs: `torch.distributed._functional_collectives.all_to_all_single_autograd` (what
+torchtitan uses; differentiable: its backward is the reverse all-to-all, so expert gradients flow
+back to the ranks whose tokens produced them);
+the plain `torch.distributed.all_to_all_single` exchanges the per-expert counts. The routing,
+sorting and regrouping around them are kiln's (torchtitan does the same exchange of counts first).
+
+Gradients. Each rank's loss is the mean over its own tokens, and data parallelism averages the
+dense gradients over all D data-parallel ranks. An expert on ep rank q receives, through the
+all-to-all backward, the sum of the gradients of all ep ranks' losses for the tokens it served;
+the global loss is the mean over the D ranks, so that sum must be divided by D and summed
+(not averaged) over the D / ep replicas of that expert - never reduced over the ep group, which
+holds different experts. `reduce_expert_grads` does exactly that.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from kiln.model.moe import MoE
+
+
+def apply_expert_parallel(model: nn.Module, ep_group) -> None:
+    """Keep this rank's slice of every MoE layer's experts (call on the meta-device model, before
+    init: kiln/model/init.py draws all experts and keeps the slice) and route through `ep_group`."""
+    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for m in model.modules():
+        if not isinstance(m, MoE):
+            continue
+        ex = m.experts
+        if ex.n_experts % ep:
+            raise ValueError(f"ep={ep} must divide the {ex.n_experts} experts")
+        ex.n_local = ex.n_experts // ep
+        ex.first = rank * ex.n_local
+        for name in ("w1", "w2", "w3"):
+            w = getattr(ex, name)
+            if w is not None:
+                setattr(ex, name, nn.Parameter(w.detach()[ex.first:ex.first + ex.n_local].clone()))
+        m.ep_group = ep_group
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that differ between ep ranks (the local experts)."""
+    return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
+
+
+def dispatch_and_combine(rows: torch.Tensor, counts: torch.Tensor, experts, group) -> torch.Tensor:
+    """rows: this rank's routed token copies sorted by global expert, `counts[e]` for expert e.
+    Returns the experts' outputs for those rows, in the same order."""
+    ep = dist.get_world_size(group)
+    n_local = experts.n_local
+    # counts_in[s * n_local + e]: rows that rank s sends to local expert e.
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts, group=group)
+    # Split sizes must be host ints: one small sync per MoE layer (as in every all-to-all MoE).
+    send_splits = counts.view(ep, n_local).sum(1).tolist()
+    recv_matrix = counts_in.view(ep, n_local)
+    recv_splits = recv_matrix.sum(1).tolist()
+    received = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
+    # Received rows come grouped by source rank, then expert: regroup by local expert.
+    local_expert = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(counts_in)
+    order = torch.argsort(local_expert, stable=True)
+    out_sorted = experts(received[order], recv_matrix.sum(0).tolist())
+    out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
+    return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
+
+
+@torch.no_grad()
+def reduce_expert_grads(model: nn.Module, dp_size: int, replica_group=None) -> None:
+    """Expert gradients after backward: sum over the replicas of this rank's experts
+    (`replica_group`, None when each expert lives on one rank only) and divide by the number of
+    data-parallel ranks, so they equal the single-process gradient of the global mean loss."""
+    for p in expert_parameters(model):
+        if p.grad is None:
+            continue
+        if replica_group is not None and dist.get_world_size(replica_group) > 1:
+            dist.all_reduce(p.grad, group=replica_group)
+        p.grad.div_(dp_size)

@@ -1,0 +1,133 @@
+"""Expert parallelism on 2 gloo ranks gives the per-step losses and gradients of one process on
+the same global batch: each rank holds half the experts and its own half of the batch (the ep
+ranks are also the data-parallel ranks), dense gradients are averaged over the 2 ranks, expert
+gradients go through `reduce_expert_grads`.
+
+Tolerance: fp32, relative 1e-5 per step over 6 steps for losses; step-1 expert gradients to
+1e-5 relative (observed differences are reduction order, ~1e-7). Plain SGD without clipping. The
+"wrong" run treats expert gradients like replicated ones (averaged over the ep group): its
+gradients must not match, which shows the check can fail for exactly that mistake.
+All runs share one 2-process spawn (process start dominates on a 2-core machine).
+"""
+
+import pytest
+import torch
+
+from ranks import run_ranks
+
+STEPS = 6
+REL = 1e-5
+CASES = {  # name -> model fields
+    "switch_top1_capacity": dict(moe_top_k=1, moe_capacity_factor=1.0),
+    "gshard_top2_dropless": dict(moe_top_k=2, moe_capacity_factor=0.0, activation="gelu"),
+}
+RUNS = [("switch_top1_capacity", "right"), ("gshard_top2_dropless", "right"), ("switch_top1_capacity", "wrong")]
+
+
+def model_and_data(case):
+    from kiln.config import ModelConfig
+    from kiln.model.transformer import Transformer
+
+    cfg = ModelConfig(vocab_size=61, dim=16, n_layers=2, n_heads=2, max_seq_len=16, moe_experts=4,
+                      moe_aux_loss_weight=0.1, moe_z_loss_weight=0.01, **CASES[case])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    data = torch.randint(0, 61, (STEPS, 4, 17), generator=torch.Generator().manual_seed(0))
+    return model, data
+
+
+def materialize(model):
+    model.to_empty(device="cpu")
+    model.init_weights(torch.Generator().manual_seed(0))
+    return model
+
+
+def expert_grads(model):
+    return [m.feed_forward.experts.w1.grad.clone() for m in model.layers]
+
+
+def single_process(case):
+    model, data = model_and_data(case)
+    model = materialize(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, grads = [], None
+    for batch in data:
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        grads = grads or expert_grads(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def expert_parallel_rank(rank, world):
+    import torch.distributed as dist
+
+    from kiln.parallel.expert_parallel import apply_expert_parallel, expert_parameters, reduce_expert_grads
+
+    out = []
+    for case, reduction in RUNS:
+        model, data = model_and_data(case)
+        apply_expert_parallel(model, dist.group.WORLD)
+        model = materialize(model)
+        assert model.layers[0].feed_forward.experts.w1.shape[0] == 4 // world
+        experts = {id(p) for p in expert_parameters(model)}
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        per = data.shape[1] // world
+        losses, grads = [], None
+        for batch in data:
+            mine = batch[rank * per:(rank + 1) * per]
+            loss = model(mine[:, :-1], mine[:, 1:])
+            loss.backward()
+            for p in model.parameters():
+                if id(p) not in experts:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+            if reduction == "right":
+                reduce_expert_grads(model, world)
+            else:  # the mistake: expert grads averaged over the ep group, as if they were replicas
+                for p in expert_parameters(model):
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+            if grads is None:  # every rank's local experts, gathered: the full (E, ...) gradient
+                grads = []
+                for g in expert_grads(model):
+                    parts = [torch.empty_like(g) for _ in range(world)]
+                    dist.all_gather(parts, g)
+                    grads.append(torch.cat(parts))
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        out.append((losses, grads))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    ranks = run_ranks(expert_parallel_rank, 2, tmp_path_factory.mktemp("ep"))
+    assert ranks[0][0][0] == ranks[1][0][0]  # both ranks log the same global loss
+    return dict(zip(RUNS, ranks[0]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ep_ranks_match_one_process(ep_runs, case):
+    expected_losses, expected_grads = single_process(case)
+    losses, grads = ep_runs[(case, "right")]
+    assert losses == pytest.approx(expected_losses, rel=REL)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
+    assert expected_losses[-1] < expected_losses[0]  # it trains
+
+
+@pytest.mark.timeout(240)
+def test_averaging_experts_over_the_ep_group_is_caught(ep_runs):
+    expected_losses, expected_grads = single_process("switch_top1_capacity")
+    losses, grads = ep_runs[("switch_top1_capacity", "wrong")]
+    assert losses[0] == pytest.approx(expected_losses[0], rel=REL)  # same forward at step 1
+    with pytest.raises(AssertionError):
+        for g, e in zip(grads, expected_grads):
+            torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
