@@ -4,8 +4,8 @@ checkpointing x micro-batch x sequence length. `kiln train`'s refusal (kiln/trai
 
 Closed form (no module is built). Terms, per rank:
 - parameters: fp32 master weights (kiln keeps fp32 params and autocasts), split by tp*pp and, for
-  fsdp/hsdp, by dp_shard;
-- gradients: fp32, split like parameters and also by dp_shard for zero2;
+  zero2/fsdp/hsdp (all FSDP2 in kiln), by dp_shard;
+- gradients: fp32, split like parameters;
 - optimizer state: bytes per parameter by optimizer, split by dp for zero1/zero2/fsdp;
 - activations kept for backward, per layer and token (counted tensor by tensor for kiln's
   pre-norm block: two fp32 norm inputs, normed inputs, q/k/v, attention output, and the MLP's
@@ -167,9 +167,9 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
     # Embedding and LM head are both counted on the fullest stage: an upper bound when pp > 1.
     stage_params = shape.embedding_params / layout.tp + layers * shape.layer_params / layout.tp + shape.dim
     full_mode = layout.dp_mode
-    shard = layout.dp_shard if full_mode in ("fsdp", "zero2") else 1
-    out.parameters = 4 * stage_params / (shard if full_mode == "fsdp" else 1)
-    out.gradients = 4 * stage_params / (layout.dp_shard if full_mode in ("fsdp", "zero2") else 1)
+    shard = layout.dp_shard if full_mode in ("fsdp", "zero2") else 1  # both are FSDP2: sharded at rest
+    out.parameters = 4 * stage_params / shard
+    out.gradients = 4 * stage_params / shard
     optim_split = layout.dp if full_mode == "zero1" else (layout.dp_shard if full_mode in ("zero2", "fsdp") else 1)
     out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * stage_params / optim_split
 

@@ -113,28 +113,29 @@ def fit_loss_law(points: list[tuple[float, float, float]], delta: float = 1e-3) 
     log_n, log_d, log_l = t[:, 0].log(), t[:, 1].log(), t[:, 2].log()
     if not torch.isfinite(log_l).all() or (t <= 0).any():
         raise KilnError("every run must have positive, finite parameters, tokens and loss")
-    best, best_obj = None, math.inf
-    for a0, b0, e0, al0, be0 in itertools.product((0.0, 5.0, 10.0), (0.0, 5.0, 10.0), (-1.0, 0.5),
-                                                  (0.2, 0.5), (0.2, 0.5)):
-        x = torch.tensor([a0, b0, e0, al0, be0], dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.LBFGS([x], max_iter=100, line_search_fn="strong_wolfe")
+    def huber(x):
+        pred = torch.logsumexp(torch.stack([x[0] - x[3] * log_n, x[1] - x[4] * log_d, x[2].expand_as(log_n)]), dim=0)
+        return torch.nn.functional.huber_loss(pred, log_l, delta=delta, reduction="sum")
 
-        def objective():
+    best, best_obj = None, math.inf
+    for a0, b0, e0, al0, be0 in itertools.product((6.0, 0.0), (6.0, 0.0), (0.5, -1.0), (0.3, 0.5), (0.3, 0.5)):
+        x = torch.tensor([a0, b0, e0, al0, be0], dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.LBFGS([x], max_iter=100, tolerance_grad=1e-12, tolerance_change=1e-14,
+                                line_search_fn="strong_wolfe")
+
+        def closure():
             opt.zero_grad()
-            pred = torch.logsumexp(torch.stack([x[0] - x[3] * log_n, x[1] - x[4] * log_d,
-                                                x[2].expand_as(log_n)]), dim=0)
-            obj = torch.nn.functional.huber_loss(pred, log_l, delta=delta, reduction="sum")
+            obj = huber(x)
             obj.backward()
             return obj
 
-        try:
-            opt.step(objective)
-        except RuntimeError:
-            continue
+        opt.step(closure)
         with torch.no_grad():
-            obj = float(objective())
+            obj = float(huber(x))
         if math.isfinite(obj) and obj < best_obj and float(x[3]) > 0 and float(x[4]) > 0:
             best, best_obj = x.detach().clone(), obj
+        if best_obj < 1e-9:  # an exact fit: later starts cannot improve it
+            break
     if best is None:
         raise KilnError("the loss law did not converge on these runs (losses must fall with size)")
     a, b, e, alpha, beta = best.tolist()
