@@ -1,0 +1,39 @@
+from kiln.cli import main
+from kiln.config import load_config
+
+
+def _err(capsys):
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_plan_writes_a_config_kiln_train_reads(tmp_path, capsys):
+    out = tmp_path / "plan.toml"
+    rc = main(["plan", "--cluster", "h100", "--nodes", "2", "--budget-flops", "1e21", "--global-batch", "256",
+               "--set", "data.seq_len=2048", "--set", "model.max_seq_len=2048", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "chinchilla-3" in text and "Young/Daly interval" in text and "cost ~$" in text
+    cfg = load_config(out)
+    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    assert world == 16 and cfg.train.steps > 1 and 1 <= cfg.checkpoint.every <= cfg.train.steps
+    assert 1e9 < 1e21 / 6 / (cfg.train.steps * 256 * 2048) < 3e9  # the Chinchilla model size was planned
+
+
+def test_budget_too_small(tmp_path, capsys):
+    rc = main(["plan", "--budget-flops", "1e9", "--out", str(tmp_path / "p.toml")])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "too small" in err[0] and "needs about" in err[0]
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_unknown_hardware(tmp_path, capsys):
+    rc = main(["plan", "--cluster", "tpu-v9", "--out", str(tmp_path / "p.toml")])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "presets: a100" in err[0]
+
+
+def test_nothing_fits_names_what_would(tmp_path, capsys):
+    rc = main(["plan", "--cluster", "a100", "--set", "model.dim=16384", "--set", "model.n_layers=120",
+               "--set", "model.n_heads=128", "--out", str(tmp_path / "p.toml")])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "nothing fits" in err[0] and "--nodes" in err[0]
+    assert not (tmp_path / "p.toml").exists()
