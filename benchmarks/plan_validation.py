@@ -1,0 +1,115 @@
+"""`kiln plan`'s memory and time models against measured kiln runs.
+
+Measurements: benchmarks/results/parallel_memory.json, written by benchmarks/parallel_memory.py
+(kiln's own build_model -> parallelize -> shard_optimizer_state path, gloo, fp32, AdamW; exact
+per-rank tensor bytes of parameters, gradients and optimizer state, the parameters held between
+forward and backward, and the median step time of the slowest rank) for 1 process and for
+ddp / zero1 / zero2 / fsdp at 2 and 4 processes: 9 layouts. Rerun that script first to refresh them.
+
+Memory: kiln/plan/memory.py `rank_memory` (no fitting) against the largest rank's measured
+parameters + gradients + optimizer state at rest. Activations, FSDP's all-gather buffers and
+logits are not in those measurements (they are counts of the tensors a module exposes, not
+allocator peaks), so they are left out of both sides: this checks the sharding terms only.
+
+Time: kiln/plan/timing.py `step_time` on the cpu-local cluster preset, whose efficiency curve
+(max_efficiency, half_efficiency_work), link bandwidth and overlap efficiency are unknown for this machine: they are
+calibrated by least squares on log time, leave-one-out (each layout is predicted from a fit to
+the other eight, never to itself). This machine runs 4 processes on 2 cores, so each process
+gets min(1, cores / processes) of a core: that factor is applied here, not in the planner.
+
+    python benchmarks/plan_validation.py [--results benchmarks/results/parallel_memory.json]
+
+Prints a markdown table and writes benchmarks/results/plan_validation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import RESULTS_DIR  # noqa: E402
+
+from kiln.config import ModelConfig  # noqa: E402
+from kiln.plan.cluster import load_cluster  # noqa: E402
+from kiln.plan.memory import Layout, ModelShape, rank_memory  # noqa: E402
+from kiln.plan.timing import step_time  # noqa: E402
+
+# benchmarks/parallel_memory.py defaults (the results file records only the command)
+DIM, LAYERS, HEADS, VOCAB, SEQ, BATCH = 384, 6, 6, 4096, 128, 8
+CORES = 2
+
+
+def layout_for(mode: str, world: int) -> Layout:
+    per_rank = BATCH // world
+    if mode in ("ddp", "zero1") or world == 1:
+        return Layout(dp_replicate=world, dp_shard=1, dp_mode=mode if world > 1 else "ddp", micro_batch=per_rank,
+                      precision="fp32")
+    return Layout(dp_replicate=1, dp_shard=world, dp_mode=mode, micro_batch=per_rank, precision="fp32")
+
+
+def predicted_time(shape, layout, cluster, params) -> float:
+    max_eff, half_work, bw, overlap = params
+    cluster.overlap_efficiency = overlap
+    cluster.device.max_efficiency = max_eff
+    cluster.device.half_efficiency_work = half_work
+    cluster.intra_node.bandwidth_gbps = bw
+    share = min(1.0, CORES / layout.world_size)
+    t = step_time(shape, layout, SEQ, cluster)
+    return t.compute / share + t.comm_exposed + t.optimizer / share
+
+
+def fit(shape, cases, cluster) -> tuple[float, float, float, float]:
+    grid = itertools.product([0.02 * 1.25 ** k for k in range(20)], [10 ** (k / 3) for k in range(9, 19)],
+                             [0.05 * 1.5 ** k for k in range(14)], [0.0, 0.3, 0.6, 0.9])
+    best, best_err = None, math.inf
+    for params in grid:
+        if params[0] > 1:
+            continue
+        err = sum(math.log(predicted_time(shape, lay, cluster, params) / t) ** 2 for lay, t in cases)
+        if err < best_err:
+            best, best_err = params, err
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(RESULTS_DIR / "parallel_memory.json"))
+    args = ap.parse_args()
+    data = json.loads(Path(args.results).read_text())
+    model = ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, vocab_size=VOCAB, max_seq_len=SEQ)
+    shape = ModelShape.from_config(model, VOCAB)
+    assert shape.params == data["single"]["n_params"], "benchmark model shape changed; update the constants"
+    runs = [("single", 1, [data["single"]])] + [(r["mode"], r["world"], r["per_rank"]) for r in data["runs"]]
+    cases = [(layout_for(m, w), max(p["step_s"] for p in ranks)) for m, w, ranks in runs]
+    cluster = load_cluster("cpu-local")
+    rows = []
+    for i, ((mode, world, ranks), (layout, measured_t)) in enumerate(zip(runs, cases)):
+        mem = rank_memory(shape, layout, SEQ, "adamw")
+        pred_mem = mem.parameters + mem.gradients + mem.optimizer  # state at rest, exact tensor bytes
+        measured_mem = max(p["params"] + p["grads"] + p["optimizer"] for p in ranks)
+        params = fit(shape, cases[:i] + cases[i + 1:], cluster)
+        pred_t = predicted_time(shape, layout, cluster, params)
+        rows.append(dict(layout=f"{mode} x{world}", measured_bytes=measured_mem, predicted_bytes=pred_mem,
+                         memory_error=pred_mem / measured_mem - 1, measured_step_s=measured_t,
+                         predicted_step_s=pred_t, time_error=pred_t / measured_t - 1, fit=params))
+    print(f"model {shape.params / 1e6:.2f}M params, global batch {BATCH} x {SEQ}, fp32 AdamW, gloo, {CORES} cores\n")
+    print("| layout | measured MiB | predicted MiB | error | measured step s | predicted step s (LOO) | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['measured_bytes'] / 2**20:.1f} | {r['predicted_bytes'] / 2**20:.1f} | "
+              f"{r['memory_error']:+.1%} | {r['measured_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
+              f"{r['time_error']:+.1%} |")
+    out = RESULTS_DIR / "plan_validation.json"
+    out.write_text(json.dumps({"rows": rows, "source": args.results, "command": "python " + " ".join(sys.argv),
+                               "cpu_count": os.cpu_count()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
