@@ -14,7 +14,7 @@ allocator peaks), so they are left out of both sides: this checks the sharding t
 Time: kiln/plan/timing.py `step_time` on the cpu-local cluster preset, whose efficiency curve
 (max_efficiency, half_efficiency_work), link bandwidth and overlap efficiency are unknown for this machine: they are
 calibrated by least squares on log time, leave-one-out (each layout is predicted from a fit to
-the other eight, never to itself). This machine runs 4 processes on 2 cores, so each process
+the other eight, never to itself) with kiln/plan/calibrate.py `fit_cluster`. This machine runs 4 processes on 2 cores, so each process
 gets min(1, cores / processes) of a core: that factor is applied here, not in the planner.
 
     python benchmarks/plan_validation.py [--results benchmarks/results/parallel_memory.json]
@@ -25,7 +25,6 @@ Prints a markdown table and writes benchmarks/results/plan_validation.json.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import RESULTS_DIR  # noqa: E402
 
 from kiln.config import ModelConfig  # noqa: E402
+from kiln.plan.calibrate import Measurement, fit_cluster, predicted_step  # noqa: E402
 from kiln.plan.cluster import load_cluster  # noqa: E402
 from kiln.plan.memory import Layout, ModelShape, rank_memory  # noqa: E402
 from kiln.plan.timing import step_time  # noqa: E402
@@ -54,28 +54,8 @@ def layout_for(mode: str, world: int) -> Layout:
     return Layout(dp_replicate=1, dp_shard=world, dp_mode=mode, micro_batch=per_rank, precision="fp32")
 
 
-def predicted_time(shape, layout, cluster, params) -> float:
-    max_eff, half_work, bw, overlap = params
-    cluster.overlap_efficiency = overlap
-    cluster.device.max_efficiency = max_eff
-    cluster.device.half_efficiency_work = half_work
-    cluster.intra_node.bandwidth_gbps = bw
-    share = min(1.0, CORES / layout.world_size)
-    t = step_time(shape, layout, SEQ, cluster)
-    return t.compute / share + t.comm_exposed + t.optimizer / share
-
-
-def fit(shape, cases, cluster) -> tuple[float, float, float, float]:
-    grid = itertools.product([0.02 * 1.25 ** k for k in range(20)], [10 ** (k / 3) for k in range(9, 19)],
-                             [0.05 * 1.5 ** k for k in range(14)], [0.0, 0.3, 0.6, 0.9])
-    best, best_err = None, math.inf
-    for params in grid:
-        if params[0] > 1:
-            continue
-        err = sum(math.log(predicted_time(shape, lay, cluster, params) / t) ** 2 for lay, t in cases)
-        if err < best_err:
-            best, best_err = params, err
-    return best
+def share(layout: Layout) -> float:
+    return min(1.0, CORES / layout.world_size)
 
 
 def main() -> None:
@@ -87,15 +67,19 @@ def main() -> None:
     shape = ModelShape.from_config(model, VOCAB)
     assert shape.params == data["single"]["n_params"], "benchmark model shape changed; update the constants"
     runs = [("single", 1, [data["single"]])] + [(r["mode"], r["world"], r["per_rank"]) for r in data["runs"]]
-    cases = [(layout_for(m, w), max(p["step_s"] for p in ranks)) for m, w, ranks in runs]
+    cases = [Measurement(f"{m} x{w}", shape, layout_for(m, w), SEQ, max(p["step_s"] for p in ranks))
+             for m, w, ranks in runs]
     cluster = load_cluster("cpu-local")
     rows = []
-    for i, ((mode, world, ranks), (layout, measured_t)) in enumerate(zip(runs, cases)):
+    for i, ((mode, world, ranks), case) in enumerate(zip(runs, cases)):
+        layout, measured_t = case.layout, case.step_s
         mem = rank_memory(shape, layout, SEQ, "adamw")
         pred_mem = mem.parameters + mem.gradients + mem.optimizer  # state at rest, exact tensor bytes
         measured_mem = max(p["params"] + p["grads"] + p["optimizer"] for p in ranks)
-        params = fit(shape, cases[:i] + cases[i + 1:], cluster)
-        pred_t = predicted_time(shape, layout, cluster, params)
+        fitted = fit_cluster(cluster, cases[:i] + cases[i + 1:], share)  # kiln/plan/calibrate.py
+        pred_t = predicted_step(case, fitted, share)
+        params = (fitted.device.max_efficiency, fitted.device.half_efficiency_work,
+                  fitted.intra_node.bandwidth_gbps, fitted.overlap_efficiency)
         rows.append(dict(layout=f"{mode} x{world}", measured_bytes=measured_mem, predicted_bytes=pred_mem,
                          memory_error=pred_mem / measured_mem - 1, measured_step_s=measured_t,
                          predicted_step_s=pred_t, time_error=pred_t / measured_t - 1, fit=params))
