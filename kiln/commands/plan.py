@@ -1,4 +1,5 @@
 """kiln plan [CONFIG] --cluster NAME|FILE [--nodes N] [--budget-flops C | --gpu-hours H] [--out PLAN.toml]
+   kiln plan --cluster NAME|FILE --calibrate RUN_DIR... [--calibrated-out FILE]
 
 What to train (compute-optimal model and tokens for a budget) and how (the fastest layout that
 fits), with the checkpoint interval, wall time and cost; the best plan is written as a config
@@ -34,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16", "float8"))
     p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
     p.add_argument("--out", default="plan.toml", help="where to write the best plan's config (default plan.toml)")
+    p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
+                   help="fit --cluster's efficiency curve, link bandwidth and overlap to these kiln runs and "
+                        "write the calibrated cluster to --calibrated-out (no plan is made)")
+    p.add_argument("--calibrated-out", default="cluster-calibrated.toml", help="(default cluster-calibrated.toml)")
 
 
 def _gib(x: float) -> str:
@@ -47,6 +52,22 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
+def _calibrate(args: argparse.Namespace, cluster) -> int:
+    from kiln.io import atomic_write_text
+    from kiln.plan.calibrate import cluster_toml, fit_cluster, measured_run, predicted_step
+
+    runs = [measured_run(d) for d in args.calibrate]
+    fitted = fit_cluster(cluster, runs)
+    print(f"calibrated {cluster.name} on {len(runs)} runs: max_efficiency {fitted.device.max_efficiency:.3g}, "
+          f"half_efficiency_work {fitted.device.half_efficiency_work:.3g}, link {fitted.intra_node.bandwidth_gbps:.3g} "
+          f"GB/s, overlap {fitted.overlap_efficiency:.2g}")
+    for m in runs:
+        print(f"  {m.name}: {m.layout.describe()}  measured {m.step_s:.4g} s, fitted {predicted_step(m, fitted):.4g} s")
+    atomic_write_text(args.calibrated_out, cluster_toml(fitted))
+    print(f"wrote {args.calibrated_out}: kiln plan --cluster {args.calibrated_out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from kiln.config import load_config
     from kiln.io import atomic_write_text
@@ -57,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
     from kiln.plan.search import model_for_params, plan_toml, search
     from kiln.train.memory import vocab_estimate
 
-    cfg = load_config(args.config, args.overrides)
     cluster = load_cluster(args.cluster, args.nodes)
+    if args.calibrate:
+        return _calibrate(args, cluster)
+    cfg = load_config(args.config, args.overrides)
     world = cluster.world_size
     law = scaling.CHINCHILLA
     if args.fit_sweep:
