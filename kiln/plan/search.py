@@ -12,11 +12,13 @@ checkpointing (none, selective, full). kiln's models are dense, so ep stays 1.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from kiln.config import JobConfig, ModelConfig, to_toml
 from kiln.errors import KilnError
+from kiln.plan.ac import plan_activation_checkpointing
 from kiln.plan.cluster import Cluster
 from kiln.plan.memory import OPTIM_STATE_BYTES, Layout, MemoryBreakdown, ModelShape, rank_memory
 from kiln.plan.timing import StepTime, step_time
@@ -90,9 +92,14 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
     budget = cluster.device.usable_bytes
     fits, smallest, count = [], None, 0
     state_bytes = OPTIM_STATE_BYTES.get(optimizer, 8)
-    for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss):
+    for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ac_choices=("none",)):
         count += 1
-        mem = rank_memory(shape, layout, seq_len, optimizer)
+        try:  # the least recompute that fits (kiln/plan/ac.py); recompute only ever costs time
+            ac, mem = plan_activation_checkpointing(shape, layout, seq_len, budget, optimizer)
+        except KilnError:
+            ac = "full"
+            mem = rank_memory(shape, dataclasses.replace(layout, ac=ac), seq_len, optimizer)
+        layout = dataclasses.replace(layout, ac=ac)
         if smallest is None or mem.total < smallest[1].total:
             smallest = (layout, mem)
         if mem.total <= budget:
