@@ -90,10 +90,33 @@ def main() -> None:
         print(f"| {r['layout']} | {r['measured_bytes'] / 2**20:.1f} | {r['predicted_bytes'] / 2**20:.1f} | "
               f"{r['memory_error']:+.1%} | {r['measured_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
               f"{r['time_error']:+.1%} |")
+    best_plan = best_plan_check(shape, cases, cluster)
     published = published_table()
     out = RESULTS_DIR / "plan_validation.json"
-    out.write_text(json.dumps({"rows": rows, "published": published, "source": args.results, "command": "python " + " ".join(sys.argv),
+    out.write_text(json.dumps({"rows": rows, "best_plan": best_plan, "published": published, "source": args.results, "command": "python " + " ".join(sys.argv),
                                "cpu_count": os.cpu_count()}, indent=1))
+
+
+def best_plan_check(shape, cases, cluster) -> list[dict]:
+    """Per world size: the search's best data-parallel plan (max tp = pp = cp = 1, what kiln
+    trains today; cluster fitted to all nine runs) against the best measured layout."""
+    from kiln.plan.search import search
+
+    fitted = fit_cluster(cluster, cases, share)
+    out = []
+    print("\n| processes | search's best plan | its measured step s | best measured layout | step s |\n|---|---|---|---|---|")
+    for world in (2, 4):
+        fitted.gpus_per_node, fitted.device.memory_gib = world, 64.0
+        best = search(shape, fitted, SEQ, BATCH, precision="fp32", max_tp=1, max_pp=1, max_cp=1)[0].layout
+        measured = {(c.layout.dp_mode, c.layout.dp_replicate, c.layout.dp_shard, c.layout.micro_batch): c
+                    for c in cases if c.layout.world_size == world}
+        same = measured.get((best.dp_mode, best.dp_replicate, best.dp_shard, best.micro_batch))
+        top = min(measured.values(), key=lambda c: c.step_s)
+        same_ok = same is not None and best.tp == best.pp == best.cp == 1 and best.ac == "none"
+        print(f"| {world} | {best.describe()} | {f'{same.step_s:.2f}' if same_ok else 'not run'} | {top.name} | {top.step_s:.2f} |")
+        out.append(dict(world=world, plan=best.describe(), plan_measured_s=same.step_s if same_ok else None,
+                        best_measured=top.name, best_measured_s=top.step_s))
+    return out
 
 
 # Published large-scale runs: (label, source, model, vocab, seq, cluster, nodes, layout, published, kind).

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, metavar="SEQS",
                    help="sequences per optimizer step (default: train.batch_size x grad_accum x GPUs)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16", "float8"))
+    for dim in ("tp", "pp", "cp"):
+        p.add_argument(f"--max-{dim}", type=int, default=None, metavar="N",
+                       help=f"largest {dim} degree to consider (1: data-parallel layouts only)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
     p.add_argument("--out", default="plan.toml", help="where to write the best plan's config (default plan.toml)")
     p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     if global_batch <= 0:
         raise KilnError(f"--global-batch {global_batch} must be > 0")
     plans = search(shape, cluster, seq, global_batch, optimizer=cfg.optim.name, precision=args.precision,
-                   loss="chunked" if cfg.train.loss == "chunked" else "full")
+                   loss="chunked" if cfg.train.loss == "chunked" else "full",
+                   **{f"max_{d}": getattr(args, f"max_{d}") for d in ("tp", "pp", "cp") if getattr(args, f"max_{d}")})
     print(f"\n{len(plans)} layouts fit {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name} "
           f"({_gib(cluster.device.usable_bytes)} GiB usable); global batch {global_batch} x {seq} tokens. Fastest:")
     print(f"  {'layout':<58}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{'MFU':>6}{'GiB':>8}")

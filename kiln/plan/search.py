@@ -50,18 +50,19 @@ def _dp_splits(dp: int) -> list[tuple[str, int, int]]:
 
 
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
-                      precision: str, loss: str = "full", ac_choices: tuple[str, ...] = AC_CHOICES):
+                      precision: str, loss: str = "full", ac_choices: tuple[str, ...] = AC_CHOICES,
+                      max_tp: int = 1024, max_pp: int = 64, max_cp: int = 8):
     world = cluster.world_size
     head = shape.dim // shape.n_heads
     kv_heads = shape.kv_dim // head
     for tp in divisors(cluster.gpus_per_node):
-        if world % tp or shape.n_heads % tp or kv_heads % tp:
+        if world % tp or shape.n_heads % tp or kv_heads % tp or tp > max_tp:
             continue
         for pp in divisors(world // tp):
-            if shape.n_layers % pp or pp > 64:
+            if shape.n_layers % pp or pp > max_pp:
                 continue
             for cp in _powers_of_two_dividing(world // (tp * pp)):
-                if cp > 8 or seq_len % (2 * cp) or (cp > 1 and seq_len // cp < 128):
+                if cp > max_cp or seq_len % (2 * cp) or (cp > 1 and seq_len // cp < 128):
                     continue
                 dp = world // (tp * pp * cp)
                 if global_batch % dp:
@@ -85,14 +86,17 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
 
 
 def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
-           precision: str = "bf16", loss: str = "full", top: int | None = None) -> list[Plan]:
-    """Every layout that fits, fastest first; a KilnError saying what would fit when none does."""
+           precision: str = "bf16", loss: str = "full", top: int | None = None, max_tp: int = 1024,
+           max_pp: int = 64, max_cp: int = 8) -> list[Plan]:
+    """Every layout that fits, fastest first; a KilnError saying what would fit when none does.
+    max_tp/max_pp/max_cp limit the degrees (1: layouts `kiln train` runs before TP/PP/CP land)."""
     if precision == "float8" and cluster.device.peak_tflops_fp8 == 0:
         raise KilnError(f"{cluster.device.name} has no float8 tensor cores; use --precision bf16")
     budget = cluster.device.usable_bytes
     fits, smallest, count = [], None, 0
     state_bytes = OPTIM_STATE_BYTES.get(optimizer, 8)
-    for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ac_choices=("none",)):
+    for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ("none",),
+                                    max_tp, max_pp, max_cp):
         count += 1
         try:  # the least recompute that fits (kiln/plan/ac.py); recompute only ever costs time
             ac, mem = plan_activation_checkpointing(shape, layout, seq_len, budget, optimizer)
