@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from kiln.config import check_fields, fill_dataclass, ranged, read_toml
+from kiln.config import check_fields, fill_dataclass, ranged, read_toml, tomllib
 from kiln.errors import ConfigError
 
 
@@ -111,8 +111,6 @@ def load_cluster(spec: str, nodes: int | None = None) -> Cluster:
             raise ConfigError(f"unknown cluster {spec!r}; presets: {', '.join(preset_names())} "
                               f"(or a path to a cluster TOML, see docs/plan.md)")
         text = (resources.files("kiln.resources") / "clusters" / f"{spec}.toml").read_text(encoding="utf-8")
-        import tomllib
-
         cluster = cluster_from_dict(tomllib.loads(text), f"preset {spec}")
     if nodes is not None:
         if nodes < 1:
