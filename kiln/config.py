@@ -224,8 +224,9 @@ class TrainConfig:
     attention_backend: str = ranged("auto", choices=("auto", "flash", "cudnn", "efficient", "math"))
     float8: bool = False  # float8 matmuls via torchao (GPUs with float8 tensor cores, e.g. H100)
     float8_recipe: str = ranged("tensorwise", choices=("tensorwise", "rowwise"))
-    # none | full (every block) | selective (every other)
-    activation_checkpointing: str = ranged("none", choices=("none", "full", "selective"))
+    # none | full (every block) | selective (every other) | every_k:K (blocks 0, K, 2K, ...; kiln plan picks K)
+    activation_checkpointing: str = ranged("none", pattern=r"none|full|selective|every_k:[1-9][0-9]{0,5}",
+                                           expect="none, full, selective or every_k:K with K >= 1")
     clip_grad_norm: float = ranged(1.0, ge=0.0)  # 0 disables clipping
     max_nonfinite_steps: int = ranged(5, gt=0)  # stop after this many non-finite steps in a row
     eval_every: int = ranged(100, ge=0)  # 0 disables periodic evaluation

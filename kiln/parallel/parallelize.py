@@ -20,9 +20,11 @@ from kiln.parallel.tensor_parallel import apply_tp
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Recompute block activations in backward: every block (full) or every other (selective)."""
+    """Recompute block activations in backward: every block (full), every other (selective) or
+    every K-th (every_k:K, the setting kiln plan's activation-checkpoint planner writes)."""
+    k = {"full": 1, "selective": 2}.get(mode) or int(mode.removeprefix("every_k:"))
     for i, block in enumerate(model.layers):
-        if mode == "full" or (mode == "selective" and i % 2 == 0):
+        if i % k == 0:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=True)
 
 

@@ -1,7 +1,7 @@
 """Refuse a training config that cannot fit the device, before anything is allocated.
 
-`estimate_train_bytes` is a closed form (no module is built: 10**6 layers on the meta device alone
-take minutes); `check_fits_memory` compares it with the device's total memory (torch's CUDA
+`estimate_train_bytes` is the closed-form memory model of kiln/plan/memory.py (the one `kiln plan`
+uses; no module is built: 10**6 layers on the meta device alone take minutes); `check_fits_memory` compares it with the device's total memory (torch's CUDA
 device properties, or the OS's physical page count) and raises a one-line ConfigError naming the
 size key that is furthest above its default.
 """
@@ -16,11 +16,8 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import ffn_hidden_size
 from kiln.parallel.dims import ParallelDims
+from kiln.plan.memory import OPTIM_STATE_BYTES, Layout, ModelShape, rank_memory  # noqa: F401 (re-exported)
 
-# Optimizer state in bytes per fp32 parameter: two moments for adamw/lamb (muon: AdamW's two for
-# its non-matrix part, one momentum for matrices; counted as two), one for lion and sgd. torch's
-# Adafactor keeps factored row/column statistics, negligible next to the weights.
-OPTIM_STATE_BYTES = {"adamw": 8, "lamb": 8, "muon": 8, "lion": 4, "sgd": 4, "adafactor": 0}
 SIZE_KEYS = ("model.dim", "model.n_layers", "model.ffn_hidden", "model.max_seq_len", "train.batch_size",
              "data.seq_len")
 
@@ -35,36 +32,26 @@ def vocab_estimate(cfg: JobConfig) -> tuple[int, str]:
 
 def count_params_closed_form(m: ModelConfig, vocab: int) -> int:
     """Parameters of kiln's Transformer for `m` (tied embeddings once), without building it."""
-    head_dim = m.dim // m.n_heads
-    kv = m.n_kv_heads or m.n_heads
-    ffn = ffn_hidden_size(m)
-    per_layer = 2 * m.dim * m.n_heads * head_dim + 2 * m.dim * kv * head_dim
-    ffn_params = (3 if m.activation in ("swiglu", "geglu") else 2) * m.dim * ffn
-    per_layer += ffn_params + 2 * m.dim
-    params = vocab * m.dim * (1 if m.tie_embeddings else 2) + m.n_layers * per_layer + m.dim
-    # MoE blocks (kiln/model/moe.py): E bias-free experts + a router instead of one dense FFN.
-    moe_layers = m.n_layers // m.moe_every if m.moe_experts else 0
-    params += moe_layers * ((m.moe_experts - 1) * ffn_params + m.moe_experts * m.dim)
-    return params + (m.max_seq_len * m.dim if m.positions == "learned" else 0)
+    return ModelShape.from_config(m, vocab).params
+
+
+def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
+    """The planner's Layout for a job config (and its resolved ParallelDims, if any)."""
+    dtype = cfg.train.dtype if cfg.train.dtype != "auto" else "fp32"  # auto may be fp32: the larger
+    d = dims
+    return Layout(dp_replicate=d.dp_replicate if d else 1, dp_shard=d.dp_shard if d else 1, tp=d.tp if d else 1,
+                  pp=d.pp if d else 1, cp=d.cp if d else 1, ep=d.ep if d else 1,
+                  dp_mode=d.dp_mode if d else "ddp", micro_batch=cfg.train.batch_size,
+                  grad_accum=cfg.train.grad_accum, ac=cfg.train.activation_checkpointing,
+                  precision="float8" if cfg.train.float8 else dtype,
+                  loss="chunked" if cfg.train.loss == "chunked" else "full")
 
 
 def estimate_train_bytes(cfg: JobConfig, dims: ParallelDims | None = None) -> int:
-    """A lower estimate of one rank's training memory: fp32 weights, grads and optimizer state
-    (split over dp_shard*tp*pp ranks), the activations kept for backward (per layer ~8*dim + 2*ffn
-    floats per token; split over tp*cp*pp) and the logits."""
-    m = cfg.model
+    """One rank's training memory from the one memory model, kiln/plan/memory.py `rank_memory`."""
     vocab, _ = vocab_estimate(cfg)
-    params = count_params_closed_form(m, vocab)
-    weights = params * (8 + OPTIM_STATE_BYTES.get(cfg.optim.name, 8))
-    if cfg.parallel.diloco_inner_steps:  # DiLoCo's fp32 anchor and outer momentum
-        weights += params * 8
-    tokens = cfg.train.batch_size * cfg.data.seq_len
-    activations = 4 * tokens * (m.n_layers * (8 * m.dim + 2 * ffn_hidden_size(m)) + 2 * vocab)
-    rope = 4 * m.max_seq_len * (m.dim // m.n_heads)
-    if dims is not None:
-        weights //= dims.dp_shard * dims.tp * dims.pp
-        activations //= dims.tp * dims.cp * dims.pp
-    return weights + activations + rope
+    shape = ModelShape.from_config(cfg.model, vocab)
+    return int(rank_memory(shape, layout_of(cfg, dims), cfg.data.seq_len, cfg.optim.name).total)
 
 
 def device_memory_bytes(device: torch.device) -> int:

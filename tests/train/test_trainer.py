@@ -119,7 +119,7 @@ def test_seq_len_larger_than_data(tmp_path):
         train(cfg_for(p), tmp_path / "r")
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "every_k:3"])
 def test_activation_checkpointing_matches_plain(tmp_path, text_file, mode):
     base = {"train.steps": 3, "train.eval_every": 0, "model.dropout": 0.1, "model.n_layers": 3}
     plain = train(cfg_for(text_file, **base), tmp_path / "plain")

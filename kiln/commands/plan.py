@@ -1,0 +1,166 @@
+"""kiln plan [CONFIG] --cluster NAME|FILE [--nodes N] [--budget-flops C | --gpu-hours H] [--out PLAN.toml]
+   kiln plan --cluster NAME|FILE --calibrate RUN_DIR... [--calibrated-out FILE]
+
+What to train (compute-optimal model and tokens for a budget) and how (the fastest layout that
+fits), with the checkpoint interval, wall time and cost; the best plan is written as a config
+that `kiln train` runs as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from kiln.errors import KilnError
+
+SMALLEST_PARAMS = 1e5  # below this a "model" is a few embedding rows; nothing worth planning
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="job config TOML (default: the embedded default job)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key; repeatable")
+    p.add_argument("--cluster", default="h100", help="preset (a100, h100, h200, cpu-local) or cluster TOML path")
+    p.add_argument("--nodes", type=int, help="number of nodes (default: the cluster file's)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget-flops", type=float, metavar="C", help="compute budget in FLOPs: plan the model too")
+    budget.add_argument("--gpu-hours", type=float, metavar="H", help="budget as GPU-hours at --mfu of peak")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for --gpu-hours (default 0.4)")
+    p.add_argument("--law", default="chinchilla-1", choices=("kaplan", "chinchilla-1", "chinchilla-2", "chinchilla-3"),
+                   help="which optimal allocation sizes the model (default chinchilla-1)")
+    p.add_argument("--tokens", type=float, help="training tokens (default: the budget's, else Chinchilla-optimal for the model)")
+    p.add_argument("--fit-sweep", metavar="SWEEP_DIR", help="fit the loss law to a `kiln sweep` directory's runs")
+    p.add_argument("--global-batch", type=int, metavar="SEQS",
+                   help="sequences per optimizer step (default: train.batch_size x grad_accum x GPUs)")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16", "float8"))
+    for dim in ("tp", "pp", "cp"):
+        p.add_argument(f"--max-{dim}", type=int, default=None, metavar="N",
+                       help=f"largest {dim} degree to consider (1: data-parallel layouts only)")
+    p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    p.add_argument("--out", default="plan.toml", help="where to write the best plan's config (default plan.toml)")
+    p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
+                   help="fit --cluster's efficiency curve, link bandwidth and overlap to these kiln runs and "
+                        "write the calibrated cluster to --calibrated-out (no plan is made)")
+    p.add_argument("--calibrated-out", default="cluster-calibrated.toml", help="(default cluster-calibrated.toml)")
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.2f}"
+
+
+def _fmt_s(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def _calibrate(args: argparse.Namespace, cluster) -> int:
+    from kiln.io import atomic_write_text
+    from kiln.plan.calibrate import cluster_toml, fit_cluster, measured_run, predicted_step
+
+    runs = [measured_run(d) for d in args.calibrate]
+    fitted = fit_cluster(cluster, runs)
+    print(f"calibrated {cluster.name} on {len(runs)} runs: max_efficiency {fitted.device.max_efficiency:.3g}, "
+          f"half_efficiency_work {fitted.device.half_efficiency_work:.3g}, link {fitted.intra_node.bandwidth_gbps:.3g} "
+          f"GB/s, overlap {fitted.overlap_efficiency:.2g}")
+    for m in runs:
+        print(f"  {m.name}: {m.layout.describe()}  measured {m.step_s:.4g} s, fitted {predicted_step(m, fitted):.4g} s")
+    atomic_write_text(args.calibrated_out, cluster_toml(fitted))
+    print(f"wrote {args.calibrated_out}: kiln plan --cluster {args.calibrated_out}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.config import load_config
+    from kiln.io import atomic_write_text
+    from kiln.plan import scaling
+    from kiln.plan.cluster import load_cluster
+    from kiln.plan.interval import young_daly_interval
+    from kiln.plan.memory import OPTIM_STATE_BYTES, ModelShape
+    from kiln.plan.search import model_for_params, plan_toml, search
+    from kiln.train.memory import vocab_estimate
+
+    cluster = load_cluster(args.cluster, args.nodes)
+    if args.calibrate:
+        return _calibrate(args, cluster)
+    cfg = load_config(args.config, args.overrides)
+    world = cluster.world_size
+    law = scaling.CHINCHILLA
+    if args.fit_sweep:
+        points = scaling.sweep_points(args.fit_sweep)
+        law = scaling.fit_loss_law(points)
+        print(f"loss law fitted to {len(points)} runs of {args.fit_sweep}: L = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f}"
+              f" + {law.B:.4g}/D^{law.beta:.3f}")
+    vocab, _ = vocab_estimate(cfg)
+    vocab = vocab or cfg.data.vocab_size
+    seq = cfg.data.seq_len
+
+    flops = args.budget_flops
+    if args.gpu_hours is not None:
+        if not (0 < args.mfu <= 1) or args.gpu_hours <= 0:
+            raise KilnError(f"--gpu-hours {args.gpu_hours} must be > 0 and --mfu {args.mfu} in (0, 1]")
+        flops = scaling.flops_from_gpu_hours(1, args.gpu_hours, cluster.device.peak_flops(args.precision), args.mfu)
+    tokens = args.tokens
+    if flops is not None:
+        rows = scaling.allocations(flops, law)
+        print(f"budget {flops:.3g} FLOPs (C = 6ND):")
+        print(f"  {'law':<14}{'params':>12}{'tokens':>12}{'tokens/param':>14}{'pred. loss':>12}")
+        for r in rows:
+            print(f"  {r.law:<14}{r.params:>12.3g}{r.tokens:>12.3g}{r.tokens / r.params:>14.1f}{r.loss:>12.3f}")
+        chosen = next(r for r in rows if r.law == args.law)
+        if chosen.params < SMALLEST_PARAMS:
+            need = 6 * SMALLEST_PARAMS * scaling.tokens_for_params(SMALLEST_PARAMS)
+            raise KilnError(f"budget {flops:.3g} FLOPs is too small: {args.law} gives a {chosen.params:.3g}-parameter "
+                            f"model; the smallest model kiln plans ({SMALLEST_PARAMS:.0e} parameters) needs "
+                            f"about {need:.2g} FLOPs")
+        m = model_for_params(chosen.params, vocab, max(seq, cfg.model.max_seq_len))
+        m.name, m.vocab_size = cfg.model.name, cfg.model.vocab_size
+        cfg.model = m
+        tokens = tokens or chosen.tokens
+        print(f"model for {args.law}: dim={m.dim} n_layers={m.n_layers} n_heads={m.n_heads}")
+    shape = ModelShape.from_config(cfg.model, vocab)
+    tokens = tokens or scaling.tokens_for_params(shape.params, 1)
+    print(f"model: {shape.params / 1e6:,.1f}M parameters; {tokens:.3g} tokens "
+          f"(Chinchilla-optimal for it: {scaling.tokens_for_params(shape.params, 1):.3g}); "
+          f"predicted loss {law.loss(shape.params, tokens):.3f}")
+
+    global_batch = args.global_batch or cfg.train.batch_size * cfg.train.grad_accum * world
+    if global_batch <= 0:
+        raise KilnError(f"--global-batch {global_batch} must be > 0")
+    plans = search(shape, cluster, seq, global_batch, optimizer=cfg.optim.name, precision=args.precision,
+                   loss="chunked" if cfg.train.loss == "chunked" else "full",
+                   **{f"max_{d}": getattr(args, f"max_{d}") for d in ("tp", "pp", "cp") if getattr(args, f"max_{d}")})
+    print(f"\n{len(plans)} layouts fit {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name} "
+          f"({_gib(cluster.device.usable_bytes)} GiB usable); global batch {global_batch} x {seq} tokens. Fastest:")
+    print(f"  {'layout':<58}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{'MFU':>6}{'GiB':>8}")
+    for p in plans[:args.top]:
+        t = p.time
+        print(f"  {p.layout.describe():<58}{t.total:>9.4g}{t.compute:>9.3g}{t.comm_exposed:>8.2g}{t.bubble:>8.2g}"
+              f"{t.mfu(cluster, args.precision, world):>6.0%}{_gib(p.memory.total):>8}")
+    best = plans[0]
+    print("  best plan, per rank: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in best.memory.as_dict().items()))
+
+    steps = max(1, math.ceil(tokens / (global_batch * seq)))
+    ckpt_bytes = shape.params * (4 + OPTIM_STATE_BYTES.get(cfg.optim.name, 8))
+    save_s = ckpt_bytes / (cluster.nodes * cluster.storage_write_gbps * 1e9)
+    mtbf_s = cluster.mtbf_hours * 3600
+    interval_s = young_daly_interval(save_s, mtbf_s)
+    every = max(1, round(interval_s / best.time.total))
+    work_s = steps * best.time.total
+    # expected overhead: one save per interval, half an interval lost per failure (Young's model)
+    wall_s = work_s * (1 + save_s / interval_s + interval_s / (2 * mtbf_s))
+    cost = wall_s / 3600 * world * cluster.cost_per_gpu_hour
+    print(f"\ncheckpoint: {ckpt_bytes / 2**30:,.1f} GiB, ~{_fmt_s(save_s)} to save; cluster MTBF {_fmt_s(mtbf_s)}; "
+          f"Young/Daly interval {_fmt_s(interval_s)} = every {every} steps")
+    print(f"training: {steps:,} steps x {best.time.total:.4g} s = {_fmt_s(work_s)} of compute; expected wall time "
+          f"{_fmt_s(wall_s)} with checkpoints and failures; cost ~${cost:,.0f} at ${cluster.cost_per_gpu_hour}/GPU-hour")
+
+    out_cfg = cfg
+    out_cfg.train.steps, out_cfg.checkpoint.every = steps, min(every, steps)
+    text = plan_toml(out_cfg, best)
+    if best.layout.pp > 1:
+        text = f"# pipeline schedule: {best.layout.schedule} (virtual stages {best.layout.virtual_stages})\n" + text
+    atomic_write_text(args.out, text)
+    print(f"wrote {args.out}: kiln train {args.out}")
+    return 0

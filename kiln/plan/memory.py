@@ -1,0 +1,201 @@
+"""The one training-memory model: bytes per rank for a kiln model x layout x precision x activation
+checkpointing x micro-batch x sequence length. `kiln train`'s refusal (kiln/train/memory.py) and
+`kiln plan` both call `rank_memory`.
+
+Closed form (no module is built). Terms, per rank:
+- parameters: fp32 master weights (kiln keeps fp32 params and autocasts), split by tp*pp and, for
+  zero2/fsdp/hsdp (all FSDP2 in kiln), by dp_shard;
+- gradients: fp32, split like parameters;
+- optimizer state: bytes per parameter by optimizer, split by dp for zero1/zero2/fsdp;
+- activations kept for backward, per layer and token (counted tensor by tensor for kiln's
+  pre-norm block: two fp32 norm inputs, normed inputs, q/k/v, attention output, and the MLP's
+  2 (gelu) or 4 (gated) hidden-sized tensors; SDPA/flash keeps no s x s matrix), times the
+  micro-batches a pipeline schedule keeps in flight (gpipe: all; 1f1b: pp; interleaved:
+  pp*(1 + (pp-1)/(pp*v)), Korthikanti et al. 2022 sec. 4.2.3), split by tp (sequence parallel)
+  and cp; activation checkpointing keeps only block inputs for the recomputed blocks plus one
+  block's activations during recompute;
+- temporary: logits (fp32, x2 with their gradient) for the full loss, or one chunk for chunked;
+  the gathered parameters of the largest FSDP unit (x2: prefetch) or all gathered parameters
+  for zero2 (reshard_after_forward=False);
+- communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.config import ModelConfig
+
+# Optimizer state in bytes per fp32 parameter: two moments for adamw/lamb (muon: AdamW's two for
+# its non-matrix part, one momentum for matrices; counted as two), one for lion and sgd. torch's
+# Adafactor keeps factored row/column statistics, negligible next to the weights.
+OPTIM_STATE_BYTES = {"adamw": 8, "lamb": 8, "muon": 8, "lion": 4, "sgd": 4, "adafactor": 0}
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 2}
+DDP_BUCKET_BYTES = 25 * 2**20
+LOSS_CHUNK_TOKENS = 1024  # kiln/model/loss.py chunked_lm_loss works on chunks of about this many tokens
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout and step shape. dp_mode is ddp | zero1 | zero2 | fsdp (fsdp with
+    dp_replicate > 1 is HSDP); ac is none | full | selective | every_k:K."""
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp_mode: str = "ddp"
+    micro_batch: int = 1
+    grad_accum: int = 1
+    ac: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    precision: str = "bf16"
+    loss: str = "full"
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp_replicate}x{self.dp_shard}({self.dp_mode})"]
+        parts += [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        parts += [f"mb={self.micro_batch}", f"ga={self.grad_accum}", f"ac={self.ac}"]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    dim: int
+    n_layers: int
+    n_heads: int
+    kv_dim: int
+    ffn: int
+    gated: bool
+    vocab: int
+    tied: bool
+    learned_positions_len: int = 0
+
+    @classmethod
+    def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
+        from kiln.model.transformer import ffn_hidden_size
+
+        head = m.dim // m.n_heads
+        return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, kv_dim=(m.n_kv_heads or m.n_heads) * head,
+                   ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
+                   tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0)
+
+    @property
+    def layer_params(self) -> int:
+        attn = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
+        return attn + (3 if self.gated else 2) * self.dim * self.ffn + 2 * self.dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.dim * (1 if self.tied else 2) + self.learned_positions_len * self.dim
+
+    @property
+    def params(self) -> int:
+        """Parameters of kiln's Transformer (tied embeddings once) - equals count_params(model)."""
+        return self.embedding_params + self.n_layers * self.layer_params + self.dim
+
+    def act_bytes_per_token(self, act: int) -> float:
+        """Bytes one block keeps for backward per token (see the module docstring)."""
+        kept = 2 * self.dim * 4  # the two norm inputs: the fp32 residual stream
+        kept += act * (self.dim + (self.dim + 2 * self.kv_dim) + self.dim + self.dim)  # normed, q/k/v, attn out, normed
+        kept += act * (4 if self.gated else 2) * self.ffn
+        return kept
+
+
+@dataclass
+class MemoryBreakdown:
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    temporary: float = 0.0
+    comm_buffers: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.temporary + self.comm_buffers
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("parameters", "gradients", "optimizer", "activations", "temporary",
+                                               "comm_buffers", "total")}
+
+
+def in_flight_microbatches(layout: Layout) -> float:
+    """Micro-batches whose activations the first (fullest) pipeline stage holds at its peak."""
+    if layout.pp == 1:
+        return 1.0
+    m = layout.grad_accum
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved_1f1b" and layout.virtual_stages > 1:
+        return min(m, layout.pp * (1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages)))
+    return float(min(m, layout.pp))
+
+
+def recomputed_blocks(ac: str, n_layers: int) -> int:
+    """How many of `n_layers` blocks activation checkpointing recomputes."""
+    if ac == "none":
+        return 0
+    if ac == "full":
+        return n_layers
+    if ac == "selective":
+        return (n_layers + 1) // 2  # blocks 0, 2, 4, ... (parallelize.apply_activation_checkpointing)
+    if ac.startswith("every_k:"):
+        k = int(ac.split(":", 1)[1])
+        return (n_layers + k - 1) // k
+    raise ValueError(f"unknown activation checkpointing {ac!r}")
+
+
+def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str = "adamw") -> MemoryBreakdown:
+    """Peak training bytes of the fullest rank (the first pipeline stage) for `layout`."""
+    out = MemoryBreakdown()
+    layers = -(-shape.n_layers // layout.pp)  # the first stage's blocks
+    # Embedding and LM head are both counted on the fullest stage: an upper bound when pp > 1.
+    stage_params = shape.embedding_params / layout.tp + layers * shape.layer_params / layout.tp + shape.dim
+    full_mode = layout.dp_mode
+    shard = layout.dp_shard if full_mode in ("fsdp", "zero2") else 1  # both are FSDP2: sharded at rest
+    out.parameters = 4 * stage_params / shard
+    out.gradients = 4 * stage_params / shard
+    optim_split = layout.dp if full_mode == "zero1" else (layout.dp_shard if full_mode in ("zero2", "fsdp") else 1)
+    out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * stage_params / optim_split
+
+    act = ACT_BYTES[layout.precision]
+    tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
+    per_block = shape.act_bytes_per_token(act) * tokens / layout.tp
+    n_ac = recomputed_blocks(layout.ac, layers)
+    block_input = 4 * shape.dim * tokens / layout.tp
+    per_microbatch = (layers - n_ac) * per_block + n_ac * block_input
+    out.activations = per_microbatch * in_flight_microbatches(layout)
+    if n_ac:
+        out.activations += per_block  # the one block being recomputed
+
+    param_bytes = 4 if layout.precision == "fp32" else 2
+    loss_tokens = tokens if layout.loss == "full" else min(tokens, LOSS_CHUNK_TOKENS)
+    out.temporary += 2 * 4 * loss_tokens * shape.vocab / layout.tp  # fp32 logits and their gradient
+    if full_mode == "fsdp" and layout.dp_shard > 1:
+        out.temporary += 2 * param_bytes * shape.layer_params / layout.tp  # current + prefetched unit
+        out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
+    elif full_mode == "zero2" and layout.dp_shard > 1:
+        out.temporary += param_bytes * stage_params  # params stay gathered from forward to backward
+        out.comm_buffers += 4 * shape.layer_params / layout.tp
+    elif layout.dp > 1:
+        out.comm_buffers += min(2 * DDP_BUCKET_BYTES, 4 * stage_params)
+    if layout.precision != "fp32" and full_mode not in ("fsdp", "zero2"):
+        out.temporary += param_bytes * shape.layer_params / layout.tp  # autocast's low-precision weight copies
+    if layout.pp > 1:
+        out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
+    return out

@@ -1,0 +1,164 @@
+"""Layout search: enumerate valid parallel layouts for a model on a cluster, prune those that do
+not fit a device's memory (kiln/plan/memory.py), rank the rest by predicted step time
+(kiln/plan/timing.py), and write the best as a config `kiln train` runs as is.
+
+Dimensions searched: tp (divides the GPUs of a node and the attention/KV heads), pp (divides the
+layers; schedules gpipe, 1f1b, interleaved_1f1b with 2 virtual stages), cp (powers of two that
+split the sequence into 2*cp chunks), data parallel as ddp, zero1, zero2, fsdp and hsdp
+(dp_replicate x dp_shard), micro-batch (powers of two dividing the per-rank batch) and activation
+checkpointing (none, selective, full). kiln's models are dense, so ep stays 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from kiln.config import JobConfig, ModelConfig, to_toml
+from kiln.errors import KilnError
+from kiln.plan.ac import plan_activation_checkpointing
+from kiln.plan.cluster import Cluster
+from kiln.plan.memory import OPTIM_STATE_BYTES, Layout, MemoryBreakdown, ModelShape, rank_memory
+from kiln.plan.timing import StepTime, step_time
+
+AC_CHOICES = ("none", "selective", "full")
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: MemoryBreakdown
+    time: StepTime
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two_dividing(n: int) -> list[int]:
+    return [1 << k for k in range(0, n.bit_length()) if n % (1 << k) == 0]
+
+
+def _dp_splits(dp: int) -> list[tuple[str, int, int]]:
+    """(dp_mode, dp_replicate, dp_shard) for `dp` data-parallel ranks."""
+    if dp == 1:
+        return [("ddp", 1, 1)]
+    out = [("ddp", dp, 1), ("zero1", dp, 1), ("zero2", 1, dp), ("fsdp", 1, dp)]
+    return out + [("fsdp", r, dp // r) for r in divisors(dp) if 1 < r < dp]  # HSDP
+
+
+def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
+                      precision: str, loss: str = "full", ac_choices: tuple[str, ...] = AC_CHOICES,
+                      max_tp: int = 1024, max_pp: int = 64, max_cp: int = 8):
+    world = cluster.world_size
+    head = shape.dim // shape.n_heads
+    kv_heads = shape.kv_dim // head
+    for tp in divisors(cluster.gpus_per_node):
+        if world % tp or shape.n_heads % tp or kv_heads % tp or tp > max_tp:
+            continue
+        for pp in divisors(world // tp):
+            if shape.n_layers % pp or pp > max_pp:
+                continue
+            for cp in _powers_of_two_dividing(world // (tp * pp)):
+                if cp > max_cp or seq_len % (2 * cp) or (cp > 1 and seq_len // cp < 128):
+                    continue
+                dp = world // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                per_rank = global_batch // dp
+                schedules = [("1f1b", 1)]
+                if pp > 1:
+                    schedules = [("gpipe", 1), ("1f1b", 1)]
+                    if shape.n_layers % (2 * pp) == 0:
+                        schedules.append(("interleaved_1f1b", 2))
+                for mode, rep, shard in _dp_splits(dp):
+                    for mb in _powers_of_two_dividing(per_rank):
+                        ga = per_rank // mb
+                        if pp > 1 and ga < pp:
+                            continue
+                        for sched, v in schedules:
+                            for ac in ac_choices:
+                                yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, dp_mode=mode,
+                                             micro_batch=mb, grad_accum=ga, ac=ac, schedule=sched,
+                                             virtual_stages=v, precision=precision, loss=loss)
+
+
+def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
+           precision: str = "bf16", loss: str = "full", top: int | None = None, max_tp: int = 1024,
+           max_pp: int = 64, max_cp: int = 8) -> list[Plan]:
+    """Every layout that fits, fastest first; a KilnError saying what would fit when none does.
+    max_tp/max_pp/max_cp limit the degrees (1: layouts `kiln train` runs before TP/PP/CP land)."""
+    if precision == "float8" and cluster.device.peak_tflops_fp8 == 0:
+        raise KilnError(f"{cluster.device.name} has no float8 tensor cores; use --precision bf16")
+    budget = cluster.device.usable_bytes
+    fits, smallest, count = [], None, 0
+    state_bytes = OPTIM_STATE_BYTES.get(optimizer, 8)
+    for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ("none",),
+                                    max_tp, max_pp, max_cp):
+        count += 1
+        try:  # the least recompute that fits (kiln/plan/ac.py); recompute only ever costs time
+            ac, mem = plan_activation_checkpointing(shape, layout, seq_len, budget, optimizer)
+        except KilnError:
+            ac = "full"
+            mem = rank_memory(shape, dataclasses.replace(layout, ac=ac), seq_len, optimizer)
+        layout = dataclasses.replace(layout, ac=ac)
+        if smallest is None or mem.total < smallest[1].total:
+            smallest = (layout, mem)
+        if mem.total <= budget:
+            fits.append(Plan(layout, mem, step_time(shape, layout, seq_len, cluster, state_bytes)))
+    if not count:
+        raise KilnError(f"no valid layout: global batch {global_batch} sequences cannot be split over "
+                        f"{cluster.world_size} GPUs; use a multiple of {cluster.world_size // math.gcd(cluster.world_size, global_batch) * global_batch}")
+    if not fits:
+        layout, mem = smallest
+        need_gpus = cluster.world_size * math.ceil(mem.total / budget)
+        raise KilnError(
+            f"nothing fits: the leanest layout ({layout.describe()}) needs {mem.total / 2**30:,.1f} GiB per GPU, "
+            f"{cluster.device.name} has {budget / 2**30:,.1f} GiB usable; try about {need_gpus} GPUs "
+            f"(--nodes {math.ceil(need_gpus / cluster.gpus_per_node)}), a device with more memory, a smaller "
+            f"model or a shorter sequence")
+    fits.sort(key=lambda p: (p.time.total, p.memory.total))
+    return fits[:top] if top else fits
+
+
+def model_for_params(n_params: float, vocab: int, seq_len: int) -> ModelConfig:
+    """A kiln model shape with about `n_params` parameters: head dim 64 below dim 1024 and 128
+    above, and the depth whose dim/n_layers ratio is nearest the usual 64-128 (GPT-2, Llama)."""
+    best, best_score = None, math.inf
+    for layers in range(2, 161):
+        # per layer ~ 12 dim^2 (4 attention + 8 MLP with the 8/3 gated hidden); embeddings vocab*dim
+        a, b, c = 12 * layers, vocab, -n_params
+        dim = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+        head = 64 if dim < 1024 else 128
+        dim = max(head, round(dim / head) * head)
+        m = ModelConfig(dim=dim, n_layers=layers, n_heads=dim // head, max_seq_len=seq_len, vocab_size=vocab)
+        got = ModelShape.from_config(m, vocab).params
+        score = abs(math.log(got / n_params)) * 4 + abs(math.log((dim / layers) / (64 if dim < 2048 else 128)))
+        if score < best_score:
+            best, best_score = m, score
+    return best
+
+
+def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
+    """`cfg` with `[parallel]` and `[train]` set to `layout` (the keys kiln's config has today: tp,
+    pp and cp are written; pipeline schedules have no key yet and are named in the plan output)."""
+    out = copy.deepcopy(cfg)
+    p = out.parallel
+    p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.ep = (layout.dp_replicate, layout.dp_shard, layout.tp,
+                                                         layout.pp, layout.cp, layout.ep)
+    p.dp_mode = layout.dp_mode
+    out.train.batch_size, out.train.grad_accum = layout.micro_batch, layout.grad_accum
+    out.train.activation_checkpointing = layout.ac
+    if layout.precision == "float8":
+        out.train.dtype, out.train.float8 = "bf16", True
+    else:
+        out.train.dtype = layout.precision
+    return out.validate()
+
+
+def plan_toml(cfg: JobConfig, plan: Plan) -> str:
+    head = (f"# written by kiln plan: {plan.layout.describe()}\n# predicted step {plan.time.total:.4g} s, "
+            f"{plan.memory.total / 2**30:.2f} GiB per rank\n")
+    return head + to_toml(config_for_plan(cfg, plan.layout))

@@ -1,0 +1,76 @@
+from kiln.cli import main
+from kiln.config import load_config
+
+
+def _err(capsys):
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_plan_writes_a_config_kiln_train_reads(tmp_path, capsys):
+    out = tmp_path / "plan.toml"
+    rc = main(["plan", "--cluster", "h100", "--nodes", "2", "--budget-flops", "1e21", "--global-batch", "256",
+               "--set", "data.seq_len=2048", "--set", "model.max_seq_len=2048", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "chinchilla-3" in text and "Young/Daly interval" in text and "cost ~$" in text
+    cfg = load_config(out)
+    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    assert world == 16 and cfg.train.steps > 1 and 1 <= cfg.checkpoint.every <= cfg.train.steps
+    assert 1e9 < 1e21 / 6 / (cfg.train.steps * 256 * 2048) < 3e9  # the Chinchilla model size was planned
+
+
+def test_budget_too_small(tmp_path, capsys):
+    rc = main(["plan", "--budget-flops", "1e9", "--out", str(tmp_path / "p.toml")])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "too small" in err[0] and "needs about" in err[0]
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_unknown_hardware(tmp_path, capsys):
+    rc = main(["plan", "--cluster", "tpu-v9", "--out", str(tmp_path / "p.toml")])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "presets: a100" in err[0]
+
+
+def test_nothing_fits_names_what_would(tmp_path, capsys):
+    rc = main(["plan", "--cluster", "a100", "--set", "model.dim=16384", "--set", "model.n_layers=120",
+               "--set", "model.n_heads=128", "--out", str(tmp_path / "p.toml")])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "nothing fits" in err[0] and "--nodes" in err[0]
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_calibrate_fits_measured_runs_and_writes_a_loadable_cluster(tmp_path, capsys):
+    import json
+
+    from kiln.config import to_toml
+    from kiln.plan.calibrate import Measurement, measured_run, predicted_step
+    from kiln.plan.cluster import load_cluster
+    from kiln.plan.memory import Layout, ModelShape
+
+    truth = load_cluster("cpu-local")
+    truth.device.max_efficiency, truth.device.half_efficiency_work = 0.3, 5e4
+    runs = []
+    for i, (dim, mb) in enumerate(((64, 2), (128, 4), (256, 8))):
+        cfg = load_config(None, [f"model.dim={dim}", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=300",
+                                 f"train.batch_size={mb}", "data.seq_len=64", "model.max_seq_len=64",
+                                 "train.dtype=fp32"])
+        lay = Layout(micro_batch=mb, precision="fp32")
+        step = predicted_step(Measurement("x", ModelShape.from_config(cfg.model, 300), lay, 64, 1.0), truth)
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        (run / "config.toml").write_text(to_toml(cfg))
+        rows = [{"kind": "run", "step": 0, "world_size": 1, "dp_mode": "none", "dp_replicate": 1, "dp_shard": 1,
+                 "tokens_per_step": mb * 64, "dtype": "fp32"}]
+        rows += [{"kind": "train", "step": s, "loss": 5.0, "lr": 1e-3, "tokens": s * mb * 64,
+                  "tokens_per_s": mb * 64 / step, "skipped": 0} for s in range(1, 4)]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        runs.append(str(run))
+    out = tmp_path / "cal.toml"
+    rc = main(["plan", "--cluster", "cpu-local", "--calibrate", *runs, "--calibrated-out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    fitted = load_cluster(str(out))
+    for r in runs:
+        m = measured_run(r)
+        assert abs(predicted_step(m, fitted) / m.step_s - 1) < 0.1
+    rc = main(["plan", "--cluster", "cpu-local", "--calibrate", str(tmp_path / "nope")])
+    assert rc == 2 and "not found" in capsys.readouterr().err

@@ -1,0 +1,116 @@
+import pytest
+
+from kiln.config import ModelConfig, load_config
+from kiln.errors import ConfigError, KilnError
+from kiln.plan.cluster import load_cluster, preset_names
+from kiln.plan.interval import interval_steps, young_daly_interval
+from kiln.plan.memory import Layout, ModelShape
+from kiln.plan.search import config_for_plan, enumerate_layouts, model_for_params, plan_toml, search
+from kiln.plan.timing import all_reduce, bubble_fraction, step_time
+
+LLAMA3_8B = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, max_seq_len=8192,
+                        vocab_size=128256)
+
+
+def test_presets_load_and_bad_names_say_what_exists(tmp_path):
+    assert {"a100", "h100", "h200"} <= set(preset_names())
+    assert load_cluster("h200", nodes=4).world_size == 32
+    with pytest.raises(ConfigError, match="unknown cluster 'b300'; presets: a100"):
+        load_cluster("b300")
+    bad = tmp_path / "c.toml"
+    bad.write_text('[device]\nmemory_gib = -1\n')
+    with pytest.raises(ConfigError, match="device.memory_gib=-1"):
+        load_cluster(str(bad))
+    bad.write_text('[inter_node]\ntopology = "torus"\n')
+    with pytest.raises(ConfigError, match="inter_node.topology='torus' is not one of"):
+        load_cluster(str(bad))
+    bad.write_text('gpus = 8\n')
+    with pytest.raises(ConfigError, match="unknown key gpus"):
+        load_cluster(str(bad))
+
+
+def test_alpha_beta_collectives():
+    c = load_cluster("h100", nodes=2)
+    one_node = all_reduce(c, 8, 1e9)
+    two_nodes = all_reduce(c, 16, 1e9)
+    assert two_nodes > 5 * one_node  # 50 GB/s NICs against 450 GB/s NVLink
+    c.inter_node.in_network_reduction = True
+    assert all_reduce(c, 16, 1e9) < 0.6 * two_nodes  # SHARP moves each byte once
+    assert bubble_fraction(Layout(pp=4, grad_accum=8)) == 3 / 8
+    assert bubble_fraction(Layout(pp=4, grad_accum=8, schedule="interleaved_1f1b", virtual_stages=2)) == 3 / 16
+
+
+def test_best_plan_fits_and_beats_every_other_valid_layout():
+    c = load_cluster("h100", nodes=2)
+    shape = ModelShape.from_config(LLAMA3_8B, 128256)
+    plans = search(shape, c, 4096, 128)
+    assert all(p.memory.total <= c.device.usable_bytes for p in plans)
+    assert [p.time.total for p in plans] == sorted(p.time.total for p in plans)
+    from kiln.plan.memory import rank_memory
+
+    fitting = [step_time(shape, lay, 4096, c).total for lay in enumerate_layouts(shape, c, 4096, 128, "bf16")
+               if rank_memory(shape, lay, 4096).total <= c.device.usable_bytes]
+    assert plans[0].time.total <= min(fitting)  # the AC planner's finer settings can only help
+    assert 0.2 < plans[0].time.mfu(c, "bf16", 16) < 0.7
+
+
+def test_nothing_fits_says_what_would():
+    c = load_cluster("a100", nodes=1)
+    huge = ModelConfig(dim=16384, n_layers=126, n_heads=128, max_seq_len=4096, vocab_size=128256)
+    with pytest.raises(KilnError, match=r"nothing fits: .* needs [\d,.]+ GiB per GPU.*try about \d+ GPUs \(--nodes \d+\)"):
+        search(ModelShape.from_config(huge, 128256), c, 4096, 64)
+    with pytest.raises(KilnError, match="no float8 tensor cores"):
+        search(ModelShape.from_config(LLAMA3_8B, 128256), c, 4096, 64, precision="float8")
+
+
+def test_written_plan_is_a_valid_train_config(tmp_path):
+    cfg = load_config(None, ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "data.seq_len=64",
+                             "model.max_seq_len=64"])
+    c = load_cluster("cpu-local")
+    c.gpus_per_node = 2
+    plans = search(ModelShape.from_config(cfg.model, 4096), c, 64, 8, precision="fp32")
+    path = tmp_path / "plan.toml"
+    path.write_text(plan_toml(cfg, plans[0]))
+    got = load_config(path)
+    lay = plans[0].layout
+    assert (got.parallel.dp_replicate * got.parallel.dp_shard * got.parallel.tp * got.parallel.pp * got.parallel.cp
+            == 2)
+    assert got.train.batch_size == lay.micro_batch and got.train.activation_checkpointing == lay.ac
+    assert config_for_plan(cfg, Layout(precision="float8")).train.float8
+
+
+def test_model_for_params_hits_the_target():
+    for n in (1e7, 1.2e8, 7e9, 7e10):
+        m = model_for_params(n, 32000, 2048)
+        got = ModelShape.from_config(m, 32000).params
+        assert 0.8 < got / n < 1.25 and m.dim % m.n_heads == 0
+
+
+def test_young_daly():
+    assert young_daly_interval(60, 86400, method="young") == pytest.approx((2 * 60 * 86400) ** 0.5)
+    daly = young_daly_interval(60, 86400)
+    assert 0.95 * (2 * 60 * 86400) ** 0.5 < daly < (2 * 60 * 86400) ** 0.5 * 1.05
+    assert young_daly_interval(100, 10) == 10  # saving takes longer than failures allow
+    assert interval_steps(60, 86400, 2.0) == round(daly / 2.0)
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(KilnError):
+            young_daly_interval(bad, 86400)
+
+
+def test_ac_planner_picks_the_least_recompute_that_fits():
+    from kiln.plan.ac import plan_activation_checkpointing
+    from kiln.plan.memory import rank_memory, recomputed_blocks
+
+    shape = ModelShape.from_config(LLAMA3_8B, 128256)
+    lay = Layout(dp_shard=8, dp_mode="fsdp", micro_batch=4, precision="bf16")
+    none = rank_memory(shape, lay, 8192).total
+    full = rank_memory(shape, Layout(**{**lay.__dict__, "ac": "full"}), 8192).total
+    assert plan_activation_checkpointing(shape, lay, 8192, none)[0] == "none"
+    budget = 0.75 * none + 0.25 * full  # every_k:2 (16 of 32 blocks) is too much; a larger K suffices
+    ac, mem = plan_activation_checkpointing(shape, lay, 8192, budget)
+    assert ac.startswith("every_k:") and mem.total <= budget
+    k = int(ac.split(":")[1])
+    fewer = next(j for j in range(k + 1, 33) if recomputed_blocks(f"every_k:{j}", 32) < recomputed_blocks(ac, 32))
+    assert rank_memory(shape, Layout(**{**lay.__dict__, "ac": f"every_k:{fewer}"}), 8192).total > budget
+    with pytest.raises(KilnError, match="even with every block recomputed"):
+        plan_activation_checkpointing(shape, lay, 8192, full / 2)
