@@ -65,7 +65,7 @@ def test_resume_after_interrupted_run(tmp_path):
         sharded_keep_lowest(n, files, tmp_path / "cc", 3, failing_map)
     d = tmp_path / "cc" / "P3"
     # debris of an interrupted run: a truncated output file, a garbled marker, a temp file
-    victim = sorted(d.glob("large000-from00000-*.npy"))[0]
+    victim = d / "large000-from00000.npy"
     victim.write_bytes(victim.read_bytes()[:20])
     (d / "init-00001.json").write_text("{not json")
     (d / ".tmp-leftover.npy").write_bytes(b"\x93NUMPY")
