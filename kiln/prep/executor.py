@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from kiln.errors import DataError
 from kiln.io import AtomicFile, atomic_file, atomic_write_json, atomic_write_text
+from kiln.prep.composition import CompositionCounter
 from kiln.prep.base import Doc, GlobalStep, Step, StepContext, merge_stats, text_bytes
 from kiln.prep.pipeline import PrepConfig
 from kiln.prep.readers import READ_STEP, InputShard, list_shards, read_shard
@@ -115,9 +116,12 @@ class _Log:
 
 def _counted(docs: Iterable[Doc], stats: dict[str, Any], key: str) -> Iterator[Doc]:
     docs_key, bytes_key = f"docs_{key}", f"bytes_{key}"
+    composition = CompositionCounter(stats, key)
     for doc in docs:
+        n_bytes = text_bytes(doc.text)
         stats[docs_key] += 1
-        stats[bytes_key] += text_bytes(doc.text)
+        stats[bytes_key] += n_bytes
+        composition.add(doc.meta, n_bytes)
         yield doc
 
 
