@@ -5,9 +5,10 @@ large-star/small-star tasks (kiln/prep/dedup/sharded_components.py).
 
 Graphs look like MinHash output: as many nodes as edges, clusters of 2..50 members (a few
 members each linked to a random earlier member, so chains and stars both occur), spread over the
-id space, split into 4 edge files ("bands"). Memory is the tracemalloc peak (numpy and scipy
+id space, split into --files edge files ("bands", 4). Memory is the tracemalloc peak (numpy and scipy
 arrays are traced) of the scipy call including loading its edges, and the largest peak of any
-single sharded task. Both results are checked equal. Writes benchmarks/results/dedup_components.json.
+single sharded task: init tasks (one per edge file) and star tasks (one per part and phase).
+Writes benchmarks/results/dedup_components.json (other --parts/--files: a suffixed name). Both results are checked equal.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.prep.dedup import sharded_components as sc  # noqa: E402
 from kiln.prep.dedup.components import components_keep_lowest  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "dedup_components.json"
+RESULTS = Path(__file__).parent / "results" / "dedup_components{}.json"
 
 
 def clustered_edges(n_edges: int, seed: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
@@ -62,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--edges", default="10000,100000,1000000")
     parser.add_argument("--parts", type=int, default=8)
+    parser.add_argument("--files", type=int, default=4, help="edge files the graph is split into (LSH bands)")
     args = parser.parse_args()
     rows = []
     components_keep_lowest(2, np.array([0]), np.array([1]))  # import scipy outside the timings
@@ -69,7 +71,7 @@ def main() -> None:
         n, u, v = clustered_edges(n_edges)
         with tempfile.TemporaryDirectory() as tmp:
             files = []
-            for i, (a, b) in enumerate(zip(np.array_split(u, 4), np.array_split(v, 4))):
+            for i, (a, b) in enumerate(zip(np.array_split(u, args.files), np.array_split(v, args.files))):
                 files.append(Path(tmp) / f"edges-band{i:04d}.npy")
                 np.save(files[-1], np.stack([a, b]))
 
@@ -78,13 +80,13 @@ def main() -> None:
                 return components_keep_lowest(n, edges[0], edges[1])
 
             expected, scipy_s, scipy_peak = traced(scipy_run)
-            task_peaks: list[int] = []
+            task_peaks: dict[str, list[int]] = {"init_task": [], "large_task": [], "small_task": []}
 
             def measuring_map(fn, arg_list):  # each task traced on its own, run in turn
                 out = []
                 for a in arg_list:
                     result, _, peak = traced(fn, *a)
-                    task_peaks.append(peak)
+                    task_peaks[fn.__name__].append(peak)
                     out.append(result)
                 return out
 
@@ -97,11 +99,15 @@ def main() -> None:
         row = {"edges": n_edges, "nodes": n, "parts": args.parts, "rounds": info["rounds"],
                "scipy_seconds": round(scipy_s, 3), "scipy_peak_mb": round(scipy_peak / 2**20, 2),
                "sharded_seconds_serial": round(sharded_s, 3),
-               "sharded_max_task_peak_mb": round(max(task_peaks) / 2**20, 2), "tasks": len(task_peaks)}
+               "init_task_peak_mb": round(max(task_peaks["init_task"]) / 2**20, 2),
+               "star_task_peak_mb": round(max(task_peaks["large_task"] + task_peaks["small_task"]) / 2**20, 2),
+               "tasks": sum(map(len, task_peaks.values()))}
         rows.append(row)
         print(json.dumps(row))
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
+    default = args.parts == 8 and args.files == 4
+    results = Path(str(RESULTS).format("" if default else f"-p{args.parts}-f{args.files}"))
+    results.parent.mkdir(exist_ok=True)
+    results.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
