@@ -394,6 +394,10 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
                 if n_parts and not (plan.done_file(f"prepare-{k}").exists() and cfg.run.resume):
                     # parallel pieces of stage 2 (e.g. MinHash bands) first, then the single prepare
                     list(runner.map(run_prepare_part, [(light, k, p, n_parts) for p in range(n_parts)]))
+                sharded = getattr(plan.globals[k], "prepare_sharded", None)
+                if sharded is not None and not (plan.done_file(f"prepare-{k}").exists() and cfg.run.resume):
+                    # multi-phase stage 2 (sharded clustering): the driver orders phases, runner.map runs tasks
+                    sharded(_global_context(light, k)[1], plan.n_shards, runner.map)
                 results.append(runner.call(run_prepare, light, k))
         token_info: dict[str, Any] = {}
         kept = sum(r.get("docs_out", 0) for r in results if r.get("stage") == "final")

@@ -1,6 +1,6 @@
 """Sharded connected components equal scipy's single-process clustering, and resume safely."""
 
-import os
+import json
 
 import numpy as np
 import pytest
@@ -90,3 +90,74 @@ def test_bad_input_edge_files_are_clear_errors(tmp_path):
         sharded_duplicates(3, [obj], tmp_path / "d", 2)
     dup, _ = sharded_duplicates(3, [good], tmp_path / "e", 2)
     assert dup.tolist() == [1]
+
+
+@pytest.mark.parametrize("verify", ["exact", "signature", "none"])
+def test_minhash_step_with_cluster_parts_equals_scipy_clustering(tmp_path, verify):
+    from kiln.prep.base import Doc, StepContext
+    from kiln.prep.dedup.minhash import MinHashConfig
+    from kiln.prep.dedup.steps import MinHashDedup
+
+    from tests.prep.dedup_testdata import edit_words, random_docs
+
+    texts = random_docs(24, words=80, seed=3)
+    texts += [edit_words(texts[i], i % 3 + 1, seed=i) for i in (1, 5, 5, 9, 20)]  # a cluster of 3 too
+    shards = [[Doc(f"{s}-{i}", t) for i, t in enumerate(texts[s::3])] for s in range(3)]
+    results = {}
+    for parts in (0, 4):
+        step = MinHashDedup(MinHashConfig(verify=verify, cluster_parts=parts))
+        work = tmp_path / f"p{parts}"
+        for i, docs in enumerate(shards):
+            step.index(iter(docs), StepContext(shard_index=i, n_shards=3, work_dir=work))
+        n_parts = step.prepare_parts(3)
+        for p in range(0, n_parts, 2):  # some bands in parallel tasks, the rest left to prepare
+            step.prepare_part(StepContext(n_shards=3, work_dir=work), 3, p, n_parts)
+        ctx = StepContext(n_shards=3, work_dir=work)
+        if parts:
+            step.prepare_sharded(ctx, 3, lambda fn, args: [fn(*a) for a in args])
+        step.prepare(ctx, 3)
+        kept = []
+        for i, docs in enumerate(shards):
+            run_ctx = StepContext(shard_index=i, n_shards=3, work_dir=work)
+            step.setup(run_ctx)
+            kept += [d.id for d in step.run(iter(docs), run_ctx)]
+        results[parts] = (kept, ctx.stats[step.name]["info"]["clusters_dropped"])
+    assert results[0] == results[4]
+    assert results[0][1] >= 2  # near-duplicates were found, so the comparison means something
+
+
+def test_executor_runs_sharded_clustering_as_tasks(tmp_path, monkeypatch):
+    """`kiln prep` with dedup_minhash cluster_parts=3 on 2 worker processes: same output as scipy."""
+    from kiln.prep.dedup.steps import MinHashDedup
+    from kiln.prep.executor import run_prep
+    from kiln.prep.pipeline import load_prep_config
+
+    from tests.prep.dedup_testdata import edit_words, random_docs
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    texts = random_docs(12, words=80, seed=4)
+    texts += [edit_words(texts[i], 1, seed=i) for i in (0, 3, 3)]
+    for i, t in enumerate(texts):
+        (raw / f"d{i:02d}.txt").write_text(t, encoding="utf-8")
+    outputs, maps = {}, []
+    original = MinHashDedup.prepare_sharded
+
+    def recording(self, ctx, n_shards, map_fn):
+        maps.append(getattr(map_fn, "__self__", None))  # the executor's runner, not a local loop
+        return original(self, ctx, n_shards, map_fn)
+
+    monkeypatch.setattr(MinHashDedup, "prepare_sharded", recording)
+    for parts in (0, 3):
+        out = tmp_path / f"out{parts}"
+        cfg = tmp_path / f"p{parts}.toml"
+        cfg.write_text(f'[input]\npath = "{raw}"\ntext_files_per_shard = 4\n[output]\ndir = "{out}"\ndocs_format = "jsonl"\n'
+                       '[tokenize]\nenabled = false\n[run]\nworkers = 2\nprogress = "none"\n'
+                       f'[[step]]\ntype = "dedup_minhash"\ncluster_parts = {parts}\n', encoding="utf-8")
+        report = run_prep(load_prep_config(cfg))
+        outputs[parts] = sorted(json.loads(line)["id"] for f in sorted(out.glob("documents/*")) for line in
+                                f.read_text(encoding="utf-8").splitlines())
+        assert report["steps"]["dedup_minhash"]["info"]["clusters_dropped"] == 3
+    assert (tmp_path / "out3" / ".work").exists() and any((tmp_path / "out3" / ".work").rglob("large000-*.json"))
+    assert outputs[0] == outputs[3] and len(outputs[0]) == 12
+    assert len(maps) == 2 and all(type(m).__name__.endswith("Runner") for m in maps)
