@@ -10,6 +10,9 @@
                shingle sets, or signature agreement), connected components (scipy), lowest
                global id kept
                -> `drop-{shard:05d}.npy`, the positions to drop in each shard.
+               With `cluster_parts` > 0 instead: each band task verifies its own pairs
+               (`verified-band{band:04d}.npy`) and sharded_components.py clusters them in
+               executor tasks; `write_drop_ids` writes the same drop files.
 4. filter      per shard (parallel): drop those positions.
 
 Global ids number documents in shard order (shard offsets from the signature files' lengths).
