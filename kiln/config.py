@@ -116,7 +116,8 @@ class ModelConfig:
     norm: str = ranged("rmsnorm", choices=("layernorm", "rmsnorm", "none"))  # none is meant for t_fixup init
     norm_eps: float = ranged(1e-5, gt=0.0, lt=1.0)
     norm_placement: str = ranged("pre", choices=("pre", "post"))
-    activation: str = ranged("swiglu", choices=("gelu", "swiglu", "geglu"))
+    # gelu: exact (erf); gelu_tanh: the tanh approximation GPT-2 was trained with (HF "gelu_new")
+    activation: str = ranged("swiglu", choices=("gelu", "gelu_tanh", "swiglu", "geglu"))
     positions: str = ranged("rope", choices=("rope", "learned"))
     rope_theta: float = ranged(10000.0, gt=0.0)
     tie_embeddings: bool = True
@@ -236,12 +237,31 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = ranged(200, ge=0)  # steps between checkpoints; 0 disables periodic saving
-    keep_last: int = ranged(2, gt=0)
+    every: int | str = 200  # steps between checkpoints; 0 disables periodic saving; "auto": Young/Daly
+    mtbf_hours: float = ranged(24.0, gt=0.0)  # mean time between failures, for every = "auto"
+    keep_last: int = ranged(2, gt=0)  # newest complete checkpoints kept (the newest is never pruned)
+    keep_every: int = ranged(0, ge=0)  # also keep every checkpoint whose step is a multiple of this; 0: none
     save_final: bool = True
+    async_save: bool = True  # block only while state is copied to host memory; write in the background
+    on_error: str = ranged("continue", choices=("continue", "stop"))  # a failed save (disk full, I/O error)
+    make_room: bool = True  # when the disk is short, prune what retention would prune before saving
+    memory_replicas: bool = False  # keep each save in host memory + a peer rank's (needs async_save)
+    replica_dir: str = "/dev/shm"  # tmpfs that outlives a worker restart
+    # loss-spike recovery: restore + skip data when the loss z-score exceeds this; 0: off
+    spike_zscore: float = ranged(0.0, ge=0.0)
+    spike_window: int = ranged(50, ge=2)  # losses the z-score is computed over
+    spike_max_recoveries: int = ranged(3, ge=0)
+    spike_skip_batches: int = ranged(0, ge=0)  # global micro-batches skipped after the spike (besides those before it)
 
     def validate(self) -> None:
         check_fields(self, "checkpoint.")
+        if isinstance(self.every, str) and self.every != "auto":
+            raise ConfigError(f"checkpoint.every={self.every!r} must be a step count >= 0 or 'auto'")
+        if isinstance(self.every, int) and not 0 <= self.every < 2**63:
+            raise ConfigError(f"checkpoint.every={self.every} must be >= 0")
+        if self.memory_replicas and not self.async_save:
+            raise ConfigError("checkpoint.memory_replicas=true needs checkpoint.async_save=true (it keeps the "
+                              "async save's host snapshot)")
 
 
 @dataclass
@@ -275,6 +295,15 @@ class ParallelConfig:
     dp_mode: str = ranged("auto", choices=("auto", "ddp", "zero1", "zero2", "fsdp"))
     reduce_dtype: str = ranged("fp32", choices=("fp32", "bf16"))  # dtype FSDP2 reduce-scatters gradients in
     cpu_offload: bool = False  # zero2/fsdp on GPU: parameters, gradients and optimizer state in CPU memory
+    # Pipeline parallel (docs/parallel.md): torch.distributed.pipelining's schedules; the zero-bubble
+    # ones and interleaved_1f1b/looped_bfs hold pp_virtual_stages stages per rank (zbv: exactly 2).
+    pp_schedule: str = ranged("1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
+                                               "interleaved_zero_bubble", "zbv_zero_bubble"))
+    pp_microbatches: int = ranged(0, ge=0)  # 0: one per pipeline stage; must divide batch_size*grad_accum
+    pp_virtual_stages: int = ranged(1, gt=0)  # stages per pp rank
+    # Explicit split: the first layer of every stage after the first (pp*pp_virtual_stages - 1
+    # increasing indices); empty: layers spread evenly.
+    pp_split_points: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         check_fields(self, "parallel.")

@@ -27,12 +27,14 @@ from kiln.errors import KilnError
 from kiln.model.transformer import ffn_hidden_size
 
 LLAMA, GPT2 = "llama", "gpt2"
+# HF GPT-2 activation_function -> kiln model.activation (the tanh forms are the same function).
+GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
 # What each HF family fixes; a kiln option outside it has no equivalent there.
 FAMILY_OPTIONS = {
     LLAMA: {"norm": "rmsnorm", "norm_placement": "pre", "activation": "swiglu", "positions": "rope"},
-    GPT2: {"norm": "layernorm", "norm_placement": "pre", "activation": "gelu", "positions": "learned",
-           "bias": True},
+    GPT2: {"norm": "layernorm", "norm_placement": "pre", "activation": ("gelu", "gelu_tanh"),
+           "positions": "learned", "bias": True},
 }
 
 
@@ -44,9 +46,11 @@ def export_family(cfg: ModelConfig) -> str:
     family = LLAMA if cfg.positions == "rope" else GPT2
     for key, wanted in FAMILY_OPTIONS[family].items():
         value = getattr(cfg, key)
-        if value != wanted:
+        allowed = wanted if isinstance(wanted, tuple) else (wanted,)
+        if value not in allowed:
+            need = " or ".join(repr(w) for w in allowed)
             raise KilnError(f"model.{key}={value!r} has no equivalent in HF {HF_CLASS[family]} "
-                            f"(a {cfg.positions}-position model exports there and needs model.{key}={wanted!r})")
+                            f"(a {cfg.positions}-position model exports there and needs model.{key}={need})")
     if family == GPT2 and cfg.n_kv_heads not in (0, cfg.n_heads):
         raise KilnError(f"model.n_kv_heads={cfg.n_kv_heads} (grouped-query attention) has no equivalent in "
                         f"HF GPT2LMHeadModel; use positions='rope' (Llama) for GQA models")
@@ -72,9 +76,10 @@ def hf_config(cfg: ModelConfig, eos_id: int):
         return config
     from transformers import GPT2Config
 
-    # activation "gelu" is the exact erf GELU, like kiln's F.gelu (GPT-2's default is the tanh one).
+    # kiln "gelu" is the exact erf GELU (HF "gelu"); "gelu_tanh" is GPT-2's own tanh form (HF "gelu_new").
+    act = "gelu_new" if cfg.activation == "gelu_tanh" else "gelu"
     return GPT2Config(n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=ffn_hidden_size(cfg),
-                      n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu",
+                      n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps, activation_function=act,
                       resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, **common)
 
 
@@ -161,10 +166,11 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           positions="rope", rope_theta=rope_theta, bias=bias,
                           dropout=get("attention_dropout", float, 0.0))
     elif model_type == GPT2:
-        if hf.get("activation_function", "gelu_new") != "gelu":  # absent means GPT-2's default, gelu_new
-            raise KilnError(f"{source}: activation_function={hf.get('activation_function', 'gelu_new')!r} is not "
-                            f"supported (kiln's gelu is the exact erf GELU; gelu_new is the tanh approximation); "
-                            f"expected 'gelu'")
+        hf_act = hf.get("activation_function", "gelu_new")  # absent means GPT-2's default, gelu_new
+        activation = GPT2_ACTIVATIONS.get(hf_act) if isinstance(hf_act, str) else None
+        if activation is None:
+            raise KilnError(f"{source}: activation_function={hf_act!r} is not supported; expected one of "
+                            f"{sorted(GPT2_ACTIVATIONS)}")
         for key, fine in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                           ("add_cross_attention", False)):
             if get(key, bool, fine) != fine:
@@ -173,7 +179,7 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
         cfg = ModelConfig(dim=dim, n_layers=get("n_layer", int), n_heads=get("n_head", int),
                           ffn_hidden=get("n_inner", int, 4 * dim), max_seq_len=get("n_positions", int),
                           norm="layernorm", norm_eps=get("layer_norm_epsilon", float, 1e-5),
-                          activation="gelu", positions="learned", bias=True,
+                          activation=activation, positions="learned", bias=True,
                           dropout=get("resid_pdrop", float, 0.1))
     else:
         raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama' and 'gpt2'")

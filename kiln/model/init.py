@@ -22,13 +22,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
-def _fill(t: torch.Tensor, fill) -> None:
+def _fill(t: torch.Tensor, fill, gen: torch.Generator | None = None) -> None:
     """Apply `fill` to t; a sharded (DTensor) t is filled as the full tensor, then re-sharded.
 
     So every parallel layout starts from bit-identical weights to the single-device run, which is
     what makes parallel == single-process testable (one full parameter in memory at a time).
     """
-    if isinstance(t, DTensor):
+    if t.is_meta:  # a module another pipeline rank owns: draw (and drop) its values, so the
+        # generator advances as in one process (kiln/parallel/pipeline.py)
+        fill(torch.empty(t.shape, dtype=t.dtype, device=gen.device if gen is not None else "cpu"))
+    elif isinstance(t, DTensor):
         full = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
         fill(full)
         t.copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None))
@@ -37,11 +40,11 @@ def _fill(t: torch.Tensor, fill) -> None:
 
 
 def _normal(t: torch.Tensor, std: float, gen) -> None:
-    _fill(t, lambda x: nn.init.normal_(x, mean=0.0, std=std, generator=gen))
+    _fill(t, lambda x: nn.init.normal_(x, mean=0.0, std=std, generator=gen), gen)
 
 
 def _xavier(t: torch.Tensor, gain: float, gen) -> None:
-    _fill(t, lambda x: nn.init.xavier_uniform_(x, gain=gain, generator=gen))
+    _fill(t, lambda x: nn.init.xavier_uniform_(x, gain=gain, generator=gen), gen)
 
 
 def _reset_norms_and_biases(model: nn.Module) -> None:

@@ -9,10 +9,12 @@ layers.N.attention.wq, feed_forward.w1, norm, output) so parallel plans read the
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config import ModelConfig
 from kiln.model import loss as _loss
@@ -80,6 +82,9 @@ class Attention(nn.Module):
         # Repeat K/V heads before attention instead of SDPA's enable_gqa, where that is what lets
         # the flash/cuDNN kernel run (decided at startup by kiln/train/attention.py).
         self.expand_kv = False
+        # Replaces SDPA (causal, no cache) when set: context parallel's ring attention
+        # (kiln/parallel/context_parallel.py), only for the duration of a training step.
+        self.attention_fn = None
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
@@ -104,10 +109,13 @@ class Attention(nn.Module):
         if self.expand_kv and q.shape[1] != k.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        if self.attention_fn is not None:
+            out = self.attention_fn(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -116,7 +124,7 @@ class FeedForward(nn.Module):
         super().__init__()
         hidden = ffn_hidden_size(cfg)
         self.gated = cfg.activation in ("swiglu", "geglu")
-        self.act = F.silu if cfg.activation == "swiglu" else F.gelu
+        self.act = {"swiglu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}.get(cfg.activation, F.gelu)
         self.w1 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.w2 = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
         self.w3 = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if self.gated else None
@@ -162,8 +170,12 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # forward(tokens, targets) returns the loss; "chunked" never forms full fp32 logits
-        # (kiln/model/loss.py). Set by the trainer from train.loss.
+        # (kiln/model/loss.py); "parallel" is the full loss on vocab-sharded logits under tensor
+        # parallelism (kiln/parallel/tensor_parallel.py). Set by the trainer from train.loss.
         self.loss_impl = "full"
+        # Global positions of the tokens this rank holds, when they are not 0..seqlen-1 (context
+        # parallel's zig-zag slices; set around a training step by kiln/parallel/context_parallel.py).
+        self.seq_positions: torch.Tensor | None = None
         head_dim = cfg.dim // cfg.n_heads
         cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -195,18 +207,29 @@ class Transformer(nn.Module):
         if start_pos + seqlen > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
         h = self.tok_embeddings(tokens)
+        positions = self.seq_positions
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(start_pos, start_pos + seqlen, device=tokens.device))
+            if positions is None:
+                positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device)
+            h = h + self.pos_embeddings(positions)
         h = self.dropout(h)
-        rope = (self.rope_cos[start_pos:start_pos + seqlen], self.rope_sin[start_pos:start_pos + seqlen])
+        if self.seq_positions is not None:
+            rope = (self.rope_cos[self.seq_positions], self.rope_sin[self.seq_positions])
+        else:
+            rope = (self.rope_cos[start_pos:start_pos + seqlen], self.rope_sin[start_pos:start_pos + seqlen])
         for layer in self.layers:
             h = layer(h, rope, cache, start_pos)
         h = self.norm(h)
-        if targets is None:
-            return self.output(h)
-        if self.loss_impl == "chunked":
+        if self.loss_impl == "chunked" and targets is not None:
             return _loss.chunked_lm_loss(h, self.output.weight, targets)
-        return _loss.lm_loss(self.output(h), targets)
+        logits = self.output(h)
+        if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary
+            if targets is None:
+                return logits.full_tensor()
+            from kiln.parallel.tensor_parallel import parallel_lm_loss
+
+            return parallel_lm_loss(logits, targets)
+        return logits if targets is None else _loss.lm_loss(logits, targets)
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg

@@ -28,7 +28,7 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> None:
     buckets during backward, overlapping with it."""
     from torch.distributed._composable.replicate import replicate
 
-    mesh = dims.mesh[dims.dp_mesh_names]
+    mesh = dims.mesh[dims.grad_mesh_names]
     if mesh.ndim > 1:
         mesh = mesh._flatten()
     replicate(model, device_mesh=mesh, bucket_cap_mb=25)
@@ -73,9 +73,9 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
     """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state
     partitioned over the data-parallel ranks. Returns `optimizer` itself unless dp_mode is zero1."""
-    if dims.dp_mode != "zero1" or dims.dp_size == 1:
+    if dims.dp_mode != "zero1" or dims.dp_size * dims.cp == 1:
         return optimizer
-    mesh = dims.mesh[dims.dp_mesh_names]
+    mesh = dims.mesh[dims.grad_mesh_names]
     group = (mesh._flatten() if mesh.ndim > 1 else mesh).get_group()
     groups = [dict(g) for g in optimizer.param_groups]
     # ZeRO builds a new optimizer per rank from the class and keyword arguments; `defaults` can

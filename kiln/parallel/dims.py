@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kiln.config import ParallelConfig
+from kiln.config import JobConfig, ParallelConfig
 from kiln.errors import rank_label  # noqa: F401  (re-exported)
 from kiln.errors import ConfigError
+from kiln.model.transformer import ffn_hidden_size
+from kiln.parallel.context_parallel import check_cp_seq_len
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -37,7 +39,8 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int | None = None, rank: int | None = None,
-                    local_rank: int | None = None, local_world_size: int | None = None) -> "ParallelDims":
+                    local_rank: int | None = None, local_world_size: int | None = None,
+                    seq_len: int | None = None) -> "ParallelDims":
         # torchrun's environment is read here, once, and nowhere else.
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -45,6 +48,8 @@ class ParallelDims:
         if local_world_size is None:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1 if world_size == 1 else world_size))
         cfg.validate()
+        if seq_len is not None:  # context parallel's zig-zag split of each sequence
+            check_cp_seq_len(cfg.cp, seq_len)
         others = cfg.cp * cfg.tp * cfg.pp
         if world_size % others:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.cp*tp*pp={others}; "
@@ -67,15 +72,44 @@ class ParallelDims:
                 f"parallel degrees dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
                 f"tp={cfg.tp} x pp={cfg.pp} = {total}, but the world size is {world_size}; change "
                 f"parallel.dp_shard (-1 takes what is left) or the number of processes")
+        if cfg.pp > 1 and dp_replicate * dp_shard > 1 and mode in ("ddp", "zero1"):
+            raise ConfigError(f"parallel.dp_mode={mode!r} with parallel.pp={cfg.pp} is not supported yet; "
+                              f"use dp_mode='fsdp' (or 'zero2') for data parallelism across pipelines")
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1 and (dp_shard * cfg.cp) % cfg.ep:
             raise ConfigError(f"parallel.ep={cfg.ep} must divide dp_shard*cp={dp_shard * cfg.cp}")
-        unsupported = [k for k in ("tp", "pp", "cp", "ep") if getattr(cfg, k) > 1]
+        if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
+            # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
+            raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
+                              f"parallel.dp_mode='fsdp' (or 'zero2') for data x tensor parallelism")
+        unsupported = [k for k in ("ep",) if getattr(cfg, k) > 1]
         if unsupported:  # the mesh is built for them; the model-side plans land with their issues
             raise ConfigError(f"parallel.{unsupported[0]} > 1 is not supported yet; use data parallelism")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size)
+
+    def check_model(self, cfg: JobConfig) -> None:
+        """The layout against the model, before any work: tensor parallelism splits attention heads,
+        KV heads and FFN hidden units over the tp ranks, the sequence between blocks (sequence
+        parallel), and computes the loss on vocab-sharded logits (not the chunked head)."""
+        if self.pp > 1 and (self.tp > 1 or self.cp > 1):
+            raise ConfigError(f"parallel.pp={self.pp} with parallel.tp={self.tp} / parallel.cp={self.cp} is not "
+                              f"supported yet; use pipeline parallelism with data parallelism only")
+        tp = self.tp
+        if tp == 1:
+            return
+        m = cfg.model
+        sizes = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
+                 ("model.ffn_hidden (the FFN hidden size)", ffn_hidden_size(m)), ("data.seq_len", cfg.data.seq_len)]
+        for key, value in sizes:
+            if value % tp:
+                raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")
+        if cfg.train.float8:  # torchao's float8 linears need their own TP styles (not wired yet)
+            raise ConfigError(f"train.float8=true with parallel.tp={tp} is not supported yet; set train.float8=false")
+        if cfg.train.loss == "chunked":
+            raise ConfigError(f"train.loss='chunked' cannot run with parallel.tp={tp} (the logits are sharded "
+                              f"on the vocabulary, the loss runs under loss_parallel); set train.loss='auto'")
 
     @property
     def dp_mesh_names(self) -> tuple[str, ...]:
@@ -85,14 +119,22 @@ class ParallelDims:
         return tuple(n for n in ("dp_replicate", "dp_shard") if n in self.mesh.mesh_dim_names)
 
     @property
+    def grad_mesh_names(self) -> tuple[str, ...]:
+        """The mesh dimensions gradients are averaged over: data parallel and context parallel
+        (cp ranks hold the same parameters and each has the gradient of its slice's loss)."""
+        if self.mesh is None:
+            return ()
+        return self.dp_mesh_names + (("cp",) if "cp" in self.mesh.mesh_dim_names else ())
+
+    @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
     def dp_rank(self) -> int:
-        if self.mesh is None:
-            return 0
         names = self.dp_mesh_names
+        if not names:  # no data-parallel dimension (tp, cp or pp alone): every rank sees the same batch
+            return 0
         return self.mesh[names]._flatten().get_local_rank() if len(names) > 1 \
             else self.mesh[names[0]].get_local_rank()
 

@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from kiln.config import JobConfig
 from kiln.parallel.data_parallel import apply_ddp
 from kiln.parallel.dims import ParallelDims
+from kiln.parallel.tensor_parallel import apply_tp
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -77,7 +78,13 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
     parameters are still stored sharded between steps, gradients and optimizer state always)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = dims.mesh[dims.dp_mesh_names]
+    names = dims.grad_mesh_names
+    if "cp" in names and len(names) > 1:  # cp shards with dp_shard (torchtitan's dp_shard_cp)
+        shard = tuple(n for n in names if n != "dp_replicate")
+        if len(shard) > 1:
+            dims.mesh[shard]._flatten("dp_shard_cp")
+            names = tuple(n for n in names if n not in shard) + ("dp_shard_cp",)
+    mesh = dims.mesh[names]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:  # gloo cannot all-gather pinned CPU tensors; pin_memory=False is required on CPU
@@ -89,6 +96,12 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
+    if dims.pp > 1:  # this rank keeps its stages' modules (kiln/parallel/pipeline.py)
+        from kiln.parallel.pipeline import split_model
+
+        model = split_model(model, cfg, dims.mesh["pp"].get_local_rank())
+    if dims.tp > 1:
+        apply_tp(model, dims.mesh["tp"])
     if cfg.train.float8:
         apply_float8(model, cfg.train.float8_recipe, device)
     if cfg.train.activation_checkpointing != "none":
@@ -96,7 +109,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
     scope = compile_scope(cfg, dims)
     if cfg.train.compile and scope == "blocks":
         apply_compile(model, "blocks")
-    if dims.world_size > 1 and dims.dp_size > 1:
+    # Context parallel needs no module change (its attention is swapped in per step, see
+    # context_parallel.py), only the gradient average over cp, which data parallelism does.
+    if dims.world_size > 1 and dims.dp_size * dims.cp > 1:
         apply_data_parallel(model, dims, cfg, device)
     if cfg.train.compile and scope == "model":
         apply_compile(model, "model", cfg.train.cuda_graphs)
@@ -112,5 +127,6 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, de
     # Mixed precision: compute in bf16 on GPUs when train.dtype=bf16 (autocast does it on CPU).
     param_dtype = torch.bfloat16 if (cfg.train.dtype == "bf16" and device.type == "cuda") else None
     reduce_dtype = torch.bfloat16 if cfg.parallel.reduce_dtype == "bf16" else torch.float32
-    apply_fsdp(model, dims, param_dtype, cpu_offload=cfg.parallel.cpu_offload or device.type == "cpu",
-               reduce_dtype=reduce_dtype, reshard_after_forward=dims.dp_mode != "zero2")
+    for root in getattr(model, "chunks", [model]):  # under pp: FSDP per stage (what the schedule calls)
+        apply_fsdp(root, dims, param_dtype, cpu_offload=cfg.parallel.cpu_offload or device.type == "cpu",
+                   reduce_dtype=reduce_dtype, reshard_after_forward=dims.dp_mode != "zero2")

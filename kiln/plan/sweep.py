@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.config import JobConfig, load_config, parse_literal
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError, KilnError, TrainingDiverged
 from kiln.io import atomic_write_json
 
 SWEEP_FILE = "sweep.json"
@@ -234,7 +234,7 @@ def run_sweep(plan: SweepPlan, sweep_dir: str | Path, *, retry_failed: bool = Fa
             save_state(sweep_dir, plan, records, keys)
             raise
         except Exception as e:  # any failure is this trial's outcome, not the sweep's
-            diverged = isinstance(e, KilnError) and "non-finite" in str(e)
+            diverged = isinstance(e, TrainingDiverged)
             record.update(status="diverged" if diverged else "failed", error=f"{type(e).__name__}: {e}")
             if not isinstance(e, KilnError):
                 run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,9 @@ class MetricsLogger:
         self.enabled = enabled
         self.cfg = cfg
         self.total_steps = total_steps
-        self._file = open(path, "a", encoding="utf-8") if enabled else None
+        self.path = path
+        self._file = _open_for_rows(path) if enabled else None
+        self._write_failed = False
         mode = cfg.progress
         if mode == "auto":
             mode = "rich" if sys.stderr.isatty() else "plain"
@@ -50,8 +53,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"time": time.time(), **row}
-        self._file.write(json.dumps(row, allow_nan=True) + "\n")
-        self._file.flush()
+        self._append((json.dumps(row, allow_nan=True) + "\n").encode("utf-8"), row)
         kind, step = row.get("kind"), row.get("step", 0)
         for sink in self._sinks:
             sink.write(row)
@@ -70,6 +72,28 @@ class MetricsLogger:
         elif kind in ("event", "checkpoint"):
             self.print(f"[{kind}] step {step}: {row.get('message') or row.get('path')}")
 
+    def _append(self, data: bytes, row: dict[str, Any]) -> None:
+        """Append one whole line or nothing: on a write error (disk full) the file is cut back to
+        where the line began, a one-line warning is printed once, and training goes on."""
+        fd = self._file.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:  # an unbuffered write may be partial
+                view = view[self._file.write(view):]
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            if not self._write_failed:
+                self._write_failed = True
+                reason = os.strerror(e.errno).lower() if e.errno else str(e)
+                print(f"{self.path}: {row.get('kind')} row for step {row.get('step')} not written ({reason}); "
+                      f"rows are dropped until writes succeed again", file=sys.stderr, flush=True)
+            return
+        self._write_failed = False
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
@@ -77,3 +101,19 @@ class MetricsLogger:
             sink.close()
         if self._file is not None:
             self._file.close()
+
+
+def _open_for_rows(path: Path):
+    """Open metrics.jsonl for appending whole lines (unbuffered: one write call per row). A half
+    line at the end, left by a crash or a full disk in an older run, is cut off first so the
+    next row starts on its own line."""
+    f = open(path, "ab", buffering=0)
+    size = os.lseek(f.fileno(), 0, os.SEEK_END)
+    if size:
+        with open(path, "rb") as r:
+            r.seek(max(0, size - (1 << 20)))
+            tail = r.read()
+        if not tail.endswith(b"\n"):
+            cut = tail.rfind(b"\n")
+            os.ftruncate(f.fileno(), size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= len(tail) else size))
+    return f

@@ -44,7 +44,11 @@ def check_resume_settings(cfg: JobConfig, run_dir: Path, step: int) -> None:
         return
     saved = load_config(path).to_dict()  # parsed and validated like any config: the file may be damaged
     wanted = cfg.to_dict()
-    for section in ("model", "data"):
+    from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER
+
+    # Imported weights (kiln import-hf) start a new training run: only the architecture is fixed.
+    weights_only = (run_dir / "checkpoints" / f"step-{step}" / WEIGHTS_ONLY_MARKER).is_file()
+    for section in ("model",) if weights_only else ("model", "data"):
         for key, value in wanted[section].items():
             dotted = f"{section}.{key}"
             if dotted in RESUMABLE or (dotted == "model.vocab_size" and value == 0):

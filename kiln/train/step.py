@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -45,6 +46,8 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf, foreach=True)
+    if isinstance(grad_norm, DTensor):  # sharded (FSDP/TP) parameters: the norm of the full gradient
+        grad_norm = grad_norm.full_tensor()
     skipped = ~(torch.isfinite(total) & torch.isfinite(grad_norm))
     if scaler:  # the scaler skips non-finite steps itself and lowers its scale
         scaler.step(optimizer)

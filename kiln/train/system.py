@@ -27,12 +27,15 @@ def compute_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
 
 
-def resolve_loss(name: str, device: torch.device, whole_model_compiled: bool = False) -> str:
+def resolve_loss(name: str, device: torch.device, whole_model_compiled: bool = False, tp: int = 1) -> str:
     """`auto` -> the chunked LM head + loss on CUDA unless the whole model (head and loss included)
     is compiled: there inductor fuses the cross-entropy itself and the plain loss measured 2%
     faster at GPT-2 124M shapes on an H200 (benchmarks/README.md, "One GPU"); eager or per-block
     compiled, chunking keeps the fp32 logits (2.5 GB at 124M shapes) out of GPU memory. CPU: the
-    plain loss (no GPU memory to save, and one matmul beats many small ones)."""
+    plain loss (no GPU memory to save, and one matmul beats many small ones). Tensor parallel:
+    the full loss on vocab-sharded logits ("parallel")."""
+    if tp > 1:  # vocab-sharded logits under loss_parallel ("chunked" is refused by ParallelDims.check_model)
+        return "parallel"
     if name != "auto":
         return name
     return "chunked" if device.type == "cuda" and not whole_model_compiled else "full"

@@ -15,16 +15,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kiln.checkpoint.interval import CheckpointInterval
 from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState, RNGState
+from kiln.checkpoint.spike import SpikeGuard
 from kiln.config import JobConfig, to_toml
 from kiln.data.raw_to_shards import prepare_shards
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.errors import KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
+from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import compile_scope, parallelize
+from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, check_pipeline_config, pipeline_train_step
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.memory import check_fits_memory
@@ -82,7 +86,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     one, True = must resume, False = start fresh. stop_at: leave (with a checkpoint) after that
     step, as a time-limited job would; the schedule still spans train.steps."""
     run_dir = Path(run_dir)
-    dims = ParallelDims.from_config(cfg.parallel)
+    dims = ParallelDims.from_config(cfg.parallel, seq_len=cfg.data.seq_len)
+    dims.check_model(cfg)
+    check_pipeline_config(cfg)
     device = pick_device(cfg.train.device, dims)
     check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
     dims.build_mesh(device.type)
@@ -93,7 +99,12 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
     if cfg.train.cuda_graphs and device.type != "cuda":
         raise KilnError(f"train.cuda_graphs=true needs a CUDA device; this run is on {device.type}")
-    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main)
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main,
+                             keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save,
+                             make_room=cfg.checkpoint.make_room, stop_on_error=cfg.checkpoint.on_error == "stop",
+                             replica_dir=cfg.checkpoint.replica_dir if cfg.checkpoint.memory_replicas else None)
+    if resume is not False:
+        ckpt.clean_stray()
     resume_step = ckpt.latest_step()
     if resume and resume_step is None:
         raise KilnError(f"--resume: {run_dir}/checkpoints has no checkpoint to resume from")
@@ -122,30 +133,36 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, dims, device)
     model.train()
-    model.loss_impl = resolve_loss(cfg.train.loss, device, cfg.train.compile and compile_scope(cfg, dims) == "model")
+    pipeline = Pipeline(model, cfg, dims, device) if dims.pp > 1 else None
+    model.loss_impl = resolve_loss(cfg.train.loss, device, cfg.train.compile and compile_scope(cfg, dims) == "model",
+                                  tp=dims.tp)
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
                                     cfg.train.batch_size, cfg.data.seq_len)
+    context_parallel = ContextParallel(model, dims, cfg.data.seq_len, device)
     optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
     loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
                     dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device)
-    evaluator = Evaluator(model, val_set, tokenizer, cfg, device)
+    evaluator = Evaluator(PipelineEvalModel(pipeline) if pipeline else model, val_set, tokenizer, cfg, device)
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(), "train": state}
+    recovery = None
     if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
         ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
-    elif resume_step is not None:
-        ckpt.load(stateful, resume_step)
+    elif resume_step is not None:  # memory replica, else the newest checkpoint that verifies
+        resume_step, recovered_from, recovery_s = ckpt.restore(stateful)
+        recovery = f"resumed step {resume_step} from {recovered_from} in {recovery_s:.2f} s"
     if dims.is_main:  # only now: a start that failed above leaves the run's files as they were
         write_run_files(run_dir, cfg, tokenizer, fresh=resume_step is None)
     scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
     autocast = autocast_context(device, cfg.train.dtype)
 
     # ---- metrics
-    counts = count_params(model)
+    whole = getattr(model, "_full", model)  # under pp: the whole model, still on meta
+    counts = count_params(whole)
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * dims.dp_size
-    flops_tok = flops_per_token(model, cfg.data.seq_len)
+    flops_tok = flops_per_token(whole, cfg.data.seq_len)
     peak, peak_source = peak_flops(device, cfg.train.dtype, cfg.metrics.peak_flops)
     world_peak = sum_over_ranks(peak, device)  # MFU is of the whole job: every rank's peak
     metrics = MetricsLogger(run_dir / "metrics.jsonl", cfg.metrics, cfg.train.steps, state.step,
@@ -155,29 +172,50 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
                  "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
                  "world_size": dims.world_size, "dp_mode": dims.dp_mode if dims.dp_size > 1 else "none",
-                 "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "world_peak_flops": world_peak,
-                 "resumed_from": resume_step,
+                 "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "cp": dims.cp,
+                 "world_peak_flops": world_peak, "resumed_from": resume_step, "pp": dims.pp,
+                 **({"pp_schedule": cfg.parallel.pp_schedule, "pp_microbatches": pipeline.microbatches,
+                     "pp_virtual_stages": cfg.parallel.pp_virtual_stages, "bubble_fraction": pipeline.bubble}
+                    if pipeline else {}),
                  "nonfinite_check": "device" if skips_on_device(optimizer) else "host",
                  "loss_impl": model.loss_impl, **attention,
                  "compile": compile_scope(cfg, dims) if cfg.train.compile else "none"})
+    if recovery:
+        metrics.log({"kind": "event", "step": state.step, "message": recovery})
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "
                   f"{len(train_windows)} training windows, peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 
+    def log_saves(results) -> None:
+        for result in results:
+            metrics.log(result.row())
+            if not result.ok and cfg.checkpoint.on_error == "stop":
+                raise KilnError(f"{result.error} (checkpoint.on_error='stop')")
+
+    interval = CheckpointInterval(cfg.checkpoint.every, cfg.checkpoint.mtbf_hours, state.step)
+    spikes = SpikeGuard(cfg.checkpoint.spike_zscore, cfg.checkpoint.spike_window,
+                        cfg.checkpoint.spike_max_recoveries, cfg.checkpoint.spike_skip_batches)
+
     def save(step: int) -> None:
-        path, seconds = ckpt.save(step, stateful, {"config.toml": to_toml(cfg)})
-        metrics.log({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
+        t0 = time.perf_counter()
+        results = ckpt.save(step, stateful, {"config.toml": to_toml(cfg)})
+        planned = interval.saved(step, time.perf_counter() - t0)
+        log_saves(results)
+        if planned:
+            metrics.log({"kind": "event", "step": step, "message": planned})
 
     last_loss, last_val, stop_reason = math.nan, math.nan, "completed"
     pending = PendingSteps()
     window = {"t0": time.perf_counter()}
 
-    def flush() -> bool:
-        """Fetch the pending steps' results (one device sync), write their rows; False when the
-        run must stop (too many non-finite steps in a row), with rows up to that step only."""
+    def flush() -> str:
+        """Fetch the pending steps' results (one device sync) and write their rows. Returns "ok",
+        "stop" (too many non-finite steps in a row; rows up to that step only) or "restored" (a loss
+        spike: the newest good checkpoint was restored and the data around the spike skipped, so
+        the window's later steps, taken on the spiking trajectory, are dropped)."""
         nonlocal last_loss, stop_reason
         results = pending.fetch()
         if not results:
-            return True
+            return "ok"
         elapsed = time.perf_counter() - window["t0"]
         window["t0"] = time.perf_counter()
         # The device ran asynchronously: time the window, not a step; the job runs at the pace of
@@ -192,6 +230,15 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                          "memory_mb_min": stats["memory_mb_min"],
                          "data_wait_ms": 1000 * r.data_wait_s, "step_ms": 1000 * step_s,
                          "skipped": r.skipped})
+            if not r.skipped and (z := spikes.observe(r.loss)) is not None and spikes.can_recover():
+                log_saves(ckpt.wait())
+                if ckpt.latest_step() is not None:
+                    # Detected at fetch time: the loader stands after step state.step >= r.step, so
+                    # the skipped range (in the event row) also covers the window's later batches.
+                    restored, row = spikes.recover(ckpt, stateful, loader, r.step, r.loss, z)
+                    metrics.log(row)
+                    interval.restart_from(restored)
+                    return "restored"
             if not r.skipped:
                 state.nonfinite_in_a_row = 0
                 last_loss = r.loss
@@ -205,16 +252,18 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                                f"lower optim.lr, enable clipping or use fp32")
                 metrics.log({"kind": "event", "step": r.step, "message": "stopped: " + stop_reason})
                 state.step = r.step
-                return False
-        return True
+                return "stop"
+        return "ok"
 
     diverged = False
     try:
         while state.step < cfg.train.steps:
             loader.wait_s = 0.0
-            micro = [loader.next() for _ in range(cfg.train.grad_accum)]
-            loss, grad_norm, skipped = train_step(model, optimizer, micro, autocast=autocast, scaler=scaler,
-                                                  clip=cfg.train.clip_grad_norm)
+            micro = [context_parallel.shard(*loader.next()) for _ in range(cfg.train.grad_accum)]
+            step_fn = train_step if pipeline is None else pipeline_train_step
+            with context_parallel:
+                loss, grad_norm, skipped = step_fn(pipeline or model, optimizer, micro, autocast=autocast,
+                                                   scaler=scaler, clip=cfg.train.clip_grad_norm)
             state.step += 1
             state.tokens += tokens_per_step
             pending.add(state.step, loss, grad_norm, skipped, lr=schedule.lr, data_wait_s=loader.wait_s,
@@ -223,12 +272,15 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
 
             last_step = state.step == cfg.train.steps
             evaluate = bool(cfg.train.eval_every) and (state.step % cfg.train.eval_every == 0 or last_step)
-            checkpoint = bool(cfg.checkpoint.every) and state.step % cfg.checkpoint.every == 0
+            checkpoint = interval.due(state.step)
             pause = stop_at is not None and state.step >= stop_at and not last_step
-            if (state.step % cfg.metrics.log_every == 0 or last_step or evaluate or checkpoint or pause) \
-                    and not flush():
-                diverged = True
-                break
+            if state.step % cfg.metrics.log_every == 0 or last_step or evaluate or checkpoint or pause:
+                status = flush()
+                if status == "stop":
+                    diverged = True
+                    break
+                if status == "restored":  # back at the restored step: re-decide eval/save/pause there
+                    continue
             if evaluate:
                 results = evaluator.run()
                 metrics.log({"kind": "eval", "step": state.step, **results})
@@ -257,9 +309,13 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         else:
             if cfg.checkpoint.save_final and ckpt.latest_step() != state.step:
                 save(state.step)
+        log_saves(ckpt.close())
     finally:
+        ckpt.close()
         loader.close()
         metrics.close()
+    if ckpt.replicas is not None and not (diverged or stop_reason.startswith("paused")):
+        ckpt.replicas.discard()  # finished: free the tmpfs copies (a paused run keeps them for its resume)
     if diverged:
         raise TrainingDiverged(f"stopped: {stop_reason}")
     return TrainResult(run_dir, state.step, last_loss, state.best_val_loss, last_val, stop_reason, dims.is_main)

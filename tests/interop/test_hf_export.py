@@ -22,6 +22,8 @@ CASES = {
     "llama-untied-bias-bpe": (LLAMA + ["model.tie_embeddings=false", "model.bias=true", "model.ffn_hidden=48",
                                        "data.tokenizer=bpe", "data.vocab_size=300"], "LlamaForCausalLM"),
     "gpt2-tied-byte": (GPT2 + ["model.tie_embeddings=true", "data.tokenizer=byte"], "GPT2LMHeadModel"),
+    # GPT-2's own tanh GELU (HF gelu_new)
+    "gpt2-tanh-gelu": (GPT2 + ["model.activation='gelu_tanh'", "data.tokenizer=byte"], "GPT2LMHeadModel"),
     "gpt2-untied-bpe": (GPT2 + ["model.tie_embeddings=false", "data.tokenizer=bpe", "data.vocab_size=300",
                                 "model.dropout=0.1"], "GPT2LMHeadModel"),
 }

@@ -29,10 +29,10 @@ def tiny_llama(out, **extra):
     return model
 
 
-def tiny_gpt2(out, max_shard_size=None, **extra):
+def tiny_gpt2(out, max_shard_size=None, activation="gelu", **extra):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                  activation_function="gelu", initializer_range=0.2, **extra)
+                                  activation_function=activation, initializer_range=0.2, **extra)
     model = transformers.GPT2LMHeadModel(cfg)
     model.save_pretrained(str(out), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     byte_level_tokenizer().save(str(out / "tokenizer.json"))
@@ -48,10 +48,15 @@ def continue_training(run, text_file, steps):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("family", ["llama", "gpt2-sharded"])
+@pytest.mark.parametrize("family", ["llama", "gpt2-sharded", "gpt2-tanh-gelu"])
 def test_imported_model_matches_hf_evaluates_and_trains_on(family, text_file, tmp_path, capsys):
     hf_dir = tmp_path / "hf"
-    model = tiny_llama(hf_dir) if family == "llama" else tiny_gpt2(hf_dir, max_shard_size="40KB")
+    if family == "llama":
+        model = tiny_llama(hf_dir)
+    elif family == "gpt2-sharded":
+        model = tiny_gpt2(hf_dir, max_shard_size="40KB")
+    else:  # the activation real GPT-2 checkpoints use (HF's gelu_new = kiln's gelu_tanh)
+        model = tiny_gpt2(hf_dir, max_shard_size="40KB", activation="gelu_new")
     if family != "llama":
         assert (hf_dir / "model.safetensors.index.json").is_file()  # the sharded path is exercised
     run = tmp_path / "run"
@@ -125,13 +130,10 @@ def test_absent_keys_take_the_transformers_class_defaults(tmp_path, capsys):
 
     with pytest.raises(KilnError, match="config.json: vocab_size is missing; expected a positive int"):
         model_config_from_hf({k: v for k, v in llama.items() if k != "vocab_size"}, "config.json")
-    # GPT-2 without activation_function means gelu_new (tanh), which kiln cannot represent.
-    hf_dir = tmp_path / "hf"
-    tiny_gpt2(hf_dir)
-    cfg_json = json.loads((hf_dir / "config.json").read_text())
-    del cfg_json["activation_function"]
-    (hf_dir / "config.json").write_text(json.dumps(cfg_json))
-    _refused(hf_dir, tmp_path / "run", capsys, "activation_function='gelu_new'")
+    # GPT-2 without activation_function means gelu_new (tanh): kiln's gelu_tanh.
+    gpt2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+    assert model_config_from_hf(gpt2, "config.json").activation == "gelu_tanh"
+    assert model_config_from_hf({**gpt2, "activation_function": "gelu"}, "config.json").activation == "gelu"
 
 
 def test_eos_disagreement_is_reported(tmp_path, capsys):
@@ -183,11 +185,11 @@ def test_unsupported_llama_features_are_refused_by_key(changes, named, tmp_path,
     _refused(hf_dir, tmp_path / "run", capsys, named)
 
 
-def test_tanh_gelu_gpt2_is_refused(tmp_path, capsys):
+def test_unknown_gpt2_activation_is_refused(tmp_path, capsys):
     hf_dir = tmp_path / "hf"
     tiny_gpt2(hf_dir)
-    _edit_config(hf_dir, activation_function="gelu_new")
-    _refused(hf_dir, tmp_path / "run", capsys, "activation_function='gelu_new'")
+    _edit_config(hf_dir, activation_function="relu")
+    _refused(hf_dir, tmp_path / "run", capsys, "activation_function='relu'")
 
 
 def test_missing_files_are_named(tmp_path, capsys):

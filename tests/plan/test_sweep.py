@@ -217,3 +217,13 @@ def test_grids_get_lines_and_exact_ticks_random_searches_get_points():
     chart = sweep_chart(rand, keys, "optim.lr", 0, False)
     assert len(chart.series) == 1 and chart.series[0].style == "points" and chart.x_ticks is None
     assert chart.series[0].xs == [1e-3, 2e-3, 5e-2] and chart.series[0].ys == [3.0, 2.0, 2.5]
+
+
+def test_a_diverged_trial_is_told_by_its_type_not_its_message(tmp_path):
+    from kiln.errors import KilnError, TrainingDiverged
+
+    plan = SweepPlan(None, ["train.eval_every=5"], grid_trials({"optim.lr": ["0.1", "0.2"]}), steps=10)
+    outcomes = {"0.1": TrainingDiverged("stopped: 5 non-finite steps in a row"),
+                "0.2": KilnError("data.source: non-finite text?")}
+    records = run_sweep(plan, tmp_path / "s", train_fn=fake_train(outcomes, []), log=lambda m: None)
+    assert [r["status"] for r in records] == ["diverged", "failed"]

@@ -6,6 +6,16 @@ semi-orthogonal matrix, approximated by a quintic Newton-Schulz iteration; every
 one state_dict and one LR schedule cover the whole model.
 
 Param groups carry `use_muon`: True for orthogonalized matrices, False for the AdamW ones.
+
+Why kiln keeps its own rather than `torch.optim.Muon` (torch >= 2.9, checked against 2.13): torch's
+Muon takes 2-D parameters only (it raises on the embeddings' companions: norms and biases), so a
+model needs two optimizers, two state dicts and two schedules; it exists only from 2.9 while kiln
+declares torch >= 2.6; and it orthogonalizes each local tensor as it finds it, which under FSDP2
+would orthogonalize a row shard instead of the whole matrix. This one gathers a sharded matrix
+(DTensor) before Newton-Schulz and scatters the update back, so under FSDP each update is the
+whole matrix's (the cost: every rank repeats the iteration), and keeps AdamW for the rest in the
+same object. Its Newton-Schulz coefficients
+and step count are the same as torch's.
 """
 
 from __future__ import annotations

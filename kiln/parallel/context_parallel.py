@@ -1,0 +1,215 @@
+"""Context parallelism: ring attention over the `cp` mesh dimension, with zig-zag load balancing.
+
+Every sequence of a data-parallel rank's batch is split into 2*cp equal chunks; cp rank r keeps
+chunks r and 2*cp-1-r ("zig-zag", as in torchtitan / Megatron-LM), so under a causal mask every
+rank does the same amount of attention work. Everything outside attention (embeddings, MLPs,
+norms, the LM head and the loss) is per token and runs on the local slice unchanged; RoPE uses
+the slice's global positions. Each rank's loss is the mean over its slice; the slices are equal
+in length, so the mean over the cp group (the trainer's loss all-reduce, and the gradient
+average of data parallelism run over dp x cp) is the full-sequence loss.
+
+Ring attention (Liu et al. 2023): each rank keeps its queries and passes its K/V block around the
+ring with point-to-point `batch_isend_irecv` (gloo and NCCL), starting the next exchange before
+computing on the current block, and merges the partial results with their log-sum-exp (online
+softmax). The backward runs the ring again: dQ stays local, and dK/dV accumulators travel with
+their K/V block and return to its owner after a full turn. Per pair of chunks: a chunk in the
+past is attended in full, the same chunk causally, a future chunk is skipped.
+
+Choice of block kernel: a plain fp32 matmul block attention written here (scores, exp, matmul),
+because it yields the log-sum-exp on every device and backend; SDPA's LSE-returning ops are
+private aten ops whose signatures differ between CPU and CUDA builds. Torch's own
+`torch.distributed.tensor.experimental.context_parallel` (CUDA only) is not wired in: see
+docs/parallel.md. Attention dropout is not supported under cp > 1 (refused at startup).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from kiln.errors import ConfigError
+
+
+def check_cp_seq_len(cp: int, seq_len: int) -> None:
+    """Zig-zag needs 2*cp equal chunks per sequence."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(f"data.seq_len={seq_len} is not divisible by 2*parallel.cp={2 * cp} (zig-zag "
+                          f"context parallel splits each sequence into 2*cp equal chunks); change "
+                          f"data.seq_len or parallel.cp")
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunk indices (of 2*cp) that cp rank `rank` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global token positions of cp rank `rank`'s slice, in the order it holds them."""
+    size = seq_len // (2 * cp)
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in zigzag_chunks(cp, rank)])
+
+
+class Ring:
+    """The cp process group as a ring: this rank's place, and the shift to the next rank."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start_shift(self, tensor: torch.Tensor):
+        """Send `tensor` to the next rank and receive the previous rank's; returns (buffer, works)."""
+        received = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group),
+               dist.P2POp(dist.irecv, received, self.prev, self.group)]
+        return received, dist.batch_isend_irecv(ops)
+
+    def shift(self, tensor: torch.Tensor) -> torch.Tensor:
+        received, works = self.start_shift(tensor)
+        for w in works:
+            w.wait()
+        return received
+
+
+def _chunk_pairs(my_chunks, src_chunks, size):
+    """(query slice, key slice, causal) for every pair of chunks that is not entirely masked."""
+    for i, a in enumerate(my_chunks):
+        for j, b in enumerate(src_chunks):
+            if b <= a:
+                yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), b == a
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """q (B, Hkv, rep, T, D) against k (B, Hkv, T, D): scores (B, Hkv, rep, T, T) in fp32."""
+    s = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale
+    if causal:
+        t = s.shape[-1]
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        bsz, n_heads, seqlen, head_dim = q.shape
+        n_kv = k.shape[1]
+        size = seqlen // 2
+        scale = 1.0 / math.sqrt(head_dim)
+        mine = zigzag_chunks(ring.size, ring.rank)
+        q5 = q.float().view(bsz, n_kv, n_heads // n_kv, seqlen, head_dim)
+        acc = torch.zeros_like(q5)
+        m = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
+        l = torch.zeros_like(m)
+        kv = torch.stack([k.float(), v.float()]).contiguous()
+        for step in range(ring.size):
+            pending = ring.start_shift(kv) if step < ring.size - 1 else None
+            src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
+            for qs, ks, causal in _chunk_pairs(mine, src, size):
+                s = _scores(q5[..., qs, :], kv[0][..., ks, :], causal, scale)
+                # Every kept row has an unmasked score (full blocks, or a causal diagonal), so m stays finite.
+                m_new = torch.maximum(m[..., qs], s.amax(-1))
+                p = torch.exp(s - m_new.unsqueeze(-1))
+                alpha = torch.exp(m[..., qs] - m_new)
+                l[..., qs] = l[..., qs] * alpha + p.sum(-1)
+                acc[..., qs, :] = acc[..., qs, :] * alpha.unsqueeze(-1) + p @ kv[1][..., ks, :].unsqueeze(2)
+                m[..., qs] = m_new
+            if pending is not None:
+                kv, works = pending
+                for w in works:
+                    w.wait()
+        out = acc / l.unsqueeze(-1)
+        lse = m + torch.log(l)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out.view(bsz, n_heads, seqlen, head_dim).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        bsz, n_heads, seqlen, head_dim = q.shape
+        n_kv = k.shape[1]
+        size = seqlen // 2
+        scale = 1.0 / math.sqrt(head_dim)
+        mine = zigzag_chunks(ring.size, ring.rank)
+        q5 = q.float().view(out.shape)
+        dout = grad_out.float().reshape(out.shape)
+        delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
+        dq = torch.zeros_like(q5)
+        kv = torch.stack([k.float(), v.float()]).contiguous()
+        dkv = torch.zeros_like(kv)
+        for step in range(ring.size):
+            pending = ring.start_shift(kv) if step < ring.size - 1 else None
+            src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
+            for qs, ks, causal in _chunk_pairs(mine, src, size):
+                kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
+                p = torch.exp(_scores(q5[..., qs, :], kb, causal, scale) - lse[..., qs].unsqueeze(-1))
+                do = dout[..., qs, :]
+                dkv[1][..., ks, :] += (p.transpose(-1, -2) @ do).sum(2)
+                ds = p * (do @ vb.unsqueeze(2).transpose(-1, -2) - delta[..., qs].unsqueeze(-1))
+                dq[..., qs, :] += (ds @ kb.unsqueeze(2)) * scale
+                dkv[0][..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2) * scale
+            if pending is not None:
+                kv, works = pending
+                for w in works:
+                    w.wait()
+            # The gradient accumulator travels with its block; after the last step it goes home.
+            dkv = ring.shift(dkv)
+        dq = dq.view(bsz, n_heads, seqlen, head_dim).to(q.dtype)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag slice: q (B, H, T, D), k/v (B, Hkv, T, D) with
+    H a multiple of Hkv (GQA); T = 2 chunks. Equals the matching rows of full causal attention."""
+    with torch.autocast(q.device.type, enabled=False):  # the blocks run in fp32 (see module doc)
+        return _RingAttention.apply(q, k, v, ring)
+
+
+class ContextParallel:
+    """The trainer's handle: `shard` slices a batch, and `with cp:` runs the model's attention as
+    ring attention with this rank's global positions. With cp == 1 both are no-ops."""
+
+    def __init__(self, model, dims, seq_len: int, device: torch.device):
+        self.model, self.cp = model, dims.cp
+        if self.cp == 1:
+            return
+        check_cp_seq_len(self.cp, seq_len)
+        if model.cfg.dropout > 0:
+            raise ConfigError(f"model.dropout={model.cfg.dropout} is not supported with parallel.cp="
+                              f"{self.cp} (ring attention has no attention dropout); set model.dropout=0")
+        self.ring = Ring(dims.mesh["cp"].get_group())
+        self.index = zigzag_positions(seq_len, self.cp, self.ring.rank, device=device)
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cp == 1:
+            return x, y
+        return x.index_select(1, self.index), y.index_select(1, self.index)
+
+    def attention(self, q, k, v):
+        return ring_attention(q, k, v, self.ring)
+
+    def __enter__(self):
+        if self.cp > 1:
+            self.model.seq_positions = self.index
+            for module in _attention_modules(self.model):
+                module.attention_fn = self.attention
+        return self
+
+    def __exit__(self, *exc):
+        if self.cp > 1:
+            self.model.seq_positions = None
+            for module in _attention_modules(self.model):
+                module.attention_fn = None
+        return False
+
+
+def _attention_modules(model):
+    # Found by type, so checkpoint- or compile-wrapped blocks are covered too.
+    from kiln.model.transformer import Attention
+
+    return [m for m in model.modules() if isinstance(m, Attention)]

@@ -1,0 +1,303 @@
+"""Pipeline parallelism: split kiln's transformer into stages and train through a
+`torch.distributed.pipelining` schedule.
+
+What is torch's: the stages (`PipelineStage`), the schedules (GPipe, 1F1B, interleaved 1F1B,
+looped BFS, interleaved zero-bubble, ZBV zero-bubble), micro-batch splitting and gradient scaling
+by the micro-batch count (`scale_grads=True`), `get_total_norm` / `clip_grads_with_norm_`. What is
+kiln's: the layer split, the stage modules, the global grad norm over the pipeline, the loss
+broadcast from the last stage, the evaluation forward and the bubble fraction.
+
+The split follows torchtitan's idea (keep only what a stage owns, under the original names), but
+not its code: a rank's `PipelineModel` holds exactly the modules of its stages under the names of
+the single-process `Transformer` (`tok_embeddings`, `layers.N...`, `norm`, `output`), with
+`layers` a ModuleDict keyed by the layer index, so a DCP checkpoint of a pipeline rank loads into
+the single-process model and back. Each stage is a `StageChunk` that references those modules.
+Tied embeddings are refused with pp > 1 (the head and the embedding live on different ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from kiln.config import JobConfig
+from kiln.errors import ConfigError
+from kiln.model.loss import lm_loss
+from kiln.model.transformer import Transformer
+from kiln.train.step import skips_on_device
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+             "zbv_zero_bubble": "ScheduleZBVZeroBubble"}
+SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others take pp_virtual_stages per rank
+
+
+def n_microbatches(cfg: JobConfig) -> int:
+    """parallel.pp_microbatches, or (0) one per pipeline stage."""
+    p = cfg.parallel
+    return p.pp_microbatches or p.pp * p.pp_virtual_stages
+
+
+def check_pipeline_config(cfg: JobConfig) -> None:
+    """Everything about pp that can be wrong, checked before any work (one line naming the key)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    stages = p.pp * p.pp_virtual_stages
+    if stages > cfg.model.n_layers:
+        raise ConfigError(f"parallel.pp={p.pp} x pp_virtual_stages={p.pp_virtual_stages} = {stages} pipeline "
+                          f"stages but model.n_layers={cfg.model.n_layers}; lower parallel.pp (each stage "
+                          f"needs at least one layer)")
+    if p.pp_schedule in SINGLE_STAGE and p.pp_virtual_stages != 1:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
+                          f"parallel.pp_virtual_stages=1 or use interleaved_1f1b")
+    if p.pp_schedule == "zbv_zero_bubble" and p.pp_virtual_stages != 2:
+        raise ConfigError("parallel.pp_schedule='zbv_zero_bubble' places two stages per rank (a V); "
+                          "set parallel.pp_virtual_stages=2")
+    batch = cfg.train.batch_size * cfg.train.grad_accum
+    m = n_microbatches(cfg)
+    if batch % m:
+        raise ConfigError(f"parallel.pp_microbatches={m} must divide train.batch_size x grad_accum = {batch} "
+                          f"(each micro-batch must be the same size)")
+    if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
+        raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
+                          f"{p.pp_schedule!r}")
+    if cfg.model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true cannot be split over pipeline stages (embedding and "
+                          "head on different ranks); set model.tie_embeddings=false or parallel.pp=1")
+    for key in ("activation_checkpointing", "compile", "float8"):
+        if getattr(cfg.train, key) not in (False, "none"):
+            raise ConfigError(f"train.{key} with parallel.pp > 1 is not supported yet; turn train.{key} off")
+    if p.pp_split_points:
+        stage_layer_ranges(cfg.model.n_layers, stages, p.pp_split_points)
+
+
+def stage_layer_ranges(n_layers: int, n_stages: int, split_points: list[int]) -> list[range]:
+    """The layers of each stage. split_points: the first layer of stages 1..n-1 (explicit split);
+    empty: as even as possible, earlier stages taking the remainder."""
+    if split_points:
+        pts = list(split_points)
+        if not all(type(x) is int for x in pts) or len(pts) != n_stages - 1 or pts != sorted(set(pts)) or pts[0] <= 0 or pts[-1] >= n_layers:
+            raise ConfigError(f"parallel.pp_split_points={pts} must be {n_stages - 1} increasing layer indices "
+                              f"in 1..{n_layers - 1} (the first layer of each stage after the first)")
+        bounds = [0, *pts, n_layers]
+    else:
+        base, extra = divmod(n_layers, n_stages)
+        bounds = [0]
+        for s in range(n_stages):
+            bounds.append(bounds[-1] + base + (s < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
+
+
+def stages_of_rank(schedule: str, pp: int, virtual: int, pp_rank: int) -> list[int]:
+    """Stage indices a pp rank holds: looped (r, r+pp, ...) or, for ZBV, a V (r, 2pp-1-r)."""
+    if schedule == "zbv_zero_bubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Idle share of a step (Narayanan et al. 2021, sec. 2.2): (p-1)/(m+p-1) for GPipe/1F1B, with v
+    stages per rank the warm-up shrinks v-fold: (p-1)/(v*m+p-1). The zero-bubble schedules fill it
+    with weight-gradient work, so this is their upper bound. torch exposes no such number."""
+    if pp == 1:
+        return 0.0
+    v = 1 if schedule in SINGLE_STAGE else virtual
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+class PipelineModel(nn.Module):
+    """The modules of one rank's stages, named as in `Transformer` (checkpoint-compatible)."""
+
+    def __init__(self, full: Transformer, layer_ranges: list[range], first: bool, last: bool):
+        super().__init__()
+        self.cfg = full.cfg
+        if first:
+            self.tok_embeddings, self.pos_embeddings, self.dropout = full.tok_embeddings, full.pos_embeddings, full.dropout
+        self.layers = nn.ModuleDict({str(i): full.layers[i] for r in layer_ranges for i in r})
+        if last:
+            self.norm, self.output = full.norm, full.output
+        self.register_buffer("rope_cos", full.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", full.rope_sin, persistent=False)
+        self.loss_impl = "full"  # the schedule's loss_fn is lm_loss over the last stage's logits
+        # The whole model stays on meta, unregistered: init replays its generator draws (see init_weights).
+        self.__dict__["_full"] = full
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """The single-process init, bit for bit: kiln.model.init runs over the whole model, whose
+        modules this rank does not own are still on meta; their draws go to a scratch tensor
+        (kiln/model/init.py `_fill`), so the generator advances exactly as in one process."""
+        from kiln.model.init import init_model
+        from kiln.model.transformer import rope_tables
+
+        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta,
+                               device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        init_model(self._full, generator)
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage: tokens or hidden states in, hidden states or logits (last stage) out."""
+
+    def __init__(self, owner: PipelineModel, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_embeddings, self.pos_embeddings, self.dropout = owner.tok_embeddings, owner.pos_embeddings, owner.dropout
+        self.layers = nn.ModuleList(owner.layers[str(i)] for i in layers)
+        if last:
+            self.norm, self.output = owner.norm, owner.output
+        self.__dict__["_owner"] = owner  # for the RoPE tables (re-created by to_empty/init)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        seqlen = h.shape[1]
+        if self.first:
+            tokens = h
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(torch.arange(seqlen, device=tokens.device))
+            h = self.dropout(h)
+        rope = (self._owner.rope_cos[:seqlen], self._owner.rope_sin[:seqlen])
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.output(self.norm(h)) if self.last else h
+
+
+def split_model(full: Transformer, cfg: JobConfig, pp_rank: int) -> PipelineModel:
+    """This rank's part of `full` (on meta). Its `chunks` become PipelineStages after materializing."""
+    p = cfg.parallel
+    n_stages = p.pp * p.pp_virtual_stages
+    ranges = stage_layer_ranges(cfg.model.n_layers, n_stages, p.pp_split_points)
+    mine = stages_of_rank(p.pp_schedule, p.pp, p.pp_virtual_stages, pp_rank)
+    model = PipelineModel(full, [ranges[s] for s in mine], first=0 in mine, last=n_stages - 1 in mine)
+    model.__dict__["stage_ids"] = mine
+    model.__dict__["chunks"] = [StageChunk(model, ranges[s], s == 0, s == n_stages - 1) for s in mine]
+    model.__dict__["n_stages"] = n_stages
+    return model
+
+
+class Pipeline:
+    """The schedule over one rank's stages, plus what the trainer needs around it."""
+
+    def __init__(self, model: PipelineModel, cfg: JobConfig, dims, device: torch.device):
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        self.model, self.device = model, device
+        self.group = dims.mesh["pp"].get_group()
+        self.pp = cfg.parallel.pp
+        self.schedule_name, self.virtual = cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages
+        self.n_stages = model.n_stages
+        # The global rank of the pp rank holding the last stage (the loss comes from there).
+        last_pp_rank = [r for r in range(self.pp) if self.n_stages - 1 in
+                        stages_of_rank(cfg.parallel.pp_schedule, self.pp, cfg.parallel.pp_virtual_stages, r)][0]
+        self.last_rank = dist.get_global_rank(self.group, last_pp_rank)
+        self.has_last = self.n_stages - 1 in model.stage_ids
+        self.has_first = 0 in model.stage_ids
+        self.stages = [PipelineStage(chunk, s, self.n_stages, device, group=self.group)
+                       for s, chunk in zip(model.stage_ids, model.chunks)]
+        cls = getattr(pipelining, SCHEDULES[cfg.parallel.pp_schedule])
+        self.microbatches = n_microbatches(cfg)
+        stages = self.stages[0] if cfg.parallel.pp_schedule in SINGLE_STAGE else self.stages
+        # scale_grads: each micro-batch's mean loss is backpropagated, gradients divided by the
+        # micro-batch count -> the gradient of the mean over the whole batch, as in one process.
+        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=lm_loss, scale_grads=True)
+        self.bubble = bubble_fraction(cfg.parallel.pp_schedule, self.pp, self.microbatches,
+                                      cfg.parallel.pp_virtual_stages)
+
+    @torch.no_grad()
+    def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole model's logits on every pp rank, stage by stage with point-to-point sends
+        (evaluation only: no schedule, no micro-batches, any batch shape)."""
+        cfg = self.model.cfg
+        h = tokens
+        hidden_shape = (*tokens.shape, cfg.dim)
+        for s in range(self.n_stages):
+            if s in self.model.stage_ids:
+                if s > 0 and (s - 1) not in self.model.stage_ids:
+                    h = torch.empty(hidden_shape, device=self.device)
+                    dist.recv(h, group=self.group, group_src=self._owner_of(s - 1))
+                h = self.model.chunks[self.model.stage_ids.index(s)](h).float()
+                if s < self.n_stages - 1 and (s + 1) not in self.model.stage_ids:
+                    dist.send(h.contiguous(), group=self.group, group_dst=self._owner_of(s + 1))
+        logits = h if self.has_last else torch.empty((*tokens.shape, cfg.vocab_size), device=self.device)
+        dist.broadcast(logits, src=self.last_rank, group=self.group)
+        return logits
+
+    def _owner_of(self, stage: int) -> int:
+        for r in range(self.pp):
+            if stage in stages_of_rank(self.schedule_name, self.pp, self.virtual, r):
+                return r
+        raise AssertionError(stage)
+
+
+class PipelineEvalModel:
+    """What kiln.eval.scoring.score_batches calls as `model(x)` under pp: logits through the pipeline."""
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+
+    @property
+    def training(self) -> bool:
+        return self.pipeline.model.training
+
+    def train(self, mode: bool = True):
+        self.pipeline.model.train(mode)
+        for chunk in self.pipeline.model.chunks:
+            chunk.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.pipeline.forward_logits(tokens)
+
+
+def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocast, scaler, clip: float):
+    """`kiln.train.step.train_step` under pp: same return (device loss, grad norm, skipped).
+
+    The grad-accumulation micro-batches are one batch to the schedule, which splits it into
+    parallel.pp_microbatches. The loss is the mean of the last stage's micro-batch losses,
+    broadcast to every pp rank; the grad norm is over all stages (squares summed over pp ranks).
+    Non-finite steps are skipped as in train_step (on the device where the optimizer allows).
+    """
+    if scaler is not None:
+        raise ConfigError("train.dtype='fp16' (grad scaler) with parallel.pp > 1 is not supported; use bf16")
+    x = torch.cat([m[0] for m in micro_batches])
+    y = torch.cat([m[1] for m in micro_batches])
+    losses: list[torch.Tensor] = []
+    with autocast:
+        if pipeline.has_first and pipeline.has_last:
+            pipeline.schedule.step(x, target=y, losses=losses)
+        elif pipeline.has_first:
+            pipeline.schedule.step(x)
+        elif pipeline.has_last:
+            pipeline.schedule.step(target=y, losses=losses)
+        else:
+            pipeline.schedule.step()
+    loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=x.device)
+    dist.broadcast(loss, src=pipeline.last_rank, group=pipeline.group)
+    params = [p for p in pipeline.model.parameters() if p.grad is not None]
+    local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params \
+        else torch.zeros((), device=x.device)
+    if isinstance(local, DTensor):  # FSDP across pipelines: the norm over this stage's dp shards
+        local = local.full_tensor()
+    squares = local.float() ** 2
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pipeline.group)
+    grad_norm = squares.sqrt()
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
+    skipped = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if skips_on_device(optimizer):
+        optimizer.found_inf, optimizer.grad_scale = skipped.float(), None
+        optimizer.step()
+        optimizer.found_inf = None
+    elif not bool(skipped):  # host sync: this optimizer cannot skip on the device
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, skipped

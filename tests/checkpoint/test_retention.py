@@ -1,0 +1,102 @@
+"""Retention: the last K plus every M-th step; never the newest complete one; room made before a save."""
+
+import errno
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_fs
+
+from kiln.checkpoint import manager as manager_mod
+from kiln.checkpoint.manager import CheckpointManager
+from kiln.checkpoint.retention import complete_steps, retained, to_prune
+
+
+@pytest.mark.parametrize("steps,keep_last,keep_every,kept", [
+    ([1, 2, 3, 4, 5], 2, 0, {4, 5}),
+    ([2, 4, 6, 8, 10, 12], 2, 4, {4, 8, 10, 12}),
+    ([3, 5, 7], 1, 0, {7}),
+    ([3, 5, 7], 0, 100, {7}),  # the newest survives whatever the configuration
+    ([], 2, 3, set()),
+])
+def test_retained(steps, keep_last, keep_every, kept):
+    assert retained(steps, keep_last, keep_every) == kept
+    assert sorted(set(steps) - kept) == to_prune(steps, keep_last, keep_every)
+
+
+def _state(value: float):
+    return {"w": torch.full((256,), value), "step": int(value)}
+
+
+def test_manager_keeps_last_and_every(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=2, keep_every=4, async_save=True)
+    for step in range(1, 11):
+        results = mgr.save(step, _state(step))
+        assert all(r.ok for r in results)
+    mgr.close()
+    assert complete_steps(tmp_path / "ck") == [4, 8, 9, 10]
+    out = _state(0)
+    assert mgr.load(out) == 10 and out["step"] == 10 and torch.equal(out["w"], torch.full((256,), 10.0))
+
+
+def test_incomplete_dirs_are_not_counted_or_pruned(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=1)
+    (tmp_path / "ck" / "step-99").mkdir(parents=True)
+    for step in (1, 2):
+        assert all(r.ok for r in mgr.save(step, _state(step)))
+    assert complete_steps(tmp_path / "ck") == [2]
+    assert (tmp_path / "ck" / "step-99").is_dir() and mgr.latest_step() == 2
+
+
+def test_room_is_made_before_the_save_when_the_disk_is_short(tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    mgr = CheckpointManager(ck, keep_last=2, keep_every=4, async_save=False)
+    for step in (4, 8, 9, 10):
+        assert all(r.ok for r in mgr.save(step, _state(step)))
+    assert complete_steps(ck) == [4, 8, 9, 10]
+    # The disk now reports less free space than one checkpoint, and the write itself fails:
+    # step 9 (which this save's retention drops anyway) must already be gone when the writer runs,
+    # and the newest complete checkpoint (10) must survive the failed save.
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(manager_mod.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 100, 100))
+    seen_by_writer = []
+    real = dcp_fs._write_item
+
+    def write_item(transforms, stream, *args, **kwargs):
+        seen_by_writer.append(complete_steps(ck))
+        raise OSError(errno.ENOSPC, "No space left on device", stream.name)
+
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    lines = []
+    mgr.log = lines.append
+    [result] = mgr.save(11, _state(11))
+    assert not result.ok and result.error.startswith("checkpoint at step 11 not written: no space left on device")
+    assert seen_by_writer[0] == [4, 8, 10]
+    assert complete_steps(ck) == [4, 8, 10] and not (ck / ".step-11.tmp").exists()
+    assert lines == [result.error]
+    monkeypatch.setattr(dcp_fs, "_write_item", real)
+    out = _state(0)
+    assert mgr.load(out) == 10 and out["step"] == 10
+
+
+def test_make_room_can_be_turned_off(tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    mgr = CheckpointManager(ck, keep_last=2, make_room=False)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(manager_mod.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 100, 100))
+    mgr.save(3, _state(3))
+    assert complete_steps(ck) == [2, 3]  # pruned only after the successful save
+
+
+def test_async_save_result_rows(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ck", async_save=True)
+    assert mgr.save(1, _state(1)) == []  # in flight
+    assert mgr.latest_step() == 1  # counts as the latest: the trainer must not save step 1 again
+    [first] = mgr.save(2, _state(2))  # waits for step 1 first: at most one in flight
+    [second] = mgr.close()
+    for result, step in ((first, 1), (second, 2)):
+        row = result.row()
+        assert row["ok"] and row["step"] == step and row["save_block_s"] >= 0 and row["save_background_s"] > 0
+        assert row["size_bytes"] > 1024

@@ -1,0 +1,65 @@
+"""Run under torchrun (gloo, CPU): ring attention on zig-zag slices equals full causal attention,
+forward and backward, and the comparison detects a wrong mask or a wrong chunk order.
+
+Exits non-zero (an AssertionError) on any mismatch; tests/parallel/test_context_parallel.py runs it.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
+
+ATOL = 1e-5  # fp32; observed < 1e-6
+
+
+def full_and_ring(ring, n_heads, n_kv, seq_len, index, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)  # the same full tensors on every rank
+    q = torch.randn(2, n_heads, seq_len, 16, generator=g)
+    k = torch.randn(2, n_kv, seq_len, 16, generator=g)
+    v = torch.randn(2, n_kv, seq_len, 16, generator=g)
+    dout = torch.randn(2, n_heads, seq_len, 16, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=n_heads != n_kv)
+    ref.backward(dout)
+    local = [t[:, :, index].clone().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, ring)
+    out.backward(dout[:, :, index].to(dtype))
+    return ref[:, :, index], [t.grad[:, :, index] for t in full], out, [t.grad for t in local], full
+
+
+def main():
+    dist.init_process_group("gloo")
+    ring = Ring(dist.group.WORLD)
+    cp, rank = ring.size, ring.rank
+    seq_len = 8 * cp
+    zigzag = zigzag_positions(seq_len, cp, rank)
+    for n_heads, n_kv in ((4, 4), (4, 2)):  # MHA and GQA
+        ref, ref_grads, out, grads, _ = full_and_ring(ring, n_heads, n_kv, seq_len, zigzag)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+        for name, got, want in zip("qkv", grads, ref_grads):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
+
+    # Contiguous slices (no zig-zag) through the same ring: the mask and chunk bookkeeping assume
+    # zig-zag, so the result must differ from full attention on those rows.
+    contiguous = torch.arange(rank * seq_len // cp, (rank + 1) * seq_len // cp)
+    ref, _, out, _, _ = full_and_ring(ring, 4, 2, seq_len, contiguous)
+    wrong = torch.tensor([not torch.allclose(out, ref, atol=ATOL, rtol=0)])
+    dist.all_reduce(wrong)
+    assert wrong.item() >= 1, "contiguous slices matched full attention: the order check cannot fail"
+
+    # Non-causal full attention differs from the ring's result (the mask is really applied).
+    _, _, out, _, full = full_and_ring(ring, 4, 2, seq_len, zigzag)
+    nomask = F.scaled_dot_product_attention(*full, is_causal=False, enable_gqa=True)[:, :, zigzag]
+    assert not torch.allclose(out, nomask, atol=ATOL, rtol=0), "ring attention ignores the causal mask"
+
+    # bf16 inputs (autocast's dtype) run in fp32 inside and come back in bf16.
+    ref, _, out, grads, _ = full_and_ring(ring, 4, 2, seq_len, zigzag, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)
+    dist.destroy_process_group()
+    print(f"rank {rank}: ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Context parallel (ring attention, zig-zag) on gloo: the attention itself against full causal
+attention, and whole training runs against one process on the same global batch.
+
+Tolerances: attention fp32 atol 1e-5 (cp_ring_worker.py); per-step training losses fp32 relative
+1e-5, the data-parallel tests' bound (SGD, no clipping, so a wrongly scaled gradient shows).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.config import ParallelConfig
+from kiln.errors import ConfigError
+from kiln.parallel.context_parallel import check_cp_seq_len, zigzag_positions
+from kiln.parallel.dims import ParallelDims
+from test_data_parallel import GLOBAL_BATCH, STEPS, assert_same_losses, common, losses, run_kiln, sets
+
+WORKER = Path(__file__).with_name("cp_ring_worker.py")
+
+
+def test_zigzag_positions_cover_the_sequence_once_and_balance_causal_work():
+    seq_len, cp = 16, 4
+    parts = [zigzag_positions(seq_len, cp, r) for r in range(cp)]
+    assert parts[0].tolist() == [0, 1, 14, 15] and parts[1].tolist() == [2, 3, 12, 13]
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq_len))
+    # Causal work of a rank = sum over its queries of (position + 1): equal on every rank.
+    assert len({int((p + 1).sum()) for p in parts}) == 1
+
+
+def test_cp_not_dividing_seq_len_fails_naming_the_values():
+    with pytest.raises(ConfigError, match=r"data\.seq_len=30 is not divisible by 2\*parallel\.cp=4"):
+        ParallelDims.from_config(ParallelConfig(cp=2), world_size=2, rank=0, local_rank=0, seq_len=30)
+    check_cp_seq_len(2, 32)
+    check_cp_seq_len(1, 31)  # no cp, no constraint
+    dims = ParallelDims.from_config(ParallelConfig(cp=2), world_size=4, rank=0, local_rank=0, seq_len=32)
+    assert (dims.cp, dims.dp_size) == (2, 2)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nproc", [2])
+def test_ring_attention_matches_full_attention_forward_and_backward(nproc):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        str(nproc), str(WORKER)], capture_output=True, text=True, timeout=150, env=env,
+                       start_new_session=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert all(f"rank {r}: ok" in p.stdout for r in range(nproc)), p.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_file):
+    run = tmp_path_factory.mktemp("cp") / "single"
+    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH}))])
+    return losses(run)
+
+
+# Gradients are averaged over dp x cp: by DDP (cp=2 alone), and by FSDP2 sharding over the
+# flattened dp_shard x cp mesh (torchtitan's dp_shard_cp) on 4 ranks.
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc,extra", [
+    (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train.batch_size": GLOBAL_BATCH}),
+    (4, {"parallel.cp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH // 2}),
+], ids=["cp2-ddp", "fsdp2xcp2"])
+def test_context_parallel_run_matches_one_process(tmp_path, text_file, reference, nproc, extra):
+    run = tmp_path / "cp"
+    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **extra))], nproc=nproc)
+    run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert run_row["world_size"] == nproc and run_row["dp_replicate"] * run_row["dp_shard"] == nproc // 2
+    assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+
+
+def test_train_with_cp_not_dividing_seq_len_fails_before_any_work(tmp_path, text_file, monkeypatch, capsys):
+    from kiln.cli import main
+
+    run = tmp_path / "bad"
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--run-dir", str(run), *sets(common(text_file, **{"parallel.cp": 2,
+                                                                             "data.seq_len": 30}))]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "data.seq_len=30 is not divisible by 2*parallel.cp=4" in lines[0], lines
+    assert not run.exists()  # nothing was written

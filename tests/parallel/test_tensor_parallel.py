@@ -1,0 +1,229 @@
+"""Tensor + sequence + loss parallel gives the per-step losses of one process, for the Llama-style
+and the GPT-2 architecture; a wrong plan does not; bad layouts fail before any work; a TP=2
+checkpoint continues in one process with the same losses.
+
+Tolerance: fp32, relative 1e-5 per step (TP changes only the order of the sums in the row-wise
+reductions and the sharded softmax). The optimizer is SGD with momentum, so a gradient that is
+wrong on any rank shows in the next step's loss.
+"""
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kiln.config import ParallelConfig, load_config
+from kiln.errors import ConfigError
+from kiln.model.transformer import Transformer
+from kiln.parallel.dims import ParallelDims
+from kiln.train.step import train_step
+
+STEPS = 5
+REL = 1e-5
+BATCH, SEQ = 2, 16
+CLIP = 1.0
+
+LLAMA = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=64",
+         "model.max_seq_len=32", "model.dropout=0.0", "data.seq_len=16"]
+# GPT-2: learned positions, LayerNorm with bias, biases in every linear, GeLU MLP, untied head;
+# a vocabulary that 2 ranks split unevenly (33 + 32 rows).
+GPT2 = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=65", "model.max_seq_len=32",
+        "model.positions=learned", "model.norm=layernorm", "model.bias=true", "model.activation=gelu",
+        "model.tie_embeddings=false", "model.dropout=0.0", "data.seq_len=16"]
+POST_NORM = LLAMA + ["model.norm_placement=post", "model.tie_embeddings=false"]
+
+
+def model_config(overrides):
+    return load_config(None, overrides).model
+
+
+def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False):
+    """STEPS of SGD with kiln's train_step on one batch: [loss, grad norm] per step (plain_step:
+    loss.backward + SGD, losses only). With a tp_mesh, the model is tensor-parallel."""
+    from kiln.parallel import tensor_parallel
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(model_config(overrides))
+    if tp_mesh is not None:
+        plan = tensor_parallel.tp_plan(model)
+        if plan_edit:
+            plan_edit(plan)
+        from torch.distributed.tensor.parallel import parallelize_module
+        parallelize_module(model, tp_mesh, plan)
+    model.to_empty(device="cpu")
+    model.init_weights(torch.Generator().manual_seed(0))
+    if model.cfg.tie_embeddings:  # the tie survives TP: both modules shard the one weight on dim 0
+        assert model.output.weight is model.tok_embeddings.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    # One fixed batch of random tokens: the loss must fall as the model memorizes it.
+    tokens = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    out = []
+    for _ in range(STEPS):
+        if plain_step:  # (clip_grad_norm_ cannot mix the broken plan's plain and DTensor gradients)
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+            continue
+        # kiln's step, clipping included (the clip is below the first steps' gradient norms).
+        loss, grad_norm, _ = train_step(model, opt, [(tokens[:, :-1], tokens[:, 1:])],
+                                        autocast=contextlib.nullcontext(), scaler=None, clip=CLIP)
+        out += [loss.item(), grad_norm.item()]
+    if not plain_step:  # evaluation: the loss without gradients, and full logits (as generate uses)
+        with torch.no_grad():
+            out += [model(tokens[:, :-1], tokens[:, 1:]).item(), model(tokens[:, :-1]).square().mean().item()]
+    return out
+
+
+# name -> (model overrides, whether to break the plan); all run in one 2-rank launch (a process
+# start costs seconds on 2 cores).
+CASES = {"llama": (LLAMA, False), "gpt2": (GPT2, False), "post_norm": (POST_NORM, False),
+         "llama_wrong_plan": (LLAMA, True)}
+
+
+def _worker(rank, world, store_path, result_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        losses = {name: run_steps(overrides, mesh, _drop_norm_sequence_parallel if wrong else None, wrong)
+                  for name, (overrides, wrong) in CASES.items()}
+        torch.save(losses, f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _drop_norm_sequence_parallel(plan):
+    # A classic SP bug: norm weights left as plain tensors see only their rank's slice of the
+    # sequence, so their gradients are never summed over the tp ranks.
+    for key in [k for k in plan if k.endswith("norm")]:
+        del plan[key]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """name -> per-step losses on 2 tensor-parallel ranks (asserted equal on both ranks)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    world = 2
+    ctx = mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp / "losses")),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    # join() returns False whenever some rank is still running (one may finish first); a hung rank
+    # fails the test at the deadline instead of hanging it.
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail("the 2-rank tensor-parallel run did not finish in 240 s")
+    per_rank = [torch.load(tmp / f"losses.{r}") for r in range(world)]
+    assert per_rank[0] == per_rank[1]  # the loss is replicated over the tp ranks
+    return per_rank[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["llama", "gpt2", "post_norm"])
+def test_tp2_matches_one_process(tp2, name):
+    expected = run_steps(CASES[name][0])
+    # (loss, grad norm) per step, then the eval loss and the mean square of the logits
+    assert tp2[name] == pytest.approx(expected, rel=REL), (tp2[name], expected)
+    assert expected[2 * STEPS - 2] < expected[0]  # it trains
+    assert expected[1] > CLIP  # and clipping is exercised
+
+
+@pytest.mark.timeout(300)
+def test_wrong_plan_changes_the_losses(tp2):
+    expected = run_steps(LLAMA, plain_step=True)
+    got = tp2["llama_wrong_plan"]
+    assert got[0] == pytest.approx(expected[0], rel=REL)  # the first loss is still right...
+    assert got[1:] != pytest.approx(expected[1:], rel=REL)  # ...the norms' gradients are not
+
+
+def dims_for(tp, world, **cfg):
+    return ParallelDims.from_config(ParallelConfig(tp=tp, **cfg), world_size=world, rank=0, local_rank=0,
+                                    local_world_size=world)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.n_heads=6", "model.n_kv_heads=6", "model.dim=48"], "model.n_heads=6"),
+    (["model.n_heads=4", "model.n_kv_heads=1"], "model.n_kv_heads=1"),
+    (["model.ffn_hidden=30"], "model.ffn_hidden (the FFN hidden size)=30"),
+    (["data.seq_len=30"], "data.seq_len=30"),
+    (["train.loss=chunked"], "train.loss='chunked'"),
+    (["train.float8=true"], "train.float8=true"),
+])
+def test_tp_not_fitting_the_model_is_one_line_naming_the_value(overrides, key):
+    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", *overrides])
+    with pytest.raises(ConfigError) as e:
+        dims_for(4, 4).check_model(cfg)
+    assert key in str(e.value) and "parallel.tp=4" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tp_layouts():
+    d = dims_for(2, 4)
+    assert (d.tp, d.dp_shard, d.dp_mode) == (2, 2, "fsdp")
+    d.check_model(load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32"]))
+    with pytest.raises(ConfigError, match="parallel.dp_mode='ddp' cannot combine with parallel.tp=2"):
+        dims_for(2, 4, dp_mode="ddp")
+
+
+# ---- end to end: `kiln train` under torchrun, the loader and checkpoints included
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_file):
+    from test_data_parallel import GLOBAL_BATCH, common, losses, run_kiln, sets
+
+    run = tmp_path_factory.mktemp("tp") / "single"
+    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH}))])
+    return losses(run)
+
+
+@pytest.mark.timeout(600)
+def test_kiln_train_tp2_matches_and_its_checkpoint_continues_in_one_process(tmp_path, text_file, reference):
+    import json
+    import shutil
+
+    from test_data_parallel import GLOBAL_BATCH, STEPS, assert_same_losses, common, losses, run_kiln, sets
+
+    run = tmp_path / "tp2"
+    run_kiln(["train", "--run-dir", str(run),
+              *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH, "parallel.tp": 2}))], nproc=2)
+    run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert (run_row["tp"], run_row["loss_impl"], run_row["world_size"]) == (2, "parallel", 2)
+    assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+    # TP=2 -> one process from the step-3 checkpoint: same weights, optimizer, loader position.
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")
+    run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume", *sets(["parallel.tp=1"])])
+    assert_same_losses(reference, losses(run), range(4, STEPS + 1))
+
+
+@pytest.mark.timeout(600)
+def test_kiln_train_fsdp2_x_tp2_on_four_ranks_matches(tmp_path, text_file, reference):
+    from test_data_parallel import GLOBAL_BATCH, STEPS, assert_same_losses, common, losses, run_kiln, sets
+
+    run = tmp_path / "dp2tp2"
+    run_kiln(["train", "--run-dir", str(run),
+              *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2}))], nproc=4)
+    assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+
+
+def test_kiln_train_with_tp_not_dividing_heads_fails_before_any_work(tmp_path, text_file, monkeypatch, capsys):
+    from test_data_parallel import common, sets
+
+    from kiln.cli import main
+
+    run = tmp_path / "bad"
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    args = sets(common(text_file, **{"parallel.tp": 2, "model.n_heads": 1, "model.dim": 16}))
+    assert main(["train", "--run-dir", str(run), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "parallel.tp=2 must divide model.n_heads=1" in lines[0], lines
+    assert not run.exists()  # nothing was written, no process group was started
