@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from kiln.errors import DataError
 from kiln.io import AtomicFile, atomic_file, atomic_write_json, atomic_write_text
+from kiln.prep.composition import CompositionCounter
 from kiln.prep.base import Doc, GlobalStep, Step, StepContext, merge_stats, text_bytes
 from kiln.prep.pipeline import PrepConfig
 from kiln.prep.readers import READ_STEP, InputShard, list_shards, read_shard
@@ -115,9 +116,12 @@ class _Log:
 
 def _counted(docs: Iterable[Doc], stats: dict[str, Any], key: str) -> Iterator[Doc]:
     docs_key, bytes_key = f"docs_{key}", f"bytes_{key}"
+    composition = CompositionCounter(stats, key)
     for doc in docs:
+        n_bytes = text_bytes(doc.text)
         stats[docs_key] += 1
-        stats[bytes_key] += text_bytes(doc.text)
+        stats[bytes_key] += n_bytes
+        composition.add(doc.meta, n_bytes)
         yield doc
 
 
@@ -390,6 +394,10 @@ def run_prep(cfg: PrepConfig, console: Any = None) -> dict[str, Any]:
                 if n_parts and not (plan.done_file(f"prepare-{k}").exists() and cfg.run.resume):
                     # parallel pieces of stage 2 (e.g. MinHash bands) first, then the single prepare
                     list(runner.map(run_prepare_part, [(light, k, p, n_parts) for p in range(n_parts)]))
+                sharded = getattr(plan.globals[k], "prepare_sharded", None)
+                if sharded is not None and not (plan.done_file(f"prepare-{k}").exists() and cfg.run.resume):
+                    # multi-phase stage 2 (sharded clustering): the driver orders phases, runner.map runs tasks
+                    sharded(_global_context(light, k)[1], plan.n_shards, runner.map)
                 results.append(runner.call(run_prepare, light, k))
         token_info: dict[str, Any] = {}
         kept = sum(r.get("docs_out", 0) for r in results if r.get("stage") == "final")

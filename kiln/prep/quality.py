@@ -275,3 +275,80 @@ class C4Filter(Step):
                 ctx.doc_modified(self.name)
                 doc = Doc(doc.id, text, doc.meta)
             yield doc
+
+
+# ---------------------------------------------------------------------------- C4 bad words
+
+
+@dataclass
+class C4BadWordsConfig:
+    # language code -> word list file (one word or phrase per line, UTF-8; '#' lines are comments).
+    # kiln ships no list and downloads nothing: point this at the LDNOOBW lists (CC-BY-4.0,
+    # github.com/LDNOOBW/List-of-Dirty-Naughty-Obscene-and-Otherwise-Bad-Words), as C4 used.
+    words_files: dict[str, str] = field(default_factory=dict)
+    language_field: str = "language"  # metadata key set by the `language` step
+    default_language: str = "en"  # for documents without that key
+    # documents in a language with no list: kept (counted as info `no_list:<lang>`), or dropped
+    drop_unlisted_languages: bool = False
+
+    def validate(self, source: str) -> None:
+        from kiln.errors import ConfigError
+
+        for lang, path in self.words_files.items():
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"{source}: words_files.{lang} must be a file path (a string)")
+
+
+def load_word_list(path: str, where: str) -> list[str]:
+    """The words of one list file; a missing or unreadable file is a ConfigError naming it."""
+    from kiln.errors import ConfigError
+
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: cannot read bad-words list {path!r}: {e}") from None
+    words = [ln.strip().lower() for ln in text.splitlines()]
+    return [w for w in words if w and not w.startswith("#")]
+
+
+def bad_words_pattern(words: list[str]) -> re.Pattern:
+    """One regex matching any listed word or phrase as whole words (C4: "any word on the list")."""
+    alternatives = "|".join(re.escape(w) for w in sorted(set(words), key=len, reverse=True))
+    return re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)")
+
+
+@register
+class C4BadWords(Step):
+    """C4's bad-words rule: drops a document containing any word of its language's list
+    (reason `c4_badwords:<lang>`). The lists are user-supplied files, never fetched at run time."""
+
+    type = "c4_badwords"
+    Config = C4BadWordsConfig
+
+    def setup(self, ctx: StepContext) -> None:
+        from kiln.errors import ConfigError
+
+        if not self.config.words_files:
+            raise ConfigError(f"step {self.name!r}: words_files is empty; give e.g. "
+                              "words_files = {en = \"path/to/ldnoobw/en\"}")
+        self._patterns = {lang: bad_words_pattern(load_word_list(path, f"step {self.name!r} words_files.{lang}"))
+                          for lang, path in self.config.words_files.items()}
+
+    def run(self, docs: Iterator[Doc], ctx: StepContext) -> Iterator[Doc]:
+        if not hasattr(self, "_patterns"):
+            self.setup(ctx)
+        c = self.config
+        for doc in docs:
+            lang = doc.meta.get(c.language_field) or c.default_language
+            lang = lang if isinstance(lang, str) else c.default_language
+            pattern = self._patterns.get(lang)
+            if pattern is None:
+                if c.drop_unlisted_languages:
+                    ctx.drop(self.name, doc, f"c4_badwords:no_list:{lang}")
+                    continue
+                ctx.note(self.name, f"no_list:{lang}", 1)
+                yield doc
+            elif pattern.search(doc.text.lower()):
+                ctx.drop(self.name, doc, f"c4_badwords:{lang}")
+            else:
+                yield doc

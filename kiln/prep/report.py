@@ -1,7 +1,8 @@
 """The prep report: `prep_report.json`, a terminal table, and a self-contained HTML page
 (inline SVG drawn by kiln.report.charts, no external assets): funnel of documents and bytes per
 step, length histograms before and after, top removal reasons, and example removed documents
-(HTML-escaped)."""
+(HTML-escaped), and the composition (source, language, URL host, length bucket) before and
+after every step (kiln.prep.composition)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.io import atomic_write_text
+from kiln.prep.composition import DIMENSIONS, composition_table
 from kiln.prep.pipeline import PrepConfig
 from kiln.report.charts import bar_chart, column_chart
 
@@ -43,6 +45,9 @@ def build_report(cfg: PrepConfig, order: list[str], stats: dict[str, dict[str, A
         for reason, n in s["dropped"].items():
             reasons.append({"step": name, "reason": reason, "docs": n, "bytes": s["dropped_bytes"].get(reason, 0)})
     reasons.sort(key=lambda r: (-r["docs"], r["step"], r["reason"]))
+    # per step: what went in and what was kept, by dimension; the raw maps stay out of "steps"
+    composition = {name: composition_table(stats[name]) for name in order if name in stats}
+    stats = {name: {k: v for k, v in s.items() if not k.startswith("comp_")} for name, s in stats.items()}
     warnings = []
     first, last = (funnel[0], funnel[-1]) if funnel else ({}, {})
     if not last.get("docs_kept"):
@@ -56,6 +61,7 @@ def build_report(cfg: PrepConfig, order: list[str], stats: dict[str, dict[str, A
                    "docs_out": last.get("docs_kept", 0), "bytes_out": last.get("bytes_kept", 0)},
         "funnel": funnel,
         "top_reasons": reasons,
+        "composition": composition,
         "steps": stats,
         "histograms": {"bin_lower_bytes": [0] + [1 << (i - 1) for i in range(1, len(hist_in))],
                        "before": hist_in, "after": hist_out},
@@ -102,6 +108,33 @@ def _histogram_svg(before: list[int], after: list[int]) -> str:
                                  ("kept", [after[i] for i in bins], "#3182bd")], unit="documents")
 
 
+def _composition_html(composition: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """Per dimension: a chart of the corpus before the first step and after the last (bytes), then
+    every step's table (documents and bytes in and kept per value) under a fold."""
+    esc = html.escape
+    steps = list(composition)
+    if not steps:
+        return "<p>no documents</p>"
+    first, last = composition[steps[0]], composition[steps[-1]]
+    parts = []
+    for dim in DIMENSIONS:
+        kept = {r["value"]: r["bytes_kept"] for r in last[dim]}
+        labels = [r["value"] for r in first[dim]] + [v for v in kept if v not in {r["value"] for r in first[dim]}]
+        before = {r["value"]: r["bytes_in"] for r in first[dim]}
+        chart = column_chart(labels, [("before the pipeline", [before.get(v, 0) for v in labels], "#9ecae1"),
+                                      ("kept", [kept.get(v, 0) for v in labels], "#3182bd")],
+                             unit="bytes") if labels else "<p>no documents</p>"
+        tables = []
+        for step in steps:
+            rows = "".join(f"<tr><td>{esc(r['value'])}</td><td>{r['docs_in']:,}</td><td>{_fmt_bytes(r['bytes_in'])}</td>"
+                           f"<td>{r['docs_kept']:,}</td><td>{_fmt_bytes(r['bytes_kept'])}</td></tr>"
+                           for r in composition[step][dim])
+            tables.append(f"<details><summary>{esc(step)}</summary><table><tr><th>{esc(dim)}</th><th>docs in</th>"
+                          f"<th>bytes in</th><th>docs kept</th><th>bytes kept</th></tr>{rows}</table></details>")
+        parts.append(f"<h3>By {esc(dim)}</h3>{chart}{''.join(tables)}")
+    return "".join(parts)
+
+
 def render_html(report: dict[str, Any]) -> str:
     esc = html.escape
     funnel = report["funnel"]
@@ -142,6 +175,8 @@ th{{background:#f3f3f3}}pre{{white-space:pre-wrap;background:#f7f7f7;padding:6px
 <h2>Funnel: documents</h2>{bar_chart(docs_rows, "#3182bd")}
 <h2>Funnel: bytes</h2>{bar_chart(bytes_rows, "#31a354")}
 <h2>Document length (UTF-8 bytes)</h2>{_histogram_svg(report["histograms"]["before"], report["histograms"]["after"])}
+<h2>Composition (bytes before the first step and after the last; per step below)</h2>
+{_composition_html(report.get("composition", {}))}
 <h2>Removal reasons</h2><table><tr><th>step</th><th>reason</th><th>documents</th><th>bytes</th></tr>{reasons}</table>
 <h2>Modifications</h2><table><tr><th>step</th><th>kind</th><th>count</th></tr>{modified}</table>
 <h2>Examples of removed documents</h2>{''.join(examples)}

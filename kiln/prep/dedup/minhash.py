@@ -56,6 +56,9 @@ class MinHashConfig:
     verify: str = "exact"  # exact | signature | none: how candidate pairs are confirmed
     seed: int = 1
     batch_bytes: int = 1_000_000  # text hashed per vectorized batch (~40 bytes of RAM per byte)
+    # 0: clusters by scipy in one process; N: pairs verified per band in parallel, then sharded
+    # connected components over N node partitions, as executor tasks (sharded_components.py)
+    cluster_parts: int = 0
 
     def validate(self, where: str = "minhash") -> None:
         check_shingling(self.shingle, self.ngram, where)
@@ -72,6 +75,8 @@ class MinHashConfig:
             raise ConfigError(f"{where}.verify={self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
         if self.fp_weight < 0 or self.fn_weight < 0 or (self.fp_weight == 0) != (self.fn_weight == 0):
             raise ConfigError(f"{where}.fp_weight/fn_weight must both be > 0, or both 0 (auto)")
+        if not 0 <= self.cluster_parts <= 65536:
+            raise ConfigError(f"{where}.cluster_parts={self.cluster_parts} must be in [0, 65536]")
         if self.batch_bytes < 1:
             raise ConfigError(f"{where}.batch_bytes={self.batch_bytes} must be >= 1")
 

@@ -10,6 +10,9 @@
                shingle sets, or signature agreement), connected components (scipy), lowest
                global id kept
                -> `drop-{shard:05d}.npy`, the positions to drop in each shard.
+               With `cluster_parts` > 0 instead: each band task verifies its own pairs
+               (`verified-band{band:04d}.npy`) and sharded_components.py clusters them in
+               executor tasks; `write_drop_ids` writes the same drop files.
 4. filter      per shard (parallel): drop those positions.
 
 Global ids number documents in shard order (shard offsets from the signature files' lengths).
@@ -100,6 +103,46 @@ def write_band_edges(work_dir: Path, n_shards: int, bands: list[int], rows: int)
     return total
 
 
+def verified_path(work_dir: Path, band: int) -> Path:
+    return Path(work_dir) / f"verified-band{band:04d}.npy"
+
+
+def write_verified_band(work_dir: Path, n_shards: int, band: int, threshold: float, verify: str) -> dict[str, int]:
+    """One band's candidate pairs, verified on their own (for the sharded clustering), saved
+    atomically to `verified-band{band}.npy`; returns this band's counts."""
+    sigs, offsets = _open_signatures(work_dir, n_shards)
+    path = edges_path(work_dir, band)
+    if not path.exists():
+        raise DataError(f"{path}: missing LSH edges of band {band} (stage 2 did not finish)")
+    edges = np.load(path)
+    u, v = unique_edges(edges[0], edges[1])
+    candidates = len(u)
+    u, v = _verify(work_dir, n_shards, sigs, offsets, u, v, threshold, verify)
+    save_atomic(verified_path(work_dir, band), np.stack([u, v]))
+    return {"band_candidate_pairs": candidates, "band_verified_pairs": len(u)}
+
+
+def write_drop_ids(work_dir: Path, n_shards: int, dup_ids: np.ndarray) -> None:
+    """Per-shard drop positions from sorted global ids of duplicates."""
+    _, offsets = _open_signatures(work_dir, n_shards)
+    for shard in range(n_shards):
+        lo, hi = np.searchsorted(dup_ids, [offsets[shard], offsets[shard + 1]])
+        save_atomic(drop_path(work_dir, shard), dup_ids[lo:hi] - offsets[shard])
+
+
+def _verify(work_dir: Path, n_shards: int, sigs: list[np.ndarray], offsets: np.ndarray, u: np.ndarray,
+            v: np.ndarray, threshold: float, verify: str) -> tuple[np.ndarray, np.ndarray]:
+    if verify == "exact" and len(u):
+        return _exact_verified(work_dir, n_shards, offsets, u, v, threshold)
+    if verify == "signature" and len(u):
+        ok = np.zeros(len(u), dtype=bool)
+        for lo in range(0, len(u), 65536):  # verify in chunks: bounded memory
+            cu, cv = u[lo:lo + 65536], v[lo:lo + 65536]
+            ok[lo:lo + 65536] = signature_agreement(_rows(sigs, offsets, cu), _rows(sigs, offsets, cv)) >= threshold
+        return u[ok], v[ok]
+    return u, v
+
+
 def write_drops(work_dir: Path, n_shards: int, bands: int, threshold: float, verify: str) -> dict[str, int]:
     """Stage 3: clusters over all bands' edges -> per-shard positions to drop; returns counts."""
     sigs, offsets = _open_signatures(work_dir, n_shards)
@@ -113,14 +156,7 @@ def write_drops(work_dir: Path, n_shards: int, bands: int, threshold: float, ver
         vs.append(edges[1])
     u, v = unique_edges(np.concatenate(us), np.concatenate(vs))
     candidates = len(u)
-    if verify == "exact" and len(u):
-        u, v = _exact_verified(work_dir, n_shards, offsets, u, v, threshold)
-    elif verify == "signature" and len(u):
-        ok = np.zeros(len(u), dtype=bool)
-        for lo in range(0, len(u), 65536):  # verify in chunks: bounded memory
-            cu, cv = u[lo:lo + 65536], v[lo:lo + 65536]
-            ok[lo:lo + 65536] = signature_agreement(_rows(sigs, offsets, cu), _rows(sigs, offsets, cv)) >= threshold
-        u, v = u[ok], v[ok]
+    u, v = _verify(work_dir, n_shards, sigs, offsets, u, v, threshold, verify)
     keep = components_keep_lowest(int(offsets[-1]), u, v)
     for shard in range(n_shards):
         np.save(drop_path(work_dir, shard), np.flatnonzero(~keep[offsets[shard]:offsets[shard + 1]]))

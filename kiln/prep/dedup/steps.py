@@ -10,6 +10,7 @@ so an interrupted run never reads a half-written file.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Iterator
@@ -27,7 +28,8 @@ from kiln.prep.dedup.minhash import MinHashConfig, MinHasher
 from kiln.prep.dedup.simhash import SimHashConfig, fingerprints, near_pairs
 from kiln.prep.dedup.suffix_array import SEPARATOR, SuffixArrayConfig, duplicate_mask
 from kiln.errors import ConfigError, DataError
-from kiln.io import atomic_file
+from kiln.io import atomic_file, atomic_write_json
+from kiln.prep.dedup.sharded_components import sharded_duplicates
 
 
 def _work_dir(ctx: StepContext, step: str) -> Path:
@@ -193,15 +195,51 @@ class MinHashDedup(_DropListStep):
     def prepare_part(self, ctx: StepContext, n_shards: int, part: int, n_parts: int) -> None:
         bands, rows = self.config.bands_rows()
         band_group = minhash_stages.bands_for_worker(bands, part, n_parts)
-        minhash_stages.write_band_edges(_work_dir(ctx, self.name), n_shards, band_group, rows)
+        work_dir = _work_dir(ctx, self.name)
+        minhash_stages.write_band_edges(work_dir, n_shards, band_group, rows)
+        if self.config.cluster_parts:  # verify here too, so that verification is parallel as well
+            for band in band_group:
+                counts = minhash_stages.write_verified_band(work_dir, n_shards, band, self.config.threshold,
+                                                            self.config.verify)
+                atomic_write_json(work_dir / f"verified-band{band:04d}.json", counts)
+
+    def prepare_sharded(self, ctx: StepContext, n_shards: int, map_fn) -> None:
+        """Sharded connected components over the verified band edges, each phase's tasks run by
+        `map_fn` (the executor's runner.map); writes the drop files and `clusters.json`."""
+        if not self.config.cluster_parts:
+            return
+        work_dir = _work_dir(ctx, self.name)
+        bands, rows = self.config.bands_rows()
+        counts = {"band_candidate_pairs": 0, "band_verified_pairs": 0}
+        for band in range(bands):  # bands no prepare_part task finished, one at a time
+            if not minhash_stages.edges_path(work_dir, band).exists():
+                minhash_stages.write_band_edges(work_dir, n_shards, [band], rows)
+            marker = work_dir / f"verified-band{band:04d}.json"
+            if not (marker.exists() and minhash_stages.verified_path(work_dir, band).exists()):
+                atomic_write_json(marker, minhash_stages.write_verified_band(
+                    work_dir, n_shards, band, self.config.threshold, self.config.verify))
+            for key, value in json.loads(marker.read_text(encoding="utf-8")).items():
+                counts[key] += value
+        _, offsets = minhash_stages._open_signatures(work_dir, n_shards)
+        files = [minhash_stages.verified_path(work_dir, b) for b in range(bands)]
+        dup, info = sharded_duplicates(int(offsets[-1]), files, work_dir / "components",
+                                       self.config.cluster_parts, map_fn)
+        minhash_stages.write_drop_ids(work_dir, n_shards, dup)
+        atomic_write_json(work_dir / "clusters.json", {**counts, "clusters_dropped": int(len(dup)),
+                                                       "component_rounds": info["rounds"]})
 
     def prepare(self, ctx: StepContext, n_shards: int) -> None:
         work_dir = _work_dir(ctx, self.name)
         bands, rows = self.config.bands_rows()
-        # Bands the executor did not already write in parallel (prepare_part), one at a time.
-        missing = [b for b in range(bands) if not minhash_stages.edges_path(work_dir, b).exists()]
-        minhash_stages.write_band_edges(work_dir, n_shards, missing, rows)
-        counts = minhash_stages.write_drops(work_dir, n_shards, bands, self.config.threshold, self.config.verify)
+        if self.config.cluster_parts:
+            if not (work_dir / "clusters.json").exists():  # not run by the executor: run it here
+                self.prepare_sharded(ctx, n_shards, lambda fn, args: [fn(*a) for a in args])
+            counts = json.loads((work_dir / "clusters.json").read_text(encoding="utf-8"))
+        else:
+            # Bands the executor did not already write in parallel (prepare_part), one at a time.
+            missing = [b for b in range(bands) if not minhash_stages.edges_path(work_dir, b).exists()]
+            minhash_stages.write_band_edges(work_dir, n_shards, missing, rows)
+            counts = minhash_stages.write_drops(work_dir, n_shards, bands, self.config.threshold, self.config.verify)
         (work_dir / "s_curve.txt").write_text(format_s_curve(bands, rows, self.config.threshold) + "\n")
         for key, value in counts.items():
             ctx.note(self.name, key, value)
