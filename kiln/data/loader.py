@@ -54,6 +54,17 @@ class TokenWindows:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
+    @property
+    def remote(self) -> bool:
+        """True when the windows read shards through a download cache (worth prefetching)."""
+        return self.shards is not None and self.shards.store.remote
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Start fetching the shards that hold these windows, without waiting."""
+        if self.remote and len(indices):
+            streams = np.unique(self._locate(np.asarray(indices))[0])
+            self.shards.store.prefetch([f for s in streams.tolist() for f in self.shards.shard_files(s)])
+
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(stream, start token) of each window index."""
         stream = np.searchsorted(self.offsets, indices, side="right") - 1
@@ -88,7 +99,8 @@ class Loader:
     """Yields (inputs, targets) micro-batches of shape (batch_size, seq_len) for one dp rank."""
 
     def __init__(self, windows: TokenWindows, batch_size: int, *, seed: int, dp_rank: int = 0,
-                 dp_size: int = 1, prefetch: int = 4, device: torch.device | str = "cpu"):
+                 dp_size: int = 1, prefetch: int = 4, device: torch.device | str = "cpu",
+                 lookahead: int = 16):
         self.windows, self.batch_size = windows, batch_size
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.global_batch = batch_size * dp_size
@@ -96,6 +108,8 @@ class Loader:
             raise DataError(f"a global micro-batch of {self.global_batch} sequences needs more than the "
                             f"{len(windows)} windows of seq_len={windows.seq_len} the training split has")
         self.prefetch = max(1, prefetch)
+        # Remote shards: batches ahead of the one being built whose shards are fetched already.
+        self.lookahead = max(0, lookahead) if windows.remote else 0
         self.device = torch.device(device)
         self.epoch, self.position = 0, 0  # consumed so far
         self.wait_s = 0.0  # time the trainer spent blocked on data, reset by the caller
@@ -128,6 +142,14 @@ class Loader:
         mine = idx[self.dp_rank * self.batch_size:(self.dp_rank + 1) * self.batch_size]
         return epoch, position + self.global_batch, mine
 
+    def _prefetch_ahead(self, epoch: int, position: int) -> None:
+        """Ask the store for the shards of this rank's next `lookahead` batches (same sampler)."""
+        ahead = []
+        for _ in range(self.lookahead):
+            epoch, position, idx = self._advance(epoch, position)
+            ahead.append(idx)
+        self.windows.prefetch(np.concatenate(ahead))
+
     def _make(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         batch = torch.from_numpy(self.windows.gather(indices))
         if self.device.type == "cuda":
@@ -137,6 +159,8 @@ class Loader:
     def _worker(self, epoch: int, position: int) -> None:
         try:
             while not self._stop.is_set():
+                if self.lookahead:
+                    self._prefetch_ahead(epoch, position)
                 epoch, position, idx = self._advance(epoch, position)
                 item = (epoch, position, self._make(idx))
                 while not self._stop.is_set():
