@@ -150,6 +150,14 @@ class DataConfig:
     seq_len: int = ranged(256, gt=0)
     prefetch: int = ranged(4, ge=1, le=1024)  # batches prepared ahead by a background thread
     shards_dir: str = ""  # where to write token shards; "" = RUN_DIR/data
+    # Shards at a URL (data.source = "s3://bucket/prefix", any fsspec URL; endpoint and keys from
+    # the usual AWS_* variables) are downloaded into a bounded on-disk cache, shards ahead of the
+    # sampler first.
+    cache_dir: str = ""  # "" = $KILN_SHARD_CACHE or ~/.cache/kiln/shards
+    cache_gb: float = ranged(50.0, gt=0.0)  # on-disk shard cache bound
+    fetch_workers: int = ranged(8, ge=1, le=256)  # parallel downloads (whole shards or byte ranges)
+    fetch_retries: int = ranged(4, ge=0, le=100)  # per request, with exponential backoff
+    lookahead: int = ranged(16, ge=0, le=100_000)  # batches whose shards are fetched ahead
 
     def validate(self) -> None:
         check_fields(self, "data.")

@@ -253,6 +253,12 @@ class ShardStore:
             self._range_pool.shutdown(wait=True, cancel_futures=True)
 
 
+def open_store(url: str | os.PathLike, data_cfg) -> ShardStore:
+    """The ShardStore for `url` with the `[data]` cache and fetch settings."""
+    return ShardStore(url, cache_dir=data_cfg.cache_dir or None, cache_bytes=int(data_cfg.cache_gb * (1 << 30)),
+                      workers=data_cfg.fetch_workers, retries=data_cfg.fetch_retries)
+
+
 class LazyShard:
     """A 1-D token or offset array of a remote shard, fetched on first access.
 

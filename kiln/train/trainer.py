@@ -20,6 +20,7 @@ from kiln.config import JobConfig, to_toml
 from kiln.data.raw_to_shards import prepare_shards
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
+from kiln.data.storage import open_store
 from kiln.errors import KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
@@ -110,8 +111,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     _barrier()
     if not dims.is_main:
         shard_dir, tokenizer = prepare_shards(cfg.data, run_dir)
-    train_windows = TokenWindows(ShardSet(shard_dir, "train"), cfg.data.seq_len)
-    val_set = ShardSet(shard_dir, "val")
+    store = open_store(shard_dir, cfg.data)
+    train_windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len)
+    val_set = ShardSet(shard_dir, "val", store)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = train_windows.shards.vocab_size
     elif cfg.model.vocab_size < train_windows.shards.vocab_size:
@@ -128,7 +130,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
     loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
-                    dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device)
+                    dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device, lookahead=cfg.data.lookahead)
     evaluator = Evaluator(model, val_set, tokenizer, cfg, device)
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,

@@ -196,3 +196,28 @@ def test_cache_bound_and_restart(tmp_path):
     assert cache.used_bytes == 200 and cache.evictions == 2
     assert cache.lookup("u0") is None and cache.lookup("u3") is not None
     assert ShardCache(tmp_path, max_bytes=250).used_bytes == 200  # a restarted run reuses the cache
+
+
+def test_training_reads_shards_from_s3(s3, tmp_path, text_file, monkeypatch):
+    """`data.source = "s3://..."`: train from the loopback server, through a small shard cache."""
+    import json
+
+    from conftest import tiny_overrides
+    from kiln.config import load_config
+    from kiln.data.raw_to_shards import prepare_shards
+    from kiln.train.trainer import train
+
+    _, fs, opts = s3
+    cfg = load_config(None, tiny_overrides(text_file, **{"train.steps": 3, "train.eval_every": 3,
+                                                          "checkpoint.every": 0}))
+    cfg.data.shards_dir = str(tmp_path / "local")
+    prepare_shards(cfg.data, tmp_path)
+    url = upload(fs, tmp_path / "local")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    cfg.data.source, cfg.data.cache_dir, cfg.data.fetch_retries = url, str(tmp_path / "cache"), 1
+    train(cfg, tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2, 3]
+    assert list((tmp_path / "cache").glob("*.cached"))
