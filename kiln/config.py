@@ -150,6 +150,9 @@ class DataConfig:
     seq_len: int = ranged(256, gt=0)
     prefetch: int = ranged(4, ge=1, le=1024)  # batches prepared ahead by a background thread
     shards_dir: str = ""  # where to write token shards; "" = RUN_DIR/data
+    # contiguous: window k starts at token k*seq_len of its shard; doc_start: windows start at
+    # document starts (and every seq_len within a long document)
+    windows: str = ranged("contiguous", choices=("contiguous", "doc_start"))
     # Shards at a URL (data.source = "s3://bucket/prefix", any fsspec URL; endpoint and keys from
     # the usual AWS_* variables) are downloaded into a bounded on-disk cache, shards ahead of the
     # sampler first.

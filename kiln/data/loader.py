@@ -31,15 +31,30 @@ class TokenWindows:
     into the next. With `ragged_tail`, each stream's last, shorter window (at least 2 tokens: one
     input, one target) is kept too, so every token but a stream's first is scored once - what
     held-out evaluation wants; training and the trainer's validation use full windows only.
+
+    With `doc_starts` (shards only), windows start at document starts instead: a document of n
+    tokens gets windows at its start and every seq_len after it, ceil(n / seq_len) of them, each
+    still seq_len+1 tokens long (a short document's window runs on into the next ones) and dropped
+    if it would run past the end of its shard. No window begins mid-sentence at an arbitrary
+    offset, at the price of some tokens being seen twice in an epoch.
     """
 
     def __init__(self, streams: ShardSet | Sequence[np.ndarray], seq_len: int, *, ragged_tail: bool = False,
-                 source: str = "token stream"):
+                 source: str = "token stream", doc_starts: bool = False):
         self.seq_len, self.ragged_tail = seq_len, ragged_tail
+        self.starts: np.ndarray | None = None  # doc_starts: global window -> start token in its stream
         self.shards = streams if isinstance(streams, ShardSet) else None
         self.tokens = list(streams.tokens) if self.shards is not None else [np.asarray(t) for t in streams]
         sizes = [int(t.shape[0]) for t in self.tokens]
-        if ragged_tail:
+        if doc_starts:
+            if self.shards is None or ragged_tail:
+                raise ValueError("doc_starts needs a ShardSet (for its document index) and no ragged tail")
+            per_stream = [self._doc_window_starts(np.asarray(d, dtype=np.int64), n, seq_len,
+                                                  f"{self.shards.dir}/{self.shards.shard_files(i)[1]}")
+                          for i, (d, n) in enumerate(zip(self.shards.docs, sizes))]
+            counts = [len(p) for p in per_stream]
+            self.starts = np.concatenate(per_stream) if per_stream else np.zeros(0, np.int64)
+        elif ragged_tail:
             counts = [max(0, -(-(n - 1) // seq_len)) for n in sizes]  # ceil((n - 1) / seq_len)
         else:
             counts = [max(0, (n - 1) // seq_len) for n in sizes]
@@ -53,6 +68,20 @@ class TokenWindows:
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    @staticmethod
+    def _doc_window_starts(doc_offsets: np.ndarray, n_tokens: int, seq_len: int, where: str) -> np.ndarray:
+        """Window starts of one shard: each document's start and every seq_len into it (numpy)."""
+        if len(doc_offsets) < 2 or doc_offsets[0] != 0 or doc_offsets[-1] != n_tokens \
+                or (np.diff(doc_offsets) <= 0).any():
+            raise DataError(f"{where}: corrupted document index: offsets must rise strictly from 0 to the shard's "
+                            f"{n_tokens} tokens")
+        lengths = np.diff(doc_offsets)
+        per_doc = -(-lengths // seq_len)  # ceil
+        first = np.repeat(doc_offsets[:-1], per_doc)
+        within = np.arange(per_doc.sum()) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+        starts = first + within * seq_len
+        return starts[starts + seq_len + 1 <= n_tokens]
 
     @property
     def remote(self) -> bool:
@@ -68,6 +97,8 @@ class TokenWindows:
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(stream, start token) of each window index."""
         stream = np.searchsorted(self.offsets, indices, side="right") - 1
+        if self.starts is not None:
+            return stream, self.starts[np.asarray(indices, dtype=np.int64)]
         return stream, (np.asarray(indices, dtype=np.int64) - self.offsets[stream]) * self.seq_len
 
     def lengths(self, indices: np.ndarray) -> np.ndarray:

@@ -112,7 +112,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if not dims.is_main:
         shard_dir, tokenizer = prepare_shards(cfg.data, run_dir)
     store = open_store(shard_dir, cfg.data)
-    train_windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len)
+    train_windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len,
+                                 doc_starts=cfg.data.windows == "doc_start")
     val_set = ShardSet(shard_dir, "val", store)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = train_windows.shards.vocab_size
