@@ -152,6 +152,8 @@ class DataConfig:
     shards_dir: str = ""  # where to write token shards; "" = RUN_DIR/data
     # contiguous: window k starts at token k*seq_len of its shard; doc_start: windows start at
     # document starts (and every seq_len within a long document)
+    # warn when the trainer waits on data for more than this share of the step time (0: never)
+    wait_warn_fraction: float = ranged(0.05, ge=0.0, le=1.0)
     windows: str = ranged("contiguous", choices=("contiguous", "doc_start"))
     # Shards at a URL (data.source = "s3://bucket/prefix", any fsspec URL; endpoint and keys from
     # the usual AWS_* variables) are downloaded into a bounded on-disk cache, shards ahead of the

@@ -172,7 +172,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
 
     last_loss, last_val, stop_reason = math.nan, math.nan, "completed"
     pending = PendingSteps()
-    window = {"t0": time.perf_counter()}
+    # the first window waits for the loader's first batches: it does not count towards the warning
+    window = {"t0": time.perf_counter(), "warned_at": -10**9, "first": True}
 
     def flush() -> bool:
         """Fetch the pending steps' results (one device sync), write their rows; False when the
@@ -188,6 +189,16 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         stats = window_stats_over_ranks(elapsed, memory_mb(device), device)
         step_s = stats["window_s"] / len(results)
         tps = tokens_per_step / step_s  # global tokens (all data-parallel ranks) per second
+        wait_share = sum(r.data_wait_s for r in results) / stats["window_s"]
+        warn_every = 10 * cfg.metrics.log_every  # a persistent stall is repeated, not every row
+        first, window["first"] = window["first"], False
+        if cfg.data.wait_warn_fraction and not first and wait_share > cfg.data.wait_warn_fraction \
+                and results[-1].step - window["warned_at"] >= warn_every:
+            window["warned_at"] = results[-1].step
+            metrics.log({"kind": "event", "step": results[-1].step,
+                         "message": f"data wait is {100 * wait_share:.0f}% of step time (over data.wait_warn_fraction="
+                                    f"{cfg.data.wait_warn_fraction}): raise data.prefetch (batches "
+                                    f"ready ahead), data.lookahead and data.fetch_workers (remote shards)"})
         for r in results:
             metrics.log({"kind": "train", "step": r.step, "loss": r.loss, "lr": r.lr,
                          "grad_norm": r.grad_norm, "tokens": r.tokens, "tokens_per_s": tps,
