@@ -160,6 +160,9 @@ class DataConfig:
     # sampler first.
     cache_dir: str = ""  # "" = $KILN_SHARD_CACHE or ~/.cache/kiln/shards
     cache_gb: float = ranged(50.0, gt=0.0)  # on-disk shard cache bound
+    # lru, or static: CoorDL's fixed resident subset, for random-order epochs over data larger
+    # than the cache (every epoch hits on the same cache_gb)
+    cache_policy: str = ranged("lru", choices=("lru", "static"))
     fetch_workers: int = ranged(8, ge=1, le=256)  # parallel downloads (whole shards or byte ranges)
     fetch_retries: int = ranged(4, ge=0, le=100)  # per request, with exponential backoff
     lookahead: int = ranged(16, ge=0, le=100_000)  # batches whose shards are fetched ahead

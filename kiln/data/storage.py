@@ -29,6 +29,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from kiln.data.cache import make_policy
 from kiln.errors import DataError
 from kiln.io import atomic_file
 
@@ -60,24 +61,31 @@ def with_retries(what: str, fn: Callable[[], T], retries: int, backoff_s: float)
 
 
 class ShardCache:
-    """A directory of downloaded files bounded to `max_bytes`, evicting the least recently used.
+    """A directory of downloaded files bounded to `max_bytes` by a policy (kiln/data/cache.py).
 
-    The file just admitted is never evicted (a single file larger than the bound still lands, and
-    `overflow_bytes` says by how much the bound is exceeded). An evicted file that is memory-mapped
-    stays readable through its mapping (POSIX unlink semantics) until the reader drops it; the next
-    read through `ShardStore.array` fetches it again. Files are keyed by a hash of their URL, so two datasets never collide in one cache directory.
+    "lru" evicts the least recently used file; "static" (CoorDL) keeps the files that filled the
+    cache first for good and passes later ones through a scratch area of the last
+    `scratch_files` of them. The file just admitted is never evicted (a single file larger than
+    the bound still lands; `overflow_bytes` says by how much). An evicted file that is
+    memory-mapped stays readable through its mapping (POSIX unlink semantics); the next read
+    through `ShardStore.array` fetches it again. Files are keyed by a hash of their URL, so two
+    datasets never collide in one cache directory. `hits`/`misses` count lookups.
     """
 
-    def __init__(self, directory: str | Path, max_bytes: int):
+    def __init__(self, directory: str | Path, max_bytes: int, policy: str = "lru", scratch_files: int = 8):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = int(max_bytes)
+        self.policy = make_policy(policy, self.max_bytes)
+        self.scratch: OrderedDict[str, int] = OrderedDict()  # files the policy did not keep
+        self.scratch_files = max(1, scratch_files)
         self._lock = threading.Lock()
-        self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, oldest use first
         self.hits = self.misses = self.evictions = 0
         self.overflow_bytes = 0
         for f in sorted(self.dir.glob("*.cached"), key=lambda p: p.stat().st_mtime):  # survive restarts
-            self._sizes[f.stem] = f.stat().st_size
+            kept, evicted = self.policy.admit(f.stem, f.stat().st_size)
+            for old in evicted + ([] if kept else [f.stem]):
+                (self.dir / f"{old}.cached").unlink(missing_ok=True)
 
     @staticmethod
     def key(url: str) -> str:
@@ -88,42 +96,42 @@ class ShardCache:
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._sizes.values())
+        """Bytes the policy keeps (the scratch area comes on top)."""
+        return self.policy.used
 
     def lookup(self, url: str) -> Path | None:
         key = self.key(url)
         with self._lock:
-            if key in self._sizes and self.path(url).is_file():
-                self._sizes.move_to_end(key)
-                self.hits += 1
-                return self.path(url)
-            self._sizes.pop(key, None)
+            if self.policy.contains(key) or key in self.scratch:
+                if self.path(url).is_file():
+                    self.hits += 1
+                    return self.path(url)
+                self.policy.forget(key)  # removed behind our back
+                self.scratch.pop(key, None)
             self.misses += 1
             return None
 
     def admit(self, url: str, size: int) -> None:
-        """Record a file just written at `path(url)` and evict older ones down to the bound."""
+        """Record a file just written at `path(url)` and evict what the policy says."""
         key = self.key(url)
         with self._lock:
-            self._sizes[key] = size
-            self._sizes.move_to_end(key)
-            used = sum(self._sizes.values())
-            for old in list(self._sizes):
-                if used <= self.max_bytes:
-                    break
-                if old == key:
-                    continue
-                used -= self._sizes.pop(old)
+            kept, evicted = self.policy.admit(key, size)
+            if not kept:
+                self.scratch[key] = size
+                self.scratch.move_to_end(key)
+                while len(self.scratch) > self.scratch_files:
+                    evicted.append(self.scratch.popitem(last=False)[0])
+            for old in evicted:
                 (self.dir / f"{old}.cached").unlink(missing_ok=True)  # open mmaps stay valid (POSIX)
                 self.evictions += 1
-            self.overflow_bytes = max(0, used - self.max_bytes)
+            self.overflow_bytes = max(0, self.policy.used - self.max_bytes)
 
 
 class ShardStore:
     """The files of one shard directory at `url`, read in place (local) or via the cache (remote)."""
 
     def __init__(self, url: str | os.PathLike, *, cache_dir: str | Path | None = None,
-                 cache_bytes: int = 50 << 30, workers: int = 8, retries: int = 4, backoff_s: float = 0.5,
+                 cache_bytes: int = 50 << 30, cache_policy: str = "lru", workers: int = 8, retries: int = 4, backoff_s: float = 0.5,
                  range_bytes: int = 64 << 20, storage_options: dict[str, Any] | None = None):
         self.url = str(url)
         self.remote = is_url(url) and not self.url.startswith("file://")
@@ -133,7 +141,7 @@ class ShardStore:
             import fsspec.core  # only remote stores need fsspec
 
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-            self.cache = ShardCache(cache_dir or DEFAULT_CACHE_DIR, cache_bytes)
+            self.cache = ShardCache(cache_dir or DEFAULT_CACHE_DIR, cache_bytes, cache_policy)
             self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-fetch")
             self._range_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-range")
             self._pending: dict[str, Future] = {}
@@ -256,6 +264,7 @@ class ShardStore:
 def open_store(url: str | os.PathLike, data_cfg) -> ShardStore:
     """The ShardStore for `url` with the `[data]` cache and fetch settings."""
     return ShardStore(url, cache_dir=data_cfg.cache_dir or None, cache_bytes=int(data_cfg.cache_gb * (1 << 30)),
+                      cache_policy=data_cfg.cache_policy,
                       workers=data_cfg.fetch_workers, retries=data_cfg.fetch_retries)
 
 

@@ -91,7 +91,7 @@ def test_s3_and_local_give_identical_batches_with_a_small_cache(s3, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     cache = remote.store.cache
     assert cache.evictions > 0 and cache.used_bytes <= cache.max_bytes
-    assert len(list((tmp_path / "cache").glob("*.cached"))) == len(cache._sizes)
+    assert len(list((tmp_path / "cache").glob("*.cached"))) == len(cache.policy.sizes) + len(cache.scratch)
 
 
 def test_parallel_range_download_reassembles_the_file(s3, tmp_path):
