@@ -235,8 +235,8 @@ class ShardStore:
     def array(self, name: str, expect_len: int | None = None) -> np.ndarray:
         """The .npy file `name` memory-mapped, checked against the length meta.json declares."""
         arr = self._arrays.get(name)
-        if arr is not None and (not self.remote or self.cache.path(join(self.url, name)).is_file()):
-            return arr
+        if arr is not None and (not self.remote or self.cache.lookup(join(self.url, name)) is not None):
+            return arr  # remote: the lookup counts the hit and tells the policy the file was used
         where = join(self.url, name) if self.remote else str(Path(self.root) / name)
         for attempt in range(2):  # a cached copy that fails to parse is dropped and fetched once more
             path = self.local_path(name)
