@@ -15,12 +15,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from kiln.data.shards import ShardSet
+
+if TYPE_CHECKING:
+    from kiln.data.mixture import MixtureWindows
 from kiln.errors import DataError
 
 
@@ -129,7 +132,7 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 class Loader:
     """Yields (inputs, targets) micro-batches of shape (batch_size, seq_len) for one dp rank."""
 
-    def __init__(self, windows: TokenWindows, batch_size: int, *, seed: int, dp_rank: int = 0,
+    def __init__(self, windows: TokenWindows | MixtureWindows, batch_size: int, *, seed: int, dp_rank: int = 0,
                  dp_size: int = 1, prefetch: int = 4, device: torch.device | str = "cpu",
                  lookahead: int = 16):
         self.windows, self.batch_size = windows, batch_size
@@ -167,9 +170,13 @@ class Loader:
         return self._order_cache[1]
 
     def _advance(self, epoch: int, position: int) -> tuple[int, int, np.ndarray]:
-        if position + self.global_batch > len(self.windows):  # drop the epoch's ragged tail
-            epoch, position = epoch + 1, 0
-        idx = self._order(epoch)[position:position + self.global_batch]
+        if getattr(self.windows, "ordered", False):
+            # a mixture is one endless stream with its own shuffle: the position is all the state
+            idx = np.arange(position, position + self.global_batch, dtype=np.int64)
+        else:
+            if position + self.global_batch > len(self.windows):  # drop the epoch's ragged tail
+                epoch, position = epoch + 1, 0
+            idx = self._order(epoch)[position:position + self.global_batch]
         mine = idx[self.dp_rank * self.batch_size:(self.dp_rank + 1) * self.batch_size]
         return epoch, position + self.global_batch, mine
 
