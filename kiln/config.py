@@ -155,6 +155,10 @@ class DataConfig:
     # warn when the trainer waits on data for more than this share of the step time (0: never)
     wait_warn_fraction: float = ranged(0.05, ge=0.0, le=1.0)
     windows: str = ranged("contiguous", choices=("contiguous", "doc_start"))
+    # Train on a weighted mixture of kiln shard directories (paths or URLs, same tokenizer as
+    # data.source, which still gives the tokenizer and the validation split); [] = data.source.
+    mixture: list[str] = field(default_factory=list)
+    mixture_weights: list[float] = field(default_factory=list)
     # Shards at a URL (data.source = "s3://bucket/prefix", any fsspec URL; endpoint and keys from
     # the usual AWS_* variables) are downloaded into a bounded on-disk cache, shards ahead of the
     # sampler first.
@@ -169,6 +173,12 @@ class DataConfig:
 
     def validate(self) -> None:
         check_fields(self, "data.")
+        if len(self.mixture) != len(self.mixture_weights):
+            raise ConfigError(f"data.mixture has {len(self.mixture)} sources but data.mixture_weights has "
+                              f"{len(self.mixture_weights)} weights; give one weight per source")
+        if self.mixture and (any(not w >= 0 for w in self.mixture_weights) or sum(self.mixture_weights) <= 0):
+            raise ConfigError(f"data.mixture_weights={self.mixture_weights}: expected weights >= 0 with a "
+                              f"positive sum")
         if self.tokenizer == "bpe" and self.vocab_size < 257:
             raise ConfigError(f"data.vocab_size={self.vocab_size} must be > 256 for a BPE tokenizer")
 

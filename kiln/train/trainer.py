@@ -20,6 +20,7 @@ from kiln.config import JobConfig, to_toml
 from kiln.data.raw_to_shards import prepare_shards
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
+from kiln.data.mixture import MixtureWindows
 from kiln.data.storage import open_store
 from kiln.errors import KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
@@ -68,6 +69,19 @@ class TrainState:
             setattr(self, key, type(getattr(self, key))(value))
 
 
+def build_mixture(cfg: JobConfig, reference: ShardSet) -> MixtureWindows:
+    """data.mixture's shard directories as one weighted MixtureWindows (same tokenizer required)."""
+    sources = []
+    for i, url in enumerate(cfg.data.mixture):
+        shards = ShardSet(url, "train", open_store(url, cfg.data))
+        if (shards.vocab_size, shards.eos_id) != (reference.vocab_size, reference.eos_id):
+            raise KilnError(f"data.mixture[{i}] {url}: vocab {shards.vocab_size} / eos {shards.eos_id} differ from "
+                            f"data.source's {reference.vocab_size} / {reference.eos_id}; tokenize all sources alike")
+        sources.append(TokenWindows(shards, cfg.data.seq_len, doc_starts=cfg.data.windows == "doc_start"))
+    names = [f"mix{i}" for i in range(len(sources))]
+    return MixtureWindows(sources, cfg.data.mixture_weights, seed=cfg.train.seed, names=names)
+
+
 def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg.model)
@@ -114,6 +128,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     store = open_store(shard_dir, cfg.data)
     train_windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len,
                                  doc_starts=cfg.data.windows == "doc_start")
+    mixture = build_mixture(cfg, train_windows.shards) if cfg.data.mixture else None
     val_set = ShardSet(shard_dir, "val", store)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = train_windows.shards.vocab_size
@@ -130,7 +145,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                                     cfg.train.batch_size, cfg.data.seq_len)
     optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
-    loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
+    loader = Loader(mixture or train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
                     dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device, lookahead=cfg.data.lookahead)
     evaluator = Evaluator(model, val_set, tokenizer, cfg, device)
     state = TrainState()
@@ -199,6 +214,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                          "message": f"data wait is {100 * wait_share:.0f}% of step time (over data.wait_warn_fraction="
                                     f"{cfg.data.wait_warn_fraction}): raise data.prefetch (batches "
                                     f"ready ahead), data.lookahead and data.fetch_workers (remote shards)"})
+        if mixture is not None:  # the realized mix: exact, from the loader's global position
+            mix = mixture.realized(loader.position)
+            metrics.log({"kind": "mixture", "step": results[-1].step,
+                         **{f"{name}_tokens": m["tokens"] for name, m in mix.items()}})
         for r in results:
             metrics.log({"kind": "train", "step": r.step, "loss": r.loss, "lr": r.lr,
                          "grad_norm": r.grad_norm, "tokens": r.tokens, "tokens_per_s": tps,

@@ -69,3 +69,12 @@ def test_schedule_changes_the_weights_from_its_position():
 def test_bad_weights_are_refused(weights):
     with pytest.raises(ConfigError, match="weights"):
         MixtureWindows([source(0, 5), source(1, 5), source(2, 5)], weights, seed=0)
+
+
+def test_config_needs_one_weight_per_source():
+    from kiln.config import load_config
+
+    with pytest.raises(ConfigError, match="data.mixture has 2 sources but data.mixture_weights has 1"):
+        load_config(None, ["data.mixture=['a', 'b']", "data.mixture_weights=[1.0]"])
+    with pytest.raises(ConfigError, match="data.mixture_weights"):
+        load_config(None, ["data.mixture=['a']", "data.mixture_weights=[-1.0]"])
