@@ -160,9 +160,35 @@ class DataConfig:
     seq_len: int = ranged(256, gt=0)
     prefetch: int = ranged(4, ge=1, le=1024)  # batches prepared ahead by a background thread
     shards_dir: str = ""  # where to write token shards; "" = RUN_DIR/data
+    # contiguous: window k starts at token k*seq_len of its shard; doc_start: windows start at
+    # document starts (and every seq_len within a long document)
+    # warn when the trainer waits on data for more than this share of the step time (0: never)
+    wait_warn_fraction: float = ranged(0.05, ge=0.0, le=1.0)
+    windows: str = ranged("contiguous", choices=("contiguous", "doc_start"))
+    # Train on a weighted mixture of kiln shard directories (paths or URLs, same tokenizer as
+    # data.source, which still gives the tokenizer and the validation split); [] = data.source.
+    mixture: list[str] = field(default_factory=list)
+    mixture_weights: list[float] = field(default_factory=list)
+    # Shards at a URL (data.source = "s3://bucket/prefix", any fsspec URL; endpoint and keys from
+    # the usual AWS_* variables) are downloaded into a bounded on-disk cache, shards ahead of the
+    # sampler first.
+    cache_dir: str = ""  # "" = $KILN_SHARD_CACHE or ~/.cache/kiln/shards
+    cache_gb: float = ranged(50.0, gt=0.0)  # on-disk shard cache bound
+    # lru, or static: CoorDL's fixed resident subset, for random-order epochs over data larger
+    # than the cache (every epoch hits on the same cache_gb)
+    cache_policy: str = ranged("lru", choices=("lru", "static"))
+    fetch_workers: int = ranged(8, ge=1, le=256)  # parallel downloads (whole shards or byte ranges)
+    fetch_retries: int = ranged(4, ge=0, le=100)  # per request, with exponential backoff
+    lookahead: int = ranged(16, ge=0, le=100_000)  # batches whose shards are fetched ahead
 
     def validate(self) -> None:
         check_fields(self, "data.")
+        if len(self.mixture) != len(self.mixture_weights):
+            raise ConfigError(f"data.mixture has {len(self.mixture)} sources but data.mixture_weights has "
+                              f"{len(self.mixture_weights)} weights; give one weight per source")
+        if self.mixture and (any(not w >= 0 for w in self.mixture_weights) or sum(self.mixture_weights) <= 0):
+            raise ConfigError(f"data.mixture_weights={self.mixture_weights}: expected weights >= 0 with a "
+                              f"positive sum")
         if self.tokenizer == "bpe" and self.vocab_size < 257:
             raise ConfigError(f"data.vocab_size={self.vocab_size} must be > 256 for a BPE tokenizer")
 

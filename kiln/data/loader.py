@@ -15,12 +15,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from kiln.data.shards import ShardSet
+
+if TYPE_CHECKING:
+    from kiln.data.mixture import MixtureWindows
 from kiln.errors import DataError
 
 
@@ -31,15 +34,30 @@ class TokenWindows:
     into the next. With `ragged_tail`, each stream's last, shorter window (at least 2 tokens: one
     input, one target) is kept too, so every token but a stream's first is scored once - what
     held-out evaluation wants; training and the trainer's validation use full windows only.
+
+    With `doc_starts` (shards only), windows start at document starts instead: a document of n
+    tokens gets windows at its start and every seq_len after it, ceil(n / seq_len) of them, each
+    still seq_len+1 tokens long (a short document's window runs on into the next ones) and dropped
+    if it would run past the end of its shard. No window begins mid-sentence at an arbitrary
+    offset, at the price of some tokens being seen twice in an epoch.
     """
 
     def __init__(self, streams: ShardSet | Sequence[np.ndarray], seq_len: int, *, ragged_tail: bool = False,
-                 source: str = "token stream"):
+                 source: str = "token stream", doc_starts: bool = False):
         self.seq_len, self.ragged_tail = seq_len, ragged_tail
+        self.starts: np.ndarray | None = None  # doc_starts: global window -> start token in its stream
         self.shards = streams if isinstance(streams, ShardSet) else None
         self.tokens = list(streams.tokens) if self.shards is not None else [np.asarray(t) for t in streams]
         sizes = [int(t.shape[0]) for t in self.tokens]
-        if ragged_tail:
+        if doc_starts:
+            if self.shards is None or ragged_tail:
+                raise ValueError("doc_starts needs a ShardSet (for its document index) and no ragged tail")
+            per_stream = [self._doc_window_starts(np.asarray(d, dtype=np.int64), n, seq_len,
+                                                  f"{self.shards.dir}/{self.shards.shard_files(i)[1]}")
+                          for i, (d, n) in enumerate(zip(self.shards.docs, sizes))]
+            counts = [len(p) for p in per_stream]
+            self.starts = np.concatenate(per_stream) if per_stream else np.zeros(0, np.int64)
+        elif ragged_tail:
             counts = [max(0, -(-(n - 1) // seq_len)) for n in sizes]  # ceil((n - 1) / seq_len)
         else:
             counts = [max(0, (n - 1) // seq_len) for n in sizes]
@@ -54,9 +72,36 @@ class TokenWindows:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
+    @staticmethod
+    def _doc_window_starts(doc_offsets: np.ndarray, n_tokens: int, seq_len: int, where: str) -> np.ndarray:
+        """Window starts of one shard: each document's start and every seq_len into it (numpy)."""
+        if len(doc_offsets) < 2 or doc_offsets[0] != 0 or doc_offsets[-1] != n_tokens \
+                or (np.diff(doc_offsets) <= 0).any():
+            raise DataError(f"{where}: corrupted document index: offsets must rise strictly from 0 to the shard's "
+                            f"{n_tokens} tokens")
+        lengths = np.diff(doc_offsets)
+        per_doc = -(-lengths // seq_len)  # ceil
+        first = np.repeat(doc_offsets[:-1], per_doc)
+        within = np.arange(per_doc.sum()) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+        starts = first + within * seq_len
+        return starts[starts + seq_len + 1 <= n_tokens]
+
+    @property
+    def remote(self) -> bool:
+        """True when the windows read shards through a download cache (worth prefetching)."""
+        return self.shards is not None and self.shards.store.remote
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Start fetching the shards that hold these windows, without waiting."""
+        if self.remote and len(indices):
+            streams = np.unique(self._locate(np.asarray(indices))[0])
+            self.shards.store.prefetch([f for s in streams.tolist() for f in self.shards.shard_files(s)])
+
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(stream, start token) of each window index."""
         stream = np.searchsorted(self.offsets, indices, side="right") - 1
+        if self.starts is not None:
+            return stream, self.starts[np.asarray(indices, dtype=np.int64)]
         return stream, (np.asarray(indices, dtype=np.int64) - self.offsets[stream]) * self.seq_len
 
     def lengths(self, indices: np.ndarray) -> np.ndarray:
@@ -87,8 +132,9 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 class Loader:
     """Yields (inputs, targets) micro-batches of shape (batch_size, seq_len) for one dp rank."""
 
-    def __init__(self, windows: TokenWindows, batch_size: int, *, seed: int, dp_rank: int = 0,
-                 dp_size: int = 1, prefetch: int = 4, device: torch.device | str = "cpu"):
+    def __init__(self, windows: TokenWindows | MixtureWindows, batch_size: int, *, seed: int, dp_rank: int = 0,
+                 dp_size: int = 1, prefetch: int = 4, device: torch.device | str = "cpu",
+                 lookahead: int = 16):
         self.windows, self.batch_size = windows, batch_size
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.global_batch = batch_size * dp_size
@@ -96,6 +142,8 @@ class Loader:
             raise DataError(f"a global micro-batch of {self.global_batch} sequences needs more than the "
                             f"{len(windows)} windows of seq_len={windows.seq_len} the training split has")
         self.prefetch = max(1, prefetch)
+        # Remote shards: batches ahead of the one being built whose shards are fetched already.
+        self.lookahead = max(0, lookahead) if windows.remote else 0
         self.device = torch.device(device)
         self.epoch, self.position = 0, 0  # consumed so far
         self.wait_s = 0.0  # time the trainer spent blocked on data, reset by the caller
@@ -122,11 +170,23 @@ class Loader:
         return self._order_cache[1]
 
     def _advance(self, epoch: int, position: int) -> tuple[int, int, np.ndarray]:
-        if position + self.global_batch > len(self.windows):  # drop the epoch's ragged tail
-            epoch, position = epoch + 1, 0
-        idx = self._order(epoch)[position:position + self.global_batch]
+        if getattr(self.windows, "ordered", False):
+            # a mixture is one endless stream with its own shuffle: the position is all the state
+            idx = np.arange(position, position + self.global_batch, dtype=np.int64)
+        else:
+            if position + self.global_batch > len(self.windows):  # drop the epoch's ragged tail
+                epoch, position = epoch + 1, 0
+            idx = self._order(epoch)[position:position + self.global_batch]
         mine = idx[self.dp_rank * self.batch_size:(self.dp_rank + 1) * self.batch_size]
         return epoch, position + self.global_batch, mine
+
+    def _prefetch_ahead(self, epoch: int, position: int) -> None:
+        """Ask the store for the shards of this rank's next `lookahead` batches (same sampler)."""
+        ahead = []
+        for _ in range(self.lookahead):
+            epoch, position, idx = self._advance(epoch, position)
+            ahead.append(idx)
+        self.windows.prefetch(np.concatenate(ahead))
 
     def _make(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         batch = torch.from_numpy(self.windows.gather(indices))
@@ -137,6 +197,8 @@ class Loader:
     def _worker(self, epoch: int, position: int) -> None:
         try:
             while not self._stop.is_set():
+                if self.lookahead:
+                    self._prefetch_ahead(epoch, position)
                 epoch, position, idx = self._advance(epoch, position)
                 item = (epoch, position, self._make(idx))
                 while not self._stop.is_set():

@@ -17,6 +17,7 @@ from pathlib import Path
 from kiln.config import DataConfig
 from kiln.data.corpus import read_corpus, source_files, files_fingerprint
 from kiln.data.shards import ShardInfo, ShardWriter, is_shard_dir, read_meta, write_meta, write_token_shards
+from kiln.data.storage import is_url, open_store
 from kiln.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
 from kiln.errors import DataError
 
@@ -36,6 +37,8 @@ def data_fingerprint(cfg: DataConfig) -> str:
 
 def prepare_shards(cfg: DataConfig, run_dir: Path, log=print) -> tuple[Path, Tokenizer]:
     """Return (shard_dir, tokenizer), writing shards if they are not there yet."""
+    if is_url(cfg.source):  # shards on object storage: the tokenizer comes through the shard cache
+        return cfg.source, load_tokenizer(open_store(cfg.source, cfg).local_path(TOKENIZER_FILE))
     if is_shard_dir(cfg.source):
         shard_dir = Path(cfg.source)
         return shard_dir, load_tokenizer(shard_dir / TOKENIZER_FILE)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
+from kiln.data.storage import LazyShard, ShardStore
 from kiln.errors import DataError
 from kiln.io import atomic_file, atomic_write_text
 
@@ -152,24 +153,49 @@ def is_shard_dir(path: str | Path) -> bool:
 
 
 class ShardSet:
-    """Read-only, memory-mapped view of one split of a shard directory."""
+    """Read-only, memory-mapped view of one split of a shard directory.
 
-    def __init__(self, shard_dir: str | Path, split: str):
-        self.dir = Path(shard_dir)
-        self.meta = read_meta(self.dir)
+    `shard_dir` is a local path or any fsspec URL (`s3://bucket/prefix`). Local shards are mapped
+    up front, as always; remote ones are `LazyShard`s that `store` downloads into its bounded
+    on-disk cache on first read (the loader prefetches them ahead of its sampler).
+    """
+
+    def __init__(self, shard_dir: str | Path, split: str, store: ShardStore | None = None):
+        self.store = store or ShardStore(shard_dir)
+        self.dir = Path(shard_dir) if not self.store.remote else str(shard_dir)
+        self.meta = parse_meta(self.store.read_text("meta.json"), f"{shard_dir}/meta.json")
         if split not in self.meta["splits"]:
             raise DataError(f"{self.dir}/meta.json has no split {split!r}; it has {sorted(self.meta['splits'])}")
         self.split = split
         self.vocab_size = int(self.meta["vocab_size"])
         self.eos_id = int(self.meta["eos_id"])
+        try:
+            dtype = np.dtype(str(self.meta["dtype"]))
+            shards = list(self.meta["splits"][split])
+        except (KeyError, TypeError) as e:
+            raise DataError(f"{shard_dir}/meta.json: expected a token dtype and a shard list ({e})") from None
         self.tokens: list[np.ndarray] = []
         self.docs: list[np.ndarray] = []
-        for info in self.meta["splits"][split]:
+        for i, info in enumerate(shards):
             try:
-                self.tokens.append(np.load(self.dir / info["tokens"], mmap_mode="r"))
-                self.docs.append(np.load(self.dir / info["docs"], mmap_mode="r"))
-            except (OSError, ValueError) as e:
-                raise DataError(f"{self.dir}: cannot read shard {info['tokens']}: {e}") from None
+                names = (str(info["tokens"]), str(info["docs"]))
+                n_tokens, n_docs = int(info["n_tokens"]), int(info["n_docs"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise DataError(f"{shard_dir}/meta.json: split {split!r} shard {i}: expected tokens, docs, "
+                                f"n_tokens and n_docs ({type(e).__name__}: {e})") from None
+            if any("/" in n or n.startswith(".") for n in names):  # a hostile meta.json must not reach out
+                raise DataError(f"{shard_dir}/meta.json: shard {i}: file names must be plain names, got {names}")
+            if self.store.remote:
+                self.tokens.append(LazyShard(self.store, names[0], n_tokens, dtype))
+                self.docs.append(LazyShard(self.store, names[1], n_docs + 1, np.int64))
+            else:
+                self.tokens.append(self.store.array(names[0], n_tokens))
+                self.docs.append(self.store.array(names[1], n_docs + 1))
+
+    def shard_files(self, shard: int) -> list[str]:
+        """The file names of shard `shard` (what a prefetch asks the store for)."""
+        info = self.meta["splits"][self.split][shard]
+        return [info["tokens"], info["docs"]]
 
     @property
     def n_tokens(self) -> int:
@@ -190,9 +216,19 @@ def read_meta(shard_dir: str | Path) -> dict:
     if not path.is_file():
         raise DataError(f"{shard_dir} is not a kiln shard directory (no meta.json)")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    return parse_meta(text, path)
+
+
+def parse_meta(text: str, path: str | Path) -> dict:
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise DataError(f"{path}: expected format {FORMAT!r} version {VERSION}, got "
                         f"{meta.get('format')!r} version {meta.get('version')}")

@@ -22,6 +22,8 @@ from kiln.config import JobConfig, to_toml
 from kiln.data.raw_to_shards import prepare_shards
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
+from kiln.data.mixture import MixtureWindows
+from kiln.data.storage import open_store
 from kiln.errors import KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
@@ -70,6 +72,19 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, type(getattr(self, key))(value))
+
+
+def build_mixture(cfg: JobConfig, reference: ShardSet) -> MixtureWindows:
+    """data.mixture's shard directories as one weighted MixtureWindows (same tokenizer required)."""
+    sources = []
+    for i, url in enumerate(cfg.data.mixture):
+        shards = ShardSet(url, "train", open_store(url, cfg.data))
+        if (shards.vocab_size, shards.eos_id) != (reference.vocab_size, reference.eos_id):
+            raise KilnError(f"data.mixture[{i}] {url}: vocab {shards.vocab_size} / eos {shards.eos_id} differ from "
+                            f"data.source's {reference.vocab_size} / {reference.eos_id}; tokenize all sources alike")
+        sources.append(TokenWindows(shards, cfg.data.seq_len, doc_starts=cfg.data.windows == "doc_start"))
+    names = [f"mix{i}" for i in range(len(sources))]
+    return MixtureWindows(sources, cfg.data.mixture_weights, seed=cfg.train.seed, names=names)
 
 
 def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Transformer:
@@ -122,8 +137,11 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     _barrier()
     if not dims.is_main:
         shard_dir, tokenizer = prepare_shards(cfg.data, run_dir)
-    train_windows = TokenWindows(ShardSet(shard_dir, "train"), cfg.data.seq_len)
-    val_set = ShardSet(shard_dir, "val")
+    store = open_store(shard_dir, cfg.data)
+    train_windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len,
+                                 doc_starts=cfg.data.windows == "doc_start")
+    mixture = build_mixture(cfg, train_windows.shards) if cfg.data.mixture else None
+    val_set = ShardSet(shard_dir, "val", store)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = train_windows.shards.vocab_size
     elif cfg.model.vocab_size < train_windows.shards.vocab_size:
@@ -142,8 +160,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     context_parallel = ContextParallel(model, dims, cfg.data.seq_len, device)
     optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
-    loader = Loader(train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
-                    dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device)
+    loader = Loader(mixture or train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
+                    dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device, lookahead=cfg.data.lookahead)
     evaluator = Evaluator(PipelineEvalModel(pipeline) if pipeline else model, val_set, tokenizer, cfg, device)
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
@@ -213,7 +231,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
 
     last_loss, last_val, stop_reason = math.nan, math.nan, "completed"
     pending = PendingSteps()
-    window = {"t0": time.perf_counter()}
+    # the first window waits for the loader's first batches: it does not count towards the warning
+    window = {"t0": time.perf_counter(), "warned_at": -10**9, "first": True}
 
     def flush() -> str:
         """Fetch the pending steps' results (one device sync) and write their rows. Returns "ok",
@@ -231,6 +250,20 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         stats = window_stats_over_ranks(elapsed, memory_mb(device), device)
         step_s = stats["window_s"] / len(results)
         tps = tokens_per_step / step_s  # global tokens (all data-parallel ranks) per second
+        wait_share = sum(r.data_wait_s for r in results) / stats["window_s"]
+        warn_every = 10 * cfg.metrics.log_every  # a persistent stall is repeated, not every row
+        first, window["first"] = window["first"], False
+        if cfg.data.wait_warn_fraction and not first and wait_share > cfg.data.wait_warn_fraction \
+                and results[-1].step - window["warned_at"] >= warn_every:
+            window["warned_at"] = results[-1].step
+            metrics.log({"kind": "event", "step": results[-1].step,
+                         "message": f"data wait is {100 * wait_share:.0f}% of step time (over data.wait_warn_fraction="
+                                    f"{cfg.data.wait_warn_fraction}): raise data.prefetch (batches "
+                                    f"ready ahead), data.lookahead and data.fetch_workers (remote shards)"})
+        if mixture is not None:  # the realized mix: exact, from the loader's global position
+            mix = mixture.realized(loader.position)
+            metrics.log({"kind": "mixture", "step": results[-1].step,
+                         **{f"{name}_tokens": m["tokens"] for name, m in mix.items()}})
         for r in results:
             metrics.log({"kind": "train", "step": r.step, "loss": r.loss, "lr": r.lr,
                          "grad_norm": r.grad_norm, "tokens": r.tokens, "tokens_per_s": tps,

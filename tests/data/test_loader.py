@@ -111,3 +111,49 @@ def test_stream_windows_with_a_ragged_tail():
         w.gather(np.arange(3))
     assert len(TokenWindows([ids], 16)) == 2  # full windows only
     assert len(list(eval_batches(TokenWindows([ids], 16), 1, 5))) == 2
+
+
+def doc_shards(tmp_path, lengths):
+    w = ShardWriter(tmp_path, "train", vocab_size=1000, eos_id=999, shard_tokens=200)
+    rng = np.random.default_rng(1)
+    for n in lengths:
+        w.add(rng.integers(0, 999, n))
+    w.finish()
+    write_meta(tmp_path, [w])
+    return ShardSet(tmp_path, "train")
+
+
+def test_doc_start_windows_begin_at_documents(tmp_path):
+    shards = doc_shards(tmp_path, [5, 40, 3, 70, 12, 9, 33, 50, 8, 61])
+    w = TokenWindows(shards, seq_len=16, doc_starts=True)
+    stream, start = w._locate(np.arange(len(w)))
+    for s, a in zip(stream.tolist(), start.tolist()):
+        docs = np.asarray(shards.docs[s])
+        doc = np.searchsorted(docs, a, side="right") - 1
+        assert (a - docs[doc]) % 16 == 0  # a document start, or a whole number of windows into one
+        assert a + 17 <= shards.tokens[s].shape[0]
+    # every document start that leaves room for a full window is one
+    room = {(s, int(a)) for s, (d, t) in enumerate(zip(shards.docs, shards.tokens))
+            for a in np.asarray(d)[:-1] if a + 17 <= t.shape[0]}
+    assert room and room <= set(zip(stream.tolist(), start.tolist()))
+    x, y = Loader(w, 4, seed=0).next()
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_doc_start_windows_resume_across_dp_sizes(tmp_path):
+    w = TokenWindows(doc_shards(tmp_path, [30 + 7 * i for i in range(20)]), seq_len=8, doc_starts=True)
+    full = take(Loader(w, 4, seed=2), 12)  # one rank, 4 per step
+    halves = [Loader(w, 2, seed=2, dp_rank=r, dp_size=2) for r in range(2)]
+    for h in halves:
+        take(h, 5)
+    state = halves[0].state_dict()
+    resumed = Loader(w, 4, seed=0)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(full[5:], take(resumed, 7)))
+
+
+def test_corrupted_document_index_names_the_file(tmp_path):
+    shards = doc_shards(tmp_path, [20, 30, 40])
+    np.save(tmp_path / "train-00000.docs.npy", np.array([0, 50, 30, 93], dtype=np.int64))
+    with pytest.raises(DataError, match=r"train-00000\.docs\.npy: corrupted document index"):
+        TokenWindows(ShardSet(tmp_path, "train"), seq_len=8, doc_starts=True)

@@ -1,0 +1,223 @@
+"""Shards on S3-compatible storage: a real moto server on loopback, spoken to over HTTP by s3fs."""
+
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.data.loader import Loader, TokenWindows
+from kiln.data.shards import ShardSet, ShardWriter, write_meta
+from kiln.data.storage import ShardCache, ShardStore
+from kiln.errors import DataError
+
+moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("s3fs")
+
+BUCKET = "kiln-test"
+
+
+def start_server():
+    """A moto S3 server bound to 127.0.0.1 on a free port, and s3fs options to reach it."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    opts = {"endpoint_url": f"http://127.0.0.1:{server._server.server_port}", "key": "testing",
+            "secret": "testing", "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1,
+                                                   "read_timeout": 2}}
+    return server, opts
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    server, opts = start_server()
+    yield opts
+    server.stop()
+
+
+def bucket_fs(opts):
+    import s3fs
+
+    # moto keeps its buckets per process: start every test from an empty store
+    urllib.request.urlopen(urllib.request.Request(f"{opts['endpoint_url']}/moto-api/reset", method="POST"))
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    fs.mkdir(BUCKET)
+    return fs
+
+
+@pytest.fixture()
+def s3(s3_server):
+    return None, bucket_fs(s3_server), s3_server
+
+
+def write_shards(path, n_docs=12, shard_tokens=300):
+    w = ShardWriter(path, "train", vocab_size=1000, eos_id=999, shard_tokens=shard_tokens)
+    rng = np.random.default_rng(0)
+    for _ in range(n_docs):
+        w.add(rng.integers(0, 999, 99))
+    w.finish()
+    write_meta(path, [w])
+    return path
+
+
+def upload(fs, local, prefix="shards"):
+    for f in sorted(local.iterdir()):
+        fs.put_file(str(f), f"{BUCKET}/{prefix}/{f.name}")
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def store(url, opts, cache_dir, **kw):
+    kw.setdefault("retries", 1)
+    kw.setdefault("backoff_s", 0.01)
+    return ShardStore(url, cache_dir=cache_dir, storage_options=opts, **kw)
+
+
+def batches(shards, n, **kw):
+    loader = Loader(TokenWindows(shards, seq_len=16), 4, seed=5, **kw)
+    try:
+        return [loader.next()[0] for _ in range(n)]
+    finally:
+        loader.close()
+
+
+def test_s3_and_local_give_identical_batches_with_a_small_cache(s3, tmp_path):
+    _, fs, opts = s3
+    local = write_shards(tmp_path / "local")
+    url = upload(fs, local)
+    shard_bytes = max(f.stat().st_size for f in local.glob("*.tokens.npy"))
+    remote = ShardSet(url, "train", store(url, opts, tmp_path / "cache", cache_bytes=3 * shard_bytes))
+    assert len(remote.tokens) >= 4  # the dataset is larger than the cache
+    want = batches(ShardSet(local, "train"), 40)  # > 1 epoch
+    got = batches(remote, 40, lookahead=2)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    cache = remote.store.cache
+    assert cache.evictions > 0 and cache.used_bytes <= cache.max_bytes
+    assert len(list((tmp_path / "cache").glob("*.cached"))) == len(cache.policy.sizes) + len(cache.scratch)
+
+
+def test_parallel_range_download_reassembles_the_file(s3, tmp_path):
+    _, fs, opts = s3
+    local = write_shards(tmp_path / "local", n_docs=30, shard_tokens=10_000)
+    url = upload(fs, local)
+    st = store(url, opts, tmp_path / "cache", range_bytes=1000)
+    name = "train-00000.tokens.npy"
+    assert (local / name).stat().st_size > 3000  # several ranges
+    assert st.local_path(name).read_bytes() == (local / name).read_bytes()
+
+
+def test_prefetch_fills_the_cache_before_the_read(s3, tmp_path):
+    _, fs, opts = s3
+    url = upload(fs, write_shards(tmp_path / "local"))
+    st = store(url, opts, tmp_path / "cache")
+    names = ["train-00001.tokens.npy", "train-00002.tokens.npy"]
+    st.prefetch(names)
+    st._pool.shutdown(wait=True)  # wait for the downloads
+    misses = st.cache.misses
+    for name in names:
+        assert st.cache.lookup(f"{url}/{name}") is not None
+    assert st.cache.misses == misses
+
+
+def test_missing_shard_names_the_file(s3, tmp_path):
+    _, fs, opts = s3
+    url = upload(fs, write_shards(tmp_path / "local"))
+    fs.rm(f"{BUCKET}/shards/train-00001.tokens.npy")
+    shards = ShardSet(url, "train", store(url, opts, tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"train-00001\.tokens\.npy.*after 2 attempts"):
+        shards.tokens[1][0:4]
+
+
+def test_truncated_and_corrupted_shards_are_refused(s3, tmp_path):
+    _, fs, opts = s3
+    local = write_shards(tmp_path / "local")
+    url = upload(fs, local)
+    data = (local / "train-00000.tokens.npy").read_bytes()
+    fs.pipe_file(f"{BUCKET}/shards/train-00000.tokens.npy", data[:len(data) - 20])
+    fs.pipe_file(f"{BUCKET}/shards/train-00001.docs.npy", b"\x93NUMPY garbage")
+    shards = ShardSet(url, "train", store(url, opts, tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"train-00000\.tokens\.npy: cannot read shard"):
+        shards.tokens[0][0:4]
+    with pytest.raises(DataError, match=r"train-00001\.docs\.npy: cannot read shard"):
+        shards.docs[1][0:2]
+
+
+def test_local_truncated_shard_is_refused(tmp_path):
+    local = write_shards(tmp_path / "local")
+    f = local / "train-00000.tokens.npy"
+    f.write_bytes(f.read_bytes()[:-20])
+    with pytest.raises(DataError, match=r"train-00000\.tokens\.npy"):
+        ShardSet(local, "train")
+
+
+def test_hostile_meta_cannot_name_files_outside_the_directory(s3, tmp_path):
+    _, fs, opts = s3
+    local = write_shards(tmp_path / "local")
+    meta = (local / "meta.json").read_text().replace('"train-00000.tokens.npy"', '"../secret.npy"')
+    (local / "meta.json").write_text(meta)
+    with pytest.raises(DataError, match="plain names"):
+        ShardSet(local, "train")
+    url = upload(fs, local)
+    with pytest.raises(DataError, match="plain names"):
+        ShardSet(url, "train", store(url, opts, tmp_path / "cache"))
+
+
+def test_endpoint_gone_mid_epoch_is_an_error_naming_the_shard(tmp_path):
+    server, opts = start_server()  # its own server, since the test stops it
+    fs = bucket_fs(opts)
+    url = upload(fs, write_shards(tmp_path / "local"))
+    shards = ShardSet(url, "train", store(url, opts, tmp_path / "cache"))
+    shards.tokens[0][0:4]  # read while the server is up
+    server.stop()
+    with pytest.raises(DataError, match=r"train-00002\.tokens\.npy"):
+        shards.tokens[2][0:4]
+    assert np.asarray(shards.tokens[0][0:4]).shape == (4,)  # what is cached still reads
+
+
+def test_transient_failures_are_retried(s3, tmp_path):
+    _, fs, opts = s3
+    url = upload(fs, write_shards(tmp_path / "local"))
+    st = store(url, opts, tmp_path / "cache", retries=3)
+    real, fails = st.fs.cat_file, [2]
+
+    def flaky(*a, **k):
+        if fails[0]:
+            fails[0] -= 1
+            raise ConnectionError("injected")
+        return real(*a, **k)
+
+    st.fs.cat_file = flaky
+    assert st.local_path("train-00000.tokens.npy").stat().st_size > 0 and fails[0] == 0
+
+
+def test_cache_bound_and_restart(tmp_path):
+    cache = ShardCache(tmp_path, max_bytes=250)
+    for i in range(4):
+        cache.path(f"u{i}").write_bytes(b"x" * 100)
+        cache.admit(f"u{i}", 100)
+    assert cache.used_bytes == 200 and cache.evictions == 2
+    assert cache.lookup("u0") is None and cache.lookup("u3") is not None
+    assert ShardCache(tmp_path, max_bytes=250).used_bytes == 200  # a restarted run reuses the cache
+
+
+def test_training_reads_shards_from_s3(s3, tmp_path, text_file, monkeypatch):
+    """`data.source = "s3://..."`: train from the loopback server, through a small shard cache."""
+    import json
+
+    from conftest import tiny_overrides
+    from kiln.config import load_config
+    from kiln.data.raw_to_shards import prepare_shards
+    from kiln.train.trainer import train
+
+    _, fs, opts = s3
+    cfg = load_config(None, tiny_overrides(text_file, **{"train.steps": 3, "train.eval_every": 3,
+                                                          "checkpoint.every": 0}))
+    cfg.data.shards_dir = str(tmp_path / "local")
+    prepare_shards(cfg.data, tmp_path)
+    url = upload(fs, tmp_path / "local")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    cfg.data.source, cfg.data.cache_dir, cfg.data.fetch_retries = url, str(tmp_path / "cache"), 1
+    train(cfg, tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2, 3]
+    assert list((tmp_path / "cache").glob("*.cached"))
