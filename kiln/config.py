@@ -499,15 +499,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg.validate()
 
 
+def fill_section(cfg: Any, name: str, values: Any, sections: Any, source: str, extra: tuple[str, ...] = ()) -> None:
+    """Fill the dataclass section `name` of `cfg` from a TOML table; unknown sections and non-tables
+    are one-line errors (`extra` names further sections the caller handles itself)."""
+    if name not in sections:
+        raise ConfigError(f"{source}: unknown section [{shown(name)}]; expected one of {sorted(sections) + list(extra)}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: [{name}] must be a table of keys")
+    set_fields(getattr(cfg, name), values, source, f"{name}.")
+
+
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> JobConfig:
     cfg = JobConfig()
     sections = {f.name for f in dataclasses.fields(JobConfig)}
     for name, values in raw.items():
-        if name not in sections:
-            raise ConfigError(f"{source}: unknown section [{shown(name)}]; expected one of {sorted(sections)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: [{name}] must be a table of keys")
-        set_fields(getattr(cfg, name), values, source, f"{name}.")
+        fill_section(cfg, name, values, sections, source)
     return cfg
 
 

@@ -26,7 +26,7 @@ from kiln.config import JobConfig
 from kiln.errors import ConfigError
 from kiln.model.loss import lm_loss
 from kiln.model.transformer import Transformer
-from kiln.train.step import skips_on_device
+from kiln.train.step import step_unless
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
@@ -293,11 +293,5 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     if clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
     skipped = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    if skips_on_device(optimizer):
-        optimizer.found_inf, optimizer.grad_scale = skipped.float(), None
-        optimizer.step()
-        optimizer.found_inf = None
-    elif not bool(skipped):  # host sync: this optimizer cannot skip on the device
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    step_unless(optimizer, skipped)
     return loss, grad_norm, skipped

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.config import (MAX_VOCAB, check_fields, fill_dataclass, parse_override, ranged, read_toml, set_fields,
-                         shown)
+from kiln.config import (MAX_VOCAB, check_fields, fill_dataclass, fill_section, parse_override, ranged, read_toml,
+                         set_fields)
 from kiln.errors import ConfigError
 from kiln.prep.base import STEP_TYPES, Step
 from kiln.prep.readers import ReaderConfig
@@ -160,11 +160,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> PrepConfig:
                 cfg.steps.append(step)
                 cfg.step_tables.append(dict(table))
             continue
-        if name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{shown(name)}]; expected one of {sorted(SECTIONS) + ['[[step]]']}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: [{name}] must be a table of keys")
-        set_fields(getattr(cfg, name), values, source, f"{name}.")
+        fill_section(cfg, name, values, SECTIONS, source, extra=("[[step]]",))
     return cfg
 
 

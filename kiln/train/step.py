@@ -52,14 +52,22 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
     if scaler:  # the scaler skips non-finite steps itself and lowers its scale
         scaler.step(optimizer)
         scaler.update()
-    elif skips_on_device(optimizer):
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        step_unless(optimizer, skipped)
+    return total, grad_norm, skipped
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> None:
+    """optimizer.step() unless `skipped` (a device bool): on the device where the optimizer can
+    (found_inf), else after one host check; then zero the gradients."""
+    if skips_on_device(optimizer):
         optimizer.found_inf, optimizer.grad_scale = skipped.float(), None
         optimizer.step()
         optimizer.found_inf = None
     elif not bool(skipped):  # host sync: this optimizer cannot skip on the device
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm, skipped
 
 
 @dataclass
