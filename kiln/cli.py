@@ -23,6 +23,7 @@ COMMANDS = {
     "sweep": "short-run hyperparameter search",
     "export": "export a run as a Hugging Face transformers model (--to hf)",
     "import-hf": "turn a local Hugging Face Llama or GPT-2 model into a kiln run",
+    "unlearn": "remove memorized sequences from a run by gradient ascent, into a new run",
 }
 
 
