@@ -25,6 +25,7 @@ COMMANDS = {
     "export": "export a run as a Hugging Face transformers model (--to hf)",
     "import-hf": "turn a local Hugging Face Llama or GPT-2 model into a kiln run",
     "plan": "what to train and how: compute-optimal size, fastest layout that fits, checkpoint interval, cost",
+    "unlearn": "remove memorized sequences from a run by gradient ascent, into a new run",
 }
 
 

@@ -181,6 +181,14 @@ class DataConfig:
     fetch_retries: int = ranged(4, ge=0, le=100)  # per request, with exponential backoff
     lookahead: int = ranged(16, ge=0, le=100_000)  # batches whose shards are fetched ahead
 
+    # Privacy canaries (kiln/privacy/canaries.py, docs/privacy.md): this many random secrets
+    # "my code is 7-3-9-..." of canary_digits digits, each inserted canary_repeats times into the
+    # training documents and recorded in RUN_DIR/canaries.jsonl (with as many held-out ones).
+    canaries: int = ranged(0, ge=0, le=10_000)
+    canary_repeats: int = ranged(10, gt=0, le=100_000)
+    canary_digits: int = ranged(6, ge=1, le=18)
+    canary_seed: int = ranged(0, ge=0)
+
     def validate(self) -> None:
         check_fields(self, "data.")
         if len(self.mixture) != len(self.mixture_weights):
@@ -189,6 +197,9 @@ class DataConfig:
         if self.mixture and (any(not w >= 0 for w in self.mixture_weights) or sum(self.mixture_weights) <= 0):
             raise ConfigError(f"data.mixture_weights={self.mixture_weights}: expected weights >= 0 with a "
                               f"positive sum")
+        if 2 * self.canaries > 10 ** self.canary_digits:
+            raise ConfigError(f"data.canaries={self.canaries} needs 2x that many distinct secrets; "
+                              f"data.canary_digits={self.canary_digits} allows {10 ** self.canary_digits}")
         if self.tokenizer == "bpe" and self.vocab_size < 257:
             raise ConfigError(f"data.vocab_size={self.vocab_size} must be > 256 for a BPE tokenizer")
 

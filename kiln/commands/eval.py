@@ -54,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     robust.add_argument("--robustness", nargs="?", const="default", metavar="SPECS",
                         help="comma list such as upper,typos:0.05 (default set when given bare); "
                              "scores --data or the run's validation text")
+    mem = p.add_argument_group("memorization (exposure, extraction likelihood, memorization accuracy)")
+    mem.add_argument("--memorization", action="store_true",
+                     help="measure memorization of --sequences against their held-out rows")
+    mem.add_argument("--sequences", metavar="FILE",
+                     help="JSONL rows {text[, heldout, prefix, secret, digits]}; default RUN/canaries.jsonl")
+    mem.add_argument("--candidates", type=int, default=D.candidates, help="random canaries per exposure rank")
+    mem.add_argument("--ngram", type=int, default=D.ngram, help="n of the extraction likelihood n-gram overlap")
+    mem.add_argument("--el-stride", type=int, default=D.el_stride, help="extraction likelihood: every Nth prefix")
     harness = p.add_argument_group("lm-evaluation-harness")
     harness.add_argument("--lm-eval", metavar="TASKS", help="comma list of lm-eval task names")
     harness.add_argument("--lm-eval-include", nargs="+", metavar="PATH", help="directories of local task YAMLs")

@@ -20,6 +20,7 @@ from kiln.data.shards import ShardInfo, ShardWriter, is_shard_dir, read_meta, wr
 from kiln.data.storage import is_url, open_store
 from kiln.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
 from kiln.errors import DataError
+from kiln.privacy.canaries import CANARY_FILE, canary_docs, interleave, make_canaries, write_record
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -27,6 +28,8 @@ TOKENIZER_FILE = "tokenizer.json"
 def data_fingerprint(cfg: DataConfig) -> str:
     """The settings that shape the shards plus `files_fingerprint` of the source files."""
     keys = ("source", "glob", "text_field", "max_bytes", "tokenizer", "vocab_size", "val_fraction")
+    if cfg.canaries:  # only then, so runs without canaries keep their earlier fingerprints
+        keys += ("canaries", "canary_repeats", "canary_digits", "canary_seed")
     settings = {k: getattr(cfg, k) for k in keys}
     settings["files"] = files_fingerprint([p for p, _ in source_files(cfg.source, cfg.glob)])
     if cfg.tokenizer not in ("bpe", "byte"):  # a tokenizer.json given by path is an input too
@@ -40,10 +43,17 @@ def prepare_shards(cfg: DataConfig, run_dir: Path, log=print) -> tuple[Path, Tok
     if is_url(cfg.source):  # shards on object storage: the tokenizer comes through the shard cache
         return cfg.source, load_tokenizer(open_store(cfg.source, cfg).local_path(TOKENIZER_FILE))
     if is_shard_dir(cfg.source):
+        if cfg.canaries:
+            raise DataError(f"data.canaries={cfg.canaries}: data.source {cfg.source} is already tokenized; "
+                            f"insert canaries with the prep step `canaries` instead")
         shard_dir = Path(cfg.source)
         return shard_dir, load_tokenizer(shard_dir / TOKENIZER_FILE)
     shard_dir = Path(cfg.shards_dir) if cfg.shards_dir else run_dir / "data"
     fingerprint = data_fingerprint(cfg)
+    canaries = []
+    if cfg.canaries:  # the record goes to the run directory, never into the shards' meta.json
+        canaries = make_canaries(cfg.canaries, cfg.canary_repeats, cfg.canary_digits, cfg.canary_seed)
+        write_record(run_dir / CANARY_FILE, canaries)
     if is_shard_dir(shard_dir) and read_meta(shard_dir).get("fingerprint") == fingerprint:
         return shard_dir, load_tokenizer(shard_dir / TOKENIZER_FILE)
     if shard_dir.exists():  # stale (other settings or files) or half-written: rebuild from scratch
@@ -62,6 +72,9 @@ def prepare_shards(cfg: DataConfig, run_dir: Path, log=print) -> tuple[Path, Tok
         tokenizer = build_tokenizer(cfg.tokenizer, cfg.vocab_size, (d.text for d in corpus.train))
     except DataError as e:  # name the key that pointed at the file
         raise DataError(f"data.tokenizer: {e}") from None
+    if canaries:  # after the tokenizer is built, so its vocabulary learns nothing from the secrets
+        corpus.train = interleave(corpus.train, canary_docs(canaries, cfg.canary_seed), cfg.canary_seed)
+        log(f"canaries: {cfg.canaries} x {cfg.canary_repeats} inserted, recorded in {run_dir / CANARY_FILE}")
     shard_dir.mkdir(parents=True, exist_ok=True)
     for d in corpus.train:
         d.meta["split"] = "train"

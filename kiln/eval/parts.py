@@ -55,6 +55,11 @@ class EvalOptions:
     lm_eval_include: list[str] | None = None
     limit: float | None = None
     num_fewshot: int | None = None
+    memorization: bool = False
+    sequences: str | None = None  # JSONL of sequences to measure; None: RUN_DIR/canaries.jsonl
+    candidates: int = 1000  # random canaries ranked against each true one (exposure)
+    ngram: int = 5  # n of extraction likelihood's n-gram overlap
+    el_stride: int = 1  # extraction likelihood: every stride-th prefix
 
     @classmethod
     def from_namespace(cls, ns: Any) -> "EvalOptions":
@@ -63,7 +68,7 @@ class EvalOptions:
     def validate(self) -> None:
         """Raise a KilnError (naming the flag) for any setting out of range."""
         for key in ("batch_size", "max_new_tokens", "n_samples", "passk_max_new_tokens", "sample_memory_mb",
-                    "workers"):
+                    "workers", "candidates", "ngram", "el_stride"):
             if getattr(self, key) <= 0:
                 raise KilnError(f"--{key.replace('_', '-')}={getattr(self, key)} must be > 0")
         if self.max_tokens < 0:
@@ -108,11 +113,11 @@ def wanted_parts(options: EvalOptions) -> list[str]:
     """The parts the options ask for, in run order."""
     wanted = {"perplexity": not options.skip_perplexity, "generation": bool(options.gen_file),
               "passk": bool(options.passk_file), "robustness": bool(options.robustness),
-              "lm_eval": bool(options.lm_eval)}
+              "lm_eval": bool(options.lm_eval), "memorization": options.memorization}
     names = [name for name in PARTS if wanted.get(name)]
     if not names:
         raise KilnError("nothing to evaluate: --skip-perplexity needs --gen-file, --passk-file, "
-                        "--robustness or --lm-eval")
+                        "--robustness, --lm-eval or --memorization")
     return names
 
 
@@ -298,3 +303,26 @@ def lm_eval(loaded: LoadedRun, options: EvalOptions) -> dict:
     limit = int(options.limit) if options.limit is not None and options.limit >= 1 else options.limit
     return run_lm_eval(loaded, tasks, include_path=options.lm_eval_include, limit=limit,
                        batch_size=options.batch_size, num_fewshot=options.num_fewshot)
+
+
+@eval_part("memorization")
+def memorization(loaded: LoadedRun, options: EvalOptions) -> dict:
+    """Exposure, extraction likelihood and memorization accuracy of --sequences (default: the run's
+    canaries.jsonl), next to the same metrics on its held-out rows (kiln.privacy.metrics)."""
+    from kiln.privacy.canaries import CANARY_FILE
+    from kiln.privacy.metrics import sequence_metrics, summarize
+    from kiln.privacy.sequences import read_sequences, split_heldout
+
+    path = Path(options.sequences) if options.sequences else loaded.run_dir / CANARY_FILE
+    if options.sequences is None and not path.is_file():
+        raise KilnError(f"{loaded.run_dir} has no {CANARY_FILE} (trained without data.canaries); "
+                        f"pass --sequences FILE")
+    rows = read_sequences(path, loaded.tokenizer, loaded.config.model.max_seq_len)
+    seen, heldout = split_heldout(rows)
+    kwargs = dict(ngram=options.ngram, stride=options.el_stride, candidates=options.candidates, seed=options.seed)
+    seen_items = sequence_metrics(loaded.model, loaded.tokenizer, seen, **kwargs)
+    heldout_items = sequence_metrics(loaded.model, loaded.tokenizer, heldout, **kwargs)
+    return {"file": str(path), "ngram": options.ngram, "candidates": options.candidates,
+            "sequences": summarize(seen_items), "heldout": summarize(heldout_items),
+            "per_sequence": [{"where": r["where"], "heldout": bool(r.get("heldout")), **m}
+                             for r, m in zip(seen + heldout, seen_items + heldout_items)]}

@@ -143,7 +143,8 @@ def _chain(docs: Iterator[Doc], steps: list[Step], ctx: StepContext, plan: Plan)
 
 def _check_accounting(stats: dict[str, dict[str, Any]], where: str) -> None:
     for name, s in stats.items():
-        if "docs_in" in s and s["docs_in"] != s["docs_kept"] + sum(s["dropped"].values()):
+        added = s.get("info", {}).get("docs_added", 0)  # steps that insert documents (canaries) say so
+        if "docs_in" in s and s["docs_in"] + added != s["docs_kept"] + sum(s["dropped"].values()):
             raise RuntimeError(f"{where}: step {name!r} took {s['docs_in']} documents, kept {s['docs_kept']} "
                                f"and accounted for {sum(s['dropped'].values())} drops; a step lost documents")
 

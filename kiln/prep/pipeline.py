@@ -31,7 +31,7 @@ from kiln.prep.writers import DOC_FORMATS
 
 # Modules whose import registers step types; the dedup subpackage is optional in a build.
 STEP_MODULES = ("kiln.prep.normalize", "kiln.prep.quality", "kiln.prep.fineweb", "kiln.prep.language",
-                "kiln.prep.pii", "kiln.prep.dedup")
+                "kiln.prep.pii", "kiln.prep.dedup", "kiln.prep.canaries")
 
 
 @dataclass

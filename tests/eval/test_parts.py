@@ -14,7 +14,7 @@ from kiln.eval.results import earlier_parts, summary_rows
 
 
 def test_registry_order_and_selection():
-    assert list(PARTS) == ["perplexity", "generation", "passk", "robustness", "lm_eval"]
+    assert list(PARTS) == ["perplexity", "generation", "passk", "robustness", "lm_eval", "memorization"]
     assert wanted_parts(EvalOptions("r")) == ["perplexity"]
     both = EvalOptions("r", lm_eval="x", gen_file="g.jsonl", skip_perplexity=True)
     assert wanted_parts(both) == ["generation", "lm_eval"]

@@ -1,0 +1,137 @@
+"""`kiln unlearn RUN --forget FILE [--retain FILE] [--chunk K]`: remove memorized sequences from a
+trained run by gradient ascent (kiln.privacy.unlearn), into a NEW run directory.
+
+The original run is only read (kiln.eval.load.load_run). The unlearned weights go to OUT (default
+RUN-unlearned) through CheckpointManager.save, with config.toml, tokenizer.json, the canary record
+if any, and OUT/reports/unlearning.json (metrics before/after per chunk, validation loss before
+and after). Nothing is written to OUT before unlearning succeeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import fields
+from pathlib import Path
+
+from kiln.errors import KilnError
+from kiln.privacy.unlearn import UnlearnOptions
+
+D = UnlearnOptions()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN", help="trained run directory (read only)")
+    p.add_argument("--forget", required=True, metavar="FILE",
+                   help="JSONL rows {text[, heldout, prefix, secret, digits]}; rows with heldout=true are the "
+                        "'never seen' reference (a run's canaries.jsonl has both)")
+    p.add_argument("--heldout", metavar="FILE", help="more held-out reference rows (same format)")
+    p.add_argument("--retain", metavar="FILE", help="UTF-8 text to keep the model's quality on (regularizer)")
+    p.add_argument("--retain-loss", choices=("lm", "kl"), default=D.retain_loss,
+                   help="retain term: LM loss, or KL divergence from the original model")
+    p.add_argument("--retain-weight", type=float, default=D.retain_weight)
+    p.add_argument("--chunk", type=int, default=D.chunk, help="forget sequences per sequential chunk (0: all at once)")
+    p.add_argument("--lr", type=float, default=D.lr)
+    p.add_argument("--max-steps", type=int, default=D.max_steps, help="step budget per chunk")
+    p.add_argument("--check-every", type=int, default=D.check_every)
+    p.add_argument("--margin", type=float, default=D.margin,
+                   help="stop a chunk when its EL and MA are <= the held-out reference + this")
+    p.add_argument("--exposure-margin", type=float, default=D.exposure_margin,
+                   help="canaries: also stop only when exposure is <= the held-out canaries' + this (bits)")
+    p.add_argument("--force", action="store_true", help="unlearn even when the forget set does not look memorized")
+    p.add_argument("--out", metavar="DIR", help="new run directory (default RUN-unlearned); must not exist")
+    p.add_argument("--step", type=int, help="checkpoint to start from (default: latest)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--val-tokens", type=int, default=20000, help="validation tokens scored before/after (0: all)")
+    p.add_argument("--ngram", type=int, default=D.ngram)
+    p.add_argument("--candidates", type=int, default=D.candidates)
+    p.add_argument("--seed", type=int, default=D.seed)
+
+
+def options_from(args: argparse.Namespace) -> UnlearnOptions:
+    opts = UnlearnOptions(**{f.name: getattr(args, f.name) for f in fields(UnlearnOptions) if hasattr(args, f.name)})
+    for key in ("max_steps", "check_every", "ngram", "candidates"):
+        if getattr(opts, key) <= 0:
+            raise KilnError(f"--{key.replace('_', '-')}={getattr(opts, key)} must be > 0")
+    if opts.chunk < 0:
+        raise KilnError(f"--chunk={opts.chunk} must be >= 0 (0: all at once)")
+    if not opts.lr > 0 or opts.margin < 0 or opts.exposure_margin < 0 or opts.retain_weight < 0:
+        raise KilnError("--lr must be > 0; --margin, --exposure-margin and --retain-weight >= 0")
+    return opts
+
+
+def retain_windows(path: str, tokenizer, seq_len: int) -> list[list[int]]:
+    """Non-overlapping windows of seq_len + 1 tokens of a UTF-8 text file."""
+    file = Path(path)
+    if not file.is_file():
+        raise KilnError(f"--retain {file} not found (expected a UTF-8 text file)")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise KilnError(f"--retain {file}: not UTF-8 text ({e})") from None
+    ids = tokenizer.encode(text)
+    windows = [ids[i:i + seq_len + 1] for i in range(0, len(ids) - seq_len, seq_len)]
+    if not windows:
+        raise KilnError(f"--retain {file}: {len(ids)} tokens, fewer than one window of {seq_len + 1}")
+    return windows
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState
+    from kiln.eval.load import load_run
+    from kiln.eval.parts import EvalOptions, PARTS, _seq_len, _shard_dir
+    from kiln.io import atomic_write_json
+    from kiln.privacy.canaries import CANARY_FILE
+    from kiln.privacy.sequences import read_sequences, split_heldout
+    from kiln.privacy.unlearn import unlearn
+    from kiln.train.run_files import write_run_files
+
+    opts = options_from(args)
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir.parent / f"{run_dir.name}-unlearned"
+    if out.exists() and any(out.iterdir()):
+        raise KilnError(f"--out {out} already exists and is not empty; unlearning writes a new run directory")
+    loaded = load_run(run_dir, args.step, args.device)
+    max_len = loaded.config.model.max_seq_len
+    forget, heldout = split_heldout(read_sequences(args.forget, loaded.tokenizer, max_len))
+    if args.heldout:
+        heldout += read_sequences(args.heldout, loaded.tokenizer, max_len)
+    if not forget:
+        raise KilnError(f"--forget {args.forget}: every row is heldout=true; nothing to forget")
+    if not heldout:
+        raise KilnError(f"--forget {args.forget}: no held-out reference rows (\"heldout\": true); add some "
+                        f"or pass --heldout FILE with sequences of the same source the model never saw")
+    seq_len = _seq_len(loaded, EvalOptions(run_dir=str(run_dir)))
+    retain = retain_windows(args.retain, loaded.tokenizer, seq_len) if args.retain else []
+    val_options = EvalOptions(run_dir=str(run_dir), device=args.device, max_tokens=args.val_tokens)
+    val_before = PARTS["perplexity"](loaded, val_options)
+
+    report = unlearn(loaded.model, loaded.tokenizer, forget, heldout, retain, opts)
+    if report["status"] == "not_memorized":
+        b, r = report["forget_before"], report["heldout_reference"]
+        raise KilnError(f"--forget {args.forget}: these sequences do not look memorized (EL {b['el']:.3f}, MA "
+                        f"{b['ma']:.3f} vs never-seen EL {r['el']:.3f}, MA {r['ma']:.3f}, within the margins); "
+                        f"nothing was changed or written (--force unlearns anyway)")
+    val_after = PARTS["perplexity"](loaded, val_options)
+    report.update({"run_dir": str(run_dir), "step": loaded.step, "forget_file": str(args.forget),
+                   "retain_file": args.retain, "val_before": val_before, "val_after": val_after})
+
+    cfg = loaded.config
+    if not cfg.data.shards_dir:  # the new run scores the original run's validation shards
+        try:
+            cfg.data.shards_dir = str(_shard_dir(loaded).resolve())
+        except KilnError:
+            pass
+    write_run_files(out, cfg, loaded.tokenizer, fresh=True)
+    if (run_dir / CANARY_FILE).is_file():
+        shutil.copyfile(run_dir / CANARY_FILE, out / CANARY_FILE)
+    CheckpointManager(out / "checkpoints").save(loaded.step, {"app": ModelOptimizerState(loaded.model)},
+                                                {"unlearning.json": json.dumps(report, indent=1)})
+    atomic_write_json(out / "reports" / "unlearning.json", report, indent=1)
+    fb, fa = report["forget_before"], report["forget_after"]
+    print(f"forget set EL {fb['el']:.3f} -> {fa['el']:.3f}, MA {fb['ma']:.3f} -> {fa['ma']:.3f}"
+          + (f", exposure {fb['exposure']:.2f} -> {fa['exposure']:.2f}" if "exposure" in fb else "")
+          + f"; validation loss {val_before['loss']:.4f} -> {val_after['loss']:.4f} ({report['status']})")
+    print(f"unlearned run: {out}  report: {out / 'reports' / 'unlearning.json'}")
+    return 0

@@ -1,0 +1,1 @@
+"""Privacy after training: canaries, memorization metrics, unlearning (docs/privacy.md)."""

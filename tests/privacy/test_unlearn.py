@@ -1,0 +1,112 @@
+"""Canaries -> memorization -> `kiln unlearn` end to end on a tiny byte-level model, plus bad input."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.cli import main
+from kiln.config import load_config
+from kiln.data.corpus import stdlib_files
+
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=2", "data.tokenizer=byte", "data.seq_len=64",
+        "model.max_seq_len=64", "train.batch_size=8", "train.steps=250", "train.dtype=fp32",
+        "metrics.progress=none", "train.eval_every=0", "metrics.peak_flops=1e12", "schedule.warmup_steps=10",
+        "checkpoint.every=0", "data.canaries=4", "data.canary_repeats=40", "data.canary_digits=4"]
+CANDIDATES = "300"
+VAL_LOSS_BOUND = 0.15  # stated bound: unlearning raises validation loss by < 15% (relative)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from kiln.train.trainer import train
+
+    root = tmp_path_factory.mktemp("privacy")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(p.read_text(errors="replace") for p in list(stdlib_files())[:6])[:20000])
+    train(load_config(None, TINY + [f"data.source={corpus}"]), root / "run")
+    return root / "run", corpus
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_canaries_are_in_train_tokens_and_recorded_only_in_the_run_dir(run):
+    run_dir, _ = run
+    rows = _rows(run_dir / "canaries.jsonl")
+    assert len(rows) == 8 and sum(r["heldout"] for r in rows) == 4
+    train_bytes = np.concatenate([np.load(p) for p in sorted((run_dir / "data").glob("train-*.tokens.npy"))])
+    val_bytes = np.concatenate([np.load(p) for p in sorted((run_dir / "data").glob("val-*.tokens.npy"))])
+    train_text = bytes(int(t) for t in train_bytes if t < 256).decode("utf-8", "replace")
+    val_text = bytes(int(t) for t in val_bytes if t < 256).decode("utf-8", "replace")
+    for r in rows:
+        assert train_text.count(r["text"]) == (0 if r["heldout"] else 40)
+        assert r["text"] not in val_text
+    for f in (run_dir / "data").iterdir():  # no shard file names or metadata mention a secret
+        if f.suffix == ".json":
+            assert not any(r["secret"] in f.read_text() for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_memorization_eval_then_unlearn_to_the_unseen_level(run, tmp_path):
+    run_dir, corpus = run
+    report = tmp_path / "eval.json"
+    assert main(["eval", str(run_dir), "--memorization", "--skip-perplexity", "--candidates", CANDIDATES,
+                 "--el-stride", "2", "--out", str(report)]) == 0
+    mem = json.loads(report.read_text())["parts"]["memorization"]
+    seen, unseen = mem["sequences"], mem["heldout"]
+    assert seen["exposure"] > unseen["exposure"] + 3  # memorized: well above random
+    assert seen["el"] > unseen["el"] and seen["ma"] > unseen["ma"]
+
+    out = tmp_path / "unlearned"
+    assert main(["unlearn", str(run_dir), "--forget", str(run_dir / "canaries.jsonl"), "--retain", str(corpus),
+                 "--chunk", "2", "--candidates", CANDIDATES, "--val-tokens", "4000", "--out", str(out)]) == 0
+    rep = json.loads((out / "reports" / "unlearning.json").read_text())
+    assert rep["status"] == "done" and len(rep["chunks"]) == 2
+    ref = rep["heldout_reference"]
+    assert rep["forget_after"]["exposure"] <= ref["exposure"] + 1.0  # the unseen level (+1 bit margin)
+    assert rep["forget_after"]["el"] <= ref["el"] + 0.05 and rep["forget_after"]["ma"] <= ref["ma"] + 0.05
+    assert rep["val_after"]["loss"] < rep["val_before"]["loss"] * (1 + VAL_LOSS_BOUND)
+    # A new run that kiln eval loads; the original run is untouched.
+    assert (out / "checkpoints").is_dir() and (out / "canaries.jsonl").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-250"]
+    again = tmp_path / "again.json"
+    assert main(["eval", str(out), "--memorization", "--candidates", CANDIDATES, "--max-tokens", "500",
+                 "--out", str(again)]) == 0
+    after = json.loads(again.read_text())["parts"]["memorization"]["sequences"]
+    assert after["exposure"] == pytest.approx(rep["forget_after"]["exposure"], abs=1e-6)
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_never_memorized_sequences_change_nothing(run, tmp_path, capsys):
+    run_dir, _ = run
+    heldout = [r for r in _rows(run_dir / "canaries.jsonl") if r["heldout"]]
+    fresh = [{**r, "heldout": False} for r in heldout[:2]] + heldout[2:]
+    out = tmp_path / "out"
+    code = main(["unlearn", str(run_dir), "--forget", str(_write(tmp_path / "f.jsonl", fresh)),
+                 "--candidates", CANDIDATES, "--val-tokens", "500", "--out", str(out)])
+    assert code == 2 and "do not look memorized" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "no rows"),
+    (json.dumps({"text": "x" * 200}) + "\n", "longer than the model's context of 64"),
+    (json.dumps({"text": ""}) + "\n", "at least 2 tokens"),
+    (json.dumps({"text": "my code is 1-2", "prefix": "my code is ", "secret": "1-2", "digits": 3}) + "\n",
+     "canary row"),
+])
+def test_bad_forget_files_name_the_problem(run, tmp_path, capsys, content, message):
+    run_dir, _ = run
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    assert main(["unlearn", str(run_dir), "--forget", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(bad) in err
+    assert not (tmp_path / "o").exists()
