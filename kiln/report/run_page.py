@@ -153,7 +153,7 @@ def summarize(m: RunMetrics) -> dict[str, Any]:
         "peak_memory_mb": float(mem.max()) if mem.size else None,
         "wall_time_s": m.wall_s,
         "skipped_steps": int((t["skipped"] == 1).sum()),
-        "checkpoints": len(m.of("checkpoint")),
+        "checkpoints": sum(1 for r in m.of("checkpoint") if r.get("ok", True)),  # failed saves are rows too
         "malformed_lines": len(m.skipped),
     }
 
@@ -208,7 +208,8 @@ def ema(values: list[float], span: float) -> list[float]:
 def build_charts(m: RunMetrics, max_points: int = MAX_POINTS) -> list[Chart]:
     t = m.train
     steps = t["step"].astype(np.int64).tolist()
-    markers = [Marker(r["step"], f"checkpoint step {r['step']}: {r.get('path', '')}") for r in m.of("checkpoint")]
+    markers = [Marker(r["step"], f"checkpoint step {r['step']}: {r.get('path', '')}") for r in m.of("checkpoint")
+               if r.get("ok", True)]
 
     def col(key: str, scale: float = 1.0) -> list[float]:
         return (t[key] * scale).tolist()
