@@ -83,6 +83,8 @@ class ModelShape:
     vocab: int
     tied: bool
     learned_positions_len: int = 0
+    moe_experts: int = 0  # MoE blocks (kiln/model/moe.py): E bias-free experts + a router per block
+    moe_layers: int = 0
 
     @classmethod
     def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
@@ -91,7 +93,8 @@ class ModelShape:
         head = m.dim // m.n_heads
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, kv_dim=(m.n_kv_heads or m.n_heads) * head,
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
-                   tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0)
+                   tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
+                   moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0)
 
     @property
     def layer_params(self) -> int:
@@ -105,7 +108,9 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Parameters of kiln's Transformer (tied embeddings once) - equals count_params(model)."""
-        return self.embedding_params + self.n_layers * self.layer_params + self.dim
+        ffn = (3 if self.gated else 2) * self.dim * self.ffn
+        moe = self.moe_layers * ((self.moe_experts - 1) * ffn + self.moe_experts * self.dim)
+        return self.embedding_params + self.n_layers * self.layer_params + self.dim + moe
 
     def act_bytes_per_token(self, act: int) -> float:
         """Bytes one block keeps for backward per token (see the module docstring)."""
