@@ -151,7 +151,19 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+            backend = "nccl" if device_type == "cuda" else "gloo"
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if restart is None:
+                dist.init_process_group(backend=backend)
+            else:
+                # torchrun's agent hands every attempt the same TCPStore (static and c10d rendezvous
+                # both share theirs with the workers) with no per-attempt prefix, so restarted workers
+                # would read the killed attempt's process-group keys (gloo: its listening addresses,
+                # "connection refused"; nccl: its unique id) and fail or hang. Each attempt gets its
+                # own key space; the store itself comes from torch's env:// rendezvous.
+                store, rank, world = next(dist.rendezvous("env://"))
+                dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                        store=dist.PrefixStore(f"kiln/attempt-{restart}", store))
         dims = [(n, getattr(self, n)) for n in MESH_ORDER if getattr(self, n) > 1]
         if not dims:
             dims = [("dp_shard", 1)]
