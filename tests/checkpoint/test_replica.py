@@ -87,8 +87,15 @@ def test_torchrun_restart_recovers_from_peer_memory(tmp_path, text_file):
         for o in overrides:
             cmd += ["--set", o]
         log = open(tmp_path / f"{run_dir.name}.log", "w")
+        # Its own process group, so a failed test ends the agent and its workers together.
         return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
-                                stderr=subprocess.STDOUT), log
+                                stderr=subprocess.STDOUT, start_new_session=True), log
+
+    def end(agent, log):
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+        log.close()
 
     agent, log = torchrun(run, restarts=1)
     try:
@@ -105,9 +112,7 @@ def test_torchrun_restart_recovers_from_peer_memory(tmp_path, text_file):
             f.unlink()
         rc = agent.wait(timeout=150)
     finally:
-        if agent.poll() is None:
-            agent.kill()
-        log.close()
+        end(agent, log)
     assert rc == 0, (tmp_path / "run.log").read_text()[-3000:]
     recovered = _events(run, "from peer memory for rank(s) 1")
     assert len(recovered) == 1 and int(recovered[0].split()[2]) >= 8, recovered
@@ -115,9 +120,7 @@ def test_torchrun_restart_recovers_from_peer_memory(tmp_path, text_file):
     try:
         assert straight.wait(timeout=120) == 0, (tmp_path / "straight.log").read_text()[-3000:]
     finally:
-        if straight.poll() is None:
-            straight.kill()
-        log.close()
+        end(straight, log)
     expected = {r["step"]: r["loss"] for r in rows(tmp_path / "straight", "train")}
     got = {r["step"]: r["loss"] for r in rows(run, "train")}  # the restart re-logs steps after step 8
     assert sorted(got) == sorted(expected) and max(expected) == 16
