@@ -1,7 +1,6 @@
 """dedup_simhash with `cluster_parts`: same output as scipy's clustering, in-process, through the
 local executor and through Ray (for dedup_minhash too)."""
 
-import json
 import random
 import sys
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, DataError
 from kiln.prep.base import Doc, StepContext
 from kiln.prep.dedup.simhash import SimHashConfig, identical_pairs, near_pairs, table_pairs
 from kiln.prep.dedup.steps import SimHashDedup
@@ -85,8 +84,6 @@ def test_cluster_parts_is_checked():
 
 
 def test_garbled_table_file_is_a_clear_error(tmp_path):
-    from kiln.errors import DataError
-
     step = SimHashDedup(SimHashConfig(cluster_parts=2))
     docs = [Doc(str(i), t) for i, t in enumerate(near_duplicate_corpus(5, n=8))]
     step.index(iter(docs), StepContext(shard_index=0, n_shards=1, work_dir=tmp_path))
@@ -167,3 +164,22 @@ def test_ray_executor_runs_sharded_clustering_like_local(tmp_path):
     for name, parts in (("dedup_minhash", 3), ("dedup_simhash", 2)):
         markers = list((ray_out / ".work").rglob(f"{name}*/components/P{parts}/large000-*.json"))
         assert len(markers) == parts, name
+
+
+def test_rerun_after_interrupted_sharded_prepare_gives_the_same_drops(tmp_path):
+    texts = near_duplicate_corpus(3)
+    shards = [[Doc(f"{s}-{i}", t) for i, t in enumerate(texts[s::2])] for s in range(2)]
+    step = SimHashDedup(SimHashConfig(max_distance=6, cluster_parts=3))
+    kept, _ = run_step(step, shards, tmp_path)
+    drops = [np.load(p) for p in sorted(tmp_path.glob("drop*.npy"))]
+    assert drops and len(kept) < len(texts)
+    # what a run killed during the component phases leaves: no clusters.json, a table not written,
+    # a phase marker missing
+    (tmp_path / "clusters.json").unlink()
+    step._edges_path(tmp_path, 1).unlink()
+    next((tmp_path / "components" / "P3").glob("small000-*.json")).unlink()
+    for p in tmp_path.glob("drop*.npy"):
+        p.unlink()
+    step.prepare(StepContext(n_shards=2, work_dir=tmp_path), 2)
+    for before, after in zip(drops, [np.load(p) for p in sorted(tmp_path.glob("drop*.npy"))], strict=True):
+        np.testing.assert_array_equal(before, after)
