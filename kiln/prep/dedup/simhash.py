@@ -9,6 +9,8 @@ they agree exactly on at least one block (pigeonhole). Table t keys every finger
 (equivalently: the permutation that moves block t to the top bits, with the fingerprints sorted);
 candidates share a key in some table and are confirmed by an exact popcount of their XOR.
 Identical fingerprints are collapsed first, so exact duplicates never make quadratic buckets.
+`table_pairs` (one table) and `identical_pairs` are separate so that the dedup step can run them
+as parallel tasks (`cluster_parts`); `near_pairs` is their union.
 
 Memory per document: the 8-byte fingerprint, plus 16 bytes (key, id) per table while looking up.
 """
