@@ -34,6 +34,7 @@ from kiln.prep.dedup.hashing import fmix64, mix_multiplier
 from kiln.prep.dedup.jaccard import exact_jaccard_pairs, shingle_sets
 from kiln.prep.dedup.lsh_params import optimal_bands_rows
 from kiln.prep.dedup.shingles import check_shingling, shingle_hashes_of_texts
+from kiln.prep.dedup.sharded_components import check_cluster_parts
 from kiln.errors import ConfigError
 
 EMPTY = np.uint32(0xFFFFFFFF)  # the signature value of a document without shingles
@@ -75,8 +76,7 @@ class MinHashConfig:
             raise ConfigError(f"{where}.verify={self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
         if self.fp_weight < 0 or self.fn_weight < 0 or (self.fp_weight == 0) != (self.fn_weight == 0):
             raise ConfigError(f"{where}.fp_weight/fn_weight must both be > 0, or both 0 (auto)")
-        if not 0 <= self.cluster_parts <= 65536:
-            raise ConfigError(f"{where}.cluster_parts={self.cluster_parts} must be in [0, 65536]")
+        check_cluster_parts(self.cluster_parts, where)
         if self.batch_bytes < 1:
             raise ConfigError(f"{where}.batch_bytes={self.batch_bytes} must be >= 1")
 

@@ -34,11 +34,17 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from kiln.errors import DataError
+from kiln.errors import ConfigError, DataError
 from kiln.io import atomic_file, atomic_write_json
 
 MapFn = Callable[[Callable[..., Any], list[tuple]], Iterable[Any]]
 _EMPTY = np.zeros((2, 0), dtype=np.int64)
+
+
+def check_cluster_parts(value: int, where: str) -> None:
+    """The `cluster_parts` option of the dedup steps that can cluster sharded (0 = scipy)."""
+    if not isinstance(value, int) or not 0 <= value <= 65536:
+        raise ConfigError(f"{where}.cluster_parts={value!r} must be an integer in [0, 65536]")
 
 
 def _serial_map(fn: Callable[..., Any], args: list[tuple]) -> Iterable[Any]:

@@ -9,6 +9,8 @@ they agree exactly on at least one block (pigeonhole). Table t keys every finger
 (equivalently: the permutation that moves block t to the top bits, with the fingerprints sorted);
 candidates share a key in some table and are confirmed by an exact popcount of their XOR.
 Identical fingerprints are collapsed first, so exact duplicates never make quadratic buckets.
+`table_pairs` (one table) and `identical_pairs` are separate so that the dedup step can run them
+as parallel tasks (`cluster_parts`); `near_pairs` is their union.
 
 Memory per document: the 8-byte fingerprint, plus 16 bytes (key, id) per table while looking up.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.prep.dedup.components import components_keep_lowest
+from kiln.prep.dedup.sharded_components import check_cluster_parts
 from kiln.prep.dedup.shingles import check_shingling, shingle_hashes_of_texts
 from kiln.errors import ConfigError
 
@@ -32,9 +35,13 @@ class SimHashConfig:
     ngram: int = 3
     max_distance: int = 3  # Hamming distance k at which fingerprints count as duplicates
     batch_bytes: int = 4_000_000
+    # 0: clusters by scipy in one process; N: pairs found per block table in parallel, then
+    # sharded connected components over N node partitions, as executor tasks (sharded_components.py)
+    cluster_parts: int = 0
 
     def validate(self, where: str = "simhash") -> None:
         check_shingling(self.shingle, self.ngram, where)
+        check_cluster_parts(self.cluster_parts, where)
         if not 0 <= self.max_distance <= 31:
             raise ConfigError(f"{where}.max_distance={self.max_distance} must be in [0, 31] "
                               "(k + 1 blocks of a 64-bit fingerprint)")
@@ -87,40 +94,52 @@ def block_masks(max_distance: int) -> list[np.uint64]:
     return [np.uint64(((1 << int(hi)) - 1) ^ ((1 << int(lo)) - 1)) for lo, hi in zip(edges[:-1], edges[1:])]
 
 
-def near_pairs(fps: np.ndarray, max_distance: int) -> tuple[np.ndarray, np.ndarray]:
-    """Index pairs (u < v) within `max_distance` bits: every such pair of distinct fingerprints;
-    a fingerprint carried by several documents is linked to its first carrier only (the
-    same connected components with fewer edges)."""
+def _distinct(fps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     fps = np.asarray(fps, dtype=np.uint64)
     unique, first, inverse = np.unique(fps, return_index=True, return_inverse=True)
-    # identical fingerprints: join each to the first index carrying that fingerprint
-    same = np.flatnonzero(first[inverse] != np.arange(len(fps)))
-    us, vs = [first[inverse[same]]], [same]
-    ids = np.arange(len(unique))
+    return unique, first, inverse.ravel()
+
+
+def identical_pairs(fps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first carrier, other carrier) of every fingerprint carried by several documents."""
+    _, first, inverse = _distinct(fps)
+    same = np.flatnonzero(first[inverse] != np.arange(len(inverse)))
+    return first[inverse[same]].astype(np.int64), same.astype(np.int64)
+
+
+def table_pairs(fps: np.ndarray, max_distance: int, table: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs (u < v) of first carriers of distinct fingerprints within `max_distance` bits that
+    share block `table` (0..max_distance): the union over all tables is every such pair."""
+    unique, first, _ = _distinct(fps)
+    key = unique & block_masks(max_distance)[table]
+    order = np.argsort(key, kind="stable")
+    k, i = key[order], np.arange(len(unique))[order]
     cand_u, cand_v = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for mask in block_masks(max_distance):
-        key = unique & mask
-        order = np.argsort(key, kind="stable")
-        k, i = key[order], ids[order]
-        # pairs at distance d in sorted order that share the key; stop when no bucket is that big
-        for d in range(1, len(k)):
-            same_key = k[d:] == k[:-d]
-            if not same_key.any():
-                break
-            cand_u.append(i[:-d][same_key])
-            cand_v.append(i[d:][same_key])
+    # pairs at distance d in sorted order that share the key; stop when no bucket is that big
+    for d in range(1, len(k)):
+        same_key = k[d:] == k[:-d]
+        if not same_key.any():
+            break
+        cand_u.append(i[:-d][same_key])
+        cand_v.append(i[d:][same_key])
     cu, cv = np.concatenate(cand_u), np.concatenate(cand_v)
     close = popcount64(unique[cu] ^ unique[cv]) <= max_distance
-    cu, cv = cu[close], cv[close]
     # back to original indices (the first document of each distinct fingerprint)
-    us.append(first[cu])
-    vs.append(first[cv])
-    u, v = np.concatenate(us), np.concatenate(vs)
-    lo_, hi_ = np.minimum(u, v), np.maximum(u, v)
-    if len(lo_):
-        pairs = np.unique(np.stack([lo_, hi_], axis=1), axis=0)
+    u, v = first[cu[close]], first[cv[close]]
+    return np.minimum(u, v).astype(np.int64), np.maximum(u, v).astype(np.int64)
+
+
+def near_pairs(fps: np.ndarray, max_distance: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index pairs (u < v) within `max_distance` bits, each once: every such pair of distinct
+    fingerprints; a fingerprint carried by several documents is linked to its first carrier only
+    (the same connected components with fewer edges)."""
+    pieces = [identical_pairs(fps)] + [table_pairs(fps, max_distance, t) for t in range(max_distance + 1)]
+    u = np.concatenate([p[0] for p in pieces])
+    v = np.concatenate([p[1] for p in pieces])
+    if len(u):
+        pairs = np.unique(np.stack([u, v], axis=1), axis=0)
         return pairs[:, 0], pairs[:, 1]
-    return lo_.astype(np.int64), hi_.astype(np.int64)
+    return u, v
 
 
 def simhash_duplicates(texts: list[str], config: SimHashConfig) -> np.ndarray:

@@ -25,7 +25,7 @@ from kiln.prep.dedup.components import components_keep_lowest
 from kiln.prep.dedup.exact import ExactConfig, first_occurrences, join_kept, split_hash, unit_hashes
 from kiln.prep.dedup.lsh_params import format_s_curve, s_curve
 from kiln.prep.dedup.minhash import MinHashConfig, MinHasher
-from kiln.prep.dedup.simhash import SimHashConfig, fingerprints, near_pairs
+from kiln.prep.dedup.simhash import SimHashConfig, fingerprints, identical_pairs, near_pairs, table_pairs
 from kiln.prep.dedup.suffix_array import SEPARATOR, SuffixArrayConfig, duplicate_mask
 from kiln.errors import ConfigError, DataError
 from kiln.io import atomic_file, atomic_write_json
@@ -272,14 +272,61 @@ class SimHashDedup(_DropListStep):
         fps = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
         save_atomic(_work_dir(ctx, self.name) / f"simhash-{ctx.shard_index:05d}.npy", fps)
 
+    def _fingerprints(self, work_dir: Path, n_shards: int) -> tuple[np.ndarray, list[int]]:
+        shards = [_load(work_dir / f"simhash-{s:05d}.npy", f"SimHash fingerprints of shard {s}") for s in range(n_shards)]
+        return (np.concatenate(shards) if shards else np.zeros(0, np.uint64)), [len(s) for s in shards]
+
+    def prepare_parts(self, n_shards: int) -> int:
+        # sharded clustering only: one task per block table, one for identical fingerprints
+        return self.config.max_distance + 2 if self.config.cluster_parts else 0
+
+    def _edges_path(self, work_dir: Path, part: int) -> Path:
+        return work_dir / f"simhash-edges-k{self.config.max_distance:02d}-{part:03d}.npy"
+
+    def _write_edges(self, work_dir: Path, fps: np.ndarray, part: int) -> None:
+        k = self.config.max_distance
+        u, v = identical_pairs(fps) if part == k + 1 else table_pairs(fps, k, part)
+        save_atomic(self._edges_path(work_dir, part), np.stack([u, v]))
+
+    def prepare_part(self, ctx: StepContext, n_shards: int, part: int, n_parts: int) -> None:
+        work_dir = _work_dir(ctx, self.name)
+        self._write_edges(work_dir, self._fingerprints(work_dir, n_shards)[0], part)
+
+    def prepare_sharded(self, ctx: StepContext, n_shards: int, map_fn) -> None:
+        """Sharded connected components over the per-table pair files, each phase's tasks run by
+        `map_fn` (the executor's runner.map); writes the drop files and `clusters.json`."""
+        if not self.config.cluster_parts:
+            return
+        work_dir = _work_dir(ctx, self.name)
+        fps, counts = self._fingerprints(work_dir, n_shards)
+        files = []
+        for part in range(self.prepare_parts(n_shards)):  # tables no prepare_part task finished
+            if not self._edges_path(work_dir, part).exists():
+                self._write_edges(work_dir, fps, part)
+            files.append(self._edges_path(work_dir, part))
+        dup, info = sharded_duplicates(len(fps), files, work_dir / "components", self.config.cluster_parts, map_fn)
+        mask = np.zeros(len(fps), dtype=bool)
+        mask[dup] = True
+        self._write_drops(work_dir, mask, counts)
+        # pairs summed over the tables (a pair sharing several blocks counts in each); files checked above
+        table_pairs_found = sum(int(np.load(f, mmap_mode="r", allow_pickle=False).shape[1]) for f in files)
+        atomic_write_json(work_dir / "clusters.json", {"table_pairs": table_pairs_found, "clusters_dropped": int(len(dup)),
+                                                       "component_rounds": info["rounds"]})
+
     def prepare(self, ctx: StepContext, n_shards: int) -> None:
         work_dir = _work_dir(ctx, self.name)
-        shards = [_load(work_dir / f"simhash-{s:05d}.npy", f"SimHash fingerprints of shard {s}") for s in range(n_shards)]
-        fps = np.concatenate(shards) if shards else np.zeros(0, np.uint64)
+        if self.config.cluster_parts:
+            if not (work_dir / "clusters.json").exists():  # not run by the executor: run it here
+                self.prepare_sharded(ctx, n_shards, lambda fn, args: [fn(*a) for a in args])
+            for key, value in json.loads((work_dir / "clusters.json").read_text(encoding="utf-8")).items():
+                ctx.note(self.name, key, value)
+            return
+        fps, counts = self._fingerprints(work_dir, n_shards)
         u, v = near_pairs(fps, self.config.max_distance)
         dup = ~components_keep_lowest(len(fps), u, v)
-        self._write_drops(work_dir, dup, [len(s) for s in shards])
+        self._write_drops(work_dir, dup, counts)
         ctx.note(self.name, "near_pairs", len(u))
+        ctx.note(self.name, "clusters_dropped", int(dup.sum()))
 
 
 # ---------------------------------------------------------------------------- suffix array
