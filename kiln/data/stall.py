@@ -13,6 +13,7 @@ prep with the step's compute C, so the stall per step is max(0, D - C), split be
 preprocessing in proportion. Settings: lookahead covers the slowest cold batch's latency with
 compute; fetch_workers sustains the fetch rate in the compute time left by preprocessing; prefetch
 holds the batches that absorb the slowest batch; cache_gb holds the shards one epoch reads.
+A recommended value is never below the configured one.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def recommend(compute_s: float, prep_s: float, fetch_s: float, slowest_cold_s: f
                        f"ms/step): the single loader thread is the bottleneck; no data.* setting removes it")
     out["prefetch"] = max(cfg.data.prefetch, math.ceil(slowest_cold_s / max(compute_s / accum, 1e-9)) + 1)
     out["lookahead"] = max(cfg.data.lookahead, math.ceil(slowest_cold_s / max(compute_s / accum, 1e-9)))
-    out["fetch_workers"] = max(1, min(256, math.ceil(fetch_s / spare))) if spare > 0 and fetch_s > 0 else \
-        cfg.data.fetch_workers
+    needed = min(256, math.ceil(fetch_s / spare)) if spare > 0 and fetch_s > 0 else 0
+    out["fetch_workers"] = max(cfg.data.fetch_workers, needed)
     out["cache_gb"] = max(cfg.data.cache_gb, round(data_bytes * 1.1 / (1 << 30), 3))  # 10% headroom
     return out
 
