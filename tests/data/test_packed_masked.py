@@ -116,3 +116,20 @@ def test_train_step_passes_the_document_mask(tmp_path):
         masked = tiny_model()(batch[0], batch[1], doc_ids=batch[2])
     torch.testing.assert_close(losses[0], masked)
     assert not torch.allclose(losses[0], losses[1])
+
+
+def test_trainer_runs_packed_masked_and_refuses_a_mixture(tmp_path, text_file):
+    from conftest import tiny_overrides
+
+    from kiln.config import load_config
+    from kiln.errors import ConfigError
+    from kiln.train.trainer import train
+
+    over = {"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 0, "metrics.log_every": 1,
+            "data.windows": '"packed_masked"'}
+    result = train(load_config(None, tiny_overrides(text_file, **over)), tmp_path / "run")
+    assert result is not None and (tmp_path / "run" / "metrics.jsonl").is_file()
+    cfg = load_config(None, tiny_overrides(text_file, **over))
+    cfg.data.mixture, cfg.data.mixture_weights = [str(tmp_path / "run" / "data")], [1.0]
+    with pytest.raises(ConfigError, match="packed_masked"):
+        train(cfg, tmp_path / "mix")
