@@ -163,7 +163,8 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class Loader:
-    """Yields (inputs, targets) micro-batches of shape (batch_size, seq_len) for one dp rank."""
+    """Yields (inputs, targets) micro-batches of shape (batch_size, seq_len) for one dp rank, plus
+    the inputs' document ids when the windows carry them (data.windows = "packed_masked")."""
 
     def __init__(self, windows: TokenWindows | MixtureWindows, batch_size: int, *, seed: int, dp_rank: int = 0,
                  dp_size: int = 1, prefetch: int = 4, device: torch.device | str = "cpu",
