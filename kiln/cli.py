@@ -26,6 +26,7 @@ COMMANDS = {
     "import-hf": "turn a local Hugging Face Llama or GPT-2 model into a kiln run",
     "plan": "what to train and how: compute-optimal size, fastest layout that fits, checkpoint interval, cost",
     "unlearn": "remove memorized sequences from a run by gradient ascent, into a new run",
+    "loader-bench": "where training waits on data: compute vs warm vs cold loading, and the data.* settings that fix it",
 }
 
 

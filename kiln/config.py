@@ -161,10 +161,11 @@ class DataConfig:
     prefetch: int = ranged(4, ge=1, le=1024)  # batches prepared ahead by a background thread
     shards_dir: str = ""  # where to write token shards; "" = RUN_DIR/data
     # contiguous: window k starts at token k*seq_len of its shard; doc_start: windows start at
-    # document starts (and every seq_len within a long document)
+    # document starts (and every seq_len within a long document); packed_masked: contiguous, but
+    # attention does not cross document boundaries (a block-diagonal causal mask, docs/loading.md)
     # warn when the trainer waits on data for more than this share of the step time (0: never)
     wait_warn_fraction: float = ranged(0.05, ge=0.0, le=1.0)
-    windows: str = ranged("contiguous", choices=("contiguous", "doc_start"))
+    windows: str = ranged("contiguous", choices=("contiguous", "doc_start", "packed_masked"))
     # Train on a weighted mixture of kiln shard directories (paths or URLs, same tokenizer as
     # data.source, which still gives the tokenizer and the validation split); [] = data.source.
     mixture: list[str] = field(default_factory=list)

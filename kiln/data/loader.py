@@ -40,11 +40,17 @@ class TokenWindows:
     still seq_len+1 tokens long (a short document's window runs on into the next ones) and dropped
     if it would run past the end of its shard. No window begins mid-sentence at an arbitrary
     offset, at the price of some tokens being seen twice in an epoch.
+
+    With `doc_ids` (shards only; `data.windows = "packed_masked"`), windows stay contiguous but
+    `gather_doc_ids` also gives, per window token, the index of its document within the window
+    (0 for the document the window starts in), from the shard's `.docs.npy` offsets; the model
+    turns it into a block-diagonal causal mask so attention does not cross documents.
     """
 
     def __init__(self, streams: ShardSet | Sequence[np.ndarray], seq_len: int, *, ragged_tail: bool = False,
-                 source: str = "token stream", doc_starts: bool = False):
+                 source: str = "token stream", doc_starts: bool = False, doc_ids: bool = False):
         self.seq_len, self.ragged_tail = seq_len, ragged_tail
+        self.doc_offsets: list[np.ndarray] | None = None  # doc_ids: each stream's document offsets
         self.starts: np.ndarray | None = None  # doc_starts: global window -> start token in its stream
         self.shards = streams if isinstance(streams, ShardSet) else None
         self.tokens = list(streams.tokens) if self.shards is not None else [np.asarray(t) for t in streams]
@@ -58,10 +64,18 @@ class TokenWindows:
             counts = [len(p) for p in per_stream]
             self.starts = np.concatenate(per_stream) if per_stream else np.zeros(0, np.int64)
         elif ragged_tail:
+            if doc_ids:
+                raise ValueError("doc_ids needs full windows (no ragged tail)")
             counts = [max(0, -(-(n - 1) // seq_len)) for n in sizes]  # ceil((n - 1) / seq_len)
         else:
             counts = [max(0, (n - 1) // seq_len) for n in sizes]
         self.offsets = np.cumsum([0] + counts)
+        if doc_ids:
+            if self.shards is None or doc_starts:
+                raise ValueError("doc_ids needs a ShardSet (for its document index) and contiguous windows")
+            self.doc_offsets = [self._checked_doc_offsets(np.asarray(d, dtype=np.int64), n,
+                                                          f"{self.shards.dir}/{self.shards.shard_files(i)[1]}")
+                                for i, (d, n) in enumerate(zip(self.shards.docs, sizes))]
         if self.offsets[-1] == 0:
             need = "2" if ragged_tail else f"seq_len+1={seq_len + 1}"
             if self.shards is not None:
@@ -73,12 +87,18 @@ class TokenWindows:
         return int(self.offsets[-1])
 
     @staticmethod
-    def _doc_window_starts(doc_offsets: np.ndarray, n_tokens: int, seq_len: int, where: str) -> np.ndarray:
-        """Window starts of one shard: each document's start and every seq_len into it (numpy)."""
-        if len(doc_offsets) < 2 or doc_offsets[0] != 0 or doc_offsets[-1] != n_tokens \
+    def _checked_doc_offsets(doc_offsets: np.ndarray, n_tokens: int, where: str) -> np.ndarray:
+        """The shard's document offsets, or DataError unless they rise strictly from 0 to n_tokens."""
+        if doc_offsets.ndim != 1 or len(doc_offsets) < 2 or doc_offsets[0] != 0 or doc_offsets[-1] != n_tokens \
                 or (np.diff(doc_offsets) <= 0).any():
             raise DataError(f"{where}: corrupted document index: offsets must rise strictly from 0 to the shard's "
                             f"{n_tokens} tokens")
+        return doc_offsets
+
+    @staticmethod
+    def _doc_window_starts(doc_offsets: np.ndarray, n_tokens: int, seq_len: int, where: str) -> np.ndarray:
+        """Window starts of one shard: each document's start and every seq_len into it (numpy)."""
+        TokenWindows._checked_doc_offsets(doc_offsets, n_tokens, where)
         lengths = np.diff(doc_offsets)
         per_doc = -(-lengths // seq_len)  # ceil
         first = np.repeat(doc_offsets[:-1], per_doc)
@@ -124,13 +144,27 @@ class TokenWindows:
             out[row] = self.tokens[s][a:a + length]
         return out
 
+    def gather_doc_ids(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), seq_len + 1) int64: each window token's document, counted from the
+        window's first (0), by binary search in the shard's document offsets (numpy)."""
+        if self.doc_offsets is None:
+            raise ValueError("gather_doc_ids needs TokenWindows(..., doc_ids=True)")
+        stream, start = self._locate(indices)
+        span = np.arange(self.seq_len + 1, dtype=np.int64)
+        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
+        for row, (s, a) in enumerate(zip(stream.tolist(), start.tolist())):
+            ids = np.searchsorted(self.doc_offsets[s], a + span, side="right")
+            out[row] = ids - ids[0]
+        return out
+
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 class Loader:
-    """Yields (inputs, targets) micro-batches of shape (batch_size, seq_len) for one dp rank."""
+    """Yields (inputs, targets) micro-batches of shape (batch_size, seq_len) for one dp rank, plus
+    the inputs' document ids when the windows carry them (data.windows = "packed_masked")."""
 
     def __init__(self, windows: TokenWindows | MixtureWindows, batch_size: int, *, seed: int, dp_rank: int = 0,
                  dp_size: int = 1, prefetch: int = 4, device: torch.device | str = "cpu",
@@ -188,10 +222,17 @@ class Loader:
             ahead.append(idx)
         self.windows.prefetch(np.concatenate(ahead))
 
-    def _make(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _make(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """(inputs, targets), plus the inputs' document ids when the windows carry them."""
         batch = torch.from_numpy(self.windows.gather(indices))
+        if getattr(self.windows, "doc_offsets", None) is not None:
+            doc_ids = torch.from_numpy(self.windows.gather_doc_ids(indices))
+            batch = torch.cat([batch, doc_ids])  # one pinned buffer, one copy to the device
         if self.device.type == "cuda":
             batch = batch.pin_memory()
+        if batch.shape[0] > len(indices):
+            n = len(indices)
+            return batch[:n, :-1], batch[:n, 1:], batch[n:, :-1]
         return batch[:, :-1], batch[:, 1:]
 
     def _worker(self, epoch: int, position: int) -> None:
@@ -217,7 +258,8 @@ class Loader:
             self._thread, self._queue = None, None
             self._stop.clear()
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next(self) -> tuple[torch.Tensor, ...]:
+        """(inputs, targets), or (inputs, targets, doc_ids) for packed_masked windows."""
         if self._thread is None:
             self._queue = queue.Queue(maxsize=self.prefetch)
             self._thread = threading.Thread(target=self._worker, args=(self.epoch, self.position),
@@ -228,9 +270,9 @@ class Loader:
         self.wait_s += time.perf_counter() - t0
         if isinstance(item, BaseException):
             raise item
-        self.epoch, self.position, (x, y) = item
+        self.epoch, self.position, tensors = item
         non_blocking = self.device.type == "cuda"
-        return x.to(self.device, non_blocking=non_blocking), y.to(self.device, non_blocking=non_blocking)
+        return tuple(t.to(self.device, non_blocking=non_blocking) for t in tensors)
 
     def close(self) -> None:
         self._shutdown()

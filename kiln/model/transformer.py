@@ -54,6 +54,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
+def document_mask(doc_ids: torch.Tensor):
+    """Block-diagonal causal attention mask of packed windows: query i sees key j <= i of the same
+    document. `doc_ids` (B, T) numbers each token's document, non-decreasing along T.
+
+    CUDA with FlexAttention (torch.nn.attention.flex_attention): a BlockMask, which skips the
+    fully masked tiles; otherwise a dense boolean (B, 1, T, T) mask for SDPA's `attn_mask`.
+    """
+    bsz, seqlen = doc_ids.shape
+    if doc_ids.is_cuda and _flex() is not None:
+        create_block_mask = _flex()[1]
+
+        def same_doc_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+        return create_block_mask(same_doc_causal, bsz, None, seqlen, seqlen, device=doc_ids.device)
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+def _flex():
+    """(flex_attention compiled, create_block_mask), or None where this torch lacks them."""
+    global _FLEX
+    if _FLEX is False:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            # uncompiled, flex_attention materializes the scores; compiled it is a fused kernel
+            _FLEX = (torch.compile(flex_attention, dynamic=False), create_block_mask)
+        except ImportError:
+            _FLEX = None
+    return _FLEX
+
+
+_FLEX = False  # not looked up yet
+
+
 class KVCache:
     """Keys/values of every layer for incremental decoding, preallocated to max_len."""
 
@@ -92,7 +127,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, start_pos: int = 0, mask=None) -> torch.Tensor:
+        """`mask`: None (causal), or `document_mask(...)` of packed windows (training only)."""
         bsz, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
@@ -110,7 +146,16 @@ class Attention(nn.Module):
         if self.expand_kv and q.shape[1] != k.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if self.attention_fn is not None:
+        if mask is not None:
+            if cache is not None or self.attention_fn is not None:
+                raise ValueError("a document mask works without a KV cache and without context parallelism")
+            if isinstance(mask, torch.Tensor):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                     dropout_p=self.dropout if self.training else 0.0,
+                                                     enable_gqa=q.shape[1] != k.shape[1])
+            else:  # FlexAttention BlockMask (CUDA); it has no dropout
+                out = _flex()[0](q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        elif self.attention_fn is not None:
             out = self.attention_fn(q, k, v)
         else:
             out = F.scaled_dot_product_attention(
@@ -152,11 +197,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope=None, cache=None, start_pos=0):
+    def forward(self, x, rope=None, cache=None, start_pos=0, mask=None):
         if self.pre_norm:
-            x = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, start_pos))
+            x = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, start_pos, mask))
             return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
-        x = self.attention_norm(x + self.dropout(self.attention(x, rope, cache, start_pos)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, rope, cache, start_pos, mask)))
         return self.ffn_norm(x + self.dropout(self.feed_forward(x)))
 
 
@@ -209,9 +254,14 @@ class Transformer(nn.Module):
         init_model(self, generator)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+                start_pos: int = 0, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab), or the mean next-token loss when `targets` is given, so that
-        a whole-model compile covers the LM head and the loss too."""
+        a whole-model compile covers the LM head and the loss too.
+
+        `doc_ids` (batch, seq): packed windows (data.windows = "packed_masked"); attention stays
+        within each document. Positions stay global within the window: with RoPE a document's
+        outputs equal running it alone (scores depend on relative positions only); learned
+        absolute positions see the offset of the document inside the window."""
         seqlen = tokens.shape[1]
         if start_pos + seqlen > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -226,8 +276,9 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[self.seq_positions], self.rope_sin[self.seq_positions])
         else:
             rope = (self.rope_cos[start_pos:start_pos + seqlen], self.rope_sin[start_pos:start_pos + seqlen])
+        mask = None if doc_ids is None else document_mask(doc_ids)
         for layer in self.layers:
-            h = layer(h, rope, cache, start_pos)
+            h = layer(h, rope, cache, start_pos) if mask is None else layer(h, rope, cache, start_pos, mask)
         h = self.norm(h)
         if self.loss_impl == "chunked" and targets is not None:
             loss = _loss.chunked_lm_loss(h, self.output.weight, targets)

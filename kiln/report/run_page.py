@@ -23,7 +23,7 @@ import numpy as np
 
 from kiln.errors import DataError
 from kiln.io import atomic_write_text
-from kiln.report.charts import (CHART_CSS, PAGE_CSS, Chart, Marker, Series, downsample, json_script,
+from kiln.report.charts import (CHART_CSS, PAGE_CSS, Chart, Marker, Series, bar_chart, downsample, json_script,
                                 render_chart)
 
 EVAL_COLORS = ("#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
@@ -333,6 +333,7 @@ def build_report(run_dir: str | Path, max_points: int = MAX_POINTS) -> tuple[str
         body.append(f'<figure>{render_chart(chart)}{json_script("data-" + chart.chart_id, chart_data(chart))}</figure>')
     body.append("</div>")
     body.append(_eval_section(m, eval_tables))
+    body.append(_loader_bench_section(run_dir, warnings))
     body.append(_events_section(m))
     body.append('<h2>Resolved config</h2>')
     body.append(f'<pre id="config">{escape(config_text)}</pre>' if config_text is not None
@@ -351,6 +352,37 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, html)
     return out, summary, warnings
+
+
+LOADER_BENCH_TIMES = (("compute", "compute_s_per_step"), ("preprocessing", "prep_s_per_step"),
+                      ("fetch (cold)", "fetch_s_per_step"))
+
+
+def _loader_bench_section(run_dir: Path, warnings: list[str]) -> str:
+    """reports/loader-bench.json (`kiln loader-bench`) as bars of ms per step, the stall and the
+    recommended settings; a file that is not what it should be is a warning, not a crash."""
+    path = run_dir / "reports" / "loader-bench.json"
+    if not path.is_file():
+        return ""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        times = [(label, float(data[key])) for label, key in LOADER_BENCH_TIMES]
+        fractions = [float(data[k]) for k in ("stall_fraction", "fetch_stall_fraction", "prep_stall_fraction")]
+        recommended = data["recommended"]
+        if not all(map(math.isfinite, [v for _, v in times] + fractions)) or min(v for _, v in times) < 0 \
+                or not isinstance(recommended, dict):
+            raise ValueError("times must be finite and >= 0, recommended a table")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.append(f"{path}: not a loader-bench report ({type(e).__name__}: {e})")
+        return ""
+    bars = bar_chart([(label, v * 1e3, f"{v * 1e3:.2f} ms") for label, v in times], "#1f77b4")
+    stall = (f"stall {fractions[0]:.1%} of the step: fetch {fractions[1]:.1%}, "
+             f"preprocessing {fractions[2]:.1%}")
+    rows = [[f"data.{k}", v] for k, v in recommended.items() if k != "note"]
+    note = f'<p class="note">{escape(str(recommended["note"]))}</p>' if "note" in recommended else ""
+    return (f'<h2>Data loading (kiln loader-bench)</h2><p id="loader-stall">{escape(stall)}</p>'
+            f'<figure id="chart-loader-bench">{bars}</figure>{note}'
+            + _table("loader-recommended", ["recommended setting", "value"], rows))
 
 
 def _table(table_id: str, header: list[str], rows: list[list[Any]]) -> str:

@@ -37,9 +37,9 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
     gradient was not finite, in which case the parameters and optimizer state are unchanged.
     """
     total = torch.zeros((), device=micro_batches[0][0].device)
-    for x, y in micro_batches:
+    for x, y, *doc_ids in micro_batches:  # doc_ids: packed_masked windows (kiln/data/loader.py)
         with autocast:
-            loss = model(x, y) / len(micro_batches)
+            loss = (model(x, y, doc_ids=doc_ids[0]) if doc_ids else model(x, y)) / len(micro_batches)
         (scaler.scale(loss) if scaler else loss).backward()
         total += loss.detach()
     if scaler:

@@ -24,7 +24,7 @@ from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.data.mixture import MixtureWindows
 from kiln.data.storage import open_store
-from kiln.errors import KilnError, TrainingDiverged
+from kiln.errors import ConfigError, KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.diloco import DiLoCo
@@ -139,7 +139,11 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         shard_dir, tokenizer = prepare_shards(cfg.data, run_dir)
     store = open_store(shard_dir, cfg.data)
     train_windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len,
-                                 doc_starts=cfg.data.windows == "doc_start")
+                                 doc_starts=cfg.data.windows == "doc_start",
+                                 doc_ids=cfg.data.windows == "packed_masked")
+    if cfg.data.windows == "packed_masked" and (cfg.data.mixture or dims.pp > 1 or dims.cp > 1):
+        raise ConfigError("data.windows = 'packed_masked' works without data.mixture, pipeline and context "
+                          "parallelism (the document mask is not carried through them)")
     mixture = build_mixture(cfg, train_windows.shards) if cfg.data.mixture else None
     val_set = ShardSet(shard_dir, "val", store)
     if cfg.model.vocab_size == 0:
@@ -300,7 +304,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     try:
         while state.step < cfg.train.steps:
             loader.wait_s = 0.0
-            micro = [context_parallel.shard(*loader.next()) for _ in range(cfg.train.grad_accum)]
+            # packed_masked batches carry a third tensor, the document ids (cp is 1 then)
+            batches = [loader.next() for _ in range(cfg.train.grad_accum)]
+            micro = [context_parallel.shard(*b[:2]) + b[2:] for b in batches]
             step_fn = train_step if pipeline is None else pipeline_train_step
             with context_parallel:
                 loss, grad_norm, skipped = step_fn(pipeline or model, optimizer, micro, autocast=autocast,

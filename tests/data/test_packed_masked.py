@@ -1,0 +1,135 @@
+"""data.windows = "packed_masked": contiguous windows whose attention stays within documents."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.config import ModelConfig
+from kiln.data.loader import Loader, TokenWindows
+from kiln.data.shards import ShardSet, ShardWriter, write_meta
+from kiln.errors import DataError
+from kiln.model.transformer import Transformer, document_mask
+from kiln.train.step import train_step
+
+
+def doc_shards(tmp_path, lengths, vocab=97):
+    w = ShardWriter(tmp_path, "train", vocab_size=vocab, eos_id=vocab - 1, shard_tokens=200)
+    rng = np.random.default_rng(1)
+    for n in lengths:
+        w.add(rng.integers(0, vocab - 1, n))
+    w.finish()
+    write_meta(tmp_path, [w])
+    return ShardSet(tmp_path, "train")
+
+
+def tiny_model(**kw) -> Transformer:
+    cfg = ModelConfig(**{"vocab_size": 97, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                         "max_seq_len": 32, **kw})
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(torch.Generator().manual_seed(0))
+    return model.eval()
+
+
+def test_doc_ids_follow_the_document_index(tmp_path):
+    shards = doc_shards(tmp_path, [5, 40, 3, 70, 12, 9, 33, 50, 8, 61])
+    w = TokenWindows(shards, seq_len=16, doc_ids=True)
+    plain = TokenWindows(shards, seq_len=16)
+    idx = np.arange(len(w))
+    assert np.array_equal(w.gather(idx), plain.gather(idx))  # windows stay contiguous
+    ids = w.gather_doc_ids(idx)
+    stream, start = w._locate(idx)
+    for row, (s, a) in enumerate(zip(stream.tolist(), start.tolist())):
+        docs = np.asarray(shards.docs[s])
+        absolute = np.searchsorted(docs, a + np.arange(17), side="right") - 1
+        assert np.array_equal(ids[row], absolute - absolute[0])
+    assert (ids.max(axis=1) > 0).any()  # some windows do span documents
+    x, y, d = Loader(w, 4, seed=0).next()
+    assert x.shape == y.shape == d.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_corrupted_document_index_is_refused(tmp_path):
+    doc_shards(tmp_path, [20, 30, 40])
+    np.save(tmp_path / "train-00000.docs.npy", np.array([0, 50, 30, 90], dtype=np.int64))
+    with pytest.raises(DataError, match=r"train-00000\.docs\.npy: corrupted document index"):
+        TokenWindows(ShardSet(tmp_path, "train"), seq_len=8, doc_ids=True)
+
+
+def test_document_mask_is_block_diagonal_causal():
+    mask = document_mask(torch.tensor([[0, 0, 1, 1, 1, 2]]))
+    assert mask.shape == (1, 1, 6, 6) and mask.dtype == torch.bool
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for a, b in ((0, 2), (2, 5), (5, 6)):
+        expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    assert torch.equal(mask[0, 0], expected)
+
+
+@pytest.mark.parametrize("kw", [{}, {"norm": "layernorm", "activation": "gelu"}])
+def test_packed_masked_losses_equal_each_document_alone(kw):
+    """Per-document losses of a packed window equal running each document alone (RoPE: positions
+    stay global in the window, attention scores only see relative positions)."""
+    model = tiny_model(**kw)
+    gen = torch.Generator().manual_seed(3)
+    lengths = [[7, 12, 5], [24], [1, 10, 13]]  # two windows of 24 (+1 target) tokens
+    rows, ids = [], []
+    for doc_lengths in lengths:
+        docs = [torch.randint(0, 96, (n,), generator=gen) for n in doc_lengths]
+        rows.append(torch.cat(docs + [torch.randint(0, 96, (1,), generator=gen)]))
+        ids.append(torch.cat([torch.full((n,), i) for i, n in enumerate(doc_lengths)] + [torch.tensor([99])]))
+    batch, doc_ids = torch.stack(rows), torch.stack(ids)
+    x, y, d = batch[:, :-1], batch[:, 1:], doc_ids[:, :-1]
+    with torch.no_grad():
+        logits = model(x, doc_ids=d)
+        unmasked = model(x)
+    for row, doc_lengths in enumerate(lengths):
+        start = 0
+        for n in doc_lengths:
+            doc = batch[row, start:start + n]
+            if n > 1:
+                with torch.no_grad():
+                    alone = model(doc[None, :-1])
+                packed = logits[row, start:start + n - 1]
+                torch.testing.assert_close(packed, alone[0], rtol=1e-4, atol=1e-4)
+                alone_loss = F.cross_entropy(alone[0], doc[1:])
+                torch.testing.assert_close(F.cross_entropy(packed, doc[1:]), alone_loss, rtol=1e-4, atol=1e-5)
+            start += n
+    # the mask matters: without it, later documents see earlier ones
+    assert not torch.allclose(logits[0, 7:19], unmasked[0, 7:19], atol=1e-3)
+    # one document per window: the mask is plain causal attention
+    torch.testing.assert_close(logits[1], unmasked[1], rtol=1e-5, atol=1e-5)
+
+
+def test_train_step_passes_the_document_mask(tmp_path):
+    w = TokenWindows(doc_shards(tmp_path, [9, 30, 4, 50, 20, 17, 60]), seq_len=16, doc_ids=True)
+    batch = Loader(w, 4, seed=0).next()
+    assert len(batch) == 3
+    losses = []
+    for micro in ([batch], [batch[:2]]):
+        model = tiny_model().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        loss, _, _ = train_step(model, opt, micro, autocast=torch.autocast("cpu", enabled=False), scaler=None,
+                                clip=0.0)
+        losses.append(loss)
+    with torch.no_grad():
+        masked = tiny_model()(batch[0], batch[1], doc_ids=batch[2])
+    torch.testing.assert_close(losses[0], masked)
+    assert not torch.allclose(losses[0], losses[1])
+
+
+def test_trainer_runs_packed_masked_and_refuses_a_mixture(tmp_path, text_file):
+    from conftest import tiny_overrides
+
+    from kiln.config import load_config
+    from kiln.errors import ConfigError
+    from kiln.train.trainer import train
+
+    over = {"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 0, "metrics.log_every": 1,
+            "data.windows": '"packed_masked"'}
+    result = train(load_config(None, tiny_overrides(text_file, **over)), tmp_path / "run")
+    assert result is not None and (tmp_path / "run" / "metrics.jsonl").is_file()
+    cfg = load_config(None, tiny_overrides(text_file, **over))
+    cfg.data.mixture, cfg.data.mixture_weights = [str(tmp_path / "run" / "data")], [1.0]
+    with pytest.raises(ConfigError, match="packed_masked"):
+        train(cfg, tmp_path / "mix")
