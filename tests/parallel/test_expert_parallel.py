@@ -10,6 +10,9 @@ gradients must not match, which shows the check can fail for exactly that mistak
 All runs share one 2-process spawn (process start dominates on a 2-core machine).
 """
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -131,3 +134,36 @@ def test_averaging_experts_over_the_ep_group_is_caught(ep_runs):
     with pytest.raises(AssertionError):
         for g, e in zip(grads, expected_grads):
             torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
+
+
+# `kiln train` with parallel.ep=2 on 2 ranks (FSDP on the dense part, experts as DTensors sharded
+# on the expert dimension over dp_shard) against one process, with active clipping: a grad norm
+# over this rank's experts only, or expert gradients reduced like dense ones, changes the losses.
+TRAIN_MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 0.0,
+             "train.clip_grad_norm": 0.05}
+
+
+@pytest.mark.timeout(300)
+def test_kiln_train_ep2_matches_one_process_and_resumes_at_ep1(tmp_path, text_file):
+    from test_data_parallel import GLOBAL_BATCH, assert_same_losses, common, losses, run_kiln, sets
+    from test_data_parallel import STEPS as TRAIN_STEPS
+
+    single = tmp_path / "single"
+    run_kiln(["train", "--run-dir", str(single),
+              *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH}))])
+    expected = losses(single)
+    norms = [json.loads(x)["grad_norm"] for x in (single / "metrics.jsonl").read_text().splitlines()
+             if '"train"' in x]
+    assert min(norms) > TRAIN_MOE["train.clip_grad_norm"]  # clipping is active on every step
+
+    run = tmp_path / "ep2"
+    run_kiln(["train", "--run-dir", str(run),
+              *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.ep": 2,
+                                                      "parallel.dp_mode": "'fsdp'"}))], nproc=2)
+    assert_same_losses(expected, losses(run), range(1, TRAIN_STEPS + 1))
+
+    # The step-3 checkpoint holds all 4 experts: it continues in one process (ep=1).
+    shutil.rmtree(run / "checkpoints" / f"step-{TRAIN_STEPS}")
+    run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume",
+              *sets([f"train.batch_size={GLOBAL_BATCH}", "parallel.ep=1"])])
+    assert_same_losses(expected, losses(run), range(4, TRAIN_STEPS + 1))
