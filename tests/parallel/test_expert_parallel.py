@@ -11,6 +11,7 @@ All runs share one 2-process spawn (process start dominates on a 2-core machine)
 """
 
 import json
+import re
 import shutil
 
 import pytest
@@ -143,6 +144,33 @@ TRAIN_MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_f
              "train.clip_grad_norm": 0.05}
 
 
+def grad_norms(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["grad_norm"] for r in rows if r["kind"] == "train"}
+
+
+@pytest.mark.parametrize("world, degrees, expected", [
+    (2, {"ep": 2, "dp_mode": "ddp"}, "parallel.ep=2 needs parallel.dp_mode='fsdp'"),
+    (4, {"ep": 2, "cp": 2}, "parallel.ep=2 with parallel.cp=2"),
+    (4, {"ep": 2}, "parallel.ep=2 must equal dp_shard=4"),
+])
+def test_unsupported_ep_layouts_are_refused_in_one_line(world, degrees, expected):
+    from kiln.config import ParallelConfig
+    from kiln.errors import ConfigError
+    from kiln.parallel.dims import ParallelDims
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        ParallelDims.from_config(ParallelConfig(**degrees), world_size=world, rank=0, local_rank=0)
+
+
+def test_ep_equal_to_dp_shard_is_accepted_under_fsdp():
+    from kiln.config import ParallelConfig
+    from kiln.parallel.dims import ParallelDims
+
+    d = ParallelDims.from_config(ParallelConfig(ep=2, dp_replicate=2), world_size=4, rank=0, local_rank=0)
+    assert (d.dp_mode, d.dp_replicate, d.dp_shard, d.ep) == ("fsdp", 2, 2, 2)
+
+
 @pytest.mark.timeout(300)
 def test_kiln_train_ep2_matches_one_process_and_resumes_at_ep1(tmp_path, text_file):
     from test_data_parallel import GLOBAL_BATCH, assert_same_losses, common, losses, run_kiln, sets
@@ -152,15 +180,16 @@ def test_kiln_train_ep2_matches_one_process_and_resumes_at_ep1(tmp_path, text_fi
     run_kiln(["train", "--run-dir", str(single),
               *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH}))])
     expected = losses(single)
-    norms = [json.loads(x)["grad_norm"] for x in (single / "metrics.jsonl").read_text().splitlines()
-             if '"train"' in x]
-    assert min(norms) > TRAIN_MOE["train.clip_grad_norm"]  # clipping is active on every step
+    norms = grad_norms(single)
+    assert min(norms.values()) > TRAIN_MOE["train.clip_grad_norm"]  # clipping is active on every step
 
     run = tmp_path / "ep2"
     run_kiln(["train", "--run-dir", str(run),
               *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.ep": 2,
                                                       "parallel.dp_mode": "'fsdp'"}))], nproc=2)
     assert_same_losses(expected, losses(run), range(1, TRAIN_STEPS + 1))
+    # The pre-clipping norm covers both ranks' experts, each counted once, reduced as in one process.
+    assert_same_losses(norms, grad_norms(run), range(1, TRAIN_STEPS + 1))
 
     # The step-3 checkpoint holds all 4 experts: it continues in one process (ep=1).
     shutil.rmtree(run / "checkpoints" / f"step-{TRAIN_STEPS}")
