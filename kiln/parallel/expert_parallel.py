@@ -21,9 +21,9 @@ dp_shard, so the experts have no FSDP replicas within a replica group): each exp
 DTensor of the global shape, `Shard(0)` (expert dimension) over dp_shard and `Replicate()` over
 dp_replicate (HSDP), the same mesh and placements FSDP2 gives the dense parameters. So DCP saves
 every expert and reshards to ep=1, and torch's `clip_grad_norm_` reduces one norm over all
-experts and dense parameters alike. FSDP ignores the experts (`ignored_params`); a gradient hook
-on each forward's local expert slice does `reduce_expert_grads`' arithmetic per backward pass (linear, so gradient accumulation is
-unchanged).
+experts and dense parameters alike. FSDP ignores the experts (`ignored_params`); a gradient
+hook on each forward's local expert slice does `reduce_expert_grads`' arithmetic per backward
+pass (linear, so gradient accumulation is unchanged).
 """
 
 from __future__ import annotations

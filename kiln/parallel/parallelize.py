@@ -92,12 +92,14 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:  # gloo cannot all-gather pinned CPU tensors; pin_memory=False is required on CPU
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
-    experts = set(expert_parameters(model))  # expert parallel: sharded and reduced by expert_parallel.py
+    def experts(module: nn.Module) -> set | None:  # under ep: sharded and reduced by expert_parallel.py
+        return set(expert_parameters(module)) or None if dims.ep > 1 else None
+
     for i, block in enumerate(model.layers):
         # The last block is not resharded after forward: backward needs it first.
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(model.layers) - 1,
-                    ignored_params=set(expert_parameters(block)) or None, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, ignored_params=experts or None, **kwargs)
+                    ignored_params=experts(block), **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, ignored_params=experts(model), **kwargs)
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
