@@ -196,3 +196,24 @@ def test_kiln_train_ep2_matches_one_process_and_resumes_at_ep1(tmp_path, text_fi
     run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume",
               *sets([f"train.batch_size={GLOBAL_BATCH}", "parallel.ep=1"])])
     assert_same_losses(expected, losses(run), range(4, TRAIN_STEPS + 1))
+
+
+def fsdp_manages_experts_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.expert_parallel import expert_parameters
+    from kiln.parallel.parallelize import apply_fsdp
+
+    model, _ = model_and_data("switch_top1_capacity")
+    dims = ParallelDims(1, world, 1, 1, 1, 1, world, rank)
+    dims.mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    apply_fsdp(model, dims, None, cpu_offload=False)
+    return all(isinstance(p, DTensor) for p in expert_parameters(model))
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_without_ep_still_shards_and_reduces_the_experts(tmp_path):
+    # Only under parallel.ep > 1 does FSDP leave the experts to expert_parallel.py.
+    assert run_ranks(fsdp_manages_experts_rank, 1, tmp_path) == [True]
