@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kiln.config import ModelConfig
 
@@ -44,19 +45,31 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden)) if self.gated else None
+        self.grad_hook = None
 
     def params_per_expert(self) -> int:
         return sum(w.shape[1] * w.shape[2] for w in (self.w1, self.w2, self.w3) if w is not None)
 
+    def _local(self, w: torch.Tensor | None) -> torch.Tensor | None:
+        """Under expert parallel in `kiln train` the weights are DTensors of the global shape: this
+        rank's slice, its gradient reduced by `grad_hook` (set by kiln/parallel/expert_parallel.py)."""
+        if not isinstance(w, DTensor):
+            return w
+        w = w.to_local()
+        if self.grad_hook is not None and w.requires_grad:
+            w.register_hook(self.grad_hook)
+        return w
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: rows sorted by local expert, `counts[e]` rows for local expert e."""
+        w1, w2, w3 = (self._local(w) for w in (self.w1, self.w2, self.w3))
         outs = []
         for e, chunk in enumerate(torch.split(x, counts)):
-            h = self.act(chunk @ self.w1[e])
-            if self.w3 is not None:
-                h = h * (chunk @ self.w3[e])
-            outs.append(h @ self.w2[e])
-        return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[-1])
+            h = self.act(chunk @ w1[e])
+            if w3 is not None:
+                h = h * (chunk @ w3[e])
+            outs.append(h @ w2[e])
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
 class MoE(nn.Module):

@@ -77,18 +77,12 @@ class ParallelDims:
                               f"use dp_mode='fsdp' (or 'zero2') for data parallelism across pipelines")
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
-        if cfg.ep > 1 and (dp_shard * cfg.cp) % cfg.ep:
-            raise ConfigError(f"parallel.ep={cfg.ep} must divide dp_shard*cp={dp_shard * cfg.cp}")
+        if cfg.ep > 1:
+            check_ep_layout(cfg.ep, mode, dp_shard, cfg.cp, cfg.tp, cfg.pp)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
             # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
             raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
                               f"parallel.dp_mode='fsdp' (or 'zero2') for data x tensor parallelism")
-        if cfg.ep > 1:
-            # kiln/parallel/expert_parallel.py shards experts and routes tokens (tested against one
-            # process), but `kiln train` does not apply it yet: per-rank experts would need to be
-            # DTensors for checkpoints, and gradient clipping an ep-wide norm.
-            raise ConfigError(f"parallel.ep={cfg.ep}: kiln train does not apply expert parallelism yet "
-                              f"(kiln.parallel.expert_parallel is library-only); set parallel.ep=1")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size)
 
@@ -168,6 +162,20 @@ class ParallelDims:
         if not dims:
             dims = [("dp_shard", 1)]
         self.mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+
+
+def check_ep_layout(ep: int, mode: str, dp_shard: int, cp: int, tp: int, pp: int) -> None:
+    """What `kiln train` runs expert parallelism with (kiln/parallel/expert_parallel.py): the
+    experts sharded over the whole dp_shard dimension, next to FSDP on the dense parameters."""
+    if mode in ("ddp", "zero1"):
+        raise ConfigError(f"parallel.ep={ep} needs parallel.dp_mode='fsdp' or 'zero2' (ep is carved out of "
+                          f"dp_shard; dp_mode={mode!r} has none)")
+    if cp > 1 or tp > 1 or pp > 1:
+        raise ConfigError(f"parallel.ep={ep} with parallel.cp={cp} / tp={tp} / pp={pp} is not supported yet; "
+                          f"use expert parallelism with data parallelism only")
+    if ep != dp_shard:
+        raise ConfigError(f"parallel.ep={ep} must equal dp_shard={dp_shard} (the experts are sharded over the "
+                          f"whole dp_shard dimension); set parallel.ep={dp_shard} or change parallel.dp_shard")
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

@@ -13,14 +13,28 @@ all-to-all backward, the sum of the gradients of all ep ranks' losses for the to
 the global loss is the mean over the D ranks, so that sum must be divided by D and summed
 (not averaged) over the D / ep replicas of that expert - never reduced over the ep group, which
 holds different experts. `reduce_expert_grads` does exactly that.
+
+In `kiln train` (`apply_expert_parallel_training`) the experts live on the data-parallel mesh
+FSDP shards over, with ep == dp_shard (torchtitan carves ep out of dp_shard*cp and keeps
+`dp_shard_mod_ep` for FSDP of the experts; kiln's simplest correct case is ep taking the whole
+dp_shard, so the experts have no FSDP replicas within a replica group): each expert tensor is a
+DTensor of the global shape, `Shard(0)` (expert dimension) over dp_shard and `Replicate()` over
+dp_replicate (HSDP), the same mesh and placements FSDP2 gives the dense parameters. So DCP saves
+every expert and reshards to ep=1, and torch's `clip_grad_norm_` reduces one norm over all
+experts and dense parameters alike. FSDP ignores the experts (`ignored_params`); a gradient
+hook on each forward's local expert slice does `reduce_expert_grads`' arithmetic per backward
+pass (linear, so gradient accumulation is unchanged).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from kiln.model.moe import MoE
 
@@ -42,6 +56,50 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> None:
             if w is not None:
                 setattr(ex, name, nn.Parameter(w.detach()[ex.first:ex.first + ex.n_local].clone()))
         m.ep_group = ep_group
+
+
+def apply_expert_parallel_training(model: nn.Module, mesh, ep_dim: str, replicate_dim: str | None,
+                                   dp_size: int) -> None:
+    """`kiln train`'s expert parallelism, on the meta-device model before FSDP: slice the experts
+    over `mesh[ep_dim]`, turn each local slice into a DTensor of the global shape on `mesh`
+    (Shard(0) on ep_dim, Replicate() on replicate_dim), and reduce expert gradients in backward."""
+    ep_group = mesh[ep_dim].get_group()
+    apply_expert_parallel(model, ep_group)
+    names = mesh.mesh_dim_names
+    placements = [Shard(0) if n == ep_dim else Replicate() for n in names]
+    replica_group = mesh[replicate_dim].get_group() if replicate_dim else None
+    for m in model.modules():
+        if not isinstance(m, MoE):
+            continue
+        ex = m.experts
+        for name in ("w1", "w2", "w3"):
+            w = getattr(ex, name)
+            if w is None:
+                continue
+            shape = (ex.n_experts, *w.shape[1:])
+            stride = torch.empty(shape, device="meta").stride()
+            d = DTensor.from_local(w.detach(), mesh, placements, run_check=False, shape=shape, stride=stride)
+            setattr(ex, name, nn.Parameter(d))
+        # On the local slice in forward (a parameter hook would not survive materialization).
+        ex.grad_hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
+
+
+def local_weight(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of an expert weight (differentiable; a plain tensor is returned as is)."""
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+@torch.no_grad()
+def _reduced_expert_grad(grad: torch.Tensor, dp_size: int, replica_group) -> torch.Tensor:
+    grad = grad.clone()
+    _reduce_(grad, dp_size, replica_group)
+    return grad
+
+
+def _reduce_(grad: torch.Tensor, dp_size: int, replica_group) -> None:
+    if replica_group is not None and dist.get_world_size(replica_group) > 1:
+        dist.all_reduce(grad, group=replica_group)
+    grad.div_(dp_size)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -76,8 +134,5 @@ def reduce_expert_grads(model: nn.Module, dp_size: int, replica_group=None) -> N
     (`replica_group`, None when each expert lives on one rank only) and divide by the number of
     data-parallel ranks, so they equal the single-process gradient of the global mean loss."""
     for p in expert_parameters(model):
-        if p.grad is None:
-            continue
-        if replica_group is not None and dist.get_world_size(replica_group) > 1:
-            dist.all_reduce(p.grad, group=replica_group)
-        p.grad.div_(dp_size)
+        if p.grad is not None:
+            _reduce_(local_weight(p.grad), dp_size, replica_group)

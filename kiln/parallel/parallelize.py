@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from kiln.config import JobConfig
 from kiln.parallel.data_parallel import apply_ddp
 from kiln.parallel.dims import ParallelDims
+from kiln.parallel.expert_parallel import expert_parameters
 from kiln.parallel.tensor_parallel import apply_tp
 
 
@@ -91,10 +92,23 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:  # gloo cannot all-gather pinned CPU tensors; pin_memory=False is required on CPU
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    def experts(module: nn.Module) -> set | None:  # under ep: sharded and reduced by expert_parallel.py
+        return set(expert_parameters(module)) or None if dims.ep > 1 else None
+
     for i, block in enumerate(model.layers):
         # The last block is not resharded after forward: backward needs it first.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(model.layers) - 1, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(model.layers) - 1,
+                    ignored_params=experts(block), **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, ignored_params=experts(model), **kwargs)
+
+
+def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
+    """Experts sharded over dp_shard (ep == dp_shard, checked in dims.py) on FSDP's mesh."""
+    from kiln.parallel.expert_parallel import apply_expert_parallel_training
+
+    names = dims.dp_mesh_names
+    apply_expert_parallel_training(model, dims.mesh[names], "dp_shard",
+                                   "dp_replicate" if "dp_replicate" in names else None, dims.dp_size)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
@@ -104,6 +118,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
         model = split_model(model, cfg, dims.mesh["pp"].get_local_rank())
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
+    if dims.ep > 1:  # before FSDP, which leaves the experts (DTensors on its own mesh) to EP
+        apply_ep(model, dims)
     if cfg.train.float8:
         apply_float8(model, cfg.train.float8_recipe, device)
     if cfg.train.activation_checkpointing != "none":

@@ -10,6 +10,10 @@ gradients must not match, which shows the check can fail for exactly that mistak
 All runs share one 2-process spawn (process start dominates on a 2-core machine).
 """
 
+import json
+import re
+import shutil
+
 import pytest
 import torch
 
@@ -131,3 +135,85 @@ def test_averaging_experts_over_the_ep_group_is_caught(ep_runs):
     with pytest.raises(AssertionError):
         for g, e in zip(grads, expected_grads):
             torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
+
+
+# `kiln train` with parallel.ep=2 on 2 ranks (FSDP on the dense part, experts as DTensors sharded
+# on the expert dimension over dp_shard) against one process, with active clipping: a grad norm
+# over this rank's experts only, or expert gradients reduced like dense ones, changes the losses.
+TRAIN_MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 0.0,
+             "train.clip_grad_norm": 0.05}
+
+
+def grad_norms(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["grad_norm"] for r in rows if r["kind"] == "train"}
+
+
+@pytest.mark.parametrize("world, degrees, expected", [
+    (2, {"ep": 2, "dp_mode": "ddp"}, "parallel.ep=2 needs parallel.dp_mode='fsdp'"),
+    (4, {"ep": 2, "cp": 2}, "parallel.ep=2 with parallel.cp=2"),
+    (4, {"ep": 2}, "parallel.ep=2 must equal dp_shard=4"),
+])
+def test_unsupported_ep_layouts_are_refused_in_one_line(world, degrees, expected):
+    from kiln.config import ParallelConfig
+    from kiln.errors import ConfigError
+    from kiln.parallel.dims import ParallelDims
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        ParallelDims.from_config(ParallelConfig(**degrees), world_size=world, rank=0, local_rank=0)
+
+
+def test_ep_equal_to_dp_shard_is_accepted_under_fsdp():
+    from kiln.config import ParallelConfig
+    from kiln.parallel.dims import ParallelDims
+
+    d = ParallelDims.from_config(ParallelConfig(ep=2, dp_replicate=2), world_size=4, rank=0, local_rank=0)
+    assert (d.dp_mode, d.dp_replicate, d.dp_shard, d.ep) == ("fsdp", 2, 2, 2)
+
+
+@pytest.mark.timeout(300)
+def test_kiln_train_ep2_matches_one_process_and_resumes_at_ep1(tmp_path, text_file):
+    from test_data_parallel import GLOBAL_BATCH, assert_same_losses, common, losses, run_kiln, sets
+    from test_data_parallel import STEPS as TRAIN_STEPS
+
+    single = tmp_path / "single"
+    run_kiln(["train", "--run-dir", str(single),
+              *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH}))])
+    expected = losses(single)
+    norms = grad_norms(single)
+    assert min(norms.values()) > TRAIN_MOE["train.clip_grad_norm"]  # clipping is active on every step
+
+    run = tmp_path / "ep2"
+    run_kiln(["train", "--run-dir", str(run),
+              *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.ep": 2,
+                                                      "parallel.dp_mode": "'fsdp'"}))], nproc=2)
+    assert_same_losses(expected, losses(run), range(1, TRAIN_STEPS + 1))
+    # The pre-clipping norm covers both ranks' experts, each counted once, reduced as in one process.
+    assert_same_losses(norms, grad_norms(run), range(1, TRAIN_STEPS + 1))
+
+    # The step-3 checkpoint holds all 4 experts: it continues in one process (ep=1).
+    shutil.rmtree(run / "checkpoints" / f"step-{TRAIN_STEPS}")
+    run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume",
+              *sets([f"train.batch_size={GLOBAL_BATCH}", "parallel.ep=1"])])
+    assert_same_losses(expected, losses(run), range(4, TRAIN_STEPS + 1))
+
+
+def fsdp_manages_experts_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.expert_parallel import expert_parameters
+    from kiln.parallel.parallelize import apply_fsdp
+
+    model, _ = model_and_data("switch_top1_capacity")
+    dims = ParallelDims(1, world, 1, 1, 1, 1, world, rank)
+    dims.mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    apply_fsdp(model, dims, None, cpu_offload=False)
+    return all(isinstance(p, DTensor) for p in expert_parameters(model))
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_without_ep_still_shards_and_reduces_the_experts(tmp_path):
+    # Only under parallel.ep > 1 does FSDP leave the experts to expert_parallel.py.
+    assert run_ranks(fsdp_manages_experts_rank, 1, tmp_path) == [True]
