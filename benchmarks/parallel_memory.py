@@ -9,13 +9,16 @@ Measured on every rank, then the largest rank is reported:
   of a DTensor) after a step; "after fwd" is parameter bytes held between forward and backward
   (what ZeRO-2 keeps gathered and ZeRO-3 does not);
 - ideal: the single-process bytes / N for the parts the mode shards, the full bytes otherwise;
-- step time: median wall time of the timed steps (slowest rank);
+- activations: bytes autograd saves for backward in one forward (`SavedBytes`, torch's
+  saved_tensors_hooks; parameters and their views excluded);
+- step time: median wall time of the timed steps (slowest rank); with --rounds R every layout is
+  measured R times, interleaved, and each rank keeps its median over the rounds;
 - sent per step: bytes this process wrote to its gloo sockets during one step (Linux
   /proc/self/io `wchar`; the step does no other writes). Ring all-reduce sends 2(N-1)/N of the
   gradient bytes per rank; all-gather and reduce-scatter (N-1)/N each.
 
     python benchmarks/parallel_memory.py [--dim 384 --layers 6 --vocab 4096] [--worlds 1,2,4]
-        [--modes ddp,zero1,zero2,fsdp] [--steps 3] [--quick]
+        [--modes ddp,zero1,zero2,fsdp] [--steps 3] [--rounds 1] [--quick]
 
 Writes benchmarks/results/parallel_memory.json and prints a markdown table. Memory figures are
 exact byte counts (not allocator statistics), so they do not depend on the machine's load.
