@@ -9,13 +9,16 @@ Measured on every rank, then the largest rank is reported:
   of a DTensor) after a step; "after fwd" is parameter bytes held between forward and backward
   (what ZeRO-2 keeps gathered and ZeRO-3 does not);
 - ideal: the single-process bytes / N for the parts the mode shards, the full bytes otherwise;
-- step time: median wall time of the timed steps (slowest rank);
+- activations: bytes autograd saves for backward in one forward (`SavedBytes`, torch's
+  saved_tensors_hooks; parameters and their views excluded);
+- step time: median wall time of the timed steps (slowest rank); with --rounds R every layout is
+  measured R times, interleaved, and each rank keeps its median over the rounds;
 - sent per step: bytes this process wrote to its gloo sockets during one step (Linux
   /proc/self/io `wchar`; the step does no other writes). Ring all-reduce sends 2(N-1)/N of the
   gradient bytes per rank; all-gather and reduce-scatter (N-1)/N each.
 
     python benchmarks/parallel_memory.py [--dim 384 --layers 6 --vocab 4096] [--worlds 1,2,4]
-        [--modes ddp,zero1,zero2,fsdp] [--steps 3] [--quick]
+        [--modes ddp,zero1,zero2,fsdp] [--steps 3] [--rounds 1] [--quick]
 
 Writes benchmarks/results/parallel_memory.json and prints a markdown table. Memory figures are
 exact byte counts (not allocator statistics), so they do not depend on the machine's load.
@@ -59,6 +62,25 @@ def optimizer_state(optimizer) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
+class SavedBytes:
+    """Bytes of the tensors autograd saves for backward during a forward (torch's
+    saved_tensors_hooks; each storage counted once, parameters - leaves that require grad and their
+    views, gathered FSDP ones included - excluded): the activations."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t):
+        if not t.is_nested and t.device.type == "cpu" and not hasattr(t, "to_local"):
+            ptr = t.untyped_storage().data_ptr()
+            base = t._base if t._base is not None else t  # weight.t() views save the parameter itself
+            if not (base.is_leaf and base.requires_grad) and ptr not in self.seen:
+                self.seen.add(ptr)
+                self.total += t.untyped_storage().nbytes()
+        return t
+
+
 def sent_bytes() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
@@ -90,7 +112,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: str
     y = tokens[rank * per_rank:(rank + 1) * per_rank, 1:]
 
     def step() -> tuple[int, int]:
-        loss = lm_loss(model(x), y)
+        saved = SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            loss = lm_loss(model(x), y)
+        step.activations = saved.total
         after_forward = local_bytes(model.parameters())
         loss.backward()
         grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
@@ -109,7 +134,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: str
         sent.append(sent_bytes() - s0)
     row = {"params": local_bytes(model.parameters()), "params_after_forward": after_forward, "grads": grads,
            "optimizer": local_bytes(optimizer_state(optimizer)), "step_s": statistics.median(times),
-           "sent": statistics.median(sent), "n_params": sum(p.numel() for p in model.parameters())}
+           "sent": statistics.median(sent), "activations": step.activations, "n_params": sum(p.numel() for p in model.parameters())}
     rows = [row]
     if dist.is_initialized():
         rows = [None] * world
@@ -144,6 +169,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over the ranks")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every layout this many times, interleaved (a shared machine's load drifts); "
+                         "step_s is each rank's median over the rounds")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--quick", action="store_true", help="tiny model, world 1 and 2: checks the script runs")
@@ -157,7 +185,21 @@ def main() -> None:
     if any(args.batch % w for w in worlds):
         ap.error(f"--batch {args.batch} must be divisible by every world size {worlds}")
 
-    single = measure(1, "ddp", args)[0]
+    layouts = [(1, "ddp")] + [(w, m) for w in worlds if w > 1 for m in modes]
+    measured: dict[tuple[int, str], list[list[dict]]] = {k: [] for k in layouts}
+    for _ in range(args.rounds):
+        for world, mode in layouts:
+            measured[(world, mode)].append(measure(world, mode, args))
+
+    def rows_of(world: int, mode: str) -> list[dict]:
+        rounds = measured[(world, mode)]
+        rows = rounds[0]
+        for rank, row in enumerate(rows):
+            row["step_s"] = statistics.median(r[rank]["step_s"] for r in rounds)
+            row["step_s_rounds"] = [r[rank]["step_s"] for r in rounds]
+        return rows
+
+    single = rows_of(1, "ddp")[0]
     results = {"single": single, "runs": []}
     lines = [f"model: {single['n_params'] / 1e6:.2f}M params, global batch {args.batch} x {args.seq} tokens, "
              f"fp32 AdamW; bytes per rank (largest rank), MB = 2^20 bytes", "",
@@ -170,7 +212,7 @@ def main() -> None:
         if world == 1:
             continue
         for mode in modes:
-            rows = measure(world, mode, args)
+            rows = rows_of(world, mode)
             worst = {k: max(r[k] for r in rows) for k in rows[0]}
             ideal = {k: single[k] / (world if k in SHARDED[mode] else 1) for k in ("params", "grads", "optimizer")}
             ratio = max(worst[k] / ideal[k] for k in ideal)

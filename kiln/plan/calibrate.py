@@ -88,17 +88,26 @@ def predicted_step(m: Measurement, cluster: Cluster, compute_share: Callable[[La
     return (t.compute + t.optimizer) / share + t.comm_exposed + t.bubble / share
 
 
+def fit_error(cluster: Cluster, measurements: list[Measurement],
+              compute_share: Callable[[Layout], float] | None = None) -> float:
+    """Sum of squared log errors of `cluster`'s predictions for `measurements`."""
+    return sum(math.log(predicted_step(m, cluster, compute_share) / m.step_s) ** 2 for m in measurements)
+
+
 def fit_cluster(cluster: Cluster, measurements: list[Measurement],
-                compute_share: Callable[[Layout], float] | None = None) -> Cluster:
-    """`cluster` with the efficiency curve, link bandwidth and overlap that best explain the runs."""
+                compute_share: Callable[[Layout], float] | None = None, overlap: float | None = None) -> Cluster:
+    """`cluster` with the efficiency curve, link bandwidth and overlap that best explain the runs.
+    `overlap` fixes the overlap efficiency instead of fitting it (0 for gloo, whose collectives
+    run on the CPU cores the compute needs, so nothing is hidden)."""
     if not measurements:
         raise KilnError("calibration needs at least one measured run")
     best, best_err = None, math.inf
-    for params in itertools.product(*GRID.values()):
+    grid = dict(GRID, overlap_efficiency=[overlap]) if overlap is not None else GRID
+    for params in itertools.product(*grid.values()):
         if params[0] > 1:
             continue
         c = _apply(cluster, params)
-        err = sum(math.log(predicted_step(m, c, compute_share) / m.step_s) ** 2 for m in measurements)
+        err = fit_error(c, measurements, compute_share)
         if err < best_err:
             best, best_err = params, err
     return _apply(cluster, best)
