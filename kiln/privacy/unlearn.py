@@ -110,8 +110,12 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
         width = max(len(s) for s in seqs) - 1
         mask = torch.tensor([k + [False] * (width - len(k)) for k in keep], device=device)
         n_targets = int(mask.sum())
-        steps, reached, summary = 0, False, summarize(before_items[start:start + size])
-        while steps < opts.max_steps:
+        # Measured now, not before unlearning: earlier chunks' steps may already have brought this
+        # chunk to the reference, and a step beyond it only overshoots.
+        summary = summarize(before_items[start:start + size] if start == 0
+                            else sequence_metrics(model, tokenizer, rows, **metric_kw))
+        steps, reached = 0, not _memorized(summary, reference, opts)
+        while not reached and steps < opts.max_steps:
             model.train()
             nll, _ = token_nll(model, seqs)
             loss = -(nll * mask).sum() / n_targets  # gradient ascent on the chunk's (secret) tokens
