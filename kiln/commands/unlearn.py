@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-every", type=int, default=D.check_every,
                    help="measure the chunk every this many steps (1: stop at the first step at the reference)")
     p.add_argument("--secret-only", action=argparse.BooleanOptionalAction, default=D.secret_only,
-                   help="canary rows: ascend only on the secret, not the prefix all canaries share")
+                   help="canary rows: ascend only on the secret's digits, not the format all canaries share")
     p.add_argument("--margin", type=float, default=D.margin,
                    help="stop a chunk when its EL and MA are <= the held-out reference + this")
     p.add_argument("--exposure-margin", type=float, default=D.exposure_margin,

@@ -11,9 +11,9 @@ spent. Jang et al. stop as soon as the forget set reaches the held-out level, so
 measured after every step by default (`check_every` 1) at a small lr: a coarser check or a large
 lr overshoots far below the "never seen" level and damages the model.
 
-With `secret_only` (default) the ascent on a canary row is masked to its secret: the loss counts
-only the tokens after the shared prefix (e.g. "my code is "), which every canary - and the
-held-out ones - share, so the prefix is not unlearned with the secret. Rows without a secret
+With `secret_only` (default) the ascent on a canary row is masked to its secret's digits: the
+loss counts only those tokens, not the prefix ("my code is ") or the '-' separators that every
+canary - and the held-out ones - share, so the format is not unlearned with the secret. Rows without a secret
 (plain text) ascend on every token. Metrics come from kiln.privacy.metrics; the optimizer and KL
 are torch's (AdamW, F.kl_div); the masking is hand-written (a boolean mask on the per-token NLL).
 
@@ -65,15 +65,27 @@ def _memorized(summary: dict, reference: dict, opts: "UnlearnOptions") -> bool:
 
 def ascent_mask(tokenizer, rows: list[dict], seqs: list[list[int]], secret_only: bool) -> list[list[bool]]:
     """Per target position (token 1..n-1 of each sequence): ascend on it? With `secret_only`, a
-    canary row's targets inside its prefix are left out when the prefix tokenizes to a prefix of
-    the text's tokens (true for the byte tokenizer; otherwise the whole row is kept)."""
+    canary row ascends only on the tokens that start a digit of its secret: the prefix and the
+    '-' separators are the format every canary (and every held-out one) shares. A digit's token
+    is located by encoding text up to it, so this holds for any tokenizer whose encodings of
+    those prefixes are prefixes of the text's tokens (the byte tokenizer); otherwise the row
+    ascends on every token."""
     out = []
     for row, ids in zip(rows, seqs):
         keep = [True] * (len(ids) - 1)
-        if secret_only and row.get("secret") is not None and row.get("prefix"):
-            p = len(tokenizer.encode(row["prefix"]))
-            if 0 < p < len(ids) and ids[:p] == tokenizer.encode(row["prefix"]):
-                keep = [j >= p - 1 for j in range(len(ids) - 1)]  # target j is token j + 1
+        if secret_only and row.get("secret") is not None and row.get("prefix") is not None:
+            starts = []
+            for i, ch in enumerate(row["secret"]):
+                if ch.isdigit():
+                    head = tokenizer.encode(row["prefix"] + row["secret"][:i])
+                    if not 0 < len(head) < len(ids) or ids[:len(head)] != head:
+                        starts = []
+                        break
+                    starts.append(len(head))
+            if starts:
+                keep = [False] * (len(ids) - 1)
+                for t in starts:
+                    keep[t - 1] = True  # target j is token j + 1
         out.append(keep)
     return out
 

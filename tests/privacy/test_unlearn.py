@@ -123,6 +123,7 @@ def test_ascent_is_masked_to_the_secret_of_canary_rows():
     rows = [{"text": "my code is 1-2", "prefix": "my code is ", "secret": "1-2", "digits": 2}, {"text": "plain"}]
     seqs = [tok.encode(r["text"]) for r in rows]
     canary, plain = ascent_mask(tok, rows, seqs, secret_only=True)
-    # Targets are tokens 1..n-1: the prefix "my code is " (11 bytes) predicts 10 of its own tokens.
-    assert canary == [False] * 10 + [True] * 3 and plain == [True] * 4
+    # Targets are tokens 1..n-1 (target j is byte j + 1): only the digits "1" (byte 11) and "2"
+    # (byte 13) are ascended on, not the shared prefix "my code is " or the separator "-".
+    assert canary == [False] * 10 + [True, False, True] and plain == [True] * 4
     assert ascent_mask(tok, rows, seqs, secret_only=False)[0] == [True] * 13
