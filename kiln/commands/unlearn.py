@@ -31,10 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retain-loss", choices=("lm", "kl"), default=D.retain_loss,
                    help="retain term: LM loss, or KL divergence from the original model")
     p.add_argument("--retain-weight", type=float, default=D.retain_weight)
+    p.add_argument("--retain-batch", type=int, default=D.retain_batch, help="retain windows per step")
     p.add_argument("--chunk", type=int, default=D.chunk, help="forget sequences per sequential chunk (0: all at once)")
     p.add_argument("--lr", type=float, default=D.lr)
     p.add_argument("--max-steps", type=int, default=D.max_steps, help="step budget per chunk")
-    p.add_argument("--check-every", type=int, default=D.check_every)
+    p.add_argument("--check-every", type=int, default=D.check_every,
+                   help="measure the chunk every this many steps (1: stop at the first step at the reference)")
+    p.add_argument("--secret-only", action=argparse.BooleanOptionalAction, default=D.secret_only,
+                   help="canary rows: ascend only on the secret's digits, not the format all canaries share")
     p.add_argument("--margin", type=float, default=D.margin,
                    help="stop a chunk when its EL and MA are <= the held-out reference + this")
     p.add_argument("--exposure-margin", type=float, default=D.exposure_margin,
@@ -51,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace) -> UnlearnOptions:
     opts = UnlearnOptions(**{f.name: getattr(args, f.name) for f in fields(UnlearnOptions) if hasattr(args, f.name)})
-    for key in ("max_steps", "check_every", "ngram", "candidates"):
+    for key in ("max_steps", "check_every", "ngram", "candidates", "retain_batch"):
         if getattr(opts, key) <= 0:
             raise KilnError(f"--{key.replace('_', '-')}={getattr(opts, key)} must be > 0")
     if opts.chunk < 0:

@@ -68,6 +68,9 @@ def test_memorization_eval_then_unlearn_to_the_unseen_level(run, tmp_path):
     ref = rep["heldout_reference"]
     assert rep["forget_after"]["exposure"] <= ref["exposure"] + 1.0  # the unseen level (+1 bit margin)
     assert rep["forget_after"]["el"] <= ref["el"] + 0.05 and rep["forget_after"]["ma"] <= ref["ma"] + 0.05
+    # Stopped near the reference, not far below it (checked every step; the shared prefix is not
+    # ascended on). With checks every 5 steps on whole canaries, MA fell to 0.
+    assert rep["forget_after"]["ma"] >= ref["ma"] - 0.2
     assert rep["val_after"]["loss"] < rep["val_before"]["loss"] * (1 + VAL_LOSS_BOUND)
     # A new run that kiln eval loads; the original run is untouched.
     assert (out / "checkpoints").is_dir() and (out / "canaries.jsonl").is_file()
@@ -110,3 +113,17 @@ def test_bad_forget_files_name_the_problem(run, tmp_path, capsys, content, messa
     err = capsys.readouterr().err
     assert message in err and str(bad) in err
     assert not (tmp_path / "o").exists()
+
+
+def test_ascent_is_masked_to_the_secret_of_canary_rows():
+    from kiln.data.tokenizer import ByteTokenizer
+    from kiln.privacy.unlearn import ascent_mask
+
+    tok = ByteTokenizer()
+    rows = [{"text": "my code is 1-2", "prefix": "my code is ", "secret": "1-2", "digits": 2}, {"text": "plain"}]
+    seqs = [tok.encode(r["text"]) for r in rows]
+    canary, plain = ascent_mask(tok, rows, seqs, secret_only=True)
+    # Targets are tokens 1..n-1 (target j is byte j + 1): only the digits "1" (byte 11) and "2"
+    # (byte 13) are ascended on, not the shared prefix "my code is " or the separator "-".
+    assert canary == [False] * 10 + [True, False, True] and plain == [True] * 4
+    assert ascent_mask(tok, rows, seqs, secret_only=False)[0] == [True] * 13
