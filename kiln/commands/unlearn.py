@@ -74,11 +74,17 @@ def retain_windows(path: str, tokenizer, seq_len: int) -> list[list[int]]:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise KilnError(f"--retain {file}: not UTF-8 text ({e})") from None
-    ids = tokenizer.encode(text)
-    windows = [ids[i:i + seq_len + 1] for i in range(0, len(ids) - seq_len, seq_len)]
-    if not windows:
-        raise KilnError(f"--retain {file}: {len(ids)} tokens, fewer than one window of {seq_len + 1}")
-    return windows
+    import numpy as np
+
+    from kiln.data.loader import TokenWindows
+    from kiln.errors import DataError
+
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    try:  # the one windower: windows k*seq_len .. k*seq_len + seq_len (inputs and shifted targets)
+        windows = TokenWindows([ids], seq_len, source=f"--retain {file}")
+    except DataError as e:
+        raise KilnError(str(e)) from None
+    return windows.gather(np.arange(len(windows))).tolist()
 
 
 def run(args: argparse.Namespace) -> int:
