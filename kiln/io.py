@@ -18,6 +18,9 @@ through it.
     w = AtomicFile(path, "wb"); ...; w.commit() or w.abort()   # for writers that outlive a block
     with atomic_path(path) as tmp:        # for libraries that write to a path themselves
         tokenizer.save(tmp)
+
+Its reading counterpart, `read_text_file`, reads a text file kiln was handed (an eval set, a forget
+list, a shard directory's meta.json) and turns a missing file or bad bytes into one line.
 """
 
 from __future__ import annotations
@@ -148,3 +151,16 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
         raise
     if fsync:
         _fsync_dir(target.parent)
+
+
+def read_text_file(path: str | os.PathLike, *, error: type[Exception], missing: str,
+                   encoding: str = "utf-8") -> str:
+    """The text of `path`, or `error` with one line: `missing` when it is not a regular file, or
+    "<path>: not UTF-8 text (...)" when its bytes do not decode."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(missing)
+    try:
+        return path.read_text(encoding=encoding)
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text ({e})") from None

@@ -97,3 +97,21 @@ def test_atomic_path_for_libraries_that_write_by_name(tmp_path):
         with atomic_path(target):
             pass  # the writer wrote nothing
     assert target.read_text() == "new" and sorted(os.listdir(tmp_path)) == ["tok.json"]
+
+
+def test_read_text_file_gives_one_line_for_missing_or_undecodable_files(tmp_path):
+    from kiln.errors import DataError
+    from kiln.io import read_text_file
+
+    good = tmp_path / "ok.txt"
+    good.write_text("héllo", encoding="utf-8")
+    assert read_text_file(good, error=DataError, missing="nope") == "héllo"
+    with pytest.raises(DataError, match="^forget file gone$"):
+        read_text_file(tmp_path / "absent.txt", error=DataError, missing="forget file gone")
+    with pytest.raises(DataError, match="^forget file gone$"):  # a directory is not a file either
+        read_text_file(tmp_path, error=DataError, missing="forget file gone")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    with pytest.raises(DataError, match=r"latin1\.txt: not UTF-8 text") as info:
+        read_text_file(bad, error=DataError, missing="nope")
+    assert "\n" not in str(info.value)

@@ -23,7 +23,7 @@ import numpy as np
 
 from kiln.data.storage import LazyShard, ShardStore
 from kiln.errors import DataError
-from kiln.io import atomic_file, atomic_write_text
+from kiln.io import atomic_file, atomic_write_text, read_text_file
 
 if TYPE_CHECKING:
     from kiln.data.documents import Doc
@@ -213,12 +213,7 @@ class ShardSet:
 
 def read_meta(shard_dir: str | Path) -> dict:
     path = Path(shard_dir) / "meta.json"
-    if not path.is_file():
-        raise DataError(f"{shard_dir} is not a kiln shard directory (no meta.json)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
+    text = read_text_file(path, error=DataError, missing=f"{shard_dir} is not a kiln shard directory (no meta.json)")
     return parse_meta(text, path)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import DataError
+from kiln.io import read_text_file
 
 
 @dataclass
@@ -36,12 +37,7 @@ def read_jsonl(path: str | Path, required: dict[str, type | tuple[type, ...]] | 
     fields or wrong types, and for a file without any rows.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"eval file {path} not found")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e})") from None
+    text = read_text_file(path, error=DataError, missing=f"eval file {path} not found", encoding="utf-8-sig")
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
