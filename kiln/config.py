@@ -391,11 +391,6 @@ class JobConfig:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
-        h = self.parallel.diloco_inner_steps
-        if h and self.checkpoint.every % h:
-            # Between outer steps the replicas differ and a checkpoint would keep rank 0's alone.
-            raise ConfigError(f"checkpoint.every={self.checkpoint.every} must be a multiple of "
-                              f"parallel.diloco_inner_steps={h} (checkpoints are taken at outer steps)")
         ep = self.parallel.ep
         if ep > 1 and not self.model.moe_experts:
             raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; set model.moe_experts "
