@@ -1,0 +1,79 @@
+"""MULTI-NODE LAUNCH ON ONE MACHINE: two `torchrun --nnodes=2 --nproc-per-node=1 --node-rank=0/1`
+agents meet through a c10d rendezvous on 127.0.0.1 (the launch docs/parallel.md gives for
+several nodes and for Slurm) and run `kiln train` as one 2-rank job; its losses are those of the
+single-node `torchrun --standalone --nproc-per-node=2` run, and only rank 0 writes metrics.
+
+What this does not show: two hosts (the network, a rendezvous host other than the caller, a run
+directory on shared storage); both "nodes" are processes here, sharing /tmp. Slurm is not run.
+
+Every launcher runs in its own process group, killed whole when the test fails or times out.
+Tolerance: the same layout on the same machine, so equal to the last bit.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_data_parallel import common, losses, run_kiln, sets
+
+TIMEOUT = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_nodes(args, port, timeout=TIMEOUT):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    try:
+        for node_rank in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                   f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   "--rdzv-id=kiln-test", "--max-restarts=0", "-m", "kiln.cli", *args]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env=env, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        outputs = []
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+        for node_rank, (p, (_, err)) in enumerate(zip(procs, outputs)):
+            assert p.returncode == 0, f"node {node_rank}:\n{err[-3000:]}"
+        return outputs
+    finally:
+        for p in procs:  # nothing outlives the test: each launcher with its workers
+            if p.poll() is None or p.returncode != 0:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 60)
+def test_two_nodes_through_c10d_rendezvous_match_one_node(tmp_path, text_file):
+    args = sets(common(text_file, **{"train.batch_size": 2, "parallel.dp_mode": "'ddp'",
+                                     "metrics.peak_flops": 1e11}))
+    one_node = tmp_path / "one-node"
+    run_kiln(["train", "--run-dir", str(one_node), *args], nproc=2)
+    two_nodes = tmp_path / "two-nodes"
+    outputs = launch_two_nodes(["train", "--run-dir", str(two_nodes), *args], free_port())
+
+    expected, got = losses(one_node), losses(two_nodes)
+    assert sorted(got) == list(range(1, 7)) and got == expected
+    rows = [json.loads(x) for x in (two_nodes / "metrics.jsonl").read_text().splitlines()]
+    run_row = next(r for r in rows if r["kind"] == "run")
+    assert (run_row["world_size"], run_row["dp_mode"]) == (2, "ddp")
+    # Rank 0 alone writes rows: one row per step (a second writer would double them) and one
+    # metrics file; only node 0's launcher prints the summary.
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 7))
+    assert [p.name for p in two_nodes.glob("metrics*")] == ["metrics.jsonl"]
+    assert "done: 6 steps" in outputs[0][0] and "done:" not in outputs[1][0]
