@@ -54,7 +54,7 @@ def overrides(text_file, shards, name):
     dp = world // (per_rank["parallel.tp"] * per_rank["parallel.pp"] * per_rank["parallel.cp"])
     return tiny_overrides(text_file, **{
         "train.steps": STEPS, "train.eval_every": 0, "checkpoint.every": SAVE_AT, "checkpoint.keep_last": 5,
-        "optim.name": "sgd", "optim.lr": 0.1, "train.clip_grad_norm": 0, "train.device": "cpu",
+        "optim.name": "'adamw'", "optim.lr": 0.01, "train.clip_grad_norm": 0, "train.device": "cpu",
         "model.tie_embeddings": "false",  # pipeline stages cannot share the embedding with the head
         "data.shards_dir": repr(str(shards)),
         "metrics.peak_flops": 1e11,  # skip the matmul probe (seconds per run; MFU is not checked here)
@@ -153,7 +153,7 @@ def test_tolerance_catches_a_lost_momentum_buffer_or_loader_position(runs, tmp_p
 
         def zero_momentum(self, state):
             for per_param in state["optim"]["state"].values():
-                per_param["momentum_buffer"].zero_()
+                per_param["exp_avg"].zero_()
             load(self, state)
 
         monkeypatch.setattr(ModelOptimizerState, "load_state_dict", zero_momentum)
