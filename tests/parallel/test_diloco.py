@@ -219,3 +219,12 @@ def test_check_resume_names_both_counts():
         check_resume({"app", "diloco"}, 2, "x")
     with pytest.raises(KilnError, match="x was saved without DiLoCo"):
         check_resume({"app", "loader"}, 2, "x")
+
+
+def test_diloco_with_a_split_model_is_refused_naming_the_keys():
+    from kiln.config import ParallelConfig
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"diloco_inner_steps=2 with parallel\.tp=2 is not supported"):
+        ParallelConfig(diloco_inner_steps=2, tp=2).validate()
+    ParallelConfig(diloco_inner_steps=2).validate()
