@@ -1,5 +1,5 @@
 """A checkpoint saved under one parallel layout continues under another with the per-step losses
-of one uninterrupted single-process run: weights, optimizer state (SGD momentum), LR schedule and
+of one uninterrupted single-process run: weights, optimizer state (AdamW moments, step), LR schedule and
 the loader's global position all carry over, whatever shards or splits them.
 
 Pairs (saved at step 3 -> continued for steps 4..6): TP=2 -> DDP 2, DDP 2 -> TP=2, PP=2 -> FSDP 2,
@@ -10,9 +10,10 @@ test_data_parallel.py; TP 2->1 in test_tensor_parallel.py; PP 2->1 in test_pipel
 EP 2->1 in test_expert_parallel.py.)
 
 Tolerance: fp32, relative 1e-5 per step (the layouts change only the order of sums; observed
-< 1e-6). The optimizer is SGD with momentum, lr 0.1, no clipping: a momentum buffer that is lost,
-doubled or taken from the wrong shard, or a loader that skips or repeats a batch, moves the next
-losses by far more (`test_tolerance_catches_a_lost_momentum_buffer`).
+max 1.1e-7). The optimizer is AdamW (lr 0.01, no clipping), so both moments and the step count
+must arrive in the other layout's sharding: a moment that is lost or taken from the wrong shard,
+or a loader that skips or repeats a batch, moves the next losses by ~3e-2
+(`test_tolerance_catches_a_lost_moment_or_loader_position`).
 
 Cost: every run is kiln's trainer (`kiln.train.trainer.train`) in processes that stay up for
 the whole session (tests/parallel/ranks.py), so torch is imported once per rank, not once per
@@ -133,14 +134,14 @@ def test_checkpoint_continues_in_another_layout_with_the_same_losses(runs, pair)
     assert_same_losses(reference, losses(runs[saved]), range(1, SAVE_AT + 1), saved)
     got = losses(runs[pair])
     assert sorted(got) == list(range(1, STEPS + 1))  # the copied rows 1..3, then this run's 4..6
-    run_row = [json.loads(x) for x in (runs[pair] / "metrics.jsonl").read_text().splitlines()
-               if '"kind": "run"' in x][-1]
+    rows = [json.loads(x) for x in (runs[pair] / "metrics.jsonl").read_text().splitlines()]
+    run_row = [r for r in rows if r["kind"] == "run"][-1]  # the continued run's
     assert run_row["resumed_from"] == SAVE_AT and run_row["world_size"] == LAYOUTS[target][0]
     assert_same_losses(reference, got, range(SAVE_AT + 1, STEPS + 1), pair)
 
 
-@pytest.mark.parametrize("lose", ["momentum", "loader position"])
-def test_tolerance_catches_a_lost_momentum_buffer_or_loader_position(runs, tmp_path, monkeypatch, lose):
+@pytest.mark.parametrize("lose", ["first moment", "loader position"])
+def test_tolerance_catches_a_lost_moment_or_loader_position(runs, tmp_path, monkeypatch, lose):
     # The reference's own step-3 checkpoint, continued in one process with one piece of state
     # dropped on load, misses the uninterrupted losses: the bound above can fail.
     from kiln.checkpoint.manager import ModelOptimizerState
@@ -148,15 +149,15 @@ def test_tolerance_catches_a_lost_momentum_buffer_or_loader_position(runs, tmp_p
     from kiln.data.loader import Loader
     from kiln.train.trainer import train
 
-    if lose == "momentum":
+    if lose == "first moment":
         load = ModelOptimizerState.load_state_dict
 
-        def zero_momentum(self, state):
+        def zero_first_moment(self, state):
             for per_param in state["optim"]["state"].values():
                 per_param["exp_avg"].zero_()
             load(self, state)
 
-        monkeypatch.setattr(ModelOptimizerState, "load_state_dict", zero_momentum)
+        monkeypatch.setattr(ModelOptimizerState, "load_state_dict", zero_first_moment)
     else:
         load = Loader.load_state_dict
         monkeypatch.setattr(Loader, "load_state_dict", lambda self, state: load(self, {**state, "position": 0}))
