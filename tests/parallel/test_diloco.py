@@ -3,6 +3,10 @@
 averaged delta every H steps) - DiLoCo, not plain data parallelism, which the last check tells apart.
 
 Tolerance: fp32, relative 1e-5 per step over 9 steps (3 outer steps); observed ~1e-7.
+
+Resume (kiln's trainer on 2 gloo ranks): a checkpoint between outer syncs holds every replica's
+own parameters and AdamW moments, so the paused-and-resumed run equals the uninterrupted one to
+the last bit; the old resume (rank 0's state on every rank) does not.
 """
 
 import os
