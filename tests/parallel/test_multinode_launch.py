@@ -33,22 +33,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two_nodes(args, port, timeout=TIMEOUT):
+def launch_two_nodes(args, port, logs, timeout=TIMEOUT):
+    """Start both agents, wait for both; returns each one's (stdout, stderr). Output goes to files:
+    a pipe nobody reads could fill and stall one agent, and with it the other."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = []
+    procs, files = [], []
     try:
-        for _ in range(2):
+        for node in range(2):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                    "--rdzv-id=kiln-test", "--max-restarts=0", "-m", "kiln.cli", *args]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          env=env, start_new_session=True))
+            files.append((open(logs / f"agent{node}.out", "w+"), open(logs / f"agent{node}.err", "w+")))
+            procs.append(subprocess.Popen(cmd, stdout=files[-1][0], stderr=files[-1][1], env=env,
+                                          start_new_session=True))
         deadline = time.monotonic() + timeout
-        outputs = []
         for p in procs:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
-        for node, (p, (_, err)) in enumerate(zip(procs, outputs)):
-            assert p.returncode == 0, f"agent {node}:\n{err[-3000:]}"
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        outputs = []
+        for node, (p, (out, err)) in enumerate(zip(procs, files)):
+            out.seek(0)
+            err.seek(0)
+            outputs.append((out.read(), err.read()))
+            assert p.returncode == 0, f"agent {node}:\n{outputs[-1][1][-3000:]}"
         return outputs
     finally:
         for p in procs:  # nothing outlives the test: each launcher with its workers
@@ -58,6 +64,9 @@ def launch_two_nodes(args, port, timeout=TIMEOUT):
                 except ProcessLookupError:
                     pass
                 p.wait()
+        for out, err in files:
+            out.close()
+            err.close()
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 60)
@@ -67,7 +76,7 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(tmp_path, text_file):
     one_node = tmp_path / "one-node"
     run_kiln(["train", "--run-dir", str(one_node), *args], nproc=2)
     two_nodes = tmp_path / "two-nodes"
-    outputs = launch_two_nodes(["train", "--run-dir", str(two_nodes), *args], free_port())
+    outputs = launch_two_nodes(["train", "--run-dir", str(two_nodes), *args], free_port(), tmp_path)
 
     expected, got = losses(one_node), losses(two_nodes)
     assert sorted(got) == list(range(1, 7)) and got == expected
