@@ -123,7 +123,7 @@ def test_kiln_train_logs_moe_losses_and_outer_steps(tmp_path, text_file):
 
 
 # ---- resume: every replica continues from its own parameters and inner AdamW moments
-RESUME_STEPS, RESUME_H, RESUME_AT = 6, 4, 3  # the checkpoint falls between outer syncs (steps 4, 8)
+RESUME_STEPS, RESUME_H, RESUME_AT = 6, 4, 3  # the step-3 checkpoint falls before the outer sync at step 4
 
 
 def resume_overrides(text_file, shards):
