@@ -368,6 +368,12 @@ class ParallelConfig:
         if self.diloco_inner_steps and self.dp_mode not in ("auto", "ddp"):
             raise ConfigError(f"parallel.diloco_inner_steps={self.diloco_inner_steps} keeps a whole replica on "
                               f"every rank; set parallel.dp_mode='auto' or 'ddp' (not {self.dp_mode!r})")
+        split = [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1]
+        if self.diloco_inner_steps and split:
+            # Its outer step averages every rank's whole parameter list: a split model is not a replica.
+            raise ConfigError(f"parallel.diloco_inner_steps={self.diloco_inner_steps} with parallel."
+                              f"{', '.join(split)} is not supported (each rank must hold a whole replica); "
+                              f"set those to 1 or parallel.diloco_inner_steps=0")
         if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
             raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "
                               f"not {self.dp_mode!r}")
@@ -391,11 +397,6 @@ class JobConfig:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
-        h = self.parallel.diloco_inner_steps
-        if h and self.checkpoint.every % h:
-            # Between outer steps the replicas differ and a checkpoint would keep rank 0's alone.
-            raise ConfigError(f"checkpoint.every={self.checkpoint.every} must be a multiple of "
-                              f"parallel.diloco_inner_steps={h} (checkpoints are taken at outer steps)")
         ep = self.parallel.ep
         if ep > 1 and not self.model.moe_experts:
             raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; set model.moe_experts "

@@ -16,6 +16,15 @@ payload; a ring all-reduce moves about 2 (N-1)/N of that over each link).
 torch APIs: `torch.optim.SGD(nesterov=True)` is the outer optimizer and `torch.distributed.
 all_reduce` (one flat buffer per sync) the averaging; the bookkeeping is kiln's. The inner
 optimizer state stays per replica, as in the paper.
+
+Checkpoints. Between outer syncs every replica has its own parameters and inner optimizer state
+(AdamW moments), so each rank saves its own: rank 0 under the usual `app` key (what eval, generate
+and export read, and what a non-DiLoCo run continues from), rank r > 0 under `diloco_rank<r>`
+(`replica_states`). DCP writes keys that only one rank holds from that rank, so this is one DCP
+checkpoint with one manifest, loaded through the same safe reader. The anchor and the outer
+momentum (`diloco`) are equal on every rank and stored once. A DiLoCo run continues only a
+checkpoint of as many DiLoCo replicas (`check_resume`, one line otherwise): a replica without its
+own state would train on another's moments.
 """
 
 from __future__ import annotations
@@ -23,6 +32,38 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from kiln.errors import KilnError
+
+APP_KEY = "app"  # the model + optimizer entry of kiln's checkpoint (kiln/train/trainer.py)
+REPLICA_PREFIX = "diloco_rank"  # rank r > 0's own model + inner optimizer: diloco_rank<r>
+
+
+def replica_key(rank: int) -> str:
+    return APP_KEY if rank == 0 else f"{REPLICA_PREFIX}{rank}"
+
+
+def replica_states(states: dict, rank: int) -> dict:
+    """`states` (the trainer's Stateful dict) with this rank's model + inner optimizer under its
+    own key, so every replica saves and loads its own (rank 0 keeps `app`)."""
+    return {replica_key(rank) if name == APP_KEY else name: value for name, value in states.items()}
+
+
+def check_resume(saved_names: set[str], world: int, where: str) -> None:
+    """One line unless the checkpoint (its top-level state names) holds DiLoCo state for exactly
+    `world` replicas."""
+    if "diloco" not in saved_names:
+        raise KilnError(f"{where} was saved without DiLoCo; a DiLoCo run (parallel.diloco_inner_steps > 0) "
+                        f"continues only a DiLoCo checkpoint: set parallel.diloco_inner_steps=0 or start a "
+                        f"new --run-dir")
+    others = {int(n[len(REPLICA_PREFIX):]) for n in saved_names
+              if n.startswith(REPLICA_PREFIX) and n[len(REPLICA_PREFIX):].isdigit()}
+    saved = 1 + max(others, default=0)
+    if saved != world or others != set(range(1, world)):
+        raise KilnError(f"{where} holds {saved} DiLoCo replicas' state, this run has {world}; each replica "
+                        f"resumes its own model and inner optimizer, so DiLoCo continues with {saved} "
+                        f"processes (or continue without DiLoCo from replica 0's state: "
+                        f"parallel.diloco_inner_steps=0)")
 
 
 class DiLoCo:

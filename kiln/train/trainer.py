@@ -27,7 +27,8 @@ from kiln.data.storage import open_store
 from kiln.errors import ConfigError, KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
-from kiln.parallel.diloco import DiLoCo
+from kiln.parallel.diloco import DiLoCo, replica_states
+from kiln.parallel.diloco import check_resume as check_diloco_resume
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import compile_scope, parallelize
@@ -175,10 +176,14 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
                         cfg.parallel.diloco_outer_momentum)
         stateful["diloco"] = diloco
+        stateful = replica_states(stateful, dims.rank)  # every replica saves its own model and moments
     recovery = None
     if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
         ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
     elif resume_step is not None:  # memory replica, else the newest checkpoint that verifies
+        names = ckpt.saved_state_names(resume_step) if diloco is not None else None
+        if names is not None:
+            check_diloco_resume(names, dims.world_size, f"{ckpt.dir}/step-{resume_step}")
         resume_step, recovered_from, recovery_s = ckpt.restore(stateful)
         recovery = f"resumed step {resume_step} from {recovered_from} in {recovery_s:.2f} s"
     if dims.is_main:  # only now: a start that failed above leaves the run's files as they were

@@ -3,7 +3,13 @@
 averaged delta every H steps) - DiLoCo, not plain data parallelism, which the last check tells apart.
 
 Tolerance: fp32, relative 1e-5 per step over 9 steps (3 outer steps); observed ~1e-7.
+
+Resume (kiln's trainer on 2 gloo ranks): a checkpoint between outer syncs holds every replica's
+own parameters and AdamW moments, so the paused-and-resumed run equals the uninterrupted one to
+the last bit; the old resume (rank 0's state on every rank) does not.
 """
+
+import os
 
 import pytest
 import torch
@@ -114,3 +120,115 @@ def test_kiln_train_logs_moe_losses_and_outer_steps(tmp_path, text_file):
     assert len(train) == 4 and all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in train)
     assert [(r["step"], r["outer_step"], r["bytes_sent"]) for r in rows if r["kind"] == "diloco"] == \
         [(2, 1, 0), (4, 2, 0)]  # one process: nothing to send
+
+
+# ---- resume: every replica continues from its own parameters and inner AdamW moments
+RESUME_STEPS, RESUME_H, RESUME_AT = 6, 4, 3  # the step-3 checkpoint falls before the outer sync at step 4
+
+
+def resume_overrides(text_file, shards):
+    from conftest import tiny_overrides
+
+    return tiny_overrides(text_file, **{
+        "train.steps": RESUME_STEPS, "train.eval_every": 0, "checkpoint.every": RESUME_AT,
+        "checkpoint.keep_last": 5, "optim.name": "'adamw'", "train.device": "cpu",
+        "parallel.diloco_inner_steps": RESUME_H, "data.shards_dir": repr(str(shards)),
+        "metrics.peak_flops": 1e11})  # no matmul probe
+
+
+def diloco_resume_ranks(rank, world, root, sets):
+    """On every rank, with kiln's trainer: an uninterrupted run; a run paused after step 3 (its
+    checkpoint is all that survives, as after a kill) and resumed; and the same resume with the
+    old behaviour (every rank loading rank 0's model and moments) for the negative check."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import kiln.train.trainer as trainer
+    from kiln.config import load_config
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    root = Path(root)
+    trainer.train(load_config(None, sets), root / "whole")
+    trainer.train(load_config(None, sets), root / "paused", stop_at=RESUME_AT)
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(root / "paused", root / "shared")
+    dist.barrier()
+    trainer.train(load_config(None, sets), root / "paused", resume=True)
+    trainer.replica_states = lambda states, rank: states  # every rank under "app": rank 0's state wins
+    trainer.train(load_config(None, sets), root / "shared", resume=True)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, text_file):
+    root = tmp_path_factory.mktemp("diloco-resume")
+    (root / "work").mkdir()
+    run_ranks(diloco_resume_ranks, 2, root / "work", str(root), resume_overrides(text_file, root / "shards"),
+              timeout=240)
+    return root
+
+
+def train_losses(run):
+    import json
+
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+@pytest.mark.timeout(300)
+def test_resume_between_outer_syncs_continues_each_replica_exactly(resumed):
+    from kiln.checkpoint.manager import CheckpointManager
+
+    whole, paused = train_losses(resumed / "whole"), train_losses(resumed / "paused")
+    assert sorted(whole) == sorted(paused) == list(range(1, RESUME_STEPS + 1))
+    # Same processes, same math: equal to the last bit, before and after the outer sync at step 4.
+    assert [paused[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
+    names = CheckpointManager(resumed / "paused" / "checkpoints").saved_state_names(RESUME_AT)
+    assert {"app", "diloco_rank1", "diloco"} <= names  # rank 1's replica in the one DCP checkpoint
+    # The old resume (rank 0's state on every rank) gives other losses from step 4 on: the check can fail.
+    old = train_losses(resumed / "shared")
+    assert all(old[s] != pytest.approx(whole[s], rel=1e-6) for s in range(4, 7)), (old, whole)
+
+
+def test_resume_with_another_replica_count_or_without_diloco_is_one_line(resumed, tmp_path, capsys):
+    import shutil
+
+    from kiln.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(resumed / "paused", run)
+    shutil.rmtree(run / "checkpoints" / f"step-{RESUME_STEPS}")
+    before = (run / "metrics.jsonl").read_text()
+    sets = [x for o in ["metrics.peak_flops=1e11"] for x in ("--set", o)]
+    assert main(["train", "--resume", str(run), *sets]) == 2  # 2 replicas saved, 1 process now
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds 2 DiLoCo replicas' state, this run has 1" in err[0], err
+    assert (run / "metrics.jsonl").read_text() == before  # nothing written
+    # Without DiLoCo the run continues from replica 0 (what eval and export read as well).
+    assert main(["train", "--resume", str(run), *sets, "--set", "parallel.diloco_inner_steps=0"]) == 0
+    assert sorted(train_losses(run)) == list(range(1, RESUME_STEPS + 1))
+
+
+def test_check_resume_names_both_counts():
+    from kiln.errors import KilnError
+    from kiln.parallel.diloco import check_resume
+
+    check_resume({"app", "diloco", "diloco_rank1", "loader"}, 2, "x")
+    check_resume({"app", "diloco"}, 1, "x")
+    with pytest.raises(KilnError, match="x holds 3 DiLoCo replicas' state, this run has 2"):
+        check_resume({"app", "diloco", "diloco_rank1", "diloco_rank2"}, 2, "x")
+    with pytest.raises(KilnError, match="x holds 1 DiLoCo replicas' state, this run has 2"):
+        check_resume({"app", "diloco"}, 2, "x")
+    with pytest.raises(KilnError, match="x was saved without DiLoCo"):
+        check_resume({"app", "loader"}, 2, "x")
+
+
+def test_diloco_with_a_split_model_is_refused_naming_the_keys():
+    from kiln.config import ParallelConfig
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"diloco_inner_steps=2 with parallel\.tp=2 is not supported"):
+        ParallelConfig(diloco_inner_steps=2, tp=2).validate()
+    ParallelConfig(diloco_inner_steps=2).validate()
