@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -189,7 +190,11 @@ def decode(data: bytes) -> torch.Tensor:
     else:
         from PIL import Image
 
-        with Image.open(io.BytesIO(data)) as im:  # lazy: the size is known before decoding
+        try:
+            im = Image.open(io.BytesIO(data))  # lazy: the size is known before decoding
+        except Image.UnidentifiedImageError:
+            raise ValueError("not a JPEG or PNG image Pillow can identify") from None
+        with im:
             if im.width * im.height > MAX_PIXELS:
                 raise ValueError(f"{im.width}x{im.height} pixels exceed the limit of {MAX_PIXELS}")
             img = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).contiguous()
@@ -397,6 +402,7 @@ class ImageTextLoader:
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.epoch, self.position = 0, 0
         self.skipped = len(index.skipped)
+        self.wait_s = self.device_s = 0.0  # blocked on the workers / decoding on the device (stall analyzer)
         self._it: Iterator | None = None
         BatchPositions(len(index), batch_size, seed, 0, 0, dp_rank, dp_size)  # validate the batch size now
 
@@ -420,7 +426,9 @@ class ImageTextLoader:
     def next(self) -> ImageTextBatch:
         if self._it is None:
             self._it = self._start()
+        t0 = time.perf_counter()
         out = next(self._it)
+        self.wait_s += time.perf_counter() - t0
         if "error" in out:
             self.close()
             raise DataError(out["error"])
@@ -430,7 +438,11 @@ class ImageTextLoader:
         if self.mode == "cpu":
             images = out["images"].to(self.device, non_blocking=True)
         else:
+            t0 = time.perf_counter()
             images = self._device_images(out)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the decode is done, not just queued
+            self.device_s += time.perf_counter() - t0
         self.epoch, self.position = out["epoch"], out["position"]
         return ImageTextBatch(images, out["tokens"].to(self.device), out["lengths"], out["indices"],
                               out["epoch"], out["position"], out["skipped"])
