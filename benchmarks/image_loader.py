@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import RESULTS_DIR, machine_info, median  # noqa: E402
 
 from kiln.data.image_sample import write_sample_shards  # noqa: E402
-from kiln.data.image_text import ImageSpec, TarIndex, torchvision_io  # noqa: E402
+from kiln.data.image_ops import ImageSpec, torchvision_io  # noqa: E402
+from kiln.data.image_text import TarIndex  # noqa: E402
 from kiln.data.stall_image import step_time, time_loader  # noqa: E402
 from kiln.data.tokenizer import ByteTokenizer  # noqa: E402
 

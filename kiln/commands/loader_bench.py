@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 def run_image(args: argparse.Namespace, cfg, run_dir: Path) -> int:
     import torch
 
-    from kiln.data.image_text import ImageSpec, TarIndex
+    from kiln.data.image_ops import ImageSpec
+    from kiln.data.image_text import TarIndex
     from kiln.data.stall_image import analyze_image, chart_svg
     from kiln.data.storage import ShardStore
     from kiln.data.tokenizer import build_tokenizer

@@ -16,13 +16,10 @@ Two places to preprocess (NVIDIA DALI's idea, with torch parts):
   CPU) and runs the same resize/crop/normalize there on the device's tensors.
 Both modes call the same `transform` code, so on CPU they give the same pixels.
 
-Library code vs ours: decoding is `torchvision.io` (libjpeg-turbo/libpng; nvJPEG on CUDA) when
-torchvision imports, else Pillow (a CUDA-linked torchvision wheel cannot load next to a CPU torch,
-so CPU-only machines may lack it; Pillow only decodes, on the CPU). Resize is
-`torch.nn.functional.interpolate(mode="bilinear", antialias=True)` - the kernel torchvision's
-`transforms.v2.functional.resize` calls for tensors - crop is indexing and normalize arithmetic, so
-the transform is the same code with or without torchvision. Indexing, sampling, retries, skipping
-and collation are written here; DataLoader does the worker processes and prefetching.
+Decoding and the transform live in kiln/data/image_ops.py (torchvision.io or Pillow, torch ops).
+Library code vs ours: `tarfile` parses the tars, DataLoader runs the worker processes and their
+prefetching, ShardStore (fsspec) the remote reads; indexing, sampling, retries, skipping and
+collation are written here.
 
 Bad input: a truncated tar, an image without caption (or caption without image), an undecodable
 image or a non-UTF-8 caption fail with one `DataError` naming the shard and the member's header
@@ -33,17 +30,15 @@ a skipped image is that much smaller.
 
 from __future__ import annotations
 
-import io
 import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
+from kiln.data.image_ops import ImageSpec, decode, decode_batch, pad_captions, transform
 from kiln.data.loader import epoch_order
 from kiln.data.storage import ShardStore, is_url, join, with_retries
 from kiln.errors import DataError, KilnError
@@ -51,7 +46,6 @@ from kiln.errors import DataError, KilnError
 IMAGE_EXTS = {"jpg": "jpeg", "jpeg": "jpeg", "png": "png"}
 MAX_IMAGE_BYTES = 32 << 20  # a member larger than this is refused, not read
 MAX_CAPTION_BYTES = 1 << 20
-MAX_PIXELS = 1 << 26  # a decoded image larger than this (64 Mpx) is refused: decompression bombs
 
 
 class Sample(NamedTuple):
@@ -168,124 +162,6 @@ class TarIndex:
             self.store.cache.path(join(self.store.url, self.shards[shard])).unlink(missing_ok=True)
 
 
-# ---------------------------------------------------------------------------- decode + transform
-
-
-def torchvision_io():
-    """`torchvision.io`, or None where torchvision is missing or cannot load (a CUDA-linked wheel
-    next to a CPU torch fails at import with a RuntimeError, not an ImportError)."""
-    try:
-        import torchvision.io
-
-        return torchvision.io
-    except Exception:  # noqa: BLE001 - any failure to load means: decode with Pillow
-        return None
-
-
-def decode(data: bytes) -> torch.Tensor:
-    """(3, H, W) uint8 RGB from JPEG/PNG bytes, on the CPU."""
-    tvio = torchvision_io()
-    if tvio is not None:
-        img = tvio.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=tvio.ImageReadMode.RGB)
-    else:
-        from PIL import Image
-
-        try:
-            im = Image.open(io.BytesIO(data))  # lazy: the size is known before decoding
-        except Image.UnidentifiedImageError:
-            raise ValueError("not a JPEG or PNG image Pillow can identify") from None
-        with im:
-            if im.width * im.height > MAX_PIXELS:
-                raise ValueError(f"{im.width}x{im.height} pixels exceed the limit of {MAX_PIXELS}")
-            img = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).contiguous()
-    if img.shape[1] * img.shape[2] > MAX_PIXELS:
-        raise ValueError(f"{img.shape[2]}x{img.shape[1]} pixels exceed the limit of {MAX_PIXELS}")
-    return img
-
-
-def decode_batch(datas: list[bytes], kinds: list[str], device: torch.device) -> list[torch.Tensor]:
-    """Decode a batch for the device path: JPEGs in one `decode_jpeg(list, device=...)` call (nvJPEG
-    on CUDA), the rest one by one on the CPU and moved; raises on the first bad image."""
-    tvio = torchvision_io()
-    if device.type == "cuda" and tvio is None:
-        raise KilnError("device preprocessing on cuda needs torchvision (pip install 'kiln-lm[image]' matching "
-                        "your torch)")
-    if device.type != "cuda" or tvio is None:
-        return [decode(d).to(device) for d in datas]
-    jpegs = [i for i, k in enumerate(kinds) if k == "jpeg"]
-    out: list[torch.Tensor | None] = [None] * len(datas)
-    if jpegs:
-        raw = [torch.frombuffer(bytearray(datas[i]), dtype=torch.uint8) for i in jpegs]
-        for i, img in zip(jpegs, tvio.decode_jpeg(raw, mode=tvio.ImageReadMode.RGB, device=device)):
-            out[i] = img
-    for i, k in enumerate(kinds):
-        if k != "jpeg":
-            out[i] = decode(datas[i]).to(device, non_blocking=True)
-    return out
-
-
-@dataclass(frozen=True)
-class ImageSpec:
-    """Resize the shorter side to `resize` (default size * 8/7, as ImageNet eval), crop `size`
-    square (center, or random per sample from (seed, epoch, index)), normalize by mean/std."""
-
-    size: int = 224
-    resize: int = 0
-    crop: str = "center"
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-
-    def __post_init__(self):
-        if self.size < 1 or self.resize < 0 or (self.resize and self.resize < self.size):
-            raise KilnError(f"image size={self.size}, resize={self.resize}: expected size >= 1 and resize 0 "
-                            f"(automatic) or >= size")
-        if self.crop not in ("center", "random"):
-            raise KilnError(f"image crop={self.crop!r} is not one of center, random")
-
-    @property
-    def shorter(self) -> int:
-        return self.resize or max(self.size, round(self.size * 8 / 7))
-
-
-def crop_origin(spec: ImageSpec, h: int, w: int, seed: int, epoch: int, index: int) -> tuple[int, int]:
-    """Top-left corner of the crop of an (h, w) image after resizing (deterministic per sample)."""
-    if spec.crop == "center":
-        return (h - spec.size) // 2, (w - spec.size) // 2
-    rng = np.random.default_rng([seed, epoch, index])
-    return int(rng.integers(0, h - spec.size + 1)), int(rng.integers(0, w - spec.size + 1))
-
-
-def transform(images: list[torch.Tensor], spec: ImageSpec, seed: int, epoch: int,
-              indices: list[int]) -> torch.Tensor:
-    """(B, 3, size, size) float32 on the images' device: resize (shorter side), crop, normalize."""
-    out = []
-    for img, index in zip(images, indices):
-        h, w = img.shape[-2:]
-        scale = spec.shorter / min(h, w)
-        nh, nw = max(spec.size, round(h * scale)), max(spec.size, round(w * scale))
-        x = F.interpolate(img[None].float(), size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
-        x = x.round_().clamp_(0, 255)  # back to uint8 values, as resizing a uint8 image does
-        top, left = crop_origin(spec, nh, nw, seed, epoch, index)
-        out.append(x[0, :, top:top + spec.size, left:left + spec.size])
-    if not out:
-        return torch.empty(0, 3, spec.size, spec.size)
-    batch = torch.stack(out).div_(255.0)
-    mean = torch.tensor(spec.mean, device=batch.device).view(1, 3, 1, 1)
-    std = torch.tensor(spec.std, device=batch.device).view(1, 3, 1, 1)
-    return batch.sub_(mean).div_(std)
-
-
-def pad_captions(token_lists: list[np.ndarray], length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, length) int64 tokens, truncated or padded with pad_id, and (B,) lengths before padding."""
-    tokens = torch.full((len(token_lists), length), pad_id, dtype=torch.int64)
-    lengths = torch.zeros(len(token_lists), dtype=torch.int64)
-    for row, ids in enumerate(token_lists):
-        n = min(length, len(ids))
-        tokens[row, :n] = torch.as_tensor(np.asarray(ids[:n], dtype=np.int64))
-        lengths[row] = n
-    return tokens, lengths
-
-
 # ---------------------------------------------------------------------------- dataset + loader
 
 
@@ -376,6 +252,10 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return out
 
 
+def _as_is(batch: dict) -> dict:
+    return batch  # the dataset collates; a module-level function so spawned workers can pickle it
+
+
 def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)  # workers are the parallelism; intra-op threads would oversubscribe
 
@@ -419,7 +299,7 @@ class ImageTextLoader:
                                  self.dp_rank, self.dp_size)
         kw = {"prefetch_factor": self.prefetch, "worker_init_fn": _worker_init} if self.workers else {}
         loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, sampler=sampler,
-                                             num_workers=self.workers, collate_fn=lambda x: x,
+                                             num_workers=self.workers, collate_fn=_as_is,
                                              pin_memory=self.device.type == "cuda" and self.mode == "cpu", **kw)
         return iter(loader)
 
@@ -444,7 +324,7 @@ class ImageTextLoader:
                 torch.cuda.synchronize(self.device)  # the decode is done, not just queued
             self.device_s += time.perf_counter() - t0
         self.epoch, self.position = out["epoch"], out["position"]
-        return ImageTextBatch(images, out["tokens"].to(self.device), out["lengths"], out["indices"],
+        return ImageTextBatch(images, out["tokens"].to(self.device), out["lengths"].to(self.device), out["indices"],
                               out["epoch"], out["position"], out["skipped"])
 
     def _device_images(self, out: dict) -> torch.Tensor:
@@ -479,4 +359,8 @@ class ImageTextLoader:
             yield self.next()
 
     def close(self) -> None:
-        self._it = None  # DataLoader's iterator shuts its workers down when collected
+        """Stop the workers now (an exception's traceback may keep the iterator alive for a while)."""
+        shutdown = getattr(self._it, "_shutdown_workers", None)  # DataLoader's own (private) shutdown
+        if shutdown is not None:
+            shutdown()
+        self._it = None

@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kiln.data.image_text import ImageSpec, ImageTextLoader, TarIndex
+from kiln.data.image_ops import ImageSpec
+from kiln.data.image_text import ImageTextLoader, TarIndex
 from kiln.data.stall import drop_page_cache
 from kiln.data.storage import ShardStore
 from kiln.errors import KilnError

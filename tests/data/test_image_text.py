@@ -1,18 +1,17 @@
 """Image-text tar shards: the generated sample, CPU-worker vs device preprocessing, order and resume,
 bad input, and the image part of `kiln loader-bench`."""
 
-import io
 import json
 import tarfile
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from kiln.cli import main
 from kiln.data.image_sample import add_member, encode_picture, write_sample_shards
-from kiln.data.image_text import ImageSpec, ImageTextLoader, TarIndex, decode, pad_captions, transform
+from kiln.data.image_ops import ImageSpec, decode, pad_captions, transform
+from kiln.data.image_text import ImageTextLoader, TarIndex
 from kiln.data.stall_image import step_time
 from kiln.data.tokenizer import ByteTokenizer
 from kiln.errors import DataError, KilnError
