@@ -26,11 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from kiln.data.image_ops import ImageSpec
-from kiln.data.image_text import ImageTextLoader, TarIndex
-from kiln.data.stall import drop_page_cache
-from kiln.data.storage import ShardStore
+from typing import TYPE_CHECKING
+
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:  # imported where used: the run page imports this module without torch
+    from kiln.data.image_ops import ImageSpec
+    from kiln.data.image_text import TarIndex
 
 
 def time_loader(index: TarIndex, tokenizer, *, mode: str, workers: int, batches: int, cold: bool,
@@ -38,6 +40,9 @@ def time_loader(index: TarIndex, tokenizer, *, mode: str, workers: int, batches:
     """Seconds per batch over `batches` batches, back to back, after the first batch (timed apart:
     it starts the workers) and the workers * prefetch batches they prepared meanwhile (untimed, so
     the timed ones measure the steady rate); page cache dropped before the timed ones when `cold`."""
+    from kiln.data.image_text import ImageTextLoader
+    from kiln.data.stall import drop_page_cache
+
     loader = ImageTextLoader(index, tokenizer, mode=mode, workers=workers, log=lambda _m: None, **loader_kw)
     try:
         t0 = time.perf_counter()
@@ -70,6 +75,9 @@ def analyze_image(url: str, tokenizer, *, compute_s: float, batch_size: int, spe
                   batches: int = 10, max_stall: float = 0.05, skip_bad: bool = False, store_kw: dict | None = None,
                   log=print) -> dict:
     """Measure every (mode, workers) configuration warm and cold; the report as a dict."""
+    from kiln.data.image_text import TarIndex
+    from kiln.data.storage import ShardStore
+
     if compute_s <= 0 or batches < 1 or not workers or min(workers) < 0:
         raise KilnError(f"loader-bench --image-text: need --step-ms > 0, --steps >= 1 and worker counts >= 0 "
                         f"(got {compute_s * 1e3:g} ms, {batches}, {list(workers)})")
@@ -128,3 +136,30 @@ def chart_svg(report: dict) -> str:
     rows += [(f"{r['mode']}, {r['workers']} worker(s)", r["step_s"] * 1e3,
               f"{r['step_s'] * 1e3:.2f} ms (stall {r['stall_fraction']:.0%})") for r in report["configs"]]
     return bar_chart(rows, "#1f77b4")
+
+
+def report_section(run_dir: Path, warnings: list[str]) -> str:
+    """The run page's section for reports/loader-bench-image.json: the chart, rebuilt from the
+    checked numbers (never the .svg file, which anyone could have written), and the verdict; a
+    file that is not a report is a warning."""
+    import json
+    from html import escape
+
+    path = Path(run_dir) / "reports" / "loader-bench-image.json"
+    if not path.is_file():
+        return ""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        report = {"compute_s_per_step": float(data["compute_s_per_step"]), "configs": [
+            {"mode": str(r["mode"]), "workers": int(r["workers"]), "step_s": float(r["step_s"]),
+             "stall_fraction": float(r["stall_fraction"])} for r in data["configs"]]}
+        verdict = str(data["recommended"]["verdict"])
+        numbers = [report["compute_s_per_step"]] + [v for r in report["configs"] for v in (r["step_s"],
+                                                                                            r["stall_fraction"])]
+        if not report["configs"] or not all(math.isfinite(v) and v >= 0 for v in numbers):
+            raise ValueError("times must be finite and >= 0")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.append(f"{path}: not a loader-bench image report ({type(e).__name__}: {e})")
+        return ""
+    return (f'<h2>Image-text loading (kiln loader-bench --image-text)</h2><p id="image-loader-verdict">'
+            f'{escape(verdict)}</p><figure id="chart-loader-bench-image">{chart_svg(report)}</figure>')

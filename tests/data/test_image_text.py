@@ -15,6 +15,7 @@ from kiln.data.image_text import ImageTextLoader, TarIndex
 from kiln.data.stall_image import step_time
 from kiln.data.tokenizer import ByteTokenizer
 from kiln.errors import DataError, KilnError
+from kiln.report.run_page import build_report
 
 SPEC = ImageSpec(size=16)
 
@@ -201,6 +202,14 @@ def test_loader_bench_image_text_compares_paths(shards, tmp_path, capsys):
     assert report["samples"] == 24 and report["recommended"]["mode"] in ("cpu", "device")
     assert (run_dir / "reports" / "loader-bench-image.svg").read_text().startswith("<svg")
     assert "recommended:" in capsys.readouterr().out
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 3.0, "lr": 0.001}\n')
+    html, _, warnings = build_report(run_dir)  # the run page charts it from the JSON
+    assert 'id="chart-loader-bench-image"' in html and "device, 1 worker(s)" in html and not warnings
+    hostile = dict(report, configs=[dict(report["configs"][0], step_s="<script>")])
+    (run_dir / "reports" / "loader-bench-image.json").write_text(json.dumps(hostile))
+    html, _, warnings = build_report(run_dir)
+    assert "chart-loader-bench-image" not in html and "<script>" not in html
+    assert any("not a loader-bench image report" in w for w in warnings)
     assert main(["loader-bench", "--image-text", str(shards), "--run-dir", str(run_dir)]) == 2
     assert "needs --step-ms" in capsys.readouterr().err
 
