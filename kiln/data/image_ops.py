@@ -12,6 +12,7 @@ caption padding are ours.
 
 from __future__ import annotations
 
+import functools
 import io
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from kiln.errors import KilnError
 MAX_PIXELS = 1 << 26  # a decoded image larger than this (64 Mpx) is refused: decompression bombs
 
 
+@functools.lru_cache(maxsize=1)  # a failed import is not cached by Python: it searched sys.path per image
 def torchvision_io():
     """`torchvision.io`, or None where torchvision is missing or cannot load (a CUDA-linked wheel
     next to a CPU torch fails at import with a RuntimeError, not an ImportError)."""

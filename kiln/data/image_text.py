@@ -179,10 +179,11 @@ class BatchPositions(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
         epoch, position = self.epoch, self.position
+        order = epoch_order(self.n, self.seed, epoch)
         while True:
             if position + self.global_batch > self.n:
                 epoch, position = epoch + 1, 0
-            order = epoch_order(self.n, self.seed, epoch)
+                order = epoch_order(self.n, self.seed, epoch)
             idx = order[position:position + self.global_batch]
             position += self.global_batch
             mine = idx[self.dp_rank * self.batch_size:(self.dp_rank + 1) * self.batch_size]
