@@ -25,7 +25,7 @@ from kiln.errors import KilnError
 MAX_PIXELS = 1 << 26  # a decoded image larger than this (64 Mpx) is refused: decompression bombs
 
 
-@functools.lru_cache(maxsize=1)  # a failed import is not cached by Python: it searched sys.path per image
+@functools.lru_cache(maxsize=1)  # probe once: Python retries a failed import on every call
 def torchvision_io():
     """`torchvision.io`, or None where torchvision is missing or cannot load (a CUDA-linked wheel
     next to a CPU torch fails at import with a RuntimeError, not an ImportError)."""
@@ -37,8 +37,19 @@ def torchvision_io():
         return None
 
 
+def image_format(data: bytes) -> str:
+    """"jpeg" or "png" from the magic bytes (not the member's name); anything else is refused, so
+    only these two decoders ever see untrusted bytes (Pillow and torchvision read more formats)."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    raise ValueError(f"not a JPEG or PNG image (starts with {data[:8].hex()})")
+
+
 def decode(data: bytes) -> torch.Tensor:
     """(3, H, W) uint8 RGB from JPEG/PNG bytes, on the CPU."""
+    image_format(data)
     tvio = torchvision_io()
     if tvio is not None:
         img = tvio.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=tvio.ImageReadMode.RGB)
@@ -58,7 +69,7 @@ def decode(data: bytes) -> torch.Tensor:
     return img
 
 
-def decode_batch(datas: list[bytes], kinds: list[str], device: torch.device) -> list[torch.Tensor]:
+def decode_batch(datas: list[bytes], device: torch.device) -> list[torch.Tensor]:
     """Decode a batch for the device path: JPEGs in one `decode_jpeg(list, device=...)` call (nvJPEG
     on CUDA), the rest one by one on the CPU and moved; raises on the first bad image."""
     tvio = torchvision_io()
@@ -67,6 +78,7 @@ def decode_batch(datas: list[bytes], kinds: list[str], device: torch.device) -> 
                         "your torch)")
     if device.type != "cuda" or tvio is None:
         return [decode(d).to(device) for d in datas]
+    kinds = [image_format(d) for d in datas]
     jpegs = [i for i, k in enumerate(kinds) if k == "jpeg"]
     out: list[torch.Tensor | None] = [None] * len(datas)
     if jpegs:

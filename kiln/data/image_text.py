@@ -53,7 +53,7 @@ class Sample(NamedTuple):
     key: str
     image_offset: int  # header offset of the image member (what errors name)
     image_range: tuple[int, int]  # (data offset, size)
-    kind: str  # "jpeg" | "png"
+    kind: str  # "jpeg" | "png", from the member's extension (decoding goes by the magic bytes)
     caption_range: tuple[int, int]
 
 
@@ -249,7 +249,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         if self.mode == "cpu":
             out["images"] = transform(images, self.spec, self.seed, epoch, kept)
         else:
-            out["raw"], out["kinds"] = images, [self.index.samples[i].kind for i in kept]
+            out["raw"] = images
         return out
 
 
@@ -332,7 +332,7 @@ class ImageTextLoader:
         """Decode on the device in one batch. When the batch fails, each image is read and decoded
         again on its own (with retries) so the bad one is named - or skipped, its row dropped."""
         try:
-            decoded = decode_batch(out["raw"], out["kinds"], self.device)
+            decoded = decode_batch(out["raw"], self.device)
         except KilnError:
             raise
         except Exception:  # noqa: BLE001 - a decoder failure is bad input, found below
@@ -342,7 +342,7 @@ class ImageTextLoader:
                 what = f"{self.index.where(s.shard)}: sample {s.key!r} at offset {s.image_offset}"
                 try:
                     decoded.append(with_retries(what, lambda s=s: decode_batch(
-                        [self.index.read(s.shard, s.image_range)], [s.kind], self.device)[0],
+                        [self.index.read(s.shard, s.image_range)], self.device)[0],
                         self.dataset.retries, self.dataset.backoff_s))
                     good.append(row)
                 except DataError as e:

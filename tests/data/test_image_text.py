@@ -1,12 +1,14 @@
 """Image-text tar shards: the generated sample, CPU-worker vs device preprocessing, order and resume,
 bad input, and the image part of `kiln loader-bench`."""
 
+import io
 import json
 import tarfile
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from kiln.cli import main
 from kiln.data.image_sample import add_member, encode_picture, write_sample_shards
@@ -55,6 +57,10 @@ def test_transform_crops_and_normalizes_exact_pixels():
     # PNG is lossless: decode gives back the pixels that were encoded
     pixels = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
     assert torch.equal(decode(encode_picture(pixels, "png")), torch.from_numpy(pixels).permute(2, 0, 1))
+    gif = io.BytesIO()
+    Image.fromarray(pixels).save(gif, format="GIF")
+    with pytest.raises(ValueError, match="not a JPEG or PNG image"):  # whatever the decoder could read
+        decode(gif.getvalue())
 
 
 def test_cpu_workers_equal_device_path_on_cpu(shards):
