@@ -75,9 +75,13 @@ def analyze_image(url: str, tokenizer, *, compute_s: float, batch_size: int, spe
                   batches: int = 10, max_stall: float = 0.05, skip_bad: bool = False, store_kw: dict | None = None,
                   log=print) -> dict:
     """Measure every (mode, workers) configuration warm and cold; the report as a dict."""
+    import torch
+
     from kiln.data.image_text import TarIndex
     from kiln.data.storage import ShardStore
 
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():  # before any measuring
+        raise KilnError(f"loader-bench --image-text --device {device}: torch sees no CUDA device")
     if compute_s <= 0 or batches < 1 or not workers or min(workers) < 0:
         raise KilnError(f"loader-bench --image-text: need --step-ms > 0, --steps >= 1 and worker counts >= 0 "
                         f"(got {compute_s * 1e3:g} ms, {batches}, {list(workers)})")

@@ -231,6 +231,11 @@ def test_loader_bench_image_text_compares_paths(shards, tmp_path, capsys):
     assert any("not a loader-bench image report" in w for w in warnings)
     assert main(["loader-bench", "--image-text", str(shards), "--run-dir", str(run_dir)]) == 2
     assert "needs --step-ms" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # refused before anything is measured
+        assert main(["loader-bench", "--image-text", str(shards), "--step-ms", "10", "--device", "cuda",
+                     "--run-dir", str(run_dir)]) == 2
+        captured = capsys.readouterr()
+        assert "torch sees no CUDA device" in captured.err and "worker(s)" not in captured.out
 
 
 def test_remote_read_whose_download_finishes_at_once_does_not_deadlock(shards, tmp_path):
