@@ -274,6 +274,9 @@ class ImageTextLoader:
                  caption_len: int = 32, mode: str = "cpu", device: str | torch.device = "cpu", workers: int = 0,
                  prefetch: int = 2, seed: int = 0, dp_rank: int = 0, dp_size: int = 1, retries: int = 2,
                  backoff_s: float = 0.05, log: Callable[[str], None] = print):
+        if batch_size < 1 or caption_len < 1 or workers < 0 or prefetch < 1 or retries < 0:
+            raise KilnError(f"image-text loader: batch_size={batch_size}, caption_len={caption_len}, prefetch="
+                            f"{prefetch} must be >= 1 and workers={workers}, retries={retries} >= 0")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise KilnError("image preprocessing on device 'cuda' asked, but torch sees no CUDA device")
@@ -340,10 +343,14 @@ class ImageTextLoader:
             for row, i in enumerate(out["indices"]):
                 s = self.index.samples[i]
                 what = f"{self.index.where(s.shard)}: sample {s.key!r} at offset {s.image_offset}"
+                def attempt(s=s):
+                    try:
+                        return decode_batch([self.index.read(s.shard, s.image_range)], self.device)[0]
+                    except Exception:
+                        self.index.refetch(s.shard)  # as in the workers: a remote shard is fetched again
+                        raise
                 try:
-                    decoded.append(with_retries(what, lambda s=s: decode_batch(
-                        [self.index.read(s.shard, s.image_range)], self.device)[0],
-                        self.dataset.retries, self.dataset.backoff_s))
+                    decoded.append(with_retries(what, attempt, self.dataset.retries, self.dataset.backoff_s))
                     good.append(row)
                 except DataError as e:
                     if not self.index.skip_bad:

@@ -190,6 +190,8 @@ def test_bad_settings_are_one_line_errors(shards):
         loader(index, mode="gpu")
     with pytest.raises(DataError, match="global batch of 32 samples"):
         loader(index, batch_size=32)
+    with pytest.raises(KilnError, match="workers=-1"):
+        loader(index, workers=-1)
     with pytest.raises(KilnError, match="resize=8"):
         ImageSpec(size=16, resize=8)
     with pytest.raises(DataError, match="nowhere: not a directory of .tar shards"):
