@@ -145,7 +145,9 @@ class ShardStore:
             self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-fetch")
             self._range_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-range")
             self._pending: dict[str, Future] = {}
-            self._lock = threading.Lock()
+            # reentrant: a download that finishes before add_done_callback runs its callback
+            # (_forget, which takes this lock) at once, in the thread that still holds it
+            self._lock = threading.RLock()
         else:
             self.root = self.url[len("file://"):] if self.url.startswith("file://") else self.url
         self._arrays: dict[str, np.ndarray] = {}

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.data.stall_image import report_section as loader_bench_image_section
 from kiln.errors import DataError
 from kiln.io import atomic_write_text
 from kiln.report.charts import (CHART_CSS, PAGE_CSS, Chart, Marker, Series, bar_chart, downsample, json_script,
@@ -334,6 +335,7 @@ def build_report(run_dir: str | Path, max_points: int = MAX_POINTS) -> tuple[str
     body.append("</div>")
     body.append(_eval_section(m, eval_tables))
     body.append(_loader_bench_section(run_dir, warnings))
+    body.append(loader_bench_image_section(run_dir, warnings))
     body.append(_events_section(m))
     body.append('<h2>Resolved config</h2>')
     body.append(f'<pre id="config">{escape(config_text)}</pre>' if config_text is not None
