@@ -14,16 +14,18 @@ the global loss is the mean over the D ranks, so that sum must be divided by D a
 (not averaged) over the D / ep replicas of that expert - never reduced over the ep group, which
 holds different experts. `reduce_expert_grads` does exactly that.
 
-In `kiln train` (`apply_expert_parallel_training`) the experts live on the data-parallel mesh
-FSDP shards over, with ep == dp_shard (torchtitan carves ep out of dp_shard*cp and keeps
-`dp_shard_mod_ep` for FSDP of the experts; kiln's simplest correct case is ep taking the whole
-dp_shard, so the experts have no FSDP replicas within a replica group): each expert tensor is a
-DTensor of the global shape, `Shard(0)` (expert dimension) over dp_shard and `Replicate()` over
-dp_replicate (HSDP), the same mesh and placements FSDP2 gives the dense parameters. So DCP saves
-every expert and reshards to ep=1, and torch's `clip_grad_norm_` reduces one norm over all
-experts and dense parameters alike. FSDP ignores the experts (`ignored_params`); a gradient
-hook on each forward's local expert slice does `reduce_expert_grads`' arithmetic per backward
-pass (linear, so gradient accumulation is unchanged).
+In `kiln train` (`apply_expert_parallel_training`) ep is borrowed from the data-parallel ranks
+(torchtitan's design): `ParallelDims.expert_mesh` is ("edp", "ep") over them, each consecutive
+group of ep ranks splits the experts, and the D / ep ranks holding the same experts form "edp"
+(dp_replicate x dp_shard / ep under fsdp/zero2/HSDP, the other replicas under ddp). The dense
+parameters are unchanged (FSDP over dp_shard, or DDP), so ep < dp_shard shards the dense part
+further than the experts. Each expert tensor is a DTensor of the global shape on the expert mesh,
+`Shard(0)` (expert dimension) over ep and `Replicate()` over edp: DCP saves every expert once and
+reshards to another ep (or to one process), and the grad norm of a DTensor counts each expert
+once. The experts are replicated over edp, not FSDP-sharded there (torchtitan shards them with a
+second FSDP; here edp replicas cost memory, not correctness). FSDP and DDP ignore the experts; a
+gradient hook on each forward's local expert slice does `reduce_expert_grads`' arithmetic over
+edp per backward pass (linear, so gradient accumulation is unchanged).
 """
 
 from __future__ import annotations
@@ -58,16 +60,14 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> None:
         m.ep_group = ep_group
 
 
-def apply_expert_parallel_training(model: nn.Module, mesh, ep_dim: str, replicate_dim: str | None,
-                                   dp_size: int) -> None:
-    """`kiln train`'s expert parallelism, on the meta-device model before FSDP: slice the experts
-    over `mesh[ep_dim]`, turn each local slice into a DTensor of the global shape on `mesh`
-    (Shard(0) on ep_dim, Replicate() on replicate_dim), and reduce expert gradients in backward."""
-    ep_group = mesh[ep_dim].get_group()
-    apply_expert_parallel(model, ep_group)
-    names = mesh.mesh_dim_names
-    placements = [Shard(0) if n == ep_dim else Replicate() for n in names]
-    replica_group = mesh[replicate_dim].get_group() if replicate_dim else None
+def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int) -> None:
+    """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP: slice the
+    experts over `expert_mesh["ep"]`, turn each local slice into a DTensor of the global shape on
+    `expert_mesh` (Replicate() over "edp", Shard(0) over "ep"), and reduce expert gradients over
+    "edp" in backward (divided by the `dp_size` data-parallel ranks)."""
+    apply_expert_parallel(model, expert_mesh["ep"].get_group())
+    placements = [Replicate() if n == "edp" else Shard(0) for n in expert_mesh.mesh_dim_names]
+    replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
     for m in model.modules():
         if not isinstance(m, MoE):
             continue
@@ -78,7 +78,7 @@ def apply_expert_parallel_training(model: nn.Module, mesh, ep_dim: str, replicat
                 continue
             shape = (ex.n_experts, *w.shape[1:])
             stride = torch.empty(shape, device="meta").stride()
-            d = DTensor.from_local(w.detach(), mesh, placements, run_check=False, shape=shape, stride=stride)
+            d = DTensor.from_local(w.detach(), expert_mesh, placements, run_check=False, shape=shape, stride=stride)
             setattr(ex, name, nn.Parameter(d))
         # On the local slice in forward (a parameter hook would not survive materialization).
         ex.grad_hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)

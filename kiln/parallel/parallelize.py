@@ -103,12 +103,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
-    """Experts sharded over dp_shard (ep == dp_shard, checked in dims.py) on FSDP's mesh."""
+    """Experts sharded over ep, replicated over the other data-parallel ranks (dims.expert_mesh)."""
     from kiln.parallel.expert_parallel import apply_expert_parallel_training
 
-    names = dims.dp_mesh_names
-    apply_expert_parallel_training(model, dims.mesh[names], "dp_shard",
-                                   "dp_replicate" if "dp_replicate" in names else None, dims.dp_size)
+    apply_expert_parallel_training(model, dims.expert_mesh, dims.dp_size)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
