@@ -115,15 +115,15 @@ def dispatch_and_combine(rows: torch.Tensor, counts: torch.Tensor, experts, grou
     # counts_in[s * n_local + e]: rows that rank s sends to local expert e.
     counts_in = torch.empty_like(counts)
     dist.all_to_all_single(counts_in, counts, group=group)
-    # Split sizes must be host ints: one small sync per MoE layer (as in every all-to-all MoE).
-    send_splits = counts.view(ep, n_local).sum(1).tolist()
+    # Split sizes must be host ints: one host read per MoE layer (as in every all-to-all MoE).
     recv_matrix = counts_in.view(ep, n_local)
-    recv_splits = recv_matrix.sum(1).tolist()
+    send_splits, recv_splits = torch.stack([counts.view(ep, n_local).sum(1), recv_matrix.sum(1)]).tolist()
     received = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
     # Received rows come grouped by source rank, then expert: regroup by local expert.
-    local_expert = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(counts_in)
+    local_expert = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(
+        counts_in, output_size=sum(recv_splits))
     order = torch.argsort(local_expert, stable=True)
-    out_sorted = experts(received[order], recv_matrix.sum(0).tolist())
+    out_sorted = experts(received[order], recv_matrix.sum(0))
     out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
     return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
 
