@@ -18,14 +18,15 @@ In `kiln train` (`apply_expert_parallel_training`) ep is borrowed from the data-
 (torchtitan's design): `ParallelDims.expert_mesh` is ("edp", "ep") over them, each consecutive
 group of ep ranks splits the experts, and the D / ep ranks holding the same experts form "edp"
 (dp_replicate x dp_shard / ep under fsdp/zero2/HSDP, the other replicas under ddp). The dense
-parameters are unchanged (FSDP over dp_shard, or DDP), so ep < dp_shard shards the dense part
-further than the experts. Each expert tensor is a DTensor of the global shape on the expert mesh,
-`Shard(0)` (expert dimension) over ep and `Replicate()` over edp: DCP saves every expert once and
-reshards to another ep (or to one process), and the grad norm of a DTensor counts each expert
-once. The experts are replicated over edp, not FSDP-sharded there (torchtitan shards them with a
-second FSDP; here edp replicas cost memory, not correctness). FSDP and DDP ignore the experts; a
-gradient hook on each forward's local expert slice does `reduce_expert_grads`' arithmetic over
-edp per backward pass (linear, so gradient accumulation is unchanged).
+parameters are unchanged (FSDP over dp_shard, or DDP). Each expert tensor is a DTensor of the
+global shape, `Shard(0)` (expert dimension) over ep; DCP saves every expert once and reshards to
+another layout, and the grad norm of a DTensor counts each expert once.
+- fsdp/zero2: `fully_shard_experts` adds FSDP2 over edp (torchtitan's dp_shard_mod_ep FSDP), so
+  the experts are sharded over all D ranks; FSDP averages their gradients over edp and a hook on
+  each forward's local slice divides by ep, which makes the 1 / D.
+- ddp: the experts are replicated over edp (`Replicate()`), DDP ignores them, and the hook sums
+  the gradients over edp and divides by D (`reduce_expert_grads`' arithmetic).
+Hooks act per backward pass and are linear, so gradient accumulation is unchanged.
 """
 
 from __future__ import annotations
@@ -60,14 +61,22 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> None:
         m.ep_group = ep_group
 
 
-def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int) -> None:
+def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, fsdp: bool) -> None:
     """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP: slice the
-    experts over `expert_mesh["ep"]`, turn each local slice into a DTensor of the global shape on
-    `expert_mesh` (Replicate() over "edp", Shard(0) over "ep"), and reduce expert gradients over
-    "edp" in backward (divided by the `dp_size` data-parallel ranks)."""
-    apply_expert_parallel(model, expert_mesh["ep"].get_group())
-    placements = [Replicate() if n == "edp" else Shard(0) for n in expert_mesh.mesh_dim_names]
-    replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
+    experts over `expert_mesh["ep"]` and turn each local slice into a DTensor of the global shape.
+    fsdp=True (dp_mode fsdp/zero2): `Shard(0)` on the ep mesh, for `fully_shard_experts` to shard
+    further over "edp"; else (ddp): on `expert_mesh`, `Replicate()` over "edp", `Shard(0)` over
+    "ep", with gradients summed over "edp" in backward. Either way an expert's gradient ends up
+    divided by the `dp_size` data-parallel ranks."""
+    ep_mesh = expert_mesh["ep"]
+    apply_expert_parallel(model, ep_mesh.get_group())
+    if fsdp:  # FSDP averages over edp (reduce-scatter): a further 1 / ep makes the 1 / dp_size
+        mesh, placements = ep_mesh, [Shard(0)]
+        hook = functools.partial(_scaled_grad, factor=1.0 / ep_mesh.size())
+    else:
+        mesh, placements = expert_mesh, [Replicate() if n == "edp" else Shard(0) for n in expert_mesh.mesh_dim_names]
+        replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
+        hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
     for m in model.modules():
         if not isinstance(m, MoE):
             continue
@@ -78,15 +87,32 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int) 
                 continue
             shape = (ex.n_experts, *w.shape[1:])
             stride = torch.empty(shape, device="meta").stride()
-            d = DTensor.from_local(w.detach(), expert_mesh, placements, run_check=False, shape=shape, stride=stride)
+            d = DTensor.from_local(w.detach(), mesh, placements, run_check=False, shape=shape, stride=stride)
             setattr(ex, name, nn.Parameter(d))
         # On the local slice in forward (a parameter hook would not survive materialization).
-        ex.grad_hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
+        ex.grad_hook = hook
+
+
+def fully_shard_experts(module: nn.Module, expert_mesh, **fsdp_kwargs) -> None:
+    """FSDP2 of each MoE layer's experts in `module` over "edp" (the ranks holding the same
+    experts; torchtitan's dp_shard_mod_ep FSDP): on top of Shard(0) over ep, so each rank stores
+    E / dp_size experts' worth of weights, gradients and optimizer state. Call before the
+    enclosing block's `fully_shard`, which then leaves the experts to this inner FSDP unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in module.modules():
+        if isinstance(m, MoE):
+            fully_shard(m.experts, mesh=expert_mesh["edp"], **fsdp_kwargs)
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts of an expert weight (differentiable; a plain tensor is returned as is)."""
     return w.to_local() if isinstance(w, DTensor) else w
+
+
+@torch.no_grad()
+def _scaled_grad(grad: torch.Tensor, factor: float) -> torch.Tensor:
+    return grad * factor
 
 
 @torch.no_grad()

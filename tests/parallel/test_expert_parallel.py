@@ -9,10 +9,11 @@ Tolerance: fp32, relative 1e-5 per step over 6 steps for losses; step-1 expert g
 gradients must not match, which shows the check can fail for exactly that mistake.
 All runs share one 2-process spawn (process start dominates on a 2-core machine).
 
-ep dividing the data-parallel ranks (4 ranks, ep=2, experts replicated over the 2 ranks holding
-the same experts), module level and through `kiln train`, with clipping active: fp32, relative
-1e-5 per step over 6 steps for losses and pre-clipping grad norms, and for the step-1 expert
-gradients (atol 1e-8). Negative controls: no gradient reduction over those replicas, a norm over local experts.
+ep dividing the data-parallel ranks (4 ranks, ep=2; over the 2 ranks holding the same experts,
+FSDP-sharded or replicated), module level and through `kiln train`, with clipping active: fp32,
+relative 1e-5 per step over 6 steps for losses and pre-clipping grad norms, and for the step-1
+expert gradients (atol 1e-8). Negative controls: no gradient reduction over those replicas, and
+a norm over the local experts only.
 """
 
 import json
@@ -142,12 +143,13 @@ def test_averaging_experts_over_the_ep_group_is_caught(ep_runs):
             torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
 
 
-# ep dividing the data-parallel ranks, at the module level: 4 ranks, ep=2 (experts sharded over
-# ep=2, replicated over the 2 "edp" ranks that hold the same experts), kiln's expert mesh, grad
-# hook and clipping, against one process with clipping active on every step. init_std=0.3 makes
-# the experts ~1/3 of the grad norm (at 0.02 they are 1%: a wrong expert norm would hide).
+# ep dividing the data-parallel ranks, at the module level: 4 ranks, ep=2, the experts sharded
+# over ep=2 and, over the 2 "edp" ranks that hold the same experts, FSDP-sharded or replicated;
+# kiln's expert mesh layout, hooks and clipping, against one process with clipping active on every
+# step. init_std=0.3 makes the experts ~1/3 of the grad norm (at 0.02 they are 1%: a wrong
+# expert norm would hide).
 CLIP, CLIP_LR, EXPERT_STD = 0.05, 20.0, 0.3  # lr * CLIP: every step moves the weights by a norm of 1.0
-EDP_RUNS = ("right", "no_edp_reduce", "local_norm")
+EDP_RUNS = ("fsdp", "replicated", "no_edp_reduce", "local_norm")
 
 
 def clipped_single_process():
@@ -169,9 +171,11 @@ def clipped_single_process():
 
 
 def ep_within_dp_rank(rank, world):
-    """ep=2 of 4 data-parallel ranks; dense gradients averaged over the 4 ranks (what FSDP/DDP do).
-    The mistakes: expert gradients not summed over their edp replicas (each replica keeps only its
-    part of the batch), and a grad norm over this rank's experts only."""
+    """ep=2 of 4 data-parallel ranks, the experts FSDP-sharded over edp (fsdp/zero2) or replicated
+    there (ddp); dense gradients averaged over the 4 ranks (what FSDP/DDP do). The mistakes (on
+    the replicated layout): expert gradients not summed over their edp replicas (each replica
+    keeps only its part of the batch), and a grad norm over this rank's experts only."""
+
     import functools
 
     import torch.distributed as dist
@@ -184,12 +188,16 @@ def ep_within_dp_rank(rank, world):
     out = {}
     for how in EDP_RUNS:
         model, data = model_and_data("switch_top1_capacity", init_std=EXPERT_STD)
-        xp.apply_expert_parallel_training(model, mesh, world)
+        xp.apply_expert_parallel_training(model, mesh, world, fsdp=how == "fsdp")
+        if how == "fsdp":
+            xp.fully_shard_experts(model, mesh)
         if how == "no_edp_reduce":
             for m in model.modules():
                 if isinstance(m, xp.MoE):
                     m.experts.grad_hook = functools.partial(xp._reduced_expert_grad, dp_size=world, replica_group=None)
         model = materialize(model)
+        if how == "fsdp":  # each rank stores E / D experts' worth of every expert weight
+            assert all(p.to_local().shape[0] == 4 // world for p in xp.expert_parameters(model))
         experts = {id(p) for p in xp.expert_parameters(model)}
         opt = torch.optim.SGD(model.parameters(), lr=CLIP_LR)
         per = data.shape[1] // world
@@ -230,11 +238,12 @@ def test_ep2_within_four_data_parallel_ranks_matches_one_process_with_clipping(t
     expected_losses, expected_norms, expected_grads = clipped_single_process()
     assert min(expected_norms) > CLIP and expected_losses[-1] < expected_losses[0]  # clipped, and it trains
     ranks = run_ranks(ep_within_dp_rank, 4, tmp_path)
-    losses, norms, grads = ranks[0]["right"]
-    assert all(r["right"][:2] == (losses, norms) for r in ranks)  # every rank logs the same loss and norm
-    assert losses == pytest.approx(expected_losses, rel=REL)
-    assert norms == pytest.approx(expected_norms, rel=REL)
-    assert_same_grads(grads, expected_grads)
+    for how in ("fsdp", "replicated"):
+        losses, norms, grads = ranks[0][how]
+        assert all(r[how][:2] == (losses, norms) for r in ranks)  # every rank logs the same loss and norm
+        assert losses == pytest.approx(expected_losses, rel=REL)
+        assert norms == pytest.approx(expected_norms, rel=REL)
+        assert_same_grads(grads, expected_grads)
     # Negative controls: each mistake is caught (the same first forward, then a wrong norm).
     for how in ("no_edp_reduce", "local_norm"):
         losses, norms, _ = ranks[0][how]
@@ -259,6 +268,7 @@ def grad_norms(run_dir):
 
 @pytest.mark.parametrize("world, degrees, expected", [
     (2, {"ep": 2, "dp_mode": "zero1"}, "parallel.ep=2 cannot combine with parallel.dp_mode='zero1'"),
+    (2, {"ep": 2, "diloco_inner_steps": 3}, "parallel.ep=2 cannot combine with parallel.diloco_inner_steps=3"),
     (4, {"ep": 2, "cp": 2}, "parallel.ep=2 with parallel.cp=2"),
     (4, {"ep": 2, "tp": 2}, "parallel.ep=2 with parallel.cp=1 / tp=2"),
     (6, {"ep": 4}, "parallel.ep=4 must divide dp_shard=6"),
