@@ -179,13 +179,20 @@ def ep_within_dp_rank(rank, world):
     import functools
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from kiln.parallel import expert_parallel as xp
     from kiln.train.step import clip_grad_norm
 
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
-    out = {}
+    from kiln.config import ParallelConfig
+    from kiln.parallel.dims import ParallelDims
+
+    def expert_mesh(**degrees):  # kiln's mesh builder (what `kiln train` uses)
+        dims = ParallelDims.from_config(ParallelConfig(ep=2, **degrees), world_size=world, rank=rank,
+                                        local_rank=rank, local_world_size=world)
+        dims.build_mesh("cpu")
+        return dims.expert_mesh
+
+    mesh = expert_mesh()  # dp_shard=4, ep=2
+    out = {"layouts": [mesh.mesh.tolist(), expert_mesh(dp_replicate=2).mesh.tolist()]}
     for how in EDP_RUNS:
         model, data = model_and_data("switch_top1_capacity", init_std=EXPERT_STD)
         xp.apply_expert_parallel_training(model, mesh, world, fsdp=how == "fsdp")
@@ -238,6 +245,9 @@ def test_ep2_within_four_data_parallel_ranks_matches_one_process_with_clipping(t
     expected_losses, expected_norms, expected_grads = clipped_single_process()
     assert min(expected_norms) > CLIP and expected_losses[-1] < expected_losses[0]  # clipped, and it trains
     ranks = run_ranks(ep_within_dp_rank, 4, tmp_path)
+    # (edp, ep): ep groups are consecutive ranks, inside one dp_shard group also under HSDP
+    # (2 replicas x dp_shard 2: dp_shard groups {0, 1}, {2, 3}).
+    assert ranks[0]["layouts"] == [[[0, 1], [2, 3]], [[0, 1], [2, 3]]]
     for how in ("fsdp", "replicated"):
         losses, norms, grads = ranks[0][how]
         assert all(r[how][:2] == (losses, norms) for r in ranks)  # every rank logs the same loss and norm
