@@ -13,8 +13,14 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
   second ones, in token order; the rest are dropped (the token passes through the residual).
   `capacity_factor = 0` is dropless: every assignment is computed.
 - Experts are stored as stacked tensors (expert dimension first), so kiln/parallel/
-  expert_parallel.py shards them by slicing dim 0. The grouped matmul is a loop over experts on
-  tokens sorted by expert (plain torch; `torch._grouped_mm` would be the GPU fast path).
+  expert_parallel.py shards them by slicing dim 0. Tokens are sorted by expert and multiplied
+  with torch's `F.grouped_mm`, whose group offsets stay on the device; where it does not run
+  (`grouped_mm_runs`: CUDA needs bf16 on sm80+, and every device rows of 16-byte multiples) a loop
+  over experts splits the rows at host-read counts, one host read per layer.
+- Without expert parallelism the forward never reads the device from the host when
+  `F.grouped_mm` runs: every assignment keeps its slot (fixed shapes, no boolean indexing, no
+  bincount), a dropped one is sorted last and masked out with `torch.where`. Expert parallelism
+  drops them before the all-to-all, whose split sizes must be host integers (one read per layer).
 - The auxiliary losses of the last forward stay on the device (`last_aux_loss`,
   `last_z_loss`); the transformer adds them to its loss and exposes them for logging.
 """
@@ -60,16 +66,40 @@ class GroupedExperts(nn.Module):
             w.register_hook(self.grad_hook)
         return w
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: rows sorted by local expert, `counts[e]` rows for local expert e."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: rows sorted by local expert, `counts[e]` (a device tensor) rows for local expert e.
+        Rows after the last expert's (`sum(counts)` onwards) are not computed: their output is
+        undefined, for the caller to mask."""
         w1, w2, w3 = (self._local(w) for w in (self.w1, self.w2, self.w3))
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x, w1, w2, w3 = (t.to(dtype) if t is not None else None for t in (x, w1, w2, w3))
+        if grouped_mm_runs(x, w1):
+            offs = counts.cumsum(0).to(torch.int32)
+            h = self.act(F.grouped_mm(x, w1, offs=offs))
+            if w3 is not None:
+                h = h * F.grouped_mm(x, w3, offs=offs)
+            return F.grouped_mm(h, w2, offs=offs)
+        sizes = counts.tolist()  # host read: the loop needs its split sizes
         outs = []
-        for e, chunk in enumerate(torch.split(x, counts)):
+        for e, chunk in enumerate(torch.split(x, [*sizes, x.shape[0] - sum(sizes)])[:len(sizes)]):
             h = self.act(chunk @ w1[e])
             if w3 is not None:
                 h = h * (chunk @ w3[e])
             outs.append(h @ w2[e])
-        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+        outs.append(x.new_zeros(x.shape[0] - sum(sizes), w2.shape[-1]))
+        return torch.cat(outs)
+
+
+def grouped_mm_runs(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes these operands: on CUDA bf16 on sm80+ (its kernels,
+    and its meta function, take bf16 only); on CPU any float dtype; on both, row strides of
+    16-byte multiples (model dim and expert hidden size)."""
+    row = x.element_size()
+    if x.shape[-1] * row % 16 or w1.shape[-1] * row % 16:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type == "cpu"
 
 
 class MoE(nn.Module):
@@ -91,7 +121,8 @@ class MoE(nn.Module):
         return max(1, math.ceil(self.capacity_factor * self.top_k * seq_len / self.n_experts))
 
     def route(self, x: torch.Tensor):
-        """x (B, T, D) -> kept assignments (token index, expert, gate) and the aux losses."""
+        """x (B, T, D) -> every assignment (token index, expert, gate, kept), flat in (B, kT)
+        order, and the aux losses."""
         bsz, seqlen, _ = x.shape
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E) fp32
@@ -114,17 +145,26 @@ class MoE(nn.Module):
         token = (torch.arange(bsz, device=x.device)[:, None] * seqlen
                  + torch.arange(seqlen, device=x.device).repeat(self.top_k)[None])  # (B, kT)
         gates_km = gates.transpose(1, 2).reshape(bsz, self.top_k * seqlen)
-        return token[keep], experts_km[keep], gates_km[keep]
+        return token.flatten(), experts_km.flatten(), gates_km.flatten(), keep.flatten()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
-        token, expert, gate = self.route(x)
-        order = torch.argsort(expert, stable=True)
+        token, expert, gate, keep = self.route(x)
+        if self.ep_group is not None:  # the all-to-all needs host split sizes anyway: drop now
+            token, expert, gate = token[keep], expert[keep], gate[keep]
+            keep = None
+        # Kept assignments grouped by expert, in (sequence, k-major) order within an expert;
+        # dropped ones (sort key E) last. Counts by scatter_add: bincount reads its max on the host.
+        order = torch.argsort(expert if keep is None else torch.where(keep, expert, self.n_experts), stable=True)
         token, expert, gate = token[order], expert[order], gate[order]
+        kept = torch.ones_like(expert) if keep is None else keep[order].long()
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(0, expert, kept)
         rows = x.reshape(-1, dim)[token]
-        counts = torch.bincount(expert, minlength=self.n_experts)
         if self.ep_group is None:
-            y = self.experts(rows, counts.tolist())
+            mask = kept.bool()[:, None]
+            # Dropped rows go in as zeros and come out masked (where, not a product: the experts
+            # leave them undefined, and a product would carry a NaN into the gradients).
+            y = torch.where(mask, self.experts(torch.where(mask, rows, 0), counts), 0)
         else:
             from kiln.parallel.expert_parallel import dispatch_and_combine
 

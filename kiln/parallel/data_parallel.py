@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from kiln.model.moe import MoE
 from kiln.parallel.dims import ParallelDims
 
 
@@ -31,7 +32,9 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> None:
     mesh = dims.mesh[dims.grad_mesh_names]
     if mesh.ndim > 1:
         mesh = mesh._flatten()
-    replicate(model, device_mesh=mesh, bucket_cap_mb=25)
+    # Under parallel.ep the experts are DTensors reduced by kiln/parallel/expert_parallel.py.
+    experts = [m.experts for m in model.modules() if isinstance(m, MoE)] if dims.ep > 1 else None
+    replicate(model, device_mesh=mesh, bucket_cap_mb=25, ignored_modules=experts)
 
 
 class ZeroRedundancyState(ZeroRedundancyOptimizer):

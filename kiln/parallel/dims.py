@@ -36,6 +36,8 @@ class ParallelDims:
     # Resolved parallel.dp_mode: ddp | zero1 | zero2 | fsdp (fsdp over dp_replicate x dp_shard is HSDP).
     dp_mode: str = "fsdp"
     local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
+    # Under parallel.ep > 1: ("edp", "ep") over the data-parallel ranks, see build_mesh.
+    expert_mesh: object = None
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int | None = None, rank: int | None = None,
@@ -78,7 +80,7 @@ class ParallelDims:
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1:
-            check_ep_layout(cfg.ep, mode, dp_shard, cfg.cp, cfg.tp, cfg.pp)
+            check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.diloco_inner_steps)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
             # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
             raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
@@ -162,20 +164,34 @@ class ParallelDims:
         if not dims:
             dims = [("dp_shard", 1)]
         self.mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        if self.ep > 1:
+            # Expert parallelism (kiln/parallel/expert_parallel.py) borrows ep from the data-parallel
+            # ranks, which are the whole world here (check_ep_layout): consecutive groups of `ep`
+            # ranks (within one dp_shard group, or of the ddp replicas) split the experts, and the
+            # dp_size / ep ranks at the same place in every group ("edp", torchtitan's
+            # dp_shard_mod_ep x dp_replicate) hold the same experts.
+            self.expert_mesh = init_device_mesh(device_type, (self.dp_size // self.ep, self.ep),
+                                                mesh_dim_names=("edp", "ep"))
 
 
-def check_ep_layout(ep: int, mode: str, dp_shard: int, cp: int, tp: int, pp: int) -> None:
-    """What `kiln train` runs expert parallelism with (kiln/parallel/expert_parallel.py): the
-    experts sharded over the whole dp_shard dimension, next to FSDP on the dense parameters."""
-    if mode in ("ddp", "zero1"):
-        raise ConfigError(f"parallel.ep={ep} needs parallel.dp_mode='fsdp' or 'zero2' (ep is carved out of "
-                          f"dp_shard; dp_mode={mode!r} has none)")
+def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int,
+                    diloco_inner_steps: int = 0) -> None:
+    """What `kiln train` runs expert parallelism with (kiln/parallel/expert_parallel.py): ep carved
+    out of the data-parallel ranks, dp_shard under fsdp/zero2 (dense parameters stay FSDP over all
+    of dp_shard, the experts FSDP over the rest) or the replicas under ddp (experts replicated)."""
+    if mode == "zero1":
+        raise ConfigError(f"parallel.ep={ep} cannot combine with parallel.dp_mode='zero1' (its sharded optimizer "
+                          f"does not take the experts' DTensors); use dp_mode='fsdp', 'zero2' or 'ddp'")
+    if diloco_inner_steps:  # DiLoCo replicas do not reduce gradients; EP reduces expert gradients every step
+        raise ConfigError(f"parallel.ep={ep} cannot combine with parallel.diloco_inner_steps={diloco_inner_steps}; "
+                          f"set parallel.ep=1 or parallel.diloco_inner_steps=0")
     if cp > 1 or tp > 1 or pp > 1:
         raise ConfigError(f"parallel.ep={ep} with parallel.cp={cp} / tp={tp} / pp={pp} is not supported yet; "
                           f"use expert parallelism with data parallelism only")
-    if ep != dp_shard:
-        raise ConfigError(f"parallel.ep={ep} must equal dp_shard={dp_shard} (the experts are sharded over the "
-                          f"whole dp_shard dimension); set parallel.ep={dp_shard} or change parallel.dp_shard")
+    name, size = ("dp_replicate", dp_replicate) if mode == "ddp" else ("dp_shard", dp_shard)
+    if size % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide {name}={size} (ep is carved out of {name} under "
+                          f"dp_mode={mode!r}); change parallel.ep or the number of processes")
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

@@ -14,16 +14,19 @@ the global loss is the mean over the D ranks, so that sum must be divided by D a
 (not averaged) over the D / ep replicas of that expert - never reduced over the ep group, which
 holds different experts. `reduce_expert_grads` does exactly that.
 
-In `kiln train` (`apply_expert_parallel_training`) the experts live on the data-parallel mesh
-FSDP shards over, with ep == dp_shard (torchtitan carves ep out of dp_shard*cp and keeps
-`dp_shard_mod_ep` for FSDP of the experts; kiln's simplest correct case is ep taking the whole
-dp_shard, so the experts have no FSDP replicas within a replica group): each expert tensor is a
-DTensor of the global shape, `Shard(0)` (expert dimension) over dp_shard and `Replicate()` over
-dp_replicate (HSDP), the same mesh and placements FSDP2 gives the dense parameters. So DCP saves
-every expert and reshards to ep=1, and torch's `clip_grad_norm_` reduces one norm over all
-experts and dense parameters alike. FSDP ignores the experts (`ignored_params`); a gradient
-hook on each forward's local expert slice does `reduce_expert_grads`' arithmetic per backward
-pass (linear, so gradient accumulation is unchanged).
+In `kiln train` (`apply_expert_parallel_training`) ep is borrowed from the data-parallel ranks
+(torchtitan's design): `ParallelDims.expert_mesh` is ("edp", "ep") over them, each consecutive
+group of ep ranks splits the experts, and the D / ep ranks holding the same experts form "edp"
+(dp_replicate x dp_shard / ep under fsdp/zero2/HSDP, the other replicas under ddp). The dense
+parameters are unchanged (FSDP over dp_shard, or DDP). Each expert tensor is a DTensor of the
+global shape, `Shard(0)` (expert dimension) over ep; DCP saves every expert once and reshards to
+another layout, and the grad norm of a DTensor counts each expert once.
+- fsdp/zero2: `fully_shard_experts` adds FSDP2 over edp (torchtitan's dp_shard_mod_ep FSDP), so
+  the experts are sharded over all D ranks; FSDP averages their gradients over edp and a hook on
+  each forward's local slice divides by ep, which makes the 1 / D.
+- ddp: the experts are replicated over edp (`Replicate()`), DDP ignores them, and the hook sums
+  the gradients over edp and divides by D (`reduce_expert_grads`' arithmetic).
+Hooks act per backward pass and are linear, so gradient accumulation is unchanged.
 """
 
 from __future__ import annotations
@@ -58,16 +61,22 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> None:
         m.ep_group = ep_group
 
 
-def apply_expert_parallel_training(model: nn.Module, mesh, ep_dim: str, replicate_dim: str | None,
-                                   dp_size: int) -> None:
-    """`kiln train`'s expert parallelism, on the meta-device model before FSDP: slice the experts
-    over `mesh[ep_dim]`, turn each local slice into a DTensor of the global shape on `mesh`
-    (Shard(0) on ep_dim, Replicate() on replicate_dim), and reduce expert gradients in backward."""
-    ep_group = mesh[ep_dim].get_group()
-    apply_expert_parallel(model, ep_group)
-    names = mesh.mesh_dim_names
-    placements = [Shard(0) if n == ep_dim else Replicate() for n in names]
-    replica_group = mesh[replicate_dim].get_group() if replicate_dim else None
+def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, fsdp: bool) -> None:
+    """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP: slice the
+    experts over `expert_mesh["ep"]` and turn each local slice into a DTensor of the global shape.
+    fsdp=True (dp_mode fsdp/zero2): `Shard(0)` on the ep mesh, for `fully_shard_experts` to shard
+    further over "edp"; else (ddp): on `expert_mesh`, `Replicate()` over "edp", `Shard(0)` over
+    "ep", with gradients summed over "edp" in backward. Either way an expert's gradient ends up
+    divided by the `dp_size` data-parallel ranks."""
+    ep_mesh = expert_mesh["ep"]
+    apply_expert_parallel(model, ep_mesh.get_group())
+    if fsdp:  # FSDP averages over edp (reduce-scatter): a further 1 / ep makes the 1 / dp_size
+        mesh, placements = ep_mesh, [Shard(0)]
+        hook = functools.partial(_scaled_grad, factor=1.0 / ep_mesh.size())
+    else:
+        mesh, placements = expert_mesh, [Replicate() if n == "edp" else Shard(0) for n in expert_mesh.mesh_dim_names]
+        replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
+        hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
     for m in model.modules():
         if not isinstance(m, MoE):
             continue
@@ -81,12 +90,29 @@ def apply_expert_parallel_training(model: nn.Module, mesh, ep_dim: str, replicat
             d = DTensor.from_local(w.detach(), mesh, placements, run_check=False, shape=shape, stride=stride)
             setattr(ex, name, nn.Parameter(d))
         # On the local slice in forward (a parameter hook would not survive materialization).
-        ex.grad_hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
+        ex.grad_hook = hook
+
+
+def fully_shard_experts(module: nn.Module, expert_mesh, **fsdp_kwargs) -> None:
+    """FSDP2 of each MoE layer's experts in `module` over "edp" (the ranks holding the same
+    experts; torchtitan's dp_shard_mod_ep FSDP): on top of Shard(0) over ep, so each rank stores
+    E / dp_size experts' worth of weights, gradients and optimizer state. Call before the
+    enclosing block's `fully_shard`, which then leaves the experts to this inner FSDP unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in module.modules():
+        if isinstance(m, MoE):
+            fully_shard(m.experts, mesh=expert_mesh["edp"], **fsdp_kwargs)
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts of an expert weight (differentiable; a plain tensor is returned as is)."""
     return w.to_local() if isinstance(w, DTensor) else w
+
+
+@torch.no_grad()
+def _scaled_grad(grad: torch.Tensor, factor: float) -> torch.Tensor:
+    return grad * factor
 
 
 @torch.no_grad()
@@ -115,15 +141,15 @@ def dispatch_and_combine(rows: torch.Tensor, counts: torch.Tensor, experts, grou
     # counts_in[s * n_local + e]: rows that rank s sends to local expert e.
     counts_in = torch.empty_like(counts)
     dist.all_to_all_single(counts_in, counts, group=group)
-    # Split sizes must be host ints: one small sync per MoE layer (as in every all-to-all MoE).
-    send_splits = counts.view(ep, n_local).sum(1).tolist()
+    # Split sizes must be host ints: one host read per MoE layer (as in every all-to-all MoE).
     recv_matrix = counts_in.view(ep, n_local)
-    recv_splits = recv_matrix.sum(1).tolist()
+    send_splits, recv_splits = torch.stack([counts.view(ep, n_local).sum(1), recv_matrix.sum(1)]).tolist()
     received = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
     # Received rows come grouped by source rank, then expert: regroup by local expert.
-    local_expert = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(counts_in)
+    local_expert = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(
+        counts_in, output_size=sum(recv_splits))
     order = torch.argsort(local_expert, stable=True)
-    out_sorted = experts(received[order], recv_matrix.sum(0).tolist())
+    out_sorted = experts(received[order], recv_matrix.sum(0))
     out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
     return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
 

@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from kiln.config import JobConfig
 from kiln.parallel.data_parallel import apply_ddp
 from kiln.parallel.dims import ParallelDims
-from kiln.parallel.expert_parallel import expert_parameters
+from kiln.parallel.expert_parallel import fully_shard_experts
 from kiln.parallel.tensor_parallel import apply_tp
 
 
@@ -92,23 +92,22 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:  # gloo cannot all-gather pinned CPU tensors; pin_memory=False is required on CPU
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
-    def experts(module: nn.Module) -> set | None:  # under ep: sharded and reduced by expert_parallel.py
-        return set(expert_parameters(module)) or None if dims.ep > 1 else None
-
     for i, block in enumerate(model.layers):
         # The last block is not resharded after forward: backward needs it first.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(model.layers) - 1,
-                    ignored_params=experts(block), **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, ignored_params=experts(model), **kwargs)
+        reshard = reshard_after_forward and i < len(model.layers) - 1
+        if dims.ep > 1:  # the experts: their own FSDP unit over edp (kiln/parallel/expert_parallel.py)
+            fully_shard_experts(block, dims.expert_mesh, reshard_after_forward=reshard,
+                                **{k: v for k, v in kwargs.items() if k != "mesh"})
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
-    """Experts sharded over dp_shard (ep == dp_shard, checked in dims.py) on FSDP's mesh."""
+    """Experts sharded over ep (dims.expert_mesh); over the other data-parallel ranks FSDP-sharded
+    (fsdp/zero2, in apply_fsdp) or replicated (ddp)."""
     from kiln.parallel.expert_parallel import apply_expert_parallel_training
 
-    names = dims.dp_mesh_names
-    apply_expert_parallel_training(model, dims.mesh[names], "dp_shard",
-                                   "dp_replicate" if "dp_replicate" in names else None, dims.dp_size)
+    apply_expert_parallel_training(model, dims.expert_mesh, dims.dp_size, fsdp=dims.dp_mode in ("fsdp", "zero2"))
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:

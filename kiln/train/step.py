@@ -16,7 +16,6 @@ per step while the host never stalls the device in between.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +44,7 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
     if scaler:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf, foreach=True)
-    if isinstance(grad_norm, DTensor):  # sharded (FSDP/TP) parameters: the norm of the full gradient
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm(params, clip)
     skipped = ~(torch.isfinite(total) & torch.isfinite(grad_norm))
     if scaler:  # the scaler skips non-finite steps itself and lowers its scale
         scaler.step(optimizer)
@@ -56,6 +53,27 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
     else:
         step_unless(optimizer, skipped)
     return total, grad_norm, skipped
+
+
+def clip_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_` (clip <= 0: the norm only), where the gradients may be DTensors
+    on several meshes (expert parallelism keeps the experts on their own mesh, see
+    kiln/parallel/expert_parallel.py): torch's `get_total_norm` per mesh, each made a plain
+    tensor (`full_tensor`: the norm of the full gradient) and combined, then
+    `clip_grads_with_norm_`, as torchtitan does for its expert-parallel parameters."""
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.nn.utils.get_total_norm([])
+    grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    for group in by_mesh.values() if clip > 0 else ():  # one foreach call per mesh
+        torch.nn.utils.clip_grads_with_norm_(group, clip, grad_norm, foreach=True)
+    return grad_norm
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> None:

@@ -172,3 +172,81 @@ def test_hf_export_refuses_moe_in_one_line():
 
     with pytest.raises(KilnError, match="model.moe_experts=4"):
         export_family(cfg())
+
+
+# Sync-free forward (no expert parallelism): with torch's grouped matmul the forward never reads
+# the device from the host. Two checks: Python-level reads (.item/.tolist/bool/int/float of a
+# tensor) raise, and FakeTensorMode (no data at all: boolean indexing, nonzero, bincount and
+# .item raise there) runs it in bf16, the dtype torch's grouped-matmul meta function takes.
+SYNC_CASES = [dict(moe_top_k=1, moe_capacity_factor=1.0), dict(moe_top_k=2, moe_capacity_factor=0.0, activation="gelu")]
+
+
+def forward_refusing_host_reads(moe, x):
+    from unittest import mock
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("host read of a device tensor in the MoE forward")
+
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    with mock.patch.multiple(torch.Tensor, **{n: refuse for n in names}):
+        return moe(x)
+
+
+def forward_without_data(moe, x):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return moe.to(torch.bfloat16)(x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kw", SYNC_CASES)
+def test_moe_forward_reads_nothing_on_the_host(kw, monkeypatch):
+    moe = build(**kw).layers[0].feed_forward
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3))
+    out = forward_refusing_host_reads(moe, x)
+    monkeypatch.setattr("kiln.model.moe.grouped_mm_runs", lambda *a: False)  # the split loop: as before
+    torch.testing.assert_close(out, moe(x), rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    assert forward_without_data(moe, x).shape == x.shape
+
+
+@pytest.mark.parametrize("kw", SYNC_CASES)
+def test_host_read_checks_fail_for_the_split_loop(kw, monkeypatch):
+    # Negative control: the loop over experts (unaligned shapes) reads its split sizes on the host.
+    monkeypatch.setattr("kiln.model.moe.grouped_mm_runs", lambda *a: False)
+    moe = build(**kw).layers[0].feed_forward
+    x = torch.randn(2, 8, 16)
+    with pytest.raises(AssertionError, match="host read"):
+        forward_refusing_host_reads(moe, x)
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    with pytest.raises((DataDependentOutputException, DynamicOutputShapeException)):
+        forward_without_data(moe, x)
+
+
+@pytest.mark.parametrize("kw", SYNC_CASES)
+def test_grouped_matmul_and_split_loop_agree_with_drops(kw, monkeypatch):
+    """Outputs and gradients (input, router, experts) of the two expert paths, fp32, 1e-5;
+    the capacity case drops assignments (their rows must pass nothing, not even a NaN)."""
+    def run(grouped):
+        monkeypatch.setattr("kiln.model.moe.grouped_mm_runs", lambda *a: grouped)
+        moe = build(**kw).layers[0].feed_forward
+        x = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        out = moe(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return [out, x.grad, moe.router.weight.grad, moe.experts.w1.grad, moe.experts.w2.grad], moe
+    grouped, moe = run(True)
+    loop, _ = run(False)
+    for a, b in zip(grouped, loop):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if kw["moe_capacity_factor"]:
+        assert moe.last_dropped_fraction.item() > 0  # the case exercises dropping
+
+
+def test_grouped_mm_runs_only_where_torch_takes_it():
+    from kiln.model.moe import grouped_mm_runs
+
+    assert grouped_mm_runs(torch.zeros(2, 16), torch.zeros(4, 16, 64))
+    assert not grouped_mm_runs(torch.zeros(2, 6), torch.zeros(4, 6, 64))  # 24-byte rows
+    assert not grouped_mm_runs(torch.zeros(2, 16), torch.zeros(4, 16, 10))

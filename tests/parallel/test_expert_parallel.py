@@ -8,6 +8,12 @@ Tolerance: fp32, relative 1e-5 per step over 6 steps for losses; step-1 expert g
 "wrong" run treats expert gradients like replicated ones (averaged over the ep group): its
 gradients must not match, which shows the check can fail for exactly that mistake.
 All runs share one 2-process spawn (process start dominates on a 2-core machine).
+
+ep dividing the data-parallel ranks (4 ranks, ep=2; over the 2 ranks holding the same experts,
+FSDP-sharded or replicated), module level and through `kiln train`, with clipping active: fp32,
+relative 1e-5 per step over 6 steps for losses and pre-clipping grad norms, and for the step-1
+expert gradients (atol 1e-8). Negative controls: no gradient reduction over those replicas, and
+a norm over the local experts only.
 """
 
 import json
@@ -28,12 +34,12 @@ CASES = {  # name -> model fields
 RUNS = [("switch_top1_capacity", "right"), ("gshard_top2_dropless", "right"), ("switch_top1_capacity", "wrong")]
 
 
-def model_and_data(case):
+def model_and_data(case, **fields):
     from kiln.config import ModelConfig
     from kiln.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=61, dim=16, n_layers=2, n_heads=2, max_seq_len=16, moe_experts=4,
-                      moe_aux_loss_weight=0.1, moe_z_loss_weight=0.01, **CASES[case])
+                      moe_aux_loss_weight=0.1, moe_z_loss_weight=0.01, **CASES[case], **fields)
     with torch.device("meta"):
         model = Transformer(cfg)
     data = torch.randint(0, 61, (STEPS, 4, 17), generator=torch.Generator().manual_seed(0))
@@ -137,11 +143,132 @@ def test_averaging_experts_over_the_ep_group_is_caught(ep_runs):
             torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
 
 
-# `kiln train` with parallel.ep=2 on 2 ranks (FSDP on the dense part, experts as DTensors sharded
-# on the expert dimension over dp_shard) against one process, with active clipping: a grad norm
-# over this rank's experts only, or expert gradients reduced like dense ones, changes the losses.
+# ep dividing the data-parallel ranks, at the module level: 4 ranks, ep=2, the experts sharded
+# over ep=2 and, over the 2 "edp" ranks that hold the same experts, FSDP-sharded or replicated;
+# kiln's expert mesh layout, hooks and clipping, against one process with clipping active on every
+# step. init_std=0.3 makes the experts ~1/3 of the grad norm (at 0.02 they are 1%: a wrong
+# expert norm would hide).
+CLIP, CLIP_LR, EXPERT_STD = 0.05, 20.0, 0.3  # lr * CLIP: every step moves the weights by a norm of 1.0
+EDP_RUNS = ("fsdp", "replicated", "no_edp_reduce", "local_norm")
+
+
+def clipped_single_process():
+    from kiln.train.step import clip_grad_norm
+
+    model, data = model_and_data("switch_top1_capacity", init_std=EXPERT_STD)
+    model = materialize(model)
+    opt = torch.optim.SGD(model.parameters(), lr=CLIP_LR)
+    losses, norms, grads = [], [], None
+    for batch in data:
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        grads = grads or expert_grads(model)
+        norms.append(clip_grad_norm([p for p in model.parameters() if p.grad is not None], CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, grads
+
+
+def ep_within_dp_rank(rank, world):
+    """ep=2 of 4 data-parallel ranks, the experts FSDP-sharded over edp (fsdp/zero2) or replicated
+    there (ddp); dense gradients averaged over the 4 ranks (what FSDP/DDP do). The mistakes (on
+    the replicated layout): expert gradients not summed over their edp replicas (each replica
+    keeps only its part of the batch), and a grad norm over this rank's experts only."""
+
+    import functools
+
+    import torch.distributed as dist
+    from kiln.parallel import expert_parallel as xp
+    from kiln.train.step import clip_grad_norm
+
+    from kiln.config import ParallelConfig
+    from kiln.parallel.dims import ParallelDims
+
+    def expert_mesh(**degrees):  # kiln's mesh builder (what `kiln train` uses)
+        dims = ParallelDims.from_config(ParallelConfig(ep=2, **degrees), world_size=world, rank=rank,
+                                        local_rank=rank, local_world_size=world)
+        dims.build_mesh("cpu")
+        return dims.expert_mesh
+
+    mesh = expert_mesh()  # dp_shard=4, ep=2
+    out = {"layouts": [mesh.mesh.tolist(), expert_mesh(dp_replicate=2).mesh.tolist()]}
+    for how in EDP_RUNS:
+        model, data = model_and_data("switch_top1_capacity", init_std=EXPERT_STD)
+        xp.apply_expert_parallel_training(model, mesh, world, fsdp=how == "fsdp")
+        if how == "fsdp":
+            xp.fully_shard_experts(model, mesh)
+        if how == "no_edp_reduce":
+            for m in model.modules():
+                if isinstance(m, xp.MoE):
+                    m.experts.grad_hook = functools.partial(xp._reduced_expert_grad, dp_size=world, replica_group=None)
+        model = materialize(model)
+        if how == "fsdp":  # each rank stores E / D experts' worth of every expert weight
+            assert all(p.to_local().shape[0] == 4 // world for p in xp.expert_parameters(model))
+        experts = {id(p) for p in xp.expert_parameters(model)}
+        opt = torch.optim.SGD(model.parameters(), lr=CLIP_LR)
+        per = data.shape[1] // world
+        losses, norms, grads = [], [], None
+        for batch in data:
+            mine = batch[rank * per:(rank + 1) * per]
+            loss = model(mine[:, :-1], mine[:, 1:])
+            loss.backward()
+            for p in model.parameters():
+                if id(p) not in experts:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+            grads = grads or [m.feed_forward.experts.w1.grad.full_tensor() for m in model.layers]
+            params = [p for p in model.parameters() if p.grad is not None]
+            if how == "local_norm":
+                grads = [xp.local_weight(p.grad) for p in params]
+                norm = torch.nn.utils.get_total_norm(grads)
+                torch._foreach_mul_(grads, (CLIP / (norm + 1e-6)).clamp(max=1.0))
+            else:
+                norm = clip_grad_norm(params, CLIP)
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+            norms.append(norm.item())
+        out[how] = (losses, norms, grads)
+    return out
+
+
+def assert_same_grads(got, expected):
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
+
+
+@pytest.mark.timeout(240)
+def test_ep2_within_four_data_parallel_ranks_matches_one_process_with_clipping(tmp_path):
+    expected_losses, expected_norms, expected_grads = clipped_single_process()
+    assert min(expected_norms) > CLIP and expected_losses[-1] < expected_losses[0]  # clipped, and it trains
+    ranks = run_ranks(ep_within_dp_rank, 4, tmp_path)
+    # (edp, ep): ep groups are consecutive ranks, inside one dp_shard group also under HSDP
+    # (2 replicas x dp_shard 2: dp_shard groups {0, 1}, {2, 3}).
+    assert ranks[0]["layouts"] == [[[0, 1], [2, 3]], [[0, 1], [2, 3]]]
+    for how in ("fsdp", "replicated"):
+        losses, norms, grads = ranks[0][how]
+        assert all(r[how][:2] == (losses, norms) for r in ranks)  # every rank logs the same loss and norm
+        assert losses == pytest.approx(expected_losses, rel=REL)
+        assert norms == pytest.approx(expected_norms, rel=REL)
+        assert_same_grads(grads, expected_grads)
+    # Negative controls: each mistake is caught (the same first forward, then a wrong norm).
+    for how in ("no_edp_reduce", "local_norm"):
+        losses, norms, _ = ranks[0][how]
+        assert losses[0] == pytest.approx(expected_losses[0], rel=REL)
+        assert norms[0] != pytest.approx(expected_norms[0], rel=1e-2)
+        assert losses[1:] != pytest.approx(expected_losses[1:], rel=1e-3)
+    with pytest.raises(AssertionError):  # the experts' gradients lack the other replica's batch
+        assert_same_grads(ranks[0]["no_edp_reduce"][2], expected_grads)
+
+
+# `kiln train` with parallel.ep=2 of 4 data-parallel ranks (FSDP over all 4 on the dense part;
+# experts as DTensors sharded over ep, replicated over edp) against one process, with active
+# clipping: the losses and the pre-clipping grad norms of every step.
 TRAIN_MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 0.0,
-             "train.clip_grad_norm": 0.05}
+             "train.clip_grad_norm": 0.05, "model.init_std": 0.3}  # experts ~1/3 of the grad norm (see CLIP)
 
 
 def grad_norms(run_dir):
@@ -150,9 +277,12 @@ def grad_norms(run_dir):
 
 
 @pytest.mark.parametrize("world, degrees, expected", [
-    (2, {"ep": 2, "dp_mode": "ddp"}, "parallel.ep=2 needs parallel.dp_mode='fsdp'"),
+    (2, {"ep": 2, "dp_mode": "zero1"}, "parallel.ep=2 cannot combine with parallel.dp_mode='zero1'"),
+    (2, {"ep": 2, "diloco_inner_steps": 3}, "parallel.ep=2 cannot combine with parallel.diloco_inner_steps=3"),
     (4, {"ep": 2, "cp": 2}, "parallel.ep=2 with parallel.cp=2"),
-    (4, {"ep": 2}, "parallel.ep=2 must equal dp_shard=4"),
+    (4, {"ep": 2, "tp": 2}, "parallel.ep=2 with parallel.cp=1 / tp=2"),
+    (6, {"ep": 4}, "parallel.ep=4 must divide dp_shard=6"),
+    (6, {"ep": 4, "dp_mode": "ddp"}, "parallel.ep=4 must divide dp_replicate=6"),
 ])
 def test_unsupported_ep_layouts_are_refused_in_one_line(world, degrees, expected):
     from kiln.config import ParallelConfig
@@ -163,16 +293,24 @@ def test_unsupported_ep_layouts_are_refused_in_one_line(world, degrees, expected
         ParallelDims.from_config(ParallelConfig(**degrees), world_size=world, rank=0, local_rank=0)
 
 
-def test_ep_equal_to_dp_shard_is_accepted_under_fsdp():
+@pytest.mark.parametrize("world, degrees, layout", [
+    (4, {"ep": 2, "dp_replicate": 2}, ("fsdp", 2, 2)),
+    (4, {"ep": 2}, ("fsdp", 1, 4)),
+    (8, {"ep": 2, "dp_replicate": 2}, ("fsdp", 2, 4)),
+    (4, {"ep": 2, "dp_mode": "ddp"}, ("ddp", 4, 1)),
+])
+def test_ep_dividing_the_data_parallel_ranks_is_accepted(world, degrees, layout):
     from kiln.config import ParallelConfig
     from kiln.parallel.dims import ParallelDims
 
-    d = ParallelDims.from_config(ParallelConfig(ep=2, dp_replicate=2), world_size=4, rank=0, local_rank=0)
-    assert (d.dp_mode, d.dp_replicate, d.dp_shard, d.ep) == ("fsdp", 2, 2, 2)
+    d = ParallelDims.from_config(ParallelConfig(**degrees), world_size=world, rank=0, local_rank=0)
+    assert (d.dp_mode, d.dp_replicate, d.dp_shard, d.ep) == (*layout, 2)
 
 
-@pytest.mark.timeout(300)
-def test_kiln_train_ep2_matches_one_process_and_resumes_at_ep1(tmp_path, text_file):
+@pytest.mark.timeout(400)
+def test_kiln_train_ep2_of_dp_shard4_matches_one_process_and_resumes_under_ddp(tmp_path, text_file):
+    """4 ranks, dp_shard=4, ep=2 against one process; its step-3 checkpoint continues under
+    dp_mode=ddp, ep=2 (ep carved from the 4 replicas) with the same losses and grad norms."""
     from test_data_parallel import GLOBAL_BATCH, assert_same_losses, common, losses, run_kiln, sets
     from test_data_parallel import STEPS as TRAIN_STEPS
 
@@ -185,17 +323,18 @@ def test_kiln_train_ep2_matches_one_process_and_resumes_at_ep1(tmp_path, text_fi
 
     run = tmp_path / "ep2"
     run_kiln(["train", "--run-dir", str(run),
-              *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.ep": 2,
-                                                      "parallel.dp_mode": "'fsdp'"}))], nproc=2)
+              *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2,
+                                                      "parallel.dp_mode": "'fsdp'"}))], nproc=4, timeout=300)
     assert_same_losses(expected, losses(run), range(1, TRAIN_STEPS + 1))
-    # The pre-clipping norm covers both ranks' experts, each counted once, reduced as in one process.
+    # The pre-clipping norm covers all experts, each counted once, reduced as in one process.
     assert_same_losses(norms, grad_norms(run), range(1, TRAIN_STEPS + 1))
 
-    # The step-3 checkpoint holds all 4 experts: it continues in one process (ep=1).
+    # The step-3 checkpoint holds all 4 experts: it continues with the replicas under ddp.
     shutil.rmtree(run / "checkpoints" / f"step-{TRAIN_STEPS}")
     run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume",
-              *sets([f"train.batch_size={GLOBAL_BATCH}", "parallel.ep=1"])])
+              *sets(["parallel.dp_mode='ddp'"])], nproc=4, timeout=300)
     assert_same_losses(expected, losses(run), range(4, TRAIN_STEPS + 1))
+    assert_same_losses(norms, grad_norms(run), range(4, TRAIN_STEPS + 1))
 
 
 def fsdp_manages_experts_rank(rank, world):
