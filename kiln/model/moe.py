@@ -94,6 +94,10 @@ def grouped_mm_runs(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """Whether torch's grouped matmul takes these operands: on CUDA bf16 on sm80+ (its kernels,
     and its meta function, take bf16 only); on CPU any float dtype; on both, row strides of
     16-byte multiples (model dim and expert hidden size)."""
+    if not hasattr(F, "grouped_mm"):  # torch releases before grouped_mm (kiln declares torch>=2.6)
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # its meta function (what compile traces with) takes bf16 only, on every device
     row = x.element_size()
     if x.shape[-1] * row % 16 or w1.shape[-1] * row % 16:
         return False

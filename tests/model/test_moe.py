@@ -250,3 +250,13 @@ def test_grouped_mm_runs_only_where_torch_takes_it():
     assert grouped_mm_runs(torch.zeros(2, 16), torch.zeros(4, 16, 64))
     assert not grouped_mm_runs(torch.zeros(2, 6), torch.zeros(4, 6, 64))  # 24-byte rows
     assert not grouped_mm_runs(torch.zeros(2, 16), torch.zeros(4, 16, 10))
+
+
+def test_grouped_mm_is_not_traced_by_compile_outside_bf16(monkeypatch):
+    """torch.compile traces with grouped_mm's meta function, which takes bf16 only: an fp32 MoE
+    under `train.compile=true` must take the loop (it failed to compile before this rule)."""
+    from kiln.model.moe import grouped_mm_runs
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not grouped_mm_runs(torch.zeros(2, 16), torch.zeros(4, 16, 64))
+    assert grouped_mm_runs(torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 64, dtype=torch.bfloat16))
