@@ -122,6 +122,9 @@ class PipelineModel(nn.Module):
         self.register_buffer("rope_cos", full.rope_cos, persistent=False)
         self.register_buffer("rope_sin", full.rope_sin, persistent=False)
         self.loss_impl = "full"  # the schedule's loss_fn is lm_loss over the last stage's logits
+        # Context parallel: the global positions of this rank's zig-zag slice, set around a
+        # training step by kiln/parallel/context_parallel.py (as on `Transformer`).
+        self.seq_positions: torch.Tensor | None = None
         # The whole model stays on meta, unregistered: init replays its generator draws (see init_weights).
         self.__dict__["_full"] = full
 
@@ -158,13 +161,18 @@ class StageChunk(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         seqlen = h.shape[1] if self.first else h.shape[1] * self.seq_shards  # attention sees all of it
+        positions = self._owner.seq_positions  # cp: not 0..seqlen-1 but the rank's zig-zag slice
         if self.first:
             tokens = h
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(seqlen, device=tokens.device))
+                h = h + self.pos_embeddings(torch.arange(seqlen, device=tokens.device) if positions is None
+                                            else positions)
             h = self.dropout(h)
-        rope = (self._owner.rope_cos[:seqlen], self._owner.rope_sin[:seqlen])
+        if positions is None:
+            rope = (self._owner.rope_cos[:seqlen], self._owner.rope_sin[:seqlen])
+        else:
+            rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
         for layer in self.layers:
             h = layer(h, rope)
         return self.output(self.norm(h)) if self.last else h
