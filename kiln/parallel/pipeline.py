@@ -13,6 +13,12 @@ the single-process `Transformer` (`tok_embeddings`, `layers.N...`, `norm`, `outp
 `layers` a ModuleDict keyed by the layer index, so a DCP checkpoint of a pipeline rank loads into
 the single-process model and back. Each stage is a `StageChunk` that references those modules.
 Tied embeddings are refused with pp > 1 (the head and the embedding live on different ranks).
+
+With tensor parallelism (applied to the `PipelineModel` after the split, kiln/parallel/
+tensor_parallel.py) each tp rank runs its own pipeline over its `pp` group: stages exchange the
+tp rank's sequence shard of the residual stream (sequence parallel's layout between blocks) and
+the last stage's loss runs on vocab-sharded logits. With context parallelism the stages take the
+zig-zag slice's global positions from `PipelineModel.seq_positions` (kiln/parallel/context_parallel.py).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ tables stay replicated: attention sees the whole sequence. The LM head is column
 stay sharded on the vocabulary (a DTensor) and the cross-entropy runs under `loss_parallel`, so no
 rank ever holds the full (tokens x vocab) logits.
 
+Under pipeline parallelism the plan covers one pipeline rank's modules (`tp_plan` on a
+`PipelineModel`); the stages pass the sequence-sharded residual stream between them unchanged.
+
 Tied embeddings keep working: the embedding (row-wise) and the head (column-wise) both shard the
 shared (vocab, dim) weight on dim 0 over the same mesh, and `Transformer.to_empty` re-ties them
 after materialization, so the tie holds with identical placements.
