@@ -1,6 +1,7 @@
 """Pipeline parallelism: every torch schedule on 2 gloo ranks gives the per-step losses and grad
 norms of one process on the same batch; a PP=2 checkpoint continues in one process; bad input
-fails before any work.
+fails before any work. `kiln train` with FSDP x PP and TP x PP on 4 ranks matches the same single
+run (TP x PP at the step level, and CP x PP: test_tensor_pipeline_parallel.py).
 
 Tolerance: fp32, relative 1e-5 per step (observed < 2e-7: the micro-batch losses are summed in
 another order). SGD without clipping, so wrongly scaled micro-batch gradients change the next
