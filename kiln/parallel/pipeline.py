@@ -38,6 +38,7 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
              "zbv_zero_bubble": "ScheduleZBVZeroBubble"}
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others take pp_virtual_stages per rank
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # backward split into input and weight passes
 
 
 def n_microbatches(cfg: JobConfig) -> int:
@@ -70,6 +71,11 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
         raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
                           f"{p.pp_schedule!r}")
+    if p.cp > 1 and p.pp_schedule in ZERO_BUBBLE:
+        # measured: the step's gradients are wrong (grad norm 0.83 instead of 1.07 on the test model)
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} with parallel.cp={p.cp} is not supported "
+                          f"(its split input/weight backward gives wrong gradients with ring attention); use "
+                          f"parallel.pp_schedule='gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'")
     if cfg.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings=true cannot be split over pipeline stages (embedding and "
                           "head on different ranks); set model.tie_embeddings=false or parallel.pp=1")

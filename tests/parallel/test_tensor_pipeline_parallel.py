@@ -37,6 +37,8 @@ GPT2 = BASE + ["model.vocab_size=65", "model.positions=learned", "model.norm=lay
 # 2 where cp is 1. One 4-rank launch runs them all (a process start costs seconds on 2 cores).
 CASES = {"llama_gpipe": (LLAMA, "gpipe", 1, 0, 1), "llama_interleaved_1f1b": (LLAMA, "interleaved_1f1b", 2, 0, 1),
          "gpt2_1f1b": (GPT2, "1f1b", 1, 2, 1),
+         # a V: the first and the last stage (embedding and vocab-sharded head) on one rank
+         "llama_zbv_zero_bubble": (LLAMA, "zbv_zero_bubble", 2, 0, 1),
          # context x pipeline: ring attention inside the stages, FSDP over cp averages the gradients
          "llama_cp_1f1b": (LLAMA, "1f1b", 1, 4, 2), "gpt2_cp_gpipe": (GPT2, "gpipe", 1, 0, 2)}
 
@@ -172,9 +174,15 @@ def test_cp_stages_ignoring_the_slice_positions_change_the_losses(four_ranks, re
     assert got[2::2] != pytest.approx(expected[2::2], rel=REL)
 
 
-def test_pp_with_both_tp_and_cp_is_refused_naming_the_values():
+def test_unverified_pp_layouts_are_refused_naming_the_values():
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.pipeline import check_pipeline_config
+
+    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):  # wrong gradients with ring attention
+        with pytest.raises(ConfigError, match=rf"parallel\.pp_schedule='{schedule}' with parallel\.cp=2"):
+            check_pipeline_config(job(LLAMA, pp=2, cp=2, schedule=schedule, virtual=2))
+    check_pipeline_config(job(LLAMA, pp=2, cp=2, schedule="looped_bfs", virtual=2))
 
     cfg = job(LLAMA, pp=2, tp=2, cp=2)
     dims = ParallelDims.from_config(cfg.parallel, world_size=8, rank=0, local_rank=0, seq_len=SEQ)
