@@ -13,6 +13,12 @@ the single-process `Transformer` (`tok_embeddings`, `layers.N...`, `norm`, `outp
 `layers` a ModuleDict keyed by the layer index, so a DCP checkpoint of a pipeline rank loads into
 the single-process model and back. Each stage is a `StageChunk` that references those modules.
 Tied embeddings are refused with pp > 1 (the head and the embedding live on different ranks).
+
+With tensor parallelism (applied to the `PipelineModel` after the split, kiln/parallel/
+tensor_parallel.py) each tp rank runs its own pipeline over its `pp` group: stages exchange the
+tp rank's sequence shard of the residual stream (sequence parallel's layout between blocks) and
+the last stage's loss runs on vocab-sharded logits. With context parallelism the stages take the
+zig-zag slice's global positions from `PipelineModel.seq_positions` (kiln/parallel/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
              "zbv_zero_bubble": "ScheduleZBVZeroBubble"}
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others take pp_virtual_stages per rank
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # backward split into input and weight passes
 
 
 def n_microbatches(cfg: JobConfig) -> int:
@@ -64,6 +71,11 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
         raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
                           f"{p.pp_schedule!r}")
+    if p.cp > 1 and p.pp_schedule in ZERO_BUBBLE:
+        # measured: the step's gradients are wrong (grad norm 0.83 instead of 1.07 on the test model)
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} with parallel.cp={p.cp} is not supported "
+                          f"(its split input/weight backward gives wrong gradients with ring attention); use "
+                          f"parallel.pp_schedule='gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'")
     if cfg.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings=true cannot be split over pipeline stages (embedding and "
                           "head on different ranks); set model.tie_embeddings=false or parallel.pp=1")
@@ -122,6 +134,9 @@ class PipelineModel(nn.Module):
         self.register_buffer("rope_cos", full.rope_cos, persistent=False)
         self.register_buffer("rope_sin", full.rope_sin, persistent=False)
         self.loss_impl = "full"  # the schedule's loss_fn is lm_loss over the last stage's logits
+        # Context parallel: the global positions of this rank's zig-zag slice, set around a
+        # training step by kiln/parallel/context_parallel.py (as on `Transformer`).
+        self.seq_positions: torch.Tensor | None = None
         # The whole model stays on meta, unregistered: init replays its generator draws (see init_weights).
         self.__dict__["_full"] = full
 
@@ -143,9 +158,12 @@ class PipelineModel(nn.Module):
 class StageChunk(nn.Module):
     """One pipeline stage: tokens or hidden states in, hidden states or logits (last stage) out."""
 
-    def __init__(self, owner: PipelineModel, layers: range, first: bool, last: bool):
+    def __init__(self, owner: PipelineModel, layers: range, first: bool, last: bool, seq_shards: int = 1):
         super().__init__()
         self.first, self.last = first, last
+        # Under tensor (sequence) parallelism a stage after the first receives its tp rank's
+        # shard of the sequence (Shard(1), a plain local tensor), 1/seq_shards of the positions.
+        self.seq_shards = seq_shards
         if first:
             self.tok_embeddings, self.pos_embeddings, self.dropout = owner.tok_embeddings, owner.pos_embeddings, owner.dropout
         self.layers = nn.ModuleList(owner.layers[str(i)] for i in layers)
@@ -154,28 +172,36 @@ class StageChunk(nn.Module):
         self.__dict__["_owner"] = owner  # for the RoPE tables (re-created by to_empty/init)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        seqlen = h.shape[1]
+        seqlen = h.shape[1] if self.first else h.shape[1] * self.seq_shards  # attention sees all of it
+        positions = self._owner.seq_positions  # cp: not 0..seqlen-1 but the rank's zig-zag slice
         if self.first:
             tokens = h
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(seqlen, device=tokens.device))
+                h = h + self.pos_embeddings(torch.arange(seqlen, device=tokens.device) if positions is None
+                                            else positions)
             h = self.dropout(h)
-        rope = (self._owner.rope_cos[:seqlen], self._owner.rope_sin[:seqlen])
+        if positions is None:
+            rope = (self._owner.rope_cos[:seqlen], self._owner.rope_sin[:seqlen])
+        else:
+            rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
         for layer in self.layers:
             h = layer(h, rope)
         return self.output(self.norm(h)) if self.last else h
 
 
 def split_model(full: Transformer, cfg: JobConfig, pp_rank: int) -> PipelineModel:
-    """This rank's part of `full` (on meta). Its `chunks` become PipelineStages after materializing."""
+    """This rank's part of `full` (on meta). Its `chunks` become PipelineStages after materializing;
+    tensor parallelism (if any) is applied to the returned model afterwards, in place, so the
+    chunks, which reference its modules, run sharded too."""
     p = cfg.parallel
     n_stages = p.pp * p.pp_virtual_stages
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages, p.pp_split_points)
     mine = stages_of_rank(p.pp_schedule, p.pp, p.pp_virtual_stages, pp_rank)
     model = PipelineModel(full, [ranges[s] for s in mine], first=0 in mine, last=n_stages - 1 in mine)
     model.__dict__["stage_ids"] = mine
-    model.__dict__["chunks"] = [StageChunk(model, ranges[s], s == 0, s == n_stages - 1) for s in mine]
+    model.__dict__["chunks"] = [StageChunk(model, ranges[s], s == 0, s == n_stages - 1, seq_shards=p.tp)
+                                for s in mine]
     model.__dict__["n_stages"] = n_stages
     return model
 
@@ -188,6 +214,11 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.device = model, device
+        self.tp = dims.tp
+        # pp x tp: every tp rank runs its own pipeline (the pp group of ranks with its tp coordinate).
+        # Stages pass the residual stream as torchtitan does, sharded on the sequence (SP's layout
+        # between blocks: each tp rank sends 1/tp of it to its peer, nothing is gathered); the last
+        # stage's logits stay vocab-sharded for the loss (parallel_lm_loss, under loss_parallel).
         self.group = dims.mesh["pp"].get_group()
         self.pp = cfg.parallel.pp
         self.schedule_name, self.virtual = cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages
@@ -205,7 +236,10 @@ class Pipeline:
         stages = self.stages[0] if cfg.parallel.pp_schedule in SINGLE_STAGE else self.stages
         # scale_grads: each micro-batch's mean loss is backpropagated, gradients divided by the
         # micro-batch count -> the gradient of the mean over the whole batch, as in one process.
-        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=lm_loss, scale_grads=True)
+        loss_fn = lm_loss
+        if self.tp > 1:
+            from kiln.parallel.tensor_parallel import parallel_lm_loss as loss_fn
+        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True)
         self.bubble = bubble_fraction(cfg.parallel.pp_schedule, self.pp, self.microbatches,
                                       cfg.parallel.pp_virtual_stages)
 
@@ -215,13 +249,17 @@ class Pipeline:
         (evaluation only: no schedule, no micro-batches, any batch shape)."""
         cfg = self.model.cfg
         h = tokens
-        hidden_shape = (*tokens.shape, cfg.dim)
+        batch, seqlen = tokens.shape
+        if seqlen % self.tp:  # the stages rebuild the full length as tp x the local shard
+            raise ValueError(f"evaluation sequence of {seqlen} tokens is not divisible by parallel.tp={self.tp}")
+        hidden_shape = (batch, seqlen // self.tp, cfg.dim)  # this tp rank's sequence shard
         for s in range(self.n_stages):
             if s in self.model.stage_ids:
                 if s > 0 and (s - 1) not in self.model.stage_ids:
                     h = torch.empty(hidden_shape, device=self.device)
                     dist.recv(h, group=self.group, group_src=self._owner_of(s - 1))
-                h = self.model.chunks[self.model.stage_ids.index(s)](h).float()
+                h = self.model.chunks[self.model.stage_ids.index(s)](h)
+                h = (h.full_tensor() if isinstance(h, DTensor) else h).float()  # tp: vocab-sharded logits
                 if s < self.n_stages - 1 and (s + 1) not in self.model.stage_ids:
                     dist.send(h.contiguous(), group=self.group, group_dst=self._owner_of(s + 1))
         logits = h if self.has_last else torch.empty((*tokens.shape, cfg.vocab_size), device=self.device)
@@ -273,13 +311,13 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     losses: list[torch.Tensor] = []
     with autocast:
         if pipeline.has_first and pipeline.has_last:
-            pipeline.schedule.step(x, target=y, losses=losses)
+            pipeline.schedule.step(x, target=y, losses=losses, return_outputs=False)
         elif pipeline.has_first:
-            pipeline.schedule.step(x)
+            pipeline.schedule.step(x, return_outputs=False)
         elif pipeline.has_last:
-            pipeline.schedule.step(target=y, losses=losses)
+            pipeline.schedule.step(target=y, losses=losses, return_outputs=False)
         else:
-            pipeline.schedule.step()
+            pipeline.schedule.step(return_outputs=False)
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=x.device)
     dist.broadcast(loss, src=pipeline.last_rank, group=pipeline.group)
     params = [p for p in pipeline.model.parameters() if p.grad is not None]

@@ -16,6 +16,9 @@ tables stay replicated: attention sees the whole sequence. The LM head is column
 stay sharded on the vocabulary (a DTensor) and the cross-entropy runs under `loss_parallel`, so no
 rank ever holds the full (tokens x vocab) logits.
 
+Under pipeline parallelism the plan covers one pipeline rank's modules (`tp_plan` on a
+`PipelineModel`); the stages pass the sequence-sharded residual stream between them unchanged.
+
 Tied embeddings keep working: the embedding (row-wise) and the head (column-wise) both shard the
 shared (vocab, dim) weight on dim 0 over the same mesh, and `Transformer.to_empty` re-ties them
 after materialization, so the tie holds with identical placements.
@@ -38,19 +41,25 @@ def _has_params(module: nn.Module) -> bool:
 
 def tp_plan(model: nn.Module) -> dict[str, object]:
     """Module FQN -> ParallelStyle for `parallelize_module`, for both architectures (rope or
-    learned positions, RMSNorm or LayerNorm with bias, pre- or post-norm, gated or plain MLP)."""
-    plan: dict[str, object] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        # Logits stay a vocab-sharded DTensor for loss_parallel (use_local_output=False).
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    }
-    if model.pos_embeddings is not None:
+    learned positions, RMSNorm or LayerNorm with bias, pre- or post-norm, gated or plain MLP).
+
+    `model` is the whole `Transformer` or one pipeline rank's `PipelineModel`
+    (kiln/parallel/pipeline.py), which holds only some layers (`layers` keyed by the layer index)
+    and the embeddings / final norm and head only on the first / last stage: the plan covers the
+    modules that are there, under their names."""
+    plan: dict[str, object] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if getattr(model, "pos_embeddings", None) is not None:
         # positions (seq,) -> (seq, dim), sharded on seq like the token embeddings' Shard(1).
         plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
-    if _has_params(model.norm):
-        plan["norm"] = SequenceParallel(use_local_output=True)
-    for i, block in enumerate(model.layers):
-        p = f"layers.{i}"
+    if getattr(model, "output", None) is not None:
+        # Logits stay a vocab-sharded DTensor for loss_parallel (use_local_output=False).
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        if _has_params(model.norm):
+            plan["norm"] = SequenceParallel(use_local_output=True)
+    for key, block in model.layers.named_children():
+        p = f"layers.{key}"
         for norm in ("attention_norm", "ffn_norm"):
             if _has_params(getattr(block, norm)):
                 # Local outputs: post-norm blocks add them to plain residual tensors.

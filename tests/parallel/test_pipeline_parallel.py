@@ -1,6 +1,7 @@
 """Pipeline parallelism: every torch schedule on 2 gloo ranks gives the per-step losses and grad
 norms of one process on the same batch; a PP=2 checkpoint continues in one process; bad input
-fails before any work.
+fails before any work. `kiln train` with FSDP x PP and TP x PP on 4 ranks matches the same single
+run (TP x PP at the step level, and CP x PP: test_tensor_pipeline_parallel.py).
 
 Tolerance: fp32, relative 1e-5 per step (observed < 2e-7: the micro-batch losses are summed in
 another order). SGD without clipping, so wrongly scaled micro-batch gradients change the next
@@ -271,3 +272,27 @@ def test_fsdp_across_two_pipelines_on_four_ranks_matches_one_process(tmp_path, t
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
     assert (run_row["pp"], run_row["dp_mode"], run_row["dp_shard"]) == (2, "fsdp", 2)
     assert_same_losses(losses(single), losses(run), range(1, 7))
+
+
+@pytest.mark.timeout(600)
+def test_trainer_tp2_x_pp2_on_four_ranks_matches_and_checkpoint_continues_in_one_process(tmp_path, text_file,
+                                                                                          single):
+    # TP x PP: every tp rank runs its own pipeline of 2 (interleaved: 4) stages, each stage split
+    # over the 2 tp ranks; no data parallelism, so the batch is the single run's.
+    run = tmp_path / "tp2pp2"
+    run_kiln(["train", "--run-dir", str(run),
+              *sets(trainer_overrides(text_file, **{"parallel.tp": 2, "parallel.pp": 2, "parallel.pp_virtual_stages": 2,
+                                                    "parallel.pp_schedule": "'interleaved_1f1b'"}))], nproc=4)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    run_row = next(r for r in rows if r["kind"] == "run")
+    assert (run_row["tp"], run_row["pp"], run_row["world_size"], run_row["loss_impl"]) == (2, 2, 4, "parallel")
+    expected = losses(single)
+    assert_same_losses(expected, losses(run), range(1, 7))
+    ref_eval = [json.loads(x)["val_loss"] for x in (single / "metrics.jsonl").read_text().splitlines()
+                if '"eval"' in x]
+    assert [r["val_loss"] for r in rows if r["kind"] == "eval"] == pytest.approx(ref_eval, rel=REL)
+    # tp=2 x pp=2 -> one process from the step-3 checkpoint: weights, optimizer, loader position
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume",
+              *sets(["parallel.tp=1", "parallel.pp=1", "parallel.pp_virtual_stages=1"])])
+    assert_same_losses(expected, losses(run), range(4, 7))

@@ -1,0 +1,193 @@
+"""Tensor x pipeline and context x pipeline parallelism: 4 gloo ranks (tp=2 x pp=2, cp=2 x pp=2)
+give the per-step losses and grad norms of one process on the same batch, for GPipe, 1F1B and
+interleaved 1F1B, the Llama-style and the GPT-2 architecture, and evaluation through the pipeline
+gives the single-process loss of the trained model. Negative controls: sequence shards sent
+between stages to the wrong tp rank (pipelines built across the tp dimension), and cp stages that
+ignore their zig-zag slice's positions, do not match. (`kiln train` with tp=2 x pp=2 and its
+checkpoint continuing in one process: tests/parallel/test_pipeline_parallel.py, which has the
+single-process run.)
+
+Tolerance: fp32, relative 1e-5 per step (TP reorders the row-wise reductions and the sharded
+softmax, PP the micro-batch sums). SGD with momentum and clipping active, so a gradient that is
+wrong on any rank shows in the next step's loss.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kiln.config import load_config
+from ranks import run_ranks
+
+STEPS = 5
+REL = 1e-5
+BATCH, SEQ = 4, 16
+CLIP = 1.0
+
+BASE = ["model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.max_seq_len=32", "model.dropout=0.0",
+        "model.tie_embeddings=false", f"data.seq_len={SEQ}", f"train.batch_size={BATCH}", "train.dtype=fp32",
+        "train.device=cpu"]
+LLAMA = BASE + ["model.n_kv_heads=2", "model.vocab_size=64"]
+# GPT-2: learned positions, LayerNorm with bias, biases in every linear, GeLU MLP; a vocabulary
+# that 2 ranks split unevenly (33 + 32 rows).
+GPT2 = BASE + ["model.vocab_size=65", "model.positions=learned", "model.norm=layernorm", "model.bias=true",
+               "model.activation=gelu"]
+# name -> (model, schedule, virtual stages per rank, micro-batches (0: one per stage), cp); tp is
+# 2 where cp is 1. One 4-rank launch runs them all (a process start costs seconds on 2 cores).
+CASES = {"llama_gpipe": (LLAMA, "gpipe", 1, 0, 1), "llama_interleaved_1f1b": (LLAMA, "interleaved_1f1b", 2, 0, 1),
+         "gpt2_1f1b": (GPT2, "1f1b", 1, 2, 1),
+         # a V: the first and the last stage (embedding and vocab-sharded head) on one rank
+         "llama_zbv_zero_bubble": (LLAMA, "zbv_zero_bubble", 2, 0, 1),
+         # context x pipeline: ring attention inside the stages, FSDP over cp averages the gradients
+         "llama_cp_1f1b": (LLAMA, "1f1b", 1, 4, 2), "gpt2_cp_gpipe": (GPT2, "gpipe", 1, 0, 2)}
+
+
+def job(overrides, pp=1, tp=1, schedule="1f1b", virtual=1, microbatches=0, cp=1):
+    return load_config(None, overrides + [f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.cp={cp}",
+                                          f"parallel.pp_schedule={schedule!r}",
+                                          f"parallel.pp_virtual_stages={virtual}",
+                                          f"parallel.pp_microbatches={microbatches}"])
+
+
+def batch():
+    tokens = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return [(tokens[:, :-1], tokens[:, 1:])]
+
+
+def sgd_steps(step_fn, target, params, evaluate):
+    """STEPS of kiln's step (clipping on) on one fixed batch: [loss, grad norm] per step, then the
+    loss of `evaluate(tokens)` (the model's full logits, no gradient) after training."""
+    opt = torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    out = []
+    for _ in range(STEPS):
+        loss, norm, skipped = step_fn(target, opt, batch(), autocast=torch.autocast("cpu", enabled=False),
+                                      scaler=None, clip=CLIP)
+        assert not bool(skipped)
+        out += [float(loss), float(norm)]
+    x, y = batch()[0]
+    with torch.no_grad():
+        out.append(float(torch.nn.functional.cross_entropy(evaluate(x).flatten(0, 1), y.flatten())))
+    return out
+
+
+def single_process(overrides):
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.step import train_step
+    from kiln.train.trainer import build_model
+
+    cfg = job(overrides)
+    model = build_model(cfg, ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0),
+                        torch.device("cpu"))
+    return sgd_steps(train_step, model, model.parameters(), model)
+
+
+def _tp_pp_worker(rank, world):
+    import torch.distributed as dist
+
+    from kiln.parallel import pipeline as pl
+    from kiln.parallel.context_parallel import ContextParallel
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.trainer import build_model
+
+    got = {}
+    wrong = {"llama_swapped_shards": (LLAMA, "1f1b", 1, 4, 1), "gpt2_cp_positions_ignored": (GPT2, "1f1b", 1, 2, 2)}
+    for name, (overrides, schedule, virtual, micro, cp) in [*CASES.items(), *wrong.items()]:
+        cfg = job(overrides, pp=2, tp=4 // (2 * cp), schedule=schedule, virtual=virtual, microbatches=micro, cp=cp)
+        dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank, seq_len=SEQ)
+        dims.check_model(cfg)
+        pl.check_pipeline_config(cfg)
+        dims.build_mesh("cpu")
+        assert dims.mesh.mesh_dim_names == ("pp", "cp" if cp > 1 else "tp")
+        model = build_model(cfg, dims, torch.device("cpu"))
+        step_fn = pl.pipeline_train_step
+        if cp > 1:
+            step_fn = _context_parallel_step(ContextParallel(model, dims, SEQ, torch.device("cpu")))
+        if name == "gpt2_cp_positions_ignored":  # stages that take 0..len-1 for the zig-zag slice's positions
+            for chunk in model.chunks:
+                chunk.__dict__["_owner"] = SimpleNamespace(rope_cos=model.rope_cos, rope_sin=model.rope_sin,
+                                                           seq_positions=None)
+        if name == "llama_swapped_shards":
+            # A wrong pp group (across the tp dimension): stage 1 of tp rank 0 receives tp rank 1's
+            # half of the sequence and vice versa, as if pipelines were built on the wrong mesh dim.
+            groups = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+            wrong_pp = SimpleNamespace(get_group=lambda: groups[rank in (1, 2)])
+            dims = SimpleNamespace(tp=dims.tp, mesh={"pp": wrong_pp})
+        pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
+        # evaluation through the pipeline (the trainer's evaluator): full logits on every rank
+        got[name] = sgd_steps(step_fn, pipe, model.parameters(), pl.PipelineEvalModel(pipe))
+    return got
+
+
+def _context_parallel_step(context_parallel):
+    """The trainer's cp step around the pipeline's: this rank's zig-zag slice of every sequence,
+    ring attention inside the stages; the loss averaged over the cp ranks (as the trainer's
+    metrics fetch does), the grad norm is already global."""
+    import torch.distributed as dist
+
+    from kiln.parallel.pipeline import pipeline_train_step
+
+    def step(pipe, opt, micro, **kwargs):
+        micro = [context_parallel.shard(x, y) for x, y in micro]
+        with context_parallel:
+            loss, norm, skipped = pipeline_train_step(pipe, opt, micro, **kwargs)
+        loss = loss.clone()
+        dist.all_reduce(loss, group=context_parallel.ring.group)
+        return loss / context_parallel.cp, norm, skipped
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    results = run_ranks(_tp_pp_worker, 4, tmp_path_factory.mktemp("tppp"), timeout=240)
+    for r in results[1:]:  # the loss comes from the last stage to every rank; the norm is global
+        assert r == results[0]
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"llama": single_process(LLAMA), "gpt2": single_process(GPT2)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CASES))
+def test_pp2_x_tp2_or_cp2_matches_one_process(four_ranks, reference, name):
+    # (loss, grad norm) per step, then the evaluation loss of the trained model
+    expected = reference[name.split("_")[0]]
+    assert four_ranks[name] == pytest.approx(expected, rel=REL), (four_ranks[name], expected)
+    assert expected[-3] < expected[0] and expected[1] > CLIP  # it trains, and clipping is exercised
+
+
+def test_sequence_shards_sent_to_the_wrong_tp_rank_change_the_losses(four_ranks, reference):
+    expected, got = reference["llama"], four_ranks["llama_swapped_shards"]
+    assert got[0] != pytest.approx(expected[0], rel=REL)
+    assert got[2::2] != pytest.approx(expected[2::2], rel=REL)
+
+
+def test_cp_stages_ignoring_the_slice_positions_change_the_losses(four_ranks, reference):
+    # learned position embeddings of the wrong positions (the Llama-style model's RoPE would only
+    # see it through relative distances, which barely matter at init)
+    expected, got = reference["gpt2"], four_ranks["gpt2_cp_positions_ignored"]
+    assert got[0] != pytest.approx(expected[0], rel=REL)
+    assert got[2::2] != pytest.approx(expected[2::2], rel=REL)
+
+
+def test_unverified_pp_layouts_are_refused_naming_the_values():
+    from kiln.errors import ConfigError
+    from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.pipeline import check_pipeline_config
+
+    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):  # wrong gradients with ring attention
+        with pytest.raises(ConfigError, match=rf"parallel\.pp_schedule='{schedule}' with parallel\.cp=2"):
+            check_pipeline_config(job(LLAMA, pp=2, cp=2, schedule=schedule, virtual=2))
+    check_pipeline_config(job(LLAMA, pp=2, cp=2, schedule="looped_bfs", virtual=2))
+
+    cfg = job(LLAMA, pp=2, tp=2, cp=2)
+    dims = ParallelDims.from_config(cfg.parallel, world_size=8, rank=0, local_rank=0, seq_len=SEQ)
+    with pytest.raises(ConfigError, match=r"parallel\.pp=2 with both parallel\.tp=2 and parallel\.cp=2 .*"
+                                          r"set parallel\.tp=1 or parallel\.cp=1"):
+        dims.check_model(cfg)
+    job_ok = job(LLAMA, pp=2, tp=2)  # tp x pp and cp x pp alone pass the layout check
+    ParallelDims.from_config(job_ok.parallel, world_size=4, rank=0, local_rank=0).check_model(job_ok)
