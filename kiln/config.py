@@ -178,6 +178,9 @@ class DataConfig:
     # lru, or static: CoorDL's fixed resident subset, for random-order epochs over data larger
     # than the cache (every epoch hits on the same cache_gb)
     cache_policy: str = ranged("lru", choices=("lru", "static"))
+    # what the cache holds: auto = whole shard files when cache_gb holds the split, else single
+    # windows read with byte-range requests (kiln/data/storage.py); shard or window to force one
+    cache_granularity: str = ranged("auto", choices=("auto", "shard", "window"))
     fetch_workers: int = ranged(8, ge=1, le=256)  # parallel downloads (whole shards or byte ranges)
     fetch_retries: int = ranged(4, ge=0, le=100)  # per request, with exponential backoff
     lookahead: int = ranged(16, ge=0, le=100_000)  # batches whose shards are fetched ahead
