@@ -183,6 +183,8 @@ class DataConfig:
     cache_granularity: str = ranged("auto", choices=("auto", "shard", "window"))
     fetch_workers: int = ranged(8, ge=1, le=256)  # parallel downloads (whole shards or byte ranges)
     fetch_retries: int = ranged(4, ge=0, le=100)  # per request, with exponential backoff
+    # window caching: windows of one shard less than this apart are read with one range request
+    fetch_merge_kib: int = ranged(1024, ge=0, le=1 << 20)
     lookahead: int = ranged(16, ge=0, le=100_000)  # batches whose shards are fetched ahead
 
     # Privacy canaries (kiln/privacy/canaries.py, docs/privacy.md): this many random secrets

@@ -243,13 +243,16 @@ class Loader:
         mine = idx[self.dp_rank * self.batch_size:(self.dp_rank + 1) * self.batch_size]
         return epoch, position + self.global_batch, mine
 
-    def _prefetch_ahead(self, epoch: int, position: int) -> None:
-        """Ask the store for the shards of this rank's next `lookahead` batches (same sampler)."""
+    def _prefetch_ahead(self, cursor: tuple[int, int], batches: int) -> tuple[int, int]:
+        """Ask the store for what this rank's next `batches` batches from `cursor` need (same
+        sampler); the cursor after them."""
         ahead = []
-        for _ in range(self.lookahead):
-            epoch, position, idx = self._advance(epoch, position)
+        for _ in range(batches):
+            epoch, position, idx = self._advance(*cursor)
+            cursor = (epoch, position)
             ahead.append(idx)
         self.windows.prefetch(np.concatenate(ahead))
+        return cursor
 
     def _make(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
         """(inputs, targets), plus the inputs' document ids when the windows carry them."""
@@ -265,10 +268,15 @@ class Loader:
         return batch[:, :-1], batch[:, 1:]
 
     def _worker(self, epoch: int, position: int) -> None:
+        # Prefetch in refills of half the lookahead, not one batch at a time: the store then sees
+        # many windows at once and can merge neighbours of one shard into one range request.
+        cursor, ahead = (epoch, position), 0  # batches from the current one on already asked for
         try:
             while not self._stop.is_set():
-                if self.lookahead:
-                    self._prefetch_ahead(epoch, position)
+                if self.lookahead and ahead <= self.lookahead // 2:
+                    cursor = self._prefetch_ahead(cursor, self.lookahead + 1 - ahead)
+                    ahead = self.lookahead + 1
+                ahead -= 1
                 epoch, position, idx = self._advance(epoch, position)
                 hits, misses = self._cache_counts()
                 item = (epoch, position, self._make(idx))

@@ -159,7 +159,7 @@ class ShardStore:
     def __init__(self, url: str | os.PathLike, *, cache_dir: str | Path | None = None,
                  cache_bytes: int = 50 << 30, cache_policy: str = "lru", workers: int = 8, retries: int = 4, backoff_s: float = 0.5,
                  range_bytes: int = 64 << 20, storage_options: dict[str, Any] | None = None,
-                 granularity: str = "auto"):
+                 granularity: str = "auto", merge_gap: int = 1 << 20):
         if granularity not in GRANULARITIES:
             raise ValueError(f"cache granularity {granularity!r}: expected one of {GRANULARITIES}")
         self.url = str(url)
@@ -167,6 +167,7 @@ class ShardStore:
         self.retries, self.backoff_s, self.range_bytes = retries, backoff_s, max(1, range_bytes)
         self.cache_bytes, self.cache_policy, self.granularity = int(cache_bytes), cache_policy, granularity
         self.workers = max(1, workers)
+        self.merge_gap = max(0, int(merge_gap))  # window mode: ranges of one file this close share a request
         self.mode = "local" if not self.remote else None  # "shard" or "window" once planned
         self.cache: ShardCache | None = None
         self.windows: WindowCache | None = None
@@ -363,16 +364,33 @@ class ShardStore:
             paths.append(join(self.root, name))
             starts.append(offset + start * dt.itemsize)
             ends.append(offset + stop * dt.itemsize)
+        from fsspec.utils import merge_offset_ranges  # only remote stores need fsspec
+
+        # Nearby windows of one file become one request (fsspec's merge_offset_ranges): a request
+        # costs a round trip, and a gap under merge_gap bytes costs less than one.
+        m_paths, m_starts, m_ends = merge_offset_ranges(paths, starts, ends, max_gap=self.merge_gap,
+                                                        max_block=self.merge_gap + 1 if self.merge_gap else None)
         try:
-            results = self.fs.cat_ranges(paths, starts, ends, on_error="return")
+            merged = self.fs.cat_ranges(m_paths, m_starts, m_ends, on_error="return")
         except Exception as e:  # the whole batch failed: every range is retried alone
-            results = [e] * len(paths)
+            merged = [e] * len(m_paths)
+        by_path: dict[str, list[tuple[int, int, Any]]] = {}
+        for path, a, b, got in zip(m_paths, m_starts, m_ends, merged):
+            by_path.setdefault(path, []).append((a, b, got))
+        results: list[Any] = []
+        for path, a, b in zip(paths, starts, ends):  # each window's bytes out of the request that covers it
+            ma, mb, got = next(m for m in by_path[path] if m[0] <= a and b <= m[1])
+            if isinstance(got, bytes) and len(got) == mb - ma:
+                got = got[a - ma:b - ma]
+            elif isinstance(got, bytes):
+                got = OSError(f"got {len(got)} of {mb - ma} bytes")  # a short read: retried alone below
+            results.append(got)
         out = []
         for (name, *_), remote, a, b, got in zip(items, paths, starts, ends, results):
-            if isinstance(got, bytes) and len(got) == b - a:
+            if isinstance(got, bytes):
                 out.append(got)
                 continue
-            error = got if isinstance(got, BaseException) else OSError(f"got {len(got)} of {b - a} bytes")
+            error = got
 
             def fetch(remote=remote, a=a, b=b) -> bytes:
                 data = self.fs.cat_file(remote, start=a, end=b)
@@ -411,6 +429,7 @@ class ShardStore:
                 todo.append((key, item, fut))
             while len(self._inflight) > MAX_INFLIGHT:
                 self._inflight.popitem(last=False)
+        todo.sort(key=lambda t: t[0])  # (file, start): a chunk gets neighbours its requests can merge
         step = -(-len(todo) // self.workers) if todo else 1
         for i in range(0, len(todo), step):
             chunk = todo[i:i + step]
@@ -445,6 +464,7 @@ def open_store(url: str | os.PathLike, data_cfg) -> ShardStore:
     """The ShardStore for `url` with the `[data]` cache and fetch settings."""
     return ShardStore(url, cache_dir=data_cfg.cache_dir or None, cache_bytes=int(data_cfg.cache_gb * (1 << 30)),
                       cache_policy=data_cfg.cache_policy, granularity=data_cfg.cache_granularity,
+                      merge_gap=data_cfg.fetch_merge_kib << 10,
                       workers=data_cfg.fetch_workers, retries=data_cfg.fetch_retries)
 
 
