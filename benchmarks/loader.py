@@ -13,6 +13,9 @@ in interleaved rounds (medians). hits: the Loader's own per-epoch hit rates from
     python benchmarks/loader.py s3 [--shards 16] [--windows-per-shard 200] [--batches 40]
                                   [--cache-fraction 0.5] [--latency-ms 20] [--rounds 3]
     python benchmarks/loader.py hits [--shards 8] [--windows-per-shard 100] [--epochs 3]
+    python benchmarks/loader.py stall [--steps 5] [--latency-ms 20] [--corpus-mb 4]
+
+stall: `kiln loader-bench` on a ~10M-parameter model, shards local and on loopback S3.
 """
 
 from __future__ import annotations
@@ -217,9 +220,83 @@ def s3_hit_rates(n_shards: int, shard_windows: int, epochs: int, latency_s: floa
     return out
 
 
+def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int) -> dict:
+    """`kiln loader-bench` (kiln/data/stall.py) on a ~10M-parameter model at default [data] loader
+    settings, shards (a) local and (b) on a loopback moto S3 server with `latency_s` per request:
+    the live stall (data wait / step time) of the threaded Loader feeding real steps, cold and warm."""
+    import os
+    import sysconfig
+
+    from kiln.config import load_config
+    from kiln.data.stall import analyze
+    from kiln.train.memory import count_params_closed_form, vocab_estimate
+
+    root.mkdir(parents=True, exist_ok=True)
+    corpus = root / "corpus.txt"
+    if not corpus.is_file():  # standard-library source: real text, present on every machine
+        parts, size = [], 0
+        for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+            parts.append(f.read_text(encoding="utf-8", errors="replace"))
+            size += len(parts[-1])
+            if size >= corpus_bytes:
+                break
+        corpus.write_text("\n\n".join(parts), encoding="utf-8")
+    overrides = ["model.dim=384", "model.n_layers=6", "model.n_heads=6", "model.max_seq_len=256",
+                 "data.tokenizer=\"byte\"", "data.seq_len=256", f"data.source=\"{corpus}\"", "data.max_bytes=0",
+                 "train.batch_size=8", "train.device=\"cpu\""]
+    cfg = load_config(None, overrides)
+    out: dict = {"params": count_params_closed_form(cfg.model, vocab_estimate(cfg)[0]), "overrides": overrides,
+                 "steps": steps, "latency_ms": 1000 * latency_s, "torch_threads": torch_threads()}
+    local = analyze(cfg, root / "local", steps=steps, log=lambda m: None)
+    out["local"] = summary(local)
+    shard_dir = root / "local" / "data"
+    n_shards = len(list(shard_dir.glob("train-*.tokens.npy")))
+    with s3_dataset(1, 1, latency_s) as (opts, _url, _local, _total, _tmp):
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**opts)
+        for f in shard_dir.iterdir():
+            if f.is_file():
+                fs.put_file(str(f), f"bench/stall/{f.name}")
+        env = {"AWS_ENDPOINT_URL": opts["endpoint_url"], "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            remote_cfg = load_config(None, overrides + ["data.source=\"s3://bench/stall\"",
+                                                        f"data.cache_dir=\"{root / 'cache'}\""])
+            out["s3"] = summary(analyze(remote_cfg, root / "s3", steps=steps, log=lambda m: None))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    out["train_shards"] = n_shards
+    return out
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def summary(report: dict) -> dict:
+    """The loader-bench figures this benchmark reports (ms per step, stall fractions)."""
+    live = report["live"]
+    return {"data_bytes": report["data_bytes"], "compute_ms_per_step": round(1e3 * report["compute_s_per_step"], 1),
+            "modelled_stall_fraction": round(report["stall_fraction"], 5),
+            "slowest_cold_batch_ms": round(1e3 * report["slowest_cold_batch_s"], 2),
+            **{f"live_{phase}": {"stall_fraction": round(live[phase]["stall_fraction"], 5),
+                                 "steady_stall_fraction": round(live[phase]["steady_stall_fraction"], 5),
+                                 "wait_ms": [round(1e3 * w, 2) for w in live[phase]["wait_s"]],
+                                 "step_ms": [round(1e3 * w, 1) for w in live[phase]["step_s"]],
+                                 "cache_hit_rates": live[phase]["cache_hit_rates"]} for phase in ("cold", "warm")}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["cache", "s3", "hits"])
+    ap.add_argument("what", choices=["cache", "s3", "hits", "stall"])
+    ap.add_argument("--root", default="/tmp/kiln-loader-stall", help="stall: corpus, run dirs and cache")
+    ap.add_argument("--steps", type=int, default=5, help="stall: steps per phase")
+    ap.add_argument("--corpus-mb", type=float, default=4.0, help="stall: MB of standard-library text")
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--cache-fraction", type=float, default=0.5)
@@ -232,6 +309,8 @@ def main() -> None:
     if args.what == "s3":
         result = s3_throughput(args.shards or 16, args.windows_per_shard or 200, args.batches,
                                args.latency_ms / 1000, args.cache_fraction, rounds=args.rounds)
+    elif args.what == "stall":
+        result = stall_10m(Path(args.root), args.steps, args.latency_ms / 1000, int(args.corpus_mb * 1e6))
     elif args.what == "hits":
         result = s3_hit_rates(args.shards or 8, args.windows_per_shard or 100, args.epochs, args.latency_ms / 1000,
                               args.cache_fraction)

@@ -11,7 +11,8 @@ window-level shuffling that is a single window, not a shard file (read hundreds 
 so both policies keep a random half of the files and hit ~50%). Hence `WindowCache`: the items the
 loader caches when the cache is smaller than the data are the byte ranges of single windows.
 
-A policy only tracks keys and sizes; `ShardCache` (kiln/data/storage.py) owns whole files and
+A policy only tracks keys and sizes; `ShardCache` owns whole files (downloaded by
+kiln/data/storage.py) and
 `WindowCache` owns window slots. A file the static policy does not keep is still written, into a
 small scratch area of the last few such files (so a prefetched file survives until it is read),
 and does not count as resident; a window it does not keep is handed to its reader from memory.
@@ -21,6 +22,7 @@ slab is a `numpy.memmap` of fixed-size slots.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections import OrderedDict
@@ -80,6 +82,84 @@ def make_policy(name: str, capacity: int) -> LRUPolicy:
     if name not in POLICIES:
         raise ValueError(f"cache policy {name!r}: expected one of {POLICIES}")
     return StaticPolicy(capacity) if name == "static" else LRUPolicy(capacity)
+
+
+class ShardCache:
+    """A directory of downloaded files bounded to `max_bytes` by a policy (kiln/data/cache.py).
+
+    "lru" evicts the least recently used file; "static" (CoorDL) keeps the files that filled the
+    cache first for good and passes later ones through a scratch area of the last
+    `scratch_files` of them. The file just admitted is never evicted (a single file larger than
+    the bound still lands; `overflow_bytes` says by how much). An evicted file that is
+    memory-mapped stays readable through its mapping (POSIX unlink semantics); the next read
+    through `ShardStore.array` fetches it again. Files are keyed by a hash of their URL, so two
+    datasets never collide in one cache directory. `hits`/`misses` count lookups.
+    """
+
+    def __init__(self, directory: str | Path, max_bytes: int, policy: str = "lru", scratch_files: int = 8):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = int(max_bytes)
+        self.policy = make_policy(policy, self.max_bytes)
+        self.scratch: OrderedDict[str, int] = OrderedDict()  # files the policy did not keep
+        self.scratch_files = max(1, scratch_files)
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = 0
+        self.overflow_bytes = 0
+        for f in sorted(self.dir.glob("*.cached"), key=lambda p: p.stat().st_mtime):  # survive restarts
+            kept, evicted = self.policy.admit(f.stem, f.stat().st_size)
+            for old in evicted + ([] if kept else [f.stem]):
+                (self.dir / f"{old}.cached").unlink(missing_ok=True)
+
+    @staticmethod
+    def key(url: str) -> str:
+        return hashlib.sha256(url.encode()).hexdigest()[:32]
+
+    def path(self, url: str) -> Path:
+        return self.dir / f"{self.key(url)}.cached"
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the policy keeps (the scratch area comes on top)."""
+        return self.policy.used
+
+    def lookup(self, url: str) -> Path | None:
+        key = self.key(url)
+        with self._lock:
+            if self.policy.contains(key) or key in self.scratch:
+                if self.path(url).is_file():
+                    self.hits += 1
+                    return self.path(url)
+                self.policy.forget(key)  # removed behind our back
+                self.scratch.pop(key, None)
+            self.misses += 1
+            return None
+
+    def resize(self, max_bytes: int) -> None:
+        """A new bound; files beyond it are evicted, oldest admitted (or least recently used) first."""
+        with self._lock:
+            self.max_bytes = self.policy.capacity = int(max_bytes)
+            while self.policy.used > self.max_bytes and self.policy.sizes:
+                old = next(iter(self.policy.sizes))
+                self.policy.forget(old)
+                (self.dir / f"{old}.cached").unlink(missing_ok=True)
+                self.evictions += 1
+
+    def admit(self, url: str, size: int) -> None:
+        """Record a file just written at `path(url)` and evict what the policy says."""
+        key = self.key(url)
+        with self._lock:
+            kept, evicted = self.policy.admit(key, size)
+            if not kept:
+                self.scratch[key] = size
+                self.scratch.move_to_end(key)
+                while len(self.scratch) > self.scratch_files:
+                    evicted.append(self.scratch.popitem(last=False)[0])
+            for old in evicted:
+                (self.dir / f"{old}.cached").unlink(missing_ok=True)  # open mmaps stay valid (POSIX)
+                self.evictions += 1
+            self.overflow_bytes = max(0, self.policy.used - self.max_bytes)
+
 
 
 def epoch_hit_rates(policy: LRUPolicy, sizes: list[int], orders: list[list[int]]) -> list[float]:
