@@ -302,4 +302,6 @@ def test_training_reads_shards_from_s3(s3, tmp_path, text_file, monkeypatch):
     train(cfg, tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2, 3]
+    cache_rows = [r for r in rows if r.get("kind") == "cache"]  # the per-epoch hit rate, logged
+    assert cache_rows and 0.0 <= cache_rows[-1]["epoch0_hit_rate"] <= 1.0
     assert list((tmp_path / "cache").glob("*.cached"))
