@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -220,10 +221,12 @@ def s3_hit_rates(n_shards: int, shard_windows: int, epochs: int, latency_s: floa
     return out
 
 
-def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int) -> dict:
+def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int, fixed_step_ms: float = 20.0,
+              fixed_steps: int = 200) -> dict:
     """`kiln loader-bench` (kiln/data/stall.py) on a ~10M-parameter model at default [data] loader
     settings, shards (a) local and (b) on a loopback moto S3 server with `latency_s` per request:
     the live stall (data wait / step time) of the threaded Loader feeding real steps, cold and warm."""
+    import dataclasses
     import os
     import sysconfig
 
@@ -250,6 +253,7 @@ def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int) -> di
     local = analyze(cfg, root / "local", steps=steps, log=lambda m: None)
     out["local"] = summary(local)
     shard_dir = root / "local" / "data"
+    out["local"]["fixed_step"] = fixed_step_stall(cfg, str(shard_dir), root / "fixed-local", fixed_step_ms, fixed_steps)
     n_shards = len(list(shard_dir.glob("train-*.tokens.npy")))
     with s3_dataset(1, 1, latency_s) as (opts, _url, _local, _total, _tmp):
         import s3fs
@@ -265,10 +269,50 @@ def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int) -> di
             remote_cfg = load_config(None, overrides + ["data.source=\"s3://bench/stall\"",
                                                         f"data.cache_dir=\"{root / 'cache'}\""])
             out["s3"] = summary(analyze(remote_cfg, root / "s3", steps=steps, log=lambda m: None))
+            out["s3"]["fixed_step"] = fixed_step_stall(remote_cfg, "s3://bench/stall", root / "fixed-s3",
+                                                       fixed_step_ms, fixed_steps)
+            half = dataclasses.replace(remote_cfg, data=dataclasses.replace(
+                remote_cfg.data, cache_gb=out["s3"]["data_bytes"] / 2 / (1 << 30)))  # not default: window mode
+            out["s3"]["fixed_step_half_cache"] = fixed_step_stall(half, "s3://bench/stall", root / "fixed-s3-half",
+                                                                  fixed_step_ms, fixed_steps)
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     out["train_shards"] = n_shards
+    return out
+
+
+def fixed_step_stall(cfg, shard_dir: str, cache_dir: Path, step_ms: float, steps: int) -> dict:
+    """The same live measurement (`stall.live_stall`: threaded Loader, default settings, data wait
+    over step time), but each step is `time.sleep(step_ms)`: a stand-in for a GPU step of that
+    length, which leaves the CPU (and the GIL) to the loader, as a CUDA step mostly does. The step is
+    not a model; the loader, the store and the storage are the real ones. Cold (fresh cache), then
+    warm (the same store)."""
+    import dataclasses
+    import time
+
+    import torch
+
+    from kiln.data.shards import ShardSet
+    from kiln.data.stall import drop_page_cache, live_stall
+    from kiln.data.storage import open_store
+
+    store = open_store(shard_dir, dataclasses.replace(cfg.data, cache_dir=str(cache_dir)))
+    try:
+        windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len)
+        step = lambda micro: time.sleep(step_ms / 1000)  # noqa: E731
+        out = {"step_ms": step_ms, "steps": steps, "cache_mode": store.mode}
+        if not store.remote:  # local shards: cold = not in the page cache
+            drop_page_cache([Path(shard_dir) / f for s in range(len(windows.tokens))
+                             for f in windows.shards.shard_files(s)])
+        for phase in ("cold", "warm"):
+            live = live_stall(cfg, windows, step, torch.device("cpu"), steps)
+            out[phase] = {"stall_fraction": round(live["stall_fraction"], 5),
+                          "steady_stall_fraction": round(live["steady_stall_fraction"], 5),
+                          "first_wait_ms": round(1e3 * live["wait_s"][0], 2),
+                          "max_steady_wait_ms": round(1e3 * max(live["wait_s"][1:]), 2)}
+    finally:
+        store.close()
     return out
 
 
@@ -317,6 +361,13 @@ def main() -> None:
     else:
         result = cache_hit_rates(args.shards or 40, args.windows_per_shard or 200, args.epochs,
                                  args.cache_fraction, granularity=args.granularity)
+    from common import RESULTS_DIR, machine_info
+
+    result = {**result, "machine": machine_info(), "load_average": os.getloadavg(),
+              "command": "python benchmarks/loader.py " + " ".join(sys.argv[1:])}
+    suffix = {"s3": f"-cache{args.cache_fraction}", "cache": f"-{args.granularity}"}.get(args.what, "")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / f"loader_{args.what}{suffix}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
 
