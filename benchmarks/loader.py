@@ -119,7 +119,7 @@ def s3_dataset(n_shards: int, shard_windows: int, latency_s: float, seq_len: int
 
 
 def kiln_loader(url: str, opts: dict, cache_dir: Path, cache_bytes: int, seq_len: int, batch_size: int,
-                policy: str = "lru"):
+                policy: str = "auto"):
     from kiln.data.loader import Loader
     from kiln.data.shards import ShardSet
     from kiln.data.storage import ShardStore

@@ -176,8 +176,9 @@ class DataConfig:
     cache_dir: str = ""  # "" = $KILN_SHARD_CACHE or ~/.cache/kiln/shards
     cache_gb: float = ranged(50.0, gt=0.0)  # on-disk shard cache bound
     # lru, or static: CoorDL's fixed resident subset, for random-order epochs over data larger
-    # than the cache (every epoch hits on the same cache_gb)
-    cache_policy: str = ranged("lru", choices=("lru", "static"))
+    # than the cache (every epoch hits on the same cache_gb); auto: static for cached windows (the
+    # unit each epoch reads once), lru for whole files (a shared cache dir keeps turning over)
+    cache_policy: str = ranged("auto", choices=("auto", "lru", "static"))
     # what the cache holds: auto = whole shard files when cache_gb holds the split, else single
     # windows read with byte-range requests (kiln/data/storage.py); shard or window to force one
     cache_granularity: str = ranged("auto", choices=("auto", "shard", "window"))

@@ -224,6 +224,11 @@ class WindowCache:
             slot, length = found
             return self.slab[slot, :length].tobytes()
 
+    def count_miss(self) -> None:
+        """A read served by a fetch made for it (a prefetch) rather than by `get`."""
+        with self._lock:
+            self.misses += 1
+
     def put(self, key: Hashable, data: bytes) -> bool:
         """Offer an item to the policy; True when it is now resident."""
         if len(data) > self.slot_bytes:

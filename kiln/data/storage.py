@@ -79,7 +79,7 @@ class ShardStore:
     """The files of one shard directory at `url`, read in place (local) or via the cache (remote)."""
 
     def __init__(self, url: str | os.PathLike, *, cache_dir: str | Path | None = None,
-                 cache_bytes: int = 50 << 30, cache_policy: str = "lru", workers: int = 8, retries: int = 4, backoff_s: float = 0.5,
+                 cache_bytes: int = 50 << 30, cache_policy: str = "auto", workers: int = 8, retries: int = 4, backoff_s: float = 0.5,
                  range_bytes: int = 64 << 20, storage_options: dict[str, Any] | None = None,
                  granularity: str = "auto", merge_gap: int = 1 << 20):
         if granularity not in GRANULARITIES:
@@ -99,7 +99,10 @@ class ShardStore:
             import fsspec.core  # only remote stores need fsspec
 
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-            self.cache = ShardCache(cache_dir or DEFAULT_CACHE_DIR, cache_bytes, cache_policy)
+            # "auto": LRU for whole files (a cache dir shared by datasets must turn over), static for
+            # windows (each read once per epoch: the same resident windows hit every epoch)
+            self.cache = ShardCache(cache_dir or DEFAULT_CACHE_DIR, cache_bytes,
+                                    "lru" if cache_policy == "auto" else cache_policy)
             self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-fetch")
             self._range_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-range")
             self._pending: dict[str, Future] = {}
@@ -127,7 +130,7 @@ class ShardStore:
                     files = min(int(whole_file_bytes), self.cache_bytes // 2)
                     self.cache.resize(files)
                     self.windows = WindowCache(self.cache.dir, self.cache_bytes - files, window_bytes,
-                                               self.cache_policy)
+                                               "static" if self.cache_policy == "auto" else self.cache_policy)
                 self.mode = mode
             return self.mode
 
@@ -365,7 +368,7 @@ class ShardStore:
         with self._lock:
             fut = self._inflight.pop(key, None)
         if fut is not None:  # fetched for this read (a miss), whether or not the policy kept it
-            self.windows.misses += 1
+            self.windows.count_miss()
             data = fut.result()
         else:
             data = self.windows.get(key)
