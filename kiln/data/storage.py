@@ -28,6 +28,7 @@ numpy (`np.lib.format.read_magic`, `read_array_header_*`).
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import threading
 import time
@@ -45,6 +46,7 @@ from kiln.io import atomic_file
 T = TypeVar("T")
 GRANULARITIES = ("auto", "shard", "window")
 HEADER_MAX = 4096  # bytes read for a .npy header; a longer one is refused (numpy writes 128)
+WINDOWS_PER_TASK = 256  # a prefetch task's windows (one cat_ranges call)
 MAX_INFLIGHT = 1 << 16  # prefetched windows nobody read (a stopped loader) are dropped beyond this
 DEFAULT_CACHE_DIR = Path(os.environ.get("KILN_SHARD_CACHE", Path.home() / ".cache" / "kiln" / "shards"))
 
@@ -292,9 +294,10 @@ class ShardStore:
         from fsspec.utils import merge_offset_ranges  # only remote stores need fsspec
 
         # Nearby windows of one file become one request (fsspec's merge_offset_ranges): a request
-        # costs a round trip, and a gap under merge_gap bytes costs less than one.
+        # costs a round trip, and a gap under merge_gap bytes costs less than one. A merged request
+        # stays under 2 x merge_gap, so one slow request holds up few windows.
         m_paths, m_starts, m_ends = merge_offset_ranges(paths, starts, ends, max_gap=self.merge_gap,
-                                                        max_block=self.merge_gap + 1 if self.merge_gap else None)
+                                                        max_block=2 * self.merge_gap if self.merge_gap else None)
         try:
             merged = self.fs.cat_ranges(m_paths, m_starts, m_ends, on_error="return")
         except Exception as e:  # the whole batch failed: every range is retried alone
@@ -354,11 +357,17 @@ class ShardStore:
                 todo.append((key, item, fut))
             while len(self._inflight) > MAX_INFLIGHT:
                 self._inflight.popitem(last=False)
-        todo.sort(key=lambda t: t[0])  # (file, start): a chunk gets neighbours its requests can merge
-        step = -(-len(todo) // self.workers) if todo else 1
-        for i in range(0, len(todo), step):
-            chunk = todo[i:i + step]
-            self._pool.submit(self._fetch_into, [c[0] for c in chunk], [c[1] for c in chunk], [c[2] for c in chunk])
+        # One task per file (at most WINDOWS_PER_TASK windows), sorted by offset: the windows of a
+        # task are the neighbours its requests can merge. Files go in parallel over the pool; the
+        # requests of one task go concurrently too on async filesystems (s3fs, gcsfs, http).
+        todo.sort(key=lambda t: t[0])
+        share = WINDOWS_PER_TASK
+        for _, group in itertools.groupby(todo, key=lambda t: t[0][0]):
+            group = list(group)
+            for i in range(0, len(group), share):
+                chunk = group[i:i + share]
+                self._pool.submit(self._fetch_into, [c[0] for c in chunk], [c[1] for c in chunk],
+                                  [c[2] for c in chunk])
 
     def read_range(self, name: str, start: int, stop: int, expect_len: int, dtype: np.dtype) -> np.ndarray:
         """Elements [start, stop) of a remote .npy file: from the window cache, a prefetch on its

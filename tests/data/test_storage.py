@@ -309,3 +309,23 @@ def test_training_reads_shards_from_s3(s3, tmp_path, text_file, monkeypatch):
     cache_rows = [r for r in rows if r.get("kind") == "cache"]  # the per-epoch hit rate, logged
     assert cache_rows and 0.0 <= cache_rows[-1]["epoch0_hit_rate"] <= 1.0
     assert list((tmp_path / "cache").glob("*.cached"))
+
+
+def test_nearby_windows_of_a_shard_share_one_range_request(s3, tmp_path, monkeypatch):
+    _, fs, opts = s3
+    local = write_shards(tmp_path / "local")
+    url = upload(fs, local)
+    want = TokenWindows(ShardSet(local, "train"), seq_len=16)
+    requests = {}
+    for gap in (0, 1 << 20):
+        shards = planned(url, opts, tmp_path / f"cache{gap}", "window", merge_gap=gap)
+        windows = TokenWindows(shards, seq_len=16)
+        real = shards.store.fs.cat_ranges
+        sent = []
+        monkeypatch.setattr(shards.store.fs, "cat_ranges",
+                            lambda paths, *a, **k: (sent.extend(paths), real(paths, *a, **k))[1], raising=False)
+        idx = np.array([0, 2, 4, 6, 9])  # windows of shard 0, not adjacent
+        assert np.array_equal(windows.gather(idx), want.gather(idx))
+        requests[gap] = len(sent)
+        monkeypatch.undo()
+    assert requests == {0: 5, 1 << 20: 1}
