@@ -176,10 +176,16 @@ class DataConfig:
     cache_dir: str = ""  # "" = $KILN_SHARD_CACHE or ~/.cache/kiln/shards
     cache_gb: float = ranged(50.0, gt=0.0)  # on-disk shard cache bound
     # lru, or static: CoorDL's fixed resident subset, for random-order epochs over data larger
-    # than the cache (every epoch hits on the same cache_gb)
-    cache_policy: str = ranged("lru", choices=("lru", "static"))
+    # than the cache (every epoch hits on the same cache_gb); auto: static for cached windows (the
+    # unit each epoch reads once), lru for whole files (a shared cache dir keeps turning over)
+    cache_policy: str = ranged("auto", choices=("auto", "lru", "static"))
+    # what the cache holds: auto = whole shard files when cache_gb holds the split, else single
+    # windows read with byte-range requests (kiln/data/storage.py); shard or window to force one
+    cache_granularity: str = ranged("auto", choices=("auto", "shard", "window"))
     fetch_workers: int = ranged(8, ge=1, le=256)  # parallel downloads (whole shards or byte ranges)
     fetch_retries: int = ranged(4, ge=0, le=100)  # per request, with exponential backoff
+    # window caching: windows of one shard less than this apart are read with one range request
+    fetch_merge_kib: int = ranged(1024, ge=0, le=1 << 20)
     lookahead: int = ranged(16, ge=0, le=100_000)  # batches whose shards are fetched ahead
 
     # Privacy canaries (kiln/privacy/canaries.py, docs/privacy.md): this many random secrets

@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
           f"fetch {ms(report['fetch_s_per_step'])}/step ({report['storage']} shards, cold: {report['cold']})")
     print(f"stall {report['stall_fraction']:.1%} of the step (fetch {report['fetch_stall_fraction']:.1%}, "
           f"preprocessing {report['prep_stall_fraction']:.1%})")
+    live = report["live"]
+    print(f"live training (threaded loader, data wait / step time): cold {live['cold']['stall_fraction']:.2%} "
+          f"(after the first step {live['cold']['steady_stall_fraction']:.2%}), warm {live['warm']['stall_fraction']:.2%}")
     rec = report["recommended"]
     print("recommended: " + ", ".join(f"data.{k}={rec[k]}" for k in ("prefetch", "fetch_workers", "lookahead",
                                                                       "cache_gb")))

@@ -76,6 +76,8 @@ class TokenWindows:
             self.doc_offsets = [self._checked_doc_offsets(np.asarray(d, dtype=np.int64), n,
                                                           f"{self.shards.dir}/{self.shards.shard_files(i)[1]}")
                                 for i, (d, n) in enumerate(zip(self.shards.docs, sizes))]
+        if self.remote:
+            self._plan_cache()
         if self.offsets[-1] == 0:
             need = "2" if ragged_tail else f"seq_len+1={seq_len + 1}"
             if self.shards is not None:
@@ -111,11 +113,34 @@ class TokenWindows:
         """True when the windows read shards through a download cache (worth prefetching)."""
         return self.shards is not None and self.shards.store.remote
 
+    def _plan_cache(self) -> None:
+        """Let the store pick whole-shard or window caching for this split's bytes (the first
+        split planned decides; the trainer plans the train split first)."""
+        itemsize = self.shards.tokens[0].dtype.itemsize if self.tokens else 1
+        header = 128  # what numpy writes before the data of a 1-D array
+        tokens = sum(int(t.shape[0]) * itemsize + header for t in self.tokens)
+        docs = sum(int(d.shape[0]) * 8 + header for d in self.shards.docs)
+        self.shards.store.plan(tokens + docs, docs, (self.seq_len + 1) * itemsize)
+
+    def cache_counts(self) -> tuple[int, int]:
+        """(hits, misses) of the shard store's cache so far; (0, 0) for local or in-memory data."""
+        return self.shards.store.counts() if self.remote else (0, 0)
+
     def prefetch(self, indices: np.ndarray) -> None:
-        """Start fetching the shards that hold these windows, without waiting."""
-        if self.remote and len(indices):
-            streams = np.unique(self._locate(np.asarray(indices))[0])
-            self.shards.store.prefetch([f for s in streams.tolist() for f in self.shards.shard_files(s)])
+        """Start fetching what these windows need, without waiting: their bytes when the store
+        caches windows, else the files of their shards."""
+        if not (self.remote and len(indices)):
+            return
+        indices = np.asarray(indices)
+        store = self.shards.store
+        if store.mode == "window":
+            stream, start = self._locate(indices)
+            stop = start + self.lengths(indices)
+            store.prefetch_ranges([(self.shards.shard_files(s)[0], a, b, self.tokens[s].shape[0], self.tokens[s].dtype)
+                                   for s, a, b in zip(stream.tolist(), start.tolist(), stop.tolist())])
+        else:
+            streams = np.unique(self._locate(indices)[0])
+            store.prefetch([f for s in streams.tolist() for f in self.shards.shard_files(s)])
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(stream, start token) of each window index."""
@@ -139,6 +164,8 @@ class TokenWindows:
                 raise ValueError("gather: windows of different lengths; batch a ragged tail on its own")
             length = int(lengths[0]) if len(lengths) else length
         out = np.empty((len(indices), length), dtype=np.int64)
+        if self.remote and self.shards.store.mode == "window":
+            self.prefetch(indices)  # the batch's missing windows in parallel, not one after another
         stream, start = self._locate(indices)
         for row, (s, a) in enumerate(zip(stream.tolist(), start.tolist())):
             out[row] = self.tokens[s][a:a + length]
@@ -181,6 +208,8 @@ class Loader:
         self.device = torch.device(device)
         self.epoch, self.position = 0, 0  # consumed so far
         self.wait_s = 0.0  # time the trainer spent blocked on data, reset by the caller
+        # epoch -> [hits, misses] of the shard cache while preparing that epoch's batches
+        self.cache_by_epoch: dict[int, list[int]] = {}
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
@@ -214,13 +243,16 @@ class Loader:
         mine = idx[self.dp_rank * self.batch_size:(self.dp_rank + 1) * self.batch_size]
         return epoch, position + self.global_batch, mine
 
-    def _prefetch_ahead(self, epoch: int, position: int) -> None:
-        """Ask the store for the shards of this rank's next `lookahead` batches (same sampler)."""
+    def _prefetch_ahead(self, cursor: tuple[int, int], batches: int) -> tuple[int, int]:
+        """Ask the store for what this rank's next `batches` batches from `cursor` need (same
+        sampler); the cursor after them."""
         ahead = []
-        for _ in range(self.lookahead):
-            epoch, position, idx = self._advance(epoch, position)
+        for _ in range(batches):
+            epoch, position, idx = self._advance(*cursor)
+            cursor = (epoch, position)
             ahead.append(idx)
         self.windows.prefetch(np.concatenate(ahead))
+        return cursor
 
     def _make(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
         """(inputs, targets), plus the inputs' document ids when the windows carry them."""
@@ -236,12 +268,23 @@ class Loader:
         return batch[:, :-1], batch[:, 1:]
 
     def _worker(self, epoch: int, position: int) -> None:
+        # Prefetch in refills of half the lookahead, not one batch at a time: the store then sees
+        # many windows at once and can merge neighbours of one shard into one range request.
+        cursor, ahead = (epoch, position), 0  # batches from the current one on already asked for
         try:
             while not self._stop.is_set():
-                if self.lookahead:
-                    self._prefetch_ahead(epoch, position)
+                if self.lookahead and ahead <= self.lookahead // 2:
+                    cursor = self._prefetch_ahead(cursor, self.lookahead + 1 - ahead)
+                    ahead = self.lookahead + 1
+                ahead -= 1
                 epoch, position, idx = self._advance(epoch, position)
+                hits, misses = self._cache_counts()
                 item = (epoch, position, self._make(idx))
+                if self.windows.remote:  # per-epoch hit rates, for loader-bench and benchmarks
+                    now = self._cache_counts()
+                    counts = self.cache_by_epoch.setdefault(epoch, [0, 0])
+                    counts[0] += now[0] - hits
+                    counts[1] += now[1] - misses
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -250,6 +293,14 @@ class Loader:
                         continue
         except BaseException as e:  # surface worker failures in the trainer's thread
             self._queue.put(e)
+
+    def _cache_counts(self) -> tuple[int, int]:
+        counts = getattr(self.windows, "cache_counts", None)  # a mixture has no single store
+        return counts() if counts is not None else (0, 0)
+
+    def cache_hit_rates(self) -> dict[int, float]:
+        """Share of each epoch's cache reads (windows, or shard files) that hit, for remote shards."""
+        return {e: h / max(1, h + m) for e, (h, m) in sorted(self.cache_by_epoch.items())}
 
     def _shutdown(self) -> None:
         if self._thread is not None:

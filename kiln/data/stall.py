@@ -8,6 +8,9 @@ loader's batch preparation (`Loader._make`: window gathering and collation) with
 (c) the same batches from cold storage: a fresh download cache for remote shards, for local ones
 the page cache dropped with `os.posix_fadvise(POSIX_FADV_DONTNEED)`. Fetch = cold - warm.
 
+Measured too (`live_stall`): the threaded Loader at the config's settings feeding real training
+steps, cold and then warm; its stall is the data wait over the step time, what the trainer logs.
+
 Derived (our model, not a torch API): the loader thread overlaps one step's data time D = fetch +
 prep with the step's compute C, so the stall per step is max(0, D - C), split between fetch and
 preprocessing in proportion. Settings: lookahead covers the slowest cold batch's latency with
@@ -46,8 +49,9 @@ def drop_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def time_compute(cfg: JobConfig, steps: int, warmup: int = 2) -> list[float]:
-    """Seconds of each of `steps` training steps on random in-memory tokens (compute only)."""
+def build_step(cfg: JobConfig):
+    """(step(micro_batches), device): one training step of the trainer's model (`build_model`,
+    `build_optimizer`, `train_step`), waiting for the device at its end."""
     from kiln.parallel.dims import ParallelDims, pick_device
     from kiln.train.evaluate import autocast_context
     from kiln.train.optim import build_optimizer
@@ -65,6 +69,18 @@ def time_compute(cfg: JobConfig, steps: int, warmup: int = 2) -> list[float]:
     model = build_model(cfg, dims, device)
     model.train()
     optimizer = build_optimizer(model, cfg.optim, device.type)
+
+    def step(micro) -> None:
+        loss, _, _ = train_step(model, optimizer, micro, autocast=autocast_context(device, dtype), scaler=None,
+                                clip=cfg.train.clip_grad_norm)
+        loss.item()  # wait for the device: the step is done
+
+    return step, device
+
+
+def time_compute(cfg: JobConfig, steps: int, warmup: int = 2, step=None) -> list[float]:
+    """Seconds of each of `steps` training steps on random in-memory tokens (compute only)."""
+    step, device = step or build_step(cfg)
     gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed)
     shape = (cfg.train.batch_size, cfg.data.seq_len + 1)
     micro = []
@@ -74,12 +90,34 @@ def time_compute(cfg: JobConfig, steps: int, warmup: int = 2) -> list[float]:
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        loss, _, _ = train_step(model, optimizer, micro, autocast=autocast_context(device, dtype), scaler=None,
-                                clip=cfg.train.clip_grad_norm)
-        loss.item()  # wait for the device: the step is done
+        step(micro)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def live_stall(cfg: JobConfig, windows: TokenWindows, step, device, steps: int) -> dict:
+    """Train `steps` steps on the threaded Loader at the config's settings (prefetch, lookahead)
+    and measure what the trainer measures: the time `Loader.next` blocks (data wait) over the
+    step's wall time. The first step includes starting the loader thread and the first fetch;
+    `steady_stall_fraction` leaves it out (as the trainer's stall warning does)."""
+    loader = Loader(windows, cfg.train.batch_size, seed=cfg.train.seed, prefetch=cfg.data.prefetch,
+                    lookahead=cfg.data.lookahead, device=device)
+    waits, walls = [], []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loader.wait_s = 0.0
+            step([loader.next() for _ in range(cfg.train.grad_accum)])
+            walls.append(time.perf_counter() - t0)
+            waits.append(loader.wait_s)
+    finally:
+        loader.close()
+    steady = slice(1, None) if steps > 1 else slice(None)
+    return {"stall_fraction": sum(waits) / sum(walls),
+            "steady_stall_fraction": sum(waits[steady]) / sum(walls[steady]),
+            "wait_s": waits, "step_s": walls,
+            "cache_hit_rates": {str(e): round(r, 4) for e, r in loader.cache_hit_rates().items()}}
 
 
 def time_batches(loader: Loader, batches: list[np.ndarray]) -> list[float]:
@@ -134,7 +172,8 @@ def analyze(cfg: JobConfig, run_dir: str | Path, *, steps: int = 10, log=print) 
     data_bytes = sum(_size(store, f) for f in files)
 
     log(f"loader-bench: (a) compute, {steps} steps of synthetic batches")
-    compute = time_compute(cfg, steps)
+    step, device = build_step(cfg)
+    compute = time_compute(cfg, steps, step=(step, device))
     log("loader-bench: (c) cold loading")
     if store.remote:
         with tempfile.TemporaryDirectory(prefix="kiln-cold-cache-") as fresh:
@@ -145,11 +184,23 @@ def analyze(cfg: JobConfig, run_dir: str | Path, *, steps: int = 10, log=print) 
                 cold = time_batches(Loader(cold_windows, cfg.train.batch_size, seed=cfg.train.seed), batches)
             finally:
                 cold_store.close()
+            log("loader-bench: live training from a fresh download cache")
+            live_store = open_store(shard_dir, dataclasses.replace(cfg.data, cache_dir=str(Path(fresh) / "live")))
+            try:
+                live_windows = TokenWindows(ShardSet(shard_dir, "train", live_store), cfg.data.seq_len, **windows_kw)
+                live = {"cold": live_stall(cfg, live_windows, step, device, steps),
+                        "warm": live_stall(cfg, live_windows, step, device, steps)}  # same store: cache warm
+            finally:
+                live_store.close()
         cold_how = "fresh download cache"
     else:
         drop_page_cache([Path(shard_dir) / f for f in files])
         cold = time_batches(loader, batches)
         cold_how = "page cache dropped (posix_fadvise DONTNEED)"
+        log("loader-bench: live training, page cache dropped, then warm")
+        drop_page_cache([Path(shard_dir) / f for f in files])
+        live = {"cold": live_stall(cfg, windows, step, device, steps),
+                "warm": live_stall(cfg, windows, step, device, steps)}
     log("loader-bench: (b) warm loading")
     time_batches(loader, batches)  # make sure every shard is resident
     warm = time_batches(loader, batches)
@@ -172,6 +223,7 @@ def analyze(cfg: JobConfig, run_dir: str | Path, *, steps: int = 10, log=print) 
         "fetch_stall_fraction": share(fetch_s) / (compute_s + stall_s),
         "prep_stall_fraction": share(prep_s) / (compute_s + stall_s),
         "settings": {k: getattr(cfg.data, k) for k in ("prefetch", "fetch_workers", "lookahead", "cache_gb")},
+        "live": live,  # the threaded Loader feeding real steps: data wait / step time, cold and warm
         "recommended": recommend(compute_s, prep_s, fetch_s, float(max(cold)), data_bytes, cfg),
         "samples": {"compute_s": compute, "warm_batch_s": warm, "cold_batch_s": cold},
     }

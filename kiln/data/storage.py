@@ -1,10 +1,18 @@
 """Shard access through one storage layer: local paths, `s3://` and any fsspec URL.
 
 `ShardStore(url)` serves the files of one shard directory. A local directory is read in place
-(the files are memory-mapped, exactly as before). A remote one is copied, whole file by whole
-file, into a bounded on-disk cache (`ShardCache`) and memory-mapped from there; files larger than
-`range_bytes` are fetched as parallel byte ranges. `prefetch(names)` starts downloads on a thread
-pool so the loader can ask for the shards its sampler will need next, before it needs them.
+(the files are memory-mapped, exactly as before). A remote one is cached on disk, at one of two
+granularities that `plan` picks once (data.cache_granularity, "auto" by default):
+
+- "shard", when the cache holds the whole dataset: files are copied whole into a bounded cache
+  (`ShardCache`) and memory-mapped from there; files larger than `range_bytes` come as parallel
+  byte ranges. `prefetch(names)` starts downloads of the shards the sampler needs next.
+- "window", when it does not: a miss reads only the bytes of the window asked for (a range
+  request; the .npy header is read once per file), and the windows the sampler will need next
+  come in parallel (`prefetch_ranges`, fsspec `cat_ranges`). The cache holds single windows
+  (`WindowCache`), the unit the shuffled loader reads once per epoch, so CoorDL's static policy
+  keeps the same resident windows every epoch; a window the policy does not keep is handed to its
+  reader from memory and dropped. Document indexes (.docs.npy, 8 bytes a document) stay whole files.
 
 Every remote read is retried with exponential backoff; when the retries run out the error is a
 `DataError` naming the URL of the file (and the byte range, for range reads). A downloaded file
@@ -12,13 +20,15 @@ whose size differs from what the store reports is treated as truncated and fetch
 
 What is library code and what is ours: fsspec (`fsspec.core.url_to_fs`, `cat_file`, `get_file`,
 `size`) does all I/O and protocol handling, s3fs the S3 protocol; the cache accounting, the
-eviction order (least recently used, never a file being read right now), retries and the
-parallel range split are written here.
+eviction order (least recently used, never a file being read right now), retries, the
+parallel range split and the window bookkeeping are written here; .npy headers are parsed by
+numpy (`np.lib.format.read_magic`, `read_array_header_*`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import io
+import itertools
 import os
 import threading
 import time
@@ -29,11 +39,15 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from kiln.data.cache import make_policy
+from kiln.data.cache import ShardCache, WindowCache
 from kiln.errors import DataError
 from kiln.io import atomic_file
 
 T = TypeVar("T")
+GRANULARITIES = ("auto", "shard", "window")
+HEADER_MAX = 4096  # bytes read for a .npy header; a longer one is refused (numpy writes 128)
+WINDOWS_PER_TASK = 256  # a prefetch task's windows (one cat_ranges call)
+MAX_INFLIGHT = 1 << 16  # prefetched windows nobody read (a stopped loader) are dropped beyond this
 DEFAULT_CACHE_DIR = Path(os.environ.get("KILN_SHARD_CACHE", Path.home() / ".cache" / "kiln" / "shards"))
 
 
@@ -46,102 +60,51 @@ def join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}"
 
 
-def with_retries(what: str, fn: Callable[[], T], retries: int, backoff_s: float) -> T:
-    """fn() retried `retries` times with exponential backoff; then a DataError naming `what`."""
-    for attempt in range(retries + 1):
+def with_retries(what: str, fn: Callable[[], T], retries: int, backoff_s: float,
+                 failed: BaseException | None = None) -> T:
+    """fn() retried `retries` times with exponential backoff; then a DataError naming `what`.
+    `failed`: the error of a first attempt made elsewhere (a batched request), which counts."""
+    first = 0 if failed is None else 1
+    for attempt in range(first, retries + 1):
+        if attempt:
+            time.sleep(backoff_s * (2 ** (attempt - 1)))
         try:
             return fn()
         except DataError:
             raise
         except Exception as e:  # fsspec backends raise OSError, botocore and aiohttp errors alike
-            if attempt == retries:
-                raise DataError(f"{what}: {type(e).__name__}: {e} (after {retries + 1} attempts)") from None
-            time.sleep(backoff_s * (2 ** attempt))
-    raise AssertionError("unreachable")
-
-
-class ShardCache:
-    """A directory of downloaded files bounded to `max_bytes` by a policy (kiln/data/cache.py).
-
-    "lru" evicts the least recently used file; "static" (CoorDL) keeps the files that filled the
-    cache first for good and passes later ones through a scratch area of the last
-    `scratch_files` of them. The file just admitted is never evicted (a single file larger than
-    the bound still lands; `overflow_bytes` says by how much). An evicted file that is
-    memory-mapped stays readable through its mapping (POSIX unlink semantics); the next read
-    through `ShardStore.array` fetches it again. Files are keyed by a hash of their URL, so two
-    datasets never collide in one cache directory. `hits`/`misses` count lookups.
-    """
-
-    def __init__(self, directory: str | Path, max_bytes: int, policy: str = "lru", scratch_files: int = 8):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = int(max_bytes)
-        self.policy = make_policy(policy, self.max_bytes)
-        self.scratch: OrderedDict[str, int] = OrderedDict()  # files the policy did not keep
-        self.scratch_files = max(1, scratch_files)
-        self._lock = threading.Lock()
-        self.hits = self.misses = self.evictions = 0
-        self.overflow_bytes = 0
-        for f in sorted(self.dir.glob("*.cached"), key=lambda p: p.stat().st_mtime):  # survive restarts
-            kept, evicted = self.policy.admit(f.stem, f.stat().st_size)
-            for old in evicted + ([] if kept else [f.stem]):
-                (self.dir / f"{old}.cached").unlink(missing_ok=True)
-
-    @staticmethod
-    def key(url: str) -> str:
-        return hashlib.sha256(url.encode()).hexdigest()[:32]
-
-    def path(self, url: str) -> Path:
-        return self.dir / f"{self.key(url)}.cached"
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes the policy keeps (the scratch area comes on top)."""
-        return self.policy.used
-
-    def lookup(self, url: str) -> Path | None:
-        key = self.key(url)
-        with self._lock:
-            if self.policy.contains(key) or key in self.scratch:
-                if self.path(url).is_file():
-                    self.hits += 1
-                    return self.path(url)
-                self.policy.forget(key)  # removed behind our back
-                self.scratch.pop(key, None)
-            self.misses += 1
-            return None
-
-    def admit(self, url: str, size: int) -> None:
-        """Record a file just written at `path(url)` and evict what the policy says."""
-        key = self.key(url)
-        with self._lock:
-            kept, evicted = self.policy.admit(key, size)
-            if not kept:
-                self.scratch[key] = size
-                self.scratch.move_to_end(key)
-                while len(self.scratch) > self.scratch_files:
-                    evicted.append(self.scratch.popitem(last=False)[0])
-            for old in evicted:
-                (self.dir / f"{old}.cached").unlink(missing_ok=True)  # open mmaps stay valid (POSIX)
-                self.evictions += 1
-            self.overflow_bytes = max(0, self.policy.used - self.max_bytes)
+            failed = e
+    raise DataError(f"{what}: {type(failed).__name__}: {failed} (after {retries + 1} attempts)") from None
 
 
 class ShardStore:
     """The files of one shard directory at `url`, read in place (local) or via the cache (remote)."""
 
     def __init__(self, url: str | os.PathLike, *, cache_dir: str | Path | None = None,
-                 cache_bytes: int = 50 << 30, cache_policy: str = "lru", workers: int = 8, retries: int = 4, backoff_s: float = 0.5,
-                 range_bytes: int = 64 << 20, storage_options: dict[str, Any] | None = None):
+                 cache_bytes: int = 50 << 30, cache_policy: str = "auto", workers: int = 8, retries: int = 4, backoff_s: float = 0.5,
+                 range_bytes: int = 64 << 20, storage_options: dict[str, Any] | None = None,
+                 granularity: str = "auto", merge_gap: int = 1 << 20):
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"cache granularity {granularity!r}: expected one of {GRANULARITIES}")
         self.url = str(url)
         self.remote = is_url(url) and not self.url.startswith("file://")
         self.retries, self.backoff_s, self.range_bytes = retries, backoff_s, max(1, range_bytes)
+        self.cache_bytes, self.cache_policy, self.granularity = int(cache_bytes), cache_policy, granularity
+        self.workers = max(1, workers)
+        self.merge_gap = max(0, int(merge_gap))  # window mode: ranges of one file this close share a request
+        self.mode = "local" if not self.remote else None  # "shard" or "window" once planned
         self.cache: ShardCache | None = None
+        self.windows: WindowCache | None = None
+        self._layouts: dict[str, tuple[int, np.dtype]] = {}  # window mode: file -> (data offset, dtype)
+        self._inflight: OrderedDict[tuple, Future] = OrderedDict()  # prefetched windows not yet read
         if self.remote:
             import fsspec.core  # only remote stores need fsspec
 
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-            self.cache = ShardCache(cache_dir or DEFAULT_CACHE_DIR, cache_bytes, cache_policy)
+            # "auto": LRU for whole files (a cache dir shared by datasets must turn over), static for
+            # windows (each read once per epoch: the same resident windows hit every epoch)
+            self.cache = ShardCache(cache_dir or DEFAULT_CACHE_DIR, cache_bytes,
+                                    "lru" if cache_policy == "auto" else cache_policy)
             self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-fetch")
             self._range_pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kiln-range")
             self._pending: dict[str, Future] = {}
@@ -154,6 +117,34 @@ class ShardStore:
 
     def __repr__(self) -> str:
         return self.url
+
+    def plan(self, dataset_bytes: int, whole_file_bytes: int, window_bytes: int) -> str:
+        """Fix, once, how remote token files are cached: "shard" (whole files) when the cache
+        holds `dataset_bytes` or granularity="shard", else "window"; then `whole_file_bytes` (the
+        document indexes) of the bound stay for whole files and the rest holds windows of
+        `window_bytes`. Later calls return the first answer. Local stores: "local"."""
+        if not self.remote:
+            return self.mode
+        with self._lock:
+            if self.mode is None:
+                mode = self.granularity
+                if mode == "auto":
+                    mode = "shard" if self.cache_bytes >= dataset_bytes else "window"
+                if mode == "window":
+                    files = min(int(whole_file_bytes), self.cache_bytes // 2)
+                    self.cache.resize(files)
+                    self.windows = WindowCache(self.cache.dir, self.cache_bytes - files, window_bytes,
+                                               "static" if self.cache_policy == "auto" else self.cache_policy)
+                self.mode = mode
+            return self.mode
+
+    def counts(self) -> tuple[int, int]:
+        """(hits, misses) of the cache reads so far (windows in window mode, files otherwise)."""
+        if not self.remote:
+            return 0, 0
+        if self.windows is not None:
+            return self.windows.hits, self.windows.misses
+        return self.cache.hits, self.cache.misses
 
     # ------------------------------------------------------------------ small files
     def read_text(self, name: str) -> str:
@@ -257,24 +248,168 @@ class ShardStore:
         self._arrays[name] = arr
         return arr
 
+    # ------------------------------------------------------------------ windows (byte ranges)
+    def _layout(self, name: str, expect_len: int, dtype: np.dtype) -> tuple[int, np.dtype]:
+        """(byte offset of element 0, dtype) of a remote .npy file, from its header, checked
+        against meta.json's length and dtype and against the object's size (truncation)."""
+        found = self._layouts.get(name)
+        if found is not None:
+            return found
+        url, remote = join(self.url, name), join(self.root, name)
+        size = with_retries(f"{url}: cannot stat", lambda: self.fs.size(remote), self.retries, self.backoff_s)
+        if size is None:
+            raise DataError(f"{url}: the store does not report a size")
+        head = with_retries(f"{url}: cannot read bytes 0-{min(size, HEADER_MAX)}",
+                            lambda: self.fs.cat_file(remote, start=0, end=min(size, HEADER_MAX)),
+                            self.retries, self.backoff_s)
+        try:
+            fp = io.BytesIO(head)
+            version = np.lib.format.read_magic(fp)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"unsupported .npy version {version}")
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, found_dtype = read(fp, max_header_size=HEADER_MAX)
+        except (OSError, ValueError, SyntaxError, TypeError) as e:
+            raise DataError(f"{url}: cannot read shard: {e}") from None
+        offset = fp.tell()
+        if len(shape) != 1 or found_dtype.hasobject:
+            raise DataError(f"{url}: expected a 1-D array of numbers, got shape {shape} dtype {found_dtype}")
+        if shape[0] != expect_len or found_dtype != np.dtype(dtype):
+            raise DataError(f"{url}: has {shape[0]} entries of {found_dtype}, meta.json says {expect_len} of "
+                            f"{np.dtype(dtype)} (a truncated or replaced shard)")
+        if size != offset + expect_len * found_dtype.itemsize:
+            raise DataError(f"{url}: cannot read shard: {size} bytes, its header says "
+                            f"{offset + expect_len * found_dtype.itemsize} (truncated or replaced)")
+        self._layouts[name] = (offset, found_dtype)
+        return offset, found_dtype
+
+    def _fetch_ranges(self, items: list[tuple[str, int, int, int, np.dtype]]) -> list[bytes]:
+        """The bytes of elements [start, stop) of each (name, start, stop, file length, dtype):
+        one batched `cat_ranges` call (concurrent requests on async filesystems such as s3fs),
+        then each failed or short range retried alone with backoff."""
+        paths, starts, ends = [], [], []
+        for name, start, stop, n, dtype in items:
+            offset, dt = self._layout(name, n, dtype)
+            paths.append(join(self.root, name))
+            starts.append(offset + start * dt.itemsize)
+            ends.append(offset + stop * dt.itemsize)
+        from fsspec.utils import merge_offset_ranges  # only remote stores need fsspec
+
+        # Nearby windows of one file become one request (fsspec's merge_offset_ranges): a request
+        # costs a round trip, and a gap under merge_gap bytes costs less than one. A merged request
+        # stays under 2 x merge_gap, so one slow request holds up few windows.
+        m_paths, m_starts, m_ends = merge_offset_ranges(paths, starts, ends, max_gap=self.merge_gap,
+                                                        max_block=2 * self.merge_gap if self.merge_gap else None)
+        try:
+            merged = self.fs.cat_ranges(m_paths, m_starts, m_ends, on_error="return")
+        except Exception as e:  # the whole batch failed: every range is retried alone
+            merged = [e] * len(m_paths)
+        by_path: dict[str, list[tuple[int, int, Any]]] = {}
+        for path, a, b, got in zip(m_paths, m_starts, m_ends, merged):
+            by_path.setdefault(path, []).append((a, b, got))
+        results: list[Any] = []
+        for path, a, b in zip(paths, starts, ends):  # each window's bytes out of the request that covers it
+            ma, mb, got = next(m for m in by_path[path] if m[0] <= a and b <= m[1])
+            if isinstance(got, bytes) and len(got) == mb - ma:
+                got = got[a - ma:b - ma]
+            elif isinstance(got, bytes):
+                got = OSError(f"got {len(got)} of {mb - ma} bytes")  # a short read: retried alone below
+            results.append(got)
+        out = []
+        for (name, *_), remote, a, b, got in zip(items, paths, starts, ends, results):
+            if isinstance(got, bytes):
+                out.append(got)
+                continue
+            error = got
+
+            def fetch(remote=remote, a=a, b=b) -> bytes:
+                data = self.fs.cat_file(remote, start=a, end=b)
+                if len(data) != b - a:  # a short read: the object shrank or the connection broke
+                    raise OSError(f"got {len(data)} of {b - a} bytes")
+                return data
+
+            out.append(with_retries(f"{join(self.url, name)}: cannot read bytes {a}-{b}", fetch, self.retries,
+                                    self.backoff_s, failed=error))
+        return out
+
+    def _fetch_into(self, keys: list[tuple], items: list[tuple], futures: list[Future]) -> None:
+        """Pool task: fetch windows, offer them to the cache, hand them to their futures."""
+        try:
+            for key, data, fut in zip(keys, self._fetch_ranges(items), futures):
+                self.windows.put(key, data)
+                fut.set_result(data)
+        except BaseException as e:  # the reader of each window sees the error (naming file and bytes)
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(e)
+
+    def prefetch_ranges(self, items: list[tuple[str, int, int, int, np.dtype]]) -> None:
+        """Start fetching windows (name, start, stop, file length, dtype) not cached or on their
+        way, split over the fetch workers; `read_range` picks them up."""
+        if self.mode != "window":
+            return
+        todo: list[tuple] = []
+        with self._lock:
+            for item in items:
+                key = item[:3]
+                if key in self._inflight or self.windows.peek(key):
+                    continue
+                fut: Future = Future()
+                self._inflight[key] = fut
+                todo.append((key, item, fut))
+            while len(self._inflight) > MAX_INFLIGHT:
+                self._inflight.popitem(last=False)
+        # One task per file (at most WINDOWS_PER_TASK windows), sorted by offset: the windows of a
+        # task are the neighbours its requests can merge. Files go in parallel over the pool; the
+        # requests of one task go concurrently too on async filesystems (s3fs, gcsfs, http).
+        todo.sort(key=lambda t: t[0])
+        share = WINDOWS_PER_TASK
+        for _, group in itertools.groupby(todo, key=lambda t: t[0][0]):
+            group = list(group)
+            for i in range(0, len(group), share):
+                chunk = group[i:i + share]
+                self._pool.submit(self._fetch_into, [c[0] for c in chunk], [c[1] for c in chunk],
+                                  [c[2] for c in chunk])
+
+    def read_range(self, name: str, start: int, stop: int, expect_len: int, dtype: np.dtype) -> np.ndarray:
+        """Elements [start, stop) of a remote .npy file: from the window cache, a prefetch on its
+        way, or one range request now."""
+        self._layout(name, expect_len, dtype)  # refuses a truncated or replaced file before any read
+        key = (name, start, stop)
+        with self._lock:
+            fut = self._inflight.pop(key, None)
+        if fut is not None:  # fetched for this read (a miss), whether or not the policy kept it
+            self.windows.count_miss()
+            data = fut.result()
+        else:
+            data = self.windows.get(key)
+            if data is None:
+                data = self._fetch_ranges([(name, start, stop, expect_len, dtype)])[0]
+                self.windows.put(key, data)
+        return np.frombuffer(data, dtype=self._layouts[name][1])
+
     def close(self) -> None:
         if self.remote:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._range_pool.shutdown(wait=True, cancel_futures=True)
+            if self.windows is not None:
+                self.windows.close()
 
 
 def open_store(url: str | os.PathLike, data_cfg) -> ShardStore:
     """The ShardStore for `url` with the `[data]` cache and fetch settings."""
     return ShardStore(url, cache_dir=data_cfg.cache_dir or None, cache_bytes=int(data_cfg.cache_gb * (1 << 30)),
-                      cache_policy=data_cfg.cache_policy,
+                      cache_policy=data_cfg.cache_policy, granularity=data_cfg.cache_granularity,
+                      merge_gap=data_cfg.fetch_merge_kib << 10,
                       workers=data_cfg.fetch_workers, retries=data_cfg.fetch_retries)
 
 
 class LazyShard:
     """A 1-D token or offset array of a remote shard, fetched on first access.
 
-    Its length comes from meta.json, so windows can be indexed without downloading anything; a
-    slice reads through `ShardStore.array`, which fetches the file (or finds it in the cache).
+    Its length comes from meta.json, so windows can be indexed without downloading anything. A
+    slice reads through `ShardStore.read_range` when the store caches windows (only those bytes),
+    else through `ShardStore.array`, which fetches the whole file (or finds it in the cache).
     A file evicted from the cache is fetched again on its next read.
     """
 
@@ -286,6 +421,10 @@ class LazyShard:
         return self.shape[0]
 
     def __getitem__(self, key):
+        if isinstance(key, slice) and self.store.mode == "window":
+            start, stop, step = key.indices(self.shape[0])
+            if step == 1:
+                return self.store.read_range(self.name, start, max(start, stop), self.shape[0], self.dtype)
         return self.store.array(self.name, self.shape[0])[key]
 
     def __array__(self, dtype=None, copy=None):

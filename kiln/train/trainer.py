@@ -273,6 +273,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
             mix = mixture.realized(loader.position)
             metrics.log({"kind": "mixture", "step": results[-1].step,
                          **{f"{name}_tokens": m["tokens"] for name, m in mix.items()}})
+        if rates := loader.cache_hit_rates():  # remote shards: the shard cache's hit rate, per epoch
+            metrics.log({"kind": "cache", "step": results[-1].step,
+                         **{f"epoch{e}_hit_rate": round(rate, 4) for e, rate in rates.items()}})
         for r in results:
             metrics.log({"kind": "train", "step": r.step, "loss": r.loss, "lr": r.lr,
                          "grad_norm": r.grad_norm, "tokens": r.tokens, "tokens_per_s": tps,

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from kiln.data.cache import LRUPolicy, StaticPolicy, epoch_hit_rates, make_policy
+from kiln.data.cache import LRUPolicy, StaticPolicy, WindowCache, epoch_hit_rates, make_policy
 from kiln.data.storage import ShardCache
 
 
@@ -43,3 +43,16 @@ def test_shard_cache_static_policy_keeps_first_files_and_scratches_the_rest(tmp_
     assert not cache.path("u2").exists() and cache.used_bytes == 200
     restarted = ShardCache(tmp_path, max_bytes=200, policy="static")
     assert restarted.lookup("u0") and restarted.lookup("u1")
+
+
+def test_window_cache_bounds_slots_and_keeps_the_static_resident_set(tmp_path):
+    lru = WindowCache(tmp_path, max_bytes=3 * 10, slot_bytes=10, policy="lru")
+    for i in range(5):
+        assert lru.put(i, bytes([i]) * 10)
+    assert lru.get(0) is None and lru.get(4) == bytes([4]) * 10 and len(lru.where) == 3 and lru.evictions == 2
+    assert not lru.put("big", b"x" * 11) and lru.get("big") is None  # longer than a slot: not cached
+    static = WindowCache(tmp_path, max_bytes=2 * 10, slot_bytes=10, policy="static")
+    kept = [static.put(i, bytes([i]) * (i + 1)) for i in range(4)]
+    assert kept == [True, True, False, False]
+    assert static.get(1) == b"\x01\x01" and static.get(3) is None  # items keep their own length
+    assert (static.hits, static.misses) == (1, 1) and not list(tmp_path.iterdir())  # the slab is unlinked

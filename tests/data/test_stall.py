@@ -38,6 +38,10 @@ def test_loader_bench_writes_report_and_chart(tmp_path, text_file, monkeypatch, 
     assert 0.0 <= report["stall_fraction"] < 1.0
     assert report["fetch_stall_fraction"] + report["prep_stall_fraction"] == pytest.approx(report["stall_fraction"])
     assert dropped and all(p.name.endswith(".npy") for p in dropped)  # the shard files, not anything else
+    for phase in ("cold", "warm"):  # the threaded loader feeding real steps
+        live = report["live"][phase]
+        assert len(live["step_s"]) == 3 and 0.0 <= live["stall_fraction"] < 1.0
+        assert sum(live["wait_s"]) / sum(live["step_s"]) == pytest.approx(live["stall_fraction"])
     assert set(report["recommended"]) >= {"prefetch", "fetch_workers", "lookahead", "cache_gb"}
     assert "stall" in capsys.readouterr().out
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.data.cache import LRUPolicy, StaticPolicy
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet, ShardWriter, write_meta
 from kiln.data.storage import ShardCache, ShardStore
@@ -71,6 +72,14 @@ def store(url, opts, cache_dir, **kw):
     return ShardStore(url, cache_dir=cache_dir, storage_options=opts, **kw)
 
 
+def planned(url, opts, cache_dir, granularity="auto", **kw):
+    """A remote ShardSet whose store has picked its granularity (TokenWindows plans it)."""
+    shards = ShardSet(url, "train", store(url, opts, cache_dir, granularity=granularity, **kw))
+    TokenWindows(shards, seq_len=16)
+    assert shards.store.mode == ("shard" if granularity == "auto" else granularity)  # auto: the 50 GiB default holds it
+    return shards
+
+
 def batches(shards, n, **kw):
     loader = Loader(TokenWindows(shards, seq_len=16), 4, seed=5, **kw)
     try:
@@ -79,19 +88,63 @@ def batches(shards, n, **kw):
         loader.close()
 
 
-def test_s3_and_local_give_identical_batches_with_a_small_cache(s3, tmp_path):
+@pytest.mark.parametrize("granularity", ["shard", "window"])
+def test_s3_and_local_give_identical_batches_with_a_small_cache(s3, tmp_path, granularity):
     _, fs, opts = s3
     local = write_shards(tmp_path / "local")
     url = upload(fs, local)
     shard_bytes = max(f.stat().st_size for f in local.glob("*.tokens.npy"))
-    remote = ShardSet(url, "train", store(url, opts, tmp_path / "cache", cache_bytes=3 * shard_bytes))
+    st = store(url, opts, tmp_path / "cache", cache_bytes=3 * shard_bytes, granularity=granularity)
+    remote = ShardSet(url, "train", st)
     assert len(remote.tokens) >= 4  # the dataset is larger than the cache
     want = batches(ShardSet(local, "train"), 40)  # > 1 epoch
     got = batches(remote, 40, lookahead=2)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
-    cache = remote.store.cache
-    assert cache.evictions > 0 and cache.used_bytes <= cache.max_bytes
-    assert len(list((tmp_path / "cache").glob("*.cached"))) == len(cache.policy.sizes) + len(cache.scratch)
+    if granularity == "shard":
+        cache = remote.store.cache
+        assert cache.evictions > 0 and cache.used_bytes <= cache.max_bytes
+        assert len(list((tmp_path / "cache").glob("*.cached"))) == len(cache.policy.sizes) + len(cache.scratch)
+    else:  # windows, not files: no token file was downloaded whole
+        assert st.mode == "window" and not list((tmp_path / "cache").glob("*.cached"))
+        assert st.windows.hits > 0 and len(st.windows.where) <= st.windows.slots  # 2+ epochs: resident ones hit
+        assert st.windows.max_bytes + st.cache.max_bytes <= 3 * shard_bytes
+
+
+def test_auto_granularity_caches_windows_only_when_the_cache_is_smaller_than_the_split(s3, tmp_path):
+    _, fs, opts = s3
+    local = write_shards(tmp_path / "local")
+    url = upload(fs, local)
+    data = sum(f.stat().st_size for f in local.glob("train-*.npy"))
+    for cache_bytes, mode in ((2 * data, "shard"), (data // 2, "window")):
+        shards = ShardSet(url, "train", store(url, opts, tmp_path / f"c{mode}", cache_bytes=cache_bytes))
+        TokenWindows(shards, seq_len=16)
+        assert shards.store.mode == mode
+        if mode == "window":  # cache_policy "auto": CoorDL's static set for windows, LRU for whole files
+            assert type(shards.store.windows.policy) is StaticPolicy
+            assert type(shards.store.cache.policy) is LRUPolicy
+
+
+def test_window_cache_hit_rates_per_epoch(s3, tmp_path):
+    """Half the windows fit: static (CoorDL) hits exactly its resident windows from epoch 1 on,
+    at least 1.5x what LRU gets over 3 epochs (the loader's real sampler and S3 reads)."""
+    _, fs, opts = s3
+    url = upload(fs, write_shards(tmp_path / "local"))
+    rates = {}
+    for name in ("lru", "static"):
+        st = store(url, opts, tmp_path / name, cache_bytes=2400, granularity="window", cache_policy=name)
+        windows = TokenWindows(ShardSet(url, "train", st), seq_len=16)
+        assert len(windows) == 72 and 0 < st.windows.slots < 72  # 4 shards x 18 windows; batch 4 divides it
+        loader = Loader(windows, 4, seed=5, lookahead=3)
+        try:
+            for _ in range(3 * 18):
+                loader.next()
+            rates[name] = {e: r for e, r in loader.cache_hit_rates().items() if e < 3}  # not the thread's lead
+        finally:
+            loader.close()
+            st.close()
+        if name == "static":
+            assert rates[name] == {0: 0.0, 1: st.windows.slots / 72, 2: st.windows.slots / 72}
+    assert sum(rates["static"].values()) >= 1.5 * sum(rates["lru"].values()), rates
 
 
 def test_parallel_range_download_reassembles_the_file(s3, tmp_path):
@@ -117,27 +170,51 @@ def test_prefetch_fills_the_cache_before_the_read(s3, tmp_path):
     assert st.cache.misses == misses
 
 
-def test_missing_shard_names_the_file(s3, tmp_path):
+GRANULARITIES = ["auto", "window"]  # auto = whole shards here (the default cache holds them)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_missing_shard_names_the_file(s3, tmp_path, granularity):
     _, fs, opts = s3
     url = upload(fs, write_shards(tmp_path / "local"))
     fs.rm(f"{BUCKET}/shards/train-00001.tokens.npy")
-    shards = ShardSet(url, "train", store(url, opts, tmp_path / "cache"))
+    shards = planned(url, opts, tmp_path / "cache", granularity)
     with pytest.raises(DataError, match=r"train-00001\.tokens\.npy.*after 2 attempts"):
         shards.tokens[1][0:4]
 
 
-def test_truncated_and_corrupted_shards_are_refused(s3, tmp_path):
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_truncated_and_corrupted_shards_are_refused(s3, tmp_path, granularity):
     _, fs, opts = s3
     local = write_shards(tmp_path / "local")
     url = upload(fs, local)
     data = (local / "train-00000.tokens.npy").read_bytes()
     fs.pipe_file(f"{BUCKET}/shards/train-00000.tokens.npy", data[:len(data) - 20])
     fs.pipe_file(f"{BUCKET}/shards/train-00001.docs.npy", b"\x93NUMPY garbage")
-    shards = ShardSet(url, "train", store(url, opts, tmp_path / "cache"))
+    shards = planned(url, opts, tmp_path / "cache", granularity)
     with pytest.raises(DataError, match=r"train-00000\.tokens\.npy: cannot read shard"):
         shards.tokens[0][0:4]
     with pytest.raises(DataError, match=r"train-00001\.docs\.npy: cannot read shard"):
         shards.docs[1][0:2]
+
+
+def test_window_reads_refuse_a_replaced_shard_and_name_short_ranges(s3, tmp_path, monkeypatch):
+    _, fs, opts = s3
+    local = write_shards(tmp_path / "local")
+    url = upload(fs, local)
+    other = np.zeros(ShardSet(local, "train").tokens[2].shape[0], dtype=np.uint32)  # meta says uint16
+    with fs.open(f"{BUCKET}/shards/train-00002.tokens.npy", "wb") as f:
+        np.save(f, other)
+    shards = planned(url, opts, tmp_path / "cache", "window", retries=0)
+    with pytest.raises(DataError, match=r"train-00002\.tokens\.npy: has \d+ entries of uint32, meta.json says"):
+        shards.tokens[2][0:4]
+    st = shards.store
+    shards.tokens[0][0:4]  # header read and checked
+    # s3fs caches filesystem instances: patch through monkeypatch so later tests get the real one
+    monkeypatch.setattr(st.fs, "cat_ranges", lambda paths, *a, **k: [b"short"] * len(paths), raising=False)
+    monkeypatch.setattr(st.fs, "cat_file", lambda *a, **k: b"short", raising=False)
+    with pytest.raises(DataError, match=r"train-00000\.tokens\.npy: cannot read bytes \d+-\d+.*after 1 attempts"):
+        shards.tokens[0][16:33]
 
 
 def test_local_truncated_shard_is_refused(tmp_path):
@@ -160,22 +237,28 @@ def test_hostile_meta_cannot_name_files_outside_the_directory(s3, tmp_path):
         ShardSet(url, "train", store(url, opts, tmp_path / "cache"))
 
 
-def test_endpoint_gone_mid_epoch_is_an_error_naming_the_shard(tmp_path):
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_endpoint_gone_mid_epoch_is_an_error_naming_the_shard(tmp_path, granularity):
     server, opts = start_server()  # its own server, since the test stops it
-    fs = bucket_fs(opts)
-    url = upload(fs, write_shards(tmp_path / "local"))
-    shards = ShardSet(url, "train", store(url, opts, tmp_path / "cache"))
-    shards.tokens[0][0:4]  # read while the server is up
-    server.stop()
+    try:
+        fs = bucket_fs(opts)
+        url = upload(fs, write_shards(tmp_path / "local"))
+        shards = planned(url, opts, tmp_path / "cache", granularity)
+        shards.tokens[0][0:4]  # read while the server is up
+    finally:
+        server.stop()
     with pytest.raises(DataError, match=r"train-00002\.tokens\.npy"):
         shards.tokens[2][0:4]
     assert np.asarray(shards.tokens[0][0:4]).shape == (4,)  # what is cached still reads
 
 
-def test_transient_failures_are_retried(s3, tmp_path):
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_transient_failures_are_retried(s3, tmp_path, granularity, monkeypatch):
     _, fs, opts = s3
-    url = upload(fs, write_shards(tmp_path / "local"))
-    st = store(url, opts, tmp_path / "cache", retries=3)
+    local = write_shards(tmp_path / "local")
+    url = upload(fs, local)
+    shards = planned(url, opts, tmp_path / "cache", granularity, retries=3)
+    st = shards.store
     real, fails = st.fs.cat_file, [2]
 
     def flaky(*a, **k):
@@ -184,8 +267,11 @@ def test_transient_failures_are_retried(s3, tmp_path):
             raise ConnectionError("injected")
         return real(*a, **k)
 
-    st.fs.cat_file = flaky
-    assert st.local_path("train-00000.tokens.npy").stat().st_size > 0 and fails[0] == 0
+    monkeypatch.setattr(st.fs, "cat_file", flaky, raising=False)  # s3fs caches instances: undo after the test
+    monkeypatch.setattr(st.fs, "cat_ranges", lambda paths, *a, **k: [ConnectionError("injected")] * len(paths),
+                        raising=False)  # window mode: the batched request fails, each range is retried
+    want = ShardSet(local, "train").tokens[0][16:33]
+    assert np.array_equal(shards.tokens[0][16:33], want) and fails[0] == 0
 
 
 def test_cache_bound_and_restart(tmp_path):
@@ -220,4 +306,26 @@ def test_training_reads_shards_from_s3(s3, tmp_path, text_file, monkeypatch):
     train(cfg, tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2, 3]
+    cache_rows = [r for r in rows if r.get("kind") == "cache"]  # the per-epoch hit rate, logged
+    assert cache_rows and 0.0 <= cache_rows[-1]["epoch0_hit_rate"] <= 1.0
     assert list((tmp_path / "cache").glob("*.cached"))
+
+
+def test_nearby_windows_of_a_shard_share_one_range_request(s3, tmp_path, monkeypatch):
+    _, fs, opts = s3
+    local = write_shards(tmp_path / "local")
+    url = upload(fs, local)
+    want = TokenWindows(ShardSet(local, "train"), seq_len=16)
+    requests = {}
+    for gap in (0, 1 << 20):
+        shards = planned(url, opts, tmp_path / f"cache{gap}", "window", merge_gap=gap)
+        windows = TokenWindows(shards, seq_len=16)
+        real = shards.store.fs.cat_ranges
+        sent = []
+        monkeypatch.setattr(shards.store.fs, "cat_ranges",
+                            lambda paths, *a, **k: (sent.extend(paths), real(paths, *a, **k))[1], raising=False)
+        idx = np.array([0, 2, 4, 6, 9])  # windows of shard 0, not adjacent
+        assert np.array_equal(windows.gather(idx), want.gather(idx))
+        requests[gap] = len(sent)
+        monkeypatch.undo()
+    assert requests == {0: 5, 1 << 20: 1}
