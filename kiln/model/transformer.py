@@ -8,7 +8,6 @@ layers.N.attention.wq, feed_forward.w1, norm, output) so parallel plans read the
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch

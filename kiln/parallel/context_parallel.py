@@ -132,7 +132,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         bsz, n_heads, seqlen, head_dim = q.shape
-        n_kv = k.shape[1]
         size = seqlen // 2
         scale = 1.0 / math.sqrt(head_dim)
         mine = zigzag_chunks(ring.size, ring.rank)

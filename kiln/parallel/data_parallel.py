@@ -13,7 +13,6 @@ Which torch API does what (nothing here is a hand-written collective):
 from __future__ import annotations
 
 import inspect
-import time
 
 import torch
 import torch.distributed as dist

@@ -9,7 +9,6 @@ Defaults are the published thresholds. Every drop has a specific reason (`gopher
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
