@@ -1,27 +1,35 @@
 """The sync-free step: the same numbers as the host-checked step it replaced, bit for bit on CPU,
-and a non-finite step leaves parameters and optimizer state untouched on either path."""
+for every optimizer kiln builds; a non-finite step leaves parameters and optimizer state untouched;
+and with every optimizer that can skip on the device, the step never reads a tensor on the host."""
 
 import contextlib
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kiln.config import ModelConfig, OptimConfig
+from kiln.config import ModelConfig, OptimConfig, ScheduleConfig
 from kiln.model.loss import lm_loss
 from kiln.model.transformer import Transformer
 from kiln.train.optim import build_optimizer
 from kiln.train.schedule import LRSchedule
 from kiln.train.step import PendingSteps, skips_on_device, train_step
-from kiln.config import ScheduleConfig
 
 NO_AUTOCAST = contextlib.nullcontext()
+
+# (optimizer, implementation, skips on the device). torch's non-fused optimizers have no found_inf
+# path: they keep one host check per step (the run row's nonfinite_check says "host").
+OPTIMIZERS = [("adamw", "fused", True), ("adamw", "foreach", False), ("adamw", "single", False),
+              ("lion", "auto", True), ("lamb", "auto", True), ("muon", "auto", True),
+              ("sgd", "auto", False), ("adafactor", "auto", False)]
+IDS = [f"{name}-{impl}" for name, impl, _ in OPTIMIZERS]
 
 
 def _setup(optim: str, impl: str = "auto"):
     model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2, max_seq_len=16))
     model.init_weights(torch.Generator().manual_seed(0))
-    opt = build_optimizer(model, OptimConfig(name=optim, implementation=impl, lr=1e-2))
+    opt = build_optimizer(model, OptimConfig(name=optim, implementation=impl, lr=1e-2, momentum=0.9))
     LRSchedule(opt, ScheduleConfig(warmup_steps=0), 10)
     return model, opt
 
@@ -51,37 +59,103 @@ def _old_step(model, optimizer, micro_batches, clip):
     return total, grad_norm, finite
 
 
-@pytest.mark.parametrize("optim, impl, on_device", [("adamw", "fused", True), ("adamw", "foreach", False),
-                                                    ("lion", "auto", False)])
+def _state(opt):
+    """Every tensor of the optimizer state, per parameter, in a fixed order."""
+    return [(k, v.clone()) for s in opt.state.values() for k, v in sorted(s.items()) if torch.is_tensor(v)]
+
+
+@pytest.mark.parametrize("optim, impl, on_device", OPTIMIZERS, ids=IDS)
 def test_sync_free_step_is_bitwise_the_old_step(optim, impl, on_device):
     new_model, new_opt = _setup(optim, impl)
     old_model, old_opt = _setup(optim, impl)
     assert skips_on_device(new_opt) is on_device
-    for batch in _batches(5):
+    for batch in _batches(4):
         loss, gnorm, skipped = train_step(new_model, new_opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
         ref_loss, ref_gnorm, finite = _old_step(old_model, old_opt, batch, 1.0)
         assert torch.equal(loss, ref_loss) and torch.equal(gnorm, ref_gnorm) and bool(skipped) is not finite
     for a, b in zip(new_model.parameters(), old_model.parameters()):
         assert torch.equal(a, b)
+    assert all(ka == kb and torch.equal(a, b) for (ka, a), (kb, b) in zip(_state(new_opt), _state(old_opt)))
 
 
-@pytest.mark.parametrize("optim, impl", [("adamw", "fused"), ("adamw", "foreach"), ("lamb", "auto")])
-def test_non_finite_step_changes_nothing(optim, impl):
+def _poison(model, batch, how: str):
+    """Make the next step non-finite: an inf weight (non-finite loss and gradients) or a NaN gradient
+    (finite loss). Returns the parameters as they must be after the skipped step."""
+    if how == "loss":
+        model.loss_impl = "full"
+        with torch.no_grad():
+            model.layers[0].attention.wq.weight[0, 0] = float("inf")
+        return [p.detach().clone() for p in model.parameters()], None
+    handle = model.layers[1].feed_forward.w2.weight.register_hook(lambda g: g * float("nan"))
+    return [p.detach().clone() for p in model.parameters()], handle
+
+
+@pytest.mark.parametrize("how", ["loss", "grad"])
+@pytest.mark.parametrize("optim, impl, on_device", OPTIMIZERS, ids=IDS)
+def test_non_finite_step_changes_nothing(optim, impl, on_device, how):
     model, opt = _setup(optim, impl)
-    (batch,) = _batches(1)
-    train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
-    params = [p.detach().clone() for p in model.parameters()]
-    state = {k: v.clone() for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)}
-    model.loss_impl = "full"
-    with torch.no_grad():
-        model.layers[0].attention.wq.weight[0, 0] = float("inf")  # -> non-finite loss and gradients
-    params[[n for n, _ in model.named_parameters()].index("layers.0.attention.wq.weight")][0, 0] = float("inf")
-    loss, gnorm, skipped = train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+    ref_model, ref_opt = _setup(optim, impl)
+    first, second, third = _batches(3)
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        train_step(m, o, first, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+    state = _state(opt)
+    params, hook = _poison(model, second, how)
+    loss, gnorm, skipped = train_step(model, opt, second, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
     assert bool(skipped)
     for a, b in zip(params, model.parameters()):
         assert torch.equal(a, b.detach())
-    after = {k: v for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)}
-    assert all(torch.equal(state[k], after[k]) for k in state)
+    after = _state(opt)
+    assert [k for k, _ in after] == [k for k, _ in state]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(state, after)), "optimizer state changed"
+    if hook is not None:  # the run goes on as if the bad batch never came
+        hook.remove()
+        train_step(model, opt, third, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+        train_step(ref_model, ref_opt, third, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b)
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on any read of a tensor's value by the host: item(), bool(), float(), int(), and the
+    comparisons Python makes with them all reach aten._local_scalar_dense (on a GPU that is the
+    device sync); is_nonzero is bool() of a one-element tensor."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            raise AssertionError(f"host read of a tensor value during the step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Also refuse the Python-level copies to the host, which do not dispatch an aten op on CPU."""
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name}() during the step")
+        return method
+
+    for name in ("tolist", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    return _NoHostReads
+
+
+def test_the_host_read_guard_catches_the_host_checked_step(no_host_reads):
+    model, opt = _setup("adamw", "foreach")
+    (batch,) = _batches(1)
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
+        train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+
+
+@pytest.mark.parametrize("optim, impl", [(n, i) for n, i, on_device in OPTIMIZERS if on_device])
+def test_step_never_reads_a_tensor_on_the_host(optim, impl, no_host_reads):
+    model, opt = _setup(optim, impl)
+    batches = _batches(3)
+    with no_host_reads():
+        for batch in batches[:2]:  # the first step creates the optimizer state
+            train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+        _poison(model, batches[2], "grad")
+        _, _, skipped = train_step(model, opt, batches[2], autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+    assert skipped.item()
 
 
 def test_pending_steps_fetch_in_order_once():

@@ -6,8 +6,9 @@ minutes", Algorithm 2), applied per parameter tensor ("layer"):
     r = m_hat / (sqrt(v_hat) + eps) + wd * w
     w = w - lr * (||w|| / ||r||) * r         (trust ratio 1 when either norm is 0)
 
-phi is the identity. Moments and norms use torch's foreach ops; the trust ratio stays a tensor,
-so a step never synchronizes with the device.
+phi is the identity. Moments and norms use torch's foreach ops; the step counts, bias corrections
+and trust ratios stay device tensors, so a step never synchronizes with the device, and a
+non-finite step is skipped on the device through `found_inf` (kiln/train/optimizers/skip.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from kiln.train.optimizers.adam_state import adam_state_lists
+from kiln.train.optimizers.skip import commit_, skip_flag, updated
 
 
 class Lamb(torch.optim.Optimizer):
@@ -30,6 +32,7 @@ class Lamb(torch.optim.Optimizer):
         if eps < 0:
             raise ValueError(f"Lamb: eps={eps} must be >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._step_supports_amp_scaling = True  # honours found_inf (kiln/train/optimizers/skip.py)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -37,27 +40,30 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip = skip_flag(self)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Lamb")
             if params:
-                self._update_group(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+                self._update_group(group, params, grads, exp_avgs, exp_avg_sqs, steps, skip)
         return loss
 
     @staticmethod
     def _update_group(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                       exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-                      steps: list[torch.Tensor]) -> None:
+                      steps: list[torch.Tensor], skip: torch.Tensor | None) -> None:
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        torch._foreach_add_(steps, 1.0)
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        new_steps = updated(skip, torch._foreach_add_, torch._foreach_add, steps, 1.0)
+        # The in-place _foreach_lerp_ has had a DTensor rule since torch 2.6, the out-of-place one
+        # has none (2.6-2.11): per-tensor lerp when the new moment must go to a fresh tensor.
+        new_exp_avgs = updated(skip, torch._foreach_lerp_, _lerp_each, exp_avgs, grads, 1.0 - beta1)
+        new_exp_avg_sqs = updated(skip, torch._foreach_mul_, torch._foreach_mul, exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(new_exp_avg_sqs, grads, grads, value=1.0 - beta2)
         # Steps can differ between tensors (a param that got no grad on some step), so the bias
-        # corrections are per tensor; they are CPU scalars, read without a device sync.
-        ts = [float(s) for s in steps]
-        m_hats = torch._foreach_div(exp_avgs, [1.0 - beta1 ** t for t in ts])
-        denoms = torch._foreach_div(exp_avg_sqs, [1.0 - beta2 ** t for t in ts])
+        # corrections are per tensor, computed on the device from the device step counts (in
+        # float64, as Python computed them when the counts lived on the host: same bits on CPU).
+        m_hats = [m / _bias_correction(beta1, t) for m, t in zip(new_exp_avgs, new_steps)]
+        denoms = [v / _bias_correction(beta2, t) for v, t in zip(new_exp_avg_sqs, new_steps)]
         torch._foreach_sqrt_(denoms)
         torch._foreach_add_(denoms, eps)
         updates = torch._foreach_div(m_hats, denoms)
@@ -70,4 +76,17 @@ class Lamb(torch.optim.Optimizer):
             for w, r in zip(weight_norms, update_norms)
         ]
         torch._foreach_mul_(updates, ratios)
-        torch._foreach_add_(params, updates, alpha=-lr)
+        new_params = updated(skip, torch._foreach_add_, torch._foreach_add, params, updates, alpha=-lr)
+        for targets, new in ((params, new_params), (exp_avgs, new_exp_avgs),
+                             (exp_avg_sqs, new_exp_avg_sqs), (steps, new_steps)):
+            commit_(skip, targets, new)
+
+
+def _lerp_each(starts: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> list[torch.Tensor]:
+    return [torch.lerp(start, end, weight) for start, end in zip(starts, ends)]
+
+
+def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:
+    """1 - beta ** step as a 0-d float32 tensor on the step's device (float64 math; MPS has none)."""
+    wide = torch.float32 if step.device.type == "mps" else torch.float64
+    return (1.0 - torch.pow(beta, step.to(wide))).to(torch.float32)

@@ -28,7 +28,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_step
 
-from kiln.train.optimizers.adam_state import adam_state_lists
+from kiln.train.optimizers.adam_state import adam_state_lists, fused_adam_supported
+from kiln.train.optimizers.skip import commit_, skip_flag, updated
 
 # Quintic coefficients chosen (by the Muon authors) to push all singular values of a
 # unit-spectral-norm matrix into roughly [0.7, 1.2] within five steps, as fast as possible.
@@ -89,6 +90,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, use_muon=True)
         super().__init__(params, defaults)
+        self._step_supports_amp_scaling = True  # honours found_inf (kiln/train/optimizers/skip.py)
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
@@ -104,14 +106,15 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip = skip_flag(self)
         for group in self.param_groups:
             if group["use_muon"]:
-                self._muon_group(group)
+                self._muon_group(group, skip)
             else:
-                self._adamw_group(group)
+                self._adamw_group(group, skip)
         return loss
 
-    def _muon_group(self, group: dict[str, Any]) -> None:
+    def _muon_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
         for p in group["params"]:
             if p.grad is None:
@@ -120,19 +123,34 @@ class Muon(torch.optim.Optimizer):
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1.0 - beta)  # buf = beta * buf + (1 - beta) * g
+            # buf = beta * buf + (1 - beta) * g
+            new_buf = updated(skip, torch.Tensor.lerp_, torch.lerp, buf, p.grad, 1.0 - beta)
             # Nesterov: look ahead along the momentum: (1 - beta) * g + beta * buf.
-            update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
+            update = p.grad.lerp(new_buf, beta) if group["nesterov"] else new_buf
             ortho = orthogonalize_update(update)
-            if wd != 0:
-                p.mul_(1.0 - lr * wd)
-            p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape))
+            new_p = updated(skip, torch.Tensor.mul_, torch.mul, p, 1.0 - lr * wd) if wd != 0 else p
+            new_p = updated(skip if new_p is p else None, torch.Tensor.add_, torch.add, new_p, ortho,
+                            alpha=-lr * shape_lr_scale(p.shape))
+            commit_(skip, [p, buf], [new_p, new_buf])
 
-    def _adamw_group(self, group: dict[str, Any]) -> None:
+    def _adamw_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Muon's AdamW part")
         if not params:
             return
         beta1, beta2 = group["betas"]
-        adamw_step(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, amsgrad=False,
-                   beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                   eps=group["eps"], maximize=False)
+        # torch's fused AdamW kernel takes found_inf itself (and has had a DTensor rule since 2.6);
+        # elsewhere (a device without fused kernels) the step runs on copies that commit_ keeps or drops.
+        fused = fused_adam_supported(params)
+        if skip is not None and not fused:
+            params_new, exp_avgs_new, exp_avg_sqs_new, steps_new = (
+                [t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, steps))
+        else:
+            params_new, exp_avgs_new, exp_avg_sqs_new, steps_new = params, exp_avgs, exp_avg_sqs, steps
+        adamw_step(params_new, grads, exp_avgs_new, exp_avg_sqs_new, [], steps_new, foreach=None,
+                   fused=fused or None, found_inf=skip.float() if fused and skip is not None else None,
+                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        if not fused:
+            for targets, new in ((params, params_new), (exp_avgs, exp_avgs_new),
+                                 (exp_avg_sqs, exp_avg_sqs_new), (steps, steps_new)):
+                commit_(skip, targets, new)
