@@ -4,6 +4,8 @@ and with every optimizer that can skip on the device, the step never reads a ten
 
 import contextlib
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ from kiln.train.optim import build_optimizer
 from kiln.train.schedule import LRSchedule
 from kiln.train.step import PendingSteps, skips_on_device, train_step
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from ranks import run_ranks  # noqa: E402  (tests/parallel/ranks.py)
+
 NO_AUTOCAST = contextlib.nullcontext()
 
 # (optimizer, implementation, skips on the device). torch's non-fused optimizers have no found_inf
@@ -26,9 +31,15 @@ OPTIMIZERS = [("adamw", "fused", True), ("adamw", "foreach", False), ("adamw", "
 IDS = [f"{name}-{impl}" for name, impl, _ in OPTIMIZERS]
 
 
-def _setup(optim: str, impl: str = "auto"):
+def _setup(optim: str, impl: str = "auto", mesh=None):
     model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2, max_seq_len=16))
     model.init_weights(torch.Generator().manual_seed(0))
+    if mesh is not None:  # FSDP2: every parameter becomes a DTensor sharded over the mesh
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = build_optimizer(model, OptimConfig(name=optim, implementation=impl, lr=1e-2, momentum=0.9))
     LRSchedule(opt, ScheduleConfig(warmup_steps=0), 10)
     return model, opt
@@ -156,6 +167,59 @@ def test_step_never_reads_a_tensor_on_the_host(optim, impl, no_host_reads):
         _poison(model, batches[2], "grad")
         _, _, skipped = train_step(model, opt, batches[2], autocast=NO_AUTOCAST, scaler=None, clip=1.0)
     assert skipped.item()
+
+
+class _ScaledLoss(torch.nn.Module):
+    """The model's loss times `scale`: NaN makes the loss and every gradient non-finite, also when
+    the parameters are FSDP shards (a hook on a sharded parameter never sees its gradient)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.scale = model, 1.0
+
+    def forward(self, x, y):
+        return self.model(x, y) * self.scale
+
+
+FSDP_OPTIMIZERS = ["adamw", "lion", "lamb", "muon", "sgd"]  # adafactor refuses DTensor parameters
+
+
+def _fsdp_rank(rank: int, world: int) -> dict[str, tuple[float, list[bool]]]:
+    """Three steps (the second one non-finite) of each optimizer, sharded and unsharded, on the same
+    batches on every rank (so the mean gradient is the unsharded one): the largest difference."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in FSDP_OPTIMIZERS:
+        runs = []
+        for shard_mesh in (None, mesh):
+            model, opt = _setup(name, mesh=shard_mesh)
+            scaled = _ScaledLoss(model)
+            skipped = []
+            for i, batch in enumerate(_batches(3)):
+                scaled.scale = math.nan if i == 1 else 1.0
+                skipped.append(bool(train_step(scaled, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)[2]))
+            params = [p.full_tensor() if shard_mesh is not None else p.detach() for p in model.parameters()]
+            runs.append((params, skipped))
+        (ref, ref_skipped), (got, got_skipped) = runs
+        assert ref_skipped == got_skipped == [False, True, False], (name, ref_skipped, got_skipped)
+        out[name] = (max(float((a - b).abs().max()) for a, b in zip(got, ref)),
+                     [bool(torch.isfinite(p).all()) for p in got])
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_every_optimizer_skips_on_fsdp2_shards_like_one_process(tmp_path):
+    """2 gloo ranks, FSDP2 (DTensor) parameters: each optimizer's sync-free step, a skipped
+    non-finite step included, gives the unsharded run's parameters (to float reduction order)."""
+    results = run_ranks(_fsdp_rank, 2, tmp_path, timeout=200)
+    for name in FSDP_OPTIMIZERS:
+        for rank in results:
+            diff, finite = rank[name]
+            assert all(finite), f"{name}: non-finite parameters after the skipped step"
+            assert diff < 1e-5, f"{name}: sharded differs from one process by {diff}"
 
 
 def test_pending_steps_fetch_in_order_once():
