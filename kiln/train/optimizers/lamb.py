@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kiln.train.optimizers.adam_state import adam_state_lists
-from kiln.train.optimizers.skip import commit_, skip_flag, updated
+from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
 
 class Lamb(torch.optim.Optimizer):
@@ -32,7 +32,8 @@ class Lamb(torch.optim.Optimizer):
         if eps < 0:
             raise ValueError(f"Lamb: eps={eps} must be >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self._step_supports_amp_scaling = True  # honours found_inf (kiln/train/optimizers/skip.py)
+        # honours found_inf (kiln/train/optimizers/skip.py), so train_step never syncs with it
+        self._step_supports_amp_scaling = supports_device_skip(p for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -53,17 +54,27 @@ class Lamb(torch.optim.Optimizer):
                       steps: list[torch.Tensor], skip: torch.Tensor | None) -> None:
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        new_steps = updated(skip, torch._foreach_add_, torch._foreach_add, steps, 1.0)
-        # The in-place _foreach_lerp_ has had a DTensor rule since torch 2.6, the out-of-place one
-        # has none (2.6-2.11): per-tensor lerp when the new moment must go to a fresh tensor.
-        new_exp_avgs = updated(skip, torch._foreach_lerp_, _lerp_each, exp_avgs, grads, 1.0 - beta1)
-        new_exp_avg_sqs = updated(skip, torch._foreach_mul_, torch._foreach_mul, exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(new_exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        zero_if_skipped_(skip, grads)  # a skipped step: zero gradients, identity factors
+        # The bias corrections use the step count this step would reach, also when it is skipped
+        # (then a count of 0 would divide by 0; the update is discarded anyway).
+        next_steps = torch._foreach_add(steps, 1.0)
+        if skip is None:
+            torch._foreach_add_(steps, 1.0)
+        else:  # a list: there is no foreach add of one tensor (a Tensor would be read as a Python number)
+            torch._foreach_add_(steps, [(~skip).to(torch.float32)] * len(steps))
+        if skip is None:
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        else:  # torch 2.6-2.11 have DTensor rules for the scalar-weight foreach lerp only
+            weight = unless_skipped(skip, 1.0 - beta1, 0.0)
+            for m, g in zip(exp_avgs, grads):
+                m.lerp_(g, weight)
+        torch._foreach_mul_(exp_avg_sqs, unless_skipped(skip, beta2, 1.0))
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
         # Steps can differ between tensors (a param that got no grad on some step), so the bias
         # corrections are per tensor, computed on the device from the device step counts (in
         # float64, as Python computed them when the counts lived on the host: same bits on CPU).
-        m_hats = [m / _bias_correction(beta1, t) for m, t in zip(new_exp_avgs, new_steps)]
-        denoms = [v / _bias_correction(beta2, t) for v, t in zip(new_exp_avg_sqs, new_steps)]
+        m_hats = [m / _bias_correction(beta1, t) for m, t in zip(exp_avgs, next_steps)]
+        denoms = [v / _bias_correction(beta2, t) for v, t in zip(exp_avg_sqs, next_steps)]
         torch._foreach_sqrt_(denoms)
         torch._foreach_add_(denoms, eps)
         updates = torch._foreach_div(m_hats, denoms)
@@ -76,14 +87,8 @@ class Lamb(torch.optim.Optimizer):
             for w, r in zip(weight_norms, update_norms)
         ]
         torch._foreach_mul_(updates, ratios)
-        new_params = updated(skip, torch._foreach_add_, torch._foreach_add, params, updates, alpha=-lr)
-        for targets, new in ((params, new_params), (exp_avgs, new_exp_avgs),
-                             (exp_avg_sqs, new_exp_avg_sqs), (steps, new_steps)):
-            commit_(skip, targets, new)
-
-
-def _lerp_each(starts: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> list[torch.Tensor]:
-    return [torch.lerp(start, end, weight) for start, end in zip(starts, ends)]
+        zero_if_skipped_(skip, updates)
+        torch._foreach_add_(params, updates, alpha=-lr)
 
 
 def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:

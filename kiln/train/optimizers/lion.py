@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kiln.train.optimizers.skip import commit_, skip_flag, updated
+from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
 
 class Lion(torch.optim.Optimizer):
@@ -29,7 +29,8 @@ class Lion(torch.optim.Optimizer):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"Lion: betas={betas} must be in [0, 1)")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
-        self._step_supports_amp_scaling = True  # honours found_inf (kiln/train/optimizers/skip.py)
+        # honours found_inf (kiln/train/optimizers/skip.py), so train_step never syncs with it
+        self._step_supports_amp_scaling = supports_device_skip(p for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -55,6 +56,9 @@ class Lion(torch.optim.Optimizer):
                 continue
             lr, wd = group["lr"], group["weight_decay"]
             beta1, beta2 = group["betas"]
+            zero_if_skipped_(skip, grads)  # a skipped step: zero gradients, identity factors
+            if wd != 0:
+                torch._foreach_mul_(params, unless_skipped(skip, 1.0 - lr * wd, 1.0))
             # torch 2.11 has no DTensor sharding rule for the out-of-place _foreach_lerp nor for
             # _foreach_sign(_), so FSDP-sharded parameters could not step: mul + add, and a
             # per-tensor sign_ (a plain pointwise op, which DTensor supports everywhere).
@@ -62,14 +66,8 @@ class Lion(torch.optim.Optimizer):
             torch._foreach_add_(updates, grads, alpha=1.0 - beta1)
             for update in updates:
                 update.sign_()
-            if wd != 0:
-                new_params = updated(skip, torch._foreach_mul_, torch._foreach_mul, params, 1.0 - lr * wd)
-                torch._foreach_add_(new_params, updates, alpha=-lr)
-            else:
-                new_params = updated(skip, torch._foreach_add_, torch._foreach_add, params, updates, alpha=-lr)
-            # m = beta2 * m + (1 - beta2) * g
-            new_exp_avgs = updated(skip, torch._foreach_mul_, torch._foreach_mul, exp_avgs, beta2)
-            torch._foreach_add_(new_exp_avgs, grads, alpha=1.0 - beta2)
-            commit_(skip, params, new_params)
-            commit_(skip, exp_avgs, new_exp_avgs)
+            zero_if_skipped_(skip, updates)
+            torch._foreach_add_(params, updates, alpha=-lr)
+            torch._foreach_mul_(exp_avgs, unless_skipped(skip, beta2, 1.0))  # m = beta2 * m + (1 - beta2) * g
+            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
         return loss

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_step
 
 from kiln.train.optimizers.adam_state import adam_state_lists, fused_adam_supported
-from kiln.train.optimizers.skip import commit_, skip_flag, updated
+from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
 # Quintic coefficients chosen (by the Muon authors) to push all singular values of a
 # unit-spectral-norm matrix into roughly [0.7, 1.2] within five steps, as fast as possible.
@@ -90,7 +90,11 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, use_muon=True)
         super().__init__(params, defaults)
-        self._step_supports_amp_scaling = True  # honours found_inf (kiln/train/optimizers/skip.py)
+        # honours found_inf (kiln/train/optimizers/skip.py; torch's fused AdamW kernel for the AdamW
+        # groups), so train_step never syncs with it
+        self._step_supports_amp_scaling = all(
+            supports_device_skip(g["params"]) if g["use_muon"] else fused_adam_supported(g["params"])
+            for g in self.param_groups)
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
@@ -116,22 +120,22 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        zero_if_skipped_(skip, [p.grad for p in params])  # a skipped step: zero gradients, identity factors
+        weight, decay = unless_skipped(skip, 1.0 - beta, 0.0), unless_skipped(skip, 1.0 - lr * wd, 1.0)
+        for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
-            # buf = beta * buf + (1 - beta) * g
-            new_buf = updated(skip, torch.Tensor.lerp_, torch.lerp, buf, p.grad, 1.0 - beta)
+            buf.lerp_(p.grad, weight)  # buf = beta * buf + (1 - beta) * g
             # Nesterov: look ahead along the momentum: (1 - beta) * g + beta * buf.
-            update = p.grad.lerp(new_buf, beta) if group["nesterov"] else new_buf
+            update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
             ortho = orthogonalize_update(update)
-            new_p = updated(skip, torch.Tensor.mul_, torch.mul, p, 1.0 - lr * wd) if wd != 0 else p
-            new_p = updated(skip if new_p is p else None, torch.Tensor.add_, torch.add, new_p, ortho,
-                            alpha=-lr * shape_lr_scale(p.shape))
-            commit_(skip, [p, buf], [new_p, new_buf])
+            zero_if_skipped_(skip, [ortho])
+            if wd != 0:
+                p.mul_(decay)
+            p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape))
 
     def _adamw_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Muon's AdamW part")
@@ -139,18 +143,9 @@ class Muon(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         # torch's fused AdamW kernel takes found_inf itself (and has had a DTensor rule since 2.6);
-        # elsewhere (a device without fused kernels) the step runs on copies that commit_ keeps or drops.
-        fused = fused_adam_supported(params)
-        if skip is not None and not fused:
-            params_new, exp_avgs_new, exp_avg_sqs_new, steps_new = (
-                [t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, steps))
-        else:
-            params_new, exp_avgs_new, exp_avg_sqs_new, steps_new = params, exp_avgs, exp_avg_sqs, steps
-        adamw_step(params_new, grads, exp_avgs_new, exp_avg_sqs_new, [], steps_new, foreach=None,
-                   fused=fused or None, found_inf=skip.float() if fused and skip is not None else None,
+        # where torch has no fused kernel, Muon does not claim to skip on the device (__init__).
+        adamw_step(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+                   fused=fused_adam_supported(params) or None,
+                   found_inf=None if skip is None else skip.to(torch.float32),
                    amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-        if not fused:
-            for targets, new in ((params, params_new), (exp_avgs, exp_avgs_new),
-                                 (exp_avg_sqs, exp_avg_sqs_new), (steps, steps_new)):
-                commit_(skip, targets, new)

@@ -6,20 +6,31 @@ called with `optimizer.found_inf` (a 0-d device tensor, non-zero when the gradie
 finite) and `optimizer.grad_scale` set as attributes; the step then leaves parameters and state
 untouched when found_inf is non-zero, without the host ever reading it.
 
-How a kiln step masks itself (kiln's code; torch has no public helper for it): each tensor the step
-would overwrite (a parameter, a moment, a step count) gets its new value computed into a fresh
-tensor, then `torch.where(skip, old, new, out=old)` writes it back. `where` selects; it computes
-nothing from the discarded value, so a skipped step leaves every bit of the old one (NaN or inf in
-the new value cannot leak), and a step that is not skipped writes exactly what the unmasked step
-would. Without found_inf (a plain `optimizer.step()`), `updated` works in place and `commit_`
-does nothing, so that path costs what it did before masking existed.
+How a kiln step masks itself (kiln's code; torch has no public helper for this): when the step is
+skipped, (1) the gradients are made exactly zero (`zero_if_skipped_`: nan_to_num_ then a multiply
+by 0, so NaN and inf cannot leak), (2) the factors that update the state in place become their
+identity (`unless_skipped`: a decay of 1, an interpolation weight of 0: `m * 1 + 0` is m), and
+(3) the parameter update, finite by then, is multiplied by 0. When the step is not skipped each of
+these multiplies by exactly 1 or uses the same float32 factor the plain step uses, so the result is
+bit for bit the plain step's (on CPU; tests/train/test_step.py). This costs two cheap passes over
+the gradients and one over the update; selecting old vs new values with `torch.where` instead
+measured ~2x slower on CPU (its CPU kernel is not vectorized) and needs new tensors for the state.
+
+One caveat of (2): a state element that is exactly -0.0 can come back as +0.0 (equal as numbers).
+Factors are float32 tensors, exact for float32 state only: `supports_device_skip` says whether an
+optimizer's parameters qualify (others keep the host check in kiln.train.step.step_unless).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable
 
 import torch
+
+
+def supports_device_skip(params: Iterable[torch.Tensor]) -> bool:
+    """True when every parameter is float32 (the factors below are float32: exact for it)."""
+    return all(p.dtype == torch.float32 for p in params)
 
 
 def skip_flag(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -35,24 +46,19 @@ def skip_flag(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     return None if found_inf is None else found_inf != 0  # the scaler sums per-device flags
 
 
-def updated(skip: torch.Tensor | None, in_place: Callable, out_of_place: Callable,
-            targets, *args, **kwargs):
-    """`targets` after one update: modified in place when nothing can be skipped (skip is None), else
-    new tensors (`out_of_place(targets, ...)`) for `commit_` to write back.
-
-    Works for a list of tensors with a torch._foreach_* pair, or a single tensor with e.g.
-    (torch.Tensor.lerp_, torch.lerp).
-    """
+def unless_skipped(skip: torch.Tensor | None, value: float, identity: float) -> float | torch.Tensor:
+    """`value` as the plain step uses it (a Python float) when nothing can be skipped, else a 0-d
+    float32 device tensor: `identity` when `skip`, else `value`."""
     if skip is None:
-        in_place(targets, *args, **kwargs)
-        return targets
-    return out_of_place(targets, *args, **kwargs)
+        return value
+    return torch.where(skip, identity, value).to(torch.float32)
 
 
-def commit_(skip: torch.Tensor | None, targets: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
-    """targets[i] <- new[i], unless `skip`; a no-op when skip is None (`updated` then worked in place)."""
-    if skip is None:
+def zero_if_skipped_(skip: torch.Tensor | None, tensors: list[torch.Tensor]) -> None:
+    """In place: every element exactly 0 when `skip`, unchanged otherwise (finite values only are
+    unchanged: a non-finite one becomes finite, which only a skipped step should produce)."""
+    if skip is None or not tensors:
         return
-    for target, value in zip(targets, new, strict=True):
-        if target is not value:
-            torch.where(skip, target, value, out=target)
+    for t in tensors:
+        t.nan_to_num_()
+    torch._foreach_mul_(tensors, (~skip).to(torch.float32))
