@@ -3,7 +3,9 @@
 Hidden weight matrices get SGD-Nesterov momentum whose update is replaced by its nearest
 semi-orthogonal matrix, approximated by a quintic Newton-Schulz iteration; everything else
 (embeddings, the LM head, norms, biases) is updated by AdamW in the same optimizer object, so
-one state_dict and one LR schedule cover the whole model.
+one state_dict and one LR schedule cover the whole model. The AdamW part is torch's fused AdamW
+kernel where torch has one (CPU, CUDA, ...): it skips a non-finite step on the device itself; the
+Muon part skips through kiln/train/optimizers/skip.py.
 
 Param groups carry `use_muon`: True for orthogonalized matrices, False for the AdamW ones.
 
