@@ -164,10 +164,14 @@ def main() -> int:
     parser.add_argument("--baseline-ref", default=None,
                         help="git commit whose Lion/LAMB/Muon the host-checked side runs (default: current code)")
     parser.add_argument("--only-skip-check", action="store_true", help="time only the second table")
+    parser.add_argument("--optimizers", default="", help="comma-separated optimizer names to time (default: all)")
     args = parser.parse_args()
 
     device_type = torch.device(args.device).type
     cases = [(n, i) for n, i in CASES if not (i == "fused" and device_type not in ("cpu", "cuda"))]
+    if args.optimizers:
+        wanted = set(args.optimizers.split(","))
+        cases = [c for c in cases if c[0] in wanted or c == CASES[0]]  # the ratio baseline stays
     skip_rows = time_skip_check(cases, args, device_type)
     if args.only_skip_check:
         write_results({"benchmark": "optimizer_step", **machine(args), "skip_check": skip_rows,

@@ -189,11 +189,11 @@ FSDP_OPTIMIZERS = ["adamw", "lion", "lamb", "muon", "sgd"]  # adafactor refuses 
 # declared range: e.g. the out-of-place _foreach_lerp and _foreach_sign have no rule there.
 DTENSOR_RULES_SINCE_2_6 = frozenset(f"aten.{op}" for op in (
     "_foreach_add_.List", "_foreach_add_.Scalar", "_foreach_addcmul_.Scalar", "_foreach_div.List",
-    "_foreach_lerp_.Scalar", "_foreach_mul.Scalar", "_foreach_mul_.List", "_foreach_mul_.Scalar",
-    "_foreach_mul_.Tensor", "_foreach_norm.Scalar", "_foreach_sqrt_.default", "_fused_adamw_.default",
-    "add_.Tensor", "bitwise_and.Tensor", "div.Tensor", "gt.Scalar", "lerp.Scalar", "lerp_.Scalar",
-    "lerp_.Tensor", "mul_.Tensor", "nan_to_num_.default", "ones_like.default", "sign_.default",
-    "where.self", "zeros_like.default"))
+    "_foreach_lerp_.Scalar", "_foreach_mul.Scalar", "_foreach_mul.Tensor", "_foreach_mul_.List",
+    "_foreach_mul_.Scalar", "_foreach_mul_.Tensor", "_foreach_norm.Scalar", "_foreach_sqrt_.default",
+    "_fused_adamw_.default", "add_.Tensor", "bitwise_and.Tensor", "div.Tensor", "gt.Scalar",
+    "lerp.Scalar", "lerp_.Scalar", "lerp_.Tensor", "mul_.Tensor", "nan_to_num_.default",
+    "ones_like.default", "sign_.default", "where.self", "zeros_like.default"))
 
 
 class _DTensorOps(TorchDispatchMode):

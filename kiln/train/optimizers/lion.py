@@ -62,11 +62,11 @@ class Lion(torch.optim.Optimizer):
             # torch 2.11 has no DTensor sharding rule for the out-of-place _foreach_lerp nor for
             # _foreach_sign(_), so FSDP-sharded parameters could not step: mul + add, and a
             # per-tensor sign_ (a plain pointwise op, which DTensor supports everywhere).
-            updates = torch._foreach_mul(exp_avgs, beta1)  # beta1 * m + (1 - beta1) * g
+            # beta1 * m + (1 - beta1) * g; skipped: 0 * m + 0 (zeroed g), whose sign 0 moves nothing
+            updates = torch._foreach_mul(exp_avgs, unless_skipped(skip, beta1, 0.0))
             torch._foreach_add_(updates, grads, alpha=1.0 - beta1)
             for update in updates:
                 update.sign_()
-            zero_if_skipped_(skip, updates)
             torch._foreach_add_(params, updates, alpha=-lr)
             torch._foreach_mul_(exp_avgs, unless_skipped(skip, beta2, 1.0))  # m = beta2 * m + (1 - beta2) * g
             torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
