@@ -27,7 +27,8 @@ def adam_state_lists(optimizer: torch.optim.Optimizer, group: dict[str, Any], wh
     0-d tensor on the parameter's device, as torch's fused Adam keeps it (a tensor, so DCP saves it
     as state; on the device, so a step never reads it on the host and a skipped step can leave it
     unchanged there). A step loaded onto the CPU (torch's load_state_dict keeps it where it was
-    saved, and kiln's optimizers kept it on the CPU before they could skip a step on the device) moves to the device on first use.
+    saved; kiln's optimizers kept it on the CPU before they could skip a step on the device) moves
+    to the device on first use.
     """
     params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
     for p in group["params"]:

@@ -60,14 +60,13 @@ class Lamb(torch.optim.Optimizer):
         next_steps = torch._foreach_add(steps, 1.0)
         if skip is None:
             torch._foreach_add_(steps, 1.0)
-        else:  # a list: there is no foreach add of one tensor (a Tensor would be read as a Python number)
-            torch._foreach_add_(steps, [(~skip).to(torch.float32)] * len(steps))
-        if skip is None:
             torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        else:  # torch 2.6-2.11 have DTensor rules for the scalar-weight foreach lerp only
+        else:
+            # A list of flags: there is no foreach add of one tensor (it would be read as a number).
+            torch._foreach_add_(steps, [(~skip).to(torch.float32)] * len(steps))
             weight = unless_skipped(skip, 1.0 - beta1, 0.0)
-            for m, g in zip(exp_avgs, grads):
-                m.lerp_(g, weight)
+            for m, g in zip(exp_avgs, grads):  # torch 2.6-2.11: DTensor rules for the scalar-weight
+                m.lerp_(g, weight)  # foreach lerp only, so a tensor weight goes tensor by tensor
         torch._foreach_mul_(exp_avg_sqs, unless_skipped(skip, beta2, 1.0))
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
         # Steps can differ between tensors (a param that got no grad on some step), so the bias

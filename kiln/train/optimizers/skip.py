@@ -8,16 +8,15 @@ untouched when found_inf is non-zero, without the host ever reading it.
 
 How a kiln step masks itself (kiln's code; torch has no public helper for this): when the step is
 skipped, (1) the gradients are made exactly zero in place (`zero_if_skipped_`: nan_to_num_ then a
-multiply by 0, so NaN and inf cannot leak; train_step drops them next), (2) the factors that update
-the state in place become their identity (`unless_skipped`: a decay of 1, an interpolation weight
-of 0: `m * 1 + 0` is m), and
-(3) the parameter update becomes exactly 0 (computed from zeroed inputs, or multiplied by 0 once
-finite). When the step is not skipped each of these multiplies by exactly 1 or uses the same
-float32 factor the plain step uses, so the result is bit for bit the plain step's (on CPU;
-tests/train/test_step.py). The cost is two cheap passes over the gradients (and one over LAMB's
-and Muon's update). Computing new values and selecting them with `torch.where(skip, old, new)`
-instead needs a new tensor per state tensor and was much slower on CPU, whose `where` kernel is
-not vectorized (Lion: 2.4x the host-checked step against 1.3x, benchmarks/README.md).
+multiply by 0, so NaN and inf cannot leak; train_step drops them next), (2) the factors that
+update the state in place become their identity (`unless_skipped`: a decay of 1, an interpolation
+weight of 0: `m * 1 + 0` is m), and (3) the parameter update becomes exactly 0 (computed from
+zeroed inputs, or multiplied by 0 once finite). When the step is not skipped each of these
+multiplies by exactly 1 or uses the same float32 factor the plain step uses, so the result is bit
+for bit the plain step's (on CPU; tests/train/test_step.py). The cost is two cheap passes over the
+gradients (and one over LAMB's and Muon's update). Computing new values and selecting them with
+`torch.where(skip, old, new)` instead needs a new tensor per state tensor and was much slower on
+CPU, whose `where` kernel is not vectorized (benchmarks/README.md, "Optimizer step").
 
 One caveat of (2): a state element that is exactly -0.0 can come back as +0.0 (equal as numbers).
 Factors are float32 tensors, exact for float32 state only: `supports_device_skip` says whether an
