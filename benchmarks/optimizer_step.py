@@ -24,9 +24,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -228,7 +230,8 @@ def main() -> int:
 
 def machine(args) -> dict:
     return {"device": args.device, "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "rounds": args.rounds}
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "rounds": args.rounds,
+            "command": " ".join(["python", *sys.argv]), "load_average_at_end": os.getloadavg()[0]}
 
 
 def write_results(payload: dict, path: Path) -> None:
