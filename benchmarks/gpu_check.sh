@@ -20,29 +20,46 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 - <<'PY'
-# The step skips a non-finite update on the device: parameters and AdamW state stay bit-identical.
+# The step skips a non-finite update on the device: parameters and optimizer state stay
+# bit-identical, and (sync debug mode "error") nothing in the step waits for the device, with fused
+# AdamW and with kiln's Lion/LAMB/Muon (found_inf, kiln/train/optimizers/skip.py).
 import contextlib, torch
 from kiln.config import ModelConfig, OptimConfig
 from kiln.model.transformer import Transformer
 from kiln.train.optim import build_optimizer
 from kiln.train.step import skips_on_device, train_step
 dev = torch.device("cuda")
-m = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=64)).to(dev)
-m.init_weights(torch.Generator(device=dev).manual_seed(0))
-opt = build_optimizer(m, OptimConfig(), "cuda")
-x = torch.randint(0, 256, (2, 64), device=dev)
 ac = torch.autocast("cuda", dtype=torch.bfloat16)
-train_step(m, opt, [(x, x)], autocast=ac, scaler=None, clip=1.0)
-before = [p.detach().clone() for p in m.parameters()]
-m.loss_impl = "chunked"
-with torch.no_grad():
-    m.tok_embeddings.weight[0, 0] = float("nan")  # poisons the loss of any batch with token 0
-    before[0][0, 0] = float("nan")
-x[0, 0] = 0
-loss, gn, skipped = train_step(m, opt, [(x, x)], autocast=ac, scaler=None, clip=1.0)
-same = all(torch.equal(a.nan_to_num(), b.detach().nan_to_num()) for a, b in zip(before, m.parameters()))
-print(f"device-side skip: optimizer {'fused found_inf' if skips_on_device(opt) else 'host check'}, "
-      f"skipped={bool(skipped)}, parameters unchanged={same}")
+for name in ("adamw", "lion", "lamb", "muon"):
+    m = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=64)).to(dev)
+    m.init_weights(torch.Generator(device=dev).manual_seed(0))
+    opt = build_optimizer(m, OptimConfig(name=name), "cuda")
+    x = torch.randint(1, 256, (2, 64), device=dev)
+    train_step(m, opt, [(x, x)], autocast=ac, scaler=None, clip=1.0)  # creates the optimizer state
+    torch.cuda.synchronize()
+    before = [p.detach().clone() for p in m.parameters()]
+    state = [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    m.loss_impl = "chunked"
+    with torch.no_grad():
+        m.tok_embeddings.weight[0, 0] = float("nan")  # poisons the loss of any batch with token 0
+        before[0][0, 0] = float("nan")
+    x[0, 0] = 0
+    torch.cuda.synchronize()
+    synced = "none"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, gn, skipped = train_step(m, opt, [(x, x)], autocast=ac, scaler=None, clip=1.0)
+    except RuntimeError as e:  # a synchronizing call: say which, then run the step without the check
+        synced = str(e).splitlines()[0][:120]
+        torch.cuda.set_sync_debug_mode("default")
+        loss, gn, skipped = train_step(m, opt, [(x, x)], autocast=ac, scaler=None, clip=1.0)
+    torch.cuda.set_sync_debug_mode("default")
+    same = all(torch.equal(a.nan_to_num(), b.detach().nan_to_num()) for a, b in zip(before, m.parameters()))
+    after = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    same_state = all(torch.equal(a, b) for a, b in zip(state, after))
+    print(f"device-side skip, {name}: {'found_inf' if skips_on_device(opt) else 'host check'}, "
+          f"skipped={bool(skipped)}, parameters unchanged={same}, state unchanged={same_state}, "
+          f"host sync in the step: {synced}")
 PY
 CORPUS=${CORPUS:-.gpudata/tinyshakespeare.txt}
 python3 benchmarks/throughput.py --device cuda --budget-s "${BUDGET_S:-360}" --corpus "$CORPUS" \

@@ -15,15 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-try:  # private in torch; the fallback is its list as of torch 2.6-2.13
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-except ImportError:  # pragma: no cover - depends on the torch version
-    def _get_fused_kernels_supported_devices() -> list[str]:
-        return ["mps", "cuda", "xpu", "hpu", "cpu"]
-
 from kiln.config import OptimConfig
 from kiln.errors import ConfigError, KilnError
 from kiln.train.optimizers import Lamb, Lion, Muon
+from kiln.train.optimizers.adam_state import fused_adam_supported
 
 __all__ = ["build_optimizer", "param_groups", "adamw_implementation"]
 
@@ -102,17 +97,10 @@ def _muon_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any
     return [g for g in groups if g["params"]]
 
 
-def _fused_supported(params: list[torch.Tensor], device_type: str) -> bool:
-    supported = _get_fused_kernels_supported_devices()
-    return device_type in supported and all(
-        p.device.type in supported and torch.is_floating_point(p) for p in params
-    )
-
-
 def adamw_implementation(cfg: OptimConfig, params: list[torch.Tensor], device_type: str) -> str:
     """Resolve optim.implementation to "fused", "foreach" or "single" for these params."""
     if cfg.implementation == "fused":
-        if not _fused_supported(params, device_type):
+        if not fused_adam_supported(params, device_type):
             dtypes = sorted({str(p.dtype) for p in params})
             raise ConfigError(
                 f"optim.implementation='fused' is not supported by this torch for device "
@@ -121,7 +109,7 @@ def adamw_implementation(cfg: OptimConfig, params: list[torch.Tensor], device_ty
         return "fused"
     if cfg.implementation in ("foreach", "single"):
         return cfg.implementation
-    if _fused_supported(params, device_type) and FUSED_ADAMW_FASTER.get(device_type, True):
+    if fused_adam_supported(params, device_type) and FUSED_ADAMW_FASTER.get(device_type, True):
         return "fused"
     return "foreach"
 

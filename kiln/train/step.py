@@ -4,10 +4,11 @@
 whole-model compile covers the head and the loss), backward, clip, optimizer step. It never
 waits for the device: the loss, the grad norm and the "skipped" flag stay device tensors, and a
 non-finite step is skipped on the device by handing the optimizer a `found_inf` tensor, the
-mechanism torch's grad scaler uses with fused Adam/AdamW/SGD (their kernels leave parameters,
-moments and step counts untouched when it is non-zero). Optimizers without that mechanism
-(kiln's Lion/LAMB/Muon, foreach AdamW, Adafactor) fall back to one host check per step; the run
-row says which (`nonfinite_check`).
+protocol torch's grad scaler uses with optimizers that set `_step_supports_amp_scaling`: torch's
+fused Adam/AdamW/SGD (their kernels leave parameters, moments and step counts untouched when it is
+non-zero) and kiln's Lion/LAMB/Muon (kiln/train/optimizers/skip.py). torch's non-fused optimizers
+(foreach or single-tensor AdamW, non-fused SGD, Adafactor) have no such path and fall back to one
+host check per step; the run row says which (`nonfinite_check`).
 
 `PendingSteps` collects those tensors and fetches them in one transfer every `metrics.log_every`
 steps (and before evaluations, checkpoints and the end), so `metrics.jsonl` still gets one row
@@ -24,9 +25,9 @@ from torch.distributed.tensor import DTensor
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """True when `optimizer.step()` honours a `found_inf` tensor (torch's fused kernels)."""
-    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and all(
-        g.get("fused") for g in optimizer.param_groups)
+    """True when `optimizer.step()` honours a `found_inf` tensor: torch sets the flag on its fused
+    optimizers, kiln on its own (GradScaler reads the same flag)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float):

@@ -1,27 +1,46 @@
 """The sync-free step: the same numbers as the host-checked step it replaced, bit for bit on CPU,
-and a non-finite step leaves parameters and optimizer state untouched on either path."""
+for every optimizer kiln builds; a non-finite step leaves parameters and optimizer state untouched;
+and with every optimizer that can skip on the device, the step never reads a tensor on the host."""
 
 import contextlib
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kiln.config import ModelConfig, OptimConfig
+from kiln.config import ModelConfig, OptimConfig, ScheduleConfig
 from kiln.model.loss import lm_loss
 from kiln.model.transformer import Transformer
 from kiln.train.optim import build_optimizer
 from kiln.train.schedule import LRSchedule
 from kiln.train.step import PendingSteps, skips_on_device, train_step
-from kiln.config import ScheduleConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from ranks import run_ranks  # noqa: E402  (tests/parallel/ranks.py)
 
 NO_AUTOCAST = contextlib.nullcontext()
 
+# (optimizer, implementation, skips on the device). torch's non-fused optimizers have no found_inf
+# path: they keep one host check per step (the run row's nonfinite_check says "host").
+OPTIMIZERS = [("adamw", "fused", True), ("adamw", "foreach", False), ("adamw", "single", False),
+              ("lion", "auto", True), ("lamb", "auto", True), ("muon", "auto", True),
+              ("sgd", "auto", False), ("adafactor", "auto", False)]
+IDS = [f"{name}-{impl}" for name, impl, _ in OPTIMIZERS]
 
-def _setup(optim: str, impl: str = "auto"):
+
+def _setup(optim: str, impl: str = "auto", mesh=None):
     model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2, max_seq_len=16))
     model.init_weights(torch.Generator().manual_seed(0))
-    opt = build_optimizer(model, OptimConfig(name=optim, implementation=impl, lr=1e-2))
+    if mesh is not None:  # FSDP2: every parameter becomes a DTensor sharded over the mesh
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = build_optimizer(model, OptimConfig(name=optim, implementation=impl, lr=1e-2, momentum=0.9))
     LRSchedule(opt, ScheduleConfig(warmup_steps=0), 10)
     return model, opt
 
@@ -51,37 +70,199 @@ def _old_step(model, optimizer, micro_batches, clip):
     return total, grad_norm, finite
 
 
-@pytest.mark.parametrize("optim, impl, on_device", [("adamw", "fused", True), ("adamw", "foreach", False),
-                                                    ("lion", "auto", False)])
+def _state(opt):
+    """Every tensor of the optimizer state, per parameter, in a fixed order."""
+    return [(k, v.clone()) for s in opt.state.values() for k, v in sorted(s.items()) if torch.is_tensor(v)]
+
+
+@pytest.mark.parametrize("optim, impl, on_device", OPTIMIZERS, ids=IDS)
 def test_sync_free_step_is_bitwise_the_old_step(optim, impl, on_device):
     new_model, new_opt = _setup(optim, impl)
     old_model, old_opt = _setup(optim, impl)
     assert skips_on_device(new_opt) is on_device
-    for batch in _batches(5):
+    for batch in _batches(4):
         loss, gnorm, skipped = train_step(new_model, new_opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
         ref_loss, ref_gnorm, finite = _old_step(old_model, old_opt, batch, 1.0)
         assert torch.equal(loss, ref_loss) and torch.equal(gnorm, ref_gnorm) and bool(skipped) is not finite
     for a, b in zip(new_model.parameters(), old_model.parameters()):
         assert torch.equal(a, b)
+    assert all(ka == kb and torch.equal(a, b) for (ka, a), (kb, b) in zip(_state(new_opt), _state(old_opt)))
 
 
-@pytest.mark.parametrize("optim, impl", [("adamw", "fused"), ("adamw", "foreach"), ("lamb", "auto")])
-def test_non_finite_step_changes_nothing(optim, impl):
+def _poison(model, batch, how: str):
+    """Make the next step non-finite: an inf weight (non-finite loss and gradients) or a NaN gradient
+    (finite loss). Returns the parameters as they must be after the skipped step."""
+    if how == "loss":
+        model.loss_impl = "full"
+        with torch.no_grad():
+            model.layers[0].attention.wq.weight[0, 0] = float("inf")
+        return [p.detach().clone() for p in model.parameters()], None
+    handle = model.layers[1].feed_forward.w2.weight.register_hook(lambda g: g * float("nan"))
+    return [p.detach().clone() for p in model.parameters()], handle
+
+
+@pytest.mark.parametrize("how", ["loss", "grad"])
+@pytest.mark.parametrize("optim, impl, on_device", OPTIMIZERS, ids=IDS)
+def test_non_finite_step_changes_nothing(optim, impl, on_device, how):
     model, opt = _setup(optim, impl)
-    (batch,) = _batches(1)
-    train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
-    params = [p.detach().clone() for p in model.parameters()]
-    state = {k: v.clone() for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)}
-    model.loss_impl = "full"
-    with torch.no_grad():
-        model.layers[0].attention.wq.weight[0, 0] = float("inf")  # -> non-finite loss and gradients
-    params[[n for n, _ in model.named_parameters()].index("layers.0.attention.wq.weight")][0, 0] = float("inf")
-    loss, gnorm, skipped = train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+    ref_model, ref_opt = _setup(optim, impl)
+    first, second, third = _batches(3)
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        train_step(m, o, first, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+    state = _state(opt)
+    params, hook = _poison(model, second, how)
+    loss, gnorm, skipped = train_step(model, opt, second, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
     assert bool(skipped)
     for a, b in zip(params, model.parameters()):
         assert torch.equal(a, b.detach())
-    after = {k: v for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)}
-    assert all(torch.equal(state[k], after[k]) for k in state)
+    after = _state(opt)
+    assert [k for k, _ in after] == [k for k, _ in state]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(state, after)), "optimizer state changed"
+    if hook is not None:  # the run goes on as if the bad batch never came
+        hook.remove()
+        train_step(model, opt, third, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+        train_step(ref_model, ref_opt, third, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b)
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on any read of a tensor's value by the host: item(), bool(), float(), int(), and the
+    comparisons Python makes with them all reach aten._local_scalar_dense (on a GPU that is the
+    device sync); is_nonzero is bool() of a one-element tensor."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            raise AssertionError(f"host read of a tensor value during the step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Also refuse the Python-level copies to the host, which do not dispatch an aten op on CPU."""
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name}() during the step")
+        return method
+
+    for name in ("tolist", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    return _NoHostReads
+
+
+def test_the_host_read_guard_catches_the_host_checked_step(no_host_reads):
+    model, opt = _setup("adamw", "foreach")
+    (batch,) = _batches(1)
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
+        train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+
+
+@pytest.mark.parametrize("optim, impl", [(n, i) for n, i, on_device in OPTIMIZERS if on_device])
+def test_step_never_reads_a_tensor_on_the_host(optim, impl, no_host_reads):
+    model, opt = _setup(optim, impl)
+    batches = _batches(3)
+    with no_host_reads():
+        for batch in batches[:2]:  # the first step creates the optimizer state
+            train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+        _poison(model, batches[2], "grad")
+        _, _, skipped = train_step(model, opt, batches[2], autocast=NO_AUTOCAST, scaler=None, clip=1.0)
+    assert skipped.item()
+
+
+class _ScaledLoss(torch.nn.Module):
+    """The model's loss times `scale`: NaN makes the loss and every gradient non-finite, also when
+    the parameters are FSDP shards (a hook on a sharded parameter never sees its gradient)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.scale = model, 1.0
+
+    def forward(self, x, y):
+        return self.model(x, y) * self.scale
+
+
+FSDP_OPTIMIZERS = ["adamw", "lion", "lamb", "muon", "sgd"]  # adafactor refuses DTensor parameters
+
+
+# Ops with a DTensor sharding rule in torch 2.6.0 and in 2.11.0 (read in their
+# torch/distributed/tensor/_ops/ sources), so kiln's optimizers step sharded parameters across the
+# declared range: e.g. the out-of-place _foreach_lerp and _foreach_sign have no rule there.
+DTENSOR_RULES_SINCE_2_6 = frozenset(f"aten.{op}" for op in (
+    "_foreach_add_.List", "_foreach_add_.Scalar", "_foreach_addcmul_.Scalar", "_foreach_div.List",
+    "_foreach_lerp_.Scalar", "_foreach_mul.Scalar", "_foreach_mul.Tensor", "_foreach_mul_.List",
+    "_foreach_mul_.Scalar", "_foreach_mul_.Tensor", "_foreach_norm.Scalar", "_foreach_sqrt_.default",
+    "_fused_adamw_.default", "add_.Tensor", "bitwise_and.Tensor", "div.Tensor", "gt.Scalar",
+    "lerp.Scalar", "lerp_.Scalar", "lerp_.Tensor", "mul_.Tensor", "nan_to_num_.default",
+    "ones_like.default", "sign_.default", "where.self", "zeros_like.default"))
+
+
+class _DTensorOps(TorchDispatchMode):
+    """Records the aten ops that receive a DTensor (those need a DTensor sharding rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_leaves
+
+        if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
+            self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _recording_step(opt, recorder):
+    plain_step = opt.step
+
+    def step(*args, **kwargs):
+        with recorder:
+            return plain_step(*args, **kwargs)
+    return step
+
+
+def _fsdp_rank(rank: int, world: int) -> dict[str, tuple[float, list[bool], set[str]]]:
+    """Three steps (the second one non-finite) of each optimizer, sharded and unsharded, on the same
+    batches on every rank (so the mean gradient is the unsharded one): the largest difference, and
+    the ops the sharded optimizer step ran on DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in FSDP_OPTIMIZERS:
+        runs = []
+        for shard_mesh in (None, mesh):
+            model, opt = _setup(name, mesh=shard_mesh)
+            recorder = _DTensorOps()
+            opt.step = _recording_step(opt, recorder)
+            scaled = _ScaledLoss(model)
+            skipped = []
+            for i, batch in enumerate(_batches(3)):
+                scaled.scale = math.nan if i == 1 else 1.0
+                skipped.append(bool(train_step(scaled, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)[2]))
+            params = [p.full_tensor() if shard_mesh is not None else p.detach() for p in model.parameters()]
+            runs.append((params, skipped))
+        (ref, ref_skipped), (got, got_skipped) = runs
+        assert ref_skipped == got_skipped == [False, True, False], (name, ref_skipped, got_skipped)
+        out[name] = (max(float((a - b).abs().max()) for a, b in zip(got, ref)),
+                     [bool(torch.isfinite(p).all()) for p in got], recorder.ops)
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_every_optimizer_skips_on_fsdp2_shards_like_one_process(tmp_path):
+    """2 gloo ranks, FSDP2 (DTensor) parameters: each optimizer's sync-free step, a skipped
+    non-finite step included, gives the unsharded run's parameters (to float reduction order), and
+    kiln's optimizers run only ops with DTensor rules since torch 2.6 on the shards."""
+    results = run_ranks(_fsdp_rank, 2, tmp_path, timeout=200)
+    for name in FSDP_OPTIMIZERS:
+        for rank in results:
+            diff, finite, ops = rank[name]
+            assert all(finite), f"{name}: non-finite parameters after the skipped step"
+            assert diff < 1e-5, f"{name}: sharded differs from one process by {diff}"
+            if name in ("lion", "lamb", "muon"):  # kiln's code; torch's optimizers are torch's business
+                assert ops <= DTENSOR_RULES_SINCE_2_6, f"{name}: {sorted(ops - DTENSOR_RULES_SINCE_2_6)}"
 
 
 def test_pending_steps_fetch_in_order_once():

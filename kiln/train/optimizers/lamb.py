@@ -6,8 +6,9 @@ minutes", Algorithm 2), applied per parameter tensor ("layer"):
     r = m_hat / (sqrt(v_hat) + eps) + wd * w
     w = w - lr * (||w|| / ||r||) * r         (trust ratio 1 when either norm is 0)
 
-phi is the identity. Moments and norms use torch's foreach ops; the trust ratio stays a tensor,
-so a step never synchronizes with the device.
+phi is the identity. Moments and norms use torch's foreach ops; the step counts, bias corrections
+and trust ratios stay device tensors, so a step never synchronizes with the device, and a
+non-finite step is skipped on the device through `found_inf` (kiln/train/optimizers/skip.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from kiln.train.optimizers.adam_state import adam_state_lists
+from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
 
 class Lamb(torch.optim.Optimizer):
@@ -30,6 +32,8 @@ class Lamb(torch.optim.Optimizer):
         if eps < 0:
             raise ValueError(f"Lamb: eps={eps} must be >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # honours found_inf (kiln/train/optimizers/skip.py), so train_step never syncs with it
+        self._step_supports_amp_scaling = supports_device_skip(p for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -37,27 +41,39 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip = skip_flag(self)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Lamb")
             if params:
-                self._update_group(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+                self._update_group(group, params, grads, exp_avgs, exp_avg_sqs, steps, skip)
         return loss
 
     @staticmethod
     def _update_group(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                       exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-                      steps: list[torch.Tensor]) -> None:
+                      steps: list[torch.Tensor], skip: torch.Tensor | None) -> None:
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        torch._foreach_add_(steps, 1.0)
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
+        zero_if_skipped_(skip, grads)  # a skipped step: zero gradients, identity factors
+        # The bias corrections use the step count this step would reach, also when it is skipped
+        # (then a count of 0 would divide by 0; the update is discarded anyway).
+        next_steps = torch._foreach_add(steps, 1.0)
+        if skip is None:
+            torch._foreach_add_(steps, 1.0)
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        else:
+            # A list of flags: there is no foreach add of one tensor (it would be read as a number).
+            torch._foreach_add_(steps, [(~skip).to(torch.float32)] * len(steps))
+            weight = unless_skipped(skip, 1.0 - beta1, 0.0)
+            for m, g in zip(exp_avgs, grads):  # torch 2.6-2.11: DTensor rules for the scalar-weight
+                m.lerp_(g, weight)  # foreach lerp only, so a tensor weight goes tensor by tensor
+        torch._foreach_mul_(exp_avg_sqs, unless_skipped(skip, beta2, 1.0))
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
         # Steps can differ between tensors (a param that got no grad on some step), so the bias
-        # corrections are per tensor; they are CPU scalars, read without a device sync.
-        ts = [float(s) for s in steps]
-        m_hats = torch._foreach_div(exp_avgs, [1.0 - beta1 ** t for t in ts])
-        denoms = torch._foreach_div(exp_avg_sqs, [1.0 - beta2 ** t for t in ts])
+        # corrections are per tensor, computed on the device from the device step counts (in
+        # float64, as Python computed them when the counts lived on the host: same bits on CPU).
+        m_hats = [m / _bias_correction(beta1, t) for m, t in zip(exp_avgs, next_steps)]
+        denoms = [v / _bias_correction(beta2, t) for v, t in zip(exp_avg_sqs, next_steps)]
         torch._foreach_sqrt_(denoms)
         torch._foreach_add_(denoms, eps)
         updates = torch._foreach_div(m_hats, denoms)
@@ -70,4 +86,11 @@ class Lamb(torch.optim.Optimizer):
             for w, r in zip(weight_norms, update_norms)
         ]
         torch._foreach_mul_(updates, ratios)
+        zero_if_skipped_(skip, updates)
         torch._foreach_add_(params, updates, alpha=-lr)
+
+
+def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:
+    """1 - beta ** step as a 0-d float32 tensor on the step's device (float64 math; MPS has none)."""
+    wide = torch.float32 if step.device.type == "mps" else torch.float64
+    return (1.0 - torch.pow(beta, step.to(wide))).to(torch.float32)

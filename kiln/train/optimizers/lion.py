@@ -8,6 +8,7 @@ One momentum buffer per parameter (half of Adam's state). Implemented with torch
 over each group so a step is a handful of kernel launches, not one per tensor per op; only ops
 with DTensor sharding rules across the declared torch range, so it steps FSDP-sharded
 parameters too (the sign is per tensor: torch 2.11 has no rule for _foreach_sign).
+A non-finite step is skipped on the device through `found_inf` (kiln/train/optimizers/skip.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
 
 class Lion(torch.optim.Optimizer):
@@ -26,6 +29,8 @@ class Lion(torch.optim.Optimizer):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"Lion: betas={betas} must be in [0, 1)")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        # honours found_inf (kiln/train/optimizers/skip.py), so train_step never syncs with it
+        self._step_supports_amp_scaling = supports_device_skip(p for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -33,6 +38,7 @@ class Lion(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip = skip_flag(self)
         for group in self.param_groups:
             params, grads, exp_avgs = [], [], []
             for p in group["params"]:
@@ -50,16 +56,18 @@ class Lion(torch.optim.Optimizer):
                 continue
             lr, wd = group["lr"], group["weight_decay"]
             beta1, beta2 = group["betas"]
+            zero_if_skipped_(skip, grads)  # a skipped step: zero gradients, identity factors
             if wd != 0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
+                torch._foreach_mul_(params, unless_skipped(skip, 1.0 - lr * wd, 1.0))
             # torch 2.11 has no DTensor sharding rule for the out-of-place _foreach_lerp nor for
             # _foreach_sign(_), so FSDP-sharded parameters could not step: mul + add, and a
             # per-tensor sign_ (a plain pointwise op, which DTensor supports everywhere).
-            updates = torch._foreach_mul(exp_avgs, beta1)  # beta1 * m + (1 - beta1) * g
+            # beta1 * m + (1 - beta1) * g; skipped: 0 * m + 0 (zeroed g), whose sign 0 moves nothing
+            updates = torch._foreach_mul(exp_avgs, unless_skipped(skip, beta1, 0.0))
             torch._foreach_add_(updates, grads, alpha=1.0 - beta1)
             for update in updates:
                 update.sign_()
             torch._foreach_add_(params, updates, alpha=-lr)
-            torch._foreach_mul_(exp_avgs, beta2)  # m = beta2 * m + (1 - beta2) * g
+            torch._foreach_mul_(exp_avgs, unless_skipped(skip, beta2, 1.0))  # m = beta2 * m + (1 - beta2) * g
             torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
         return loss

@@ -3,7 +3,9 @@
 Hidden weight matrices get SGD-Nesterov momentum whose update is replaced by its nearest
 semi-orthogonal matrix, approximated by a quintic Newton-Schulz iteration; everything else
 (embeddings, the LM head, norms, biases) is updated by AdamW in the same optimizer object, so
-one state_dict and one LR schedule cover the whole model.
+one state_dict and one LR schedule cover the whole model. The AdamW part is torch's fused AdamW
+kernel where torch has one (CPU, CUDA, ...): it skips a non-finite step on the device itself; the
+Muon part skips through kiln/train/optimizers/skip.py.
 
 Param groups carry `use_muon`: True for orthogonalized matrices, False for the AdamW ones.
 
@@ -28,7 +30,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_step
 
-from kiln.train.optimizers.adam_state import adam_state_lists
+from kiln.train.optimizers.adam_state import adam_state_lists, fused_adam_supported
+from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
 # Quintic coefficients chosen (by the Muon authors) to push all singular values of a
 # unit-spectral-norm matrix into roughly [0.7, 1.2] within five steps, as fast as possible.
@@ -89,6 +92,11 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, use_muon=True)
         super().__init__(params, defaults)
+        # honours found_inf (kiln/train/optimizers/skip.py; torch's fused AdamW kernel for the AdamW
+        # groups), so train_step never syncs with it
+        self._step_supports_amp_scaling = all(
+            supports_device_skip(g["params"]) if g["use_muon"] else fused_adam_supported(g["params"])
+            for g in self.param_groups)
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
@@ -104,35 +112,42 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip = skip_flag(self)
         for group in self.param_groups:
             if group["use_muon"]:
-                self._muon_group(group)
+                self._muon_group(group, skip)
             else:
-                self._adamw_group(group)
+                self._adamw_group(group, skip)
         return loss
 
-    def _muon_group(self, group: dict[str, Any]) -> None:
+    def _muon_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        zero_if_skipped_(skip, [p.grad for p in params])  # a skipped step: zero gradients, identity factors
+        weight, decay = unless_skipped(skip, 1.0 - beta, 0.0), unless_skipped(skip, 1.0 - lr * wd, 1.0)
+        for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1.0 - beta)  # buf = beta * buf + (1 - beta) * g
+            buf.lerp_(p.grad, weight)  # buf = beta * buf + (1 - beta) * g
             # Nesterov: look ahead along the momentum: (1 - beta) * g + beta * buf.
             update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
             ortho = orthogonalize_update(update)
+            zero_if_skipped_(skip, [ortho])
             if wd != 0:
-                p.mul_(1.0 - lr * wd)
+                p.mul_(decay)
             p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape))
 
-    def _adamw_group(self, group: dict[str, Any]) -> None:
+    def _adamw_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Muon's AdamW part")
         if not params:
             return
         beta1, beta2 = group["betas"]
-        adamw_step(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, amsgrad=False,
-                   beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                   eps=group["eps"], maximize=False)
+        # torch's fused AdamW kernel takes found_inf itself (and has had a DTensor rule since 2.6);
+        # where torch has no fused kernel, Muon does not claim to skip on the device (__init__).
+        adamw_step(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+                   fused=fused_adam_supported(params) or None,
+                   found_inf=None if skip is None else skip.to(torch.float32),
+                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
