@@ -11,9 +11,9 @@
   (argmax, teacher forced) is the true one.
 - `extraction_likelihood` (Jang et al. 2022, EL_n): mean over prefix lengths t of the n-gram
   overlap between the greedy continuation of x[:t] and the true suffix x[t:]; `stride` > 1
-  evaluates every stride-th prefix only. `sequence_metrics` decodes all prefixes of a batch of
-  sequences together (`greedy_suffixes`, hand-written: one full causal forward per new token, no
-  KV cache), which gives the same tokens as kiln.model.generate's greedy decoding per prefix
+  evaluates every stride-th prefix only. `sequence_metrics` decodes each prefix length for a batch
+  of sequences together (`greedy_suffixes`, hand-written batching over the model's KV cache),
+  which gives the same tokens as kiln.model.generate's greedy decoding per prefix
   (`extraction_likelihood`, kept as the reference implementation) with far fewer calls.
 
 Data parallel (`Shard`): each rank measures a contiguous block of the rows and the per-row results
@@ -164,44 +164,34 @@ def extraction_likelihood(model: torch.nn.Module, seq: Sequence[int], n: int = 5
 
 
 @torch.no_grad()
-def greedy_suffixes(model: torch.nn.Module, seqs: Sequence[Sequence[int]], stride: int = 1, rows: int = 256,
+def greedy_suffixes(model: torch.nn.Module, seqs: Sequence[Sequence[int]], stride: int = 1, batch: int = 64,
                     shard: Shard = Shard()) -> list[list[list[int]]]:
     """For each sequence, the greedy continuation of each prefix seq[:t] (t = 1, 1+stride, ...) to
-    the sequence's length. All prefixes of all sequences are decoded together, `rows` at a time:
-    a buffer row starts as the whole sequence, and at step j the argmax at position t+j-1
-    overwrites position t+j. Causal attention means later (stale) positions never affect the
-    ones read, so no padding or KV cache is needed."""
-    device = _device(model)
-    items = [(i, t) for i, s in enumerate(seqs) for t in range(1, len(s), stride)]
+    the sequence's length. Sequences are taken `batch` at a time and, for each t, every sequence
+    longer than t is decoded together with the model's KV cache (kiln.model.transformer.KVCache):
+    one forward of the [n, t] prefixes, then one [n, 1] forward per new token. All rows share the
+    prefix length, so no padding is needed; rows past their own length decode on and are cut."""
     out: list[list[list[int]]] = [[] for _ in seqs]
-    for batch in _batches(items, rows, shard):
-        need = max((len(seqs[i]) - t for i, t in batch), default=0)
-        steps = shard.max(need)
-        if not batch:
-            for _ in range(steps):
-                _idle_forward(model)
-            continue
-        width = max(len(seqs[i]) for i, _ in batch)
-        buf = torch.zeros(len(batch), width, dtype=torch.long)
-        for r, (i, _) in enumerate(batch):
-            buf[r, :len(seqs[i])] = torch.as_tensor(list(seqs[i]))
-        buf = buf.to(device)
-        starts = torch.tensor([t for _, t in batch], device=device)
-        ends = torch.tensor([len(seqs[i]) for i, _ in batch], device=device)
-        rows_idx = torch.arange(len(batch), device=device)
-        for j in range(steps):
-            pos = starts + j  # the position each row writes now
-            upto = int(min(width, int(pos.max())))  # inputs 0 .. pos-1 are all that is read
-            if upto < 1:
-                _idle_forward(model)
+    for group in _batches(list(range(len(seqs))), batch, shard):
+        longest = shard.max(max((len(seqs[i]) for i in group), default=0))
+        for t in range(1, longest, stride):
+            rows = [i for i in group if len(seqs[i]) > t]
+            calls = longest - t  # the same on every rank: FSDP's forwards are collectives
+            if not rows:
+                for _ in range(calls):
+                    _idle_forward(model)
                 continue
-            logits = model(buf[:, :upto])
-            live = pos < ends
-            read = torch.clamp(pos - 1, max=upto - 1)
-            nxt = logits[rows_idx, read].argmax(-1)
-            buf[rows_idx[live], pos[live]] = nxt[live]
-        for r, (i, t) in enumerate(batch):
-            out[i].append(buf[r, t:len(seqs[i])].tolist())
+            device = _device(model)
+            cache = model.new_cache(len(rows), longest)
+            prompt = torch.tensor([list(seqs[i][:t]) for i in rows], device=device)
+            logits = model(prompt, cache=cache, start_pos=0)[:, -1]
+            tokens = [logits.argmax(-1)]
+            for j in range(1, calls):
+                logits = model(tokens[-1][:, None], cache=cache, start_pos=t + j - 1)[:, -1]
+                tokens.append(logits.argmax(-1))
+            gen = torch.stack(tokens, 1).tolist()
+            for k, i in enumerate(rows):
+                out[i].append(gen[k][:len(seqs[i]) - t])
     return out
 
 

@@ -73,7 +73,7 @@ def test_batched_greedy_decoding_matches_generate(model_and_tok):
     texts = ["my code is 1-2-3", "abc", "a longer line of text"]
     seqs = [tok.encode(t) for t in texts]
     for stride in (1, 3):
-        got = greedy_suffixes(model, seqs, stride, rows=7)  # rows=7: prefixes of one sequence split over batches
+        got = greedy_suffixes(model, seqs, stride, batch=2)  # batch=2: the sequences in two groups
         for s, gens in zip(seqs, got):
             starts = list(range(1, len(s), stride))
             assert gens == [generate(model, s[:t], max_new_tokens=len(s) - t, temperature=0.0) for t in starts]
