@@ -30,12 +30,13 @@ HELDOUT = ["QZXJ#@!%&*QZXJ#@", "#@!%QZXJ&*#@!%QZ"]  # bytes never trained on: MA
 
 def _args(run_dir: Path, out: Path) -> list[str]:
     # --force and --margin 0 with a 3-step budget: every chunk takes all its steps, so the per-step
-    # rows compare; chunks of 2 then 1 leave rank 1 only padding (weight 0) in the second chunk;
+    # rows compare; chunks of 3 plain rows (split 2 + 1 padded) then the canary alone (rank 1:
+    # padding only);
     # 3 retain windows per step split 2 + 1 (padded).
     return ["unlearn", str(run_dir), "--forget", str(run_dir.parent / "forget.jsonl"), "--retain",
-            str(run_dir.parent / "corpus.txt"), "--retain-batch", "3", "--chunk", "2", "--max-steps", "3",
-            "--margin", "0", "--force", "--lr", "1e-3", "--clip-grad-norm", "0", "--candidates", "20", "--val-tokens", "300",
-            "--device", "cpu", "--out", str(out)]
+            str(run_dir.parent / "corpus.txt"), "--retain-batch", "3", "--chunk", "3", "--max-steps", "3",
+            "--margin", "0", "--force", "--lr", "1e-3", "--clip-grad-norm", "0", "--candidates", "20",
+            "--val-tokens", "300", "--device", "cpu", "--out", str(out)]
 
 
 def _unlearn_rank(rank, n, run_dir, out):
@@ -49,7 +50,12 @@ def run_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("unlearn-fsdp")
     (root / "corpus.txt").write_text(CORPUS)
-    rows = [{"text": t} for t in FORGET] + [{"text": t, "heldout": True} for t in HELDOUT]
+    # One canary row each (exposure: candidates scored by the rank that holds the row, so the
+    # ranks score different numbers of sequences and must still run the same forwards).
+    canary = {"prefix": "my code is ", "digits": 3}
+    rows = [{"text": t} for t in FORGET] + [{"text": t, "heldout": True} for t in HELDOUT] + [
+        {**canary, "text": "my code is 4-0-7", "secret": "4-0-7"},
+        {**canary, "text": "my code is 9-1-3", "secret": "9-1-3", "heldout": True}]
     (root / "forget.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train(load_config(None, TINY + [f"data.source={root / 'corpus.txt'}"]), root / "run")
     return root / "run"
@@ -69,6 +75,7 @@ def test_two_fsdp_ranks_match_one_process(run_dir, tmp_path):
     b = json.loads((two / "reports" / "unlearning.json").read_text())
     assert (a["world_size"], b["world_size"], b["dp_mode"]) == (1, 2, "fsdp")
     assert [c["steps"] for c in a["chunks"]] == [c["steps"] for c in b["chunks"]] == [3, 3]
+    assert b["chunks"][1]["exposure"] == pytest.approx(a["chunks"][1]["exposure"], abs=1e-6)  # the canary's
     for ca, cb in zip(a["chunks"], b["chunks"]):
         for ha, hb in zip(ca["history"], cb["history"]):
             for key in ("loss", "forget_nll", "retain", "grad_norm"):
