@@ -8,6 +8,10 @@ before/after, validation perplexity before/after, and accuracy on a local lm-eva
 multiple-choice task (true continuation of held-out text vs one from elsewhere) before/after.
 
     PYTHONPATH=. python benchmarks/unlearning.py --out benchmarks/results/unlearning.json
+
+`--train-only` trains the model and stops (a later call reuses it: `train_seconds` is then ~0);
+`--chunks` picks the chunk sizes, so sizes can run in separate processes on the same --root run
+(the README's table came from two such calls).
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ def main() -> None:
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(f.read_text(errors="replace") for f in stdlib_files()[:20])[:100_000])
     run_dir = root / "run"
-    overrides = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}", "data.tokenizer=byte",
+    overrides = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+                 "data.tokenizer=byte",
                  f"data.seq_len={args.seq_len}", f"model.max_seq_len={args.seq_len}", "train.batch_size=8",
                  f"train.steps={args.steps}",
                  "train.dtype=fp32", "metrics.progress=none", "train.eval_every=0", "schedule.warmup_steps=30",
