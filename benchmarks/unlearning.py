@@ -8,6 +8,10 @@ before/after, validation perplexity before/after, and accuracy on a local lm-eva
 multiple-choice task (true continuation of held-out text vs one from elsewhere) before/after.
 
     PYTHONPATH=. python benchmarks/unlearning.py --out benchmarks/results/unlearning.json
+
+`--train-only` trains the model and stops (a later call reuses it: `train_seconds` is then ~0);
+`--chunks` picks the chunk sizes, so sizes can run in separate processes on the same --root run
+(the README's table came from two such calls).
 """
 
 from __future__ import annotations
@@ -59,15 +63,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", default="/tmp/kiln-unlearning-bench")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "unlearning.json"))
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--canaries", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=80)
+    p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--chunks", default="1,4,16,0", help="chunk sizes; 0 = all at once")
     p.add_argument("--candidates", type=int, default=300)
     p.add_argument("--task-size", type=int, default=100)
+    p.add_argument("--train-only", action="store_true", help="train the model (if not there yet) and stop")
     args = p.parse_args()
     torch.set_num_threads(1)  # the machine is shared: one thread is faster than two oversubscribed
 
@@ -81,7 +87,8 @@ def main() -> None:
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(f.read_text(errors="replace") for f in stdlib_files()[:20])[:100_000])
     run_dir = root / "run"
-    overrides = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", "model.n_heads=2", "data.tokenizer=byte",
+    overrides = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+                 "data.tokenizer=byte",
                  f"data.seq_len={args.seq_len}", f"model.max_seq_len={args.seq_len}", "train.batch_size=8",
                  f"train.steps={args.steps}",
                  "train.dtype=fp32", "metrics.progress=none", "train.eval_every=0", "schedule.warmup_steps=30",
@@ -92,6 +99,9 @@ def main() -> None:
     if not (run_dir / "checkpoints").is_dir():
         train(load_config(None, overrides), run_dir)
     train_s = time.perf_counter() - t0
+    if args.train_only:
+        print(f"trained in {train_s:.1f} s: {run_dir}")
+        return
     text = corpus.read_text()
     retain = root / "retain.txt"
     retain.write_text(text[:30_000])

@@ -3,8 +3,12 @@ trained run by gradient ascent (kiln.privacy.unlearn), into a NEW run directory.
 
 The original run is only read (kiln.eval.load.load_run). The unlearned weights go to OUT (default
 RUN-unlearned) through CheckpointManager.save, with config.toml, tokenizer.json, the canary record
-if any, and OUT/reports/unlearning.json (metrics before/after per chunk, validation loss before
-and after). Nothing is written to OUT before unlearning succeeds.
+if any, and OUT/reports/unlearning.json (metrics before/after, per chunk and per step, validation
+loss before and after). Nothing is written to OUT before unlearning succeeds.
+
+One process, or data parallel under `torchrun --nproc-per-node N kiln unlearn ...`: the run's
+[parallel] layout (FSDP by default) over N ranks, the forget/retain batches sharded over the
+ranks, metrics gathered, rank 0 writing the files, and a DCP save from every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retain-batch", type=int, default=D.retain_batch, help="retain windows per step")
     p.add_argument("--chunk", type=int, default=D.chunk, help="forget sequences per sequential chunk (0: all at once)")
     p.add_argument("--lr", type=float, default=D.lr)
+    p.add_argument("--clip-grad-norm", type=float, default=D.clip_grad_norm, help="0: no clipping")
     p.add_argument("--max-steps", type=int, default=D.max_steps, help="step budget per chunk")
     p.add_argument("--check-every", type=int, default=D.check_every,
                    help="measure the chunk every this many steps (1: stop at the first step at the reference)")
@@ -46,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="unlearn even when the forget set does not look memorized")
     p.add_argument("--out", metavar="DIR", help="new run directory (default RUN-unlearned); must not exist")
     p.add_argument("--step", type=int, help="checkpoint to start from (default: latest)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda (one GPU per local rank under torchrun) or auto (cuda when there is one)")
     p.add_argument("--val-tokens", type=int, default=20000, help="validation tokens scored before/after (0: all)")
     p.add_argument("--ngram", type=int, default=D.ngram)
     p.add_argument("--candidates", type=int, default=D.candidates)
@@ -60,8 +66,8 @@ def options_from(args: argparse.Namespace) -> UnlearnOptions:
             raise KilnError(f"--{key.replace('_', '-')}={getattr(opts, key)} must be > 0")
     if opts.chunk < 0:
         raise KilnError(f"--chunk={opts.chunk} must be >= 0 (0: all at once)")
-    if not opts.lr > 0 or opts.margin < 0 or opts.exposure_margin < 0 or opts.retain_weight < 0:
-        raise KilnError("--lr must be > 0; --margin, --exposure-margin and --retain-weight >= 0")
+    if not opts.lr > 0 or min(opts.margin, opts.exposure_margin, opts.retain_weight, opts.clip_grad_norm) < 0:
+        raise KilnError("--lr must be > 0; --margin, --exposure-margin, --retain-weight and --clip-grad-norm >= 0")
     return opts
 
 
@@ -87,12 +93,68 @@ def retain_windows(path: str, tokenizer, seq_len: int) -> list[list[int]]:
     return windows.gather(np.arange(len(windows))).tolist()
 
 
+def load_model(run_dir: Path, step: int | None, device_name: str):
+    """The run's config, tokenizer and model (weights from `step`, default the newest checkpoint
+    that verifies) on this process's part of the run's parallel layout: the mesh from
+    ParallelDims, the model built on meta and parallelized as the trainer does
+    (kiln.train.trainer.build_model), the weights loaded through CheckpointManager (DCP reshards).
+    One process is the trivial layout whatever [parallel] says; several take the run's [parallel]
+    data-parallel settings (dp_mode, dp_replicate, dp_shard). Returns (LoadedRun, ParallelDims, device)."""
+    from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, list_checkpoints
+    from kiln.config import ParallelConfig, load_config
+    from kiln.data.raw_to_shards import TOKENIZER_FILE
+    from kiln.data.tokenizer import load_tokenizer
+    from kiln.eval.load import LoadedRun
+    from kiln.parallel.dims import ParallelDims, pick_device
+    from kiln.train.trainer import build_model
+
+    if not run_dir.is_dir():
+        raise KilnError(f"run directory {run_dir} not found")
+    if not list_checkpoints(run_dir / "checkpoints"):
+        raise KilnError(f"{run_dir} has no checkpoints (expected {run_dir}/checkpoints/step-N); train it first")
+    if not (run_dir / "config.toml").is_file():
+        raise KilnError(f"{run_dir} has no config.toml; is it a kiln run directory?")
+    cfg = load_config(run_dir / "config.toml")
+    tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    # Decoding many prefixes changes shapes every call (compile would recompile), float8 needs a
+    # recent GPU and buys nothing at unlearning's scale: the unlearning model is plain.
+    cfg.train.compile, cfg.train.float8, cfg.train.activation_checkpointing = False, False, "none"
+    dims = ParallelDims.from_config(ParallelConfig())  # the trivial layout, and the world size
+    if dims.world_size > 1:
+        p = cfg.parallel
+        if max(p.tp, p.cp, p.pp, p.ep) > 1 or p.diloco_inner_steps:
+            raise KilnError(f"{run_dir}/config.toml [parallel] has tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} "
+                            f"diloco_inner_steps={p.diloco_inner_steps}; kiln unlearn runs on one process or "
+                            f"data parallel only (FSDP/DDP): run it with one process")
+        dims = ParallelDims.from_config(cfg.parallel)
+    device = pick_device(device_name, dims)
+    dims.build_mesh(device.type)
+    model = build_model(cfg, dims, device)
+    step = CheckpointManager(run_dir / "checkpoints", is_main=dims.is_main).load(
+        {"app": ModelOptimizerState(model)}, step)
+    model.eval()
+    return LoadedRun(model, tokenizer, cfg, step, run_dir), dims, device
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    try:
+        return _run(args)
+    finally:  # a process group this command started (torchrun) ends with it
+        if not initialized and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace) -> int:
     from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState
-    from kiln.eval.load import load_run
     from kiln.eval.parts import EvalOptions, PARTS, _seq_len, _shard_dir
     from kiln.io import atomic_write_json
     from kiln.privacy.canaries import CANARY_FILE
+    from kiln.privacy.metrics import Shard, reshard
     from kiln.privacy.sequences import read_sequences, split_heldout
     from kiln.privacy.unlearn import unlearn
     from kiln.train.run_files import write_run_files
@@ -102,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else run_dir.parent / f"{run_dir.name}-unlearned"
     if out.exists() and any(out.iterdir()):
         raise KilnError(f"--out {out} already exists and is not empty; unlearning writes a new run directory")
-    loaded = load_run(run_dir, args.step, args.device)
+    loaded, dims, device = load_model(run_dir, args.step, args.device)
+    say = print if dims.is_main else (lambda *a, **k: None)
     max_len = loaded.config.model.max_seq_len
     forget, heldout = split_heldout(read_sequences(args.forget, loaded.tokenizer, max_len))
     if args.heldout:
@@ -114,10 +177,16 @@ def run(args: argparse.Namespace) -> int:
                         f"or pass --heldout FILE with sequences of the same source the model never saw")
     seq_len = _seq_len(loaded, EvalOptions(run_dir=str(run_dir)))
     retain = retain_windows(args.retain, loaded.tokenizer, seq_len) if args.retain else []
-    val_options = EvalOptions(run_dir=str(run_dir), device=args.device, max_tokens=args.val_tokens)
+    original = None
+    if retain and opts.retain_loss == "kl":  # the frozen reference of the KL term, same layout
+        original = load_model(run_dir, loaded.step, args.device)[0].model
+    # Every rank scores the same validation windows (replicated: the perplexity part is one-process code).
+    val_options = EvalOptions(run_dir=str(run_dir), device=str(device), max_tokens=args.val_tokens)
     val_before = PARTS["perplexity"](loaded, val_options)
 
-    report = unlearn(loaded.model, loaded.tokenizer, forget, heldout, retain, opts)
+    shard = Shard(dims.dp_rank, dims.dp_size, device.type)
+    report = unlearn(loaded.model, loaded.tokenizer, forget, heldout, retain, opts, shard=shard,
+                     original=original, log=say)
     if report["status"] == "not_memorized":
         b, r = report["forget_before"], report["heldout_reference"]
         raise KilnError(f"--forget {args.forget}: these sequences do not look memorized (EL {b['el']:.3f}, MA "
@@ -125,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
                         f"nothing was changed or written (--force unlearns anyway)")
     val_after = PARTS["perplexity"](loaded, val_options)
     report.update({"run_dir": str(run_dir), "step": loaded.step, "forget_file": str(args.forget),
-                   "retain_file": args.retain, "val_before": val_before, "val_after": val_after})
+                   "retain_file": args.retain, "val_before": val_before, "val_after": val_after,
+                   "world_size": dims.world_size, "dp_mode": dims.dp_mode if dims.world_size > 1 else "none"})
 
     cfg = loaded.config
     if not cfg.data.shards_dir:  # the new run scores the original run's validation shards
@@ -133,15 +203,21 @@ def run(args: argparse.Namespace) -> int:
             cfg.data.shards_dir = str(_shard_dir(loaded).resolve())
         except KilnError:
             pass
-    write_run_files(out, cfg, loaded.tokenizer, fresh=True)
-    if (run_dir / CANARY_FILE).is_file():
-        shutil.copyfile(run_dir / CANARY_FILE, out / CANARY_FILE)
-    CheckpointManager(out / "checkpoints").save(loaded.step, {"app": ModelOptimizerState(loaded.model)},
-                                                {"unlearning.json": json.dumps(report, indent=1)})
-    atomic_write_json(out / "reports" / "unlearning.json", report, indent=1)
+    if dims.is_main:
+        write_run_files(out, cfg, loaded.tokenizer, fresh=True)
+        if (run_dir / CANARY_FILE).is_file():
+            shutil.copyfile(run_dir / CANARY_FILE, out / CANARY_FILE)
+    reshard(loaded.model)  # under FSDP: save the shards, not what the last forward left gathered
+    results = CheckpointManager(out / "checkpoints", is_main=dims.is_main).save(
+        loaded.step, {"app": ModelOptimizerState(loaded.model)}, {"unlearning.json": json.dumps(report, indent=1)})
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise KilnError(failed[0])
+    if dims.is_main:
+        atomic_write_json(out / "reports" / "unlearning.json", report, indent=1)
     fb, fa = report["forget_before"], report["forget_after"]
-    print(f"forget set EL {fb['el']:.3f} -> {fa['el']:.3f}, MA {fb['ma']:.3f} -> {fa['ma']:.3f}"
-          + (f", exposure {fb['exposure']:.2f} -> {fa['exposure']:.2f}" if "exposure" in fb else "")
-          + f"; validation loss {val_before['loss']:.4f} -> {val_after['loss']:.4f} ({report['status']})")
-    print(f"unlearned run: {out}  report: {out / 'reports' / 'unlearning.json'}")
+    say(f"forget set EL {fb['el']:.3f} -> {fa['el']:.3f}, MA {fb['ma']:.3f} -> {fa['ma']:.3f}"
+        + (f", exposure {fb['exposure']:.2f} -> {fa['exposure']:.2f}" if "exposure" in fb else "")
+        + f"; validation loss {val_before['loss']:.4f} -> {val_after['loss']:.4f} ({report['status']})")
+    say(f"unlearned run: {out}  report: {out / 'reports' / 'unlearning.json'}")
     return 0

@@ -4,12 +4,15 @@ Mitigating Privacy Risks in Language Models").
 The forget sequences are split into sequential chunks of `chunk` sequences (0: all at once). For
 each chunk the model takes AdamW steps on the *negated* LM loss of the chunk (plus, optionally, a
 retain term: the LM loss, or the KL divergence from the original model, on windows of retain
-text) until the chunk's extraction likelihood and memorization accuracy are no higher than the
-held-out reference (measured before unlearning) plus `margin` - and, for canary rows, their
-exposure no higher than the held-out canaries' plus `exposure_margin` bits - or `max_steps` is
-spent. Jang et al. stop as soon as the forget set reaches the held-out level, so the chunk is
-measured after every step by default (`check_every` 1) at a small lr: a coarser check or a large
-lr overshoots far below the "never seen" level and damages the model.
+text) until the stop rule holds or `max_steps` is spent. The stop rule is Jang et al.'s: the
+extraction likelihood and memorization accuracy of the chunk, and of the forget set seen so far
+(chunks 1..c), are no higher than the held-out reference (measured before unlearning) plus
+`margin`. It is checked before the chunk's first step and after every step (`check_every` 1) at
+a small lr, so the step that crosses the reference is the last one; a coarser check or a larger
+lr overshoots far below the "never seen" level and damages the model. Exposure is measured and
+reported (per chunk and before/after) but is not part of the stop rule: one canary's exposure is
+too noisy a target (with chunks of 1 it drove EL to 0). It does count when deciding whether the
+forget set looks memorized at all (`exposure_margin`).
 
 With `secret_only` (default) the ascent on a canary row is masked to its secret's digits: the
 loss counts only those tokens, not the prefix ("my code is ") or the '-' separators that every
@@ -17,13 +20,16 @@ canary - and the held-out ones - share, so the format is not unlearned with the 
 (plain text) ascend on every token. Metrics come from kiln.privacy.metrics; the optimizer and KL
 are torch's (AdamW, F.kl_div); the masking is hand-written (a boolean mask on the per-token NLL).
 
-Nothing here assumes one device: tensors go to the device of the model's parameters. Run under
-FSDP it would need generation that gathers parameters; that path is not tested (docs/privacy.md).
+Nothing here assumes one device: tensors go to the device of the model's parameters, and under
+data parallelism (FSDP, DDP; `Shard`) each rank ascends on its block of every chunk and retain
+batch and the metrics are measured sharded and gathered (kiln/commands/unlearn.py builds the
+mesh and loads the model; tests/privacy/test_unlearn_parallel.py checks 2 ranks == 1 process).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -32,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kiln.privacy.metrics import sequence_metrics, summarize, token_nll
+from kiln.privacy.metrics import Shard, reshard, sequence_metrics, summarize, token_nll
 
 
 @dataclass
@@ -56,11 +62,17 @@ class UnlearnOptions:
 
 
 def _memorized(summary: dict, reference: dict, opts: "UnlearnOptions") -> bool:
-    """Above the held-out reference on EL or MA (or, for canaries, exposure), beyond the margins."""
+    """Does the forget set look memorized? Above the held-out reference on EL or MA (or, for
+    canaries, exposure), beyond the margins."""
     if "exposure" in summary and "exposure" in reference \
             and summary["exposure"] > reference["exposure"] + opts.exposure_margin:
         return True
-    return summary["el"] > reference["el"] + opts.margin or summary["ma"] > reference["ma"] + opts.margin
+    return not _at_reference(summary, reference, opts)
+
+
+def _at_reference(summary: dict, reference: dict, opts: "UnlearnOptions") -> bool:
+    """The stop rule (Jang et al. 2022): EL and MA no higher than the held-out reference + margin."""
+    return summary["el"] <= reference["el"] + opts.margin and summary["ma"] <= reference["ma"] + opts.margin
 
 
 def ascent_mask(tokenizer, rows: list[dict], seqs: list[list[int]], secret_only: bool) -> list[list[bool]]:
@@ -90,13 +102,51 @@ def ascent_mask(tokenizer, rows: list[dict], seqs: list[list[int]], secret_only:
     return out
 
 
+def _retain_term(model: torch.nn.Module, windows: list[list[int]], weights: torch.Tensor, total_rows: int,
+                 original: torch.nn.Module | None) -> torch.Tensor:
+    """This rank's part of the retain term: the sum over its windows' positions (rows weighted 0
+    are padding), divided by the positions of the whole batch, so the parts add up to the mean
+    over the global batch (the LM loss, or KL(original || model) per position)."""
+    device = weights.device
+    inputs = torch.tensor([w[:-1] for w in windows], device=device)
+    targets = torch.tensor([w[1:] for w in windows], device=device)
+    logits = model(inputs).float()
+    if original is None:
+        per_pos = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    else:
+        with torch.no_grad():
+            ref_logp = original(inputs).float().log_softmax(-1)
+        per_pos = F.kl_div(logits.log_softmax(-1), ref_logp, log_target=True, reduction="none").sum(-1)
+    return (per_pos * weights[:, None]).sum() / (total_rows * inputs.shape[1])
+
+
+def _grad_norm(norm: torch.Tensor) -> float:
+    full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP
+    return float(full() if full is not None else norm)
+
+
 def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list[dict],
-            retain_windows: list[list[int]], opts: UnlearnOptions,
-            log: Callable[[str], None] = print) -> dict:
+            retain_windows: list[list[int]], opts: UnlearnOptions, *, shard: Shard = Shard(),
+            original: torch.nn.Module | None = None, log: Callable[[str], None] = print) -> dict:
     """Unlearn `forget` rows in place on `model`; returns the report (metrics before/after, per
-    chunk). With a forget set that is not memorized (and not `force`) the model is left untouched
-    and the report's status is "not_memorized"."""
-    metric_kw = dict(ngram=opts.ngram, stride=opts.el_stride, candidates=opts.candidates, seed=opts.seed)
+    chunk and per step). With a forget set that is not memorized (and not `force`) the model is
+    left untouched and the report's status is "not_memorized".
+
+    Data parallel (`shard`): every rank passes the same rows, windows and options; each ascends on
+    its block of the chunk and of the retain batch, scaled so that the gradient averaged over the
+    ranks (FSDP/DDP) is the single-process gradient; metrics are measured sharded and gathered
+    (kiln.privacy.metrics.Shard), so every rank returns the same report. `original`: the frozen
+    model of the KL retain term (default: a copy of `model`, one process only)."""
+    # Under FSDP a forward (the caller's validation pass) can leave gathered parameters registered
+    # on the last block, which an optimizer built then would step instead of the shards.
+    reshard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
+    metric_kw = dict(ngram=opts.ngram, stride=opts.el_stride, candidates=opts.candidates, seed=opts.seed,
+                     shard=shard)
+
+    def measure(rows: list[dict], with_exposure: bool = False) -> dict:
+        return summarize(sequence_metrics(model, tokenizer, rows, with_exposure=with_exposure, **metric_kw))
+
     reference = summarize(sequence_metrics(model, tokenizer, heldout, **metric_kw))
     before_items = sequence_metrics(model, tokenizer, forget, **metric_kw)
     before = summarize(before_items)
@@ -108,58 +158,75 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
         return report
 
     device = next(model.parameters()).device
-    original = None
-    if retain_windows and opts.retain_loss == "kl":
-        original = copy.deepcopy(model).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
+    if retain_windows and opts.retain_loss == "kl" and original is None:
+        if shard.size > 1:
+            raise ValueError("--retain-loss kl under data parallelism needs the original model passed in")
+        original = copy.deepcopy(model)
+    if original is not None:
+        original.eval().requires_grad_(False)
+    kl_model = original if retain_windows and opts.retain_loss == "kl" else None
     rng = random.Random(opts.seed)
     size = opts.chunk or len(forget)
     total_steps, t0 = 0, time.perf_counter()
     for start in range(0, len(forget), size):
-        rows = forget[start:start + size]
+        rows, seen = forget[start:start + size], forget[:start + size]
         seqs = [tokenizer.encode(r["text"]) for r in rows]
         keep = ascent_mask(tokenizer, rows, seqs, opts.secret_only)
-        width = max(len(s) for s in seqs) - 1
-        mask = torch.tensor([k + [False] * (width - len(k)) for k in keep], device=device)
-        n_targets = int(mask.sum())
+        n_targets = sum(map(sum, keep))  # over the whole chunk: every rank knows all rows
+        mine, real = shard.block(list(range(len(rows))))
+        width = max(len(seqs[i]) for i in mine) - 1
+        mask = torch.tensor([(keep[i] if k < real else [False] * len(keep[i])) + [False] * (width - len(keep[i]))
+                             for k, i in enumerate(mine)], device=device)
+        my_seqs = [seqs[i] for i in mine]
+
+        def reached() -> tuple[bool, dict, dict | None]:
+            """The stop rule on the chunk, then on the forget set seen so far (measured only when
+            the chunk passes): both at the held-out reference within the margin."""
+            chunk = measure(rows)
+            if not _at_reference(chunk, reference, opts):
+                return False, chunk, None
+            so_far = chunk if start == 0 else measure(seen)
+            return _at_reference(so_far, reference, opts), chunk, so_far
+
         # Measured now, not before unlearning: earlier chunks' steps may already have brought this
         # chunk to the reference, and a step beyond it only overshoots.
-        summary = summarize(before_items[start:start + size] if start == 0
-                            else sequence_metrics(model, tokenizer, rows, **metric_kw))
-        steps, reached = 0, not _memorized(summary, reference, opts)
-        while not reached and steps < opts.max_steps:
+        done, chunk_now, so_far = reached()
+        steps, history = 0, []
+        while not done and steps < opts.max_steps:
             model.train()
-            nll, _ = token_nll(model, seqs)
-            loss = -(nll * mask).sum() / n_targets  # gradient ascent on the chunk's (secret) tokens
+            nll, _ = token_nll(model, my_seqs)
+            forget_part = -(nll * mask).sum() / n_targets  # gradient ascent on the chunk's (secret) tokens
+            loss = forget_part
+            retain_part = None
             if retain_windows:
                 batch = [retain_windows[rng.randrange(len(retain_windows))] for _ in range(opts.retain_batch)]
-                inputs = torch.tensor([w[:-1] for w in batch], device=device)
-                targets = torch.tensor([w[1:] for w in batch], device=device)
-                logits = model(inputs).float()
-                if original is None:
-                    retain = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                else:
-                    with torch.no_grad():
-                        ref_logp = original(inputs).float().log_softmax(-1)
-                    retain = F.kl_div(logits.log_softmax(-1).flatten(0, 1), ref_logp.flatten(0, 1),
-                                      log_target=True, reduction="batchmean")
-                loss = loss + opts.retain_weight * retain
+                my_windows, real_w = shard.block(batch)
+                weights = torch.tensor([1.0 if k < real_w else 0.0 for k in range(len(my_windows))], device=device)
+                retain_part = _retain_term(model, my_windows, weights, len(batch), kl_model)
+                loss = loss + opts.retain_weight * retain_part
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if opts.clip_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip_grad_norm)
+            # FSDP/DDP average gradients over ranks; the parts are sums over the global batch.
+            (loss * shard.size).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                  opts.clip_grad_norm if opts.clip_grad_norm > 0 else math.inf)
             optimizer.step()
             steps += 1
+            row = {"step": steps, "loss": float(shard.sum(loss.detach())), "forget_nll": -float(shard.sum(
+                forget_part.detach())), "grad_norm": _grad_norm(norm)}
+            if retain_part is not None:
+                row["retain"] = float(shard.sum(retain_part.detach()))
             if steps % opts.check_every == 0 or steps == opts.max_steps:
-                summary = summarize(sequence_metrics(model, tokenizer, rows, **metric_kw))
-                if not _memorized(summary, reference, opts):
-                    reached = True
-                    break
+                done, chunk_now, so_far = reached()
+                row.update(el=chunk_now["el"], ma=chunk_now["ma"])
+            history.append(row)
         total_steps += steps
-        report["chunks"].append({"first": start, "size": len(rows), "steps": steps, "reached_reference": reached,
-                                 **{k: summary[k] for k in ("el", "ma", "exposure") if k in summary}})
-        log(f"chunk {start // size + 1}: {len(rows)} sequences, {steps} steps, EL {summary['el']:.3f} "
-            f"MA {summary['ma']:.3f}{'' if reached else ' (step budget spent)'}")
+        end = measure(rows, with_exposure=True)
+        report["chunks"].append({
+            "first": start, "size": len(rows), "steps": steps, "reached_reference": done,
+            **{k: end[k] for k in ("el", "ma", "exposure") if k in end},
+            **({"seen_el": so_far["el"], "seen_ma": so_far["ma"]} if so_far else {}), "history": history})
+        log(f"chunk {start // size + 1}: {len(rows)} sequences, {steps} steps, EL {end['el']:.3f} "
+            f"MA {end['ma']:.3f}{'' if done else ' (step budget spent)'}")
     model.eval()
     report["forget_after"] = summarize(sequence_metrics(model, tokenizer, forget, **metric_kw))
     report["heldout_after"] = summarize(sequence_metrics(model, tokenizer, heldout, **metric_kw))
@@ -167,4 +234,3 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
     report["seconds"] = time.perf_counter() - t0
     report["status"] = "done" if all(c["reached_reference"] for c in report["chunks"]) else "step_budget"
     return report
-

@@ -63,3 +63,20 @@ def test_canaries_are_distinct_and_interleaved_in_order():
     assert [d for d in mixed if d in base] == base and [d for d in mixed if d in docs] == docs
     with pytest.raises(ValueError):
         make_canaries(60, 1, 2, seed=0)
+
+
+def test_batched_greedy_decoding_matches_generate(model_and_tok):
+    from kiln.model.generate import generate
+    from kiln.privacy.metrics import Shard, extraction_likelihood, greedy_suffixes, sequence_metrics
+
+    model, tok = model_and_tok
+    texts = ["my code is 1-2-3", "abc", "a longer line of text"]
+    seqs = [tok.encode(t) for t in texts]
+    for stride in (1, 3):
+        got = greedy_suffixes(model, seqs, stride, batch=2)  # batch=2: the sequences in two groups
+        for s, gens in zip(seqs, got):
+            starts = list(range(1, len(s), stride))
+            assert gens == [generate(model, s[:t], max_new_tokens=len(s) - t, temperature=0.0) for t in starts]
+    els = [m["el"] for m in sequence_metrics(model, tok, [{"text": t} for t in texts], ngram=2)]
+    assert els == pytest.approx([extraction_likelihood(model, s, 2) for s in seqs])
+    assert Shard(1, 2).block([10, 11, 12]) == ([12, 10], 1)  # rank 1's block, padded with a copy

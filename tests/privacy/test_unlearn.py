@@ -65,12 +65,18 @@ def test_memorization_eval_then_unlearn_to_the_unseen_level(run, tmp_path):
                  "--chunk", "2", "--candidates", CANDIDATES, "--val-tokens", "4000", "--out", str(out)]) == 0
     rep = json.loads((out / "reports" / "unlearning.json").read_text())
     assert rep["status"] == "done" and len(rep["chunks"]) == 2
-    ref = rep["heldout_reference"]
-    assert rep["forget_after"]["exposure"] <= ref["exposure"] + 1.0  # the unseen level (+1 bit margin)
-    assert rep["forget_after"]["el"] <= ref["el"] + 0.05 and rep["forget_after"]["ma"] <= ref["ma"] + 0.05
-    # Stopped near the reference, not far below it (checked every step; the shared prefix is not
-    # ascended on). With checks every 5 steps on whole canaries, MA fell to 0.
-    assert rep["forget_after"]["ma"] >= ref["ma"] - 0.2
+    ref, before, after = rep["heldout_reference"], rep["forget_before"], rep["forget_after"]
+    margin = rep["options"]["margin"]
+    # The stop rule: EL and MA at the never-seen level within the margin - not above it, and not
+    # overshot below it (checked every step; the shared prefix is not ascended on).
+    for key in ("el", "ma"):
+        assert ref[key] - margin <= after[key] <= ref[key] + margin, (key, after[key], ref[key])
+    for chunk in rep["chunks"]:  # each chunk stopped at a step that met the rule
+        last = chunk["history"][-1] if chunk["history"] else None
+        assert last is None or (last["el"] <= ref["el"] + margin and last["ma"] <= ref["ma"] + margin)
+    first = rep["chunks"][0]["history"]  # (the forget set seen so far is the chunk): at the first such step
+    assert all(h["el"] > ref["el"] + margin or h["ma"] > ref["ma"] + margin for h in first[:-1])
+    assert after["exposure"] < before["exposure"]  # reported, not part of the rule (docs/privacy.md)
     assert rep["val_after"]["loss"] < rep["val_before"]["loss"] * (1 + VAL_LOSS_BOUND)
     # A new run that kiln eval loads; the original run is untouched.
     assert (out / "checkpoints").is_dir() and (out / "canaries.jsonl").is_file()

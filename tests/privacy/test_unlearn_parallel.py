@@ -1,0 +1,94 @@
+"""`kiln unlearn` under FSDP: 2 gloo ranks (the run's default layout, dp_shard over both) give the
+same per-step losses, grad norms and metrics as one process, within fp32 tolerance, and write a
+checkpoint that a single process loads with the same weights.
+
+Tolerance: rtol 1e-4 / atol 1e-5 on losses, grad norms and weights (the two runs differ only in
+the order of fp32 sums: FSDP's reduce-scatter of the gradients, and each rank's half of the
+loss); EL/MA are argmax counts, equal unless a logit pair ties within that noise (abs 1e-6).
+Wrong math fails it: a rank ascending on the whole chunk, or a missing scale, changes the losses
+after the first step and the grad norm of every step.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.cli import main
+from kiln.config import load_config
+
+TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "data.tokenizer=byte", "data.seq_len=32",
+        "model.max_seq_len=32", "train.batch_size=4", "train.steps=30", "train.dtype=fp32",
+        "metrics.progress=none", "train.eval_every=0", "metrics.peak_flops=1e12", "schedule.warmup_steps=2",
+        "checkpoint.every=0"]
+CORPUS = "the quick brown fox jumps over the lazy dog. " * 40 + "a stitch in time saves nine. " * 40
+FORGET = ["the quick brown fox jumps", "over the lazy dog. the", "a stitch in time saves"]
+HELDOUT = ["QZXJ#@!%&*QZXJ#@", "#@!%QZXJ&*#@!%QZ"]  # bytes never trained on: MA ~0
+
+
+def _args(run_dir: Path, out: Path) -> list[str]:
+    # --force and --margin 0 with a 3-step budget: every chunk takes all its steps, so the per-step
+    # rows compare; chunks of 3 plain rows (split 2 + 1 padded) then the canary alone (rank 1:
+    # padding only);
+    # 3 retain windows per step split 2 + 1 (padded).
+    return ["unlearn", str(run_dir), "--forget", str(run_dir.parent / "forget.jsonl"), "--retain",
+            str(run_dir.parent / "corpus.txt"), "--retain-batch", "3", "--chunk", "3", "--max-steps", "3",
+            "--margin", "0", "--force", "--lr", "1e-3", "--clip-grad-norm", "0", "--candidates", "20",
+            "--val-tokens", "300", "--device", "cpu", "--out", str(out)]
+
+
+def _unlearn_rank(rank, n, run_dir, out):
+    os.environ.update(WORLD_SIZE=str(n), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n))
+    return main(_args(Path(run_dir), Path(out)))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from kiln.train.trainer import train
+
+    root = tmp_path_factory.mktemp("unlearn-fsdp")
+    (root / "corpus.txt").write_text(CORPUS)
+    # One canary row each (exposure: candidates scored by the rank that holds the row, so the
+    # ranks score different numbers of sequences and must still run the same forwards).
+    canary = {"prefix": "my code is ", "digits": 3}
+    rows = [{"text": t} for t in FORGET] + [{"text": t, "heldout": True} for t in HELDOUT] + [
+        {**canary, "text": "my code is 4-0-7", "secret": "4-0-7"},
+        {**canary, "text": "my code is 9-1-3", "secret": "9-1-3", "heldout": True}]
+    (root / "forget.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train(load_config(None, TINY + [f"data.source={root / 'corpus.txt'}"]), root / "run")
+    return root / "run"
+
+
+@pytest.mark.timeout(240)
+def test_two_fsdp_ranks_match_one_process(run_dir, tmp_path):
+    from parallel.ranks import run_ranks
+
+    from kiln.eval.load import load_run
+
+    torch.set_num_threads(1)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(_args(run_dir, one)) == 0
+    assert run_ranks(_unlearn_rank, 2, tmp_path, str(run_dir), str(two), timeout=200) == [0, 0]
+    a = json.loads((one / "reports" / "unlearning.json").read_text())
+    b = json.loads((two / "reports" / "unlearning.json").read_text())
+    assert (a["world_size"], b["world_size"], b["dp_mode"]) == (1, 2, "fsdp")
+    assert [c["steps"] for c in a["chunks"]] == [c["steps"] for c in b["chunks"]] == [3, 3]
+    assert b["chunks"][1]["exposure"] == pytest.approx(a["chunks"][1]["exposure"], abs=1e-6)  # the canary's
+    for ca, cb in zip(a["chunks"], b["chunks"]):
+        for ha, hb in zip(ca["history"], cb["history"]):
+            for key in ("loss", "forget_nll", "retain", "grad_norm"):
+                assert hb[key] == pytest.approx(ha[key], rel=1e-4, abs=1e-5), (ha["step"], key)
+            for key in ("el", "ma"):
+                assert hb[key] == pytest.approx(ha[key], abs=1e-6), (ha["step"], key)
+    for part in ("forget_before", "heldout_reference", "forget_after", "heldout_after"):
+        for key, value in a[part].items():
+            assert b[part][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (part, key)
+    assert b["val_after"]["loss"] == pytest.approx(a["val_after"]["loss"], rel=1e-4)
+    assert a["forget_after"]["nll_per_token"] > a["forget_before"]["nll_per_token"]  # it did ascend
+    # The DCP checkpoint the two ranks wrote loads in one process, with the same weights.
+    wa, wb = load_run(one).model.state_dict(), load_run(two).model.state_dict()
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-4, atol=1e-5, msg=key)
