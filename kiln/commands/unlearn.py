@@ -47,7 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin", type=float, default=D.margin,
                    help="stop a chunk when its EL and MA are <= the held-out reference + this")
     p.add_argument("--exposure-margin", type=float, default=D.exposure_margin,
-                   help="canaries: also stop only when exposure is <= the held-out canaries' + this (bits)")
+                   help="canaries: memorized means exposure > the held-out canaries' + this (bits)")
+    p.add_argument("--stop-on-exposure", action="store_true",
+                   help="also stop a chunk only when the seen forget set's exposure is <= the held-out "
+                        "canaries' + --exposure-margin (EL and MA alone can leave the secret ranked high)")
     p.add_argument("--force", action="store_true", help="unlearn even when the forget set does not look memorized")
     p.add_argument("--out", metavar="DIR", help="new run directory (default RUN-unlearned); must not exist")
     p.add_argument("--step", type=int, help="checkpoint to start from (default: latest)")

@@ -12,7 +12,11 @@ a small lr, so the step that crosses the reference is the last one; a coarser ch
 lr overshoots far below the "never seen" level and damages the model. Exposure is measured and
 reported (per chunk and before/after) but is not part of the stop rule: one canary's exposure is
 too noisy a target (with chunks of 1 it drove EL to 0). It does count when deciding whether the
-forget set looks memorized at all (`exposure_margin`).
+forget set looks memorized at all (`exposure_margin`). With `stop_on_exposure` the rule also asks
+that the mean exposure of the forget set seen so far be no higher than the held-out canaries' +
+`exposure_margin` (checked only once EL and MA pass, since exposure ranks every candidate): EL and
+MA count argmax hits, and a secret that is no longer the argmax can still rank near the top of the
+candidates, which is what an attacker who guesses by likelihood exploits.
 
 With `secret_only` (default) the ascent on a canary row is masked to its secret's digits: the
 loss counts only those tokens, not the prefix ("my code is ") or the '-' separators that every
@@ -50,6 +54,7 @@ class UnlearnOptions:
     secret_only: bool = True  # canary rows: ascend only on the secret's tokens, not the shared prefix
     margin: float = 0.05  # stop when EL and MA <= held-out reference + margin
     exposure_margin: float = 1.0  # canaries: and exposure <= held-out reference + this (bits)
+    stop_on_exposure: bool = False  # also stop only when the seen forget set's exposure is at the reference
     retain_loss: str = "lm"  # lm | kl (used only with retain windows)
     retain_weight: float = 1.0
     retain_batch: int = 8
@@ -186,7 +191,13 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
             if not _at_reference(chunk, reference, opts):
                 return False, chunk, None
             so_far = chunk if start == 0 else measure(seen)
-            return _at_reference(so_far, reference, opts), chunk, so_far
+            if not _at_reference(so_far, reference, opts):
+                return False, chunk, so_far
+            if opts.stop_on_exposure and "exposure" in reference:
+                exposed = measure(seen, with_exposure=True)
+                if exposed.get("exposure", -math.inf) > reference["exposure"] + opts.exposure_margin:
+                    return False, chunk, so_far
+            return True, chunk, so_far
 
         # Measured now, not before unlearning: earlier chunks' steps may already have brought this
         # chunk to the reference, and a step beyond it only overshoots.

@@ -77,6 +77,17 @@ def test_memorization_eval_then_unlearn_to_the_unseen_level(run, tmp_path):
     first = rep["chunks"][0]["history"]  # (the forget set seen so far is the chunk): at the first such step
     assert all(h["el"] > ref["el"] + margin or h["ma"] > ref["ma"] + margin for h in first[:-1])
     assert after["exposure"] < before["exposure"]  # reported, not part of the rule (docs/privacy.md)
+    # With the exposure stop the secrets also fall to the never-seen level by exposure (the
+    # issue's proof): EL/MA alone leave a secret ranked high among the candidates.
+    strict = tmp_path / "unlearned-exposure"
+    assert main(["unlearn", str(run_dir), "--forget", str(run_dir / "canaries.jsonl"), "--retain", str(corpus),
+                 "--chunk", "2", "--candidates", CANDIDATES, "--val-tokens", "4000", "--stop-on-exposure",
+                 "--out", str(strict)]) == 0
+    srep = json.loads((strict / "reports" / "unlearning.json").read_text())
+    assert srep["status"] == "done" and all(c["reached_reference"] for c in srep["chunks"])
+    exposure_margin = srep["options"]["exposure_margin"]
+    assert srep["forget_after"]["exposure"] <= ref["exposure"] + exposure_margin < before["exposure"] - 3
+    assert srep["val_after"]["loss"] < srep["val_before"]["loss"] * (1 + VAL_LOSS_BOUND)
     assert rep["val_after"]["loss"] < rep["val_before"]["loss"] * (1 + VAL_LOSS_BOUND)
     # A new run that kiln eval loads; the original run is untouched.
     assert (out / "checkpoints").is_dir() and (out / "canaries.jsonl").is_file()
