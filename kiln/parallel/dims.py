@@ -80,7 +80,7 @@ class ParallelDims:
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1:
-            check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.diloco_inner_steps)
+            check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
             # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
             raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
@@ -174,17 +174,14 @@ class ParallelDims:
                                                 mesh_dim_names=("edp", "ep"))
 
 
-def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int,
-                    diloco_inner_steps: int = 0) -> None:
+def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int) -> None:
     """What `kiln train` runs expert parallelism with (kiln/parallel/expert_parallel.py): ep carved
     out of the data-parallel ranks, dp_shard under fsdp/zero2 (dense parameters stay FSDP over all
-    of dp_shard, the experts FSDP over the rest) or the replicas under ddp (experts replicated)."""
+    of dp_shard, the experts FSDP over the rest) or the replicas under ddp (experts replicated).
+    DiLoCo with ep is refused by ParallelConfig.validate (its replicas do not reduce gradients)."""
     if mode == "zero1":
         raise ConfigError(f"parallel.ep={ep} cannot combine with parallel.dp_mode='zero1' (its sharded optimizer "
                           f"does not take the experts' DTensors); use dp_mode='fsdp', 'zero2' or 'ddp'")
-    if diloco_inner_steps:  # DiLoCo replicas do not reduce gradients; EP reduces expert gradients every step
-        raise ConfigError(f"parallel.ep={ep} cannot combine with parallel.diloco_inner_steps={diloco_inner_steps}; "
-                          f"set parallel.ep=1 or parallel.diloco_inner_steps=0")
     if cp > 1 or tp > 1 or pp > 1:
         raise ConfigError(f"parallel.ep={ep} with parallel.cp={cp} / tp={tp} / pp={pp} is not supported yet; "
                           f"use expert parallelism with data parallelism only")
