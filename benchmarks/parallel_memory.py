@@ -12,13 +12,20 @@ Measured on every rank, then the largest rank is reported:
 - activations: bytes autograd saves for backward in one forward (`SavedBytes`, torch's
   saved_tensors_hooks; parameters and their views excluded);
 - step time: median wall time of the timed steps (slowest rank); with --rounds R every layout is
-  measured R times, interleaved, and each rank keeps its median over the rounds;
+  measured R times, interleaved (round 1 runs every layout, then round 2, ...: a shared machine's
+  load drifts over minutes), and the JSON keeps each round's value, their median and their spread
+  ((max - min) / median) per layout, and the machine's load average (os.getloadavg) at each
+  measurement;
+- gloo collectives: all_reduce, all_gather, reduce_scatter and broadcast of 16 KiB - 16 MiB at 2
+  and 4 processes, median of --collective-reps calls each, once per round (the link samples
+  kiln/plan/calibrate.py `fit_link` fits latency and bandwidth to);
+- activations at each per-rank batch: one single-process forward's saved bytes (below);
 - sent per step: bytes this process wrote to its gloo sockets during one step (Linux
   /proc/self/io `wchar`; the step does no other writes). Ring all-reduce sends 2(N-1)/N of the
   gradient bytes per rank; all-gather and reduce-scatter (N-1)/N each.
 
     python benchmarks/parallel_memory.py [--dim 384 --layers 6 --vocab 4096] [--worlds 1,2,4]
-        [--modes ddp,zero1,zero2,fsdp] [--steps 3] [--rounds 1] [--quick]
+        [--modes ddp,zero1,zero2,fsdp] [--steps 2] [--rounds 3] [--quick]
 
 Writes benchmarks/results/parallel_memory.json and prints a markdown table. Memory figures are
 exact byte counts (not allocator statistics), so they do not depend on the machine's load.
@@ -86,10 +93,10 @@ def sent_bytes() -> int:
         return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: str, out: str) -> None:
+def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, mode: str) -> list[dict]:
+    """One layout in this process (rank `rank` of `world`): every rank's row."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     from kiln.config import load_config
     from kiln.model.transformer import lm_loss
     from kiln.parallel.data_parallel import shard_optimizer_state
@@ -140,8 +147,50 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: str
         rows = [None] * world
         dist.all_gather_object(rows, row)
         dist.destroy_process_group()
+    return rows
+
+
+def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, modes: list[str],
+           collective_reps: int, out: str) -> None:
+    """Every mode of one world size in one set of processes (a process group per mode, built and
+    destroyed in turn): spawning and importing torch once per world size, not per layout."""
+    torch.set_num_threads(1)
+    collectives = collective_times(rank, world, ports[-1], collective_reps) if collective_reps else []
+    layouts = {mode: measure_layout(rank, world, port, args, mode) for mode, port in zip(modes, ports)}
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        Path(out).write_text(json.dumps({"layouts": layouts, "collectives": collectives}))
+
+
+COLLECTIVE_SIZES = (2**14, 2**18, 2**22, 2**24)  # bytes of the full (unsharded) tensor
+
+
+def collective_times(rank: int, world: int, port: int, reps: int) -> list[dict]:
+    """Median seconds of each gloo collective at each size (the slowest rank's)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch: the older name
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    rows = []
+    for nbytes in COLLECTIVE_SIZES:
+        full = torch.ones(nbytes // 4)
+        shard = torch.ones(nbytes // 4 // world)
+        ops = {"all_reduce": lambda: dist.all_reduce(full),
+               "all_gather": lambda: gather(full, shard),
+               "reduce_scatter": lambda: scatter(shard, full),
+               "broadcast": lambda: dist.broadcast(full, src=0)}
+        for op, call in ops.items():
+            call()  # warm-up: connections and buffers
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            rows.append({"op": op, "ranks": world, "bytes": nbytes, "seconds": statistics.median(times)})
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    dist.destroy_process_group()
+    return [max((g[i] for g in gathered), key=lambda r: r["seconds"]) for i in range(len(rows))]
 
 
 def free_port() -> int:
@@ -150,14 +199,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int, mode: str, args) -> list[dict]:
+def measure(world: int, modes: list[str], args, collective_reps: int = 0) -> dict:
+    """{"layouts": {mode: rows}, "collectives": [...]} for `world` processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         if world == 1:
-            worker(0, 1, 0, args, mode, out)
+            worker(0, 1, [0], args, modes, 0, out)
         else:
-            mp.spawn(worker, args=(world, free_port(), args, mode, out), nprocs=world, join=True)
+            ports = [free_port() for _ in range(len(modes) + 1)]
+            mp.spawn(worker, args=(world, ports, args, modes, collective_reps, out), nprocs=world, join=True)
         return json.loads(Path(out).read_text())
+
+
+def spread(values: list[float]) -> float:
+    """Round-to-round spread: (max - min) / median."""
+    return (max(values) - min(values)) / statistics.median(values)
 
 
 def main() -> None:
@@ -168,65 +224,99 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over the ranks")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per measurement (after one warm-up step)")
+    ap.add_argument("--rounds", type=int, default=3,
                     help="measure every layout this many times, interleaved (a shared machine's load drifts); "
-                         "step_s is each rank's median over the rounds")
+                         "step_s is the median over the rounds")
+    ap.add_argument("--collective-reps", type=int, default=5)
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--quick", action="store_true", help="tiny model, world 1 and 2: checks the script runs")
+    ap.add_argument("--quick", action="store_true", help="tiny model, world 1 and 2, one round: checks the script runs")
     ap.add_argument("--out", default=str(RESULTS_DIR / "parallel_memory.json"))
     args = ap.parse_args()
     if args.quick:
         args.dim, args.layers, args.heads, args.vocab, args.seq, args.batch, args.steps = 32, 2, 2, 256, 16, 4, 1
-        args.worlds = "1,2"
+        args.worlds, args.rounds, args.collective_reps = "1,2", 1, 2
     worlds = [int(w) for w in args.worlds.split(",")]
     modes = args.modes.split(",")
     if any(args.batch % w for w in worlds):
         ap.error(f"--batch {args.batch} must be divisible by every world size {worlds}")
+    if args.rounds < 1 or args.steps < 1:
+        ap.error("--rounds and --steps must be >= 1")
 
+    started = time.perf_counter()
     layouts = [(1, "ddp")] + [(w, m) for w in worlds if w > 1 for m in modes]
     measured: dict[tuple[int, str], list[list[dict]]] = {k: [] for k in layouts}
-    for _ in range(args.rounds):
-        for world, mode in layouts:
-            measured[(world, mode)].append(measure(world, mode, args))
+    loads: dict[tuple[int, str], list[float]] = {k: [] for k in layouts}
+    collectives, rounds_log = [], []
+    for r in range(args.rounds):
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
+        for world in worlds:
+            world_modes = ["ddp"] if world == 1 else modes
+            load = os.getloadavg()[0]
+            got = measure(world, world_modes, args, args.collective_reps if world > 1 else 0)
+            collectives += [dict(row, round=r) for row in got["collectives"]]
+            for mode in world_modes:
+                loads[(world, mode)].append(load)
+                measured[(world, mode)].append(got["layouts"][mode])
+                print(f"round {r + 1}/{args.rounds} {mode} x{world}: "
+                      f"{max(x['step_s'] for x in got['layouts'][mode]):.3f} s (load {load:.1f})", flush=True)
+        rounds_log.append({"round": r, "seconds": time.perf_counter() - t0, "loadavg_1min_start": load0,
+                           "loadavg_1min_end": os.getloadavg()[0]})
 
-    def rows_of(world: int, mode: str) -> list[dict]:
+    def rows_of(world: int, mode: str) -> tuple[list[dict], dict]:
         rounds = measured[(world, mode)]
         rows = rounds[0]
         for rank, row in enumerate(rows):
-            row["step_s"] = statistics.median(r[rank]["step_s"] for r in rounds)
-            row["step_s_rounds"] = [r[rank]["step_s"] for r in rounds]
-        return rows
+            row["step_s_rounds"] = [rr[rank]["step_s"] for rr in rounds]
+            row["step_s"] = statistics.median(row["step_s_rounds"])
+        slowest = [max(x["step_s"] for x in rr) for rr in rounds]  # the step ends when the slowest rank does
+        return rows, {"step_s_rounds": slowest, "step_s_median": statistics.median(slowest),
+                      "step_s_spread": spread(slowest), "loadavg_1min": loads[(world, mode)]}
 
-    single = rows_of(1, "ddp")[0]
-    results = {"single": single, "runs": []}
+    # What autograd saves depends on the per-rank batch, not the mode: one forward per batch size.
+    activations = {}
+    for b in sorted({args.batch // w for w in worlds}):
+        one = measure(1, ["ddp"], argparse.Namespace(**{**vars(args), "batch": b, "steps": 1}))
+        activations[str(b)] = one["layouts"]["ddp"][0]["activations"]
+
+    single, single_time = rows_of(1, "ddp")
+    single = single[0]
+    results = {"single": dict(single, **single_time), "runs": [], "collectives": collectives,
+               "activations_by_batch": activations, "rounds": rounds_log,
+               "args": {k: v for k, v in vars(args).items() if k != "out"}}
     lines = [f"model: {single['n_params'] / 1e6:.2f}M params, global batch {args.batch} x {args.seq} tokens, "
-             f"fp32 AdamW; bytes per rank (largest rank), MB = 2^20 bytes", "",
+             f"fp32 AdamW; bytes per rank (largest rank), MB = 2^20 bytes; step s: median of {args.rounds} "
+             f"interleaved rounds (spread = (max - min) / median)", "",
              "| mode | N | params MB (ideal) | after fwd MB | grads MB (ideal) | optim MB (ideal) | "
-             "worst part / ideal | step s | sent/step MB |",
-             "|---|---|---|---|---|---|---|---|---|",
+             "worst part / ideal | step s | spread | sent/step MB |",
+             "|---|---|---|---|---|---|---|---|---|---|",
              f"| single | 1 | {single['params'] / 2**20:.2f} | {single['params_after_forward'] / 2**20:.2f} | "
-             f"{single['grads'] / 2**20:.2f} | {single['optimizer'] / 2**20:.2f} | 1.00 | {single['step_s']:.3f} | 0 |"]
+             f"{single['grads'] / 2**20:.2f} | {single['optimizer'] / 2**20:.2f} | 1.00 | "
+             f"{single_time['step_s_median']:.3f} | {single_time['step_s_spread']:.0%} | 0 |"]
     for world in worlds:
         if world == 1:
             continue
         for mode in modes:
-            rows = rows_of(world, mode)
-            worst = {k: max(r[k] for r in rows) for k in rows[0]}
+            rows, timing = rows_of(world, mode)
+            worst = {k: max(r[k] for r in rows) for k in rows[0] if not k.endswith("_rounds")}
             ideal = {k: single[k] / (world if k in SHARDED[mode] else 1) for k in ("params", "grads", "optimizer")}
             ratio = max(worst[k] / ideal[k] for k in ideal)
             results["runs"].append({"mode": mode, "world": world, "per_rank": rows, "ideal": ideal,
-                                    "worst_over_ideal": ratio})
+                                    "worst_over_ideal": ratio, **timing})
             lines.append(
                 f"| {mode} | {world} | " + " | ".join(
                     f"{worst[k] / 2**20:.2f} ({ideal[k] / 2**20:.2f})" if k != "params_after_forward"
                     else f"{worst[k] / 2**20:.2f}" for k in ("params", "params_after_forward", "grads", "optimizer"))
-                + f" | {ratio:.2f} | {worst['step_s']:.3f} | {worst['sent'] / 2**20:.2f} |")
-            print(lines[-1], flush=True)
+                + f" | {ratio:.2f} | {timing['step_s_median']:.3f} | {timing['step_s_spread']:.0%} | "
+                  f"{worst['sent'] / 2**20:.2f} |")
+    lines += ["", "load average (1 min) per round: " + ", ".join(
+        f"{r['loadavg_1min_start']:.1f} -> {r['loadavg_1min_end']:.1f}" for r in rounds_log)
+        + f"; total {time.perf_counter() - started:.0f} s"]
     table = "\n".join(lines)
     print(table)
-    results.update(table=table, machine=machine_info(), command="python " + " ".join(sys.argv))
+    results.update(table=table, machine=machine_info(), command="python " + " ".join(sys.argv),
+                   date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.perf_counter() - started)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 

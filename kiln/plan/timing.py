@@ -10,14 +10,24 @@ A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GP
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
 recomputed blocks.
+
+Host-side terms (what a GPU hides and a CPU/gloo run does not): each collective call costs the
+cluster's `collective_launch_us` (dispatch, FSDP2's per-group hooks and buffer setup) on top of
+the link's alpha; FSDP2 copies parameters into and out of its all-gather buffer and gradients into
+its reduce-scatter buffer, and DDP copies gradients into and out of its buckets, at the device's
+memory bandwidth; when the processes of a node outnumber `cores_per_node`, compute, the optimizer
+step and that host work run at cores / processes of a core each.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kiln.plan.cluster import Cluster, LinkSpec
-from kiln.plan.memory import Layout, ModelShape, recomputed_blocks
+from kiln.plan.memory import DDP_BUCKET_BYTES, Layout, ModelShape, recomputed_blocks
+
+FIRST_BUCKET_BYTES = 2**20
 
 
 @dataclass
@@ -28,10 +38,12 @@ class StepTime:
     bubble: float
     optimizer: float
     flops: float  # model FLOPs of the whole step, all ranks (for MFU; no recompute)
+    host: float = 0.0  # collective launches and communication-buffer copies
+    collectives: int = 0  # collective calls one rank issues per step
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm_exposed + self.bubble + self.optimizer
+        return self.compute + self.comm_exposed + self.bubble + self.optimizer + self.host
 
     def mfu(self, cluster: Cluster, precision: str, world: int) -> float:
         return self.flops / (self.total * world * cluster.device.peak_flops(precision))
@@ -43,22 +55,32 @@ def _link(cluster: Cluster, group: int, stride: int) -> tuple[LinkSpec, bool]:
     return (cluster.inter_node if spans else cluster.intra_node), spans
 
 
-def all_reduce(cluster: Cluster, n: int, nbytes: float, stride: int = 1) -> float:
+def all_reduce(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
+    """`nbytes` in all, split over `calls` collectives (each pays the latency steps)."""
     if n <= 1:
         return 0.0
     link, spans = _link(cluster, n, stride)
     alpha, bw = link.latency_us * 1e-6, link.bandwidth_gbps * 1e9
     if spans and link.in_network_reduction:
-        return nbytes / bw + 2 * alpha
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
+        return nbytes / bw + 2 * alpha * calls
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha * calls
 
 
-def all_gather(cluster: Cluster, n: int, nbytes: float, stride: int = 1) -> float:
-    """Also reduce-scatter: `nbytes` is the full (unsharded) size."""
+def all_gather(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
+    """Also reduce-scatter: `nbytes` is the full (unsharded) size, in all, over `calls` collectives."""
     if n <= 1:
         return 0.0
     link, _ = _link(cluster, n, stride)
-    return (n - 1) / n * nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6
+    return (n - 1) / n * nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6 * calls
+
+
+def broadcast(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
+    """`calls` broadcasts of `nbytes` in all from one root each: pipelined over a chain (NCCL's
+    ring broadcast, bus-bandwidth factor 1), S/B + (n-1) alpha per call."""
+    if n <= 1:
+        return 0.0
+    link, _ = _link(cluster, n, stride)
+    return nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6 * calls
 
 
 def all_to_all(cluster: Cluster, n: int, nbytes: float, stride: int = 1) -> float:
@@ -85,6 +107,28 @@ def bubble_fraction(layout: Layout) -> float:
     return (layout.pp - 1) / (layout.grad_accum * v)
 
 
+def ddp_buckets(grad_bytes: float) -> int:
+    """All-reduces DDP issues per step: a first bucket of 1 MiB (torch's
+    _DEFAULT_FIRST_BUCKET_BYTES), then buckets of bucket_cap_mb (kiln: 25 MiB)."""
+    rest = max(0.0, grad_bytes - FIRST_BUCKET_BYTES)
+    return 1 + math.ceil(rest / DDP_BUCKET_BYTES)
+
+
+def fsdp_units(shape: ModelShape, layout: Layout) -> int:
+    """FSDP2 parameter groups per stage: one per block and the root's (kiln/parallel/parallelize.py
+    apply_fsdp), each gathered and reduced by its own collective."""
+    return -(-shape.n_layers // layout.pp) + 1
+
+
+def compute_share(cluster: Cluster, layout: Layout) -> float:
+    """The fraction of a device each rank computes at: 1, or cores / processes when a node's
+    processes outnumber its `cores_per_node` (CPU processes time-share the cores)."""
+    if cluster.cores_per_node <= 0:
+        return 1.0
+    ranks = min(layout.world_size, cluster.gpus_per_node)
+    return min(1.0, cluster.cores_per_node / ranks)
+
+
 def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
               optimizer_bytes_per_param: int = 8) -> StepTime:
     """Predicted wall time of one optimizer step (grad_accum micro-batches) on every rank."""
@@ -100,7 +144,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     rank_flops_mb = (flops_token + recompute * layer_flops_token * shape.n_layers / 3) * tokens_rank_mb
     rank_flops_mb /= layout.tp * layout.pp
     work = tokens_rank_mb * shape.dim / layout.tp  # a matmul's M*K scale on this rank
-    t_mb = rank_flops_mb / (dev.peak_flops(layout.precision) * dev.efficiency(work))
+    share = compute_share(cluster, layout)  # wall time below: at this rank's share of a device
+    t_mb = rank_flops_mb / (dev.peak_flops(layout.precision) * dev.efficiency(work) * share)
     compute = t_mb * layout.grad_accum
 
     act = {"fp32": 4}.get(layout.precision, 2)
@@ -130,19 +175,39 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         total += t
     # Data parallel: gradient reduction (+ parameter gathers for sharded modes).
     dp_stride = layout.tp * layout.cp
+    calls, copied = 0, 0.0  # collective calls and bytes copied through communication buffers
     if layout.dp > 1:
         grad_bytes = 4 * stage_params
         if layout.dp_mode in ("ddp", "zero1"):
-            t = all_reduce(cluster, layout.dp, grad_bytes, dp_stride)
-            if layout.dp_mode == "zero1":
-                t += all_gather(cluster, layout.dp, 4 * stage_params, dp_stride)  # updated shards broadcast
+            buckets = ddp_buckets(grad_bytes)
+            t = all_reduce(cluster, layout.dp, grad_bytes, dp_stride, calls=buckets)
+            calls += buckets
+            copied += 2 * grad_bytes  # gradients into the buckets and back
+            if layout.dp_mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each updated parameter
+                tensors = shape.param_tensors(layout.pp)
+                t += broadcast(cluster, layout.dp, 4 * stage_params, dp_stride, calls=tensors)
+                calls += tensors
             overlappable = compute * 2 / 3 / layout.grad_accum  # only the last micro-batch's backward
         else:
-            gathers = (2 if layout.dp_mode == "fsdp" else 1) * layout.grad_accum
-            t = gathers * all_gather(cluster, layout.dp_shard, param_bytes * stage_params, dp_stride)
-            t += all_gather(cluster, layout.dp_shard, grad_bytes, dp_stride)  # reduce-scatter
-            t += all_reduce(cluster, layout.dp_replicate, grad_bytes / layout.dp_shard,
-                            dp_stride * layout.dp_shard)  # HSDP: across replicas
+            units = fsdp_units(shape, layout)
+            # FSDP2 all-gathers each unit before its forward and (fsdp: resharded after forward)
+            # again before its backward, except the last block and the root, which backward needs
+            # first; it reduce-scatters each unit's gradients once per step.
+            gathers, gathered = units, stage_params
+            if layout.dp_mode == "fsdp":
+                gathers += units - 2
+                gathered += (units - 2) * shape.layer_params / layout.tp
+            gathers *= layout.grad_accum
+            shard = layout.dp_shard
+            gather_bytes = param_bytes * gathered * layout.grad_accum
+            t = all_gather(cluster, shard, gather_bytes, dp_stride, calls=gathers)
+            t += all_gather(cluster, shard, grad_bytes, dp_stride, calls=units)  # reduce-scatter
+            t += all_reduce(cluster, layout.dp_replicate, grad_bytes / shard,
+                            dp_stride * shard, calls=units)  # HSDP: across replicas
+            calls += gathers + units * (2 if layout.dp_replicate > 1 else 1)
+            # copy-in of the local shard and copy-out of the gathered unit; gradients into the
+            # reduce-scatter buffer and the reduced shard out
+            copied += gather_bytes * (1 + 1 / shard) + grad_bytes * (1 + 1 / shard)
             overlappable = compute
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, overlappable))
         total += t
@@ -150,6 +215,9 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # The optimizer step reads/writes weights, grads and state once: memory-bandwidth bound.
     shard = layout.dp if layout.dp_mode != "ddp" else 1
     opt_bytes = stage_params / shard * (2 * 4 + 4 + 2 * optimizer_bytes_per_param)
-    optimizer = opt_bytes / (dev.memory_bandwidth_gbps * 1e9)
+    mem_bw = dev.memory_bandwidth_gbps * 1e9
+    optimizer = opt_bytes / mem_bw / share
+    # Host work: each copy reads and writes its bytes; each call pays the launch cost.
+    host = (2 * copied / mem_bw + calls * cluster.collective_launch_us * 1e-6) / share
     return StepTime(compute=compute, comm_exposed=exposed, comm_total=total, bubble=bubble,
-                    optimizer=optimizer, flops=model_flops)
+                    optimizer=optimizer, flops=model_flops, host=host, collectives=calls)
