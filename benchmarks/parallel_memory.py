@@ -17,9 +17,12 @@ Measured on every rank, then the largest rank is reported:
   ((max - min) / median) per layout, and the machine's load average (os.getloadavg) at each
   measurement;
 - gloo collectives: all_reduce, all_gather, reduce_scatter and broadcast of 16 KiB - 16 MiB at 2
-  and 4 processes, median of --collective-reps calls each, once per round (the link samples
-  kiln/plan/calibrate.py `fit_link` fits latency and bandwidth to);
+  and 4 processes, and a tensor copy of the same sizes on every rank at once, median of
+  --collective-reps calls each, once per round (the samples kiln/plan/calibrate.py `fit_link`
+  fits the link's latency and bandwidth and the memory bandwidth to);
 - activations at each per-rank batch: one single-process forward's saved bytes (below);
+- CPU seconds per step of each rank (time.process_time, all its threads): on a quiet machine
+  their sum is about the step time x min(N, cores); far less means other work took the cores;
 - sent per step: bytes this process wrote to its gloo sockets during one step (Linux
   /proc/self/io `wchar`; the step does no other writes). Ring all-reduce sends 2(N-1)/N of the
   gradient bytes per rank; all-gather and reduce-scatter (N-1)/N each.
@@ -51,6 +54,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, machine_info  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero2", "fsdp")
+# Model-parallel layouts over all N processes (no data parallelism), run through the trainer's own
+# step (kiln/train/step.py train_step, kiln/parallel/pipeline.py pipeline_train_step, with
+# ContextParallel's sequence split): their config overrides, given N.
+MODEL_PARALLEL = {
+    "tp": lambda n: [f"parallel.tp={n}"],
+    "cp": lambda n: [f"parallel.cp={n}"],
+    "pp_gpipe": lambda n: [f"parallel.pp={n}", "parallel.pp_schedule='gpipe'", f"parallel.pp_microbatches={2 * n}"],
+    "pp_1f1b": lambda n: [f"parallel.pp={n}", "parallel.pp_schedule='1f1b'", f"parallel.pp_microbatches={2 * n}"],
+}
 SHARDED = {"ddp": (), "zero1": ("optimizer",), "zero2": ("params", "grads", "optimizer"),
            "fsdp": ("params", "grads", "optimizer")}
 
@@ -93,6 +105,33 @@ def sent_bytes() -> int:
         return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
 
 
+def model_parallel_step(cfg, dims, model, tokens: torch.Tensor):
+    """The trainer's step for a tp / cp / pp layout on the whole batch (every rank sees all of it:
+    there is no data parallelism), set up in the trainer's order (pipeline, loss, context
+    parallel, then the optimizer over the stage's parameters); returns (one step, optimizer)."""
+    from kiln.parallel.data_parallel import shard_optimizer_state
+    from kiln.train.optim import build_optimizer
+    from kiln.parallel.context_parallel import ContextParallel
+    from kiln.parallel.pipeline import Pipeline, pipeline_train_step
+    from kiln.train.evaluate import autocast_context
+    from kiln.train.step import train_step
+    from kiln.train.system import resolve_loss
+
+    device = torch.device("cpu")
+    pipeline = Pipeline(model, cfg, dims, device) if dims.pp > 1 else None
+    model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
+    context_parallel = ContextParallel(model, dims, cfg.data.seq_len, device)
+    micro = [context_parallel.shard(tokens[:, :-1], tokens[:, 1:])]
+    autocast = autocast_context(device, cfg.train.dtype)
+    optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
+
+    def step() -> None:
+        with context_parallel:
+            (pipeline_train_step if pipeline else train_step)(pipeline or model, optimizer, micro, autocast=autocast,
+                                                              scaler=None, clip=0.0)
+    return step, optimizer
+
+
 def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, mode: str) -> list[dict]:
     """One layout in this process (rank `rank` of `world`): every rank's row."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
@@ -106,19 +145,28 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, m
 
     cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
                              f"model.vocab_size={args.vocab}", f"data.seq_len={args.seq}", f"model.max_seq_len={args.seq}",
-                             "train.dtype=fp32", f"parallel.dp_mode={mode!r}", "optim.implementation='foreach'"])
+                             "train.dtype=fp32", "optim.implementation='foreach'", f"train.batch_size={args.batch}"]
+                      + (MODEL_PARALLEL[mode](world) + ["parallel.dp_mode='ddp'"] if mode in MODEL_PARALLEL
+                         else [f"parallel.dp_mode={mode!r}"]))
     dims = ParallelDims.from_config(cfg.parallel)
     device = torch.device("cpu")
     dims.build_mesh("cpu")
     model = build_model(cfg, dims, device)
-    optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    if mode in MODEL_PARALLEL:
+        mp_step, optimizer = model_parallel_step(cfg, dims, model, tokens)
+    else:
+        optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
     per_rank = args.batch // world
     x = tokens[rank * per_rank:(rank + 1) * per_rank, :-1]
     y = tokens[rank * per_rank:(rank + 1) * per_rank, 1:]
 
     def step() -> tuple[int, int]:
+        if mode in MODEL_PARALLEL:  # no memory split here: the trainer's step zeroes the gradients
+            mp_step()
+            step.activations = 0
+            return 0, 0
         saved = SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             loss = lm_loss(model(x), y)
@@ -130,18 +178,22 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, m
         optimizer.zero_grad(set_to_none=True)
         return after_forward, grads
 
-    after_forward, grads = step()  # warm-up: builds DDP's reducer, FSDP's buffers, the optimizer state
-    times, sent = [], []
+    # Two warm-up steps: the first builds DDP's reducer, FSDP's buffers and the optimizer state;
+    # DDP rebuilds its buckets (in the gradients' arrival order) during the second.
+    after_forward, grads = step()
+    step()
+    times, sent, cpu = [], [], []
     for _ in range(args.steps):
         if dist.is_initialized():
             dist.barrier()
-        s0, t0 = sent_bytes(), time.perf_counter()
+        s0, t0, c0 = sent_bytes(), time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         sent.append(sent_bytes() - s0)
     row = {"params": local_bytes(model.parameters()), "params_after_forward": after_forward, "grads": grads,
            "optimizer": local_bytes(optimizer_state(optimizer)), "step_s": statistics.median(times),
-           "sent": statistics.median(sent), "activations": step.activations, "n_params": sum(p.numel() for p in model.parameters())}
+           "cpu_s": statistics.median(cpu), "sent": statistics.median(sent), "activations": step.activations, "n_params": sum(p.numel() for p in model.parameters())}
     rows = [row]
     if dist.is_initialized():
         rows = [None] * world
@@ -156,6 +208,9 @@ def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, mo
     destroyed in turn): spawning and importing torch once per world size, not per layout."""
     torch.set_num_threads(1)
     collectives = collective_times(rank, world, ports[-1], collective_reps) if collective_reps else []
+    # An untimed first layout: a fresh process's first-time costs (lazy initialisation, page faults)
+    # would otherwise land on whichever layout comes first.
+    measure_layout(rank, world, ports[-2], argparse.Namespace(**{**vars(args), "steps": 1}), modes[0])
     layouts = {mode: measure_layout(rank, world, port, args, mode) for mode, port in zip(modes, ports)}
     if rank == 0:
         Path(out).write_text(json.dumps({"layouts": layouts, "collectives": collectives}))
@@ -174,10 +229,12 @@ def collective_times(rank: int, world: int, port: int, reps: int) -> list[dict]:
     for nbytes in COLLECTIVE_SIZES:
         full = torch.ones(nbytes // 4)
         shard = torch.ones(nbytes // 4 // world)
+        copy_to = torch.empty_like(full)
         ops = {"all_reduce": lambda: dist.all_reduce(full),
                "all_gather": lambda: gather(full, shard),
                "reduce_scatter": lambda: scatter(shard, full),
-               "broadcast": lambda: dist.broadcast(full, src=0)}
+               "broadcast": lambda: dist.broadcast(full, src=0),
+               "copy": lambda: copy_to.copy_(full)}  # every rank at once, as FSDP2's copy-in/out
         for op, call in ops.items():
             call()  # warm-up: connections and buffers
             times = []
@@ -204,9 +261,9 @@ def measure(world: int, modes: list[str], args, collective_reps: int = 0) -> dic
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         if world == 1:
-            worker(0, 1, [0], args, modes, 0, out)
+            worker(0, 1, [0, 0, 0], args, modes, 0, out)
         else:
-            ports = [free_port() for _ in range(len(modes) + 1)]
+            ports = [free_port() for _ in range(len(modes) + 2)]
             mp.spawn(worker, args=(world, ports, args, modes, collective_reps, out), nprocs=world, join=True)
         return json.loads(Path(out).read_text())
 
@@ -231,6 +288,9 @@ def main() -> None:
     ap.add_argument("--collective-reps", type=int, default=5)
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--model-parallel", default=",".join(MODEL_PARALLEL),
+                    help="model-parallel layouts run at --model-parallel-world processes ('' for none)")
+    ap.add_argument("--model-parallel-world", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="tiny model, world 1 and 2, one round: checks the script runs")
     ap.add_argument("--out", default=str(RESULTS_DIR / "parallel_memory.json"))
     args = ap.parse_args()
@@ -243,16 +303,22 @@ def main() -> None:
         ap.error(f"--batch {args.batch} must be divisible by every world size {worlds}")
     if args.rounds < 1 or args.steps < 1:
         ap.error("--rounds and --steps must be >= 1")
+    extra = [m for m in args.model_parallel.split(",") if m]
+    if any(m not in MODEL_PARALLEL for m in extra):
+        ap.error(f"--model-parallel: choose from {', '.join(MODEL_PARALLEL)}")
+    mp_world = args.model_parallel_world
+    if extra and (mp_world not in worlds or mp_world == 1 or args.layers % mp_world or args.heads % mp_world):
+        ap.error(f"--model-parallel-world {mp_world} must be one of --worlds (> 1) and divide --layers and --heads")
 
     started = time.perf_counter()
-    layouts = [(1, "ddp")] + [(w, m) for w in worlds if w > 1 for m in modes]
+    layouts = [(1, "ddp")] + [(w, m) for w in worlds if w > 1 for m in modes + (extra if w == mp_world else [])]
     measured: dict[tuple[int, str], list[list[dict]]] = {k: [] for k in layouts}
     loads: dict[tuple[int, str], list[float]] = {k: [] for k in layouts}
     collectives, rounds_log = [], []
     for r in range(args.rounds):
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         for world in worlds:
-            world_modes = ["ddp"] if world == 1 else modes
+            world_modes = ["ddp"] if world == 1 else modes + (extra if world == mp_world else [])
             load = os.getloadavg()[0]
             got = measure(world, world_modes, args, args.collective_reps if world > 1 else 0)
             collectives += [dict(row, round=r) for row in got["collectives"]]
@@ -271,7 +337,9 @@ def main() -> None:
             row["step_s_rounds"] = [rr[rank]["step_s"] for rr in rounds]
             row["step_s"] = statistics.median(row["step_s_rounds"])
         slowest = [max(x["step_s"] for x in rr) for rr in rounds]  # the step ends when the slowest rank does
-        return rows, {"step_s_rounds": slowest, "step_s_median": statistics.median(slowest),
+        cores = min(world, os.cpu_count() or 1)
+        busy = [sum(x.get("cpu_s", 0.0) for x in rr) / (t * cores) for rr, t in zip(rounds, slowest)]
+        return rows, {"step_s_rounds": slowest, "step_s_median": statistics.median(slowest), "cpu_busy_rounds": busy,
                       "step_s_spread": spread(slowest), "loadavg_1min": loads[(world, mode)]}
 
     # What autograd saves depends on the per-rank batch, not the mode: one forward per batch size.
@@ -310,6 +378,16 @@ def main() -> None:
                     else f"{worst[k] / 2**20:.2f}" for k in ("params", "params_after_forward", "grads", "optimizer"))
                 + f" | {ratio:.2f} | {timing['step_s_median']:.3f} | {timing['step_s_spread']:.0%} | "
                   f"{worst['sent'] / 2**20:.2f} |")
+    for mode in extra:  # model-parallel: time and traffic (the memory split is the DP modes' table)
+        rows, timing = rows_of(mp_world, mode)
+        results["runs"].append({"mode": mode, "world": mp_world, "per_rank": rows, **timing})
+        lines.append(f"| {mode} | {mp_world} | {max(r['params'] for r in rows) / 2**20:.2f} | - | - | "
+                     f"{max(r['optimizer'] for r in rows) / 2**20:.2f} | - | {timing['step_s_median']:.3f} | "
+                     f"{timing['step_s_spread']:.0%} | {max(r['sent'] for r in rows) / 2**20:.2f} |")
+    lines += ["", "CPU busy (ranks' CPU seconds / (step s x cores they could use); about 1 on a quiet machine) "
+              "per layout, rounds in order: " + "; ".join(
+                  f"{r['mode']} x{r['world']} " + " ".join(f"{b:.2f}" for b in r["cpu_busy_rounds"])
+                  for r in [dict(results["single"], mode="single", world=1)] + results["runs"])]
     lines += ["", "load average (1 min) per round: " + ", ".join(
         f"{r['loadavg_1min_start']:.1f} -> {r['loadavg_1min_end']:.1f}" for r in rounds_log)
         + f"; total {time.perf_counter() - started:.0f} s"]

@@ -30,7 +30,7 @@ GRID = {
     "bandwidth_gbps": [0.05 * 1.6 ** k for k in range(24)],  # 50 MB/s .. ~2 TB/s
     "overlap_efficiency": [0.0, 0.3, 0.6, 0.9],
 }
-LAUNCH_GRID_US = [0.0, 30.0, 100.0, 300.0, 1000.0, 3000.0]
+LAUNCH_GRID_US = [0.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0]
 
 
 @dataclass
@@ -77,7 +77,8 @@ def measured_run(run_dir: str | Path) -> Measurement:
 @dataclass
 class CollectiveSample:
     """One timed gloo/NCCL collective: `op` (all_reduce | all_gather | reduce_scatter | broadcast)
-    over `ranks` ranks of a tensor of `nbytes` (the full, unsharded size), taking `seconds`."""
+    over `ranks` ranks of a tensor of `nbytes` (the full, unsharded size), taking `seconds`; or
+    op "copy": a copy of `nbytes` on each of `ranks` ranks at once."""
     op: str
     ranks: int
     nbytes: float
@@ -96,10 +97,13 @@ def fit_link(cluster: Cluster, samples: list[CollectiveSample]) -> Cluster:
     """`cluster` with the intra-node link latency (alpha) and bandwidth (1/beta) that best explain
     timed collectives: each sample's time is alpha * a + beta * b with a, b from timing.py's
     formulas, so this is a linear least-squares fit on relative error (scipy's non-negative
-    least squares when scipy is installed, numpy's lstsq otherwise)."""
+    least squares when scipy is installed, numpy's lstsq otherwise). "copy" samples (a tensor
+    copy on every rank at once) set the device memory bandwidth the buffer copies and optimizer
+    step run at: the median of 2 x bytes / seconds, at a full core's share."""
     import numpy as np
 
-    samples = [s for s in samples if s.ranks > 1 and s.seconds > 0]
+    copies = [s for s in samples if s.op == "copy" and s.seconds > 0]
+    samples = [s for s in samples if s.op != "copy" and s.ranks > 1 and s.seconds > 0]
     if len({(s.ranks, s.nbytes) for s in samples}) < 2:
         raise KilnError("fitting a link needs collectives timed at two or more sizes or rank counts")
     unit = copy.deepcopy(cluster)
@@ -120,14 +124,19 @@ def fit_link(cluster: Cluster, samples: list[CollectiveSample]) -> Cluster:
     out = copy.deepcopy(cluster)
     out.intra_node.latency_us = float(alpha) * 1e6
     out.intra_node.bandwidth_gbps = 1e-9 / float(beta) if beta > 0 else 1e6
+    if copies:  # a copy reads and writes its bytes; ranks beyond the cores time-share them
+        rates = sorted(2 * s.nbytes / s.seconds / _share(cluster, s.ranks) for s in copies)
+        out.device.memory_bandwidth_gbps = rates[len(rates) // 2] / 1e9
     return out
 
 
-FIELDS = ("max_efficiency", "half_efficiency_work", "bandwidth_gbps", "overlap_efficiency", "collective_launch_us")
+def _share(cluster: Cluster, ranks: int) -> float:
+    return min(1.0, cluster.cores_per_node / ranks) if cluster.cores_per_node > 0 else 1.0
 
 
 def _apply(cluster: Cluster, params: tuple[float, ...]) -> Cluster:
-    """Set the fitted fields on `cluster` in place."""
+    """Set the fitted fields on `cluster` in place: (max_efficiency, half_efficiency_work,
+    bandwidth_gbps, overlap_efficiency, collective_launch_us), the order of the search grid."""
     c = cluster
     c.device.max_efficiency, c.device.half_efficiency_work, bw, c.overlap_efficiency, c.collective_launch_us = params
     c.intra_node.bandwidth_gbps = bw

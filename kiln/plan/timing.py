@@ -5,7 +5,11 @@ communication with compute where the strategy allows it.
 Collective costs (n ranks, S bytes, alpha latency, B bandwidth per rank and direction), the
 textbook ring forms (Thakur et al. 2005; NCCL's docs use the same bus-bandwidth factors):
   all-reduce 2(n-1)/n * S/B + 2(n-1) alpha  (in-network reduction: S/B + 2 alpha across nodes)
-  all-gather / reduce-scatter (n-1)/n * S/B + (n-1) alpha,  all-to-all (n-1)/n * S/B + (n-1) alpha.
+  all-gather / reduce-scatter (n-1)/n * S/B + (n-1) alpha,  all-to-all (n-1)/n * S/B + (n-1) alpha,
+  broadcast S/B + (n-1) alpha (pipelined chain).
+Every collective call pays its latency steps: a mode's traffic split over k calls costs k times
+the alpha term (DDP: one all-reduce per bucket; ZeRO-1: one broadcast per parameter tensor, as
+torch's ZeroRedundancyOptimizer does; FSDP2: one all-gather and one reduce-scatter per group).
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
@@ -152,18 +156,22 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     param_bytes = 4 if layout.precision == "fp32" else 2
     stage_params = (shape.embedding_params + shape.n_layers * shape.layer_params / layout.pp) / layout.tp
     exposed, total = 0.0, 0.0
+    calls, copied = 0, 0.0  # collective calls and bytes copied through communication buffers
+    stage_layers = shape.n_layers / layout.pp
 
     # Tensor (sequence) parallel: per block 2 all-gathers + 2 reduce-scatters forward, as many
     # backward, of the block's activations; on the critical path.
     if layout.tp > 1:
         nbytes = act * tokens_rank_mb * shape.dim
-        t = 8 * all_gather(cluster, layout.tp, nbytes) * shape.n_layers / layout.pp * layout.grad_accum
+        t = 8 * all_gather(cluster, layout.tp, nbytes) * stage_layers * layout.grad_accum
+        calls += round(8 * stage_layers * layout.grad_accum)
         exposed += t
         total += t
     # Context parallel (ring attention): K and V pass around the ring, hidden behind attention.
     if layout.cp > 1:
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
-        t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * shape.n_layers / layout.pp * layout.grad_accum
+        t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * stage_layers * layout.grad_accum
+        calls += round(3 * (layout.cp - 1) * stage_layers * layout.grad_accum)
         attn_compute = t_mb * layout.grad_accum * 0.3
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
@@ -171,21 +179,26 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     if layout.pp > 1:
         spans = layout.pp * layout.tp * layout.cp > cluster.gpus_per_node
         t = 2 * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * layout.grad_accum
+        calls += 2 * layout.grad_accum
         exposed += t
         total += t
-    # Data parallel: gradient reduction (+ parameter gathers for sharded modes).
-    dp_stride = layout.tp * layout.cp
-    calls, copied = 0, 0.0  # collective calls and bytes copied through communication buffers
-    if layout.dp > 1:
+    # Data parallel: gradient reduction (+ parameter gathers for sharded modes), over dp x cp: the
+    # cp ranks of a replica hold the same weights and average their gradients too (kiln and
+    # torchtitan shard FSDP over dp_shard x cp).
+    dp_stride = layout.tp
+    replicas, shards = layout.dp_replicate, layout.dp_shard * layout.cp
+    if layout.dp_mode in ("ddp", "zero1"):
+        replicas, shards = layout.dp * layout.cp, 1
+    if replicas * shards > 1:
         grad_bytes = 4 * stage_params
         if layout.dp_mode in ("ddp", "zero1"):
             buckets = ddp_buckets(grad_bytes)
-            t = all_reduce(cluster, layout.dp, grad_bytes, dp_stride, calls=buckets)
+            t = all_reduce(cluster, replicas, grad_bytes, dp_stride, calls=buckets)
             calls += buckets
             copied += 2 * grad_bytes  # gradients into the buckets and back
             if layout.dp_mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each updated parameter
                 tensors = shape.param_tensors(layout.pp)
-                t += broadcast(cluster, layout.dp, 4 * stage_params, dp_stride, calls=tensors)
+                t += broadcast(cluster, replicas, 4 * stage_params, dp_stride, calls=tensors)
                 calls += tensors
             overlappable = compute * 2 / 3 / layout.grad_accum  # only the last micro-batch's backward
         else:
@@ -198,13 +211,12 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
                 gathers += units - 2
                 gathered += (units - 2) * shape.layer_params / layout.tp
             gathers *= layout.grad_accum
-            shard = layout.dp_shard
+            shard = shards
             gather_bytes = param_bytes * gathered * layout.grad_accum
             t = all_gather(cluster, shard, gather_bytes, dp_stride, calls=gathers)
             t += all_gather(cluster, shard, grad_bytes, dp_stride, calls=units)  # reduce-scatter
-            t += all_reduce(cluster, layout.dp_replicate, grad_bytes / shard,
-                            dp_stride * shard, calls=units)  # HSDP: across replicas
-            calls += gathers + units * (2 if layout.dp_replicate > 1 else 1)
+            t += all_reduce(cluster, replicas, grad_bytes / shard, dp_stride * shard, calls=units)  # HSDP
+            calls += gathers + units * (2 if replicas > 1 else 1)
             # copy-in of the local shard and copy-out of the gathered unit; gradients into the
             # reduce-scatter buffer and the reduced shard out
             copied += gather_bytes * (1 + 1 / shard) + grad_bytes * (1 + 1 / shard)
@@ -213,7 +225,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         total += t
     bubble = compute * bubble_fraction(layout)
     # The optimizer step reads/writes weights, grads and state once: memory-bandwidth bound.
-    shard = layout.dp if layout.dp_mode != "ddp" else 1
+    shard = replicas * shards if layout.dp_mode != "ddp" else 1
     opt_bytes = stage_params / shard * (2 * 4 + 4 + 2 * optimizer_bytes_per_param)
     mem_bw = dev.memory_bandwidth_gbps * 1e9
     optimizer = opt_bytes / mem_bw / share

@@ -41,10 +41,14 @@ def _samples(cluster):
 def test_fit_link_recovers_latency_and_bandwidth_of_timed_collectives():
     truth = load_cluster("cpu-local")
     truth.intra_node.latency_us, truth.intra_node.bandwidth_gbps = 250.0, 0.8
-    start = load_cluster("cpu-local")  # 100 us, 1 GB/s
-    fitted = fit_link(start, _samples(truth))
+    start = load_cluster("cpu-local")  # 100 us, 1 GB/s, 10 GB/s memory
+    start.cores_per_node = 2.0
+    # copies on every rank at once: 4 ranks on 2 cores take twice as long for the same bandwidth
+    copies = [CollectiveSample("copy", n, size, 2 * size / 6e9 * max(1, n / 2)) for n in (2, 4) for size in (2**20, 2**24)]
+    fitted = fit_link(start, _samples(truth) + copies)
     assert fitted.intra_node.latency_us == pytest.approx(250.0, rel=1e-6)
     assert fitted.intra_node.bandwidth_gbps == pytest.approx(0.8, rel=1e-6)
+    assert fitted.device.memory_bandwidth_gbps == pytest.approx(6.0, rel=1e-6)
     assert start.intra_node.latency_us == 100.0  # the input is not changed
     with pytest.raises(KilnError, match="two or more sizes"):
         fit_link(start, [CollectiveSample("all_reduce", 2, 1024, 1e-3)])
