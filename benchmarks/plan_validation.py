@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -93,12 +94,15 @@ def main() -> None:
     assert shape.params == data["single"]["n_params"], "benchmark model shape changed; update DEFAULTS"
     runs = [("single", 1, [data["single"]], data["single"])] + [(r["mode"], r["world"], r["per_rank"], r)
                                                                for r in data["runs"]]
-    # A run whose optimizer holds no state on any rank never stepped (its time lacks the update):
-    # left out, and said so.
-    stale = [f"{m} x{w}" for m, w, ranks, _ in runs if not any(p["optimizer"] for p in ranks)]
+    # A run whose optimizer holds no state on any rank never stepped (its time lacks the update),
+    # and one whose loss is not about ln(vocab) at init did not train: left out, and said so.
+    limit = 2 * math.log(run_args["vocab"])
+    stale = [f"{m} x{w}" for m, w, ranks, _ in runs if not any(p["optimizer"] for p in ranks)
+             or not all(math.isfinite(p.get("loss", 0.0)) and p.get("loss", 0.0) < limit for p in ranks)]
     runs = [r for r in runs if f"{r[0]} x{r[1]}" not in stale]
     if stale:
-        print(f"left out (no optimizer state after the timed steps: the update never ran): {', '.join(stale)}\n")
+        print(f"left out (no optimizer state after the timed steps, or a loss not below 2 ln(vocab)): "
+              f"{', '.join(stale)}\n")
     cases, spreads = [], {}
     for m, w, ranks, run in runs:
         step_s = run.get("step_s_median", max(p["step_s"] for p in ranks))

@@ -27,7 +27,7 @@ def test_results_cover_two_and_four_processes():
     assert sorted(r["world"] for r in _data()["best_plan"]) == [2, 4]
 
 
-# Strict xfails: what the recorded measurements (load average 7.7-8.3 on the 2 cores) do not meet;
+# Strict xfails: what the recorded measurements (load average 2.4-6.1 on the 2 cores) do not meet;
 # a rerun on a quiet machine that meets one turns it into a failure here until it is flipped.
 NOT_MET = pytest.mark.xfail(strict=True, reason="not met by the recorded measurements (benchmarks/README.md, "
                                                 "Planner accuracy)")
