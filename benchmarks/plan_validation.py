@@ -13,13 +13,20 @@ optimizer state at rest on the largest rank (exact tensor bytes); (b) the peak w
 per-rank batch; what autograd saves does not depend on the data-parallel mode, whose parameters
 the count excludes), against rank_memory's total less its communication buffers.
 
-Time: kiln/plan/timing.py `step_time` on the cpu-local cluster preset, with the efficiency curve
-(max_efficiency, half_efficiency_work) and link bandwidth fitted by least squares on log time
-(kiln/plan/calibrate.py `fit_cluster`) with the overlap efficiency; each process of a
-multi-process run gets min(1, cores / processes) of a core (CORE_GRID, FIXED_OVERLAP: a fitted
-core count and a zero overlap were tried and fit worse), applied here and in the search below,
-not in the planner. Leave-one-out: each layout is predicted from a fit to the
-other eight, never to itself.
+Time: kiln/plan/timing.py `step_time` on the cpu-local cluster preset with `cores_per_node` set
+to the measuring machine's cores (each of N processes computes at min(1, cores / N) of a core),
+the link's latency and bandwidth fitted to the gloo collectives timed by parallel_memory.py
+(kiln/plan/calibrate.py `fit_link`), then the efficiency curve, overlap and per-collective launch
+cost fitted by least squares on log step time (`fit_cluster`). Leave-one-out: each layout is
+predicted from a fit to the other eight, never to itself. The measured step time is the median of
+parallel_memory.py's interleaved rounds; its spread ((max - min) / median over the rounds) is the
+measurement's tolerance in the search checks below.
+
+Search checks, per process count, on the cluster fitted to all nine runs: (1) the search's best
+data-parallel plan (max tp = pp = cp = 1) must have been run and measure no slower than the best
+run, within the tolerance t = the larger of the two layouts' round-to-round spreads:
+plan_s <= best_s * (1 + t); (2) every pair of layouts whose measured gap exceeds both their
+spreads must be predicted in the measured order.
 
     python benchmarks/plan_validation.py [--results benchmarks/results/parallel_memory.json]
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -40,43 +48,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import RESULTS_DIR  # noqa: E402
 
 from kiln.config import ModelConfig  # noqa: E402
-from kiln.plan.calibrate import Measurement, fit_cluster, fit_error, predicted_step  # noqa: E402
+from kiln.plan.calibrate import CollectiveSample, Measurement, fit_cluster, predicted_step  # noqa: E402
 from kiln.plan.cluster import load_cluster  # noqa: E402
 from kiln.plan.memory import Layout, ModelShape, rank_memory  # noqa: E402
 from kiln.plan.timing import step_time  # noqa: E402
 
-# benchmarks/parallel_memory.py defaults (the results file records only the command)
-DIM, LAYERS, HEADS, VOCAB, SEQ, BATCH = 384, 6, 6, 4096, 128, 8
-CORES = 2
-# Effective cores the processes share (each of N processes gets min(1, cores / N) of a core).
-# Fitting it over (0.5, 0.75, 1, 1.25, 1.5, 2) with overlap fixed at 0 (gloo has no spare cores
-# to overlap on) was tried: 2 of 9 layouts within 25% instead of 4 (benchmarks/README.md), so the
-# physical core count and a fitted overlap stay. Both knobs are kept to rerun that comparison.
-CORE_GRID = (CORES,)
-FIXED_OVERLAP = None  # 0.0: the gloo-hides-nothing variant
+# benchmarks/parallel_memory.py's defaults before it recorded its arguments in the results file
+DEFAULTS = {"dim": 384, "layers": 6, "heads": 6, "vocab": 4096, "seq": 128, "batch": 8}
+TIME_TARGET = 0.25  # the issue's step-time target: within 25%
 
 
-def layout_for(mode: str, world: int) -> Layout:
-    per_rank = BATCH // world
+def layout_for(mode: str, world: int, batch: int) -> Layout:
+    """The planner's Layout of a parallel_memory.py run (its MODEL_PARALLEL layouts: no data
+    parallelism, the whole batch on every rank; pipelines with 2 x pp micro-batches)."""
+    per_rank = batch // world
+    if mode == "tp":
+        return Layout(tp=world, micro_batch=batch, precision="fp32")
+    if mode == "cp":
+        return Layout(cp=world, micro_batch=batch, precision="fp32")
+    if mode.startswith("pp_"):
+        return Layout(pp=world, micro_batch=batch // (2 * world), grad_accum=2 * world, schedule=mode[3:],
+                      precision="fp32")
     if mode in ("ddp", "zero1") or world == 1:
         return Layout(dp_replicate=world, dp_shard=1, dp_mode=mode if world > 1 else "ddp", micro_batch=per_rank,
                       precision="fp32")
     return Layout(dp_replicate=1, dp_shard=world, dp_mode=mode, micro_batch=per_rank, precision="fp32")
-
-
-def share_for(cores: float):
-    return lambda layout: min(1.0, cores / layout.world_size)
-
-
-def fit(cluster, cases):
-    """The cluster and effective cores (from CORE_GRID) that best explain `cases`."""
-    best = None
-    for cores in CORE_GRID:
-        fitted = fit_cluster(cluster, cases, share_for(cores), overlap=FIXED_OVERLAP)
-        err = fit_error(fitted, cases, share_for(cores))
-        if best is None or err < best[0]:
-            best = (err, fitted, cores)
-    return best[1], best[2]
 
 
 def main() -> None:
@@ -86,18 +82,50 @@ def main() -> None:
                     help="bytes autograd saves per forward, by per-rank batch (parallel_memory.py 'activations')")
     args = ap.parse_args()
     data = json.loads(Path(args.results).read_text())
-    saved = {int(k): v for k, v in json.loads(Path(args.activations).read_text())["by_batch"].items()}
-    model = ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, vocab_size=VOCAB, max_seq_len=SEQ)
-    shape = ModelShape.from_config(model, VOCAB)
-    assert shape.params == data["single"]["n_params"], "benchmark model shape changed; update the constants"
-    runs = [("single", 1, [data["single"]])] + [(r["mode"], r["world"], r["per_rank"]) for r in data["runs"]]
-    cases = [Measurement(f"{m} x{w}", shape, layout_for(m, w), SEQ, max(p["step_s"] for p in ranks))
-             for m, w, ranks in runs]
+    run_args = {**DEFAULTS, **data.get("args", {})}
+    seq, batch = run_args["seq"], run_args["batch"]
+    if "activations_by_batch" in data:
+        saved = {int(k): v for k, v in data["activations_by_batch"].items()}
+    else:
+        saved = {int(k): v for k, v in json.loads(Path(args.activations).read_text())["by_batch"].items()}
+    model = ModelConfig(dim=run_args["dim"], n_layers=run_args["layers"], n_heads=run_args["heads"],
+                        vocab_size=run_args["vocab"], max_seq_len=seq)
+    shape = ModelShape.from_config(model, run_args["vocab"])
+    assert shape.params == data["single"]["n_params"], "benchmark model shape changed; update DEFAULTS"
+    runs = [("single", 1, [data["single"]], data["single"])] + [(r["mode"], r["world"], r["per_rank"], r)
+                                                               for r in data["runs"]]
+    # A run whose optimizer holds no state on any rank never stepped (its time lacks the update),
+    # and one whose loss is not about ln(vocab) at init did not train: left out, and said so.
+    limit = 2 * math.log(run_args["vocab"])
+    stale = [f"{m} x{w}" for m, w, ranks, _ in runs if not any(p["optimizer"] for p in ranks)
+             or not all(math.isfinite(p.get("loss", 0.0)) and p.get("loss", 0.0) < limit for p in ranks)]
+    runs = [r for r in runs if f"{r[0]} x{r[1]}" not in stale]
+    if stale:
+        print(f"left out (no optimizer state after the timed steps, or a loss not below 2 ln(vocab)): "
+              f"{', '.join(stale)}\n")
+    cases, spreads = [], {}
+    for m, w, ranks, run in runs:
+        step_s = run.get("step_s_median", max(p["step_s"] for p in ranks))
+        cases.append(Measurement(f"{m} x{w}", shape, layout_for(m, w, batch), seq, step_s))
+        spreads[cases[-1].name] = run.get("step_s_spread", 0.0)
+    links = [CollectiveSample(c["op"], c["ranks"], c["bytes"], c["seconds"]) for c in data.get("collectives", [])]
+    cores = data.get("machine", {}).get("cores_visible") or os.cpu_count()
     cluster = load_cluster("cpu-local")
+    cluster.cores_per_node, cluster.gpus_per_node = float(cores), max(c.layout.world_size for c in cases)
     rows = []
-    for i, ((mode, world, ranks), case) in enumerate(zip(runs, cases)):
+    for i, ((mode, world, ranks, _), case) in enumerate(zip(runs, cases)):
         layout, measured_t = case.layout, case.step_s
-        mem = rank_memory(shape, layout, SEQ, "adamw")
+        fitted = fit_cluster(cluster, cases[:i] + cases[i + 1:], links=links or None)  # kiln/plan/calibrate.py
+        pred_t = predicted_step(case, fitted)
+        params = (fitted.device.max_efficiency, fitted.device.half_efficiency_work, fitted.intra_node.bandwidth_gbps,
+                  fitted.overlap_efficiency, fitted.collective_launch_us, fitted.intra_node.latency_us)
+        row = dict(layout=case.name, describe=layout.describe(), measured_step_s=measured_t,
+                   step_spread=spreads[case.name], predicted_step_s=pred_t, time_error=pred_t / measured_t - 1,
+                   fit=params)
+        rows.append(row)
+        if "params_after_forward" not in ranks[0] or layout.dp != world:
+            continue  # model-parallel runs: time only (parallel_memory.py splits memory for the DP modes)
+        mem = rank_memory(shape, layout, seq, "adamw")
         pred_mem = mem.parameters + mem.gradients + mem.optimizer  # state at rest, exact tensor bytes
         measured_mem = max(p["params"] + p["grads"] + p["optimizer"] for p in ranks)
         # Peak with activations: the state, the parameters held from forward to backward (zero2
@@ -106,56 +134,87 @@ def main() -> None:
         measured_peak = max(p["params_after_forward"] + p["grads"] + p["optimizer"] for p in ranks) + \
             saved[layout.micro_batch]
         pred_peak = mem.total - mem.comm_buffers
-        fitted, cores = fit(cluster, cases[:i] + cases[i + 1:])  # kiln/plan/calibrate.py
-        pred_t = predicted_step(case, fitted, share_for(cores))
-        params = (fitted.device.max_efficiency, fitted.device.half_efficiency_work,
-                  fitted.intra_node.bandwidth_gbps, fitted.overlap_efficiency, cores)
-        rows.append(dict(layout=f"{mode} x{world}", measured_bytes=measured_mem, predicted_bytes=pred_mem,
-                         memory_error=pred_mem / measured_mem - 1, measured_peak_bytes=measured_peak,
-                         predicted_peak_bytes=pred_peak, peak_error=pred_peak / measured_peak - 1, measured_step_s=measured_t,
-                         predicted_step_s=pred_t, time_error=pred_t / measured_t - 1, fit=params))
-    print(f"model {shape.params / 1e6:.2f}M params, global batch {BATCH} x {SEQ}, fp32 AdamW, gloo, {CORES} cores\n")
+        row.update(measured_bytes=measured_mem, predicted_bytes=pred_mem, memory_error=pred_mem / measured_mem - 1,
+                   measured_peak_bytes=measured_peak, predicted_peak_bytes=pred_peak,
+                   peak_error=pred_peak / measured_peak - 1)
+    print(f"model {shape.params / 1e6:.2f}M params, global batch {batch} x {seq}, fp32 AdamW, gloo, {cores} cores\n")
     print("| layout | state MiB measured | predicted | error | peak MiB measured | predicted | error | "
-          "measured step s | predicted step s (LOO) | error |")
+          "measured step s (spread) | predicted step s (LOO) | error |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['measured_bytes'] / 2**20:.1f} | {r['predicted_bytes'] / 2**20:.1f} | "
-              f"{r['memory_error']:+.1%} | {r['measured_peak_bytes'] / 2**20:.1f} | "
-              f"{r['predicted_peak_bytes'] / 2**20:.1f} | {r['peak_error']:+.1%} | {r['measured_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
-              f"{r['time_error']:+.1%} |")
-    best_plan = best_plan_check(shape, cases, cluster)
+        memory = (f"{r['measured_bytes'] / 2**20:.1f} | {r['predicted_bytes'] / 2**20:.1f} | {r['memory_error']:+.1%} | "
+                  f"{r['measured_peak_bytes'] / 2**20:.1f} | {r['predicted_peak_bytes'] / 2**20:.1f} | "
+                  f"{r['peak_error']:+.1%}") if "measured_bytes" in r else "- | - | - | - | - | -"
+        print(f"| {r['layout']} | {memory} | {r['measured_step_s']:.3f} ({r['step_spread']:.0%}) | "
+              f"{r['predicted_step_s']:.3f} | {r['time_error']:+.1%} |")
+    fitted = fit_cluster(cluster, cases, links=links or None)
+    print(f"\nfit to all {len(cases)}: link {fitted.intra_node.latency_us:.0f} us + {fitted.intra_node.bandwidth_gbps:.2f} GB/s"
+          f" (from {len(links)} timed collectives), max_efficiency {fitted.device.max_efficiency:.3g}, "
+          f"half_efficiency_work {fitted.device.half_efficiency_work:.3g}, overlap {fitted.overlap_efficiency:.2f}, "
+          f"launch {fitted.collective_launch_us:.0f} us per collective")
+    best_plan, ordering = best_plan_check(shape, cases, spreads, fitted, seq, batch)
+    within = sum(abs(r["time_error"]) <= TIME_TARGET for r in rows)
+    memory_ok = sum(abs(r["peak_error"]) <= 0.10 for r in rows if "peak_error" in r)
+    print(f"\nchecks: step time within {TIME_TARGET:.0%} (leave-one-out): {within} of {len(rows)}; "
+          f"peak memory within 10%: {memory_ok} of {sum('peak_error' in r for r in rows)}; best plan within the spread of the best run: "
+          f"{sum(r['ok'] for r in best_plan)} of {len(best_plan)}; pairs ordered as measured (gap > spread): "
+          f"{sum(p['ok'] for p in ordering)} of {len(ordering)}")
     published = published_table()
     out = RESULTS_DIR / "plan_validation.json"
-    out.write_text(json.dumps({"rows": rows, "best_plan": best_plan, "published": published, "source": args.results, "command": "python " + " ".join(sys.argv),
+    out.write_text(json.dumps({"rows": rows, "best_plan": best_plan, "ordering": ordering, "published": published,
+                               "fit_all": dict(latency_us=fitted.intra_node.latency_us,
+                                               bandwidth_gbps=fitted.intra_node.bandwidth_gbps,
+                                               max_efficiency=fitted.device.max_efficiency,
+                                               half_efficiency_work=fitted.device.half_efficiency_work,
+                                               overlap_efficiency=fitted.overlap_efficiency,
+                                               collective_launch_us=fitted.collective_launch_us,
+                                               cores_per_node=fitted.cores_per_node),
+                               "left_out": stale, "time_target": TIME_TARGET, "time_within_target": within,
+                               "source": args.results, "source_date_utc": data.get("date_utc"),
+                               "source_loadavg": data.get("rounds"), "command": "python " + " ".join(sys.argv),
                                "cpu_count": os.cpu_count()}, indent=1))
 
 
-def best_plan_check(shape, cases, cluster) -> list[dict]:
-    """Per world size: the search's best data-parallel plan (max tp = pp = cp = 1, what kiln
-    trains today; cluster fitted to all nine runs) against the best measured layout."""
+def best_plan_check(shape, cases, spreads, fitted, seq, batch) -> tuple[list[dict], list[dict]]:
+    """Per process count: the search's best data-parallel plan (max tp = pp = cp = 1, what the
+    measured set covers) against the best measured layout, with the round-to-round spread as the
+    tolerance; and every pair of measured layouts whose gap exceeds both spreads, predicted in order."""
     from kiln.plan.search import search
 
-    fitted, cores = fit(cluster, cases)
-    out = []
-    print("\n| processes | search's best plan | its measured step s | best measured layout | step s |\n|---|---|---|---|---|")
-    for world in (2, 4):
+    best_rows, ordering = [], []
+    print("\n| processes | search's best plan | its measured step s | best measured layout | step s | "
+          "tolerance (spread) | within |\n|---|---|---|---|---|---|---|")
+    for world in sorted({c.layout.world_size for c in cases} - {1}):
         c = copy.deepcopy(fitted)
         c.gpus_per_node, c.device.memory_gib = world, 64.0
-        # Each of `world` processes gets min(1, cores / world) of a core: the search's compute and
-        # optimizer terms run at that share of the fitted rate (what predicted_step divides by).
-        part = min(1.0, cores / world)
-        c.device.peak_tflops_fp32 *= part
-        c.device.memory_bandwidth_gbps *= part
-        best = search(shape, c, SEQ, BATCH, precision="fp32", max_tp=1, max_pp=1, max_cp=1)[0].layout
-        measured = {(c.layout.dp_mode, c.layout.dp_replicate, c.layout.dp_shard, c.layout.micro_batch): c
-                    for c in cases if c.layout.world_size == world}
+        best = search(shape, c, seq, batch, precision="fp32", max_tp=1, max_pp=1, max_cp=1)[0].layout
+        same_world = [m for m in cases if m.layout.world_size == world]
+        measured = {(m.layout.dp_mode, m.layout.dp_replicate, m.layout.dp_shard, m.layout.micro_batch): m
+                    for m in same_world if m.layout.dp == world}
         same = measured.get((best.dp_mode, best.dp_replicate, best.dp_shard, best.micro_batch))
-        top = min(measured.values(), key=lambda c: c.step_s)
-        same_ok = same is not None and best.tp == best.pp == best.cp == 1 and best.ac == "none"
-        print(f"| {world} | {best.describe()} | {f'{same.step_s:.2f}' if same_ok else 'not run'} | {top.name} | {top.step_s:.2f} |")
-        out.append(dict(world=world, plan=best.describe(), plan_measured_s=same.step_s if same_ok else None,
-                        best_measured=top.name, best_measured_s=top.step_s))
-    return out
+        same = same if same is not None and best.ac == "none" and best.grad_accum == 1 else None
+        top = min(measured.values(), key=lambda m: m.step_s)
+        tol = max(spreads[top.name], spreads[same.name] if same else 0.0)
+        ok = same is not None and same.step_s <= top.step_s * (1 + tol)
+        print(f"| {world} | {best.describe()} | {f'{same.step_s:.3f}' if same else 'not run'} | {top.name} | "
+              f"{top.step_s:.3f} | {tol:.0%} | {'yes' if ok else 'no'} |")
+        best_rows.append(dict(world=world, plan=best.describe(), plan_measured=same.name if same else None,
+                              plan_measured_s=same.step_s if same else None, best_measured=top.name,
+                              best_measured_s=top.step_s, tolerance=tol, ok=ok))
+        ranked = sorted(same_world, key=lambda m: m.step_s)  # model-parallel runs too
+        for i, fast in enumerate(ranked):
+            for slow in ranked[i + 1:]:
+                gap = slow.step_s / fast.step_s - 1
+                if gap <= max(spreads[fast.name], spreads[slow.name]):
+                    continue  # within the measurement's noise: no order to keep
+                pf, ps = predicted_step(fast, c), predicted_step(slow, c)
+                ordering.append(dict(world=world, faster=fast.name, slower=slow.name, measured_gap=gap,
+                                     predicted_gap=ps / pf - 1, ok=pf < ps))
+    bad = [p for p in ordering if not p["ok"]]
+    print(f"\npairs whose measured gap exceeds their spread: {len(ordering)}, predicted in the other order: "
+          + (", ".join(f"{p['faster']} < {p['slower']} (measured {p['measured_gap']:+.0%}, predicted "
+                       f"{p['predicted_gap']:+.0%})" for p in bad) or "none"))
+    return best_rows, ordering
 
 
 # Published large-scale runs: (label, source, model, vocab, seq, cluster, nodes, layout, published, kind).

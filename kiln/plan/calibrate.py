@@ -4,8 +4,11 @@ Each run directory gives its config (config.toml), its layout and world size (th
 metrics.jsonl) and its measured step time (tokens_per_step / median tokens_per_s). The device
 efficiency curve (max_efficiency, half_efficiency_work), the link bandwidth of the links those
 runs used and the overlap efficiency are fitted by least squares on log step time over a
-log-spaced grid (four parameters, a few thousand points: exhaustive search is simpler and more
-robust here than a gradient method on a piecewise model).
+log-spaced grid, then a finer grid around its best point (up to five parameters, a few thousand
+points each: exhaustive search is simpler and more robust here than a gradient method on a
+piecewise model). Timed collectives (`CollectiveSample`, e.g. benchmarks/parallel_memory.py's
+gloo micro-benchmark) fix the link's latency and bandwidth first (`fit_link`, a linear
+least-squares fit), which frees the step times to fit the per-collective launch cost.
 """
 
 from __future__ import annotations
@@ -15,12 +18,11 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from kiln.errors import KilnError
 from kiln.plan.cluster import Cluster
 from kiln.plan.memory import Layout, ModelShape
-from kiln.plan.timing import step_time
+from kiln.plan.timing import all_gather, all_reduce, broadcast, step_time
 
 GRID = {
     "max_efficiency": [0.02 * 1.25 ** k for k in range(18)],  # up to ~0.9
@@ -28,6 +30,7 @@ GRID = {
     "bandwidth_gbps": [0.05 * 1.6 ** k for k in range(24)],  # 50 MB/s .. ~2 TB/s
     "overlap_efficiency": [0.0, 0.3, 0.6, 0.9],
 }
+LAUNCH_GRID_US = [0.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0]
 
 
 @dataclass
@@ -71,46 +74,124 @@ def measured_run(run_dir: str | Path) -> Measurement:
                        tokens_per_step / tps)
 
 
-def _apply(cluster: Cluster, params: tuple[float, float, float, float]) -> Cluster:
-    c = copy.deepcopy(cluster)
-    c.device.max_efficiency, c.device.half_efficiency_work, bw, c.overlap_efficiency = params
+@dataclass
+class CollectiveSample:
+    """One timed gloo/NCCL collective: `op` (all_reduce | all_gather | reduce_scatter | broadcast)
+    over `ranks` ranks of a tensor of `nbytes` (the full, unsharded size), taking `seconds`; or
+    op "copy": a copy of `nbytes` on each of `ranks` ranks at once."""
+    op: str
+    ranks: int
+    nbytes: float
+    seconds: float
+
+
+def _collective(cluster: Cluster, s: CollectiveSample) -> float:
+    op = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": all_gather,
+          "broadcast": broadcast}.get(s.op)
+    if op is None:
+        raise KilnError(f"collective sample: unknown op {s.op!r} (all_reduce, all_gather, reduce_scatter, broadcast)")
+    return op(cluster, s.ranks, s.nbytes)
+
+
+def fit_link(cluster: Cluster, samples: list[CollectiveSample]) -> Cluster:
+    """`cluster` with the intra-node link latency (alpha) and bandwidth (1/beta) that best explain
+    timed collectives: each sample's time is alpha * a + beta * b with a, b from timing.py's
+    formulas, so this is a linear least-squares fit on relative error (scipy's non-negative
+    least squares when scipy is installed, numpy's lstsq otherwise). "copy" samples (a tensor
+    copy on every rank at once) set the device memory bandwidth the buffer copies and optimizer
+    step run at: the median of 2 x bytes / seconds, at a full core's share."""
+    import numpy as np
+
+    copies = [s for s in samples if s.op == "copy" and s.seconds > 0]
+    samples = [s for s in samples if s.op != "copy" and s.ranks > 1 and s.seconds > 0]
+    if len({(s.ranks, s.nbytes) for s in samples}) < 2:
+        raise KilnError("fitting a link needs collectives timed at two or more sizes or rank counts")
+    unit = copy.deepcopy(cluster)
+    rows = []
+    for s in samples:
+        unit.intra_node.latency_us, unit.intra_node.bandwidth_gbps = 1e6, 1e30  # alpha = 1 s, no bytes
+        a = _collective(unit, s)
+        unit.intra_node.latency_us, unit.intra_node.bandwidth_gbps = 0.0, 1e-9  # 1 s per byte
+        b = _collective(unit, s)
+        rows.append((a / s.seconds, b / s.seconds))
+    matrix, ones = np.array(rows), np.ones(len(rows))
+    try:
+        from scipy.optimize import nnls
+
+        (alpha, beta), _ = nnls(matrix, ones)
+    except ImportError:
+        alpha, beta = np.clip(np.linalg.lstsq(matrix, ones, rcond=None)[0], 0.0, None)
+    out = copy.deepcopy(cluster)
+    out.intra_node.latency_us = float(alpha) * 1e6
+    out.intra_node.bandwidth_gbps = 1e-9 / float(beta) if beta > 0 else 1e6
+    if copies:  # a copy reads and writes its bytes; ranks beyond the cores time-share them
+        rates = sorted(2 * s.nbytes / s.seconds / _share(cluster, s.ranks) for s in copies)
+        out.device.memory_bandwidth_gbps = rates[len(rates) // 2] / 1e9
+    return out
+
+
+def _share(cluster: Cluster, ranks: int) -> float:
+    return min(1.0, cluster.cores_per_node / ranks) if cluster.cores_per_node > 0 else 1.0
+
+
+def _apply(cluster: Cluster, params: tuple[float, ...]) -> Cluster:
+    """Set the fitted fields on `cluster` in place: (max_efficiency, half_efficiency_work,
+    bandwidth_gbps, overlap_efficiency, collective_launch_us), the order of the search grid."""
+    c = cluster
+    c.device.max_efficiency, c.device.half_efficiency_work, bw, c.overlap_efficiency, c.collective_launch_us = params
     c.intra_node.bandwidth_gbps = bw
     if c.nodes > 1:
         c.inter_node.bandwidth_gbps = bw
     return c
 
 
-def predicted_step(m: Measurement, cluster: Cluster, compute_share: Callable[[Layout], float] | None = None) -> float:
-    """Predicted step time; `compute_share(layout)` is the fraction of a device each rank gets
-    (1 on GPUs; cores / processes when CPU processes outnumber cores)."""
-    t = step_time(m.shape, m.layout, m.seq_len, cluster)
-    share = compute_share(m.layout) if compute_share else 1.0
-    return (t.compute + t.optimizer) / share + t.comm_exposed + t.bubble / share
+def predicted_step(m: Measurement, cluster: Cluster) -> float:
+    """Predicted step time of a measured run (the cluster's `cores_per_node` covers CPU processes
+    that share cores)."""
+    return step_time(m.shape, m.layout, m.seq_len, cluster).total
 
 
-def fit_error(cluster: Cluster, measurements: list[Measurement],
-              compute_share: Callable[[Layout], float] | None = None) -> float:
+def fit_error(cluster: Cluster, measurements: list[Measurement]) -> float:
     """Sum of squared log errors of `cluster`'s predictions for `measurements`."""
-    return sum(math.log(predicted_step(m, cluster, compute_share) / m.step_s) ** 2 for m in measurements)
+    return sum(math.log(predicted_step(m, cluster) / m.step_s) ** 2 for m in measurements)
 
 
-def fit_cluster(cluster: Cluster, measurements: list[Measurement],
-                compute_share: Callable[[Layout], float] | None = None, overlap: float | None = None) -> Cluster:
-    """`cluster` with the efficiency curve, link bandwidth and overlap that best explain the runs.
-    `overlap` fixes the overlap efficiency instead of fitting it (0 for gloo, whose collectives
-    run on the CPU cores the compute needs, so nothing is hidden)."""
+def _refined(axis: list[float], best: float) -> list[float]:
+    """A finer grid between `best`'s neighbours on `axis` (geometric where the axis is)."""
+    i = axis.index(best)
+    lo, hi = axis[max(0, i - 1)], axis[min(len(axis) - 1, i + 1)]
+    if lo > 0 and hi > 0:
+        return sorted({lo * (hi / lo) ** (k / 8) for k in range(9)} | {best})
+    return sorted({lo + (hi - lo) * k / 8 for k in range(9)} | {best})
+
+
+def fit_cluster(cluster: Cluster, measurements: list[Measurement], overlap: float | None = None,
+                links: list[CollectiveSample] | None = None) -> Cluster:
+    """`cluster` with the efficiency curve, link bandwidth, overlap and per-collective launch cost
+    that best explain the runs. `links` (timed collectives) fixes the link's latency and bandwidth
+    by `fit_link` first, and lets the launch cost be fitted (without them it stays the cluster's:
+    latency and launch cost cannot be told apart from step times alone). `overlap` fixes the
+    overlap efficiency instead of fitting it (0 for gloo, whose collectives run on the CPU cores
+    the compute needs). Search: the GRID exhaustively, then a finer grid around its best point."""
     if not measurements:
         raise KilnError("calibration needs at least one measured run")
+    base = fit_link(cluster, links) if links else copy.deepcopy(cluster)
+    grid = dict(GRID)
+    grid["bandwidth_gbps"] = [base.intra_node.bandwidth_gbps] if links else GRID["bandwidth_gbps"]
+    grid["overlap_efficiency"] = [overlap] if overlap is not None else GRID["overlap_efficiency"]
+    grid["collective_launch_us"] = LAUNCH_GRID_US if links else [base.collective_launch_us]
+    work = copy.deepcopy(base)
     best, best_err = None, math.inf
-    grid = dict(GRID, overlap_efficiency=[overlap]) if overlap is not None else GRID
-    for params in itertools.product(*grid.values()):
-        if params[0] > 1:
-            continue
-        c = _apply(cluster, params)
-        err = fit_error(c, measurements, compute_share)
-        if err < best_err:
-            best, best_err = params, err
-    return _apply(cluster, best)
+    for refine in (True, False):
+        for params in itertools.product(*grid.values()):
+            if params[0] > 1:
+                continue
+            err = fit_error(_apply(work, params), measurements)
+            if err < best_err:
+                best, best_err = params, err
+        if refine:
+            grid = {k: _refined(axis, v) if len(axis) > 1 else axis for (k, axis), v in zip(grid.items(), best)}
+    return _apply(copy.deepcopy(base), best)
 
 
 def cluster_toml(cluster: Cluster) -> str:

@@ -62,6 +62,10 @@ class Cluster:
     storage_write_gbps: float = ranged(5.0, gt=0.0)  # checkpoint write bandwidth per node
     # Fraction of a communication that overlapping strategies hide behind compute.
     overlap_efficiency: float = ranged(0.9, ge=0.0, le=1.0)
+    # Host cost of issuing one collective (dispatch, FSDP2 hooks, buffer setup), on top of alpha.
+    collective_launch_us: float = ranged(0.0, ge=0.0)
+    # Cores a node's processes share (CPU/gloo); 0: every device computes on its own.
+    cores_per_node: float = ranged(0.0, ge=0.0)
     device: DeviceSpec = field(default_factory=DeviceSpec)
     intra_node: LinkSpec = field(default_factory=LinkSpec)
     inter_node: LinkSpec = field(default_factory=LinkSpec)

@@ -112,6 +112,13 @@ class ModelShape:
         moe = self.moe_layers * ((self.moe_experts - 1) * ffn + self.moe_experts * self.dim)
         return self.embedding_params + self.n_layers * self.layer_params + self.dim + moe
 
+    def param_tensors(self, pp: int = 1) -> int:
+        """Parameter tensors of the fullest pipeline stage (weights and norm scales; kiln's
+        default bias-free linears): q, k, v, o, the MLP's 2 or 3 matrices and 2 norms per block,
+        plus the embedding, the final norm and an untied head."""
+        block = 4 + (3 if self.gated else 2) + 2
+        return -(-self.n_layers // pp) * block + 2 + (0 if self.tied else 1) + (1 if self.learned_positions_len else 0)
+
     def act_bytes_per_token(self, act: int) -> float:
         """Bytes one block keeps for backward per token (see the module docstring)."""
         kept = 2 * self.dim * 4  # the two norm inputs: the fp32 residual stream

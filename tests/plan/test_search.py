@@ -114,3 +114,46 @@ def test_ac_planner_picks_the_least_recompute_that_fits():
     assert rank_memory(shape, Layout(**{**lay.__dict__, "ac": f"every_k:{fewer}"}), 8192).total > budget
     with pytest.raises(KilnError, match="even with every block recomputed"):
         plan_activation_checkpointing(shape, lay, 8192, full / 2)
+
+
+def test_collective_counts_follow_what_each_mode_issues():
+    """DDP: one all-reduce per bucket (1 MiB first, then 25 MiB); ZeRO-1: those plus a broadcast per
+    parameter tensor; FSDP2: per block and root an all-gather forward, again backward for fsdp
+    (not the last block or the root), and a reduce-scatter."""
+    import torch
+
+    from kiln.model.transformer import Transformer
+    from kiln.plan.timing import ddp_buckets
+
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=2, vocab_size=256, max_seq_len=32)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shape = ModelShape.from_config(cfg, 256)
+    assert shape.param_tensors() == len(list(model.parameters()))
+    assert ddp_buckets(2**20) == 1 and ddp_buckets(2**20 + 1) == 2 and ddp_buckets(2**20 + 50 * 2**20) == 3
+    c = load_cluster("cpu-local")
+    grad_bytes = 4 * (shape.embedding_params + 3 * shape.layer_params)
+
+    def calls(mode, n=2):
+        lay = Layout(dp_replicate=1 if mode in ("zero2", "fsdp") else n, dp_shard=n if mode in ("zero2", "fsdp") else 1,
+                     dp_mode=mode, micro_batch=2, precision="fp32")
+        return step_time(shape, lay, 32, c).collectives
+
+    assert calls("ddp") == ddp_buckets(grad_bytes)
+    assert calls("zero1") == ddp_buckets(grad_bytes) + shape.param_tensors()
+    assert calls("zero2") == 4 + 4  # 3 blocks + root: gathered once, reduce-scattered once
+    assert calls("fsdp") == 4 + 2 + 4  # blocks 0 and 1 gathered again for backward
+
+
+def test_processes_beyond_the_cores_share_them():
+    c = load_cluster("cpu-local")
+    shape = ModelShape.from_config(ModelConfig(dim=128, n_layers=2, n_heads=2, vocab_size=256, max_seq_len=64), 256)
+    lay4 = Layout(dp_replicate=4, micro_batch=2, precision="fp32")
+    alone = step_time(shape, lay4, 64, c)
+    c.cores_per_node = 2.0
+    shared = step_time(shape, lay4, 64, c)
+    assert shared.compute == pytest.approx(2 * alone.compute)
+    assert shared.optimizer == pytest.approx(2 * alone.optimizer)
+    assert shared.comm_total == pytest.approx(alone.comm_total)  # the timed collectives already include it
+    assert step_time(shape, Layout(dp_replicate=2, micro_batch=2, precision="fp32"), 64, c).compute == \
+        pytest.approx(alone.compute)  # two processes, two cores: a core each
