@@ -58,11 +58,15 @@ MODES = ("ddp", "zero1", "zero2", "fsdp")
 # Model-parallel layouts over all N processes (no data parallelism), run through the trainer's own
 # step (kiln/train/step.py train_step, kiln/parallel/pipeline.py pipeline_train_step, with
 # ContextParallel's sequence split): their config overrides, given N.
-# Pipeline layouts (parallel.pp) are not here: run this way their losses came out non-finite or
-# ~1e13 (not ~ln(vocab)), so their times would not be a training step's; cause not found yet.
+# Pipeline layouts untie the embeddings (kiln refuses to split tied ones over stages; run with them
+# tied, before split_model checked that, the last stage's head was never initialized: NaN losses).
 MODEL_PARALLEL = {
     "tp": lambda n: [f"parallel.tp={n}"],
     "cp": lambda n: [f"parallel.cp={n}"],
+    "pp_gpipe": lambda n: [f"parallel.pp={n}", "parallel.pp_schedule='gpipe'", f"parallel.pp_microbatches={2 * n}",
+                           "model.tie_embeddings=false"],
+    "pp_1f1b": lambda n: [f"parallel.pp={n}", "parallel.pp_schedule='1f1b'", f"parallel.pp_microbatches={2 * n}",
+                          "model.tie_embeddings=false"],
 }
 SHARDED = {"ddp": (), "zero1": ("optimizer",), "zero2": ("params", "grads", "optimizer"),
            "fsdp": ("params", "grads", "optimizer")}

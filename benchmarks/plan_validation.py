@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -92,6 +93,7 @@ def main() -> None:
                         vocab_size=run_args["vocab"], max_seq_len=seq)
     shape = ModelShape.from_config(model, run_args["vocab"])
     assert shape.params == data["single"]["n_params"], "benchmark model shape changed; update DEFAULTS"
+    untied = ModelShape.from_config(dataclasses.replace(model, tie_embeddings=False), run_args["vocab"])
     runs = [("single", 1, [data["single"]], data["single"])] + [(r["mode"], r["world"], r["per_rank"], r)
                                                                for r in data["runs"]]
     # A run whose optimizer holds no state on any rank never stepped (its time lacks the update),
@@ -106,7 +108,9 @@ def main() -> None:
     cases, spreads = [], {}
     for m, w, ranks, run in runs:
         step_s = run.get("step_s_median", max(p["step_s"] for p in ranks))
-        cases.append(Measurement(f"{m} x{w}", shape, layout_for(m, w, batch), seq, step_s))
+        # pipeline runs untie the embeddings (parallel_memory.py MODEL_PARALLEL): their own shape
+        case_shape = untied if m.startswith("pp_") else shape
+        cases.append(Measurement(f"{m} x{w}", case_shape, layout_for(m, w, batch), seq, step_s))
         spreads[cases[-1].name] = run.get("step_s_spread", 0.0)
     links = [CollectiveSample(c["op"], c["ranks"], c["bytes"], c["seconds"]) for c in data.get("collectives", [])]
     cores = data.get("machine", {}).get("cores_visible") or os.cpu_count()

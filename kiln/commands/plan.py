@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.plan.cluster import load_cluster
     from kiln.plan.interval import young_daly_interval
     from kiln.plan.memory import OPTIM_STATE_BYTES, ModelShape
-    from kiln.plan.search import model_for_params, plan_toml, search
+    from kiln.plan.search import kiln_refusal, model_for_params, plan_toml, search
     from kiln.train.memory import vocab_estimate
 
     cluster = load_cluster(args.cluster, args.nodes)
@@ -131,6 +131,15 @@ def run(args: argparse.Namespace) -> int:
     plans = search(shape, cluster, seq, global_batch, optimizer=cfg.optim.name, precision=args.precision,
                    loss="chunked" if cfg.train.loss == "chunked" else "full",
                    **{f"max_{d}": getattr(args, f"max_{d}") for d in ("tp", "pp", "cp") if getattr(args, f"max_{d}")})
+    # The search's model knows no kiln rules: keep only the layouts `kiln train` runs as is.
+    refusals = [kiln_refusal(cfg, plan.layout, world) for plan in plans]
+    runnable = [plan for plan, why in zip(plans, refusals) if why is None]
+    refused = [(plan.layout.describe(), why) for plan, why in zip(plans, refusals) if why is not None]
+    if not runnable:
+        raise KilnError(f"every layout that fits is one kiln train refuses (e.g. {refused[0][0]}: {refused[0][1]})")
+    if refused:
+        print(f"left out {len(refused)} fitting layouts kiln train refuses (e.g. {refused[0][0]}: {refused[0][1]})")
+    plans = runnable
     print(f"\n{len(plans)} layouts fit {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name} "
           f"({_gib(cluster.device.usable_bytes)} GiB usable); global batch {global_batch} x {seq} tokens. Fastest:")
     print(f"  {'layout':<58}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{'MFU':>6}{'GiB':>8}")

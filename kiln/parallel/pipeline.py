@@ -193,7 +193,10 @@ class StageChunk(nn.Module):
 def split_model(full: Transformer, cfg: JobConfig, pp_rank: int) -> PipelineModel:
     """This rank's part of `full` (on meta). Its `chunks` become PipelineStages after materializing;
     tensor parallelism (if any) is applied to the returned model afterwards, in place, so the
-    chunks, which reference its modules, run sharded too."""
+    chunks, which reference its modules, run sharded too. The config is checked here too, not only
+    by the trainer: a split of tied embeddings leaves the last stage's head uninitialized (a
+    benchmark that skipped the trainer's check trained on NaN losses)."""
+    check_pipeline_config(cfg)
     p = cfg.parallel
     n_stages = p.pp * p.pp_virtual_stages
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages, p.pp_split_points)

@@ -142,13 +142,16 @@ def model_for_params(n_params: float, vocab: int, seq_len: int) -> ModelConfig:
 
 
 def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
-    """`cfg` with `[parallel]` and `[train]` set to `layout` (the keys kiln's config has today: tp,
-    pp and cp are written; pipeline schedules have no key yet and are named in the plan output)."""
+    """`cfg` with `[parallel]` and `[train]` set to `layout`. Under pp the layout's grad_accum
+    micro-batches are the schedule's micro-batches (kiln's pipeline step runs the accumulated batch
+    as one schedule step split into parallel.pp_microbatches)."""
     out = copy.deepcopy(cfg)
     p = out.parallel
     p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.ep = (layout.dp_replicate, layout.dp_shard, layout.tp,
                                                          layout.pp, layout.cp, layout.ep)
     p.dp_mode = layout.dp_mode
+    if layout.pp > 1:
+        p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches = layout.schedule, layout.virtual_stages, layout.grad_accum
     out.train.batch_size, out.train.grad_accum = layout.micro_batch, layout.grad_accum
     out.train.activation_checkpointing = layout.ac
     if layout.precision == "float8":
@@ -156,6 +159,25 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
     else:
         out.train.dtype = layout.precision
     return out.validate()
+
+
+def kiln_refusal(cfg: JobConfig, layout: Layout, world_size: int) -> str | None:
+    """Why `kiln train` would refuse `layout` for `cfg` on `world_size` processes, or None: the
+    trainer's own checks (config validation, ParallelDims, the model and pipeline checks), so a
+    plan is never one kiln cannot run (e.g. pp x tp x cp, or pp with tied embeddings)."""
+    from kiln.errors import ConfigError
+    from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.pipeline import check_pipeline_config
+
+    try:
+        run_cfg = config_for_plan(cfg, layout)
+        dims = ParallelDims.from_config(run_cfg.parallel, world_size=world_size, rank=0, local_rank=0,
+                                        local_world_size=world_size, seq_len=run_cfg.data.seq_len)
+        dims.check_model(run_cfg)
+        check_pipeline_config(run_cfg)
+    except (ConfigError, KilnError) as e:
+        return str(e)
+    return None
 
 
 def plan_toml(cfg: JobConfig, plan: Plan) -> str:

@@ -90,6 +90,12 @@ def test_bad_pipeline_config_names_the_key():
     for cfg, needle in cases:
         with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("=", "=")):
             pl.check_pipeline_config(cfg)
+    # The split itself refuses too: a caller that skips the trainer's check (a benchmark did) must
+    # not get a last stage whose tied head is never initialized.
+    with torch.device("meta"):
+        full = Transformer(job(tie_embeddings=True).model)
+    with pytest.raises(ConfigError, match=r"model\.tie_embeddings"):
+        pl.split_model(full, job(tie_embeddings=True), 1)
 
 
 def test_replicated_data_parallel_with_pp_is_refused_naming_the_key():

@@ -157,3 +157,21 @@ def test_processes_beyond_the_cores_share_them():
     assert shared.comm_total == pytest.approx(alone.comm_total)  # the timed collectives already include it
     assert step_time(shape, Layout(dp_replicate=2, micro_batch=2, precision="fp32"), 64, c).compute == \
         pytest.approx(alone.compute)  # two processes, two cores: a core each
+
+
+def test_layouts_kiln_train_refuses_are_named_and_the_rest_accepted():
+    from kiln.plan.search import kiln_refusal
+
+    cfg = load_config(None, ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "data.seq_len=64",
+                             "model.max_seq_len=64", "model.tie_embeddings=false"])
+    assert kiln_refusal(cfg, Layout(dp_replicate=8, dp_mode="ddp"), 8) is None
+    assert kiln_refusal(cfg, Layout(tp=2, pp=2, dp_shard=2, dp_mode="fsdp", grad_accum=4), 8) is None
+    # pp x tp x cp together, and pp with tied embeddings: refused in kiln's own words
+    assert "parallel.tp=1" in kiln_refusal(cfg, Layout(tp=2, pp=2, cp=2, grad_accum=4), 8)
+    tied = load_config(None, ["model.dim=64", "model.n_layers=4", "model.n_heads=4"])
+    assert "tie_embeddings" in kiln_refusal(tied, Layout(pp=2, dp_shard=4, dp_mode="fsdp", grad_accum=4), 8)
+    # the written config carries the pipeline schedule: grad_accum micro-batches per schedule step
+    run = config_for_plan(cfg, Layout(pp=2, dp_shard=4, dp_mode="fsdp", schedule="interleaved_1f1b",
+                                      virtual_stages=2, micro_batch=1, grad_accum=4))
+    assert (run.parallel.pp_schedule, run.parallel.pp_virtual_stages, run.parallel.pp_microbatches) == \
+        ("interleaved_1f1b", 2, 4)
