@@ -21,6 +21,10 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
   `F.grouped_mm` runs: every assignment keeps its slot (fixed shapes, no boolean indexing, no
   bincount), a dropped one is sorted last and masked out with `torch.where`. Expert parallelism
   drops them before the all-to-all, whose split sizes must be host integers (one read per layer).
+- Under tensor parallelism (kiln/parallel/tensor_parallel.py, `MoETensorParallel`) the layer sees
+  the whole sequence on every tp rank: routing, capacity and the aux/z losses are replicated and
+  equal one process's; each rank computes a slice of every expert's hidden units, and its output
+  is a partial sum that the style reduce-scatters back to the sequence shard.
 - The auxiliary losses of the last forward stay on the device (`last_aux_loss`,
   `last_z_loss`); the transformer adds them to its loss and exposes them for logging.
 """
@@ -115,6 +119,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, hidden, cfg.activation)
         # Set by kiln.parallel.expert_parallel.apply_expert_parallel: None = all experts local.
         self.ep_group = None
+        # Set by kiln.parallel.tensor_parallel.MoETensorParallel: the tp mesh the experts' hidden
+        # units are sharded over; None = whole experts.
+        self.tp_mesh = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -129,7 +136,9 @@ class MoE(nn.Module):
         order, and the aux losses."""
         bsz, seqlen, _ = x.shape
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E) fp32
+            weight = self.router.weight  # tensor parallel: replicated, a DTensor
+            weight = weight.to_local() if isinstance(weight, DTensor) else weight
+            logits = F.linear(x.float(), weight.float())  # (B, T, E) fp32
         probs = logits.softmax(dim=-1)
         gates, experts = probs.topk(self.top_k, dim=-1)  # (B, T, k)
         if self.top_k > 1:  # GShard: the k gates renormalized to sum to 1
@@ -154,6 +163,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
         token, expert, gate, keep = self.route(x)
+        x_experts = x
+        if self.tp_mesh is not None:
+            # The experts see a slice of the hidden units: the gradients they send back to their
+            # replicated inputs (tokens and gates) are partial sums, all-reduced over tp.
+            from kiln.parallel.tensor_parallel import sum_grad_over_tp
+
+            x_experts, gate = sum_grad_over_tp(x, self.tp_mesh), sum_grad_over_tp(gate, self.tp_mesh)
         if self.ep_group is not None:  # the all-to-all needs host split sizes anyway: drop now
             token, expert, gate = token[keep], expert[keep], gate[keep]
             keep = None
@@ -163,7 +179,7 @@ class MoE(nn.Module):
         token, expert, gate = token[order], expert[order], gate[order]
         kept = torch.ones_like(expert) if keep is None else keep[order].long()
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(0, expert, kept)
-        rows = x.reshape(-1, dim)[token]
+        rows = x_experts.reshape(-1, dim)[token]
         if self.ep_group is None:
             mask = kept.bool()[:, None]
             # Dropped rows go in as zeros and come out masked (where, not a product: the experts

@@ -16,6 +16,15 @@ tables stay replicated: attention sees the whole sequence. The LM head is column
 stay sharded on the vocabulary (a DTensor) and the cross-entropy runs under `loss_parallel`, so no
 rank ever holds the full (tokens x vocab) logits.
 
+Mixture-of-experts blocks (kiln/model/moe.py) get `MoETensorParallel` instead of the dense MLP's
+styles ("expert tensor parallel", as torchtitan shards GroupedExperts): the sequence is gathered
+so every tp rank routes every token (router replicated; capacity and aux/z losses exactly one
+process's, the tokens being the same), each expert's w1/w3 are sharded on their hidden dim
+(Shard(2), column-wise) and w2 on its hidden dim (Shard(1), row-wise), and the partial output is
+reduce-scattered back to the sequence shard. The tokens and gates the experts read are replicated
+while their weights are sharded, so their gradients are all-reduced over tp (`sum_grad_over_tp`).
+Why not shard the experts whole over tp instead: that is expert parallelism (parallel.ep).
+
 Under pipeline parallelism the plan covers one pipeline rank's modules (`tp_plan` on a
 `PipelineModel`); the stages pass the sequence-sharded residual stream between them unchanged.
 
@@ -30,9 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from kiln.model.moe import MoE
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -70,12 +82,54 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
         for name in ("wq", "wk", "wv"):
             plan[f"{p}.attention.{name}"] = ColwiseParallel()
         plan[f"{p}.attention.wo"] = RowwiseParallel(output_layouts=Shard(1))
+        if isinstance(block.feed_forward, MoE):
+            plan[f"{p}.feed_forward"] = MoETensorParallel()
+            continue
         plan[f"{p}.feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         plan[f"{p}.feed_forward.w1"] = ColwiseParallel()
         if block.feed_forward.w3 is not None:
             plan[f"{p}.feed_forward.w3"] = ColwiseParallel()
         plan[f"{p}.feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
     return plan
+
+
+def sum_grad_over_tp(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """`t` unchanged; its gradient summed over the tp ranks (Megatron's "f" operator), for a
+    replicated tensor read by a computation whose weights are sharded. DTensor's own rules: a
+    Replicate tensor whose local gradient is declared Partial is all-reduced in backward."""
+    return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class MoETensorParallel(ParallelStyle):
+    """TP style for an `MoE` block under sequence parallel: input Shard(1) -> gathered, router
+    replicated, experts sharded on their hidden dim, output partial -> reduce-scattered to Shard(1).
+    Parameters are DTensors on the tp mesh (so clipping and FSDP see one kind of parameter); the
+    block computes on their local shards and sets nothing else up (`MoE.tp_mesh`)."""
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if isinstance(module, MoE):
+            module.tp_mesh = mesh
+            return
+        if isinstance(module, nn.Linear):  # the router
+            layouts = {"weight": [Replicate()]}
+        else:  # GroupedExperts: w1/w3 (E, dim, hidden), w2 (E, hidden, dim)
+            layouts = {"w1": [Shard(2)], "w3": [Shard(2)], "w2": [Shard(1)]}
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(param, mesh, layouts[pname], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _gather_sequence(module, inputs, mesh):
+        (x,) = inputs
+        return (DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local(),)
+
+    @staticmethod
+    def _reduce_scatter_sequence(module, output, mesh):
+        return DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, input_fn=self._gather_sequence,
+                                 output_fn=self._reduce_scatter_sequence)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
