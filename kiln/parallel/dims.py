@@ -184,7 +184,8 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
                           f"does not take the experts' DTensors); use dp_mode='fsdp', 'zero2' or 'ddp'")
     if cp > 1 or tp > 1 or pp > 1:
         raise ConfigError(f"parallel.ep={ep} with parallel.cp={cp} / tp={tp} / pp={pp} is not supported yet; "
-                          f"use expert parallelism with data parallelism only")
+                          f"use expert parallelism with data parallelism only, or parallel.ep=1 (tp then "
+                          f"shards every expert's hidden units)")
     name, size = ("dp_replicate", dp_replicate) if mode == "ddp" else ("dp_shard", dp_shard)
     if size % ep:
         raise ConfigError(f"parallel.ep={ep} must divide {name}={size} (ep is carved out of {name} under "

@@ -103,8 +103,9 @@ def sum_grad_over_tp(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
 class MoETensorParallel(ParallelStyle):
     """TP style for an `MoE` block under sequence parallel: input Shard(1) -> gathered, router
     replicated, experts sharded on their hidden dim, output partial -> reduce-scattered to Shard(1).
-    Parameters are DTensors on the tp mesh (so clipping and FSDP see one kind of parameter); the
-    block computes on their local shards and sets nothing else up (`MoE.tp_mesh`)."""
+    Parameters become DTensors on the tp mesh (so clipping, FSDP and DCP see one kind of
+    parameter); the block computes on their local shards and, given `MoE.tp_mesh`, all-reduces
+    its experts' input gradients. torch's `distribute_module` does the hooks and the placing."""
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if isinstance(module, MoE):
