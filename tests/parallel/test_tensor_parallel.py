@@ -161,9 +161,14 @@ def test_tp2_matches_one_process(tp2, name):
     assert expected[1] > CLIP  # and clipping is exercised
 
 
+@pytest.fixture(scope="module")
+def moe_one_process():
+    return run_steps(MOE)
+
+
 @pytest.mark.timeout(300)
-def test_moe_tp2_matches_one_process_aux_losses_included(tp2):
-    expected = run_steps(MOE)
+def test_moe_tp2_matches_one_process_aux_losses_included(tp2, moe_one_process):
+    expected = moe_one_process
     # Per step: loss, grad norm, aux loss, z-loss; then the eval loss and the logits' mean square.
     # Every tp rank routes the whole sequence, so the aux/z losses are one process's, not an estimate.
     assert tp2["moe"] == pytest.approx(expected, rel=REL), (tp2["moe"], expected)
@@ -172,8 +177,8 @@ def test_moe_tp2_matches_one_process_aux_losses_included(tp2):
 
 
 @pytest.mark.timeout(300)
-def test_moe_tp2_without_the_gradient_all_reduce_differs(tp2):
-    expected = run_steps(MOE)
+def test_moe_tp2_without_the_gradient_all_reduce_differs(tp2, moe_one_process):
+    expected = moe_one_process
     got = tp2["moe_no_grad_sum"]
     assert got[0] == pytest.approx(expected[0], rel=REL)  # the forward is still right...
     # ...the gradients are not: far outside the tolerance the equivalence test uses.
