@@ -76,6 +76,87 @@ def cache_hit_rates(n_shards: int, windows_per_shard: int, epochs: int, cache_fr
 
 
 @contextlib.contextmanager
+def write_bench_shards(local: Path, n_shards: int, shard_windows: int, seq_len: int) -> None:
+    """A train split of about n_shards x shard_windows windows of random tokens (uint16)."""
+    from kiln.data.shards import ShardWriter, write_meta
+
+    w = ShardWriter(local, "train", vocab_size=1000, eos_id=999, shard_tokens=shard_windows * seq_len)
+    rng = np.random.default_rng(0)
+    for _ in range(n_shards * shard_windows // 4):
+        w.add(rng.integers(0, 999, 4 * seq_len - 1))
+    w.finish()
+    write_meta(local, [w])
+
+
+def local_throughput(n_shards: int, shard_windows: int, batches: int, seq_len: int = 256, batch_size: int = 8,
+                     workers: int = 2, rounds: int = 3) -> dict:
+    """Batches/s from local shards (page cache warm): kiln's Loader (memory maps, a background
+    thread) against a plain torch DataLoader (shuffle=True) over a map-style dataset that reads one
+    window from the same memory-mapped shards, with 0 and `workers` workers, each timed after its first
+    batch (started, workers forked); `batches` must fit one epoch; interleaved rounds
+    whose order rotates, medians and every sample."""
+    import tempfile
+    import time
+
+    import torch
+
+    from kiln.data.loader import Loader
+    from kiln.data.shards import ShardSet
+
+    out: dict = {"shards": n_shards, "windows_per_shard": shard_windows, "batches": batches,
+                 "batch_size": batch_size, "rounds": rounds}
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / "local"
+        write_bench_shards(local, n_shards, shard_windows, seq_len)
+        windows = TokenWindows(ShardSet(local, "train"), seq_len)
+        shards = ShardSet(local, "train")
+        arrays = [np.load(local / shards.shard_files(i)[0], mmap_mode="r") for i in range(len(shards.tokens))]
+
+        class MappedWindows(torch.utils.data.Dataset):  # the straightforward map-style dataset
+            def __len__(self):
+                return len(windows)
+
+            def __getitem__(self, i):
+                s, start = windows._locate(np.array([i]))
+                a = int(start[0])
+                return torch.from_numpy(np.asarray(arrays[int(s[0])][a:a + seq_len + 1], dtype=np.int64))
+
+        def run_kiln(r: int) -> float:
+            loader = Loader(TokenWindows(ShardSet(local, "train"), seq_len), batch_size, seed=r)
+            loader.next()  # started: the first batch is not timed (for either loader)
+            t0 = time.perf_counter()
+            for _ in range(batches - 1):
+                loader.next()
+            rate = (batches - 1) / (time.perf_counter() - t0)
+            loader.close()
+            return rate
+
+        def run_dataloader(nw: int) -> float:
+            it = iter(torch.utils.data.DataLoader(MappedWindows(), batch_size=batch_size, shuffle=True,
+                                                  num_workers=nw))
+            next(it)  # workers started and warm
+            t0 = time.perf_counter()
+            for _ in range(batches - 1):
+                next(it)
+            rate = (batches - 1) / (time.perf_counter() - t0)
+            del it
+            return rate
+
+        runners = {"kiln": run_kiln, "dataloader_workers0": lambda r: run_dataloader(0),
+                   f"dataloader_workers{workers}": lambda r: run_dataloader(workers)}
+        samples: dict[str, list[float]] = {k: [] for k in runners}
+        names = list(runners)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                samples[name].append(round(runners[name](r), 1))
+        for name, xs in samples.items():
+            out[f"{name}_batches_per_s"] = float(np.median(xs))
+            out[f"{name}_samples"] = xs
+        for name in names[1:]:
+            out[f"kiln_over_{name}"] = round(out["kiln_batches_per_s"] / out[f"{name}_batches_per_s"], 2)
+    return out
+
+
 def s3_dataset(n_shards: int, shard_windows: int, latency_s: float, seq_len: int = 256):
     """(storage options, s3 URL, local copy, dataset bytes) of a shard directory on a moto S3 server
     on 127.0.0.1, with `latency_s` added to every S3 request (client side, in s3fs's request path,
@@ -85,8 +166,6 @@ def s3_dataset(n_shards: int, shard_windows: int, latency_s: float, seq_len: int
 
     import s3fs
     from moto.server import ThreadedMotoServer
-
-    from kiln.data.shards import ShardWriter, write_meta
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -100,12 +179,7 @@ def s3_dataset(n_shards: int, shard_windows: int, latency_s: float, seq_len: int
     try:
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / "local"
-            w = ShardWriter(local, "train", vocab_size=1000, eos_id=999, shard_tokens=shard_windows * seq_len)
-            rng = np.random.default_rng(0)
-            for _ in range(n_shards * shard_windows // 4):
-                w.add(rng.integers(0, 999, 4 * seq_len - 1))
-            w.finish()
-            write_meta(local, [w])
+            write_bench_shards(local, n_shards, shard_windows, seq_len)
             fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
             fs.mkdir("bench")
             for f in local.iterdir():
@@ -337,14 +411,14 @@ def summary(report: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["cache", "s3", "hits", "stall"])
+    ap.add_argument("what", choices=["cache", "s3", "local", "hits", "stall"])
     ap.add_argument("--root", default="/tmp/kiln-loader-stall", help="stall: corpus, run dirs and cache")
     ap.add_argument("--steps", type=int, default=5, help="stall: steps per phase")
     ap.add_argument("--corpus-mb", type=float, default=4.0, help="stall: MB of standard-library text")
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--cache-fraction", type=float, default=0.5)
-    ap.add_argument("--shards", type=int, default=None, help="default: 40 (cache), 16 (s3), 8 (hits)")
+    ap.add_argument("--shards", type=int, default=None, help="default: 40 (cache), 16 (s3, local), 8 (hits)")
     ap.add_argument("--windows-per-shard", type=int, default=None, help="default: 200 (cache, s3), 100 (hits)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
@@ -353,6 +427,8 @@ def main() -> None:
     if args.what == "s3":
         result = s3_throughput(args.shards or 16, args.windows_per_shard or 200, args.batches,
                                args.latency_ms / 1000, args.cache_fraction, rounds=args.rounds)
+    elif args.what == "local":
+        result = local_throughput(args.shards or 16, args.windows_per_shard or 200, args.batches, rounds=args.rounds)
     elif args.what == "stall":
         result = stall_10m(Path(args.root), args.steps, args.latency_ms / 1000, int(args.corpus_mb * 1e6))
     elif args.what == "hits":
