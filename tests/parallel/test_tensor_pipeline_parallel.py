@@ -121,7 +121,7 @@ def _tp_pp_worker(rank, world):
         pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
         if name == "llama_cp_zero_bubble_resharded":  # undo keep_gathered_until_backward
             for chunk in model.chunks:
-                chunk.set_reshard_after_forward(True)
+                chunk.set_reshard_after_forward(True, recurse=False)  # the roots, as apply_fsdp left them
         # evaluation through the pipeline (the trainer's evaluator): full logits on every rank
         got[name] = sgd_steps(step_fn, pipe, model.parameters(), pl.PipelineEvalModel(pipe))
     return got
