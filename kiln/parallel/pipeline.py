@@ -71,11 +71,6 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
         raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
                           f"{p.pp_schedule!r}")
-    if p.cp > 1 and p.pp_schedule in ZERO_BUBBLE:
-        # measured: the step's gradients are wrong (grad norm 0.83 instead of 1.07 on the test model)
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} with parallel.cp={p.cp} is not supported "
-                          f"(its split input/weight backward gives wrong gradients with ring attention); use "
-                          f"parallel.pp_schedule='gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'")
     if cfg.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings=true cannot be split over pipeline stages (embedding and "
                           "head on different ranks); set model.tie_embeddings=false or parallel.pp=1")
@@ -118,6 +113,23 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> 
         return 0.0
     v = 1 if schedule in SINGLE_STAGE else virtual
     return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def keep_gathered_until_backward(chunks) -> None:
+    """Zero-bubble schedules under FSDP (dp or cp > 1): no reshard after forward (FSDP2's
+    `set_reshard_after_forward(False)`, all units of each stage). torch's split backward
+    (pipelining/_backward.py) takes `stage.submod.parameters()` when the input pass starts and
+    keeps only the parameters whose AccumulateGrad nodes are in the graph; a unit resharded after
+    forward lists its sharded DTensors there, not the gathered parameters the forward used, so
+    its weight pass computed nothing: the last stage's norm and head had no gradient (grad norm
+    0.83 instead of 1.07 on the cp x pp test model). torchtitan by default does not reshard after
+    forward under pp either (to save per-micro-batch all-gathers). Costs: parameters stay gathered
+    from a stage's first forward to its post-backward at the end of the step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for chunk in chunks:
+        if isinstance(chunk, FSDPModule):
+            chunk.set_reshard_after_forward(False)
 
 
 class PipelineModel(nn.Module):
@@ -232,6 +244,8 @@ class Pipeline:
         self.last_rank = dist.get_global_rank(self.group, last_pp_rank)
         self.has_last = self.n_stages - 1 in model.stage_ids
         self.has_first = 0 in model.stage_ids
+        if cfg.parallel.pp_schedule in ZERO_BUBBLE:
+            keep_gathered_until_backward(model.chunks)
         self.stages = [PipelineStage(chunk, s, self.n_stages, device, group=self.group)
                        for s, chunk in zip(model.stage_ids, model.chunks)]
         cls = getattr(pipelining, SCHEDULES[cfg.parallel.pp_schedule])

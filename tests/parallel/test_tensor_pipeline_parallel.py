@@ -1,9 +1,10 @@
 """Tensor x pipeline and context x pipeline parallelism: 4 gloo ranks (tp=2 x pp=2, cp=2 x pp=2)
 give the per-step losses and grad norms of one process on the same batch, for GPipe, 1F1B and
-interleaved 1F1B, the Llama-style and the GPT-2 architecture, and evaluation through the pipeline
-gives the single-process loss of the trained model. Negative controls: sequence shards sent
-between stages to the wrong tp rank (pipelines built across the tp dimension), and cp stages that
-ignore their zig-zag slice's positions, do not match. (`kiln train` with tp=2 x pp=2 and its
+interleaved 1F1B and the zero-bubble schedules, the Llama-style and the GPT-2 architecture, and
+evaluation through the pipeline gives the single-process loss of the trained model. Negative
+controls: sequence shards sent between stages to the wrong tp rank (pipelines built across the tp
+dimension), cp stages that ignore their zig-zag slice's positions, and a zero-bubble schedule over
+FSDP units resharded after forward (their split weight pass computes nothing), do not match. (`kiln train` with tp=2 x pp=2 and its
 checkpoint continuing in one process: tests/parallel/test_pipeline_parallel.py, which has the
 single-process run.)
 
@@ -40,7 +41,10 @@ CASES = {"llama_gpipe": (LLAMA, "gpipe", 1, 0, 1), "llama_interleaved_1f1b": (LL
          # a V: the first and the last stage (embedding and vocab-sharded head) on one rank
          "llama_zbv_zero_bubble": (LLAMA, "zbv_zero_bubble", 2, 0, 1),
          # context x pipeline: ring attention inside the stages, FSDP over cp averages the gradients
-         "llama_cp_1f1b": (LLAMA, "1f1b", 1, 4, 2), "gpt2_cp_gpipe": (GPT2, "gpipe", 1, 0, 2)}
+         "llama_cp_1f1b": (LLAMA, "1f1b", 1, 4, 2), "gpt2_cp_gpipe": (GPT2, "gpipe", 1, 0, 2),
+         # zero-bubble (split input/weight backward) over FSDP-over-cp units
+         "llama_cp_interleaved_zero_bubble": (LLAMA, "interleaved_zero_bubble", 2, 0, 2),
+         "gpt2_cp_zbv_zero_bubble": (GPT2, "zbv_zero_bubble", 2, 0, 2)}
 
 
 def job(overrides, pp=1, tp=1, schedule="1f1b", virtual=1, microbatches=0, cp=1):
@@ -91,7 +95,8 @@ def _tp_pp_worker(rank, world):
     from kiln.train.trainer import build_model
 
     got = {}
-    wrong = {"llama_swapped_shards": (LLAMA, "1f1b", 1, 4, 1), "gpt2_cp_positions_ignored": (GPT2, "1f1b", 1, 2, 2)}
+    wrong = {"llama_swapped_shards": (LLAMA, "1f1b", 1, 4, 1), "gpt2_cp_positions_ignored": (GPT2, "1f1b", 1, 2, 2),
+             "llama_cp_zero_bubble_resharded": (LLAMA, "interleaved_zero_bubble", 2, 0, 2)}
     for name, (overrides, schedule, virtual, micro, cp) in [*CASES.items(), *wrong.items()]:
         cfg = job(overrides, pp=2, tp=4 // (2 * cp), schedule=schedule, virtual=virtual, microbatches=micro, cp=cp)
         dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank, seq_len=SEQ)
@@ -114,6 +119,9 @@ def _tp_pp_worker(rank, world):
             wrong_pp = SimpleNamespace(get_group=lambda: groups[rank in (1, 2)])
             dims = SimpleNamespace(tp=dims.tp, mesh={"pp": wrong_pp})
         pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
+        if name == "llama_cp_zero_bubble_resharded":  # undo keep_gathered_until_backward
+            for chunk in model.chunks:
+                chunk.set_reshard_after_forward(True, recurse=False)  # the roots, as apply_fsdp left them
         # evaluation through the pipeline (the trainer's evaluator): full logits on every rank
         got[name] = sgd_steps(step_fn, pipe, model.parameters(), pl.PipelineEvalModel(pipe))
     return got
@@ -174,15 +182,19 @@ def test_cp_stages_ignoring_the_slice_positions_change_the_losses(four_ranks, re
     assert got[2::2] != pytest.approx(expected[2::2], rel=REL)
 
 
+def test_zero_bubble_over_fsdp_units_resharded_after_forward_changes_the_gradients(four_ranks, reference):
+    expected, got = reference["llama"], four_ranks["llama_cp_zero_bubble_resharded"]
+    assert got[0] == pytest.approx(expected[0], rel=REL)  # same forward,
+    assert got[1] != pytest.approx(expected[1], rel=REL)  # the last stage's norm and head lose their grads
+
+
 def test_unverified_pp_layouts_are_refused_naming_the_values():
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
     from kiln.parallel.pipeline import check_pipeline_config
 
-    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):  # wrong gradients with ring attention
-        with pytest.raises(ConfigError, match=rf"parallel\.pp_schedule='{schedule}' with parallel\.cp=2"):
-            check_pipeline_config(job(LLAMA, pp=2, cp=2, schedule=schedule, virtual=2))
-    check_pipeline_config(job(LLAMA, pp=2, cp=2, schedule="looped_bfs", virtual=2))
+    for schedule in ("looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble"):  # cp x pp: all schedules
+        check_pipeline_config(job(LLAMA, pp=2, cp=2, schedule=schedule, virtual=2))
 
     cfg = job(LLAMA, pp=2, tp=2, cp=2)
     dims = ParallelDims.from_config(cfg.parallel, world_size=8, rank=0, local_rank=0, seq_len=SEQ)
