@@ -11,7 +11,11 @@ multiple-choice task (true continuation of held-out text vs one from elsewhere) 
 
 `--train-only` trains the model and stops (a later call reuses it: `train_seconds` is then ~0);
 `--chunks` picks the chunk sizes, so sizes can run in separate processes on the same --root run
-(the README's table came from two such calls).
+(the README's table came from two such calls). `--from-run DIR` copies an already trained run into
+ROOT/run instead of training (the source directory is only read), so a new --root can rerun the
+unlearning with other settings; `--lr` and `--stop-on-exposure` are passed to `kiln unlearn`.
+`--label NAME` appends this call's rows, labelled, to an existing --out file's "runs" list
+instead of replacing the file (the rows already there are kept).
 """
 
 from __future__ import annotations
@@ -74,12 +78,17 @@ def main() -> None:
     p.add_argument("--candidates", type=int, default=300)
     p.add_argument("--task-size", type=int, default=100)
     p.add_argument("--train-only", action="store_true", help="train the model (if not there yet) and stop")
+    p.add_argument("--from-run", help="copy this trained run to ROOT/run instead of training (the source is only read)")
+    p.add_argument("--lr", type=float, help="kiln unlearn --lr (default: kiln's default)")
+    p.add_argument("--stop-on-exposure", action="store_true", help="kiln unlearn --stop-on-exposure")
+    p.add_argument("--label", help="append the rows under this label to --out's 'runs' list, keeping the file")
     args = p.parse_args()
     torch.set_num_threads(1)  # the machine is shared: one thread is faster than two oversubscribed
 
     from kiln.cli import main as kiln
     from kiln.config import load_config
     from kiln.data.corpus import stdlib_files
+    from kiln.io import atomic_write_json
     from kiln.train.trainer import train
 
     root = Path(args.root)
@@ -96,6 +105,11 @@ def main() -> None:
                  "checkpoint.every=0", f"data.canaries={args.canaries}", f"data.canary_repeats={args.repeats}",
                  "data.canary_digits=6", f"data.source={corpus}"]
     t0 = time.perf_counter()
+    if args.from_run and not (run_dir / "checkpoints").is_dir():
+        import shutil
+        if not (Path(args.from_run) / "checkpoints").is_dir():
+            sys.exit(f"--from-run {args.from_run}: no checkpoints/ there (expected a trained kiln run)")
+        shutil.copytree(args.from_run, run_dir)
     if not (run_dir / "checkpoints").is_dir():
         train(load_config(None, overrides), run_dir)
     train_s = time.perf_counter() - t0
@@ -115,21 +129,31 @@ def main() -> None:
             shutil.rmtree(out)
         t1 = time.perf_counter()
         code = kiln(["unlearn", str(run_dir), "--forget", str(run_dir / "canaries.jsonl"), "--retain", str(retain),
-                     "--chunk", str(k), "--candidates", str(args.candidates), "--out", str(out)])
+                     "--chunk", str(k), "--candidates", str(args.candidates), "--out", str(out)]
+                    + (["--lr", str(args.lr)] if args.lr is not None else [])
+                    + (["--stop-on-exposure"] if args.stop_on_exposure else []))
         seconds = time.perf_counter() - t1
         if code != 0:
             rows.append({"chunk": k, "error": code})
             continue
         rep = json.loads((out / "reports" / "unlearning.json").read_text())
-        rows.append({"chunk": k or "all", "seconds": seconds, "steps": rep["steps"], "status": rep["status"],
+        rows.append({"chunk": k or "all", "lr": rep["options"]["lr"] if "options" in rep else args.lr,
+                     "stop_on_exposure": args.stop_on_exposure,
+                     "seconds": seconds, "steps": rep["steps"], "status": rep["status"],
                      "forget_before": rep["forget_before"], "forget_after": rep["forget_after"],
                      "heldout_reference": rep["heldout_reference"],
                      "val_ppl_before": rep["val_before"]["ppl"], "val_ppl_after": rep["val_after"]["ppl"],
-                     "task_acc_before": acc_before, "task_acc_after": task_accuracy(out, tasks)})
+                     "task_acc_before": acc_before, "task_acc_after": task_accuracy(out, tasks),
+                     "heldout_after": rep.get("heldout_after"), "chunk_steps": [c["steps"] for c in rep["chunks"]]})
         print(json.dumps(rows[-1]), flush=True)
     result = {"machine": machine_info(), "train_seconds": train_s, "args": vars(args), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    out_file = Path(args.out)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    if args.label:
+        existing = json.loads(out_file.read_text()) if out_file.exists() else {}
+        existing.setdefault("runs", []).append({"label": args.label, **result})
+        result = existing
+    atomic_write_json(out_file, result, indent=1)
     print(f"{'K':>4} {'EL b->a':>14} {'MA b->a':>14} {'exposure b->a':>16} {'val ppl b->a':>16} {'acc b->a':>12} steps")
     for r in rows:
         if "error" in r:
