@@ -75,7 +75,20 @@ def cache_hit_rates(n_shards: int, windows_per_shard: int, epochs: int, cache_fr
     return out
 
 
-@contextlib.contextmanager
+def interleaved_rounds(runners: dict, rounds: int, out: dict, digits: int) -> list[str]:
+    """Run every runner(round) once per round, rotating who goes first, and record in `out` each
+    one's median batches/s and its samples; returns the runners' names in order."""
+    names = list(runners)
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].append(round(runners[name](r), digits))
+    for name, xs in samples.items():
+        out[f"{name}_batches_per_s"] = float(np.median(xs))
+        out[f"{name}_samples"] = xs
+    return names
+
+
 def write_bench_shards(local: Path, n_shards: int, shard_windows: int, seq_len: int) -> None:
     """A train split of about n_shards x shard_windows windows of random tokens (uint16)."""
     from kiln.data.shards import ShardWriter, write_meta
@@ -142,21 +155,15 @@ def local_throughput(n_shards: int, shard_windows: int, batches: int, seq_len: i
             del it
             return rate
 
-        runners = {"kiln": run_kiln, "dataloader_workers0": lambda r: run_dataloader(0),
-                   f"dataloader_workers{workers}": lambda r: run_dataloader(workers)}
-        samples: dict[str, list[float]] = {k: [] for k in runners}
-        names = list(runners)
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                samples[name].append(round(runners[name](r), 1))
-        for name, xs in samples.items():
-            out[f"{name}_batches_per_s"] = float(np.median(xs))
-            out[f"{name}_samples"] = xs
+        names = interleaved_rounds({"kiln": run_kiln, "dataloader_workers0": lambda r: run_dataloader(0),
+                                    f"dataloader_workers{workers}": lambda r: run_dataloader(workers)},
+                                   rounds, out, digits=1)
         for name in names[1:]:
             out[f"kiln_over_{name}"] = round(out["kiln_batches_per_s"] / out[f"{name}_batches_per_s"], 2)
     return out
 
 
+@contextlib.contextmanager
 def s3_dataset(n_shards: int, shard_windows: int, latency_s: float, seq_len: int = 256):
     """(storage options, s3 URL, local copy, dataset bytes) of a shard directory on a moto S3 server
     on 127.0.0.1, with `latency_s` added to every S3 request (client side, in s3fs's request path,
@@ -253,16 +260,8 @@ def s3_throughput(n_shards: int, shard_windows: int, batches: int, latency_s: fl
             del it
             return rate
 
-        runners = {"kiln": run_kiln, "dataloader_workers0": lambda r: run_dataloader(0),
-                   f"dataloader_workers{workers}": lambda r: run_dataloader(workers)}
-        samples: dict[str, list[float]] = {k: [] for k in runners}
-        names = list(runners)
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
-                samples[name].append(round(runners[name](r), 2))
-        for name, xs in samples.items():
-            out[f"{name}_batches_per_s"] = float(np.median(xs))
-            out[f"{name}_samples"] = xs
+        interleaved_rounds({"kiln": run_kiln, "dataloader_workers0": lambda r: run_dataloader(0),
+                            f"dataloader_workers{workers}": lambda r: run_dataloader(workers)}, rounds, out, digits=2)
         out[f"kiln_over_dataloader_workers{workers}"] = round(
             out["kiln_batches_per_s"] / out[f"dataloader_workers{workers}_batches_per_s"], 2)
     return out

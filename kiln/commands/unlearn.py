@@ -76,13 +76,10 @@ def options_from(args: argparse.Namespace) -> UnlearnOptions:
 
 def retain_windows(path: str, tokenizer, seq_len: int) -> list[list[int]]:
     """Non-overlapping windows of seq_len + 1 tokens of a UTF-8 text file."""
+    from kiln.io import read_text_file
+
     file = Path(path)
-    if not file.is_file():
-        raise KilnError(f"--retain {file} not found (expected a UTF-8 text file)")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise KilnError(f"--retain {file}: not UTF-8 text ({e})") from None
+    text = read_text_file(file, error=KilnError, missing=f"--retain {file} not found (expected a UTF-8 text file)")
     import numpy as np
 
     from kiln.data.loader import TokenWindows
@@ -103,24 +100,13 @@ def load_model(run_dir: Path, step: int | None, device_name: str):
     (kiln.train.trainer.build_model), the weights loaded through CheckpointManager (DCP reshards).
     One process is the trivial layout whatever [parallel] says; several take the run's [parallel]
     data-parallel settings (dp_mode, dp_replicate, dp_shard). Returns (LoadedRun, ParallelDims, device)."""
-    from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, list_checkpoints
-    from kiln.config import ParallelConfig, load_config
-    from kiln.data.raw_to_shards import TOKENIZER_FILE
-    from kiln.data.tokenizer import load_tokenizer
-    from kiln.eval.load import LoadedRun
+    from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState
+    from kiln.config import ParallelConfig
+    from kiln.eval.load import LoadedRun, read_trained_run
     from kiln.parallel.dims import ParallelDims, pick_device
     from kiln.train.trainer import build_model
 
-    if not run_dir.is_dir():
-        raise KilnError(f"run directory {run_dir} not found")
-    if not list_checkpoints(run_dir / "checkpoints"):
-        raise KilnError(f"{run_dir} has no checkpoints (expected {run_dir}/checkpoints/step-N); train it first")
-    if not (run_dir / "config.toml").is_file():
-        raise KilnError(f"{run_dir} has no config.toml; is it a kiln run directory?")
-    cfg = load_config(run_dir / "config.toml")
-    tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = tokenizer.vocab_size
+    cfg, tokenizer = read_trained_run(run_dir)
     # Decoding many prefixes changes shapes every call (compile would recompile), float8 needs a
     # recent GPU and buys nothing at unlearning's scale: the unlearning model is plain.
     cfg.train.compile, cfg.train.float8, cfg.train.activation_checkpointing = False, False, "none"

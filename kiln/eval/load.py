@@ -25,8 +25,9 @@ class LoadedRun:
     run_dir: Path
 
 
-def load_run(run_dir: str | Path, step: int | None = None, device: str = "cpu") -> LoadedRun:
-    run_dir = Path(run_dir)
+def read_trained_run(run_dir: Path) -> tuple[JobConfig, Tokenizer]:
+    """The resolved config and tokenizer of a run directory that has checkpoints, or one line
+    saying what is missing (every command that opens a trained run goes through here)."""
     if not run_dir.is_dir():
         raise KilnError(f"run directory {run_dir} not found")
     if not list_checkpoints(run_dir / "checkpoints"):
@@ -37,6 +38,12 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str = "cpu") 
     tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tokenizer.vocab_size
+    return cfg, tokenizer
+
+
+def load_run(run_dir: str | Path, step: int | None = None, device: str = "cpu") -> LoadedRun:
+    run_dir = Path(run_dir)
+    cfg, tokenizer = read_trained_run(run_dir)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=device)
