@@ -190,7 +190,7 @@ def _run(args: argparse.Namespace) -> int:
     if not cfg.data.shards_dir:  # the new run scores the original run's validation shards
         try:
             cfg.data.shards_dir = str(_shard_dir(loaded).resolve())
-        except KilnError:
+        except KilnError:  # the run has no shards (eval --data only): the new run has none either
             pass
     if dims.is_main:
         write_run_files(out, cfg, loaded.tokenizer, fresh=True)
