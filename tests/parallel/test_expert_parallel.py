@@ -71,6 +71,16 @@ def single_process(case):
     return losses, grads
 
 
+def average_dense_grads(model, experts: set, world: int) -> None:
+    """Data parallelism by hand for everything but the experts (their reduction is under test)."""
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        if id(p) not in experts:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
 def expert_parallel_rank(rank, world):
     import torch.distributed as dist
 
@@ -90,10 +100,7 @@ def expert_parallel_rank(rank, world):
             mine = batch[rank * per:(rank + 1) * per]
             loss = model(mine[:, :-1], mine[:, 1:])
             loss.backward()
-            for p in model.parameters():
-                if id(p) not in experts:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(world)
+            average_dense_grads(model, experts, world)
             if reduction == "right":
                 reduce_expert_grads(model, world)
             else:  # the mistake: expert grads averaged over the ep group, as if they were replicas
@@ -213,10 +220,7 @@ def ep_within_dp_rank(rank, world):
             mine = batch[rank * per:(rank + 1) * per]
             loss = model(mine[:, :-1], mine[:, 1:])
             loss.backward()
-            for p in model.parameters():
-                if id(p) not in experts:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(world)
+            average_dense_grads(model, experts, world)
             grads = grads or [m.feed_forward.experts.w1.grad.full_tensor() for m in model.layers]
             params = [p for p in model.parameters() if p.grad is not None]
             if how == "local_norm":

@@ -14,7 +14,6 @@ Tolerance: the same layout on the same machine, so equal to the last bit.
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import time
 
 import pytest
 
-from test_data_parallel import common, losses, run_kiln, sets
+from test_data_parallel import common, kill_launcher, losses, run_kiln, sets
 
 TIMEOUT = 240
 
@@ -58,12 +57,7 @@ def launch_two_nodes(args, port, logs, timeout=TIMEOUT):
         return outputs
     finally:
         for p in procs:  # nothing outlives the test: each launcher with its workers
-            if p.poll() is None or p.returncode != 0:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+            kill_launcher(p)
         for out, err in files:
             out.close()
             err.close()
