@@ -62,5 +62,9 @@ for name in ("adamw", "lion", "lamb", "muon"):
           f"host sync in the step: {synced}")
 PY
 CORPUS=${CORPUS:-.gpudata/tinyshakespeare.txt}
-python3 benchmarks/throughput.py --device cuda --budget-s "${BUDGET_S:-360}" --corpus "$CORPUS" \
+python3 benchmarks/throughput.py --device cuda --budget-s "${BUDGET_S:-300}" --corpus "$CORPUS" \
   --json "$RESULTS/gpu_throughput_partial.json" --out "$RESULTS/gpu_throughput.json" 2>&1 | tee "$RESULTS/gpu_check.log"
+# Unlearning on the GPU: the privacy proof test (train with canaries, measure, `kiln unlearn`) with
+# train.device=auto, which takes the GPU here (the image has pytest and pytest-timeout).
+timeout "${UNLEARN_S:-150}" python3 -m pytest -q -x -p no:cacheprovider tests/privacy/test_unlearn.py 2>&1 \
+  | tee "$RESULTS/gpu_unlearn.log" | tail -5

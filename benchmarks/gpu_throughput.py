@@ -21,7 +21,7 @@ import math
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +45,13 @@ class Shape:
     model: ModelConfig  # the kiln-default (Llama-style) architecture at this shape
     batch: int
     seq: int
+    grad_accum: int = 1  # micro-batches per optimizer step (tokens per step = batch * seq * grad_accum)
+    ac: str = "none"  # train.activation_checkpointing
+    steps: int = 0  # timed steps for this shape (0: --gpu-steps)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq * self.grad_accum
 
 
 def shapes(quick: bool) -> dict[str, Shape]:
@@ -80,6 +87,7 @@ class Result:
     peak_mem_gb: float = math.nan
     seconds: float = math.nan  # time-to-target cases
     note: str = ""
+    plan: dict | None = None  # what `kiln plan` needs to predict this case (benchmarks/plan_validation.py --gpu-results)
 
 
 def _batches(vocab: int, batch: int, seq: int, device: torch.device, n: int = 4):
@@ -120,6 +128,7 @@ def kiln_case(shape: Shape, model_cfg: ModelConfig, device: torch.device, *, com
     cfg.train.compile, cfg.train.compile_scope, cfg.train.cuda_graphs = compile_model, "model", cuda_graphs
     cfg.train.float8, cfg.train.float8_recipe = bool(float8), float8 or "tensorwise"
     cfg.train.dtype = "bf16" if device.type == "cuda" else "fp32"
+    cfg.train.activation_checkpointing, cfg.train.grad_accum = shape.ac, shape.grad_accum
     dims = ParallelDims.from_config(ParallelConfig(), world_size=1, rank=0, local_rank=0)
     model = build_model(cfg, dims, device)
     model.train()
@@ -131,10 +140,14 @@ def kiln_case(shape: Shape, model_cfg: ModelConfig, device: torch.device, *, com
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
     def step(i: int) -> None:
-        train_step(model, optimizer, [batches[i % len(batches)]], autocast=autocast, scaler=None, clip=1.0)
+        micro = [batches[(i * shape.grad_accum + k) % len(batches)] for k in range(shape.grad_accum)]
+        train_step(model, optimizer, micro, autocast=autocast, scaler=None, clip=1.0)
 
     note = f"sdpa {attention['attention_backend']}" + (" (kv expanded)" if attention["attention_expand_kv"] else "")
-    return step, flops_per_token(model, shape.seq), count_params(model)["total"], note
+    plan = {"model": asdict(cfg.model), "batch": shape.batch, "seq": shape.seq, "grad_accum": shape.grad_accum,
+            "ac": shape.ac, "compile": compile_model, "loss": loss, "precision": "float8" if float8 else "bf16",
+            "optimizer": "adamw", "cuda_graphs": cuda_graphs}
+    return step, flops_per_token(model, shape.seq), count_params(model)["total"], note, plan
 
 
 def baseline_case(shape: Shape, device: torch.device, compile_model: bool) -> tuple[Callable, float, int]:
@@ -174,11 +187,12 @@ def run_case(label: str, shape: Shape, build: Callable[[], tuple[Callable, float
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        step, flops_tok, _, result.note = build()
-        warm, step_s = _time_steps(step, 3, steps, device)
+        step, flops_tok, _, result.note, *plan = build()
+        result.plan = plan[0] if plan else None
+        warm, step_s = _time_steps(step, 3, shape.steps or steps, device)
         result.compile_s = warm
         result.step_ms = 1000 * step_s
-        result.tokens_per_s = shape.batch * shape.seq / step_s
+        result.tokens_per_s = shape.tokens / step_s
         result.mfu = flops_tok * result.tokens_per_s / peak
         if device.type == "cuda":
             result.peak_mem_gb = torch.cuda.max_memory_allocated(device) / 2**30
@@ -342,29 +356,49 @@ def run_all(device_name: str, quick: bool, budget_s: float, steps: int, corpus: 
           f"torch {torch.__version__}, peak {peak / 1e12:.0f} TFLOP/s ({peak_source})", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="kiln-gpu-"))
     gm, dm = gpt2_style(g.model), g.model
-    # In priority order: the headline comparison first, what is nice to have last.
+    # configs/llama-1b.toml as written (8 x 2048 per micro-batch, 4 micro-batches, selective AC),
+    # without AC, and single-GPU layouts for `kiln plan`'s validation (full AC at both shapes).
+    l_cfg = replace(l, name="llama-1b-cfg", batch=l.batch * 2, grad_accum=4, ac="selective", steps=6)
+    l_cfg_noac = replace(l_cfg, ac="none")
+    l_full_ac, g_full_ac = replace(l, ac="full"), replace(g, ac="full")
+    g_mb4 = replace(g, name="gpt2-124m-ga3", batch=4, grad_accum=3)
+    # In priority order: the headline comparison first, what is nice to have last. Under a
+    # whole-model compile kiln's `train.loss=auto` takes the plain loss (kiln/train/system.py).
     plan: list[tuple[str, Shape, Callable[[], Any]]] = [
         ("nanoGPT baseline compiled", g, lambda: baseline_case(g, device, True)),
-        ("kiln gpt2-arch compiled", g, lambda: kiln_case(g, gm, device, compile_model=True, loss="chunked")),
-        ("kiln gpt2-arch compiled float8 tensorwise", g,
-         lambda: kiln_case(g, gm, device, compile_model=True, loss="chunked", float8="tensorwise")),
-        ("kiln default compiled", l, lambda: kiln_case(l, l.model, device, compile_model=True, loss="chunked")),
-        ("kiln default compiled float8 tensorwise", l,
-         lambda: kiln_case(l, l.model, device, compile_model=True, loss="chunked", float8="tensorwise")),
+        ("kiln gpt2-arch compiled", g, lambda: kiln_case(g, gm, device, compile_model=True, loss="full")),
+        ("kiln gpt2-arch compiled + CUDA graphs", g,
+         lambda: kiln_case(g, gm, device, compile_model=True, loss="full", cuda_graphs=True)),
+        ("kiln default compiled", l, lambda: kiln_case(l, l.model, device, compile_model=True, loss="full")),
+        ("kiln default compiled (configs/llama-1b.toml)", l_cfg,
+         lambda: kiln_case(l_cfg, l.model, device, compile_model=True, loss="full")),
+        ("kiln default compiled, ga 4, no AC", l_cfg_noac,
+         lambda: kiln_case(l_cfg_noac, l.model, device, compile_model=True, loss="full")),
         ("kiln train loop", g, None),
-        ("nanoGPT baseline eager", g, lambda: baseline_case(g, device, False)),
-        ("kiln gpt2-arch eager", g, lambda: kiln_case(g, gm, device, compile_model=False, loss="chunked")),
-        ("kiln default eager", g, lambda: kiln_case(g, dm, device, compile_model=False, loss="chunked")),
-        ("float8 vs bf16 loss curve", c, None),
-        ("kiln default compiled", g, lambda: kiln_case(g, dm, device, compile_model=True, loss="chunked")),
-        ("kiln gpt2-arch compiled, full loss", g, lambda: kiln_case(g, gm, device, compile_model=True, loss="full")),
+        ("kiln default compiled", g, lambda: kiln_case(g, dm, device, compile_model=True, loss="full")),
+        ("kiln gpt2-arch compiled, full AC", g_full_ac,
+         lambda: kiln_case(g_full_ac, gm, device, compile_model=True, loss="full")),
+        ("kiln gpt2-arch compiled, 4 x 1024 ga 3", g_mb4,
+         lambda: kiln_case(g_mb4, gm, device, compile_model=True, loss="full")),
+        ("kiln default compiled, full AC", l_full_ac,
+         lambda: kiln_case(l_full_ac, l.model, device, compile_model=True, loss="full")),
+        ("kiln gpt2-arch compiled, chunked loss", g,
+         lambda: kiln_case(g, gm, device, compile_model=True, loss="chunked")),
+        ("kiln default compiled float8 tensorwise", l,
+         lambda: kiln_case(l, l.model, device, compile_model=True, loss="full", float8="tensorwise")),
         ("nanoGPT baseline compiled", c, lambda: baseline_case(c, device, True)),
         ("kiln default compiled", c, lambda: kiln_case(c, c.model, device, compile_model=True, loss="full")),
         ("kiln default compiled + CUDA graphs", c,
          lambda: kiln_case(c, c.model, device, compile_model=True, loss="full", cuda_graphs=True)),
+        ("nanoGPT baseline eager", g, lambda: baseline_case(g, device, False)),
+        ("kiln gpt2-arch eager", g, lambda: kiln_case(g, gm, device, compile_model=False, loss="chunked")),
+        ("kiln default eager", g, lambda: kiln_case(g, dm, device, compile_model=False, loss="chunked")),
+        ("kiln gpt2-arch compiled float8 tensorwise", g,
+         lambda: kiln_case(g, gm, device, compile_model=True, loss="full", float8="tensorwise")),
+        ("float8 vs bf16 loss curve", c, None),
         ("time to target", c, None),
         ("kiln default compiled float8 rowwise", l,
-         lambda: kiln_case(l, l.model, device, compile_model=True, loss="chunked", float8="rowwise")),
+         lambda: kiln_case(l, l.model, device, compile_model=True, loss="full", float8="rowwise")),
         ("kiln default eager", l, lambda: kiln_case(l, l.model, device, compile_model=False, loss="chunked")),
     ]
     if device.type != "cuda":  # dry run: float8 and CUDA graphs refuse a CPU (that path is tested)
@@ -396,6 +430,7 @@ def run_all(device_name: str, quick: bool, budget_s: float, steps: int, corpus: 
 
 def print_results(results: list[Result]) -> None:
     base = {r.shape: r.tokens_per_s for r in results if r.case == "nanoGPT baseline compiled"}
+    base.update({k: v for k, v in (("gpt2-124m-ga3", base.get("gpt2-124m")),) if v})
     print(f"{'shape':<17} {'case':<42} {'tok/s':>10} {'ms/step':>8} {'MFU':>6} {'vs base':>7} {'warm s':>7} "
           f"{'mem GB':>6}  note")
     for r in results:
