@@ -110,7 +110,8 @@ def main() -> None:
         step_s = run.get("step_s_median", max(p["step_s"] for p in ranks))
         # pipeline runs untie the embeddings (parallel_memory.py MODEL_PARALLEL): their own shape
         case_shape = untied if m.startswith("pp_") else shape
-        cases.append(Measurement(f"{m} x{w}", case_shape, layout_for(m, w, batch), seq, step_s))
+        # parallel_memory.py runs optim.implementation='foreach'
+        cases.append(Measurement(f"{m} x{w}", case_shape, layout_for(m, w, batch), seq, step_s, "adamw", "foreach"))
         spreads[cases[-1].name] = run.get("step_s_spread", 0.0)
     links = [CollectiveSample(c["op"], c["ranks"], c["bytes"], c["seconds"]) for c in data.get("collectives", [])]
     cores = data.get("machine", {}).get("cores_visible") or os.cpu_count()

@@ -22,7 +22,7 @@ from pathlib import Path
 from kiln.errors import KilnError
 from kiln.plan.cluster import Cluster
 from kiln.plan.memory import Layout, ModelShape
-from kiln.plan.timing import all_gather, all_reduce, broadcast, step_time
+from kiln.plan.timing import all_gather, all_reduce, broadcast, reduce_scatter, step_time
 
 GRID = {
     "max_efficiency": [0.02 * 1.25 ** k for k in range(18)],  # up to ~0.9
@@ -40,6 +40,8 @@ class Measurement:
     layout: Layout
     seq_len: int
     step_s: float
+    optimizer: str = "adamw"
+    optimizer_impl: str = "fused"  # fused | foreach | single (kiln/train/optim.py adamw_implementation)
 
 
 def measured_run(run_dir: str | Path) -> Measurement:
@@ -70,8 +72,10 @@ def measured_run(run_dir: str | Path) -> Measurement:
                     grad_accum=cfg.train.grad_accum, ac=cfg.train.activation_checkpointing, precision=dtype)
     if layout.world_size != world:
         raise KilnError(f"{run_dir}: layout {layout.describe()} does not match world_size={world}")
+    # optim.implementation "auto" is fused on cpu and cuda (kiln/train/optim.py FUSED_ADAMW_FASTER)
+    impl = cfg.optim.implementation if cfg.optim.implementation != "auto" else "fused"
     return Measurement(str(run_dir), ModelShape.from_config(cfg.model, vocab), layout, cfg.data.seq_len,
-                       tokens_per_step / tps)
+                       tokens_per_step / tps, cfg.optim.name, impl)
 
 
 @dataclass
@@ -86,7 +90,7 @@ class CollectiveSample:
 
 
 def _collective(cluster: Cluster, s: CollectiveSample) -> float:
-    op = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": all_gather,
+    op = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
           "broadcast": broadcast}.get(s.op)
     if op is None:
         raise KilnError(f"collective sample: unknown op {s.op!r} (all_reduce, all_gather, reduce_scatter, broadcast)")
@@ -148,7 +152,7 @@ def _apply(cluster: Cluster, params: tuple[float, ...]) -> Cluster:
 def predicted_step(m: Measurement, cluster: Cluster) -> float:
     """Predicted step time of a measured run (the cluster's `cores_per_node` covers CPU processes
     that share cores)."""
-    return step_time(m.shape, m.layout, m.seq_len, cluster).total
+    return step_time(m.shape, m.layout, m.seq_len, cluster, m.optimizer, m.optimizer_impl).total
 
 
 def fit_error(cluster: Cluster, measurements: list[Measurement]) -> float:
