@@ -170,13 +170,14 @@ def _refined(axis: list[float], best: float) -> list[float]:
 
 
 def fit_cluster(cluster: Cluster, measurements: list[Measurement], overlap: float | None = None,
-                links: list[CollectiveSample] | None = None) -> Cluster:
+                links: list[CollectiveSample] | None = None, device_only: bool = False) -> Cluster:
     """`cluster` with the efficiency curve, link bandwidth, overlap and per-collective launch cost
     that best explain the runs. `links` (timed collectives) fixes the link's latency and bandwidth
     by `fit_link` first, and lets the launch cost be fitted (without them it stays the cluster's:
     latency and launch cost cannot be told apart from step times alone). `overlap` fixes the
     overlap efficiency instead of fitting it (0 for gloo, whose collectives run on the CPU cores
-    the compute needs). Search: the GRID exhaustively, then a finer grid around its best point."""
+    the compute needs). `device_only` fits the efficiency curve alone (single-device runs have no
+    link to fit). Search: the GRID exhaustively, then a finer grid around its best point."""
     if not measurements:
         raise KilnError("calibration needs at least one measured run")
     base = fit_link(cluster, links) if links else copy.deepcopy(cluster)
@@ -184,6 +185,9 @@ def fit_cluster(cluster: Cluster, measurements: list[Measurement], overlap: floa
     grid["bandwidth_gbps"] = [base.intra_node.bandwidth_gbps] if links else GRID["bandwidth_gbps"]
     grid["overlap_efficiency"] = [overlap] if overlap is not None else GRID["overlap_efficiency"]
     grid["collective_launch_us"] = LAUNCH_GRID_US if links else [base.collective_launch_us]
+    if device_only:
+        grid["bandwidth_gbps"], grid["overlap_efficiency"] = [base.intra_node.bandwidth_gbps], [base.overlap_efficiency]
+        grid["collective_launch_us"] = [base.collective_launch_us]
     work = copy.deepcopy(base)
     best, best_err = None, math.inf
     for refine in (True, False):
