@@ -246,17 +246,20 @@ def best_plan_check(shape, cases, spreads, fitted, seq, batch) -> tuple[list[dic
 
 
 # Published large-scale runs: (label, source, model, vocab, seq, cluster, nodes, layout, published, kind).
+# Llama 3's data parallelism is FSDP (parameters, gradients and optimizer state sharded; sec. 3.3.1)
+# without resharding after forward: kiln's zero2. Its interleaved schedule's virtual stages are not
+# in table 4; 2 is assumed (the bubble, (pp-1)/(m*v), is the largest term left: see benchmarks/README.md).
 # kind "mfu": model FLOPs utilisation; "hw_tflops": per-GPU TFLOP/s counting activation recompute.
 PUBLISHED = [
     ("Llama 3 405B, 8192 H100", "Llama 3 paper (Dubey et al. 2024), table 4",
      ModelConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248, max_seq_len=8192,
                  vocab_size=128256, tie_embeddings=False), 128256, 8192, "h100", 1024,
-     Layout(dp_replicate=64, dp_shard=1, tp=8, pp=16, dp_mode="zero1", micro_batch=1, grad_accum=32,
+     Layout(dp_replicate=1, dp_shard=64, tp=8, pp=16, dp_mode="zero2", micro_batch=1, grad_accum=32,
             schedule="interleaved_1f1b", virtual_stages=2), 0.43, "mfu"),
     ("Llama 3 405B, 16384 H100", "Llama 3 paper (Dubey et al. 2024), table 4",
      ModelConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248, max_seq_len=8192,
                  vocab_size=128256, tie_embeddings=False), 128256, 8192, "h100", 2048,
-     Layout(dp_replicate=128, dp_shard=1, tp=8, pp=16, dp_mode="zero1", micro_batch=1, grad_accum=16,
+     Layout(dp_replicate=1, dp_shard=128, tp=8, pp=16, dp_mode="zero2", micro_batch=1, grad_accum=16,
             schedule="interleaved_1f1b", virtual_stages=2), 0.41, "mfu"),
     ("GPT 1T, 3072 A100", "Narayanan et al. 2021 (Megatron-LM), table 1",
      ModelConfig(dim=25600, n_layers=128, n_heads=160, activation="gelu", max_seq_len=2048, vocab_size=51200),
