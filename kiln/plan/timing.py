@@ -13,10 +13,11 @@ step on 2 gloo processes; tests/plan/test_collective_counts.py keeps them equal 
 `StepTime.calls`), not guessed: DDP one all-reduce per 25 MiB bucket; ZeRO-1 those plus one
 broadcast per parameter tensor (torch's ZeroRedundancyOptimizer, parameters_as_bucket_view off);
 FSDP2 one all-gather per unit (the blocks and the root) before forward, again before backward
-for every unit but the last block, and one reduce-scatter per unit; TP+SP per micro-batch
-4 all-gathers and 4 reduce-scatters of the activations per block plus 2 and 2 at the
-embedding / head, 4 all-reduces of every norm's weight and 3 of loss_parallel's per-token
-statistics, and one all-reduce of the gradient norm per step. On gloo (`cluster.backend`)
+for every unit but the last block, one reduce-scatter per unit and one all-reduce of the
+gradient norm; TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
+block plus 2 and 2 at the embedding / head and 3 all-reduces of loss_parallel's per-token
+statistics, per step 2 (fused AdamW) or 4 (foreach) all-reduces of every norm weight's gradient
+and one of the gradient norms. On gloo (`cluster.backend`)
 torch's ProcessGroupGloo runs a reduce-scatter as an all-reduce of the whole tensor (the
 profiler shows gloo:all_reduce under each reduce-scatter), so it costs one.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
@@ -201,22 +202,24 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     stage_layers = shape.n_layers / layout.pp
     ga = layout.grad_accum
 
-    # Tensor (sequence) parallel, per micro-batch (counted; see the module docstring): the block's
+    # Tensor (sequence) parallel (counted; see the module docstring): per micro-batch the block's
     # activations all-gathered and reduce-scattered 4 times each per block and twice at the
-    # embedding / head; 4 all-reduces of each norm's (fp32) weight; loss_parallel's 3 per-token
-    # statistics; and the gradient norm once per step. All on the critical path.
+    # embedding / head, and loss_parallel's 3 per-token statistics all-reduced; per step each norm
+    # weight's gradient, a Partial DTensor that stays a pending sum, all-reduced by every op that
+    # reads it (the gradient norm, then AdamW: fused once, foreach 3 times: lerp_ and addcmul_'s
+    # two reads), and the stacked gradient norms once. All on the critical path.
     if layout.tp > 1:
         nbytes = act * tokens_rank_mb * shape.dim
         boundary = 4 * stage_layers + 2
-        norms = 4 * (2 * stage_layers + 1)
+        norm_reads = (2 * stage_layers + 1) * (1 + (3 if optimizer_impl in ("foreach", "single") else 1))
         t = all_gather(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
         t += reduce_scatter(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
-        t += all_reduce(cluster, layout.tp, 4 * shape.dim * norms * ga, calls=norms * ga)
+        t += all_reduce(cluster, layout.tp, 4 * shape.dim * norm_reads, calls=norm_reads)
         t += all_reduce(cluster, layout.tp, 3 * 4 * tokens_rank_mb * ga, calls=3 * ga)
         t += all_reduce(cluster, layout.tp, 4 * shape.param_tensors(layout.pp), calls=1)
         count("all_gather", boundary * ga)
         count("reduce_scatter", boundary * ga)
-        count("all_reduce", (norms + 3) * ga + 1)
+        count("all_reduce", norm_reads + 3 * ga + 1)
         exposed += t
         total += t
     # Context parallel (ring attention): K and V pass around the ring, hidden behind attention.
@@ -271,10 +274,11 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             t = all_gather(cluster, shard, gather_bytes, dp_stride, calls=gathers)
             t += reduce_scatter(cluster, shard, grad_bytes, dp_stride, calls=units)
             t += all_reduce(cluster, replicas, grad_bytes / shard, dp_stride * shard, calls=units)  # HSDP
+            # the gradient norm of the sharded gradients: one all-reduce per step
+            t += all_reduce(cluster, replicas * shards, 4, dp_stride)
             count("all_gather", gathers)
             count("reduce_scatter", units)
-            if replicas > 1:
-                count("all_reduce", units)
+            count("all_reduce", 1 + (units if replicas > 1 else 0))
             # copy-in of the local shard and copy-out of the gathered unit; gradients into the
             # reduce-scatter buffer and the reduced shard out
             copied += gather_bytes * (1 + 1 / shard) + grad_bytes * (1 + 1 / shard)
