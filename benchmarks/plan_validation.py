@@ -307,7 +307,8 @@ def gpu_case(raw, i: int, path: str) -> tuple[Measurement, dict] | None:
         raise KilnError(f"{where}.plan: expected a table")
     for key, kind in GPU_PLAN_KEYS.items():
         if not isinstance(plan.get(key), kind) or (kind is int and (isinstance(plan[key], bool) or plan[key] < 1)):
-            raise KilnError(f"{where}.plan.{key} {plan.get(key)!r}: expected {'a positive int' if kind is int else kind.__name__}")
+            expected = "a positive int" if kind is int else kind.__name__
+            raise KilnError(f"{where}.plan.{key} {plan.get(key)!r}: expected {expected}")
     model = fill_dataclass(ModelConfig, plan["model"], f"{where}.plan", "model.")
     model.validate()
     if model.vocab_size < 1:

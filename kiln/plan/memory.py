@@ -220,7 +220,8 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
     elif layout.dp > 1:
         out.comm_buffers += min(2 * DDP_BUCKET_BYTES, 4 * stage_params)
     if layout.precision != "fp32" and full_mode not in ("fsdp", "zero2"):  # autocast's low-precision weight copies
-        matmul_weights = layers * shape.layer_params + (shape.vocab * shape.dim if layout.pp == 1 or not shape.tied else 0)
+        head = shape.vocab * shape.dim if layout.pp == 1 or not shape.tied else 0  # the LM head's weight
+        matmul_weights = layers * shape.layer_params + head
         out.temporary += param_bytes * (shape.layer_params if layout.compiled else matmul_weights) / layout.tp
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries

@@ -17,9 +17,9 @@ for every unit but the last block, one reduce-scatter per unit and one all-reduc
 gradient norm; TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
 block plus 2 and 2 at the embedding / head and 3 all-reduces of loss_parallel's per-token
 statistics, per step 2 (fused AdamW) or 4 (foreach) all-reduces of every norm weight's gradient
-and one of the gradient norms. On gloo (`cluster.backend`)
-torch's ProcessGroupGloo runs a reduce-scatter as an all-reduce of the whole tensor (the
-profiler shows gloo:all_reduce under each reduce-scatter), so it costs one.
+and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
+reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all_reduce under
+each reduce-scatter), so it costs one.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
@@ -34,8 +34,9 @@ its reduce-scatter buffer, and DDP copies gradients into and out of its buckets,
 memory bandwidth; the optimizer step moves `optimizer_step_bytes` per parameter at the memory
 bandwidth (torch's fused AdamW reads parameter, gradient and both moments and writes three: 28
 bytes; its foreach AdamW makes eight passes, _multi_tensor_adamw's weight decay, lerp, mul,
-addcmul, sqrt, div, add and addcdiv: 80 bytes); when the processes of a node outnumber `cores_per_node`, compute, the optimizer
-step and that host work run at cores / processes of a core each.
+addcmul, sqrt, div, add and addcdiv: 80 bytes); when the processes of a node outnumber
+`cores_per_node`, compute, the optimizer step and that host work run at cores / processes of a
+core each.
 """
 
 from __future__ import annotations
