@@ -25,7 +25,7 @@ from kiln.plan.memory import Layout, ModelShape
 from kiln.plan.timing import all_gather, all_reduce, broadcast, reduce_scatter, step_time
 
 GRID = {
-    "max_efficiency": [0.02 * 1.25 ** k for k in range(18)],  # up to ~0.9
+    "max_efficiency": [0.02 * 1.25 ** k for k in range(18)] + [1.0],  # up to the field's bound
     "half_efficiency_work": [10 ** (k / 3) for k in range(9, 22)],
     "bandwidth_gbps": [0.05 * 1.6 ** k for k in range(24)],  # 50 MB/s .. ~2 TB/s
     "overlap_efficiency": [0.0, 0.3, 0.6, 0.9],
