@@ -83,3 +83,45 @@ def test_bad_time_collectives_arguments(tmp_path, capsys):
     rc = main(["plan", "--cluster", "cpu-local", "--collectives", str(tmp_path / "none.json")])
     assert rc == 2 and "not found" in _err(capsys)[0]
     assert not out.exists()
+
+
+def test_calibrate_runs_with_a_collectives_file_fits_link_then_runs(tmp_path, capsys):
+    """`--calibrate RUN_DIR... --collectives FILE`: the link from the timed collectives, the
+    efficiency curve from the runs' step times (single-process runs made by a known device)."""
+    from kiln.config import load_config, to_toml
+    from kiln.plan.calibrate import Measurement, measured_run, predicted_step
+    from kiln.plan.memory import Layout, ModelShape
+    from kiln.plan.timing import all_reduce
+
+    truth = load_cluster("cpu-local")
+    truth.intra_node.latency_us, truth.intra_node.bandwidth_gbps = 150.0, 3.0
+    truth.device.max_efficiency, truth.device.half_efficiency_work = 0.3, 5e4
+    rows = [{"op": "all_reduce", "ranks": n, "bytes": b, "seconds": all_reduce(truth, n, b)}
+            for n in (2, 4) for b in (2**14, 2**22)]
+    (tmp_path / "coll.json").write_text(json.dumps(rows))
+    runs = []
+    for i, (dim, mb) in enumerate(((64, 2), (256, 8))):
+        cfg = load_config(None, [f"model.dim={dim}", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=300",
+                                 f"train.batch_size={mb}", "data.seq_len=64", "model.max_seq_len=64",
+                                 "train.dtype=fp32"])
+        step = predicted_step(Measurement("x", ModelShape.from_config(cfg.model, 300), Layout(micro_batch=mb,
+                                          precision="fp32"), 64, 1.0), truth)
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        (run / "config.toml").write_text(to_toml(cfg))
+        metrics = [{"kind": "run", "step": 0, "world_size": 1, "dp_mode": "none", "dp_replicate": 1, "dp_shard": 1,
+                    "tokens_per_step": mb * 64, "dtype": "fp32"}]
+        metrics += [{"kind": "train", "step": s, "loss": 5.0, "lr": 1e-3, "tokens": s * mb * 64,
+                     "tokens_per_s": mb * 64 / step, "skipped": 0} for s in range(1, 4)]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in metrics) + "\n")
+        runs.append(str(run))
+    out = tmp_path / "cal.toml"
+    rc = main(["plan", "--cluster", "cpu-local", "--calibrate", *runs, "--collectives", str(tmp_path / "coll.json"),
+               "--calibrated-out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    fitted = load_cluster(str(out))
+    assert fitted.intra_node.latency_us == pytest.approx(150.0, rel=1e-6)
+    assert fitted.intra_node.bandwidth_gbps == pytest.approx(3.0, rel=1e-6)
+    for r in runs:
+        m = measured_run(r)
+        assert abs(predicted_step(m, fitted) / m.step_s - 1) < 0.1
