@@ -4,7 +4,6 @@ leave-one-out calibrated, on a small synthetic file whose step times a known dev
 import dataclasses
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -88,10 +87,13 @@ def test_bad_gpu_results_name_the_case_and_key(tmp_path, mutate, message):
         _module().gpu_validation(str(path))
 
 
-def test_command_line_bad_file_is_one_line(tmp_path):
+def test_command_line_bad_file_is_one_line(tmp_path, monkeypatch):
     path = tmp_path / "gpu.json"
     path.write_text("{")
-    run = subprocess.run([sys.executable, str(SCRIPT), "--gpu-results", str(path), "--gpu-out",
-                          str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0 and run.stderr.strip().count("\n") == 0 and "not JSON" in run.stderr
+    monkeypatch.setattr(sys, "argv", ["plan_validation.py", "--gpu-results", str(path), "--gpu-out",
+                                      str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit) as exit_:
+        _module().main()
+    message = str(exit_.value.code)  # what the interpreter prints to stderr, exit status 1
+    assert "not JSON" in message and "\n" not in message
     assert not (tmp_path / "out.json").exists()
