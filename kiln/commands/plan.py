@@ -1,5 +1,6 @@
 """kiln plan [CONFIG] --cluster NAME|FILE [--nodes N] [--budget-flops C | --gpu-hours H] [--out PLAN.toml]
    kiln plan --cluster NAME|FILE --calibrate RUN_DIR... [--calibrated-out FILE]
+   kiln plan --cluster NAME|FILE [--calibrate RUN_DIR...] (--time-collectives 2,4 | --collectives FILE.json)
 
 What to train (compute-optimal model and tokens for a budget) and how (the fastest layout that
 fits), with the checkpoint interval, wall time and cost; the best plan is written as a config
@@ -42,6 +43,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fit --cluster's efficiency curve, link bandwidth and overlap to these kiln runs and "
                         "write the calibrated cluster to --calibrated-out (no plan is made)")
     p.add_argument("--calibrated-out", default="cluster-calibrated.toml", help="(default cluster-calibrated.toml)")
+    links = p.add_mutually_exclusive_group()
+    links.add_argument("--time-collectives", metavar="N[,N...]",
+                       help="time all-reduce / all-gather / reduce-scatter / broadcast at several sizes over N "
+                            "processes of this machine, fit the link's latency and bandwidth to them (with "
+                            "--calibrate: before fitting the runs) and write --calibrated-out")
+    links.add_argument("--collectives", metavar="FILE.json",
+                       help="timed collectives to fit the link to instead (as --collectives-out writes, or "
+                            "benchmarks/parallel_memory.py's results)")
+    p.add_argument("--collective-backend", choices=("gloo", "nccl"),
+                   help="backend of the timed collectives (default: nccl with CUDA, else gloo; for --collectives "
+                        "the cluster's): gloo reduce-scatters as an all-reduce")
+    p.add_argument("--collectives-out", default="collectives.json",
+                   help="where --time-collectives writes its samples (default collectives.json)")
 
 
 def _gib(x: float) -> str:
@@ -55,15 +69,52 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
+def _link_samples(args: argparse.Namespace, cluster) -> list:
+    """Timed collectives from --time-collectives (run now) or --collectives (a file), or []."""
+    from kiln.io import atomic_write_text
+    from kiln.plan.collectives import read_collectives, samples_json, time_collectives
+
+    if args.collectives:
+        if args.collective_backend:
+            cluster.backend = args.collective_backend
+        return read_collectives(args.collectives)
+    if not args.time_collectives:
+        return []
+    try:
+        counts = [int(n) for n in args.time_collectives.split(",")]
+    except ValueError:
+        raise KilnError(f"--time-collectives {args.time_collectives!r}: expected process counts such as 2,4") from None
+    backend = args.collective_backend
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cluster.backend = backend
+    samples = []
+    for n in counts:
+        print(f"timing {backend} collectives over {n} processes ...", flush=True)
+        samples += time_collectives(n, backend)
+    atomic_write_text(args.collectives_out, samples_json(samples))
+    print(f"wrote {len(samples)} timed collectives to {args.collectives_out}")
+    return samples
+
+
 def _calibrate(args: argparse.Namespace, cluster) -> int:
     from kiln.io import atomic_write_text
-    from kiln.plan.calibrate import cluster_toml, fit_cluster, measured_run, predicted_step
+    from kiln.plan.calibrate import cluster_toml, fit_cluster, fit_link, measured_run, predicted_step
 
-    runs = [measured_run(d) for d in args.calibrate]
-    fitted = fit_cluster(cluster, runs)
-    print(f"calibrated {cluster.name} on {len(runs)} runs: max_efficiency {fitted.device.max_efficiency:.3g}, "
-          f"half_efficiency_work {fitted.device.half_efficiency_work:.3g}, link {fitted.intra_node.bandwidth_gbps:.3g} "
-          f"GB/s, overlap {fitted.overlap_efficiency:.2g}")
+    runs = [measured_run(d) for d in args.calibrate or []]  # read them all before timing anything
+    links = _link_samples(args, cluster)
+    fitted = fit_cluster(cluster, runs, links=links or None) if runs else fit_link(cluster, links)
+    if links:
+        print(f"link fitted to {len(links)} timed collectives ({cluster.backend}): latency "
+              f"{fitted.intra_node.latency_us:.3g} us, bandwidth {fitted.intra_node.bandwidth_gbps:.3g} GB/s, "
+              f"memory bandwidth {fitted.device.memory_bandwidth_gbps:.3g} GB/s")
+    if runs:
+        print(f"calibrated {cluster.name} on {len(runs)} runs: max_efficiency {fitted.device.max_efficiency:.3g}, "
+              f"half_efficiency_work {fitted.device.half_efficiency_work:.3g}, link "
+              f"{fitted.intra_node.bandwidth_gbps:.3g} GB/s, overlap {fitted.overlap_efficiency:.2g}, launch "
+              f"{fitted.collective_launch_us:.3g} us per collective")
     for m in runs:
         print(f"  {m.name}: {m.layout.describe()}  measured {m.step_s:.4g} s, fitted {predicted_step(m, fitted):.4g} s")
     atomic_write_text(args.calibrated_out, cluster_toml(fitted))
@@ -82,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.train.memory import vocab_estimate
 
     cluster = load_cluster(args.cluster, args.nodes)
-    if args.calibrate:
+    if args.calibrate or args.time_collectives or args.collectives:
         return _calibrate(args, cluster)
     cfg = load_config(args.config, args.overrides)
     world = cluster.world_size

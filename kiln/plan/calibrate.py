@@ -22,10 +22,10 @@ from pathlib import Path
 from kiln.errors import KilnError
 from kiln.plan.cluster import Cluster
 from kiln.plan.memory import Layout, ModelShape
-from kiln.plan.timing import all_gather, all_reduce, broadcast, step_time
+from kiln.plan.timing import all_gather, all_reduce, broadcast, reduce_scatter, step_time
 
 GRID = {
-    "max_efficiency": [0.02 * 1.25 ** k for k in range(18)],  # up to ~0.9
+    "max_efficiency": [0.02 * 1.25 ** k for k in range(18)] + [1.0],  # up to the field's bound
     "half_efficiency_work": [10 ** (k / 3) for k in range(9, 22)],
     "bandwidth_gbps": [0.05 * 1.6 ** k for k in range(24)],  # 50 MB/s .. ~2 TB/s
     "overlap_efficiency": [0.0, 0.3, 0.6, 0.9],
@@ -40,6 +40,8 @@ class Measurement:
     layout: Layout
     seq_len: int
     step_s: float
+    optimizer: str = "adamw"
+    optimizer_impl: str = "fused"  # fused | foreach | single (kiln/train/optim.py adamw_implementation)
 
 
 def measured_run(run_dir: str | Path) -> Measurement:
@@ -70,8 +72,10 @@ def measured_run(run_dir: str | Path) -> Measurement:
                     grad_accum=cfg.train.grad_accum, ac=cfg.train.activation_checkpointing, precision=dtype)
     if layout.world_size != world:
         raise KilnError(f"{run_dir}: layout {layout.describe()} does not match world_size={world}")
+    # optim.implementation "auto" is fused on cpu and cuda (kiln/train/optim.py FUSED_ADAMW_FASTER)
+    impl = cfg.optim.implementation if cfg.optim.implementation != "auto" else "fused"
     return Measurement(str(run_dir), ModelShape.from_config(cfg.model, vocab), layout, cfg.data.seq_len,
-                       tokens_per_step / tps)
+                       tokens_per_step / tps, cfg.optim.name, impl)
 
 
 @dataclass
@@ -86,7 +90,7 @@ class CollectiveSample:
 
 
 def _collective(cluster: Cluster, s: CollectiveSample) -> float:
-    op = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": all_gather,
+    op = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
           "broadcast": broadcast}.get(s.op)
     if op is None:
         raise KilnError(f"collective sample: unknown op {s.op!r} (all_reduce, all_gather, reduce_scatter, broadcast)")
@@ -148,7 +152,7 @@ def _apply(cluster: Cluster, params: tuple[float, ...]) -> Cluster:
 def predicted_step(m: Measurement, cluster: Cluster) -> float:
     """Predicted step time of a measured run (the cluster's `cores_per_node` covers CPU processes
     that share cores)."""
-    return step_time(m.shape, m.layout, m.seq_len, cluster).total
+    return step_time(m.shape, m.layout, m.seq_len, cluster, m.optimizer, m.optimizer_impl).total
 
 
 def fit_error(cluster: Cluster, measurements: list[Measurement]) -> float:
@@ -166,13 +170,14 @@ def _refined(axis: list[float], best: float) -> list[float]:
 
 
 def fit_cluster(cluster: Cluster, measurements: list[Measurement], overlap: float | None = None,
-                links: list[CollectiveSample] | None = None) -> Cluster:
+                links: list[CollectiveSample] | None = None, device_only: bool = False) -> Cluster:
     """`cluster` with the efficiency curve, link bandwidth, overlap and per-collective launch cost
     that best explain the runs. `links` (timed collectives) fixes the link's latency and bandwidth
     by `fit_link` first, and lets the launch cost be fitted (without them it stays the cluster's:
     latency and launch cost cannot be told apart from step times alone). `overlap` fixes the
     overlap efficiency instead of fitting it (0 for gloo, whose collectives run on the CPU cores
-    the compute needs). Search: the GRID exhaustively, then a finer grid around its best point."""
+    the compute needs). `device_only` fits the efficiency curve alone (single-device runs have no
+    link to fit). Search: the GRID exhaustively, then a finer grid around its best point."""
     if not measurements:
         raise KilnError("calibration needs at least one measured run")
     base = fit_link(cluster, links) if links else copy.deepcopy(cluster)
@@ -180,6 +185,9 @@ def fit_cluster(cluster: Cluster, measurements: list[Measurement], overlap: floa
     grid["bandwidth_gbps"] = [base.intra_node.bandwidth_gbps] if links else GRID["bandwidth_gbps"]
     grid["overlap_efficiency"] = [overlap] if overlap is not None else GRID["overlap_efficiency"]
     grid["collective_launch_us"] = LAUNCH_GRID_US if links else [base.collective_launch_us]
+    if device_only:
+        grid["bandwidth_gbps"], grid["overlap_efficiency"] = [base.intra_node.bandwidth_gbps], [base.overlap_efficiency]
+        grid["collective_launch_us"] = [base.collective_launch_us]
     work = copy.deepcopy(base)
     best, best_err = None, math.inf
     for refine in (True, False):

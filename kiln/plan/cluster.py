@@ -3,7 +3,8 @@ one config engine (kiln/config.py: typed fields, `ranged` rules, one-line errors
 
 A cluster is nodes x devices with an alpha-beta link inside a node (NVLink/NVSwitch) and one
 between nodes (InfiniBand/RoCE; fat-tree or rail-only; optionally with in-network reduction such
-as SHARP), a device efficiency curve eff(w) = max_efficiency * w / (w + half_efficiency_work)
+as SHARP), the process-group backend (nccl, or gloo for CPU processes), a device efficiency
+curve eff(w) = max_efficiency * w / (w + half_efficiency_work)
 for w = tokens * dim of one matmul pass, and a node MTBF for checkpoint intervals.
 """
 
@@ -66,6 +67,8 @@ class Cluster:
     collective_launch_us: float = ranged(0.0, ge=0.0)
     # Cores a node's processes share (CPU/gloo); 0: every device computes on its own.
     cores_per_node: float = ranged(0.0, ge=0.0)
+    # The process-group backend: gloo runs a reduce-scatter as an all-reduce (kiln/plan/timing.py).
+    backend: str = ranged("nccl", choices=("nccl", "gloo"))
     device: DeviceSpec = field(default_factory=DeviceSpec)
     intra_node: LinkSpec = field(default_factory=LinkSpec)
     inter_node: LinkSpec = field(default_factory=LinkSpec)

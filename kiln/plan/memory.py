@@ -13,8 +13,18 @@ Closed form (no module is built). Terms, per rank:
   micro-batches a pipeline schedule keeps in flight (gpipe: all; 1f1b: pp; interleaved:
   pp*(1 + (pp-1)/(pp*v)), Korthikanti et al. 2022 sec. 4.2.3), split by tp (sequence parallel)
   and cp; activation checkpointing keeps only block inputs for the recomputed blocks plus one
-  block's activations during recompute;
+  block's activations during recompute. Compiled (`Layout.compiled`, torch.compile of the whole
+  model): AOTAutograd's min-cut partitioner saves what the matmuls and SDPA need that a pointwise
+  op cannot cheaply rebuild and recomputes the rest in backward, so a block keeps the two fp32
+  norm inputs, q/k/v, the attention output and the MLP's matmul outputs (2 gated, 1 plain) but not
+  the normed inputs (rebuilt from the fp32 input and the per-token rstd) nor the activation and
+  gate products (rebuilt from the matmul outputs) - an assumption from the partitioner's rules,
+  checked by benchmarks/plan_validation.py --gpu-results;
 - temporary: logits (fp32, x2 with their gradient) for the full loss, or one chunk for chunked;
+  under autocast (bf16/fp16, not FSDP2, whose parameters are cast by its mixed precision) the
+  low-precision weight copies: eager keeps every matmul weight's copy (autocast caches the casts
+  of leaf tensors until its region ends and the matmuls save them for backward), compiled one
+  block's (the graph casts from the fp32 parameters, which backward has anyway);
   the gathered parameters of the largest FSDP unit (x2: prefetch) or all gathered parameters
   for zero2 (reshard_after_forward=False);
 - communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
@@ -54,6 +64,7 @@ class Layout:
     virtual_stages: int = 1
     precision: str = "bf16"
     loss: str = "full"
+    compiled: bool = False  # torch.compile of the whole model (activations saved, see the docstring)
 
     @property
     def dp(self) -> int:
@@ -119,9 +130,11 @@ class ModelShape:
         block = 4 + (3 if self.gated else 2) + 2
         return -(-self.n_layers // pp) * block + 2 + (0 if self.tied else 1) + (1 if self.learned_positions_len else 0)
 
-    def act_bytes_per_token(self, act: int) -> float:
+    def act_bytes_per_token(self, act: int, compiled: bool = False) -> float:
         """Bytes one block keeps for backward per token (see the module docstring)."""
         kept = 2 * self.dim * 4  # the two norm inputs: the fp32 residual stream
+        if compiled:  # q/k/v, attention output; the MLP's matmul outputs
+            return kept + act * ((self.dim + 2 * self.kv_dim) + self.dim + (2 if self.gated else 1) * self.ffn)
         kept += act * (self.dim + (self.dim + 2 * self.kv_dim) + self.dim + self.dim)  # normed, q/k/v, attn out, normed
         kept += act * (4 if self.gated else 2) * self.ffn
         return kept
@@ -187,7 +200,7 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
 
     act = ACT_BYTES[layout.precision]
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
-    per_block = shape.act_bytes_per_token(act) * tokens / layout.tp
+    per_block = shape.act_bytes_per_token(act, layout.compiled) * tokens / layout.tp
     n_ac = recomputed_blocks(layout.ac, layers)
     block_input = 4 * shape.dim * tokens / layout.tp
     per_microbatch = (layers - n_ac) * per_block + n_ac * block_input
@@ -206,8 +219,10 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
         out.comm_buffers += 4 * shape.layer_params / layout.tp
     elif layout.dp > 1:
         out.comm_buffers += min(2 * DDP_BUCKET_BYTES, 4 * stage_params)
-    if layout.precision != "fp32" and full_mode not in ("fsdp", "zero2"):
-        out.temporary += param_bytes * shape.layer_params / layout.tp  # autocast's low-precision weight copies
+    if layout.precision != "fp32" and full_mode not in ("fsdp", "zero2"):  # autocast's low-precision weight copies
+        head = shape.vocab * shape.dim if layout.pp == 1 or not shape.tied else 0  # the LM head's weight
+        matmul_weights = layers * shape.layer_params + head
+        out.temporary += param_bytes * (shape.layer_params if layout.compiled else matmul_weights) / layout.tp
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
     return out

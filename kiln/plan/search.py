@@ -20,7 +20,7 @@ from kiln.config import JobConfig, ModelConfig, to_toml
 from kiln.errors import KilnError
 from kiln.plan.ac import plan_activation_checkpointing
 from kiln.plan.cluster import Cluster
-from kiln.plan.memory import OPTIM_STATE_BYTES, Layout, MemoryBreakdown, ModelShape, rank_memory
+from kiln.plan.memory import Layout, MemoryBreakdown, ModelShape, rank_memory
 from kiln.plan.timing import StepTime, step_time
 
 AC_CHOICES = ("none", "selective", "full")
@@ -94,7 +94,6 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
         raise KilnError(f"{cluster.device.name} has no float8 tensor cores; use --precision bf16")
     budget = cluster.device.usable_bytes
     fits, smallest, count = [], None, 0
-    state_bytes = OPTIM_STATE_BYTES.get(optimizer, 8)
     for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ("none",),
                                     max_tp, max_pp, max_cp):
         count += 1
@@ -107,7 +106,7 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
         if smallest is None or mem.total < smallest[1].total:
             smallest = (layout, mem)
         if mem.total <= budget:
-            fits.append(Plan(layout, mem, step_time(shape, layout, seq_len, cluster, state_bytes)))
+            fits.append(Plan(layout, mem, step_time(shape, layout, seq_len, cluster, optimizer)))
     if not count:
         raise KilnError(f"no valid layout: global batch {global_batch} sequences cannot be split over "
                         f"{cluster.world_size} GPUs; use a multiple of {cluster.world_size // math.gcd(cluster.world_size, global_batch) * global_batch}")

@@ -8,30 +8,55 @@ textbook ring forms (Thakur et al. 2005; NCCL's docs use the same bus-bandwidth 
   all-gather / reduce-scatter (n-1)/n * S/B + (n-1) alpha,  all-to-all (n-1)/n * S/B + (n-1) alpha,
   broadcast S/B + (n-1) alpha (pipelined chain).
 Every collective call pays its latency steps: a mode's traffic split over k calls costs k times
-the alpha term (DDP: one all-reduce per bucket; ZeRO-1: one broadcast per parameter tensor, as
-torch's ZeroRedundancyOptimizer does; FSDP2: one all-gather and one reduce-scatter per group).
+the alpha term. The calls per step are counted on kiln's own layouts (torch.profiler around a
+step on 2 gloo processes; tests/plan/test_collective_counts.py keeps them equal to
+`StepTime.calls`), not guessed: DDP one all-reduce per 25 MiB bucket; ZeRO-1 those plus one
+broadcast per parameter tensor (torch's ZeroRedundancyOptimizer, parameters_as_bucket_view off);
+FSDP2 one all-gather per unit (the blocks and the root) before forward, again before backward
+for every unit but the last block, one reduce-scatter per unit and one all-reduce of the
+gradient norm; TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
+block plus 2 and 2 at the embedding / head and 3 all-reduces of loss_parallel's per-token
+statistics, per step 2 (fused AdamW) or 4 (foreach) all-reduces of every norm weight's gradient
+and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
+reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all_reduce under
+each reduce-scatter), so it costs one.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
 recomputed blocks.
 
-Host-side terms (what a GPU hides and a CPU/gloo run does not): each collective call costs the
-cluster's `collective_launch_us` (dispatch, FSDP2's per-group hooks and buffer setup) on top of
-the link's alpha; FSDP2 copies parameters into and out of its all-gather buffer and gradients into
+Host-side terms (what a GPU hides and a CPU/gloo run does not): each collective the caller waits
+on in turn costs the cluster's `collective_launch_us` (dispatch, FSDP2's per-group hooks and
+buffer setup, DTensor's wait) on top of the link's alpha; ZeRO-1's broadcasts do not: torch issues
+them all with async_op=True and waits once (the profiler: 56 calls issued in under 1 ms of host
+time); FSDP2 copies parameters into and out of its all-gather buffer and gradients into
 its reduce-scatter buffer, and DDP copies gradients into and out of its buckets, at the device's
-memory bandwidth; when the processes of a node outnumber `cores_per_node`, compute, the optimizer
-step and that host work run at cores / processes of a core each.
+memory bandwidth; the optimizer step moves `optimizer_step_bytes` per parameter at the memory
+bandwidth (torch's fused AdamW reads parameter, gradient and both moments and writes three: 28
+bytes; its foreach AdamW makes eight passes, _multi_tensor_adamw's weight decay, lerp, mul,
+addcmul, sqrt, div, add and addcdiv: 80 bytes); when the processes of a node outnumber
+`cores_per_node`, compute, the optimizer step and that host work run at cores / processes of a
+core each.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.plan.cluster import Cluster, LinkSpec
-from kiln.plan.memory import DDP_BUCKET_BYTES, Layout, ModelShape, recomputed_blocks
+from kiln.plan.memory import DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, recomputed_blocks
 
-FIRST_BUCKET_BYTES = 2**20
+# Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
+# where counted from torch's code (see the module docstring); others: read and write the
+# parameter and its state, read the gradient.
+OPTIM_STEP_BYTES = {("adamw", "fused"): 28, ("adamw", "foreach"): 80, ("adamw", "single"): 80}
+
+
+def optimizer_step_bytes(optimizer: str = "adamw", implementation: str = "fused") -> float:
+    if (optimizer, implementation) in OPTIM_STEP_BYTES:
+        return OPTIM_STEP_BYTES[(optimizer, implementation)]
+    return 2 * 4 + 4 + 2 * OPTIM_STATE_BYTES.get(optimizer, 8)
 
 
 @dataclass
@@ -43,7 +68,11 @@ class StepTime:
     optimizer: float
     flops: float  # model FLOPs of the whole step, all ranks (for MFU; no recompute)
     host: float = 0.0  # collective launches and communication-buffer copies
-    collectives: int = 0  # collective calls one rank issues per step
+    calls: dict = field(default_factory=dict)  # collective calls one rank issues per step, by op
+
+    @property
+    def collectives(self) -> int:
+        return round(sum(self.calls.values()))
 
     @property
     def total(self) -> float:
@@ -76,6 +105,14 @@ def all_gather(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: 
         return 0.0
     link, _ = _link(cluster, n, stride)
     return (n - 1) / n * nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6 * calls
+
+
+def reduce_scatter(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
+    """`nbytes` the full (unsharded) size, in all, over `calls` collectives: an all-gather's cost,
+    or on gloo an all-reduce's (ProcessGroupGloo reduces the whole tensor, then keeps a shard)."""
+    if cluster.backend == "gloo":
+        return all_reduce(cluster, n, nbytes, stride, calls)
+    return all_gather(cluster, n, nbytes, stride, calls)
 
 
 def broadcast(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
@@ -112,10 +149,9 @@ def bubble_fraction(layout: Layout) -> float:
 
 
 def ddp_buckets(grad_bytes: float) -> int:
-    """All-reduces DDP issues per step: a first bucket of 1 MiB (torch's
-    _DEFAULT_FIRST_BUCKET_BYTES), then buckets of bucket_cap_mb (kiln: 25 MiB)."""
-    rest = max(0.0, grad_bytes - FIRST_BUCKET_BYTES)
-    return 1 + math.ceil(rest / DDP_BUCKET_BYTES)
+    """All-reduces DDP issues per step: buckets of bucket_cap_mb (kiln passes 25 MiB; torch's
+    smaller 1 MiB first bucket applies only when bucket_cap_mb is left at its default)."""
+    return max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
 
 
 def fsdp_units(shape: ModelShape, layout: Layout) -> int:
@@ -133,8 +169,8 @@ def compute_share(cluster: Cluster, layout: Layout) -> float:
     return min(1.0, cluster.cores_per_node / ranks)
 
 
-def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
-              optimizer_bytes_per_param: int = 8) -> StepTime:
+def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster, optimizer: str = "adamw",
+              optimizer_impl: str = "fused") -> StepTime:
     """Predicted wall time of one optimizer step (grad_accum micro-batches) on every rank."""
     dev = cluster.device
     tokens_rank_mb = layout.micro_batch * seq_len / layout.cp  # tokens one rank computes per micro-batch
@@ -156,30 +192,50 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     param_bytes = 4 if layout.precision == "fp32" else 2
     stage_params = (shape.embedding_params + shape.n_layers * shape.layer_params / layout.pp) / layout.tp
     exposed, total = 0.0, 0.0
-    calls, copied = 0, 0.0  # collective calls and bytes copied through communication buffers
-    stage_layers = shape.n_layers / layout.pp
+    calls: dict[str, float] = {}  # collective calls by op
+    launched, copied = 0.0, 0.0  # calls waited on in turn (each pays the launch cost); bytes copied
 
-    # Tensor (sequence) parallel: per block 2 all-gathers + 2 reduce-scatters forward, as many
-    # backward, of the block's activations; on the critical path.
+    def count(op: str, n: float, waited: bool = True) -> None:
+        nonlocal launched
+        calls[op] = calls.get(op, 0) + n
+        launched += n if waited else 0
+
+    stage_layers = shape.n_layers / layout.pp
+    ga = layout.grad_accum
+
+    # Tensor (sequence) parallel (counted; see the module docstring): per micro-batch the block's
+    # activations all-gathered and reduce-scattered 4 times each per block and twice at the
+    # embedding / head, and loss_parallel's 3 per-token statistics all-reduced; per step each norm
+    # weight's gradient, a Partial DTensor that stays a pending sum, all-reduced by every op that
+    # reads it (the gradient norm, then AdamW: fused once, foreach 3 times: lerp_ and addcmul_'s
+    # two reads), and the stacked gradient norms once. All on the critical path.
     if layout.tp > 1:
         nbytes = act * tokens_rank_mb * shape.dim
-        t = 8 * all_gather(cluster, layout.tp, nbytes) * stage_layers * layout.grad_accum
-        calls += round(8 * stage_layers * layout.grad_accum)
+        boundary = 4 * stage_layers + 2
+        norm_reads = (2 * stage_layers + 1) * (1 + (3 if optimizer_impl in ("foreach", "single") else 1))
+        t = all_gather(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
+        t += reduce_scatter(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
+        t += all_reduce(cluster, layout.tp, 4 * shape.dim * norm_reads, calls=norm_reads)
+        t += all_reduce(cluster, layout.tp, 3 * 4 * tokens_rank_mb * ga, calls=3 * ga)
+        t += all_reduce(cluster, layout.tp, 4 * shape.param_tensors(layout.pp), calls=1)
+        count("all_gather", boundary * ga)
+        count("reduce_scatter", boundary * ga)
+        count("all_reduce", norm_reads + 3 * ga + 1)
         exposed += t
         total += t
     # Context parallel (ring attention): K and V pass around the ring, hidden behind attention.
     if layout.cp > 1:
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
-        t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * stage_layers * layout.grad_accum
-        calls += round(3 * (layout.cp - 1) * stage_layers * layout.grad_accum)
-        attn_compute = t_mb * layout.grad_accum * 0.3
+        t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * stage_layers * ga
+        count("p2p", 3 * (layout.cp - 1) * stage_layers * ga)
+        attn_compute = t_mb * ga * 0.3
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
     # Pipeline: stage-boundary activations forward and their gradients backward per micro-batch.
     if layout.pp > 1:
         spans = layout.pp * layout.tp * layout.cp > cluster.gpus_per_node
-        t = 2 * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * layout.grad_accum
-        calls += 2 * layout.grad_accum
+        t = 2 * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * ga
+        count("p2p", 2 * ga)
         exposed += t
         total += t
     # Data parallel: gradient reduction (+ parameter gathers for sharded modes), over dp x cp: the
@@ -194,29 +250,36 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         if layout.dp_mode in ("ddp", "zero1"):
             buckets = ddp_buckets(grad_bytes)
             t = all_reduce(cluster, replicas, grad_bytes, dp_stride, calls=buckets)
-            calls += buckets
+            count("all_reduce", buckets)
             copied += 2 * grad_bytes  # gradients into the buckets and back
-            if layout.dp_mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each updated parameter
+            overlappable = compute * 2 / 3 / ga  # only the last micro-batch's backward
+            if layout.dp_mode == "zero1":  # a broadcast of each updated parameter, after the step
                 tensors = shape.param_tensors(layout.pp)
-                t += broadcast(cluster, replicas, 4 * stage_params, dp_stride, calls=tensors)
-                calls += tensors
-            overlappable = compute * 2 / 3 / layout.grad_accum  # only the last micro-batch's backward
+                t_b = broadcast(cluster, replicas, 4 * stage_params, dp_stride, calls=tensors)
+                count("broadcast", tensors, waited=False)
+                exposed += t_b
+                total += t_b
         else:
             units = fsdp_units(shape, layout)
             # FSDP2 all-gathers each unit before its forward and (fsdp: resharded after forward)
-            # again before its backward, except the last block and the root, which backward needs
-            # first; it reduce-scatters each unit's gradients once per step.
+            # again before its backward, except the last block (kiln keeps it; the root is
+            # resharded: kiln passes reshard_after_forward=True, which torch applies to the root
+            # too); it reduce-scatters each unit's gradients once per step.
             gathers, gathered = units, stage_params
             if layout.dp_mode == "fsdp":
-                gathers += units - 2
-                gathered += (units - 2) * shape.layer_params / layout.tp
-            gathers *= layout.grad_accum
+                gathers += units - 1
+                gathered += stage_params - shape.layer_params / layout.tp
+            gathers *= ga
             shard = shards
-            gather_bytes = param_bytes * gathered * layout.grad_accum
+            gather_bytes = param_bytes * gathered * ga
             t = all_gather(cluster, shard, gather_bytes, dp_stride, calls=gathers)
-            t += all_gather(cluster, shard, grad_bytes, dp_stride, calls=units)  # reduce-scatter
+            t += reduce_scatter(cluster, shard, grad_bytes, dp_stride, calls=units)
             t += all_reduce(cluster, replicas, grad_bytes / shard, dp_stride * shard, calls=units)  # HSDP
-            calls += gathers + units * (2 if replicas > 1 else 1)
+            # the gradient norm of the sharded gradients: one all-reduce per step
+            t += all_reduce(cluster, replicas * shards, 4, dp_stride)
+            count("all_gather", gathers)
+            count("reduce_scatter", units)
+            count("all_reduce", 1 + (units if replicas > 1 else 0))
             # copy-in of the local shard and copy-out of the gathered unit; gradients into the
             # reduce-scatter buffer and the reduced shard out
             copied += gather_bytes * (1 + 1 / shard) + grad_bytes * (1 + 1 / shard)
@@ -224,12 +287,13 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, overlappable))
         total += t
     bubble = compute * bubble_fraction(layout)
-    # The optimizer step reads/writes weights, grads and state once: memory-bandwidth bound.
-    shard = replicas * shards if layout.dp_mode != "ddp" else 1
-    opt_bytes = stage_params / shard * (2 * 4 + 4 + 2 * optimizer_bytes_per_param)
+    # The optimizer step reads and writes weights, gradients and state: memory-bandwidth bound.
+    # Each rank steps its partition: zero1 over the replicas, zero2/fsdp over the shards.
+    shard = {"zero1": replicas, "zero2": shards, "fsdp": shards}.get(layout.dp_mode, 1)
+    opt_bytes = stage_params / shard * optimizer_step_bytes(optimizer, optimizer_impl)
     mem_bw = dev.memory_bandwidth_gbps * 1e9
-    optimizer = opt_bytes / mem_bw / share
-    # Host work: each copy reads and writes its bytes; each call pays the launch cost.
-    host = (2 * copied / mem_bw + calls * cluster.collective_launch_us * 1e-6) / share
+    optimizer_s = opt_bytes / mem_bw / share
+    # Host work: each copy reads and writes its bytes; each waited-on call pays the launch cost.
+    host = (2 * copied / mem_bw + launched * cluster.collective_launch_us * 1e-6) / share
     return StepTime(compute=compute, comm_exposed=exposed, comm_total=total, bubble=bubble,
-                    optimizer=optimizer, flops=model_flops, host=host, collectives=calls)
+                    optimizer=optimizer_s, flops=model_flops, host=host, calls=calls)

@@ -9,7 +9,7 @@ from kiln.plan.calibrate import (CollectiveSample, Measurement, fit_cluster, fit
                                  predicted_step)
 from kiln.plan.cluster import load_cluster
 from kiln.plan.memory import Layout, ModelShape
-from kiln.plan.timing import all_gather, all_reduce, broadcast
+from kiln.plan.timing import all_gather, all_reduce, broadcast, reduce_scatter
 
 SHAPE = ModelShape(dim=64, n_layers=2, n_heads=2, kv_dim=64, ffn=128, gated=False, vocab=256, tied=True)
 
@@ -33,7 +33,7 @@ def test_fixed_overlap_is_kept_and_fit_tracks_the_measurement():
 
 
 def _samples(cluster):
-    ops = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": all_gather, "broadcast": broadcast}
+    ops = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter, "broadcast": broadcast}
     return [CollectiveSample(op, n, size, fn(cluster, n, size))
             for op, fn in ops.items() for n in (2, 4) for size in (2**14, 2**20, 2**24)]
 

@@ -27,13 +27,6 @@ def test_results_cover_two_and_four_processes():
     assert sorted(r["world"] for r in _data()["best_plan"]) == [2, 4]
 
 
-# Strict xfails: what the recorded measurements (load average 0.7-3.2 on the 2 cores, ranks' CPU
-# busy 0.75-1.04: the quietest run so far) do not meet;
-# a rerun on a quiet machine that meets one turns it into a failure here until it is flipped.
-NOT_MET = pytest.mark.xfail(strict=True, reason="not met by the recorded measurements (benchmarks/README.md, "
-                                                "Planner accuracy)")
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_search_best_plan_never_worse_than_best_run_within_the_measured_spread(world):
     row = next(r for r in _data()["best_plan"] if r["world"] == world)
@@ -45,7 +38,6 @@ def test_search_best_plan_never_worse_than_best_run_within_the_measured_spread(w
         f"{row['best_measured']} {row['best_measured_s']:.3f} s (spread {tol:.0%})")
 
 
-@NOT_MET
 def test_layouts_apart_by_more_than_their_spread_are_predicted_in_measured_order():
     data = _data()
     for pair in data["ordering"]:

@@ -117,9 +117,11 @@ def test_ac_planner_picks_the_least_recompute_that_fits():
 
 
 def test_collective_counts_follow_what_each_mode_issues():
-    """DDP: one all-reduce per bucket (1 MiB first, then 25 MiB); ZeRO-1: those plus a broadcast per
-    parameter tensor; FSDP2: per block and root an all-gather forward, again backward for fsdp
-    (not the last block or the root), and a reduce-scatter."""
+    """DDP: one all-reduce per 25 MiB bucket (kiln sets bucket_cap_mb, so torch's 1 MiB first
+    bucket does not apply); ZeRO-1: those plus a broadcast per parameter tensor; FSDP2: per block
+    and root an all-gather forward, again backward for fsdp (not the last block), and a
+    reduce-scatter, and the gradient norm's all-reduce. tests/plan/test_collective_counts.py counts
+    them on real gloo runs."""
     import torch
 
     from kiln.model.transformer import Transformer
@@ -130,7 +132,7 @@ def test_collective_counts_follow_what_each_mode_issues():
         model = Transformer(cfg)
     shape = ModelShape.from_config(cfg, 256)
     assert shape.param_tensors() == len(list(model.parameters()))
-    assert ddp_buckets(2**20) == 1 and ddp_buckets(2**20 + 1) == 2 and ddp_buckets(2**20 + 50 * 2**20) == 3
+    assert ddp_buckets(2**20) == 1 and ddp_buckets(25 * 2**20 + 1) == 2 and ddp_buckets(50 * 2**20 + 1) == 3
     c = load_cluster("cpu-local")
     grad_bytes = 4 * (shape.embedding_params + 3 * shape.layer_params)
 
@@ -141,8 +143,8 @@ def test_collective_counts_follow_what_each_mode_issues():
 
     assert calls("ddp") == ddp_buckets(grad_bytes)
     assert calls("zero1") == ddp_buckets(grad_bytes) + shape.param_tensors()
-    assert calls("zero2") == 4 + 4  # 3 blocks + root: gathered once, reduce-scattered once
-    assert calls("fsdp") == 4 + 2 + 4  # blocks 0 and 1 gathered again for backward
+    assert calls("zero2") == 4 + 4 + 1  # 3 blocks + root: gathered once, reduce-scattered once; the grad norm
+    assert calls("fsdp") == 4 + 3 + 4 + 1  # blocks 0 and 1 and the root gathered again for backward
 
 
 def test_processes_beyond_the_cores_share_them():

@@ -1,0 +1,99 @@
+"""benchmarks/plan_validation.py --gpu-results: single-GPU cases predicted with the h100 preset and
+leave-one-out calibrated, on a small synthetic file whose step times a known device made."""
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.config import ModelConfig
+from kiln.errors import KilnError
+from kiln.plan.calibrate import Measurement, predicted_step
+from kiln.plan.cluster import load_cluster
+from kiln.plan.memory import Layout, ModelShape, rank_memory
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_validation.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("plan_validation", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cases():
+    """Four cases timed by an H100 whose efficiency curve differs from the preset's; peak memory
+    the model's own, +3% on the last case."""
+    truth = load_cluster("h100")
+    truth.device.max_efficiency, truth.device.half_efficiency_work = 0.45, 8e5
+    out = []
+    for i, (dim, layers, batch, ac, compiled) in enumerate(((768, 12, 8, "none", True), (1024, 16, 4, "none", True),
+                                                            (2048, 16, 4, "full", True), (768, 12, 8, "none", False))):
+        model = ModelConfig(dim=dim, n_layers=layers, n_heads=dim // 64, vocab_size=50304, max_seq_len=1024)
+        layout = Layout(micro_batch=batch, ac=ac, compiled=compiled)
+        shape = ModelShape.from_config(model, 50304)
+        step_s = predicted_step(Measurement("x", shape, layout, 1024, 1.0), truth)
+        peak = rank_memory(shape, layout, 1024).total * (1.03 if i == 3 else 1.0)
+        out.append({"case": f"case {i}", "shape": f"d{dim}", "step_ms": step_s * 1e3, "peak_mem_gb": peak / 1e9,
+                    "plan": {"model": dataclasses.asdict(model), "batch": batch, "seq": 1024, "grad_accum": 1,
+                             "ac": ac, "compile": compiled, "loss": "full", "precision": "bf16", "optimizer": "adamw",
+                             "cuda_graphs": False}})
+    out.append({"case": "no plan: skipped", "shape": "x", "step_ms": 1.0, "peak_mem_gb": 1.0})
+    return out
+
+
+def test_gpu_results_table_preset_and_leave_one_out(tmp_path, capsys):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(_cases()))
+    out = _module().gpu_validation(str(path), "h100")
+    rows = {r["case"]: r for r in out["rows"]}
+    assert len(rows) == 4 and out["skipped"] == ["no plan: skipped"]
+    for r in rows.values():
+        assert abs(r["loo_error"]) < 0.05, r  # the other three pin the true efficiency curve
+        assert abs(r["preset_error"]) > 0.05  # the preset's curve is not the truth's
+    assert rows["case 3"]["peak_error"] == pytest.approx(1 / 1.03 - 1)
+    assert rows["case 0"]["peak_error"] == pytest.approx(0.0)
+    assert out["summary"]["time_within_loo"] == 4 and out["summary"]["memory_within"] == 4
+    text = capsys.readouterr().out
+    assert "| case 2 | d2048 | dp=1x1(ddp) mb=4 ga=1 ac=full compiled |" in text
+
+
+def test_compiled_saves_less_than_eager():
+    shape = ModelShape.from_config(ModelConfig(dim=768, n_layers=12, n_heads=12, vocab_size=50304), 50304)
+    eager, compiled = (rank_memory(shape, Layout(micro_batch=8, compiled=c), 1024) for c in (False, True))
+    assert compiled.activations < 0.8 * eager.activations
+    # autocast's bf16 weight copies: every matmul weight eager, one block compiled
+    assert eager.temporary - compiled.temporary == pytest.approx(
+        2 * (11 * shape.layer_params + shape.vocab * shape.dim))
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda c: c.update(step_ms="fast"), "cases[0]: step_ms 'fast'"),
+    (lambda c: c["plan"].update(batch=0), "cases[0].plan.batch 0"),
+    (lambda c: c["plan"].update(precision="int4"), "cases[0].plan.precision 'int4'"),
+    (lambda c: c["plan"]["model"].update(colour=1), "cases[0].plan: unknown key model.colour"),
+    (lambda c: c["plan"].update(ac="sometimes"), "cases[0].plan.ac 'sometimes'"),
+])
+def test_bad_gpu_results_name_the_case_and_key(tmp_path, mutate, message):
+    cases = _cases()[:1]
+    mutate(cases[0])
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(cases))
+    with pytest.raises(KilnError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        _module().gpu_validation(str(path))
+
+
+def test_command_line_bad_file_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "gpu.json"
+    path.write_text("{")
+    monkeypatch.setattr(sys, "argv", ["plan_validation.py", "--gpu-results", str(path), "--gpu-out",
+                                      str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit) as exit_:
+        _module().main()
+    message = str(exit_.value.code)  # what the interpreter prints to stderr, exit status 1
+    assert "not JSON" in message and "\n" not in message
+    assert not (tmp_path / "out.json").exists()
