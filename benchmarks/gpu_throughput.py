@@ -84,7 +84,7 @@ class Result:
     step_ms: float = math.nan
     mfu: float = math.nan
     compile_s: float = 0.0
-    peak_mem_gb: float = math.nan
+    peak_mem_gib: float = math.nan  # torch.cuda.max_memory_allocated / 2**30
     seconds: float = math.nan  # time-to-target cases
     note: str = ""
     plan: dict | None = None  # what `kiln plan` needs to predict this case (benchmarks/plan_validation.py --gpu-results)
@@ -195,7 +195,7 @@ def run_case(label: str, shape: Shape, build: Callable[[], tuple[Callable, float
         result.tokens_per_s = shape.tokens / step_s
         result.mfu = flops_tok * result.tokens_per_s / peak
         if device.type == "cuda":
-            result.peak_mem_gb = torch.cuda.max_memory_allocated(device) / 2**30
+            result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
     except Exception as e:  # one failing case must not cost the others (one GPU lease)
         result.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         traceback.print_exc()
@@ -432,10 +432,10 @@ def print_results(results: list[Result]) -> None:
     base = {r.shape: r.tokens_per_s for r in results if r.case == "nanoGPT baseline compiled"}
     base.update({k: v for k, v in (("gpt2-124m-ga3", base.get("gpt2-124m")),) if v})
     print(f"{'shape':<17} {'case':<42} {'tok/s':>10} {'ms/step':>8} {'MFU':>6} {'vs base':>7} {'warm s':>7} "
-          f"{'mem GB':>6}  note")
+          f"{'GiB':>6}  note")
     for r in results:
         ratio = r.tokens_per_s / base[r.shape] if r.shape in base and math.isfinite(r.tokens_per_s) else math.nan
         tps = f"{r.tokens_per_s:,.0f}" if math.isfinite(r.tokens_per_s) else (
             f"{r.seconds:.1f} s" if math.isfinite(r.seconds) else "-")
         print(f"{r.shape:<17} {r.case:<42} {tps:>10} {r.step_ms:>8.1f} {100 * r.mfu:>5.1f}% {ratio:>6.2f}x "
-              f"{r.compile_s:>7.1f} {r.peak_mem_gb:>6.1f}  {r.note}", flush=True)
+              f"{r.compile_s:>7.1f} {r.peak_mem_gib:>6.1f}  {r.note}", flush=True)

@@ -33,7 +33,8 @@ spreads must be predicted in the measured order.
 Prints a markdown table and writes benchmarks/results/plan_validation.json.
 
 Single GPU (`--gpu-results FILE`): a JSON list of measured single-GPU cases, each
-{"case", "shape", "step_ms", "peak_mem_gb" (torch.cuda.max_memory_allocated / 1e9), "plan": {"model":
+{"case", "shape", "step_ms", "peak_mem_gib" (torch.cuda.max_memory_allocated / 2**30, as
+benchmarks/gpu_throughput.py writes it; or "peak_mem_gb", / 1e9), "plan": {"model":
 ModelConfig fields, "batch" (micro-batch), "seq", "grad_accum", "ac", "compile", "loss", "precision",
 "optimizer", "cuda_graphs"}} (cases without "plan" are skipped, and said so). Each case is predicted
 with the --gpu-cluster preset as it is (uncalibrated) and with its efficiency curve
@@ -296,9 +297,10 @@ def gpu_case(raw, i: int, path: str) -> tuple[Measurement, dict] | None:
     where = f"{path}: cases[{i}]"
     if not isinstance(raw, dict):
         raise KilnError(f"{where}: expected a table with case, shape, step_ms, peak_mem_gb, plan")
-    if "plan" not in raw:
+    if raw.get("plan") is None:  # a case that is not kiln's step (the baseline, the train loop)
         return None
-    for key in ("step_ms", "peak_mem_gb"):
+    mem_key = "peak_mem_gib" if "peak_mem_gib" in raw else "peak_mem_gb"  # gpu_throughput.py writes GiB
+    for key in ("step_ms", mem_key):
         v = raw.get(key)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise KilnError(f"{where}: {key} {v!r}: expected a positive number")
@@ -326,7 +328,7 @@ def gpu_case(raw, i: int, path: str) -> tuple[Measurement, dict] | None:
                     loss=plan["loss"], compiled=plan["compile"])
     m = Measurement(str(raw.get("case", f"case {i}")), ModelShape.from_config(model, model.vocab_size), layout,
                     plan["seq"], raw["step_ms"] / 1e3, plan["optimizer"], "fused")  # kiln's default on cuda
-    return m, dict(peak_bytes=raw["peak_mem_gb"] * 1e9, shape=str(raw.get("shape", "")), cuda_graphs=plan["cuda_graphs"])
+    return m, dict(peak_bytes=raw[mem_key] * (2**30 if mem_key == "peak_mem_gib" else 1e9), shape=str(raw.get("shape", "")), cuda_graphs=plan["cuda_graphs"])
 
 
 def gpu_validation(path: str, preset: str = "h100") -> dict:
@@ -338,8 +340,10 @@ def gpu_validation(path: str, preset: str = "h100") -> dict:
         raise KilnError(f"{path} not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KilnError(f"{path}: not JSON ({e})") from None
+    if isinstance(raw, dict) and "results" in raw:  # benchmarks/throughput.py --device cuda's results file
+        raw = raw["results"]
     if not isinstance(raw, list):
-        raise KilnError(f"{path}: expected a JSON list of measured cases")
+        raise KilnError(f"{path}: expected a JSON list of measured cases (or a throughput.py results file)")
     cases = [gpu_case(r, i, path) for i, r in enumerate(raw)]
     skipped = [str(r.get("case", i)) if isinstance(r, dict) else str(i) for i, (r, c) in enumerate(zip(raw, cases))
                if c is None]
