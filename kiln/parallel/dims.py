@@ -92,9 +92,6 @@ class ParallelDims:
         """The layout against the model, before any work: tensor parallelism splits attention heads,
         KV heads and FFN hidden units over the tp ranks, the sequence between blocks (sequence
         parallel), and computes the loss on vocab-sharded logits (not the chunked head)."""
-        if self.pp > 1 and self.tp > 1 and self.cp > 1:  # pp x tp and pp x cp are verified, all three not
-            raise ConfigError(f"parallel.pp={self.pp} with both parallel.tp={self.tp} and parallel.cp={self.cp} "
-                              f"is not supported yet; set parallel.tp=1 or parallel.cp=1")
         tp = self.tp
         if tp == 1:
             return
