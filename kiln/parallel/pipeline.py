@@ -182,12 +182,14 @@ class PipelineModel(nn.Module):
 
 class _AttachLoss(torch.autograd.Function):
     """Identity on `h`; backward also gives `loss` the gradient 1 (Megatron-LM's
-    MoEAuxLossAutoScaler idea: a loss computed inside a stage joins that stage's backward)."""
+    MoEAuxLossAutoScaler idea: a loss computed inside a stage joins that stage's backward). A copy,
+    not a view: the multi-stage schedules detach a stage's output in place (one activation copy
+    per MoE layer)."""
 
     @staticmethod
     def forward(ctx, h, loss):
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
-        return h.view_as(h)
+        return h.clone()
 
     @staticmethod
     def backward(ctx, grad_h):
