@@ -5,9 +5,10 @@ chunks r and 2*cp-1-r ("zig-zag", as in torchtitan / Megatron-LM), so under a ca
 rank does the same amount of attention work. Everything outside attention (embeddings, MLPs,
 norms, the LM head and the loss) is per token and runs on the local slice unchanged; RoPE uses
 the slice's global positions. Mixture-of-experts routing (capacity slots, load-balancing shares)
-is per sequence: its counts and means span the cp ranks (`expert_slots`, `sequence_mean`). Each rank's loss is the mean over its slice; the slices are equal
-in length, so the mean over the cp group (the trainer's loss all-reduce, and the gradient
-average of data parallelism run over dp x cp) is the full-sequence loss.
+is per sequence: its counts and means span the cp ranks (`expert_slots`, `sequence_mean`). Each
+rank's loss is the mean over its slice; the slices are equal in length, so the mean over the cp
+group (the trainer's loss all-reduce, and the gradient average of data parallelism run over
+dp x cp) is the full-sequence loss.
 
 Ring attention (Liu et al. 2023): each rank keeps its queries and passes its K/V block around the
 ring with point-to-point `batch_isend_irecv` (gloo and NCCL), starting the next exchange before
@@ -174,8 +175,8 @@ class _AllReduceSum(torch.autograd.Function):
     """Sum over the group; backward sums the gradients over the group too, so rank r's input gets
     the gradient of the replicated result from every rank, which the gradient average over cp turns
     into the one-process gradient. (torch.distributed.nn.functional.all_reduce does this but is
-    deprecated in torch 2.13; its replacement, the functional all_reduce, has autograd only in
-    recent releases, and kiln declares torch >= 2.6.)"""
+    deprecated in torch 2.13; the functional all_reduce it points to gained autograd only
+    recently, and kiln declares torch >= 2.6.)"""
 
     @staticmethod
     def forward(ctx, t, group):
@@ -215,7 +216,7 @@ class ContextParallel:
     def attention(self, q, k, v):
         return ring_attention(q, k, v, self.ring)
 
-    # ---- mixture of experts (kiln/model/moe.py): routing is per sequence, and a sequence spans the cp ranks
+    # ---- mixture of experts (kiln/model/moe.py): routing is per sequence, a sequence spans the cp ranks
 
     def expert_slots(self, onehot: torch.Tensor, top_k: int) -> torch.Tensor:
         """The slot of each of this rank's assignments in its expert, counted over the whole sequence
