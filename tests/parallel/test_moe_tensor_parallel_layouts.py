@@ -105,7 +105,7 @@ def one_process(tmp_path_factory, text_file):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(CASES))
-def test_moe_under_tp_with_cp_pp_or_compile_matches_one_process(four_ranks, one_process, name):
+def test_moe_under_tp_with_cp_or_pp_matches_one_process(four_ranks, one_process, name):
     expected = one_process
     assert four_ranks[name] == pytest.approx(expected, rel=REL), (four_ranks[name], expected)
     assert expected[4 * STEPS - 4] < expected[0] and expected[1] > 1.0  # it trains, clipping is exercised
