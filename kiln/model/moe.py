@@ -25,6 +25,9 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
   the whole sequence on every tp rank: routing, capacity and the aux/z losses are replicated and
   equal one process's; each rank computes a slice of every expert's hidden units, and its output
   is a partial sum that the style reduce-scatters back to the sequence shard.
+- Under context parallelism (kiln/parallel/context_parallel.py) a rank holds two chunks of every
+  sequence: `sequence_split` counts the slots over the whole sequence and averages f_e and P_e
+  over the cp ranks, so capacity and the load-balancing loss are again one process's.
 - The auxiliary losses of the last forward stay on the device (`last_aux_loss`,
   `last_z_loss`); the transformer adds them to its loss and exposes them for logging.
 """
@@ -122,6 +125,10 @@ class MoE(nn.Module):
         # Set by kiln.parallel.tensor_parallel.MoETensorParallel: the tp mesh the experts' hidden
         # units are sharded over; None = whole experts.
         self.tp_mesh = None
+        # Set around a training step by kiln.parallel.context_parallel.ContextParallel: this rank
+        # holds a slice of every sequence, so slots and the load-balancing statistics span the cp
+        # ranks (`expert_slots`, `sequence_mean`, `seq_len`); None = the whole sequence is here.
+        self.sequence_split = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -146,12 +153,18 @@ class MoE(nn.Module):
         # k-major order within each sequence: every token's first choice before any second choice.
         experts_km = experts.transpose(1, 2).reshape(bsz, self.top_k * seqlen)  # (B, kT)
         onehot = F.one_hot(experts_km, self.n_experts)  # (B, kT, E)
-        position = (onehot.cumsum(dim=1) * onehot).sum(-1) - 1  # slot of each assignment in its expert
-        keep = position < self.capacity(seqlen)
+        split = self.sequence_split
+        if split is None:
+            position = (onehot.cumsum(dim=1) * onehot).sum(-1) - 1  # slot of each assignment in its expert
+            keep = position < self.capacity(seqlen)
+        else:  # slots counted over the whole sequence, across the context-parallel ranks
+            keep = split.expert_slots(onehot, self.top_k) < self.capacity(split.seq_len)
         # Load balancing per sequence: f_e = share of the sequence's assignments (before dropping)
         # routed to e, P_e = mean router probability of e; E * sum_e f_e P_e, averaged over sequences.
         f = onehot.float().mean(dim=1)  # (B, E)
         p = probs.mean(dim=1)  # (B, E)
+        if split is not None:  # the whole sequence's shares (P_e keeps its gradient)
+            f, p = split.sequence_mean(f), split.sequence_mean(p)
         self.last_aux_loss = self.n_experts * (f * p).sum(-1).mean()
         self.last_z_loss = torch.logsumexp(logits, dim=-1).square().mean()
         self.last_dropped_fraction = (~keep).float().mean().detach()

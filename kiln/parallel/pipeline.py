@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from kiln.config import JobConfig
 from kiln.errors import ConfigError
 from kiln.model.loss import lm_loss
+from kiln.model.moe import MoE
 from kiln.model.transformer import Transformer
 from kiln.train.step import step_unless
 
@@ -151,6 +152,18 @@ class PipelineModel(nn.Module):
         self.seq_positions: torch.Tensor | None = None
         # The whole model stays on meta, unregistered: init replays its generator draws (see init_weights).
         self.__dict__["_full"] = full
+        # MoE: the (aux, z) losses of this rank's MoE layers in the current step's forwards, one
+        # entry per layer and micro-batch (see add_moe_losses), and the step's totals for logging.
+        self.moe_step_losses: list[torch.Tensor] = []
+        self.moe_losses: torch.Tensor | None = None
+
+    def add_moe_losses(self, h: torch.Tensor, moe: MoE) -> torch.Tensor:
+        """`h` unchanged; in backward the layer's weighted aux + z-loss gets gradient 1, as if it had
+        been added to the micro-batch's loss on the last stage (which cannot reach this stage's
+        router). The schedule's scale_grads then averages it over micro-batches like the loss."""
+        self.moe_step_losses.append(torch.stack([moe.last_aux_loss, moe.last_z_loss]).detach())
+        weighted = self.cfg.moe_aux_loss_weight * moe.last_aux_loss + self.cfg.moe_z_loss_weight * moe.last_z_loss
+        return attach_loss(h, weighted)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -165,6 +178,27 @@ class PipelineModel(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         init_model(self._full, generator)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `h`; backward also gives `loss` the gradient 1 (Megatron-LM's
+    MoEAuxLossAutoScaler idea: a loss computed inside a stage joins that stage's backward). A copy,
+    not a view: the multi-stage schedules detach a stage's output in place (one activation copy
+    per MoE layer)."""
+
+    @staticmethod
+    def forward(ctx, h, loss):
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        shape, dtype, device = ctx.loss_meta
+        return grad_h, torch.ones(shape, dtype=dtype, device=device)
+
+
+def attach_loss(h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    return _AttachLoss.apply(h, loss)
 
 
 class StageChunk(nn.Module):
@@ -199,6 +233,8 @@ class StageChunk(nn.Module):
             rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
         for layer in self.layers:
             h = layer(h, rope)
+            if isinstance(layer.feed_forward, MoE) and torch.is_grad_enabled():
+                h = self._owner.add_moe_losses(h, layer.feed_forward)
         return self.output(self.norm(h)) if self.last else h
 
 
@@ -290,6 +326,23 @@ class Pipeline:
         raise AssertionError(stage)
 
 
+def moe_losses_over_stages(pipeline: Pipeline) -> torch.Tensor:
+    """The step's weighted MoE losses (what the stages added to the backward): summed over layers,
+    averaged over micro-batches, summed over the pp ranks; the unweighted (aux, z) sums go to
+    `PipelineModel.moe_losses` on every rank for the metrics row. A stage without MoE layers
+    (model.moe_every) still joins the all-reduce."""
+    model = pipeline.model
+    # The step's forwards are the last entries: on the first step torch's metadata inference runs
+    # each stage once on empty tensors before them (its values are garbage, its shapes right).
+    n = pipeline.microbatches * sum(isinstance(layer.feed_forward, MoE) for layer in model.layers.values())
+    records = model.moe_step_losses[len(model.moe_step_losses) - n:]
+    sums = torch.stack(records).sum(0) / pipeline.microbatches if n else torch.zeros(2, device=pipeline.device)
+    sums = sums.float().contiguous()
+    dist.all_reduce(sums, group=pipeline.group)
+    model.moe_losses = sums
+    return model.cfg.moe_aux_loss_weight * sums[0] + model.cfg.moe_z_loss_weight * sums[1]
+
+
 class PipelineEvalModel:
     """What kiln.eval.scoring.score_batches calls as `model(x)` under pp: logits through the pipeline."""
 
@@ -326,6 +379,7 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     x = torch.cat([m[0] for m in micro_batches])
     y = torch.cat([m[1] for m in micro_batches])
     losses: list[torch.Tensor] = []
+    pipeline.model.moe_step_losses.clear()
     with autocast:
         if pipeline.has_first and pipeline.has_last:
             pipeline.schedule.step(x, target=y, losses=losses, return_outputs=False)
@@ -337,6 +391,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
             pipeline.schedule.step(return_outputs=False)
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=x.device)
     dist.broadcast(loss, src=pipeline.last_rank, group=pipeline.group)
+    if pipeline.model.cfg.moe_experts:  # the MoE losses, as one process reports them (Transformer.forward)
+        loss = loss + moe_losses_over_stages(pipeline)
     params = [p for p in pipeline.model.parameters() if p.grad is not None]
     local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params \
         else torch.zeros((), device=x.device)

@@ -163,7 +163,7 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
 def kiln_refusal(cfg: JobConfig, layout: Layout, world_size: int) -> str | None:
     """Why `kiln train` would refuse `layout` for `cfg` on `world_size` processes, or None: the
     trainer's own checks (config validation, ParallelDims, the model and pipeline checks), so a
-    plan is never one kiln cannot run (e.g. pp x tp x cp, or pp with tied embeddings)."""
+    plan is never one kiln cannot run (e.g. pp with tied embeddings)."""
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
     from kiln.parallel.pipeline import check_pipeline_config
