@@ -70,6 +70,8 @@ def _experts(t: torch.Tensor | None, experts, fill) -> None:
     full = torch.empty((experts.n_experts, *t.shape[1:]), dtype=t.dtype, device=device)
     for e in range(experts.n_experts):
         fill(full[e])
+    if t.is_meta:  # another pipeline rank's layer: only its draws count
+        return
     # A DTensor has the global shape (FSDP- or expert-sharded): filled whole, then resharded.
     mine = full if isinstance(t, DTensor) else full[experts.first:experts.first + experts.n_local]
     _fill(t, lambda x: x.copy_(mine))

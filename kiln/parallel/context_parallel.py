@@ -197,6 +197,8 @@ class ContextParallel:
             self.model.seq_positions = self.index
             for module in _attention_modules(self.model):
                 module.attention_fn = self.attention
+            for moe in _moe_modules(self.model):  # capacity and aux loss per whole sequence
+                moe.cp_group = self.ring.group
         return self
 
     def __exit__(self, *exc):
@@ -204,6 +206,8 @@ class ContextParallel:
             self.model.seq_positions = None
             for module in _attention_modules(self.model):
                 module.attention_fn = None
+            for moe in _moe_modules(self.model):
+                moe.cp_group = None
         return False
 
 
@@ -212,3 +216,9 @@ def _attention_modules(model):
     from kiln.model.transformer import Attention
 
     return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def _moe_modules(model):
+    from kiln.model.moe import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]

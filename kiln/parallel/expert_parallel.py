@@ -74,7 +74,7 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
         mesh, placements = ep_mesh, [Shard(0)]
         hook = functools.partial(_scaled_grad, factor=1.0 / ep_mesh.size())
     else:
-        mesh, placements = expert_mesh, [Replicate() if n == "edp" else Shard(0) for n in expert_mesh.mesh_dim_names]
+        mesh, placements = expert_mesh["edp", "ep"], [Replicate(), Shard(0)]
         replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
         hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
     for m in model.modules():

@@ -31,8 +31,9 @@ from torch.distributed.tensor import DTensor
 from kiln.config import JobConfig
 from kiln.errors import ConfigError
 from kiln.model.loss import lm_loss
+from kiln.model.moe import MoE
 from kiln.model.transformer import Transformer
-from kiln.train.step import step_unless
+from kiln.train.step import clip_grad_norm, step_unless
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
@@ -132,6 +133,23 @@ def keep_gathered_until_backward(chunks) -> None:
             chunk.set_reshard_after_forward(False)
 
 
+class _AddToBackward(torch.autograd.Function):
+    """Identity on `h` whose backward also differentiates the scalar `extra` (d loss / d extra = 1):
+    a loss term computed inside a pipeline stage (the MoE aux losses), which torch's schedules
+    would not see, since only the last stage's loss_fn output is backpropagated. The same device
+    as Megatron-LM's MoEAuxLossAutoScaler; written here (torch has none)."""
+
+    @staticmethod
+    def forward(ctx, h, extra):
+        ctx.save_for_backward(extra)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (extra,) = ctx.saved_tensors
+        return grad, torch.ones_like(extra)
+
+
 class PipelineModel(nn.Module):
     """The modules of one rank's stages, named as in `Transformer` (checkpoint-compatible)."""
 
@@ -151,6 +169,23 @@ class PipelineModel(nn.Module):
         self.seq_positions: torch.Tensor | None = None
         # The whole model stays on meta, unregistered: init replays its generator draws (see init_weights).
         self.__dict__["_full"] = full
+        # MoE: (aux, z) of each stage forward of this step, per stage (see add_moe_losses); after
+        # the step the mean over micro-batches, summed over all stages' layers (what the trainer logs).
+        self.moe_records: dict[int, list[torch.Tensor]] = {}
+        self.moe_losses: torch.Tensor | None = None
+
+    def add_moe_losses(self, h: torch.Tensor, layers) -> torch.Tensor:
+        """Training forward of a stage with MoE layers: their weighted load-balancing and z-losses
+        join the backward at the stage output (`_AddToBackward`), so each micro-batch's gradient is
+        that of (its LM loss + the weighted aux losses of every stage), as in one process; the
+        unweighted values are recorded for the step's reported loss."""
+        moes = [layer.feed_forward for layer in layers if isinstance(getattr(layer, "feed_forward", None), MoE)]
+        if not moes or not torch.is_grad_enabled():
+            return h
+        aux = torch.stack([m.last_aux_loss for m in moes]).sum()
+        z = torch.stack([m.last_z_loss for m in moes]).sum()
+        self.moe_records.setdefault(id(layers), []).append(torch.stack([aux, z]).detach())
+        return _AddToBackward.apply(h, self.cfg.moe_aux_loss_weight * aux + self.cfg.moe_z_loss_weight * z)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -199,6 +234,7 @@ class StageChunk(nn.Module):
             rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
         for layer in self.layers:
             h = layer(h, rope)
+        h = self._owner.add_moe_losses(h, self.layers)
         return self.output(self.norm(h)) if self.last else h
 
 
@@ -326,6 +362,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     x = torch.cat([m[0] for m in micro_batches])
     y = torch.cat([m[1] for m in micro_batches])
     losses: list[torch.Tensor] = []
+    model = pipeline.model
+    model.moe_records.clear()
     with autocast:
         if pipeline.has_first and pipeline.has_last:
             pipeline.schedule.step(x, target=y, losses=losses, return_outputs=False)
@@ -337,16 +375,18 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
             pipeline.schedule.step(return_outputs=False)
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=x.device)
     dist.broadcast(loss, src=pipeline.last_rank, group=pipeline.group)
-    params = [p for p in pipeline.model.parameters() if p.grad is not None]
-    local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params \
-        else torch.zeros((), device=x.device)
-    if isinstance(local, DTensor):  # FSDP across pipelines: the norm over this stage's dp shards
-        local = local.full_tensor()
-    squares = local.float() ** 2
-    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pipeline.group)
-    grad_norm = squares.sqrt()
-    if clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
+    if model.cfg.moe_experts:  # (aux, z) summed over all stages' layers, averaged over micro-batches
+        # Each stage's last `microbatches` forwards: on its first step torch's stage also runs one
+        # forward on placeholder inputs first, to infer the shapes it sends.
+        records = [r for per_stage in model.moe_records.values() for r in per_stage[-pipeline.microbatches:]]
+        moe = torch.stack(records).sum(0) / pipeline.microbatches if records else torch.zeros(2, device=x.device)
+        dist.all_reduce(moe, op=dist.ReduceOp.SUM, group=pipeline.group)
+        model.moe_losses = moe
+        loss = loss + model.cfg.moe_aux_loss_weight * moe[0] + model.cfg.moe_z_loss_weight * moe[1]
+    params = [p for p in model.parameters() if p.grad is not None]
+    # Over all stages (squares summed over pp ranks), per mesh (expert parallelism's experts are
+    # on their own mesh).
+    grad_norm = clip_grad_norm(params, clip, norm_group=pipeline.group)
     skipped = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
     step_unless(optimizer, skipped)
     return loss, grad_norm, skipped
