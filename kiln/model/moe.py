@@ -8,7 +8,9 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
 - The router runs in fp32 (ST-MoE: the softmax is where bf16 routing goes unstable).
 - Capacity and the load-balancing loss are computed per sequence (GShard's "groups" of tokens).
   That makes routing independent of how the batch is split over data-parallel or expert-parallel
-  ranks, so N ranks reproduce one process on the same global batch. Each expert takes at most
+  ranks, so N ranks reproduce one process on the same global batch. Under context parallelism
+  (`cp_group`, a zig-zag half of every sequence per rank) the counts behind both are summed over
+  the cp ranks, so capacity and the balancing loss are still those of the whole sequence. Each expert takes at most
   `ceil(capacity_factor * k * seq_len / E)` assignments of a sequence, first choices before
   second ones, in token order; the rest are dropped (the token passes through the residual).
   `capacity_factor = 0` is dropless: every assignment is computed.
@@ -161,12 +163,13 @@ class MoE(nn.Module):
         f = onehot.float().sum(dim=1)  # (B, E) counts
         p = probs.sum(dim=1)  # (B, E)
         if cp > 1:
-            # Context parallel: the sums over the whole sequence. Every cp rank then has the same
-            # aux loss; the gradient average over cp with this all-reduce's backward (a sum of the
-            # ranks' gradients) gives each rank's router its share of the one-process gradient.
-            from torch.distributed.nn.functional import all_reduce
+            # Context parallel: the sums over the whole sequence (torch's differentiable
+            # all-gather, summed). Every cp rank then has the same aux loss; its backward sums the
+            # ranks' gradients, which the gradient average over cp turns into the one-process one.
+            import torch.distributed._functional_collectives as funcol
 
-            f, p = all_reduce(torch.stack([f, p]), group=self.cp_group).unbind(0)
+            both = funcol.all_gather_single_autograd(torch.stack([f, p]), 0, self.cp_group)
+            f, p = both.view(cp, 2, *f.shape).sum(0).unbind(0)
         f, p = f / (self.top_k * seqlen * cp), p / (seqlen * cp)
         self.last_aux_loss = self.n_experts * (f * p).sum(-1).mean()
         self.last_z_loss = torch.logsumexp(logits, dim=-1).square().mean()

@@ -150,6 +150,20 @@ class _AddToBackward(torch.autograd.Function):
         return grad, torch.ones_like(extra)
 
 
+def add_moe_losses(h: torch.Tensor, layers, records: dict, aux_weight: float, z_weight: float) -> torch.Tensor:
+    """Training forward of a stage with MoE layers: their weighted load-balancing and z-losses
+    join the backward at the stage output (`_AddToBackward`), so each micro-batch's gradient is
+    that of (its LM loss + the weighted aux losses of every stage), as in one process; the
+    unweighted values go to `records` (per stage) for the step's reported loss."""
+    moes = [layer.feed_forward for layer in layers if isinstance(getattr(layer, "feed_forward", None), MoE)]
+    if not moes or not torch.is_grad_enabled():
+        return h
+    aux = torch.stack([m.last_aux_loss for m in moes]).sum()
+    z = torch.stack([m.last_z_loss for m in moes]).sum()
+    records.setdefault(id(layers), []).append(torch.stack([aux, z]).detach())
+    return _AddToBackward.apply(h, aux_weight * aux + z_weight * z)
+
+
 class PipelineModel(nn.Module):
     """The modules of one rank's stages, named as in `Transformer` (checkpoint-compatible)."""
 
@@ -169,23 +183,10 @@ class PipelineModel(nn.Module):
         self.seq_positions: torch.Tensor | None = None
         # The whole model stays on meta, unregistered: init replays its generator draws (see init_weights).
         self.__dict__["_full"] = full
-        # MoE: (aux, z) of each stage forward of this step, per stage (see add_moe_losses); after
+        # MoE: (aux, z) of each stage forward of this step, per stage (add_moe_losses); after
         # the step the mean over micro-batches, summed over all stages' layers (what the trainer logs).
         self.moe_records: dict[int, list[torch.Tensor]] = {}
         self.moe_losses: torch.Tensor | None = None
-
-    def add_moe_losses(self, h: torch.Tensor, layers) -> torch.Tensor:
-        """Training forward of a stage with MoE layers: their weighted load-balancing and z-losses
-        join the backward at the stage output (`_AddToBackward`), so each micro-batch's gradient is
-        that of (its LM loss + the weighted aux losses of every stage), as in one process; the
-        unweighted values are recorded for the step's reported loss."""
-        moes = [layer.feed_forward for layer in layers if isinstance(getattr(layer, "feed_forward", None), MoE)]
-        if not moes or not torch.is_grad_enabled():
-            return h
-        aux = torch.stack([m.last_aux_loss for m in moes]).sum()
-        z = torch.stack([m.last_z_loss for m in moes]).sum()
-        self.moe_records.setdefault(id(layers), []).append(torch.stack([aux, z]).detach())
-        return _AddToBackward.apply(h, self.cfg.moe_aux_loss_weight * aux + self.cfg.moe_z_loss_weight * z)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -217,6 +218,7 @@ class StageChunk(nn.Module):
         if last:
             self.norm, self.output = owner.norm, owner.output
         self.__dict__["_owner"] = owner  # for the RoPE tables (re-created by to_empty/init)
+        self.__dict__["_moe"] = (owner.moe_records, owner.cfg.moe_aux_loss_weight, owner.cfg.moe_z_loss_weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         seqlen = h.shape[1] if self.first else h.shape[1] * self.seq_shards  # attention sees all of it
@@ -234,7 +236,7 @@ class StageChunk(nn.Module):
             rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
         for layer in self.layers:
             h = layer(h, rope)
-        h = self._owner.add_moe_losses(h, self.layers)
+        h = add_moe_losses(h, self.layers, *self._moe)
         return self.output(self.norm(h)) if self.last else h
 
 
