@@ -7,14 +7,17 @@ Layouts (4 ranks, 4 experts, top-2 with capacity factor 1.0, so tokens are dropp
 - ep4 x cp2: 2 data-parallel ranks x 2 cp ranks; ep borrows dp_shard and all of cp (torchtitan's
   layout), so every rank holds one expert; routing capacity and the load-balancing loss are per
   whole sequence although each cp rank holds a zig-zag half of it.
+- ep2 x cp2 under ddp (2 replicas; experts replicated over them) and ep2 x pp2 x cp2 (each
+  stage's 2 cp ranks are its ep group; GPipe).
 The step-3 checkpoint of ep2 x pp2 continues under ep4 x cp2 (steps 4-5), and ep4 x cp2's under
 one process.
 
 Tolerance: fp32, relative 1e-5 per step for the loss (LM + weighted aux + z-loss), the
 pre-clipping grad norm and the logged aux and z-losses (the layouts change only the order of
-sums). AdamW with clipping active on every step. Negative controls (each must miss the one-process
-losses): ep x pp with the expert gradients not divided by ep (a wrong reduction), and ep x cp with
-the aux loss's expert shares not summed over the cp ranks.
+sums). AdamW with clipping active on every step. Negative controls (each must fail the comparison):
+ep x pp with the expert gradients not divided by ep (a wrong reduction), ep x pp with the stages'
+aux losses left out of backward, and ep x cp with the aux loss's expert shares not summed over
+the cp ranks (each rank's half of the sequence taken for the whole).
 """
 
 import json
@@ -67,6 +70,14 @@ def wrong_reduction(kind):
         saved = funcol.all_gather_single_autograd
         funcol.all_gather_single_autograd = lambda t, dim, group: torch.cat([t, t], dim)
         return lambda: setattr(funcol, "all_gather_single_autograd", saved)
+    if kind == "pp_aux_not_in_backward":  # what MoE under pp did before: stages drop the aux gradient
+        import torch
+
+        from kiln.parallel.pipeline import _AddToBackward
+
+        saved = _AddToBackward.backward
+        _AddToBackward.backward = staticmethod(lambda ctx, grad: (grad, torch.zeros_like(ctx.saved_tensors[0])))
+        return lambda: setattr(_AddToBackward, "backward", saved)
     return lambda: None
 
 
@@ -109,10 +120,12 @@ def runs(tmp_path_factory, text_file):
     out["ep2_pp2->ep4_cp2"] = root / "pp-to-cp"
     out["ep2_pp2 wrong"] = root / "pp-wrong"
     out["ep4_cp2 wrong"] = root / "cp-wrong"
+    out["ep2_pp2 no aux grad"] = root / "pp-no-aux-grad"
     jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if name != "single"]
     jobs += [(out["ep2_pp2"], out["ep2_pp2->ep4_cp2"], sets["ep4_cp2"], None, None),
              (None, out["ep2_pp2 wrong"], sets["ep2_pp2"], 2, "ep_grads_not_divided"),
-             (None, out["ep4_cp2 wrong"], sets["ep4_cp2"], 2, "aux_not_summed_over_cp")]
+             (None, out["ep4_cp2 wrong"], sets["ep4_cp2"], 2, "aux_not_summed_over_cp"),
+             (None, out["ep2_pp2 no aux grad"], sets["ep2_pp2"], 2, "pp_aux_not_in_backward")]
     (root / "ranks").mkdir()
     run_ranks(train_jobs, 4, root / "ranks", jobs, timeout=300)
     out["ep4_cp2->single"] = run = root / "cp-to-single"
@@ -149,10 +162,12 @@ def test_ep_checkpoint_continues_in_another_layout(runs, pair):
     assert_same(expected, got, range(SAVE_AT + 1, STEPS + 1), pair)
 
 
-@pytest.mark.parametrize("name, key", [("ep2_pp2 wrong", "grad_norm"), ("ep4_cp2 wrong", "moe_aux_loss")])
+@pytest.mark.parametrize("name, key", [("ep2_pp2 wrong", "grad_norm"), ("ep4_cp2 wrong", "moe_aux_loss"),
+                                       ("ep2_pp2 no aux grad", "grad_norm")])
 def test_a_wrong_reduction_fails_the_comparison(runs, name, key):
-    # Adam hardly sees a gradient scaled by a constant, but the step-1 grad norm (experts x ep)
-    # and the aux loss (each cp rank's half of the sequence only) miss by far more than REL.
+    # Adam hardly sees a gradient scaled by a constant, but the step-1 grad norm (experts x ep; the
+    # router without its aux gradient) and the aux loss (each cp rank's half of the sequence only)
+    # miss by far more than REL.
     expected, got = rows(runs["single"]), rows(runs[name])
     assert sorted(got) == [1, 2]
     assert got[1][key] != pytest.approx(expected[1][key], rel=1e-3)
