@@ -56,8 +56,9 @@ def overrides(text_file, shards, name):
         "train.batch_size": GLOBAL_BATCH // dp, **MOE, **per_rank})
 
 
-def wrong_reduction(kind):
-    """Patch one reduction to be wrong in this process; returns the undo."""
+def deliberate_mistake(kind):
+    """Patch one deliberate mistake into this process (a wrong reduction, a lost gradient);
+    returns the undo."""
     if kind == "ep_grads_not_divided":
         from kiln.parallel import expert_parallel as ep
 
@@ -90,18 +91,18 @@ def wrong_reduction(kind):
 
 def train_jobs(rank, world, jobs):
     """kiln's trainer once per job on every rank: (source checkpoint run or None, run, overrides,
-    stop_at, wrong reduction or None)."""
+    stop_at, deliberate mistake or None)."""
     import torch.distributed as dist
 
     from kiln.config import load_config
     from kiln.train.trainer import train
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    for source, run, sets, stop_at, wrong in jobs:
+    for source, run, sets, stop_at, mistake in jobs:
         if source is not None and rank == 0:  # its step-3 checkpoint, not the last one
             shutil.copytree(source, run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
         dist.barrier()
-        undo = wrong_reduction(wrong)
+        undo = deliberate_mistake(mistake)
         try:
             train(load_config(None, sets), run, resume=source is not None or None, stop_at=stop_at)
         finally:
@@ -173,7 +174,7 @@ def test_ep_checkpoint_continues_in_another_layout(runs, pair):
 
 @pytest.mark.parametrize("name, key", [("ep2_pp2 wrong", "grad_norm"), ("ep4_cp2 wrong", "moe_aux_loss"),
                                        ("ep2_pp2 no aux grad", "grad_norm"), ("ep4_cp2 local capacity", "loss")])
-def test_a_wrong_reduction_fails_the_comparison(runs, name, key):
+def test_each_deliberate_mistake_fails_the_comparison(runs, name, key):
     # Adam hardly sees a gradient scaled by a constant, but the step-1 grad norm (experts x ep; the
     # router without its aux gradient), the aux loss (each cp rank's half of the sequence only)
     # and the loss (other tokens dropped: capacity drops do happen here) miss by more than 10 x REL
