@@ -62,30 +62,27 @@ def _reset_norms_and_biases(model: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
-def _experts(t: torch.Tensor | None, experts, fill, gen: torch.Generator | None) -> None:
+def _experts(t: torch.Tensor | None, experts, fill) -> None:
     """Fill all `experts.n_experts` expert matrices in order (one fill per expert), keep the local slice."""
     if t is None:
         return
-    if t.is_meta:  # another pipeline rank's layer: draw on the generator's device, keep nothing
-        device = gen.device if gen is not None else "cpu"
-    else:
-        device = t.to_local().device if isinstance(t, DTensor) else t.device
+    device = t.to_local().device if isinstance(t, DTensor) else t.device
     full = torch.empty((experts.n_experts, *t.shape[1:]), dtype=t.dtype, device=device)
     for e in range(experts.n_experts):
         fill(full[e])
-    if t.is_meta:
+    if t.is_meta:  # another pipeline rank's layer: only its draws count
         return
     # A DTensor has the global shape (FSDP- or expert-sharded): filled whole, then resharded.
     mine = full if isinstance(t, DTensor) else full[experts.first:experts.first + experts.n_local]
     _fill(t, lambda x: x.copy_(mine))
 
 
-def _init_moe(ffn, matrix_fill, residual_fill, gen: torch.Generator | None) -> None:
+def _init_moe(ffn, matrix_fill, residual_fill) -> None:
     matrix_fill(ffn.router.weight)
     ex = ffn.experts
-    _experts(ex.w1, ex, matrix_fill, gen)
-    _experts(ex.w3, ex, matrix_fill, gen)
-    _experts(ex.w2, ex, residual_fill, gen)
+    _experts(ex.w1, ex, matrix_fill)
+    _experts(ex.w3, ex, matrix_fill)
+    _experts(ex.w2, ex, residual_fill)
 
 
 def init_model(model: nn.Module, generator: torch.Generator | None = None) -> None:
@@ -105,8 +102,7 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
             for lin in (attn.wq, attn.wk, attn.wv):
                 _normal(lin.weight, std, generator)
             if isinstance(ffn, MoE):
-                _init_moe(ffn, lambda t: _normal(t, std, generator), lambda t: _normal(t, residual_std, generator),
-                          generator)
+                _init_moe(ffn, lambda t: _normal(t, std, generator), lambda t: _normal(t, residual_std, generator))
             else:
                 for lin in (ffn.w1, ffn.w3):
                     if lin is not None:
@@ -128,7 +124,7 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
                 _xavier(lin.weight, gain, generator)
             if isinstance(layer.feed_forward, MoE):
                 xav = lambda t: _xavier(t, gain, generator)  # noqa: E731
-                _init_moe(layer.feed_forward, xav, xav, generator)
+                _init_moe(layer.feed_forward, xav, xav)
         if not head_tied:
             _xavier(model.output.weight, 1.0, generator)
         return
@@ -148,7 +144,7 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
                     _xavier(lin.weight, scale, generator)
             if isinstance(ffn, MoE):
                 xav = lambda t: _xavier(t, scale, generator)  # noqa: E731
-                _init_moe(ffn, xav, xav, generator)
+                _init_moe(ffn, xav, xav)
         if not head_tied:
             _xavier(model.output.weight, 1.0, generator)
         return

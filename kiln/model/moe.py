@@ -8,7 +8,9 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
 - The router runs in fp32 (ST-MoE: the softmax is where bf16 routing goes unstable).
 - Capacity and the load-balancing loss are computed per sequence (GShard's "groups" of tokens).
   That makes routing independent of how the batch is split over data-parallel or expert-parallel
-  ranks, so N ranks reproduce one process on the same global batch. Each expert takes at most
+  ranks, so N ranks reproduce one process on the same global batch. Under context parallelism
+  (`cp_group`, a zig-zag half of every sequence per rank) the counts behind both are summed over
+  the cp ranks, so capacity and the balancing loss are still those of the whole sequence. Each expert takes at most
   `ceil(capacity_factor * k * seq_len / E)` assignments of a sequence, first choices before
   second ones, in token order; the rest are dropped (the token passes through the residual).
   `capacity_factor = 0` is dropless: every assignment is computed.
@@ -25,9 +27,6 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
   the whole sequence on every tp rank: routing, capacity and the aux/z losses are replicated and
   equal one process's; each rank computes a slice of every expert's hidden units, and its output
   is a partial sum that the style reduce-scatters back to the sequence shard.
-- Under context parallelism (kiln/parallel/context_parallel.py) a rank holds two chunks of every
-  sequence: `sequence_split` counts the slots over the whole sequence and averages f_e and P_e
-  over the cp ranks, so capacity and the load-balancing loss are again one process's.
 - The auxiliary losses of the last forward stay on the device (`last_aux_loss`,
   `last_z_loss`); the transformer adds them to its loss and exposes them for logging.
 """
@@ -37,6 +36,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -125,10 +125,9 @@ class MoE(nn.Module):
         # Set by kiln.parallel.tensor_parallel.MoETensorParallel: the tp mesh the experts' hidden
         # units are sharded over; None = whole experts.
         self.tp_mesh = None
-        # Set around a training step by kiln.parallel.context_parallel.ContextParallel: this rank
-        # holds a slice of every sequence, so slots and the load-balancing statistics span the cp
-        # ranks (`expert_slots`, `sequence_mean`, `seq_len`); None = the whole sequence is here.
-        self.sequence_split = None
+        # Set by kiln.parallel.context_parallel.ContextParallel around a training step: the cp group
+        # over which each sequence is split; None = this rank sees whole sequences.
+        self.cp_group = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -153,18 +152,25 @@ class MoE(nn.Module):
         # k-major order within each sequence: every token's first choice before any second choice.
         experts_km = experts.transpose(1, 2).reshape(bsz, self.top_k * seqlen)  # (B, kT)
         onehot = F.one_hot(experts_km, self.n_experts)  # (B, kT, E)
-        split = self.sequence_split
-        if split is None:
+        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        if cp == 1:
             position = (onehot.cumsum(dim=1) * onehot).sum(-1) - 1  # slot of each assignment in its expert
-            keep = position < self.capacity(seqlen)
-        else:  # slots counted over the whole sequence, across the context-parallel ranks
-            keep = split.expert_slots(onehot, self.top_k) < self.capacity(split.seq_len)
+        else:
+            position = self._cp_positions(onehot)
+        keep = position < self.capacity(seqlen * cp)
         # Load balancing per sequence: f_e = share of the sequence's assignments (before dropping)
         # routed to e, P_e = mean router probability of e; E * sum_e f_e P_e, averaged over sequences.
-        f = onehot.float().mean(dim=1)  # (B, E)
-        p = probs.mean(dim=1)  # (B, E)
-        if split is not None:  # the whole sequence's shares (P_e keeps its gradient)
-            f, p = split.sequence_mean(f), split.sequence_mean(p)
+        f = onehot.float().sum(dim=1)  # (B, E) counts
+        p = probs.sum(dim=1)  # (B, E)
+        if cp > 1:
+            # Context parallel: the sums over the whole sequence (torch's differentiable
+            # all-gather, summed). Every cp rank then has the same aux loss; its backward sums the
+            # ranks' gradients, which the gradient average over cp turns into the one-process one.
+            import torch.distributed._functional_collectives as funcol
+
+            both = funcol.all_gather_single_autograd(torch.stack([f, p]), 0, self.cp_group)
+            f, p = both.view(cp, 2, *f.shape).sum(0).unbind(0)
+        f, p = f / (self.top_k * seqlen * cp), p / (seqlen * cp)
         self.last_aux_loss = self.n_experts * (f * p).sum(-1).mean()
         self.last_z_loss = torch.logsumexp(logits, dim=-1).square().mean()
         self.last_dropped_fraction = (~keep).float().mean().detach()
@@ -172,6 +178,28 @@ class MoE(nn.Module):
                  + torch.arange(seqlen, device=x.device).repeat(self.top_k)[None])  # (B, kT)
         gates_km = gates.transpose(1, 2).reshape(bsz, self.top_k * seqlen)
         return token.flatten(), experts_km.flatten(), gates_km.flatten(), keep.flatten()
+
+    @torch.no_grad()
+    def _cp_positions(self, onehot: torch.Tensor) -> torch.Tensor:
+        """Slots of this rank's assignments in their experts' queues for the whole sequence
+        (first choices before second ones, in token order), when context parallelism holds the
+        zig-zag chunks (r, 2cp-1-r) of every sequence (kiln/parallel/context_parallel.py): the
+        per-chunk counts of all cp ranks (one all-gather) give each chunk's offset."""
+        group = self.cp_group
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        bsz, kt, n_exp = onehot.shape
+        blocks = onehot.view(bsz, self.top_k, 2, kt // (2 * self.top_k), n_exp)  # (B, k, my 2 chunks, T/2, E)
+        counts = blocks.sum(3)  # (B, k, 2, E)
+        gathered = [torch.empty_like(counts) for _ in range(cp)]
+        dist.all_gather(gathered, counts.contiguous(), group=group)
+        whole = counts.new_empty(bsz, self.top_k, 2 * cp, n_exp)  # counts per chunk in sequence order
+        for q, c in enumerate(gathered):
+            whole[:, :, q], whole[:, :, 2 * cp - 1 - q] = c[:, :, 0], c[:, :, 1]
+        before = whole.flatten(1, 2).cumsum(1).view_as(whole) - whole  # assignments in earlier (k, chunk) blocks
+        offset = before[:, :, [rank, 2 * cp - 1 - rank]]  # (B, k, 2, E)
+        within = (blocks.cumsum(3) * blocks).sum(-1) - 1  # (B, k, 2, T/2)
+        position = within + (offset.unsqueeze(3) * blocks).sum(-1)
+        return position.view(bsz, kt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape

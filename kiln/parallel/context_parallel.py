@@ -4,11 +4,9 @@ Every sequence of a data-parallel rank's batch is split into 2*cp equal chunks; 
 chunks r and 2*cp-1-r ("zig-zag", as in torchtitan / Megatron-LM), so under a causal mask every
 rank does the same amount of attention work. Everything outside attention (embeddings, MLPs,
 norms, the LM head and the loss) is per token and runs on the local slice unchanged; RoPE uses
-the slice's global positions. Mixture-of-experts routing (capacity slots, load-balancing shares)
-is per sequence: its counts and means span the cp ranks (`expert_slots`, `sequence_mean`). Each
-rank's loss is the mean over its slice; the slices are equal in length, so the mean over the cp
-group (the trainer's loss all-reduce, and the gradient average of data parallelism run over
-dp x cp) is the full-sequence loss.
+the slice's global positions. Each rank's loss is the mean over its slice; the slices are equal
+in length, so the mean over the cp group (the trainer's loss all-reduce, and the gradient
+average of data parallelism run over dp x cp) is the full-sequence loss.
 
 Ring attention (Liu et al. 2023): each rank keeps its queries and passes its K/V block around the
 ring with point-to-point `batch_isend_irecv` (gloo and NCCL), starting the next exchange before
@@ -171,27 +169,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
         return _RingAttention.apply(q, k, v, ring)
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the group; backward sums the gradients over the group too, so rank r's input gets
-    the gradient of the replicated result from every rank, which the gradient average over cp turns
-    into the one-process gradient. (torch.distributed.nn.functional.all_reduce does this but is
-    deprecated in torch 2.13; the functional all_reduce it points to gained autograd only
-    recently, and kiln declares torch >= 2.6.)"""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        out = t.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class ContextParallel:
     """The trainer's handle: `shard` slices a batch, and `with cp:` runs the model's attention as
     ring attention with this rank's global positions. With cp == 1 both are no-ops."""
@@ -205,7 +182,6 @@ class ContextParallel:
             raise ConfigError(f"model.dropout={model.cfg.dropout} is not supported with parallel.cp="
                               f"{self.cp} (ring attention has no attention dropout); set model.dropout=0")
         self.ring = Ring(dims.mesh["cp"].get_group())
-        self.seq_len = seq_len
         self.index = zigzag_positions(seq_len, self.cp, self.ring.rank, device=device)
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,54 +192,33 @@ class ContextParallel:
     def attention(self, q, k, v):
         return ring_attention(q, k, v, self.ring)
 
-    # ---- mixture of experts (kiln/model/moe.py): routing is per sequence, a sequence spans the cp ranks
-
-    def expert_slots(self, onehot: torch.Tensor, top_k: int) -> torch.Tensor:
-        """The slot of each of this rank's assignments in its expert, counted over the whole sequence
-        as one process counts them (k-major: every token's first choice before any second one, in
-        token order). onehot (B, k*T, E) in MoE.route's order over this rank's two chunks. One
-        all-reduce of the per-chunk counts (B, k, 2*cp, E); integer counts, no gradient."""
-        bsz, _, n_experts = onehot.shape
-        size = self.seq_len // (2 * self.cp)
-        mine = list(zigzag_chunks(self.cp, self.ring.rank))
-        local = onehot.view(bsz, top_k, 2, size, n_experts)
-        counts = onehot.new_zeros(bsz, top_k, 2 * self.cp, n_experts)
-        counts[:, :, mine] = local.sum(3)
-        dist.all_reduce(counts, group=self.ring.group)
-        # Assignments ahead of chunk c's in choice j: all of choices < j, and choice j's chunks < c.
-        flat = counts.view(bsz, top_k * 2 * self.cp, n_experts)
-        ahead = (flat.cumsum(1) - flat).view_as(counts)[:, :, mine]  # (B, k, 2, E)
-        slots = ((ahead.unsqueeze(3) + local.cumsum(3)) * local).sum(-1) - 1
-        return slots.view(bsz, -1)
-
-    def sequence_mean(self, t: torch.Tensor) -> torch.Tensor:
-        """The whole sequence's mean of a per-slice mean (the slices are equal in length), with the
-        gradient of a sum over ranks (see _AllReduceSum)."""
-        return _AllReduceSum.apply(t, self.ring.group) / self.cp
-
     def __enter__(self):
         if self.cp > 1:
             self.model.seq_positions = self.index
-            for module in _modules(self.model, "Attention"):
+            for module in _attention_modules(self.model):
                 module.attention_fn = self.attention
-            for module in _modules(self.model, "MoE"):
-                module.sequence_split = self
+            for moe in _moe_modules(self.model):  # capacity and aux loss per whole sequence
+                moe.cp_group = self.ring.group
         return self
 
     def __exit__(self, *exc):
         if self.cp > 1:
             self.model.seq_positions = None
-            for module in _modules(self.model, "Attention"):
+            for module in _attention_modules(self.model):
                 module.attention_fn = None
-            for module in _modules(self.model, "MoE"):
-                module.sequence_split = None
+            for moe in _moe_modules(self.model):
+                moe.cp_group = None
         return False
 
 
-def _modules(model, kind: str):
+def _attention_modules(model):
     # Found by type, so checkpoint- or compile-wrapped blocks are covered too.
-    from kiln.model.moe import MoE
     from kiln.model.transformer import Attention
 
-    cls = {"Attention": Attention, "MoE": MoE}[kind]
-    return [m for m in model.modules() if isinstance(m, cls)]
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def _moe_modules(model):
+    from kiln.model.moe import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]

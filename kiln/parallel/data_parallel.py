@@ -33,6 +33,12 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> None:
         mesh = mesh._flatten()
     # Under parallel.ep the experts are DTensors reduced by kiln/parallel/expert_parallel.py.
     experts = [m.experts for m in model.modules() if isinstance(m, MoE)] if dims.ep > 1 else None
+    if experts:
+        # By its group: given a mesh sliced from a bigger one (dp x cp), DDP turns every DTensor
+        # parameter into a local tensor (its DDP + TP workaround), ignored modules included,
+        # which would cut the experts off from their gradients.
+        replicate(model, process_group=mesh.get_group(), bucket_cap_mb=25, ignored_modules=experts)
+        return
     replicate(model, device_mesh=mesh, bucket_cap_mb=25, ignored_modules=experts)
 
 

@@ -36,7 +36,7 @@ class ParallelDims:
     # Resolved parallel.dp_mode: ddp | zero1 | zero2 | fsdp (fsdp over dp_replicate x dp_shard is HSDP).
     dp_mode: str = "fsdp"
     local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
-    # Under parallel.ep > 1: ("edp", "ep") over the data-parallel ranks, see build_mesh.
+    # Under parallel.ep > 1: ("pp", "edp", "ep", "tp") over the world, see _build_expert_mesh.
     expert_mesh: object = None
 
     @classmethod
@@ -80,7 +80,7 @@ class ParallelDims:
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.ep > 1:
-            check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp)
+            check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
             # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
             raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
@@ -168,31 +168,47 @@ class ParallelDims:
             dims = [("dp_shard", 1)]
         self.mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
         if self.ep > 1:
-            # Expert parallelism (kiln/parallel/expert_parallel.py) borrows ep from the data-parallel
-            # ranks, which are the whole world here (check_ep_layout): consecutive groups of `ep`
-            # ranks (within one dp_shard group, or of the ddp replicas) split the experts, and the
-            # dp_size / ep ranks at the same place in every group ("edp", torchtitan's
-            # dp_shard_mod_ep x dp_replicate) hold the same experts.
-            self.expert_mesh = init_device_mesh(device_type, (self.dp_size // self.ep, self.ep),
-                                                mesh_dim_names=("edp", "ep"))
+            self.expert_mesh = self._build_expert_mesh(device_type)
+
+    def _build_expert_mesh(self, device_type: str):
+        """Expert parallelism (kiln/parallel/expert_parallel.py) borrows ep from the data-parallel
+        ranks and all of cp, torchtitan's layout: within each pipeline stage and tp coordinate the
+        ranks are laid out (dp_replicate, dp_shard, cp) (ddp: (replicas, cp)), and consecutive
+        groups of `ep` of them split the experts ("ep" = torchtitan's dp_shard_in_ep x cp; never
+        across an HSDP replica, as ep divides dp_shard * cp). The dp_size * cp / ep ranks at the
+        same place in every group hold the same experts ("edp" = dp_replicate x dp_shard_mod_ep).
+        The mesh is ("pp", "edp", "ep", "tp"), pp and tp only where > 1, so every pipeline stage's
+        MoE layers exchange tokens among that stage's own ranks."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shape = [("pp", self.pp), ("edp", self.dp_size * self.cp // self.ep), ("ep", self.ep), ("tp", self.tp)]
+        shape = [(n, d) for n, d in shape if d > 1 or n in ("edp", "ep")]
+        ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
+        return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
 
 
-def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int) -> None:
+def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> None:
     """What `kiln train` runs expert parallelism with (kiln/parallel/expert_parallel.py): ep carved
-    out of the data-parallel ranks, dp_shard under fsdp/zero2 (dense parameters stay FSDP over all
-    of dp_shard, the experts FSDP over the rest) or the replicas under ddp (experts replicated).
-    DiLoCo with ep is refused by ParallelConfig.validate (its replicas do not reduce gradients)."""
+    out of the data-parallel ranks of each pipeline stage and all of cp (torchtitan's rule: cp
+    divides ep, ep divides dp_shard * cp), dp_shard under fsdp/zero2 (dense parameters stay FSDP
+    over dp_shard x cp, the experts FSDP over the rest) or the replicas under ddp (experts
+    replicated). DiLoCo with ep is refused by ParallelConfig.validate (its replicas do not reduce
+    gradients)."""
     if mode == "zero1":
         raise ConfigError(f"parallel.ep={ep} cannot combine with parallel.dp_mode='zero1' (its sharded optimizer "
                           f"does not take the experts' DTensors); use dp_mode='fsdp', 'zero2' or 'ddp'")
-    if cp > 1 or tp > 1 or pp > 1:
-        raise ConfigError(f"parallel.ep={ep} with parallel.cp={cp} / tp={tp} / pp={pp} is not supported yet; "
-                          f"use expert parallelism with data parallelism only, or parallel.ep=1 (tp then "
-                          f"shards every expert's hidden units)")
+    if tp > 1:
+        raise ConfigError(f"parallel.ep={ep} with parallel.tp={tp} is not supported yet; set parallel.tp=1, or "
+                          f"parallel.ep=1 (tp then shards every expert's hidden units)")
+    if ep % cp:
+        raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.cp={cp} (expert parallelism borrows "
+                          f"all of cp, as in torchtitan); change parallel.ep or parallel.cp")
     name, size = ("dp_replicate", dp_replicate) if mode == "ddp" else ("dp_shard", dp_shard)
-    if size % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide {name}={size} (ep is carved out of {name} under "
-                          f"dp_mode={mode!r}); change parallel.ep or the number of processes")
+    if size * cp % ep:
+        where = f"{name}={size}" if cp == 1 else f"{name} x cp = {size} x {cp}"
+        raise ConfigError(f"parallel.ep={ep} must divide {where} (ep is carved out of {name}"
+                          f"{' and cp' if cp > 1 else ''} under dp_mode={mode!r}); change parallel.ep or the "
+                          f"number of processes")
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

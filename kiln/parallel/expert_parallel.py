@@ -15,10 +15,13 @@ the global loss is the mean over the D ranks, so that sum must be divided by D a
 holds different experts. `reduce_expert_grads` does exactly that.
 
 In `kiln train` (`apply_expert_parallel_training`) ep is borrowed from the data-parallel ranks
-(torchtitan's design): `ParallelDims.expert_mesh` is ("edp", "ep") over them, each consecutive
-group of ep ranks splits the experts, and the D / ep ranks holding the same experts form "edp"
-(dp_replicate x dp_shard / ep under fsdp/zero2/HSDP, the other replicas under ddp). The dense
-parameters are unchanged (FSDP over dp_shard, or DDP). Each expert tensor is a DTensor of the
+and all of cp, within each pipeline stage (torchtitan's design): `ParallelDims.expert_mesh` has
+("edp", "ep") over a stage's D x cp ranks, each consecutive group of ep ranks splits the experts,
+and the D x cp / ep ranks holding the same experts form "edp" (dp_replicate x dp_shard x cp / ep
+under fsdp/zero2/HSDP, the other replicas x cp / ep under ddp). Below, D counts the ranks the
+dense gradients are averaged over (data parallel x cp: each cp rank's loss is the mean over its
+slice of the sequences). The dense parameters are unchanged (FSDP over dp_shard x cp, or DDP).
+Each expert tensor is a DTensor of the
 global shape, `Shard(0)` (expert dimension) over ep; DCP saves every expert once and reshards to
 another layout, and the grad norm of a DTensor counts each expert once.
 - fsdp/zero2: `fully_shard_experts` adds FSDP2 over edp (torchtitan's dp_shard_mod_ep FSDP), so
@@ -65,16 +68,17 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
     """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP: slice the
     experts over `expert_mesh["ep"]` and turn each local slice into a DTensor of the global shape.
     fsdp=True (dp_mode fsdp/zero2): `Shard(0)` on the ep mesh, for `fully_shard_experts` to shard
-    further over "edp"; else (ddp): on `expert_mesh`, `Replicate()` over "edp", `Shard(0)` over
-    "ep", with gradients summed over "edp" in backward. Either way an expert's gradient ends up
-    divided by the `dp_size` data-parallel ranks."""
+    further over "edp"; else (ddp): on `expert_mesh["edp", "ep"]`, `Replicate()` over "edp",
+    `Shard(0)` over "ep", with gradients summed over "edp" in backward. Either way an expert's
+    gradient ends up divided by `dp_size`, the ranks the dense gradients are averaged over
+    (data parallel x cp)."""
     ep_mesh = expert_mesh["ep"]
     apply_expert_parallel(model, ep_mesh.get_group())
     if fsdp:  # FSDP averages over edp (reduce-scatter): a further 1 / ep makes the 1 / dp_size
         mesh, placements = ep_mesh, [Shard(0)]
         hook = functools.partial(_scaled_grad, factor=1.0 / ep_mesh.size())
     else:
-        mesh, placements = expert_mesh, [Replicate() if n == "edp" else Shard(0) for n in expert_mesh.mesh_dim_names]
+        mesh, placements = expert_mesh["edp", "ep"], [Replicate(), Shard(0)]
         replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
         hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
     for m in model.modules():

@@ -103,11 +103,13 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
-    """Experts sharded over ep (dims.expert_mesh); over the other data-parallel ranks FSDP-sharded
-    (fsdp/zero2, in apply_fsdp) or replicated (ddp)."""
+    """Experts sharded over ep (dims.expert_mesh); over the other data-parallel (and cp) ranks
+    FSDP-sharded (fsdp/zero2, in apply_fsdp) or replicated (ddp). Gradients are averaged over
+    dp x cp ranks, as the dense ones (grad_mesh_names)."""
     from kiln.parallel.expert_parallel import apply_expert_parallel_training
 
-    apply_expert_parallel_training(model, dims.expert_mesh, dims.dp_size, fsdp=dims.dp_mode in ("fsdp", "zero2"))
+    apply_expert_parallel_training(model, dims.expert_mesh, dims.dp_size * dims.cp,
+                                   fsdp=dims.dp_mode in ("fsdp", "zero2"))
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:

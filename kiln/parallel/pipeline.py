@@ -33,7 +33,7 @@ from kiln.errors import ConfigError
 from kiln.model.loss import lm_loss
 from kiln.model.moe import MoE
 from kiln.model.transformer import Transformer
-from kiln.train.step import step_unless
+from kiln.train.step import clip_grad_norm, step_unless
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
@@ -133,6 +133,37 @@ def keep_gathered_until_backward(chunks) -> None:
             chunk.set_reshard_after_forward(False)
 
 
+class _AddToBackward(torch.autograd.Function):
+    """Identity on `h` whose backward also differentiates the scalar `extra` (d loss / d extra = 1):
+    a loss term computed inside a pipeline stage (the MoE aux losses), which torch's schedules
+    would not see, since only the last stage's loss_fn output is backpropagated. The same device
+    as Megatron-LM's MoEAuxLossAutoScaler; written here (torch has none)."""
+
+    @staticmethod
+    def forward(ctx, h, extra):
+        ctx.save_for_backward(extra)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (extra,) = ctx.saved_tensors
+        return grad, torch.ones_like(extra)
+
+
+def add_moe_losses(h: torch.Tensor, layers, records: dict, aux_weight: float, z_weight: float) -> torch.Tensor:
+    """Training forward of a stage with MoE layers: their weighted load-balancing and z-losses
+    join the backward at the stage output (`_AddToBackward`), so each micro-batch's gradient is
+    that of (its LM loss + the weighted aux losses of every stage), as in one process; the
+    unweighted values go to `records` (per stage) for the step's reported loss."""
+    moes = [layer.feed_forward for layer in layers if isinstance(getattr(layer, "feed_forward", None), MoE)]
+    if not moes or not torch.is_grad_enabled():
+        return h
+    aux = torch.stack([m.last_aux_loss for m in moes]).sum()
+    z = torch.stack([m.last_z_loss for m in moes]).sum()
+    records.setdefault(id(layers), []).append(torch.stack([aux, z]).detach())
+    return _AddToBackward.apply(h, aux_weight * aux + z_weight * z)
+
+
 class PipelineModel(nn.Module):
     """The modules of one rank's stages, named as in `Transformer` (checkpoint-compatible)."""
 
@@ -152,18 +183,10 @@ class PipelineModel(nn.Module):
         self.seq_positions: torch.Tensor | None = None
         # The whole model stays on meta, unregistered: init replays its generator draws (see init_weights).
         self.__dict__["_full"] = full
-        # MoE: the (aux, z) losses of this rank's MoE layers in the current step's forwards, one
-        # entry per layer and micro-batch (see add_moe_losses), and the step's totals for logging.
-        self.moe_step_losses: list[torch.Tensor] = []
+        # MoE: (aux, z) of each stage forward of this step, per stage (add_moe_losses); after
+        # the step the mean over micro-batches, summed over all stages' layers (what the trainer logs).
+        self.moe_records: dict[int, list[torch.Tensor]] = {}
         self.moe_losses: torch.Tensor | None = None
-
-    def add_moe_losses(self, h: torch.Tensor, moe: MoE) -> torch.Tensor:
-        """`h` unchanged; in backward the layer's weighted aux + z-loss gets gradient 1, as if it had
-        been added to the micro-batch's loss on the last stage (which cannot reach this stage's
-        router). The schedule's scale_grads then averages it over micro-batches like the loss."""
-        self.moe_step_losses.append(torch.stack([moe.last_aux_loss, moe.last_z_loss]).detach())
-        weighted = self.cfg.moe_aux_loss_weight * moe.last_aux_loss + self.cfg.moe_z_loss_weight * moe.last_z_loss
-        return attach_loss(h, weighted)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -178,27 +201,6 @@ class PipelineModel(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         init_model(self._full, generator)
-
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `h`; backward also gives `loss` the gradient 1 (Megatron-LM's
-    MoEAuxLossAutoScaler idea: a loss computed inside a stage joins that stage's backward). A copy,
-    not a view: the multi-stage schedules detach a stage's output in place (one activation copy
-    per MoE layer)."""
-
-    @staticmethod
-    def forward(ctx, h, loss):
-        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
-        return h.clone()
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        shape, dtype, device = ctx.loss_meta
-        return grad_h, torch.ones(shape, dtype=dtype, device=device)
-
-
-def attach_loss(h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    return _AttachLoss.apply(h, loss)
 
 
 class StageChunk(nn.Module):
@@ -216,6 +218,7 @@ class StageChunk(nn.Module):
         if last:
             self.norm, self.output = owner.norm, owner.output
         self.__dict__["_owner"] = owner  # for the RoPE tables (re-created by to_empty/init)
+        self.__dict__["_moe"] = (owner.moe_records, owner.cfg.moe_aux_loss_weight, owner.cfg.moe_z_loss_weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         seqlen = h.shape[1] if self.first else h.shape[1] * self.seq_shards  # attention sees all of it
@@ -233,8 +236,7 @@ class StageChunk(nn.Module):
             rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
         for layer in self.layers:
             h = layer(h, rope)
-            if isinstance(layer.feed_forward, MoE) and torch.is_grad_enabled():
-                h = self._owner.add_moe_losses(h, layer.feed_forward)
+        h = add_moe_losses(h, self.layers, *self._moe)
         return self.output(self.norm(h)) if self.last else h
 
 
@@ -326,23 +328,6 @@ class Pipeline:
         raise AssertionError(stage)
 
 
-def moe_losses_over_stages(pipeline: Pipeline) -> torch.Tensor:
-    """The step's weighted MoE losses (what the stages added to the backward): summed over layers,
-    averaged over micro-batches, summed over the pp ranks; the unweighted (aux, z) sums go to
-    `PipelineModel.moe_losses` on every rank for the metrics row. A stage without MoE layers
-    (model.moe_every) still joins the all-reduce."""
-    model = pipeline.model
-    # The step's forwards are the last entries: on the first step torch's metadata inference runs
-    # each stage once on empty tensors before them (its values are garbage, its shapes right).
-    n = pipeline.microbatches * sum(isinstance(layer.feed_forward, MoE) for layer in model.layers.values())
-    records = model.moe_step_losses[len(model.moe_step_losses) - n:]
-    sums = torch.stack(records).sum(0) / pipeline.microbatches if n else torch.zeros(2, device=pipeline.device)
-    sums = sums.float().contiguous()
-    dist.all_reduce(sums, group=pipeline.group)
-    model.moe_losses = sums
-    return model.cfg.moe_aux_loss_weight * sums[0] + model.cfg.moe_z_loss_weight * sums[1]
-
-
 class PipelineEvalModel:
     """What kiln.eval.scoring.score_batches calls as `model(x)` under pp: logits through the pipeline."""
 
@@ -379,7 +364,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     x = torch.cat([m[0] for m in micro_batches])
     y = torch.cat([m[1] for m in micro_batches])
     losses: list[torch.Tensor] = []
-    pipeline.model.moe_step_losses.clear()
+    model = pipeline.model
+    model.moe_records.clear()
     with autocast:
         if pipeline.has_first and pipeline.has_last:
             pipeline.schedule.step(x, target=y, losses=losses, return_outputs=False)
@@ -391,18 +377,18 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
             pipeline.schedule.step(return_outputs=False)
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=x.device)
     dist.broadcast(loss, src=pipeline.last_rank, group=pipeline.group)
-    if pipeline.model.cfg.moe_experts:  # the MoE losses, as one process reports them (Transformer.forward)
-        loss = loss + moe_losses_over_stages(pipeline)
-    params = [p for p in pipeline.model.parameters() if p.grad is not None]
-    local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params \
-        else torch.zeros((), device=x.device)
-    if isinstance(local, DTensor):  # FSDP across pipelines: the norm over this stage's dp shards
-        local = local.full_tensor()
-    squares = local.float() ** 2
-    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pipeline.group)
-    grad_norm = squares.sqrt()
-    if clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
+    if model.cfg.moe_experts:  # (aux, z) summed over all stages' layers, averaged over micro-batches
+        # Each stage's last `microbatches` forwards: on its first step torch's stage also runs one
+        # forward on placeholder inputs first, to infer the shapes it sends.
+        records = [r for per_stage in model.moe_records.values() for r in per_stage[-pipeline.microbatches:]]
+        moe = torch.stack(records).sum(0) / pipeline.microbatches if records else torch.zeros(2, device=x.device)
+        dist.all_reduce(moe, op=dist.ReduceOp.SUM, group=pipeline.group)
+        model.moe_losses = moe
+        loss = loss + model.cfg.moe_aux_loss_weight * moe[0] + model.cfg.moe_z_loss_weight * moe[1]
+    params = [p for p in model.parameters() if p.grad is not None]
+    # Over all stages (squares summed over pp ranks), per mesh (expert parallelism's experts are
+    # on their own mesh).
+    grad_norm = clip_grad_norm(params, clip, norm_group=pipeline.group)
     skipped = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
     step_unless(optimizer, skipped)
     return loss, grad_norm, skipped

@@ -99,6 +99,13 @@ def _muon_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any
 
 def adamw_implementation(cfg: OptimConfig, params: list[torch.Tensor], device_type: str) -> str:
     """Resolve optim.implementation to "fused", "foreach" or "single" for these params."""
+    if len({isinstance(p, DTensor) for p in params}) > 1:
+        # torch's fused and foreach kernels take one list of all-DTensor or all-plain tensors; DDP
+        # with expert parallelism (experts DTensors, the rest plain) has both: one kernel per tensor.
+        if cfg.implementation in ("fused", "foreach"):
+            raise ConfigError(f"optim.implementation={cfg.implementation!r} cannot step DTensor and plain "
+                              f"parameters together (parallel.ep with dp_mode='ddp'); use 'single' or 'auto'")
+        return "single"
     if cfg.implementation == "fused":
         if not fused_adam_supported(params, device_type):
             dtypes = sorted({str(p.dtype) for p in params})

@@ -56,12 +56,14 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
     return total, grad_norm, skipped
 
 
-def clip_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], clip: float, norm_group=None) -> torch.Tensor:
     """torch's `clip_grad_norm_` (clip <= 0: the norm only), where the gradients may be DTensors
     on several meshes (expert parallelism keeps the experts on their own mesh, see
     kiln/parallel/expert_parallel.py): torch's `get_total_norm` per mesh, each made a plain
     tensor (`full_tensor`: the norm of the full gradient) and combined, then
-    `clip_grads_with_norm_`, as torchtitan does for its expert-parallel parameters."""
+    `clip_grads_with_norm_`, as torchtitan does for its expert-parallel parameters.
+    norm_group: ranks holding the other parts of the model (pipeline stages), whose squared norms
+    are summed in (every rank of the group must call this)."""
     by_mesh: dict = {}
     for p in params:
         by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
@@ -70,8 +72,13 @@ def clip_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
-        return torch.nn.utils.get_total_norm([])
-    grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+        grad_norm = torch.nn.utils.get_total_norm([])
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if norm_group is not None:
+        squares = grad_norm.float() ** 2
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=norm_group)
+        grad_norm = squares.sqrt()
     for group in by_mesh.values() if clip > 0 else ():  # one foreach call per mesh
         torch.nn.utils.clip_grads_with_norm_(group, clip, grad_norm, foreach=True)
     return grad_norm

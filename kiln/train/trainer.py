@@ -322,7 +322,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
             state.step += 1
             state.tokens += tokens_per_step
             # MoE (last micro-batch): the unweighted load-balancing and z-losses, fetched with the loss.
-            moe_losses = getattr(model, "moe_losses", None)  # under pp: summed over the stages
+            moe_losses = getattr(model, "moe_losses", None)  # under pp: the step's micro-batch mean, all stages
             extras = None if moe_losses is None else {"moe_aux_loss": moe_losses[0], "moe_z_loss": moe_losses[1]}
             pending.add(state.step, loss, grad_norm, skipped, lr=schedule.lr, data_wait_s=loader.wait_s,
                         tokens=state.tokens, extras=extras)

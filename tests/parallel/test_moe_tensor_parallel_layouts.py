@@ -71,20 +71,20 @@ def _worker(rank, world, text_file, tmp):
     for name, extra in CASES.items():
         train_on_rank(rank, world, job(text_file, **extra), tmp / name)
     # Routing on the cp slice alone: capacity slots and load-balancing shares of half a sequence.
-    modules = context_parallel._modules
-    context_parallel._modules = lambda model, kind: [] if kind == "MoE" else modules(model, kind)
+    moe_modules = context_parallel._moe_modules
+    context_parallel._moe_modules = lambda model: []
     try:
         train_on_rank(rank, world, job(text_file, **BROKEN["tp2_cp2_slice_routing"]), tmp / "tp2_cp2_slice_routing")
     finally:
-        context_parallel._modules = modules
+        context_parallel._moe_modules = moe_modules
     # Stages whose MoE losses are in the reported loss but never reach their routers' gradients.
-    attach = pipeline.attach_loss
-    pipeline.attach_loss = lambda h, loss: h
+    add_to_backward = pipeline._AddToBackward
+    pipeline._AddToBackward = type("NotBackpropagated", (), {"apply": staticmethod(lambda h, extra: h)})
     try:
         train_on_rank(rank, world, job(text_file, **BROKEN["tp2_pp2_moe_loss_not_backpropagated"]),
                       tmp / "tp2_pp2_moe_loss_not_backpropagated")
     finally:
-        pipeline.attach_loss = attach
+        pipeline._AddToBackward = add_to_backward
 
 
 @pytest.fixture(scope="module")
