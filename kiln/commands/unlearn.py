@@ -41,11 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, default=D.clip_grad_norm, help="0: no clipping")
     p.add_argument("--max-steps", type=int, default=D.max_steps, help="step budget per chunk")
     p.add_argument("--check-every", type=int, default=D.check_every,
-                   help="measure the chunk every this many steps (1: stop at the first step at the reference)")
+                   help="check the stop rule every this many steps (1: stop at the first step at the reference)")
+    p.add_argument("--bisect", type=int, default=D.bisect,
+                   help="a step that takes the forget set seen so far below the reference - margin is cut "
+                        "back by this many halvings (0: keep whole steps)")
     p.add_argument("--secret-only", action=argparse.BooleanOptionalAction, default=D.secret_only,
                    help="canary rows: ascend only on the secret's digits, not the format all canaries share")
     p.add_argument("--margin", type=float, default=D.margin,
-                   help="stop a chunk when its EL and MA are <= the held-out reference + this")
+                   help="stop a chunk when the EL and MA of the forget set seen so far are <= the held-out "
+                        "reference + this (and cut back steps that take them below the reference - this)")
     p.add_argument("--exposure-margin", type=float, default=D.exposure_margin,
                    help="canaries: memorized means exposure > the held-out canaries' + this (bits)")
     p.add_argument("--stop-on-exposure", action="store_true",
@@ -69,6 +73,8 @@ def options_from(args: argparse.Namespace) -> UnlearnOptions:
             raise KilnError(f"--{key.replace('_', '-')}={getattr(opts, key)} must be > 0")
     if opts.chunk < 0:
         raise KilnError(f"--chunk={opts.chunk} must be >= 0 (0: all at once)")
+    if opts.bisect < 0:
+        raise KilnError(f"--bisect={opts.bisect} must be >= 0 (0: no cut-back)")
     if not opts.lr > 0 or min(opts.margin, opts.exposure_margin, opts.retain_weight, opts.clip_grad_norm) < 0:
         raise KilnError("--lr must be > 0; --margin, --exposure-margin, --retain-weight and --clip-grad-norm >= 0")
     return opts
