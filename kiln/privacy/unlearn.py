@@ -34,7 +34,12 @@ benchmark's chunks of 4: MA 0.54 vs 0.74), and the stricter target is what was a
 With `secret_only` (default) the ascent on a canary row is masked to its secret's digits: the
 loss counts only those tokens, not the prefix ("my code is ") or the '-' separators that every
 canary - and the held-out ones - share, so the format is not unlearned with the secret. Rows without a secret
-(plain text) ascend on every token. Metrics come from kiln.privacy.metrics; the optimizer and KL
+(plain text) ascend on every token. The tokens of such a row that are not ascended on - the
+format - get an LM (descent) term, weighted by `format_weight` (default 1; 0: off): without it the
+ascent on the digits also lowered the separators' predictions of every canary (a never-ascended
+canary of the forget set fell to MA 0.67, under the band, on the benchmark model), which no stop
+rule can undo since ascent only lowers. With the format kept, a canary whose digits are all
+missed still predicts its format (15 of 21 targets for 6 digits: MA 0.71), near the reference. Metrics come from kiln.privacy.metrics; the optimizer and KL
 are torch's (AdamW, F.kl_div); the masking is hand-written (a boolean mask on the per-token NLL).
 
 Nothing here assumes one device: tensors go to the device of the model's parameters, and under
@@ -66,6 +71,7 @@ class UnlearnOptions:
     check_every: int = 1  # check the stop rule every this many steps (1: stop at the first step that meets it)
     bisect: int = 5  # halvings to cut back a step that overshoots the band (0: keep whole steps)
     secret_only: bool = True  # canary rows: ascend only on the secret's tokens, not the shared prefix
+    format_weight: float = 1.0  # and (secret_only) descend on the other tokens - the format - with this weight
     margin: float = 0.05  # stop when EL and MA <= held-out reference + margin
     exposure_margin: float = 1.0  # canaries: and exposure <= held-out reference + this (bits)
     stop_on_exposure: bool = False  # also stop only when the seen forget set's exposure is at the reference
@@ -221,11 +227,18 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
         rows, seen = forget[start:start + size], forget[:start + size]
         seqs = [tokenizer.encode(r["text"]) for r in rows]
         keep = ascent_mask(tokenizer, rows, seqs, opts.secret_only)
+        # The format of canary rows whose ascent is masked to the secret: every target not ascended on.
+        fmt = [[not a for a in k] if not all(k) else [False] * len(k) for k in keep]
         n_targets = sum(map(sum, keep))  # over the whole chunk: every rank knows all rows
+        n_format = sum(map(sum, fmt)) if opts.format_weight > 0 else 0
         mine, real = shard.block(list(range(len(rows))))
         width = max(len(seqs[i]) for i in mine) - 1
-        mask = torch.tensor([(keep[i] if k < real else [False] * len(keep[i])) + [False] * (width - len(keep[i]))
-                             for k, i in enumerate(mine)], device=device)
+
+        def my_mask(per_row: list[list[bool]]) -> torch.Tensor:  # this rank's rows, padding rows all False
+            return torch.tensor([(per_row[i] if k < real else [False] * len(per_row[i]))
+                                 + [False] * (width - len(per_row[i])) for k, i in enumerate(mine)], device=device)
+
+        mask, format_mask = my_mask(keep), my_mask(fmt)
         my_seqs = [seqs[i] for i in mine]
 
         def check() -> tuple[bool, dict]:
@@ -252,6 +265,10 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
             nll, _ = token_nll(model, my_seqs)
             forget_part = -(nll * mask).sum() / n_targets  # gradient ascent on the chunk's (secret) tokens
             loss = forget_part
+            format_part = None
+            if n_format:  # descent on the canaries' shared format, so the ascent does not unlearn it
+                format_part = (nll * format_mask).sum() / n_format
+                loss = loss + opts.format_weight * format_part
             retain_part = None
             if retain_windows:
                 batch = [retain_windows[rng.randrange(len(retain_windows))] for _ in range(opts.retain_batch)]
@@ -268,6 +285,8 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
             steps += 1
             row = {"step": steps, "loss": float(shard.sum(loss.detach())), "forget_nll": -float(shard.sum(
                 forget_part.detach())), "grad_norm": _grad_norm(norm)}
+            if format_part is not None:
+                row["format_nll"] = float(shard.sum(format_part.detach()))
             if retain_part is not None:
                 row["retain"] = float(shard.sum(retain_part.detach()))
             if steps % opts.check_every == 0 or steps == opts.max_steps:
