@@ -38,13 +38,15 @@ def validation_score(model: torch.nn.Module, tokenizer, ids: np.ndarray, *, seq_
     mine = np.array_split(np.arange(len(windows)), shard.size)[shard.rank]
     batches = list(window_batches(windows, mine, batch_size))
     device = next(model.parameters()).device
+    # Agreed before any forward: under FSDP a collective issued between forwards would pair with
+    # another rank's all-gather.
+    idle = shard.max(len(batches)) - len(batches)
     try:
         if batches:
             local = score_batches(model, batches, torch.from_numpy(token_byte_lengths(tokenizer)), device=device,
                                   autocast=autocast)
         else:
             local = {"loss": 0.0, "tokens": 0, "bytes": 0}
-        idle = shard.max(len(batches)) - len(batches)
         if idle:
             was_training = model.training
             model.eval()

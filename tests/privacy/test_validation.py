@@ -22,11 +22,12 @@ def _model():
     from kiln.config import load_config
     from kiln.model.transformer import Transformer
 
-    torch.manual_seed(0)
     cfg = load_config(None, ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=16",
                              "data.seq_len=16", "data.tokenizer=byte"]).model
     cfg.vocab_size = ByteTokenizer().vocab_size
-    return Transformer(cfg)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    return model
 
 
 def _ids():
@@ -36,7 +37,7 @@ def _ids():
 def _score(model, shard):
     from kiln.privacy.validation import validation_score
 
-    return validation_score(model, ByteTokenizer(), _ids(), seq_len=SEQ_LEN, batch_size=4, max_tokens=TOKENS,
+    return validation_score(model, ByteTokenizer(), _ids(), seq_len=SEQ_LEN, batch_size=8, max_tokens=TOKENS,
                             shard=shard)
 
 
@@ -46,7 +47,7 @@ def test_one_process_matches_the_eval_scorer():
 
     model = _model()
     ours = _score(model, Shard())
-    ref = evaluate_tokens(model, ByteTokenizer(), _ids(), seq_len=SEQ_LEN, batch_size=4, max_tokens=TOKENS)
+    ref = evaluate_tokens(model, ByteTokenizer(), _ids(), seq_len=SEQ_LEN, batch_size=8, max_tokens=TOKENS)
     assert ours["tokens"] == ref["tokens"] == TOKENS and ours["rank_tokens"] == [TOKENS]
     for key in ("loss", "ppl", "bpb"):
         assert ours[key] == pytest.approx(ref[key], rel=1e-12), key
@@ -76,7 +77,8 @@ def test_two_fsdp_ranks_split_the_windows_and_match_one_process(tmp_path):
     one = _score(_model(), Shard())
     a, b = run_ranks(_rank, 2, tmp_path, timeout=100)
     assert a == b  # every rank returns the same numbers
-    # 10 windows: 5 each; rank 1 holds the ragged tail (4 full windows + 7 predictions).
+    # 10 windows: 5 each; rank 1 holds the ragged tail (4 full windows + 7 predictions), so in
+    # batches of 8 rank 0 runs one forward and rank 1 two (the tail is a batch of its own).
     assert a["rank_tokens"] == [5 * SEQ_LEN, 4 * SEQ_LEN + 7] and a["tokens"] == one["tokens"] == TOKENS
     for key in ("loss", "ppl", "bpb"):
         assert a[key] == pytest.approx(one[key], rel=1e-6), key
