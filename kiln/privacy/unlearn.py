@@ -20,8 +20,8 @@ f = 1/2, 1/4 or 3/4, ... (torch.lerp; with weight decay 0 this is the same AdamW
 f, so the moments stay those of the gradient taken) and the largest f found that does not
 overshoot is kept. If none does (f < 2**-bisect), the step is undone and the chunk stops
 ("overshoot": the band cannot be entered from here without leaving it below); `bisect` 0 keeps
-every whole step (the old behaviour). Exposure is measured and
-reported (per chunk and before/after) but is not part of the stop rule: one canary's exposure is
+every whole step (the old behaviour). Exposure is measured and reported (per chunk and
+before/after) but is not part of the stop rule: one canary's exposure is
 too noisy a target (with chunks of 1 it drove EL to 0). It does count when deciding whether the
 forget set looks memorized at all (`exposure_margin`). With `stop_on_exposure` the rule also asks
 that the mean exposure of the forget set seen so far be no higher than the held-out canaries' +
@@ -33,14 +33,16 @@ benchmark's chunks of 4: MA 0.54 vs 0.74), and the stricter target is what was a
 
 With `secret_only` (default) the ascent on a canary row is masked to its secret's digits: the
 loss counts only those tokens, not the prefix ("my code is ") or the '-' separators that every
-canary - and the held-out ones - share, so the format is not unlearned with the secret. Rows without a secret
-(plain text) ascend on every token. The tokens of such a row that are not ascended on - the
+canary - and the held-out ones - share, so the format is not unlearned with the secret. Rows
+without a secret (plain text) ascend on every token. The tokens of such a row that are not ascended on - the
 format - get an LM (descent) term, weighted by `format_weight` (default 1; 0: off): without it the
 ascent on the digits also lowered the separators' predictions of every canary (a never-ascended
 canary of the forget set fell to MA 0.67, under the band, on the benchmark model), which no stop
 rule can undo since ascent only lowers. With the format kept, a canary whose digits are all
-missed still predicts its format (15 of 21 targets for 6 digits: MA 0.71), near the reference. Metrics come from kiln.privacy.metrics; the optimizer and KL
-are torch's (AdamW, F.kl_div); the masking is hand-written (a boolean mask on the per-token NLL).
+missed still predicts its format (15 of 21 targets for 6 digits: MA 0.71), near the reference.
+Metrics come from kiln.privacy.metrics; the optimizer, KL and interpolation are torch's (AdamW,
+F.kl_div, torch.lerp); the masking and the bisection are hand-written (boolean masks on the
+per-token NLL; a loop of halvings).
 
 Nothing here assumes one device: tensors go to the device of the model's parameters, and under
 data parallelism (FSDP, DDP; `Shard`) each rank ascends on its block of every chunk and retain
