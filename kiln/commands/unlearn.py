@@ -8,7 +8,8 @@ loss before and after). Nothing is written to OUT before unlearning succeeds.
 
 One process, or data parallel under `torchrun --nproc-per-node N kiln unlearn ...`: the run's
 [parallel] layout (FSDP by default) over N ranks, the forget/retain batches sharded over the
-ranks, metrics gathered, rank 0 writing the files, and a DCP save from every rank.
+ranks, metrics gathered, the validation windows split (kiln.privacy.validation), rank 0
+writing the files, and a DCP save from every rank.
 """
 
 from __future__ import annotations

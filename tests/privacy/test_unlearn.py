@@ -171,3 +171,12 @@ def test_an_overshooting_step_is_cut_back_into_the_band():
 
     fraction, done, summary = _cut_back([q], [torch.zeros(3)], jump, reference, opts)
     assert fraction == 0.0 and torch.equal(q, torch.zeros(3)) and not done and summary["el"] == 0.7
+
+
+@pytest.mark.parametrize("flag, value, message", [("--bisect", "-1", "--bisect=-1 must be >= 0"),
+                                                  ("--format-weight", "-0.5", "--format-weight")])
+def test_bad_unlearn_options_name_the_flag(tmp_path, capsys, flag, value, message):
+    forget = _write(tmp_path / "f.jsonl", [{"text": "some text"}])
+    assert main(["unlearn", str(tmp_path / "run"), "--forget", str(forget), flag, value,
+                 "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "o").exists()
