@@ -13,7 +13,8 @@ multiple-choice task (true continuation of held-out text vs one from elsewhere) 
 `--chunks` picks the chunk sizes, so sizes can run in separate processes on the same --root run
 (the README's table came from two such calls). `--from-run DIR` copies an already trained run into
 ROOT/run instead of training (the source directory is only read), so a new --root can rerun the
-unlearning with other settings; `--lr` and `--stop-on-exposure` are passed to `kiln unlearn`.
+unlearning with other settings; `--lr`, `--stop-on-exposure`, `--format-weight` and `--bisect`
+are passed to `kiln unlearn`.
 `--label NAME` appends this call's rows, labelled, to an existing --out file's "runs" list
 instead of replacing the file (the rows already there are kept).
 """
@@ -81,6 +82,8 @@ def main() -> None:
     p.add_argument("--from-run", help="copy this trained run to ROOT/run instead of training (the source is only read)")
     p.add_argument("--lr", type=float, help="kiln unlearn --lr (default: kiln's default)")
     p.add_argument("--stop-on-exposure", action="store_true", help="kiln unlearn --stop-on-exposure")
+    p.add_argument("--format-weight", type=float, help="kiln unlearn --format-weight (default: kiln's default)")
+    p.add_argument("--bisect", type=int, help="kiln unlearn --bisect (default: kiln's default)")
     p.add_argument("--label", help="append the rows under this label to --out's 'runs' list, keeping the file")
     args = p.parse_args()
     torch.set_num_threads(1)  # the machine is shared: one thread is faster than two oversubscribed
@@ -131,14 +134,18 @@ def main() -> None:
         code = kiln(["unlearn", str(run_dir), "--forget", str(run_dir / "canaries.jsonl"), "--retain", str(retain),
                      "--chunk", str(k), "--candidates", str(args.candidates), "--out", str(out)]
                     + (["--lr", str(args.lr)] if args.lr is not None else [])
-                    + (["--stop-on-exposure"] if args.stop_on_exposure else []))
+                    + (["--stop-on-exposure"] if args.stop_on_exposure else [])
+                    + (["--format-weight", str(args.format_weight)] if args.format_weight is not None else [])
+                    + (["--bisect", str(args.bisect)] if args.bisect is not None else []))
         seconds = time.perf_counter() - t1
         if code != 0:
             rows.append({"chunk": k, "error": code})
             continue
         rep = json.loads((out / "reports" / "unlearning.json").read_text())
-        rows.append({"chunk": k or "all", "lr": rep["options"]["lr"] if "options" in rep else args.lr,
-                     "stop_on_exposure": args.stop_on_exposure,
+        opts = rep.get("options", {})
+        rows.append({"chunk": k or "all", "lr": opts.get("lr", args.lr), "stop_on_exposure": args.stop_on_exposure,
+                     "format_weight": opts.get("format_weight"), "bisect": opts.get("bisect"),
+                     "cut_back_steps": sum(1 for c in rep["chunks"] for h in c["history"] if "fraction" in h),
                      "seconds": seconds, "steps": rep["steps"], "status": rep["status"],
                      "forget_before": rep["forget_before"], "forget_after": rep["forget_after"],
                      "heldout_reference": rep["heldout_reference"],

@@ -8,7 +8,8 @@ loss before and after). Nothing is written to OUT before unlearning succeeds.
 
 One process, or data parallel under `torchrun --nproc-per-node N kiln unlearn ...`: the run's
 [parallel] layout (FSDP by default) over N ranks, the forget/retain batches sharded over the
-ranks, metrics gathered, rank 0 writing the files, and a DCP save from every rank.
+ranks, metrics gathered, the validation windows split (kiln.privacy.validation), rank 0
+writing the files, and a DCP save from every rank.
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, default=D.clip_grad_norm, help="0: no clipping")
     p.add_argument("--max-steps", type=int, default=D.max_steps, help="step budget per chunk")
     p.add_argument("--check-every", type=int, default=D.check_every,
-                   help="measure the chunk every this many steps (1: stop at the first step at the reference)")
+                   help="check the stop rule every this many steps (1: stop at the first step at the reference)")
+    p.add_argument("--bisect", type=int, default=D.bisect,
+                   help="a step that takes the forget set seen so far below the reference - margin is cut "
+                        "back by this many halvings (0: keep whole steps)")
     p.add_argument("--secret-only", action=argparse.BooleanOptionalAction, default=D.secret_only,
                    help="canary rows: ascend only on the secret's digits, not the format all canaries share")
+    p.add_argument("--format-weight", type=float, default=D.format_weight,
+                   help="with --secret-only: weight of an LM (descent) term on the canary rows' other tokens "
+                        "(the shared format), so the ascent on the digits does not unlearn it (0: off)")
     p.add_argument("--margin", type=float, default=D.margin,
-                   help="stop a chunk when its EL and MA are <= the held-out reference + this")
+                   help="stop a chunk when the EL and MA of the forget set seen so far are <= the held-out "
+                        "reference + this (and cut back steps that take them below the reference - this)")
     p.add_argument("--exposure-margin", type=float, default=D.exposure_margin,
                    help="canaries: memorized means exposure > the held-out canaries' + this (bits)")
     p.add_argument("--stop-on-exposure", action="store_true",
@@ -69,8 +77,12 @@ def options_from(args: argparse.Namespace) -> UnlearnOptions:
             raise KilnError(f"--{key.replace('_', '-')}={getattr(opts, key)} must be > 0")
     if opts.chunk < 0:
         raise KilnError(f"--chunk={opts.chunk} must be >= 0 (0: all at once)")
-    if not opts.lr > 0 or min(opts.margin, opts.exposure_margin, opts.retain_weight, opts.clip_grad_norm) < 0:
-        raise KilnError("--lr must be > 0; --margin, --exposure-margin, --retain-weight and --clip-grad-norm >= 0")
+    if opts.bisect < 0:
+        raise KilnError(f"--bisect={opts.bisect} must be >= 0 (0: no cut-back)")
+    if not opts.lr > 0 or min(opts.margin, opts.exposure_margin, opts.retain_weight, opts.format_weight,
+                                 opts.clip_grad_norm) < 0:
+        raise KilnError("--lr must be > 0; --margin, --exposure-margin, --retain-weight, --format-weight and "
+                        "--clip-grad-norm >= 0")
     return opts
 
 
@@ -140,12 +152,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState
-    from kiln.eval.parts import EvalOptions, PARTS, _seq_len, _shard_dir
+    from kiln.eval.parts import EvalOptions, _seq_len, _shard_dir, validation_tokens
     from kiln.io import atomic_write_json
     from kiln.privacy.canaries import CANARY_FILE
     from kiln.privacy.metrics import Shard, reshard
     from kiln.privacy.sequences import read_sequences, split_heldout
     from kiln.privacy.unlearn import unlearn
+    from kiln.privacy.validation import validation_score
     from kiln.train.run_files import write_run_files
 
     opts = options_from(args)
@@ -169,11 +182,14 @@ def _run(args: argparse.Namespace) -> int:
     original = None
     if retain and opts.retain_loss == "kl":  # the frozen reference of the KL term, same layout
         original = load_model(run_dir, loaded.step, args.device)[0].model
-    # Every rank scores the same validation windows (replicated: the perplexity part is one-process code).
-    val_options = EvalOptions(run_dir=str(run_dir), device=str(device), max_tokens=args.val_tokens)
-    val_before = PARTS["perplexity"](loaded, val_options)
-
     shard = Shard(dims.dp_rank, dims.dp_size, device.type)
+    val_ids, val_source = validation_tokens(loaded)
+
+    def validate() -> dict:  # the perplexity part's windows, split over the ranks
+        return {"source": [val_source], "seq_len": seq_len, **validation_score(
+            loaded.model, loaded.tokenizer, val_ids, seq_len=seq_len, max_tokens=args.val_tokens, shard=shard)}
+
+    val_before = validate()
     report = unlearn(loaded.model, loaded.tokenizer, forget, heldout, retain, opts, shard=shard,
                      original=original, log=say)
     if report["status"] == "not_memorized":
@@ -181,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
         raise KilnError(f"--forget {args.forget}: these sequences do not look memorized (EL {b['el']:.3f}, MA "
                         f"{b['ma']:.3f} vs never-seen EL {r['el']:.3f}, MA {r['ma']:.3f}, within the margins); "
                         f"nothing was changed or written (--force unlearns anyway)")
-    val_after = PARTS["perplexity"](loaded, val_options)
+    val_after = validate()
     report.update({"run_dir": str(run_dir), "step": loaded.step, "forget_file": str(args.forget),
                    "retain_file": args.retain, "val_before": val_before, "val_after": val_after,
                    "world_size": dims.world_size, "dp_mode": dims.dp_mode if dims.world_size > 1 else "none"})

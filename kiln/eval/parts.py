@@ -167,18 +167,23 @@ def perplexity(loaded: LoadedRun, options: EvalOptions) -> dict:
         texts, sources = _read_texts(options.data), [str(p) for p in options.data]
         result = evaluate_texts(loaded.model, loaded.tokenizer, texts, **common)
     else:
-        import numpy as np
-
-        from kiln.data.shards import ShardSet
-
-        shard_dir = _shard_dir(loaded)
-        val = ShardSet(shard_dir, "val")
-        if val.n_tokens < 2:
-            raise KilnError(f"{shard_dir}: the validation split has no tokens; pass --data FILE")
-        ids = np.concatenate([np.asarray(t) for t in val.tokens])
+        ids, source = validation_tokens(loaded)
         result = evaluate_tokens(loaded.model, loaded.tokenizer, ids, **common)
-        sources = [f"{shard_dir} (val)"]
+        sources = [source]
     return {"source": sources, "seq_len": seq_len, **result}
+
+
+def validation_tokens(loaded: LoadedRun):
+    """(the run's validation split as one token stream, its name); also kiln unlearn's data."""
+    import numpy as np
+
+    from kiln.data.shards import ShardSet
+
+    shard_dir = _shard_dir(loaded)
+    val = ShardSet(shard_dir, "val")
+    if val.n_tokens < 2:
+        raise KilnError(f"{shard_dir}: the validation split has no tokens; pass --data FILE")
+    return np.concatenate([np.asarray(t) for t in val.tokens]), f"{shard_dir} (val)"
 
 
 def _read_texts(paths: list[str]) -> list[str]:

@@ -4,25 +4,45 @@ Mitigating Privacy Risks in Language Models").
 The forget sequences are split into sequential chunks of `chunk` sequences (0: all at once). For
 each chunk the model takes AdamW steps on the *negated* LM loss of the chunk (plus, optionally, a
 retain term: the LM loss, or the KL divergence from the original model, on windows of retain
-text) until the stop rule holds or `max_steps` is spent. The stop rule is Jang et al.'s: the
-extraction likelihood and memorization accuracy of the chunk, and of the forget set seen so far
-(chunks 1..c), are no higher than the held-out reference (measured before unlearning) plus
-`margin`. It is checked before the chunk's first step and after every step (`check_every` 1) at
-a small lr, so the step that crosses the reference is the last one; a coarser check or a larger
-lr overshoots far below the "never seen" level and damages the model. Exposure is measured and
-reported (per chunk and before/after) but is not part of the stop rule: one canary's exposure is
+text) until the stop rule holds or `max_steps` is spent.
+
+The stop rule is Jang et al.'s, applied to the forget set seen so far (chunks 1..c; the chunk
+itself when c = 1 or chunk = 0): its extraction likelihood and memorization accuracy are no
+higher than the held-out reference (measured before unlearning) + `margin`. The chunk's own
+metrics are reported but not required: the ascent on one sequence lowers the others' (with
+canaries, every canary's digit predictions, held-out ones included), so asking each small chunk
+to reach the band on its own drove the seen set far under it (chunks of 1: MA 0.64 vs the band
+[0.69, 0.79], benchmarks/README.md). The rule is checked before the chunk's first step (earlier
+chunks may already have brought the seen set there) and after every step (`check_every` 1).
+A step that overshoots - EL or MA of the seen set below the reference - `margin` - is cut back by
+bisection (`bisect` halvings): the parameters are set to before + f * (after - before) for
+f = 1/2, 1/4 or 3/4, ... (torch.lerp; with weight decay 0 this is the same AdamW update scaled by
+f, so the moments stay those of the gradient taken) and the largest f found that does not
+overshoot is kept. If none does (f < 2**-bisect), the step is undone and the chunk stops
+("overshoot": the band cannot be entered from here without leaving it below); `bisect` 0 keeps
+every whole step (the old behaviour). Exposure is measured and reported (per chunk and
+before/after) but is not part of the stop rule: one canary's exposure is
 too noisy a target (with chunks of 1 it drove EL to 0). It does count when deciding whether the
 forget set looks memorized at all (`exposure_margin`). With `stop_on_exposure` the rule also asks
 that the mean exposure of the forget set seen so far be no higher than the held-out canaries' +
 `exposure_margin` (checked only once EL and MA pass, since exposure ranks every candidate): EL and
 MA count argmax hits, and a secret that is no longer the argmax can still rank near the top of the
-candidates, which is what an attacker who guesses by likelihood exploits.
+candidates, which is what an attacker who guesses by likelihood exploits. Steps are not cut back
+under `stop_on_exposure`: reaching the held-out exposure takes EL and MA under the band (the
+benchmark's chunks of 4: MA 0.54 vs 0.74), and the stricter target is what was asked for.
 
 With `secret_only` (default) the ascent on a canary row is masked to its secret's digits: the
 loss counts only those tokens, not the prefix ("my code is ") or the '-' separators that every
-canary - and the held-out ones - share, so the format is not unlearned with the secret. Rows without a secret
-(plain text) ascend on every token. Metrics come from kiln.privacy.metrics; the optimizer and KL
-are torch's (AdamW, F.kl_div); the masking is hand-written (a boolean mask on the per-token NLL).
+canary - and the held-out ones - share, so the format is not unlearned with the secret. Rows
+without a secret (plain text) ascend on every token. The tokens of such a row that are not ascended on - the
+format - get an LM (descent) term, weighted by `format_weight` (default 1; 0: off): without it the
+ascent on the digits also lowered the separators' predictions of every canary (a never-ascended
+canary of the forget set fell to MA 0.67, under the band, on the benchmark model), which no stop
+rule can undo since ascent only lowers. With the format kept, a canary whose digits are all
+missed still predicts its format (15 of 21 targets for 6 digits: MA 0.71), near the reference.
+Metrics come from kiln.privacy.metrics; the optimizer, KL and interpolation are torch's (AdamW,
+F.kl_div, torch.lerp); the masking and the bisection are hand-written (boolean masks on the
+per-token NLL; a loop of halvings).
 
 Nothing here assumes one device: tensors go to the device of the model's parameters, and under
 data parallelism (FSDP, DDP; `Shard`) each rank ascends on its block of every chunk and retain
@@ -50,8 +70,10 @@ class UnlearnOptions:
     chunk: int = 0  # sequences per sequential chunk; 0: all at once
     lr: float = 1e-4
     max_steps: int = 200  # step budget per chunk
-    check_every: int = 1  # measure the chunk every this many steps (1: stop at the first step that reaches it)
+    check_every: int = 1  # check the stop rule every this many steps (1: stop at the first step that meets it)
+    bisect: int = 5  # halvings to cut back a step that overshoots the band (0: keep whole steps)
     secret_only: bool = True  # canary rows: ascend only on the secret's tokens, not the shared prefix
+    format_weight: float = 1.0  # and (secret_only) descend on the other tokens - the format - with this weight
     margin: float = 0.05  # stop when EL and MA <= held-out reference + margin
     exposure_margin: float = 1.0  # canaries: and exposure <= held-out reference + this (bits)
     stop_on_exposure: bool = False  # also stop only when the seen forget set's exposure is at the reference
@@ -78,6 +100,11 @@ def _memorized(summary: dict, reference: dict, opts: "UnlearnOptions") -> bool:
 def _at_reference(summary: dict, reference: dict, opts: "UnlearnOptions") -> bool:
     """The stop rule (Jang et al. 2022): EL and MA no higher than the held-out reference + margin."""
     return summary["el"] <= reference["el"] + opts.margin and summary["ma"] <= reference["ma"] + opts.margin
+
+
+def _overshot(summary: dict, reference: dict, opts: "UnlearnOptions") -> bool:
+    """EL or MA below the band: lower than the held-out reference - margin."""
+    return summary["el"] < reference["el"] - opts.margin or summary["ma"] < reference["ma"] - opts.margin
 
 
 def ascent_mask(tokenizer, rows: list[dict], seqs: list[list[int]], secret_only: bool) -> list[list[bool]]:
@@ -123,6 +150,30 @@ def _retain_term(model: torch.nn.Module, windows: list[list[int]], weights: torc
             ref_logp = original(inputs).float().log_softmax(-1)
         per_pos = F.kl_div(logits.log_softmax(-1), ref_logp, log_target=True, reduction="none").sum(-1)
     return (per_pos * weights[:, None]).sum() / (total_rows * inputs.shape[1])
+
+
+@torch.no_grad()
+def _cut_back(params: list[torch.Tensor], before: list[torch.Tensor], check: Callable[[], tuple[bool, dict]],
+              reference: dict, opts: UnlearnOptions) -> tuple[float, bool, dict]:
+    """Bisect the step just taken (parameters `before` -> now) for the largest fraction f in
+    (0, 1) whose parameters before + f * (now - before) do not overshoot the band; leaves the
+    parameters there (f = 0: back to `before`) and returns (f, check() there). The metrics are
+    argmax counts, not monotone in f in general: bisection finds a fraction at a boundary, not
+    necessarily the largest one."""
+    after = [p.detach().clone() for p in params]
+    lo, hi, at_lo = 0.0, 1.0, None
+    for _ in range(opts.bisect):
+        mid = (lo + hi) / 2
+        for p, b, a in zip(params, before, after):
+            p.copy_(torch.lerp(b, a, mid))
+        result = check()
+        if _overshot(result[1], reference, opts):
+            hi = mid
+        else:
+            lo, at_lo = mid, result
+    for p, b, a in zip(params, before, after):
+        p.copy_(torch.lerp(b, a, lo) if lo else b)
+    return lo, *(at_lo if at_lo is not None else check())
 
 
 def _grad_norm(norm: torch.Tensor) -> float:
@@ -171,43 +222,55 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
         original.eval().requires_grad_(False)
     kl_model = original if retain_windows and opts.retain_loss == "kl" else None
     rng = random.Random(opts.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
     size = opts.chunk or len(forget)
     total_steps, t0 = 0, time.perf_counter()
     for start in range(0, len(forget), size):
         rows, seen = forget[start:start + size], forget[:start + size]
         seqs = [tokenizer.encode(r["text"]) for r in rows]
         keep = ascent_mask(tokenizer, rows, seqs, opts.secret_only)
+        # The format of canary rows whose ascent is masked to the secret: every target not ascended on.
+        fmt = [[not a for a in k] if not all(k) else [False] * len(k) for k in keep]
         n_targets = sum(map(sum, keep))  # over the whole chunk: every rank knows all rows
+        n_format = sum(map(sum, fmt)) if opts.format_weight > 0 else 0
         mine, real = shard.block(list(range(len(rows))))
         width = max(len(seqs[i]) for i in mine) - 1
-        mask = torch.tensor([(keep[i] if k < real else [False] * len(keep[i])) + [False] * (width - len(keep[i]))
-                             for k, i in enumerate(mine)], device=device)
+
+        def my_mask(per_row: list[list[bool]]) -> torch.Tensor:  # this rank's rows, padding rows all False
+            return torch.tensor([(per_row[i] if k < real else [False] * len(per_row[i]))
+                                 + [False] * (width - len(per_row[i])) for k, i in enumerate(mine)], device=device)
+
+        mask, format_mask = my_mask(keep), my_mask(fmt)
         my_seqs = [seqs[i] for i in mine]
 
-        def reached() -> tuple[bool, dict, dict | None]:
-            """The stop rule on the chunk, then on the forget set seen so far (measured only when
-            the chunk passes): both at the held-out reference within the margin."""
-            chunk = measure(rows)
-            if not _at_reference(chunk, reference, opts):
-                return False, chunk, None
-            so_far = chunk if start == 0 else measure(seen)
+        def check() -> tuple[bool, dict]:
+            """The stop rule on the forget set seen so far (and its exposure with stop_on_exposure)."""
+            so_far = measure(seen)
             if not _at_reference(so_far, reference, opts):
-                return False, chunk, so_far
+                return False, so_far
             if opts.stop_on_exposure and "exposure" in reference:
                 exposed = measure(seen, with_exposure=True)
                 if exposed.get("exposure", -math.inf) > reference["exposure"] + opts.exposure_margin:
-                    return False, chunk, so_far
-            return True, chunk, so_far
+                    return False, so_far
+            return True, so_far
 
-        # Measured now, not before unlearning: earlier chunks' steps may already have brought this
-        # chunk to the reference, and a step beyond it only overshoots.
-        done, chunk_now, so_far = reached()
-        steps, history = 0, []
+        # Checked now, not only after a step: earlier chunks' steps may already have brought the
+        # seen set to the reference, and a step beyond it only overshoots.
+        done, so_far = check()
+        steps, history, stopped = 0, [], "reference" if done else "step_budget"
         while not done and steps < opts.max_steps:
             model.train()
+            reshard(model)  # the parameters the optimizer steps (FSDP: the shards)
+            # (With stop_on_exposure the exposure target wins: EL/MA may go under the band to reach it.)
+            cut_back = opts.bisect > 0 and not opts.stop_on_exposure
+            start_params = [p.detach().clone() for p in params] if cut_back else None
             nll, _ = token_nll(model, my_seqs)
             forget_part = -(nll * mask).sum() / n_targets  # gradient ascent on the chunk's (secret) tokens
             loss = forget_part
+            format_part = None
+            if n_format:  # descent on the canaries' shared format, so the ascent does not unlearn it
+                format_part = (nll * format_mask).sum() / n_format
+                loss = loss + opts.format_weight * format_part
             retain_part = None
             if retain_windows:
                 batch = [retain_windows[rng.randrange(len(retain_windows))] for _ in range(opts.retain_batch)]
@@ -224,24 +287,37 @@ def unlearn(model: torch.nn.Module, tokenizer, forget: list[dict], heldout: list
             steps += 1
             row = {"step": steps, "loss": float(shard.sum(loss.detach())), "forget_nll": -float(shard.sum(
                 forget_part.detach())), "grad_norm": _grad_norm(norm)}
+            if format_part is not None:
+                row["format_nll"] = float(shard.sum(format_part.detach()))
             if retain_part is not None:
                 row["retain"] = float(shard.sum(retain_part.detach()))
             if steps % opts.check_every == 0 or steps == opts.max_steps:
-                done, chunk_now, so_far = reached()
-                row.update(el=chunk_now["el"], ma=chunk_now["ma"])
+                done, so_far = check()
+                if start_params is not None and _overshot(so_far, reference, opts):
+                    fraction, done, so_far = _cut_back(params, start_params, check, reference, opts)
+                    row["fraction"] = fraction
+                    if fraction == 0.0:
+                        stopped = "overshoot"
+                row.update(el=so_far["el"], ma=so_far["ma"])
+                if done:
+                    stopped = "reference"
             history.append(row)
+            if stopped == "overshoot":
+                break
         total_steps += steps
         end = measure(rows, with_exposure=True)
         report["chunks"].append({
-            "first": start, "size": len(rows), "steps": steps, "reached_reference": done,
+            "first": start, "size": len(rows), "steps": steps, "reached_reference": done, "stopped": stopped,
             **{k: end[k] for k in ("el", "ma", "exposure") if k in end},
-            **({"seen_el": so_far["el"], "seen_ma": so_far["ma"]} if so_far else {}), "history": history})
+            "seen_el": so_far["el"], "seen_ma": so_far["ma"], "history": history})
         log(f"chunk {start // size + 1}: {len(rows)} sequences, {steps} steps, EL {end['el']:.3f} "
-            f"MA {end['ma']:.3f}{'' if done else ' (step budget spent)'}")
+            f"MA {end['ma']:.3f}, seen so far EL {so_far['el']:.3f} MA {so_far['ma']:.3f}"
+            f"{'' if done else f' (stopped: {stopped})'}")
     model.eval()
     report["forget_after"] = summarize(sequence_metrics(model, tokenizer, forget, **metric_kw))
     report["heldout_after"] = summarize(sequence_metrics(model, tokenizer, heldout, **metric_kw))
     report["steps"] = total_steps
     report["seconds"] = time.perf_counter() - t0
-    report["status"] = "done" if all(c["reached_reference"] for c in report["chunks"]) else "step_budget"
+    stops = {c["stopped"] for c in report["chunks"]}
+    report["status"] = "done" if stops == {"reference"} else "overshoot" if "overshoot" in stops else "step_budget"
     return report

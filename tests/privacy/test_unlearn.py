@@ -144,3 +144,39 @@ def test_ascent_is_masked_to_the_secret_of_canary_rows():
     # (byte 13) are ascended on, not the shared prefix "my code is " or the separator "-".
     assert canary == [False] * 10 + [True, False, True] and plain == [True] * 4
     assert ascent_mask(tok, rows, seqs, secret_only=False)[0] == [True] * 13
+
+
+def test_an_overshooting_step_is_cut_back_into_the_band():
+    import torch
+
+    from kiln.privacy.unlearn import UnlearnOptions, _cut_back
+
+    reference, opts = {"el": 0.5, "ma": 0.5}, UnlearnOptions(margin=0.1, bisect=5)  # band [0.4, 0.6]
+    p = torch.ones(3)  # the step took the parameters from 0 to 1; EL = 1 - p falls under 0.4 past p = 0.6
+
+    def check():
+        summary = {"el": 1.0 - float(p[0]), "ma": 0.5}
+        return summary["el"] <= 0.6, summary
+
+    fraction, done, summary = _cut_back([p], [torch.zeros(3)], check, reference, opts)
+    assert 0.6 - 2 ** -5 <= fraction <= 0.6 and torch.equal(p, torch.full((3,), fraction))
+    assert done and 0.4 <= summary["el"] <= 0.6
+    # An argmax count jumps: when any part of the step leaves the band below, the step is undone
+    # (fraction 0, the parameters back where they were) and the rule does not hold there.
+    q = torch.ones(3)
+
+    def jump():
+        summary = {"el": 0.7 if float(q[0]) == 0.0 else 0.3, "ma": 0.5}
+        return summary["el"] <= 0.6, summary
+
+    fraction, done, summary = _cut_back([q], [torch.zeros(3)], jump, reference, opts)
+    assert fraction == 0.0 and torch.equal(q, torch.zeros(3)) and not done and summary["el"] == 0.7
+
+
+@pytest.mark.parametrize("flag, value, message", [("--bisect", "-1", "--bisect=-1 must be >= 0"),
+                                                  ("--format-weight", "-0.5", "--format-weight")])
+def test_bad_unlearn_options_name_the_flag(tmp_path, capsys, flag, value, message):
+    forget = _write(tmp_path / "f.jsonl", [{"text": "some text"}])
+    assert main(["unlearn", str(tmp_path / "run"), "--forget", str(forget), flag, value,
+                 "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "o").exists()

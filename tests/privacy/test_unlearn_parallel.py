@@ -6,7 +6,9 @@ Tolerance: rtol 1e-4 / atol 1e-5 on losses, grad norms and weights (the two runs
 the order of fp32 sums: FSDP's reduce-scatter of the gradients, and each rank's half of the
 loss); EL/MA are argmax counts, equal unless a logit pair ties within that noise (abs 1e-6).
 Wrong math fails it: a rank ascending on the whole chunk, or a missing scale, changes the losses
-after the first step and the grad norm of every step.
+after the first step and the grad norm of every step. Both retain terms are checked (`lm`, and
+`kl`: KL from the original model, loaded as a second FSDP model), as are the canary chunk's format
+term and the validation loss, which the ranks split (each scores its block of the windows).
 """
 
 import json
@@ -28,7 +30,7 @@ FORGET = ["the quick brown fox jumps", "over the lazy dog. the", "a stitch in ti
 HELDOUT = ["QZXJ#@!%&*QZXJ#@", "#@!%QZXJ&*#@!%QZ"]  # bytes never trained on: MA ~0
 
 
-def _args(run_dir: Path, out: Path) -> list[str]:
+def _args(run_dir: Path, out: Path, retain_loss: str) -> list[str]:
     # --force and --margin 0 with a 3-step budget: every chunk takes all its steps, so the per-step
     # rows compare; chunks of 3 plain rows (split 2 + 1 padded) then the canary alone (rank 1:
     # padding only);
@@ -36,12 +38,12 @@ def _args(run_dir: Path, out: Path) -> list[str]:
     return ["unlearn", str(run_dir), "--forget", str(run_dir.parent / "forget.jsonl"), "--retain",
             str(run_dir.parent / "corpus.txt"), "--retain-batch", "3", "--chunk", "3", "--max-steps", "3",
             "--margin", "0", "--force", "--lr", "1e-3", "--clip-grad-norm", "0", "--candidates", "20",
-            "--val-tokens", "300", "--device", "cpu", "--out", str(out)]
+            "--val-tokens", "300", "--device", "cpu", "--retain-loss", retain_loss, "--out", str(out)]
 
 
-def _unlearn_rank(rank, n, run_dir, out):
+def _unlearn_rank(rank, n, run_dir, out, retain_loss):
     os.environ.update(WORLD_SIZE=str(n), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n))
-    return main(_args(Path(run_dir), Path(out)))
+    return main(_args(Path(run_dir), Path(out), retain_loss))
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +63,17 @@ def run_dir(tmp_path_factory):
     return root / "run"
 
 
-@pytest.mark.timeout(240)
-def test_two_fsdp_ranks_match_one_process(run_dir, tmp_path):
+@pytest.mark.timeout(400)  # ~220 s seen at load average 28 on 2 cores
+@pytest.mark.parametrize("retain_loss", ["lm", "kl"])
+def test_two_fsdp_ranks_match_one_process(run_dir, tmp_path, retain_loss):
     from parallel.ranks import run_ranks
 
     from kiln.eval.load import load_run
 
     torch.set_num_threads(1)
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main(_args(run_dir, one)) == 0
-    assert run_ranks(_unlearn_rank, 2, tmp_path, str(run_dir), str(two), timeout=200) == [0, 0]
+    assert main(_args(run_dir, one, retain_loss)) == 0
+    assert run_ranks(_unlearn_rank, 2, tmp_path, str(run_dir), str(two), retain_loss, timeout=300) == [0, 0]
     a = json.loads((one / "reports" / "unlearning.json").read_text())
     b = json.loads((two / "reports" / "unlearning.json").read_text())
     assert (a["world_size"], b["world_size"], b["dp_mode"]) == (1, 2, "fsdp")
@@ -78,15 +81,29 @@ def test_two_fsdp_ranks_match_one_process(run_dir, tmp_path):
     assert b["chunks"][1]["exposure"] == pytest.approx(a["chunks"][1]["exposure"], abs=1e-6)  # the canary's
     for ca, cb in zip(a["chunks"], b["chunks"]):
         for ha, hb in zip(ca["history"], cb["history"]):
-            for key in ("loss", "forget_nll", "retain", "grad_norm"):
+            assert ha.keys() == hb.keys()
+            for key in ("loss", "forget_nll", "format_nll", "retain", "grad_norm"):
+                if key not in ha:  # format_nll: only chunks with canary rows (the second)
+                    continue
                 assert hb[key] == pytest.approx(ha[key], rel=1e-4, abs=1e-5), (ha["step"], key)
             for key in ("el", "ma"):
                 assert hb[key] == pytest.approx(ha[key], abs=1e-6), (ha["step"], key)
     for part in ("forget_before", "heldout_reference", "forget_after", "heldout_after"):
         for key, value in a[part].items():
             assert b[part][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (part, key)
-    assert b["val_after"]["loss"] == pytest.approx(a["val_after"]["loss"], rel=1e-4)
-    assert a["forget_after"]["nll_per_token"] > a["forget_before"]["nll_per_token"]  # it did ascend
+    assert a["options"]["retain_loss"] == b["options"]["retain_loss"] == retain_loss
+    if retain_loss == "kl":  # 0 at the first step (the model is the original), > 0 once it has moved
+        first = a["chunks"][0]["history"]
+        assert first[0]["retain"] == pytest.approx(0, abs=1e-6) and first[1]["retain"] > 1e-6
+    # Validation is split over the ranks (each scores its block of the windows) and equals one process.
+    for part in ("val_before", "val_after"):
+        assert len(b[part]["rank_tokens"]) == 2 and 0 < min(b[part]["rank_tokens"])
+        assert sum(b[part]["rank_tokens"]) == b[part]["tokens"] == a[part]["tokens"] == a[part]["rank_tokens"][0]
+        for key in ("loss", "bpb"):
+            assert b[part][key] == pytest.approx(a[part][key], rel=1e-5), (part, key)
+    plain, canary = a["chunks"][0]["history"], a["chunks"][1]["history"]
+    assert plain[-1]["forget_nll"] > plain[0]["forget_nll"]  # it did ascend (the NLL before each step)
+    assert "format_nll" not in plain[0] and canary[-1]["format_nll"] < canary[0]["format_nll"]  # and kept the format
     # The DCP checkpoint the two ranks wrote loads in one process, with the same weights.
     wa, wb = load_run(one).model.state_dict(), load_run(two).model.state_dict()
     assert wa.keys() == wb.keys()
