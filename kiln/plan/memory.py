@@ -17,8 +17,9 @@ Closed form (no module is built). Terms, per rank:
   model): what AOTAutograd's min-cut partitioner (inductor's decompositions) saves, measured on
   CPU by tests/plan/test_compiled_saved.py (the partition is made before any device code): per
   block and token the two fp32 norm inputs (layernorm: the fp32 normalized input instead, same
-  size) and their low-precision normed copies, q/k (after RoPE) and v, SDPA's output and its
-  contiguous (b, s, h*d) copy, SDPA's fp32 logsumexp per head, and the MLP's matmul outputs plus
+  size) and their low-precision normed copies, q/k (after RoPE) and v, SDPA's output (with RoPE
+  also its contiguous (b, s, h*d) copy, the output projection's input: without RoPE the
+  partitioner recomputes that copy), SDPA's fp32 logsumexp per head, and the MLP's matmul outputs plus
   the activation's product (gated: w1 and w3 outputs and act*w3; plain: w1 output and act);
   under checkpoint_wrapper only each block's fp32 input;
 - temporary: logits (fp32, x2 with their gradient) for the full loss, or one chunk for chunked;
@@ -106,6 +107,7 @@ class ModelShape:
     learned_positions_len: int = 0
     moe_experts: int = 0  # MoE blocks (kiln/model/moe.py): E bias-free experts + a router per block
     moe_layers: int = 0
+    rope: bool = True  # RoPE: the compiled graph saves SDPA's output and its contiguous copy (docstring)
 
     @classmethod
     def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
@@ -115,7 +117,8 @@ class ModelShape:
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, kv_dim=(m.n_kv_heads or m.n_heads) * head,
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
                    tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
-                   moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0)
+                   moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
+                   rope=m.positions == "rope")
 
     @property
     def layer_params(self) -> int:
@@ -146,7 +149,8 @@ class ModelShape:
         if compiled:  # normed copies, q/k/v, SDPA out + contiguous copy, the MLP's saved tensors
             mlp = (3 if self.gated else 2) * self.ffn
             stats = 4 * self.n_heads + 2 * 8  # SDPA's fp32 logsumexp; each norm's fp32 mean/rstd
-            return kept + act * (2 * self.dim + (self.dim + 2 * self.kv_dim) + 2 * self.dim + mlp) + stats
+            attn_out = (2 if self.rope else 1) * self.dim
+            return kept + act * (2 * self.dim + (self.dim + 2 * self.kv_dim) + attn_out + mlp) + stats
         kept += act * (self.dim + (self.dim + 2 * self.kv_dim) + self.dim + self.dim)  # normed, q/k/v, attn out, normed
         kept += act * (4 if self.gated else 2) * self.ffn
         return kept
