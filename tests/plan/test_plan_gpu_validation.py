@@ -107,3 +107,41 @@ def test_command_line_bad_file_is_one_line(tmp_path, monkeypatch):
     message = str(exit_.value.code)  # what the interpreter prints to stderr, exit status 1
     assert "not JSON" in message and "\n" not in message
     assert not (tmp_path / "out.json").exists()
+
+
+def test_compiled_memory_bound_terms_count_bytes():
+    """elementwise_bytes by hand for a gated RoPE model, and the step's memory-bound term is those
+    bytes plus gradient clipping's 12 per parameter at the memory bandwidth; eager runs have none."""
+    from kiln.plan.timing import elementwise_bytes, step_time
+
+    shape = ModelShape.from_config(ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
+                                               vocab_size=128256), 128256)
+    d, kv, f = 2048, 512, 8192
+    forward = 2 * 6 * d + 2 * 10 * d + 4 * 2 * (d + kv) + 4 * d + 6 * f
+    layout = Layout(micro_batch=4, compiled=True)
+    assert elementwise_bytes(shape, layout, 2048) == 16 * 3 * forward + 6 * 128256
+    h100 = load_cluster("h100")
+    t = step_time(shape, layout, 2048, h100)
+    params = shape.embedding_params + 16 * shape.layer_params
+    bw = h100.device.memory_bandwidth_gbps * 1e9
+    assert t.memory_bound == pytest.approx((elementwise_bytes(shape, layout, 2048) * 8192 + 12 * params) / bw)
+    assert step_time(shape, Layout(micro_batch=4), 2048, h100).memory_bound == 0
+    # full AC runs each block's forward once more
+    ac = Layout(micro_batch=4, ac="full", compiled=True)
+    assert elementwise_bytes(shape, ac, 2048) == 16 * 4 * forward + 6 * 128256
+
+
+def test_float8_speeds_up_only_the_block_linears_and_pays_for_casts():
+    from kiln.plan.timing import step_time
+
+    shape = ModelShape.from_config(ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
+                                               vocab_size=128256), 128256)
+    h100 = load_cluster("h100")
+    bf16, fp8 = (step_time(shape, Layout(micro_batch=4, compiled=True, precision=p), 2048, h100) for p in ("bf16", "float8"))
+    linear_share = 6 * 16 * shape.layer_params / (bf16.flops / (4 * 2048))  # of the model FLOPs
+    # compute: the linears' share at the float8 peak (1979 vs 989 TFLOP/s), the rest (head, attention) unchanged
+    assert fp8.compute == pytest.approx(bf16.compute * (1 - linear_share + linear_share * 989 / 1979))
+    assert 1.0 < bf16.compute / fp8.compute < 2.0
+    d, kv, f = 2048, 512, 8192
+    casts = 7 * (2 * d + 2 * (d + kv) + 2 * d + 3 * (d + f)) * 16 * 8192 + 11 * 16 * shape.layer_params
+    assert fp8.memory_bound - bf16.memory_bound == pytest.approx(casts / (h100.device.memory_bandwidth_gbps * 1e9))
