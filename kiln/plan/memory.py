@@ -21,7 +21,10 @@ Closed form (no module is built). Terms, per rank:
   also its contiguous (b, s, h*d) copy, the output projection's input: without RoPE the
   partitioner recomputes that copy), SDPA's fp32 logsumexp per head, and the MLP's matmul outputs plus
   the activation's product (gated: w1 and w3 outputs and act*w3; plain: w1 output and act);
-  under checkpoint_wrapper only each block's fp32 input;
+  under checkpoint_wrapper only each block's fp32 input; float8 (torchao tensorwise on the blocks'
+  linears) the partitioner recomputes the normed inputs, act*w3 and every weight cast from their
+  fp32 sources and the saved scales, and keeps q/k/v, SDPA's output, the MLP matmul outputs and a
+  float8 (1 byte) transposed copy of the output projection's input;
 - temporary: logits (fp32, x2 with their gradient) for the full loss, or one chunk for chunked;
   compiled: the loss is fused, the graph saves the low-precision logits (with per-token max and
   log-sum-exp) and backward writes their gradient into the same buffer (AOTAutograd's donated
@@ -143,12 +146,15 @@ class ModelShape:
         block = 4 + (3 if self.gated else 2) + 2
         return -(-self.n_layers // pp) * block + 2 + (0 if self.tied else 1) + (1 if self.learned_positions_len else 0)
 
-    def act_bytes_per_token(self, act: int, compiled: bool = False) -> float:
+    def act_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
         """Bytes one block keeps for backward per token (see the module docstring)."""
         kept = 2 * self.dim * 4  # the two norm inputs: the fp32 residual stream
-        if compiled:  # normed copies, q/k/v, SDPA out + contiguous copy, the MLP's saved tensors
+        stats = 4 * self.n_heads + 2 * 8  # SDPA's fp32 logsumexp; each norm's fp32 mean/rstd
+        if compiled and float8:  # normed inputs and act*w3 recomputed; a float8 copy of o-proj's input
+            mlp = (2 if self.gated else 1) * self.ffn
+            return kept + act * ((self.dim + 2 * self.kv_dim) + self.dim + mlp) + self.dim + stats
+        if compiled:  # normed copies, q/k/v, SDPA out (+ contiguous copy), the MLP's saved tensors
             mlp = (3 if self.gated else 2) * self.ffn
-            stats = 4 * self.n_heads + 2 * 8  # SDPA's fp32 logsumexp; each norm's fp32 mean/rstd
             attn_out = (2 if self.rope else 1) * self.dim
             return kept + act * (2 * self.dim + (self.dim + 2 * self.kv_dim) + attn_out + mlp) + stats
         kept += act * (self.dim + (self.dim + 2 * self.kv_dim) + self.dim + self.dim)  # normed, q/k/v, attn out, normed
@@ -216,7 +222,8 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
 
     act = ACT_BYTES[layout.precision]
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
-    per_block = shape.act_bytes_per_token(act, layout.compiled) * tokens / layout.tp
+    float8 = layout.precision == "float8"
+    per_block = shape.act_bytes_per_token(act, layout.compiled, float8) * tokens / layout.tp
     n_ac = recomputed_blocks(layout.ac, layers)
     block_input = 4 * shape.dim * tokens / layout.tp
     per_microbatch = (layers - n_ac) * per_block + n_ac * block_input
@@ -243,7 +250,8 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
     if layout.precision != "fp32" and full_mode not in ("fsdp", "zero2"):  # autocast's low-precision weight copies
         head = shape.vocab * shape.dim if layout.pp == 1 or not shape.tied else 0  # the LM head's weight
         if layout.compiled:  # a checkpointed block's casts are recomputed, not saved; backward frees them
-            casts_forward = param_bytes * ((layers - n_ac) * shape.layer_params + head) / layout.tp
+            blocks = 0 if float8 else layers - n_ac  # torchao's float8 weight casts are recomputed too
+            casts_forward = param_bytes * (blocks * shape.layer_params + head) / layout.tp
             casts_backward = param_bytes * shape.layer_params / layout.tp
         else:
             out.temporary += param_bytes * (layers * shape.layer_params + head) / layout.tp
