@@ -145,3 +145,15 @@ def test_float8_speeds_up_only_the_block_linears_and_pays_for_casts():
     d, kv, f = 2048, 512, 8192
     casts = 7 * (2 * d + 2 * (d + kv) + 2 * d + 3 * (d + f)) * 16 * 8192 + 11 * 16 * shape.layer_params
     assert fp8.memory_bound - bf16.memory_bound == pytest.approx(casts / (h100.device.memory_bandwidth_gbps * 1e9))
+
+
+@pytest.mark.parametrize("activation,positions,ac,ga", [("swiglu", "rope", "none", 1), ("gelu", "learned", "none", 1),
+                                                       ("swiglu", "rope", "full", 1), ("gelu", "learned", "selective", 4)])
+def test_eager_count_bounds_the_compiled_one(activation, positions, ac, ga):
+    """kiln train's refusal plans the eager layout (kiln/train/memory.py): it must not count less
+    than a compiled run of the same model needs."""
+    model = ModelConfig(dim=1024, n_layers=8, n_heads=16, vocab_size=32000, activation=activation, positions=positions)
+    shape = ModelShape.from_config(model, 32000)
+    eager, compiled = (rank_memory(shape, Layout(micro_batch=4, grad_accum=ga, ac=ac, compiled=c), 1024).total
+                       for c in (False, True))
+    assert eager >= compiled
