@@ -157,3 +157,18 @@ def test_eager_count_bounds_the_compiled_one(activation, positions, ac, ga):
     eager, compiled = (rank_memory(shape, Layout(micro_batch=4, grad_accum=ga, ac=ac, compiled=c), 1024).total
                        for c in (False, True))
     assert eager >= compiled
+
+
+def test_search_plans_one_device_compiled_runs_with_the_compiled_model():
+    from kiln.plan.search import search
+
+    shape = ModelShape.from_config(ModelConfig(dim=768, n_layers=12, n_heads=12, vocab_size=50304), 50304)
+    one = load_cluster("h100")
+    one.gpus_per_node = 1
+    eager, compiled = (search(shape, one, 1024, 16, compiled=c)[0] for c in (False, True))
+    assert compiled.layout.compiled and not eager.layout.compiled
+    assert compiled.memory.total == pytest.approx(rank_memory(shape, compiled.layout, 1024).total)
+    assert compiled.memory.total < eager.memory.total and compiled.time.memory_bound > 0
+    # sharded layouts compile per block (kiln's auto scope): planned with the eager terms
+    eight = search(shape, load_cluster("h100"), 1024, 16, compiled=True)
+    assert not any(p.layout.compiled for p in eight)
