@@ -19,8 +19,8 @@ Closed form (no module is built). Terms, per rank:
   block and token the two fp32 norm inputs (layernorm: the fp32 normalized input instead, same
   size) and their low-precision normed copies, q/k (after RoPE) and v, SDPA's output (with RoPE
   also its contiguous (b, s, h*d) copy, the output projection's input: without RoPE the
-  partitioner recomputes that copy), SDPA's fp32 logsumexp per head, and the MLP's matmul outputs plus
-  the activation's product (gated: w1 and w3 outputs and act*w3; plain: w1 output and act);
+  partitioner recomputes that copy), SDPA's fp32 logsumexp per head, and the MLP's matmul
+  outputs plus the activation's product (gated: w1 and w3 outputs and act*w3; plain: w1 output and act);
   under checkpoint_wrapper only each block's fp32 input; float8 (torchao tensorwise on the blocks'
   linears) the partitioner recomputes the normed inputs, act*w3 and every weight cast from their
   fp32 sources and the saved scales, and keeps q/k/v, SDPA's output, the MLP matmul outputs and a
@@ -32,7 +32,8 @@ Closed form (no module is built). Terms, per rank:
   under autocast (bf16/fp16, not FSDP2, whose parameters are cast by its mixed precision) the
   low-precision weight copies of every matmul weight: eager keeps them (autocast caches the casts
   of leaf tensors until its region ends and the matmuls save them for backward), and so does the
-  compiled graph (the partitioner saves the casts as backward inputs);
+  compiled graph (the partitioner saves the casts as backward inputs) except a checkpointed
+  block's and, under float8, every block's (recomputed); the LM head's always;
   the gathered parameters of the largest FSDP unit (x2: prefetch) or all gathered parameters
   for zero2 (reshard_after_forward=False);
 - communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
@@ -40,8 +41,8 @@ Closed form (no module is built). Terms, per rank:
 Eager runs add every term (an upper bound). Compiled runs take the larger of two phases, the peak
 torch.cuda.max_memory_allocated sees: the end of forward (saved activations and the logits; no
 gradients yet with grad_accum 1, since kiln zeroes gradients to None) and the end of backward
-(all gradients; under checkpointing the block inputs and one recomputed block), since backward
-frees each block's activations as its gradients appear.
+(all gradients, one block's weight casts; under checkpointing the first block's input and its
+recomputed activations), since backward frees each block's activations as its gradients appear.
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
     if layout.compiled:
-        _compiled_peak_phase(out, layout, logits + casts_forward, casts_backward + (block_input + per_block if n_ac else 0))
+        recomputing = block_input + per_block if n_ac else 0.0  # the first block's input and activations
+        _compiled_peak_phase(out, layout, logits + casts_forward, casts_backward + recomputing)
     return out
 
 

@@ -137,7 +137,8 @@ def test_float8_speeds_up_only_the_block_linears_and_pays_for_casts():
     shape = ModelShape.from_config(ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
                                                vocab_size=128256), 128256)
     h100 = load_cluster("h100")
-    bf16, fp8 = (step_time(shape, Layout(micro_batch=4, compiled=True, precision=p), 2048, h100) for p in ("bf16", "float8"))
+    bf16, fp8 = (step_time(shape, Layout(micro_batch=4, compiled=True, precision=p), 2048, h100)
+                 for p in ("bf16", "float8"))
     linear_share = 6 * 16 * shape.layer_params / (bf16.flops / (4 * 2048))  # of the model FLOPs
     # compute: the linears' share at the float8 peak (1979 vs 989 TFLOP/s), the rest (head, attention) unchanged
     assert fp8.compute == pytest.approx(bf16.compute * (1 - linear_share + linear_share * 989 / 1979))
@@ -147,8 +148,9 @@ def test_float8_speeds_up_only_the_block_linears_and_pays_for_casts():
     assert fp8.memory_bound - bf16.memory_bound == pytest.approx(casts / (h100.device.memory_bandwidth_gbps * 1e9))
 
 
-@pytest.mark.parametrize("activation,positions,ac,ga", [("swiglu", "rope", "none", 1), ("gelu", "learned", "none", 1),
-                                                       ("swiglu", "rope", "full", 1), ("gelu", "learned", "selective", 4)])
+@pytest.mark.parametrize("activation,positions,ac,ga", [
+    ("swiglu", "rope", "none", 1), ("gelu", "learned", "none", 1), ("swiglu", "rope", "full", 1),
+    ("gelu", "learned", "selective", 4)])
 def test_eager_count_bounds_the_compiled_one(activation, positions, ac, ga):
     """kiln train's refusal plans the eager layout (kiln/train/memory.py): it must not count less
     than a compiled run of the same model needs."""
