@@ -39,8 +39,9 @@ ModelConfig fields, "batch" (micro-batch), "seq", "grad_accum", "ac", "compile",
 "optimizer", "cuda_graphs"}} (cases without "plan" are skipped, and said so). Each case is predicted
 with the --gpu-cluster preset as it is (uncalibrated) and with its efficiency curve
 (max_efficiency, half_efficiency_work) fitted to the other cases (leave-one-out; kiln/plan/calibrate.py
-`fit_cluster(device_only=True)`); peak memory is rank_memory's total (compile-aware activations,
-kiln/plan/memory.py). Prints a table and writes benchmarks/results/plan_gpu_validation.json.
+`fit_cluster(device_only=True)`); step time includes kiln/plan/timing.py's memory-bound terms of
+compiled runs; peak memory is rank_memory's total (compiled: the larger of the end-of-forward and
+end-of-backward phases, kiln/plan/memory.py). Prints a table and writes benchmarks/results/plan_gpu_validation.json.
 
     python benchmarks/plan_validation.py --gpu-results gpu_cases.json [--gpu-cluster h100]
 """

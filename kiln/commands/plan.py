@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         raise KilnError(f"--global-batch {global_batch} must be > 0")
     plans = search(shape, cluster, seq, global_batch, optimizer=cfg.optim.name, precision=args.precision,
                    loss="chunked" if cfg.train.loss == "chunked" else "full",
+                   compiled=cfg.train.compile and cfg.train.compile_scope in ("auto", "model"),
                    **{f"max_{d}": getattr(args, f"max_{d}") for d in ("tp", "pp", "cp") if getattr(args, f"max_{d}")})
     # The search's model knows no kiln rules: keep only the layouts `kiln train` runs as is.
     refusals = [kiln_refusal(cfg, plan.layout, world) for plan in plans]

@@ -14,20 +14,35 @@ Closed form (no module is built). Terms, per rank:
   pp*(1 + (pp-1)/(pp*v)), Korthikanti et al. 2022 sec. 4.2.3), split by tp (sequence parallel)
   and cp; activation checkpointing keeps only block inputs for the recomputed blocks plus one
   block's activations during recompute. Compiled (`Layout.compiled`, torch.compile of the whole
-  model): AOTAutograd's min-cut partitioner saves what the matmuls and SDPA need that a pointwise
-  op cannot cheaply rebuild and recomputes the rest in backward, so a block keeps the two fp32
-  norm inputs, q/k/v, the attention output and the MLP's matmul outputs (2 gated, 1 plain) but not
-  the normed inputs (rebuilt from the fp32 input and the per-token rstd) nor the activation and
-  gate products (rebuilt from the matmul outputs) - an assumption from the partitioner's rules,
-  checked by benchmarks/plan_validation.py --gpu-results;
+  model): what AOTAutograd's min-cut partitioner (inductor's decompositions) saves, measured on
+  CPU by tests/plan/test_compiled_saved.py (the partition is made before any device code): per
+  block and token the two fp32 norm inputs (layernorm: the fp32 normalized input instead, same
+  size) and their low-precision normed copies, q/k (after RoPE) and v, SDPA's output (with RoPE
+  also its contiguous (b, s, h*d) copy, the output projection's input: without RoPE the
+  partitioner recomputes that copy), SDPA's fp32 logsumexp per head, and the MLP's matmul
+  outputs plus the activation's product (gated: w1 and w3 outputs and act*w3; plain: w1 output and act);
+  under checkpoint_wrapper only each block's fp32 input; float8 (torchao tensorwise on the blocks'
+  linears) the partitioner recomputes the normed inputs, act*w3 and every weight cast from their
+  fp32 sources and the saved scales, and keeps q/k/v, SDPA's output, the MLP matmul outputs and a
+  float8 (1 byte) transposed copy of the output projection's input;
 - temporary: logits (fp32, x2 with their gradient) for the full loss, or one chunk for chunked;
+  compiled: the loss is fused, the graph saves the low-precision logits (with per-token max and
+  log-sum-exp) and backward writes their gradient into the same buffer (AOTAutograd's donated
+  buffers), so one low-precision logits tensor;
   under autocast (bf16/fp16, not FSDP2, whose parameters are cast by its mixed precision) the
-  low-precision weight copies: eager keeps every matmul weight's copy (autocast caches the casts
-  of leaf tensors until its region ends and the matmuls save them for backward), compiled one
-  block's (the graph casts from the fp32 parameters, which backward has anyway);
+  low-precision weight copies of every matmul weight: eager keeps them (autocast caches the casts
+  of leaf tensors until its region ends and the matmuls save them for backward), and so does the
+  compiled graph (the partitioner saves the casts as backward inputs) except a checkpointed
+  block's and, under float8, every block's (recomputed); the LM head's always;
   the gathered parameters of the largest FSDP unit (x2: prefetch) or all gathered parameters
   for zero2 (reshard_after_forward=False);
 - communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
+
+Eager runs add every term (an upper bound). Compiled runs take the larger of two phases, the peak
+torch.cuda.max_memory_allocated sees: the end of forward (saved activations and the logits; no
+gradients yet with grad_accum 1, since kiln zeroes gradients to None) and the end of backward
+(all gradients, one block's weight casts; under checkpointing the first block's input and its
+recomputed activations), since backward frees each block's activations as its gradients appear.
 """
 
 from __future__ import annotations
@@ -96,6 +111,7 @@ class ModelShape:
     learned_positions_len: int = 0
     moe_experts: int = 0  # MoE blocks (kiln/model/moe.py): E bias-free experts + a router per block
     moe_layers: int = 0
+    rope: bool = True  # RoPE: the compiled graph saves SDPA's output and its contiguous copy (docstring)
 
     @classmethod
     def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
@@ -105,7 +121,8 @@ class ModelShape:
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, kv_dim=(m.n_kv_heads or m.n_heads) * head,
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
                    tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
-                   moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0)
+                   moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
+                   rope=m.positions == "rope")
 
     @property
     def layer_params(self) -> int:
@@ -130,11 +147,17 @@ class ModelShape:
         block = 4 + (3 if self.gated else 2) + 2
         return -(-self.n_layers // pp) * block + 2 + (0 if self.tied else 1) + (1 if self.learned_positions_len else 0)
 
-    def act_bytes_per_token(self, act: int, compiled: bool = False) -> float:
+    def act_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
         """Bytes one block keeps for backward per token (see the module docstring)."""
         kept = 2 * self.dim * 4  # the two norm inputs: the fp32 residual stream
-        if compiled:  # q/k/v, attention output; the MLP's matmul outputs
-            return kept + act * ((self.dim + 2 * self.kv_dim) + self.dim + (2 if self.gated else 1) * self.ffn)
+        stats = 4 * self.n_heads + 2 * 8  # SDPA's fp32 logsumexp; each norm's fp32 mean/rstd
+        if compiled and float8:  # normed inputs and act*w3 recomputed; a float8 copy of o-proj's input
+            mlp = (2 if self.gated else 1) * self.ffn
+            return kept + act * ((self.dim + 2 * self.kv_dim) + self.dim + mlp) + self.dim + stats
+        if compiled:  # normed copies, q/k/v, SDPA out (+ contiguous copy), the MLP's saved tensors
+            mlp = (3 if self.gated else 2) * self.ffn
+            attn_out = (2 if self.rope else 1) * self.dim
+            return kept + act * (2 * self.dim + (self.dim + 2 * self.kv_dim) + attn_out + mlp) + stats
         kept += act * (self.dim + (self.dim + 2 * self.kv_dim) + self.dim + self.dim)  # normed, q/k/v, attn out, normed
         kept += act * (4 if self.gated else 2) * self.ffn
         return kept
@@ -200,17 +223,22 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
 
     act = ACT_BYTES[layout.precision]
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
-    per_block = shape.act_bytes_per_token(act, layout.compiled) * tokens / layout.tp
+    float8 = layout.precision == "float8"
+    per_block = shape.act_bytes_per_token(act, layout.compiled, float8) * tokens / layout.tp
     n_ac = recomputed_blocks(layout.ac, layers)
     block_input = 4 * shape.dim * tokens / layout.tp
     per_microbatch = (layers - n_ac) * per_block + n_ac * block_input
     out.activations = per_microbatch * in_flight_microbatches(layout)
-    if n_ac:
+    if n_ac and not layout.compiled:
         out.activations += per_block  # the one block being recomputed
 
     param_bytes = 4 if layout.precision == "fp32" else 2
     loss_tokens = tokens if layout.loss == "full" else min(tokens, LOSS_CHUNK_TOKENS)
-    out.temporary += 2 * 4 * loss_tokens * shape.vocab / layout.tp  # fp32 logits and their gradient
+    if layout.compiled:  # fused loss: the saved low-precision logits, their gradient written in place
+        logits = act * loss_tokens * shape.vocab / layout.tp
+    else:
+        logits = 2 * 4 * loss_tokens * shape.vocab / layout.tp  # fp32 logits and their gradient
+        out.temporary += logits
     if full_mode == "fsdp" and layout.dp_shard > 1:
         out.temporary += 2 * param_bytes * shape.layer_params / layout.tp  # current + prefetched unit
         out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
@@ -219,10 +247,34 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
         out.comm_buffers += 4 * shape.layer_params / layout.tp
     elif layout.dp > 1:
         out.comm_buffers += min(2 * DDP_BUCKET_BYTES, 4 * stage_params)
+    casts_forward = casts_backward = 0.0
     if layout.precision != "fp32" and full_mode not in ("fsdp", "zero2"):  # autocast's low-precision weight copies
         head = shape.vocab * shape.dim if layout.pp == 1 or not shape.tied else 0  # the LM head's weight
-        matmul_weights = layers * shape.layer_params + head
-        out.temporary += param_bytes * (shape.layer_params if layout.compiled else matmul_weights) / layout.tp
+        if layout.compiled:  # a checkpointed block's casts are recomputed, not saved; backward frees them
+            blocks = 0 if float8 else layers - n_ac  # torchao's float8 weight casts are recomputed too
+            casts_forward = param_bytes * (blocks * shape.layer_params + head) / layout.tp
+            casts_backward = param_bytes * shape.layer_params / layout.tp
+        else:
+            out.temporary += param_bytes * (layers * shape.layer_params + head) / layout.tp
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
+    if layout.compiled:
+        recomputing = block_input + per_block if n_ac else 0.0  # the first block's input and activations
+        _compiled_peak_phase(out, layout, logits + casts_forward, casts_backward + recomputing)
     return out
+
+
+def _compiled_peak_phase(out: MemoryBreakdown, layout: Layout, forward_temp: float, backward_temp: float) -> None:
+    """Keep the larger phase of a compiled step (module docstring): the end of forward (saved
+    activations, logits and weight casts; gradients only when earlier micro-batches left them) or
+    the end of backward (all gradients, the first block's weight casts and, under checkpointing,
+    its input and recomputed activations: backward frees the later blocks' as it goes)."""
+    grads_in_forward = out.gradients if layout.grad_accum > 1 or layout.pp > 1 else 0.0
+    forward_end = grads_in_forward + out.activations + forward_temp
+    backward_end = out.gradients + backward_temp
+    if forward_end >= backward_end:
+        out.gradients, out.temporary = grads_in_forward, out.temporary + forward_temp
+        out.notes.append("compiled peak at the end of forward")
+    else:
+        out.activations, out.temporary = 0.0, out.temporary + backward_temp
+        out.notes.append("compiled peak at the end of backward")

@@ -87,9 +87,11 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
 
 def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
            precision: str = "bf16", loss: str = "full", top: int | None = None, max_tp: int = 1024,
-           max_pp: int = 64, max_cp: int = 8) -> list[Plan]:
+           max_pp: int = 64, max_cp: int = 8, compiled: bool = False) -> list[Plan]:
     """Every layout that fits, fastest first; a KilnError saying what would fit when none does.
-    max_tp/max_pp/max_cp limit the degrees (1: layouts `kiln train` runs before TP/PP/CP land)."""
+    max_tp/max_pp/max_cp limit the degrees (1: layouts `kiln train` runs before TP/PP/CP land).
+    compiled: train.compile with a whole-model scope, which kiln applies on one device (sharded
+    layouts compile per block, which the compiled memory and time terms do not describe)."""
     if precision == "float8" and cluster.device.peak_tflops_fp8 == 0:
         raise KilnError(f"{cluster.device.name} has no float8 tensor cores; use --precision bf16")
     budget = cluster.device.usable_bytes
@@ -97,6 +99,8 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
     for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ("none",),
                                     max_tp, max_pp, max_cp):
         count += 1
+        if compiled and layout.world_size == 1:
+            layout = dataclasses.replace(layout, compiled=True)
         try:  # the least recompute that fits (kiln/plan/ac.py); recompute only ever costs time
             ac, mem = plan_activation_checkpointing(shape, layout, seq_len, budget, optimizer)
         except KilnError:

@@ -37,6 +37,20 @@ bytes; its foreach AdamW makes eight passes, _multi_tensor_adamw's weight decay,
 addcmul, sqrt, div, add and addcdiv: 80 bytes); when the processes of a node outnumber
 `cores_per_node`, compute, the optimizer step and that host work run at cores / processes of a
 core each.
+
+Single-device terms beyond the matmul FLOPs, counted by mechanism (kernel names and call counts
+from benchmarks/results/gpu_profile_h100.json, bytes from what each fused kernel reads and
+writes; no fitted constant), for compiled runs (inductor's fused kernels; an eager run's unfused
+elementwise traffic is not modelled, the efficiency curve absorbs it on CPU): the step's
+elementwise kernels run at the device's memory bandwidth (`elementwise_bytes`: norms, residual
+adds, RoPE, SDPA's output copy and the MLP activation, backward twice the forward's traffic);
+the fused loss reads the low-precision logits forward and reads them and writes their gradient
+backward; gradient clipping (torch's foreach clip_grad_norm_) reads every fp32 gradient for the
+norm and reads and writes it to scale: 12 bytes per parameter. float8 (torchao's tensorwise
+recipe on the blocks' linears; kiln leaves the LM head and SDPA in bf16): only the blocks'
+linear FLOPs run at the float8 peak, and each linear's input and output gradient pay an amax
+pass (read 2 bytes), a cast pass (read 2, write 1) and a transposed copy for the backward GEMM
+layout (read 1, write 1): 7 bytes per element of both; each fp32 weight 11 bytes per micro-batch.
 """
 
 from __future__ import annotations
@@ -68,6 +82,7 @@ class StepTime:
     optimizer: float
     flops: float  # model FLOPs of the whole step, all ranks (for MFU; no recompute)
     host: float = 0.0  # collective launches and communication-buffer copies
+    memory_bound: float = 0.0  # compiled runs: elementwise kernels, fused loss, gradient clipping, float8 casts
     calls: dict = field(default_factory=dict)  # collective calls one rank issues per step, by op
 
     @property
@@ -76,7 +91,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm_exposed + self.bubble + self.optimizer + self.host
+        return self.compute + self.comm_exposed + self.bubble + self.optimizer + self.host + self.memory_bound
 
     def mfu(self, cluster: Cluster, precision: str, world: int) -> float:
         return self.flops / (self.total * world * cluster.device.peak_flops(precision))
@@ -186,6 +201,11 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     work = tokens_rank_mb * shape.dim / layout.tp  # a matmul's M*K scale on this rank
     share = compute_share(cluster, layout)  # wall time below: at this rank's share of a device
     t_mb = rank_flops_mb / (dev.peak_flops(layout.precision) * dev.efficiency(work) * share)
+    if layout.precision == "float8":  # the blocks' linears at the float8 peak, the head and SDPA at bf16's
+        linear_flops = (6 + 2 * recompute) * shape.n_layers * shape.layer_params * tokens_rank_mb
+        linear_flops /= layout.tp * layout.pp
+        t_mb = (linear_flops / dev.peak_flops("float8") + (rank_flops_mb - linear_flops) / dev.peak_flops("bf16"))
+        t_mb /= dev.efficiency(work) * share
     compute = t_mb * layout.grad_accum
 
     act = {"fp32": 4}.get(layout.precision, 2)
@@ -295,5 +315,37 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     optimizer_s = opt_bytes / mem_bw / share
     # Host work: each copy reads and writes its bytes; each waited-on call pays the launch cost.
     host = (2 * copied / mem_bw + launched * cluster.collective_launch_us * 1e-6) / share
+    memory_bound = 0.0
+    if layout.compiled:
+        per_mb = elementwise_bytes(shape, layout, seq_len) * tokens_rank_mb / (layout.tp * layout.pp)
+        if layout.precision == "float8":  # the fp32 weights per micro-batch: amax (4), cast (4 + 1), transpose (2)
+            per_mb += 11 * shape.n_layers * shape.layer_params / (layout.tp * layout.pp)
+        memory_bound = (per_mb * ga + 12 * stage_params / shard) / mem_bw / share
     return StepTime(compute=compute, comm_exposed=exposed, comm_total=total, bubble=bubble,
-                    optimizer=optimizer_s, flops=model_flops, host=host, calls=calls)
+                    optimizer=optimizer_s, flops=model_flops, host=host, calls=calls, memory_bound=memory_bound)
+
+
+def elementwise_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:
+    """Bytes per token that a compiled step's memory-bound kernels move over the whole model, one
+    micro-batch, forward and backward (see the module docstring). Forward per block: each norm
+    reads the fp32 residual and writes its low-precision output (4 + a bytes per element), each
+    residual add reads the stream and the projection's output and writes the stream (4 + a + 4),
+    RoPE reads and writes q and k, SDPA's output is copied to (b, s, h*d) with RoPE (the compiled
+    graph's copy; memory.py), the activation reads its 1 (plain) or 2 (gated) inputs and writes
+    one; backward moves twice that. A recomputed block runs its forward again."""
+    a = {"fp32": 4}.get(layout.precision, 2)
+    d, kv, f = shape.dim, shape.kv_dim, shape.ffn
+    norms = 2 * (4 + a) * d
+    adds = 2 * (4 + a + 4) * d
+    rope = 2 * a * (d + kv) * 2 if shape.rope else 0
+    copy = 2 * a * d if shape.rope else 0
+    act = ((3 if shape.gated else 2) * a) * f
+    forward = norms + adds + rope + copy + act
+    recompute = recomputed_blocks(layout.ac, shape.n_layers) / shape.n_layers
+    blocks = shape.n_layers * forward * (3 + recompute)
+    loss = 3 * a * shape.vocab  # the fused loss: logits read forward, read + gradient written backward
+    casts = 0.0
+    if layout.precision == "float8":  # each linear's input and output gradient: amax, cast, transposed copy
+        linears = 2 * d + 2 * (d + kv) + 2 * d + (3 if shape.gated else 2) * (d + f)  # sum of in + out features
+        casts = 7 * linears * shape.n_layers * (1 + recompute)
+    return blocks + loss + casts
