@@ -93,13 +93,15 @@ def _bias_corrected(exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor
                     beta1: float, beta2: float, on_host: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(m / (1 - beta1^t), v / (1 - beta2^t)) per tensor: steps can differ between tensors (a param
     that got no grad on some step). `on_host` (CPU step counts, no found_inf: reading them costs
-    nothing) computes the corrections in Python for two foreach divisions; else they stay on the
-    device, a few small ops per tensor (~5% of a CPU step, hence the host path there). Both compute
-    in float64 and divide by the float32 value: the same bits (tests/train/test_step.py)."""
+    nothing) computes the corrections in Python; else they stay on the device, a few small ops per
+    tensor (~5% of a CPU step, hence the host path there). Both compute in float64 and divide by
+    the float32 value: the same bits (tests/train/test_step.py). Per-tensor divisions (which is
+    how CPU foreach ops run anyway): _foreach_div.ScalarList is not among the ops kiln's optimizers
+    keep to for FSDP shards (DTensor rules since torch 2.6, tests/train/test_step.py)."""
     if on_host:
         ts = [float(t) for t in steps]
-        return (torch._foreach_div(exp_avgs, [1.0 - beta1 ** t for t in ts]),
-                torch._foreach_div(exp_avg_sqs, [1.0 - beta2 ** t for t in ts]))
+        return ([m / (1.0 - beta1 ** t) for m, t in zip(exp_avgs, ts)],
+                [v / (1.0 - beta2 ** t) for v, t in zip(exp_avg_sqs, ts)])
     return ([m / _bias_correction(beta1, t) for m, t in zip(exp_avgs, steps)],
             [v / _bias_correction(beta2, t) for v, t in zip(exp_avg_sqs, steps)])
 
