@@ -12,7 +12,7 @@ host check per step; the run row says which (`nonfinite_check`).
 
 Parameters on the CPU take the host check too (`skips_on_device`): there the check waits for
 nothing (CPU ops run synchronously), while the masked step costs extra passes over the gradients
-(Lion ~10%, LAMB ~15% of their step on a 2-core x86; benchmarks/README.md, "Optimizer step").
+(~20% of Lion's and LAMB's step on a 2-core x86 CPU; benchmarks/README.md, "Optimizer step").
 Both paths give the same bits on CPU (tests/train/test_step.py); `force_device_skip` keeps the
 masked path on CPU for the tests that cover it there.
 
