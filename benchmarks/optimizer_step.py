@@ -5,16 +5,22 @@ Answers: is torch's fused AdamW faster than its foreach AdamW on this device (wh
 optimizer's step costs relative to foreach AdamW. Implementations are timed in interleaved rounds
 so load from other processes hits them alike; each figure is the median over rounds.
 
-Second table (`--skip-check`, on by default): what skipping a non-finite step on the device
-costs. For each optimizer that honours `found_inf` (kiln.train.step.skips_on_device), the
-device-masked step (`found_inf` set, as train_step's step_unless does) against the host-checked
-step it replaced (`bool(skipped)` then a plain step()), in paired rounds (the two alternate
-within a round, their order flipping every round); the ratio is the median of the per-round
-ratios. With `--baseline-ref REF` the host-checked side runs the optimizer classes as they were
-at git commit REF (kiln/train/optimizers/{lion,lamb,muon}.py read with `git show`), so the
-comparison is against the previous code, not only against the new code without a mask.
+Second table (always; alone with `--only-skip-check`): the optimizer step as train_step runs
+it, non-finite check included (kiln.train.step.step_unless, gradients kept between calls), for
+each optimizer that honours `found_inf` (kiln.train.step.honours_found_inf), three sides timed in
+paired rounds (all three within a round, their order rotating every round):
+  old     the step as it ran before: with `--baseline-ref REF`, step_unless and Lion/LAMB/Muon as
+          they were at git commit REF (kiln/train/step.py, kiln/train/optimizers/{lion,lamb,muon}.py
+          read with `git show`); without it, today's code with a host check;
+  new     today's step_unless and optimizers: on CPU parameters the host check (`bool(skipped)`
+          then a plain step()), elsewhere the found_inf mask;
+  masked  today's code with the found_inf mask forced (kiln.train.step.force_device_skip): what
+          a GPU runs, timed here on the same device.
+The three are built afresh every round (memory placement alone moves a CPU step by up to ~10%).
+Each ratio is the median of the per-round ratios, with their min-max. `--clock cpu` times the
+process's CPU seconds on one thread instead of elapsed seconds, for a loaded shared machine.
 
-    python benchmarks/optimizer_step.py [--rounds 5] [--device cpu] [--baseline-ref REF]
+    python benchmarks/optimizer_step.py [--rounds 5] [--device cpu] [--baseline-ref REF] [--clock cpu]
 
 Prints a table and writes benchmarks/results/optimizer_step.json.
 """
@@ -30,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
@@ -41,7 +48,7 @@ from torch.utils.benchmark import Timer
 import kiln.train.optim
 from kiln.config import OptimConfig
 from kiln.train.optim import FUSED_ADAMW_FASTER, adamw_implementation, build_optimizer
-from kiln.train.step import skips_on_device
+from kiln.train.step import force_device_skip, honours_found_inf, step_unless
 
 RESULTS = Path(__file__).parent / "results" / "optimizer_step.json"
 SKIP_RESULTS = Path(__file__).parent / "results" / "optimizer_step_skip.json"  # --only-skip-check
@@ -98,64 +105,103 @@ def make_case(name: str, impl: str, device: str, seed: int = 0, classes: dict | 
     return model, opt
 
 
-BASELINE_MODULES = {"Lion": "lion", "Lamb": "lamb", "Muon": "muon"}
+BASELINE_MODULES = {"Lion": "optimizers/lion", "Lamb": "optimizers/lamb", "Muon": "optimizers/muon"}
+
+
+def load_at_ref(ref: str, module: str, workdir: Path):
+    """kiln/train/`module`.py as it was at git commit `ref`, loaded as a stand-alone module (it
+    imports today's kiln for anything else, e.g. kiln.train.optimizers.adam_state, which on the
+    CPU keeps the same state as before)."""
+    src = subprocess.run(["git", "show", f"{ref}:kiln/train/{module}.py"], check=True,
+                         capture_output=True, text=True, cwd=Path(__file__).parent).stdout
+    name = "baseline_" + module.replace("/", "_")
+    path = workdir / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[name] = loaded  # step.py's dataclasses look their module up there
+    spec.loader.exec_module(loaded)
+    return loaded
 
 
 def baseline_classes(ref: str, workdir: Path) -> dict:
-    """kiln's optimizer classes as they were at git commit `ref` (they import the current
-    kiln.train.optimizers.adam_state, which on the CPU keeps the same state as before)."""
-    classes = {}
-    for cls, module in BASELINE_MODULES.items():
-        src = subprocess.run(["git", "show", f"{ref}:kiln/train/optimizers/{module}.py"], check=True,
-                             capture_output=True, text=True, cwd=Path(__file__).parent).stdout
-        path = workdir / f"baseline_{module}.py"
-        path.write_text(src)
-        spec = importlib.util.spec_from_file_location(f"baseline_{module}", path)
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
-        classes[cls] = getattr(loaded, cls)
-    return classes
+    """kiln's optimizer classes as they were at git commit `ref`."""
+    return {cls: getattr(load_at_ref(ref, module, workdir), cls) for cls, module in BASELINE_MODULES.items()}
+
+
+SIDES = ("old", "new", "masked")
+
+
+def host_checked_step(opt, skipped: torch.Tensor) -> None:
+    """The old side without --baseline-ref: today's optimizer behind one host check."""
+    if not bool(skipped):
+        opt.step()
 
 
 def time_skip_check(cases, args, device_type: str) -> list[dict]:
-    """Paired rounds: the host-checked step (baseline classes if given) vs the device-masked step."""
+    """Paired rounds of the step as train_step runs it: old (baseline commit), new, new masked.
+
+    Every round builds the three optimizers afresh (in the round's order): where a model's
+    tensors land in memory moves one instance's step time by up to ~10% on a CPU (measured:
+    two instances of the same class differed that much, consistently), so keeping one instance
+    per side for all rounds would compare placements, not code."""
     sync = "torch.cuda.synchronize()" if device_type == "cuda" else "pass"
     with tempfile.TemporaryDirectory() as tmp:
-        classes = baseline_classes(args.baseline_ref, Path(tmp)) if args.baseline_ref else None
-        pairs = {}
-        for case in cases:
-            host_opt = make_case(*case, device=args.device, classes=classes)[1]
-            masked_opt = make_case(*case, device=args.device)[1]
-            if skips_on_device(masked_opt):
-                pairs[case] = (host_opt, masked_opt)
+        classes = old_step_unless = None
+        if args.baseline_ref:
+            classes = baseline_classes(args.baseline_ref, Path(tmp))
+            old_step_unless = load_at_ref(args.baseline_ref, "step", Path(tmp)).step_unless
+        steps = {"old": old_step_unless or host_checked_step, "new": step_unless, "masked": step_unless}
+
+        def build(case, side):
+            opt = make_case(*case, device=args.device, classes=classes if side == "old" else None)[1]
+            opt.zero_grad = lambda set_to_none=True: None  # step_unless zeroes them: keep them for the next call
+            return force_device_skip(opt) if side == "masked" else opt
+
+        cases = [c for c in cases if honours_found_inf(make_case(*c, device=args.device)[1])]
         flag = torch.zeros((), dtype=torch.bool, device=args.device)  # "not skipped", on the device
-        stmts = {"host": f"if not bool(flag): opt.step()\n{sync}",
-                 "device": f"opt.found_inf = found_inf; opt.step(); opt.found_inf = None; {sync}"}
-        samples = {case: {"host": [], "device": []} for case in pairs}
+        samples = {case: {side: [] for side in SIDES} for case in cases}
         for round_ in range(args.rounds):
-            for case, (host_opt, masked_opt) in pairs.items():
-                order = ("host", "device") if round_ % 2 == 0 else ("device", "host")
+            for case in cases:
+                order = SIDES[round_ % 3:] + SIDES[:round_ % 3]
+                opts = {side: build(case, side) for side in order}
                 for side in order:
-                    opt = host_opt if side == "host" else masked_opt
-                    timer = Timer(stmt=stmts[side], globals={"opt": opt, "torch": torch, "flag": flag,
-                                                             "found_inf": flag.float()})
+                    timer = Timer(stmt=f"step(opt, flag); {sync}", **timer_kwargs(args),
+                                  globals={"opt": opts[side], "step": steps[side], "torch": torch, "flag": flag})
                     samples[case][side].append(timer.blocked_autorange(min_run_time=args.min_run_time).median * 1e3)
+                del opts
     rows = []
-    baseline = f"commit {args.baseline_ref}" if args.baseline_ref else "current code, no found_inf"
-    print(f"non-finite check: host (bool(skipped), {baseline}) vs device (found_inf mask); "
-          f"paired rounds, ratio = median of per-round device/host")
-    print(f"{'optimizer':<10} {'impl':<8} {'host ms':>9} {'device ms':>10} {'device/host':>12} {'range':>13}")
+    baseline = f"commit {args.baseline_ref}" if args.baseline_ref else "today's code, host check"
+    print(f"optimizer step with its non-finite check (step_unless): old ({baseline}) vs new (today's, "
+          f"{'host check' if device_type == 'cpu' else 'found_inf'} on {device_type}) vs masked (found_inf "
+          f"forced); paired rounds, ratio = median of per-round ratios (min-max); {clock_note(args)}")
+    print(f"{'optimizer':<10} {'impl':<8} {'old ms':>8} {'new ms':>8} {'masked ms':>10} "
+          f"{'new/old':>18} {'masked/old':>18}")
     for case, s in samples.items():
-        ratios = [d / h for d, h in zip(s["device"], s["host"])]
-        row = {"optimizer": case[0], "implementation": case[1],
-               "host_checked_median_ms": round(statistics.median(s["host"]), 3),
-               "device_masked_median_ms": round(statistics.median(s["device"]), 3),
-               "device_over_host_median": round(statistics.median(ratios), 3),
-               "device_over_host_min": round(min(ratios), 3), "device_over_host_max": round(max(ratios), 3)}
+        row = {"optimizer": case[0], "implementation": case[1]}
+        cells = []
+        for side in SIDES:
+            row[f"{side}_median_ms"] = round(statistics.median(s[side]), 3)
+        for side in ("new", "masked"):
+            ratios = [x / o for x, o in zip(s[side], s["old"])]
+            row[f"{side}_over_old_median"] = round(statistics.median(ratios), 3)
+            row[f"{side}_over_old_min"], row[f"{side}_over_old_max"] = round(min(ratios), 3), round(max(ratios), 3)
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
         rows.append(row)
-        print(f"{case[0]:<10} {case[1]:<8} {row['host_checked_median_ms']:>9.2f} {row['device_masked_median_ms']:>10.2f} "
-              f"{row['device_over_host_median']:>12.2f} {min(ratios):>6.2f}-{max(ratios):<6.2f}")
+        print(f"{case[0]:<10} {case[1]:<8} {row['old_median_ms']:>8.2f} {row['new_median_ms']:>8.2f} "
+              f"{row['masked_median_ms']:>10.2f} {cells[0]:>18} {cells[1]:>18}")
     return rows
+
+
+def timer_kwargs(args) -> dict:
+    """`--clock cpu`: the process's CPU seconds on one torch thread (the work done, which other
+    processes' load barely moves) instead of elapsed seconds on all threads."""
+    return {"timer": time.process_time, "num_threads": 1} if args.clock == "cpu" else {}
+
+
+def clock_note(args) -> str:
+    return ("CPU ms on 1 thread" if args.clock == "cpu"
+            else f"elapsed ms on {torch.get_num_threads()} threads")
 
 
 def main() -> int:
@@ -164,12 +210,17 @@ def main() -> int:
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per case per round")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--baseline-ref", default=None,
-                        help="git commit whose Lion/LAMB/Muon the host-checked side runs (default: current code)")
+                        help="git commit whose step_unless and Lion/LAMB/Muon the old side runs "
+                             "(default: today's code with a host check)")
     parser.add_argument("--only-skip-check", action="store_true", help="time only the second table")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time, all torch threads; cpu: process CPU time, one thread "
+                             "(steadier on a loaded machine)")
     parser.add_argument("--optimizers", default="", help="comma-separated optimizer names to time (default: all)")
     args = parser.parse_args()
 
     device_type = torch.device(args.device).type
+    args.load_average_at_start = os.getloadavg()[0]
     cases = [(n, i) for n, i in CASES if not (i == "fused" and device_type not in ("cpu", "cuda"))]
     if args.optimizers:
         wanted = set(args.optimizers.split(","))
@@ -177,7 +228,8 @@ def main() -> int:
     skip_rows = time_skip_check(cases, args, device_type)
     if args.only_skip_check:
         write_results({"benchmark": "optimizer_step", **machine(args), "skip_check": skip_rows,
-                       "baseline_ref": args.baseline_ref}, SKIP_RESULTS)
+                       "baseline_ref": args.baseline_ref},
+                      SKIP_RESULTS.with_stem(SKIP_RESULTS.stem + "_cpu") if args.clock == "cpu" else SKIP_RESULTS)
         return 0
     built = {case: make_case(*case, device=args.device) for case in cases}
     n_params = sum(p.numel() for p in built[cases[0]][0].parameters())
@@ -186,14 +238,14 @@ def main() -> int:
         for case in cases:
             opt = built[case][1]
             sync = "torch.cuda.synchronize()" if device_type == "cuda" else "pass"
-            timer = Timer(stmt=f"opt.step(); {sync}", globals={"opt": opt, "torch": torch})
+            timer = Timer(stmt=f"opt.step(); {sync}", globals={"opt": opt, "torch": torch}, **timer_kwargs(args))
             samples[case].append(timer.blocked_autorange(min_run_time=args.min_run_time).median * 1e3)
 
     median = {case: statistics.median(v) for case, v in samples.items()}
     baseline = median[cases[0]]
     rows = []
-    print(f"optimizer step, {n_params / 1e6:.1f}M params, device={args.device}, "
-          f"threads={torch.get_num_threads()}, torch {torch.__version__}, {args.rounds} rounds")
+    print(f"optimizer step, {n_params / 1e6:.1f}M params, device={args.device}, {clock_note(args)}, "
+          f"torch {torch.__version__}, {args.rounds} rounds")
     print(f"{'optimizer':<10} {'impl':<8} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'x adamw-foreach':>16}")
     for case in cases:
         v = samples[case]
@@ -230,8 +282,10 @@ def main() -> int:
 
 def machine(args) -> dict:
     return {"device": args.device, "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "rounds": args.rounds,
-            "command": " ".join(["python", *sys.argv]), "load_average_at_end": os.getloadavg()[0]}
+            "threads": 1 if args.clock == "cpu" else torch.get_num_threads(), "clock": args.clock,
+            "torch": torch.__version__, "rounds": args.rounds,
+            "command": " ".join(["python", *sys.argv]), "load_average_at_start": args.load_average_at_start,
+            "load_average_at_end": os.getloadavg()[0]}
 
 
 def write_results(payload: dict, path: Path) -> None:

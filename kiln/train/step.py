@@ -10,6 +10,12 @@ non-zero) and kiln's Lion/LAMB/Muon (kiln/train/optimizers/skip.py). torch's non
 (foreach or single-tensor AdamW, non-fused SGD, Adafactor) have no such path and fall back to one
 host check per step; the run row says which (`nonfinite_check`).
 
+Parameters on the CPU take the host check too (`skips_on_device`): there the check waits for
+nothing (CPU ops run synchronously), while the masked step costs extra passes over the gradients
+(~20% of Lion's and LAMB's step on a 2-core x86 CPU; benchmarks/README.md, "Optimizer step").
+Both paths give the same bits on CPU (tests/train/test_step.py); `force_device_skip` keeps the
+masked path on CPU for the tests that cover it there.
+
 `PendingSteps` collects those tensors and fetches them in one transfer every `metrics.log_every`
 steps (and before evaluations, checkpoints and the end), so `metrics.jsonl` still gets one row
 per step while the host never stalls the device in between.
@@ -24,10 +30,32 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+FORCE_DEVICE_SKIP = "_kiln_force_device_skip"  # the optimizer attribute force_device_skip sets
+
+
+def honours_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """True when `optimizer.step()` honours a `found_inf` tensor: torch sets the flag on its fused
     optimizers, kiln on its own (GradScaler reads the same flag)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """True when `train_step` hands this optimizer `found_inf` instead of checking on the host: it
+    honours found_inf and not all of its parameters are on the CPU (there a host check costs
+    nothing and the masked step does: see the module docstring), or `force_device_skip` asked."""
+    if not honours_found_inf(optimizer):
+        return False
+    return getattr(optimizer, FORCE_DEVICE_SKIP, False) or any(
+        p.device.type != "cpu" for group in optimizer.param_groups for p in group["params"])
+
+
+def force_device_skip(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make `train_step` skip non-finite steps on the device (found_inf) even when the parameters
+    are on the CPU, where it would check on the host: an explicit override for tests that cover
+    the masked path on CPU, and for timing it (benchmarks/optimizer_step.py). A no-op for an
+    optimizer that does not honour found_inf. Returns the optimizer."""
+    setattr(optimizer, FORCE_DEVICE_SKIP, True)
+    return optimizer
 
 
 def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float):
@@ -85,7 +113,7 @@ def clip_grad_norm(params: list[torch.Tensor], clip: float, norm_group=None) -> 
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> None:
-    """optimizer.step() unless `skipped` (a device bool): on the device where the optimizer can
+    """optimizer.step() unless `skipped` (a device bool): on the device where `skips_on_device`
     (found_inf), else after one host check; then zero the gradients."""
     if skips_on_device(optimizer):
         optimizer.found_inf, optimizer.grad_scale = skipped.float(), None

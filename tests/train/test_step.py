@@ -1,6 +1,8 @@
 """The sync-free step: the same numbers as the host-checked step it replaced, bit for bit on CPU,
-for every optimizer kiln builds; a non-finite step leaves parameters and optimizer state untouched;
-and with every optimizer that can skip on the device, the step never reads a tensor on the host."""
+for every optimizer kiln builds, on both of train_step's paths (on CPU it checks on the host;
+`force_device_skip` makes it take the device path, found_inf, which GPUs take); a non-finite step
+leaves parameters and optimizer state untouched; and on the device path the step never reads a
+tensor on the host."""
 
 import contextlib
 import math
@@ -16,22 +18,27 @@ from kiln.model.loss import lm_loss
 from kiln.model.transformer import Transformer
 from kiln.train.optim import build_optimizer
 from kiln.train.schedule import LRSchedule
-from kiln.train.step import PendingSteps, skips_on_device, train_step
+from kiln.train.step import PendingSteps, force_device_skip, honours_found_inf, skips_on_device, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from ranks import run_ranks  # noqa: E402  (tests/parallel/ranks.py)
 
 NO_AUTOCAST = contextlib.nullcontext()
 
-# (optimizer, implementation, skips on the device). torch's non-fused optimizers have no found_inf
-# path: they keep one host check per step (the run row's nonfinite_check says "host").
+# (optimizer, implementation, honours found_inf). torch's non-fused optimizers have no found_inf
+# path: they keep one host check per step on every device (the run row's nonfinite_check: "host").
 OPTIMIZERS = [("adamw", "fused", True), ("adamw", "foreach", False), ("adamw", "single", False),
               ("lion", "auto", True), ("lamb", "auto", True), ("muon", "auto", True),
               ("sgd", "auto", False), ("adafactor", "auto", False)]
 IDS = [f"{name}-{impl}" for name, impl, _ in OPTIMIZERS]
+# Each optimizer on the path train_step takes on CPU (host), and those that honour found_inf also
+# on the path a GPU takes (device, forced on CPU by force_device_skip).
+PATHS = [(name, impl, path) for name, impl, found_inf in OPTIMIZERS
+         for path in (("host", "device") if found_inf else ("host",))]
+PATH_IDS = [f"{name}-{impl}-{path}" for name, impl, path in PATHS]
 
 
-def _setup(optim: str, impl: str = "auto", mesh=None):
+def _setup(optim: str, impl: str = "auto", mesh=None, path: str = "host"):
     model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2, max_seq_len=16))
     model.init_weights(torch.Generator().manual_seed(0))
     if mesh is not None:  # FSDP2: every parameter becomes a DTensor sharded over the mesh
@@ -42,6 +49,9 @@ def _setup(optim: str, impl: str = "auto", mesh=None):
         fully_shard(model, mesh=mesh)
     opt = build_optimizer(model, OptimConfig(name=optim, implementation=impl, lr=1e-2, momentum=0.9))
     LRSchedule(opt, ScheduleConfig(warmup_steps=0), 10)
+    if path == "device":
+        force_device_skip(opt)
+    assert skips_on_device(opt) is (path == "device")  # CPU parameters: the host check unless forced
     return model, opt
 
 
@@ -75,11 +85,10 @@ def _state(opt):
     return [(k, v.clone()) for s in opt.state.values() for k, v in sorted(s.items()) if torch.is_tensor(v)]
 
 
-@pytest.mark.parametrize("optim, impl, on_device", OPTIMIZERS, ids=IDS)
-def test_sync_free_step_is_bitwise_the_old_step(optim, impl, on_device):
-    new_model, new_opt = _setup(optim, impl)
+@pytest.mark.parametrize("optim, impl, path", PATHS, ids=PATH_IDS)
+def test_sync_free_step_is_bitwise_the_old_step(optim, impl, path):
+    new_model, new_opt = _setup(optim, impl, path=path)
     old_model, old_opt = _setup(optim, impl)
-    assert skips_on_device(new_opt) is on_device
     for batch in _batches(4):
         loss, gnorm, skipped = train_step(new_model, new_opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
         ref_loss, ref_gnorm, finite = _old_step(old_model, old_opt, batch, 1.0)
@@ -102,9 +111,9 @@ def _poison(model, batch, how: str):
 
 
 @pytest.mark.parametrize("how", ["loss", "grad"])
-@pytest.mark.parametrize("optim, impl, on_device", OPTIMIZERS, ids=IDS)
-def test_non_finite_step_changes_nothing(optim, impl, on_device, how):
-    model, opt = _setup(optim, impl)
+@pytest.mark.parametrize("optim, impl, path", PATHS, ids=PATH_IDS)
+def test_non_finite_step_changes_nothing(optim, impl, path, how):
+    model, opt = _setup(optim, impl, path=path)
     ref_model, ref_opt = _setup(optim, impl)
     first, second, third = _batches(3)
     for m, o in ((model, opt), (ref_model, ref_opt)):
@@ -150,16 +159,20 @@ def no_host_reads(monkeypatch):
     return _NoHostReads
 
 
-def test_the_host_read_guard_catches_the_host_checked_step(no_host_reads):
-    model, opt = _setup("adamw", "foreach")
+@pytest.mark.parametrize("optim, impl", [("adamw", "foreach"), ("lion", "auto")])
+def test_the_host_read_guard_catches_the_host_checked_step(optim, impl, no_host_reads):
+    """Also with an optimizer that honours found_inf: on CPU train_step checks on the host."""
+    model, opt = _setup(optim, impl)
     (batch,) = _batches(1)
     with pytest.raises(AssertionError, match="host read"), no_host_reads():
         train_step(model, opt, batch, autocast=NO_AUTOCAST, scaler=None, clip=1.0)
 
 
-@pytest.mark.parametrize("optim, impl", [(n, i) for n, i, on_device in OPTIMIZERS if on_device])
+@pytest.mark.parametrize("optim, impl", [(n, i) for n, i, found_inf in OPTIMIZERS if found_inf])
 def test_step_never_reads_a_tensor_on_the_host(optim, impl, no_host_reads):
-    model, opt = _setup(optim, impl)
+    """The device path, forced on CPU (force_device_skip), as a GPU takes it."""
+    model, opt = _setup(optim, impl, path="device")
+    assert honours_found_inf(opt)
     batches = _batches(3)
     with no_host_reads():
         for batch in batches[:2]:  # the first step creates the optimizer state
@@ -181,7 +194,11 @@ class _ScaledLoss(torch.nn.Module):
         return self.model(x, y) * self.scale
 
 
-FSDP_OPTIMIZERS = ["adamw", "lion", "lamb", "muon", "sgd"]  # adafactor refuses DTensor parameters
+# Every optimizer but adafactor (it refuses DTensor parameters). kiln's on both paths: the host
+# path is what CPU ranks run, the device path (found_inf) what GPU ranks run; torch's fused AdamW
+# on the device path, its non-fused SGD has only the host path.
+FSDP_CASES = ["adamw-device", "sgd-host", *(f"{name}-{path}" for name in ("lion", "lamb", "muon")
+                                            for path in ("host", "device"))]
 
 
 # Ops with a DTensor sharding rule in torch 2.6.0 and in 2.11.0 (read in their
@@ -222,17 +239,18 @@ def _recording_step(opt, recorder):
 
 
 def _fsdp_rank(rank: int, world: int) -> dict[str, tuple[float, list[bool], set[str]]]:
-    """Three steps (the second one non-finite) of each optimizer, sharded and unsharded, on the same
-    batches on every rank (so the mean gradient is the unsharded one): the largest difference, and
-    the ops the sharded optimizer step ran on DTensors."""
+    """Three steps (the second one non-finite) of each optimizer and path, sharded and unsharded,
+    on the same batches on every rank (so the mean gradient is the unsharded one): the largest
+    difference, and the ops the sharded optimizer step ran on DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for name in FSDP_OPTIMIZERS:
+    for case in FSDP_CASES:
+        name, path = case.split("-")
         runs = []
         for shard_mesh in (None, mesh):
-            model, opt = _setup(name, mesh=shard_mesh)
+            model, opt = _setup(name, mesh=shard_mesh, path=path)
             recorder = _DTensorOps()
             opt.step = _recording_step(opt, recorder)
             scaled = _ScaledLoss(model)
@@ -243,8 +261,8 @@ def _fsdp_rank(rank: int, world: int) -> dict[str, tuple[float, list[bool], set[
             params = [p.full_tensor() if shard_mesh is not None else p.detach() for p in model.parameters()]
             runs.append((params, skipped))
         (ref, ref_skipped), (got, got_skipped) = runs
-        assert ref_skipped == got_skipped == [False, True, False], (name, ref_skipped, got_skipped)
-        out[name] = (max(float((a - b).abs().max()) for a, b in zip(got, ref)),
+        assert ref_skipped == got_skipped == [False, True, False], (case, ref_skipped, got_skipped)
+        out[case] = (max(float((a - b).abs().max()) for a, b in zip(got, ref)),
                      [bool(torch.isfinite(p).all()) for p in got], recorder.ops)
     return out
 
@@ -252,17 +270,17 @@ def _fsdp_rank(rank: int, world: int) -> dict[str, tuple[float, list[bool], set[
 @pytest.mark.timeout(240)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_every_optimizer_skips_on_fsdp2_shards_like_one_process(tmp_path):
-    """2 gloo ranks, FSDP2 (DTensor) parameters: each optimizer's sync-free step, a skipped
+    """2 gloo ranks, FSDP2 (DTensor) parameters: each optimizer's step on either path, a skipped
     non-finite step included, gives the unsharded run's parameters (to float reduction order), and
     kiln's optimizers run only ops with DTensor rules since torch 2.6 on the shards."""
     results = run_ranks(_fsdp_rank, 2, tmp_path, timeout=200)
-    for name in FSDP_OPTIMIZERS:
+    for case in FSDP_CASES:
         for rank in results:
-            diff, finite, ops = rank[name]
-            assert all(finite), f"{name}: non-finite parameters after the skipped step"
-            assert diff < 1e-5, f"{name}: sharded differs from one process by {diff}"
-            if name in ("lion", "lamb", "muon"):  # kiln's code; torch's optimizers are torch's business
-                assert ops <= DTENSOR_RULES_SINCE_2_6, f"{name}: {sorted(ops - DTENSOR_RULES_SINCE_2_6)}"
+            diff, finite, ops = rank[case]
+            assert all(finite), f"{case}: non-finite parameters after the skipped step"
+            assert diff < 1e-5, f"{case}: sharded differs from one process by {diff}"
+            if case.split("-")[0] in ("lion", "lamb", "muon"):  # kiln's code; torch's are torch's business
+                assert ops <= DTENSOR_RULES_SINCE_2_6, f"{case}: {sorted(ops - DTENSOR_RULES_SINCE_2_6)}"
 
 
 def test_pending_steps_fetch_in_order_once():

@@ -7,8 +7,9 @@ minutes", Algorithm 2), applied per parameter tensor ("layer"):
     w = w - lr * (||w|| / ||r||) * r         (trust ratio 1 when either norm is 0)
 
 phi is the identity. Moments and norms use torch's foreach ops; the step counts, bias corrections
-and trust ratios stay device tensors, so a step never synchronizes with the device, and a
-non-finite step is skipped on the device through `found_inf` (kiln/train/optimizers/skip.py).
+and trust ratios stay device tensors, so a step never synchronizes with the device (CPU step
+counts are read on the host, which costs nothing there), and a non-finite step is skipped on the
+device through `found_inf` (kiln/train/optimizers/skip.py).
 """
 
 from __future__ import annotations
@@ -55,13 +56,14 @@ class Lamb(torch.optim.Optimizer):
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         zero_if_skipped_(skip, grads)  # a skipped step: zero gradients, identity factors
-        # The bias corrections use the step count this step would reach, also when it is skipped
-        # (then a count of 0 would divide by 0; the update is discarded anyway).
-        next_steps = torch._foreach_add(steps, 1.0)
         if skip is None:
             torch._foreach_add_(steps, 1.0)
+            next_steps = steps
             torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
         else:
+            # The bias corrections use the step count this step would reach, also when it is
+            # skipped (then a count of 0 would divide by 0; the update is discarded anyway).
+            next_steps = torch._foreach_add(steps, 1.0)
             # A list of flags: there is no foreach add of one tensor (it would be read as a number).
             torch._foreach_add_(steps, [(~skip).to(torch.float32)] * len(steps))
             weight = unless_skipped(skip, 1.0 - beta1, 0.0)
@@ -69,11 +71,8 @@ class Lamb(torch.optim.Optimizer):
                 m.lerp_(g, weight)  # foreach lerp only, so a tensor weight goes tensor by tensor
         torch._foreach_mul_(exp_avg_sqs, unless_skipped(skip, beta2, 1.0))
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-        # Steps can differ between tensors (a param that got no grad on some step), so the bias
-        # corrections are per tensor, computed on the device from the device step counts (in
-        # float64, as Python computed them when the counts lived on the host: same bits on CPU).
-        m_hats = [m / _bias_correction(beta1, t) for m, t in zip(exp_avgs, next_steps)]
-        denoms = [v / _bias_correction(beta2, t) for v, t in zip(exp_avg_sqs, next_steps)]
+        m_hats, denoms = _bias_corrected(exp_avgs, exp_avg_sqs, next_steps, beta1, beta2,
+                                         on_host=skip is None and next_steps[0].device.type == "cpu")
         torch._foreach_sqrt_(denoms)
         torch._foreach_add_(denoms, eps)
         updates = torch._foreach_div(m_hats, denoms)
@@ -88,6 +87,23 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_mul_(updates, ratios)
         zero_if_skipped_(skip, updates)
         torch._foreach_add_(params, updates, alpha=-lr)
+
+
+def _bias_corrected(exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor],
+                    beta1: float, beta2: float, on_host: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(m / (1 - beta1^t), v / (1 - beta2^t)) per tensor: steps can differ between tensors (a param
+    that got no grad on some step). `on_host` (CPU step counts, no found_inf: reading them costs
+    nothing) computes the corrections in Python; else they stay on the device, a few small ops per
+    tensor (~5% of a CPU step, hence the host path there). Both compute in float64 and divide by
+    the float32 value: the same bits (tests/train/test_step.py). Per-tensor divisions (which is
+    how CPU foreach ops run anyway): _foreach_div.ScalarList is not among the ops kiln's optimizers
+    keep to for FSDP shards (DTensor rules since torch 2.6, tests/train/test_step.py)."""
+    if on_host:
+        ts = [float(t) for t in steps]
+        return ([m / (1.0 - beta1 ** t) for m, t in zip(exp_avgs, ts)],
+                [v / (1.0 - beta2 ** t) for v, t in zip(exp_avg_sqs, ts)])
+    return ([m / _bias_correction(beta1, t) for m, t in zip(exp_avgs, steps)],
+            [v / _bias_correction(beta2, t) for v, t in zip(exp_avg_sqs, steps)])
 
 
 def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:

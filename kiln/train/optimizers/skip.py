@@ -21,6 +21,8 @@ CPU, whose `where` kernel is not vectorized (benchmarks/README.md, "Optimizer st
 One caveat of (2): a state element that is exactly -0.0 can come back as +0.0 (equal as numbers).
 Factors are float32 tensors, exact for float32 state only: `supports_device_skip` says whether an
 optimizer's parameters qualify (others keep the host check in kiln.train.step.step_unless).
+train_step hands `found_inf` over only where the parameters are off the CPU: on the CPU its host
+check is free and this mask is not (kiln.train.step.skips_on_device).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """kiln's optimizers under torch's found_inf protocol: GradScaler drives them without a host check,
-a skipped step changes nothing, and they only claim the device skip where it is exact."""
+a skipped step changes nothing, they only claim the device skip where it is exact, and train_step
+uses it only off the CPU unless forced."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch import nn
 import kiln.train.optimizers.muon as muon_module
 from kiln.train.optimizers import Lamb, Lion, Muon
 from kiln.train.optimizers.skip import skip_flag, unless_skipped, zero_if_skipped_
-from kiln.train.step import skips_on_device
+from kiln.train.step import force_device_skip, honours_found_inf, skips_on_device
 
 
 def _model():
@@ -75,10 +76,24 @@ def test_grad_scaler_steps_them_without_a_host_check(cls):
 
 
 def test_device_skip_is_claimed_only_where_it_is_exact(monkeypatch):
-    assert skips_on_device(Lion(_model().parameters())) and skips_on_device(Lamb(_model().parameters()))
-    assert skips_on_device(_make(Muon, _model()))
+    assert honours_found_inf(Lion(_model().parameters())) and honours_found_inf(Lamb(_model().parameters()))
+    assert honours_found_inf(_make(Muon, _model()))
     double = _model().double()  # float32 factors would round float64 state: the host check stays
-    assert not skips_on_device(Lion(double.parameters())) and not skips_on_device(_make(Muon, double))
+    assert not honours_found_inf(Lion(double.parameters())) and not honours_found_inf(_make(Muon, double))
+    assert not skips_on_device(force_device_skip(Lion(double.parameters())))  # forcing cannot make it exact
     # Muon's AdamW groups skip through torch's fused kernel: without one, no device-skip claim
     monkeypatch.setattr(muon_module, "fused_adam_supported", lambda params, device_type=None: False)
-    assert not skips_on_device(_make(Muon, _model()))
+    assert not honours_found_inf(_make(Muon, _model()))
+
+
+@pytest.mark.parametrize("cls", [Lion, Lamb, Muon])
+def test_train_step_skips_on_the_device_only_off_the_cpu(cls):
+    """On CPU the host check is free, so train_step uses it unless forced; on any other device the
+    optimizer gets found_inf (a meta-device model stands in for a GPU one: only devices are read;
+    Muon's AdamW part has no fused kernel on meta, so Muon makes no claim there)."""
+    opt = _make(cls, _model())
+    assert honours_found_inf(opt) and not skips_on_device(opt)
+    assert skips_on_device(force_device_skip(opt))
+    assert skips_on_device(_make(cls, _model().to("meta"))) is (cls is not Muon)
+    fused = torch.optim.AdamW(_model().parameters(), fused=True)  # torch's own found_inf optimizer
+    assert honours_found_inf(fused) and not skips_on_device(fused)
