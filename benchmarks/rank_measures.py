@@ -91,9 +91,3 @@ def collective_times(rank: int, world: int, port: int, reps: int) -> list[dict]:
     dist.all_gather_object(gathered, rows)
     dist.destroy_process_group()
     return [max((g[i] for g in gathered), key=lambda r: r["seconds"]) for i in range(len(rows))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

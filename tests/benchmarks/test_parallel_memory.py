@@ -94,7 +94,7 @@ def _run(mode, world, step_s, **extra):
 
 
 def test_partial_run_merges_into_results():
-    import parallel_memory as pm
+    import parallel_results as pm
 
     old = {"single": {"n_params": 1, "step_s_median": 1.0}, "args": {}, "runs": [_run("ddp", 2, 0.5), _run("tp", 2, 0.9)]}
     new = {"single": {"step_s_median": 3.0}, "command": "c", "date_utc": "d", "rounds": [], "seconds": 1,
