@@ -361,28 +361,26 @@ def main() -> None:
     results = {"single": single, "runs": runs, "rounds": rounds_log, "seconds": time.perf_counter() - started,
                "args": {k: v for k, v in vars(args).items() if k != "out"}, "machine": machine_info(),
                "command": "python " + " ".join(sys.argv),
-               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "not_measured": unsupported(args.dim, args.heads, args.layers, args.seq)}
+               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.counts_only:
         results = add_counts(old, results)
     elif old is not None:
         results = merge(old, results, named)
     else:
-        if single is None:
-            ap.error("a run without --only must include world 1")
         # What autograd saves depends on the per-rank batch, not the layout: one forward per batch size.
         results["activations_by_batch"] = {
             str(b): measure(1, [layouts[0]], argparse.Namespace(**{**vars(args), "batch": b, "steps": 1})
                             )["layouts"]["single@1"][0]["activations"] for b in sorted({args.batch // w for w in worlds})}
         results["collectives"] = collectives
+    results["not_measured"] = unsupported(args.dim, args.heads, args.layers, args.seq)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))  # before anything else can fail
     table = render_table(results) + "\n\nload average (1 min) per round of this run: " + ", ".join(
         f"{r['loadavg_1min_start']:.1f} -> {r['loadavg_1min_end']:.1f}" for r in rounds_log) + \
         f"; {time.perf_counter() - started:.0f} s" + "".join(f"\nnot measured: {u}" for u in results["not_measured"])
     print(table)
     results["table"] = table
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-
 
 if __name__ == "__main__":
     main()
