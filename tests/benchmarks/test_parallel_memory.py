@@ -113,13 +113,20 @@ def test_partial_run_merges_into_results():
 
 @pytest.mark.timeout(240)
 def test_quick_run_of_expert_parallel_and_diloco(tmp_path):
-    out = tmp_path / "pm.json"
+    out = tmp_path / "pm.json"  # an earlier run of the same (--quick) model: the new rows merge into it
+    single = {"n_params": 1, "params": 4, "params_after_forward": 4, "grads": 4, "optimizer": 8, "step_s_median": 1.0}
+    earlier = _run("tp", 2, 0.5)
+    out.write_text(json.dumps({"args": {"dim": 32, "layers": 4, "heads": 2, "vocab": 256, "seq": 16, "batch": 4},
+                               "single": single, "runs": [earlier]}))
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "parallel_memory.py"), "--quick", "--only",
                            "moe_ep,diloco", "--out", str(out)], capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     runs = {f"{r['mode']}@{r['world']}": r for r in data["runs"]}
-    assert set(runs) == {"moe_single@1", "moe_ep@2", "diloco@2"} and data["single"]["n_params"] > 0
+    assert set(runs) == {"tp@2", "moe_single@1", "moe_ep@2", "diloco@2"}
+    assert runs["tp@2"] == earlier and data["single"] == single  # not named: kept as they were
+    assert data["partial_runs"][0]["layouts"] == ["diloco@2", "moe_ep@2", "moe_single@1"]
+    del runs["tp@2"]
     for r in runs.values():
         assert all(math.isfinite(p["loss"]) and p["loss"] < 2 * math.log(256) for p in r["per_rank"])
     ep = runs["moe_ep@2"]
