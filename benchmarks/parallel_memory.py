@@ -249,13 +249,13 @@ def spread(values: list[float]) -> float:
 def run_entry(row: Row, rounds: list[list[dict]], loads: list[float], single: dict | None) -> dict:
     """The results file's entry of one layout from its rounds (rank rows of round 1: memory and
     the counted collectives; step time: the slowest rank per round, median over rounds)."""
-    per_rank = rounds[0]
-    for rank, r in enumerate(per_rank):
-        r["step_s_rounds"] = [rr[rank]["step_s"] for rr in rounds]
-        r["step_s"] = statistics.median(r["step_s_rounds"])
     slowest = [max(x["step_s"] for x in rr) for rr in rounds]  # the step ends when the slowest rank does
     cores = min(row.world, os.cpu_count() or 1)
     busy = [sum(x.get("cpu_s", 0.0) for x in rr) / (t * cores) for rr, t in zip(rounds, slowest)]
+    per_rank = rounds[0]  # after `slowest`: this overwrites round 1's step_s with the median
+    for rank, r in enumerate(per_rank):
+        r["step_s_rounds"] = [rr[rank]["step_s"] for rr in rounds]
+        r["step_s"] = statistics.median(r["step_s_rounds"])
     entry = {"mode": row.mode, "world": row.world, "kind": row.kind, "family": row.family,
              "overrides": list(row.overrides), "per_rank": per_rank, "step_s_rounds": slowest,
              "step_s_median": statistics.median(slowest), "cpu_busy_rounds": busy, "step_s_spread": spread(slowest),

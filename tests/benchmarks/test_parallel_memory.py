@@ -137,3 +137,16 @@ def test_quick_run_of_expert_parallel_and_diloco(tmp_path):
     # One all-reduce of every fp32 parameter per H steps, nothing else.
     for p in diloco["per_rank"]:
         assert p["comm"]["by_op"] == {"all_reduce": {"calls": 1 / h, "bytes": p["n_params"] * 4 / h}}
+
+
+def test_run_entry_keeps_each_rounds_slowest_rank():
+    import parallel_memory as pm
+    from parallel_rows import Row
+
+    rounds = [[{"step_s": 1.0, "cpu_s": 1.0}, {"step_s": 3.0, "cpu_s": 1.0}],
+              [{"step_s": 2.0, "cpu_s": 1.0}, {"step_s": 1.0, "cpu_s": 1.0}],
+              [{"step_s": 5.0, "cpu_s": 1.0}, {"step_s": 1.5, "cpu_s": 1.0}]]
+    entry = pm.run_entry(Row("ddp", 2, "dp", ()), rounds, [0.0] * 3, None)
+    assert entry["step_s_rounds"] == [3.0, 2.0, 5.0] and entry["step_s_median"] == 3.0
+    assert entry["step_s_spread"] == pytest.approx(1.0)
+    assert [r["step_s"] for r in entry["per_rank"]] == [2.0, 1.5]  # each rank's median over the rounds
