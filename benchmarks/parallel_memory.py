@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm_count import counting_collectives, scaled  # noqa: E402
 from common import RESULTS_DIR, machine_info  # noqa: E402
 from parallel_results import add_counts, merge, render_table  # noqa: E402
-from parallel_rows import Row, rows, select, unsupported  # noqa: E402
+from parallel_rows import MOE_EXPERTS, Row, rows, select, unsupported  # noqa: E402
 from rank_measures import (SavedBytes, collective_times, local_bytes, optimizer_state,  # noqa: E402
                            sent_bytes)
 
@@ -306,7 +306,7 @@ def main() -> None:
     from kiln.config import ModelConfig
     from kiln.model.transformer import ffn_hidden_size
 
-    moe_hidden = ffn_hidden_size(ModelConfig(dim=args.dim)) // 4  # 4 experts: the dense FFN's parameters
+    moe_hidden = ffn_hidden_size(ModelConfig(dim=args.dim)) // MOE_EXPERTS  # together: the dense FFN's parameters
     try:
         layouts = select(rows(args.dim, args.heads, args.layers, args.seq, moe_hidden, args.diloco_inner_steps),
                          args.only, worlds)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 
+from parallel_rows import MOE_DESC
+
+
 def mb(x: float) -> str:
     return f"{x / 2**20:.2f}"
 
@@ -44,8 +47,6 @@ def render_table(results: dict) -> str:
                   for r in [dict(results["single"], mode="single", world=1)] + results["runs"])]
     return "\n".join(lines)
 
-
-MOE_DESC = "every FFN 4 experts of 1/4 the hidden units, top-2"
 
 
 def merge(old: dict, new: dict, named: set[str]) -> dict:

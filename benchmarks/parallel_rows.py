@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MOE_EXPERTS, MOE_TOP_K, EP = 4, 2, 2
+MOE_DESC = f"every FFN {MOE_EXPERTS} experts of 1/{MOE_EXPERTS} the hidden units, top-{MOE_TOP_K}"
 
 
 @dataclass(frozen=True)
