@@ -317,7 +317,9 @@ def main() -> None:
         try:
             old = json.loads(Path(args.out).read_text())
             old_args = {k: old["args"][k] for k in MODEL_ARGS}
-            old["runs"], old["single"]  # noqa: B018 - the fields a merge keeps
+            # What a merge and the table read, checked before any measuring.
+            old["single"]["n_params"], [(r["mode"], int(r["world"]), r["per_rank"][0], r["step_s_median"])
+                                        for r in old["runs"]]  # noqa: B018
         except (ValueError, KeyError, TypeError) as e:
             ap.error(f"--only merges into {args.out}, which is not a parallel_memory.py results file ({e!r}); "
                      f"pass another --out")
