@@ -1,38 +1,46 @@
-"""Per-rank memory, step time and bytes sent per step of each data-parallel mode, on CPU/gloo.
+"""Per-rank memory, step time and communication per step of each parallel layout, on CPU/gloo.
 
-For world sizes 1, 2, 4 and dp_mode ddp, zero1, zero2, fsdp, N processes (gloo) each build
-kiln's transformer through the trainer's own path (`build_model` -> parallelize, then
-`build_optimizer` -> `shard_optimizer_state`) and run AdamW steps on a fixed global batch.
+N processes (gloo) build kiln's transformer through the trainer's own path (`build_model` ->
+parallelize, `build_optimizer` -> `shard_optimizer_state`) and run AdamW steps on a fixed global
+batch. The layouts (benchmarks/parallel_rows.py): 1 process; ddp, zero1, zero2, fsdp at 2 and 4;
+HSDP (dp_replicate 2 x dp_shard 2) at 4; a mixture-of-experts variant of the model (4 experts of a
+quarter of the FFN each, top-2) in 1 process, under fsdp and under expert parallelism (ep=2 carved
+out of dp_shard) at 2 and 4; DiLoCo with 2 replicas; tp, cp, pipelines (GPipe, 1F1B at 2 and 4,
+interleaved 1F1B with 2 virtual stages where the layers allow) through the trainer's step.
 Measured on every rank, then the largest rank is reported:
 
 - parameters, gradients, optimizer state: bytes of the tensors this rank holds (the local shard
   of a DTensor) after a step; "after fwd" is parameter bytes held between forward and backward
-  (what ZeRO-2 keeps gathered and ZeRO-3 does not);
-- ideal: the single-process bytes / N for the parts the mode shards, the full bytes otherwise;
+  (what ZeRO-2 keeps gathered and ZeRO-3 does not); DiLoCo's optimizer bytes include its anchor
+  and outer momentum;
+- ideal: the single-process bytes (of the same model) / the ranks a layout shards a part over;
 - activations: bytes autograd saves for backward in one forward (`SavedBytes`, torch's
-  saved_tensors_hooks; parameters and their views excluded);
+  saved_tensors_hooks; parameters and their views excluded), per per-rank batch, 1 process;
 - step time: median wall time of the timed steps (slowest rank); with --rounds R every layout is
   measured R times, interleaved (round 1 runs every layout, then round 2, ...: a shared machine's
-  load drifts over minutes), and the JSON keeps each round's value, their median and their spread
-  ((max - min) / median) per layout, and the machine's load average (os.getloadavg) at each
-  measurement;
-- gloo collectives: all_reduce, all_gather, reduce_scatter and broadcast of 16 KiB - 16 MiB at 2
-  and 4 processes, and a tensor copy of the same sizes on every rank at once, median of
-  --collective-reps calls each, once per round (the samples kiln/plan/calibrate.py `fit_link`
-  fits the link's latency and bandwidth and the memory bandwidth to);
-- activations at each per-rank batch: one single-process forward's saved bytes (below);
+  load drifts over minutes); the JSON keeps each round's value, their median, their spread
+  ((max - min) / median), the load average at each measurement and, per layout, the ratio to its
+  model's single-process step measured in the same rounds;
+- DiLoCo: one measured step is H = --diloco-inner-steps inner steps and the outer sync, divided
+  by H (time, traffic); the inner step and the sync are also kept apart;
+- communication per step, two ways: (a) the collectives kiln issues, counted from torch's
+  profiler in one extra step of round 1 (benchmarks/comm_count.py: calls and payload bytes per
+  op); (b) bytes this process wrote to its gloo sockets per timed step (Linux /proc/self/io
+  `wchar`; the step does no other writes);
 - CPU seconds per step of each rank (time.process_time, all its threads): on a quiet machine
   their sum is about the step time x min(N, cores); far less means other work took the cores;
 - the last timed step's loss (a sanity check: about ln(vocab) at init);
-- sent per step: bytes this process wrote to its gloo sockets during one step (Linux
-  /proc/self/io `wchar`; the step does no other writes). Ring all-reduce sends 2(N-1)/N of the
-  gradient bytes per rank; all-gather and reduce-scatter (N-1)/N each.
+- gloo collectives (full runs only): all_reduce, all_gather, reduce_scatter, broadcast and a
+  copy of 16 KiB - 16 MiB at 2 and 4 processes, for kiln/plan/calibrate.py `fit_link`.
 
     python benchmarks/parallel_memory.py [--dim 384 --layers 6 --vocab 4096] [--worlds 1,2,4]
-        [--modes ddp,zero1,zero2,fsdp] [--steps 2] [--rounds 3] [--quick]
+        [--only hsdp,moe_ep,diloco,tp@4] [--steps 2] [--rounds 3] [--diloco-inner-steps 8] [--quick]
 
-Writes benchmarks/results/parallel_memory.json and prints a markdown table. Memory figures are
-exact byte counts (not allocator statistics), so they do not depend on the machine's load.
+--only MODE[@N],... measures just those layouts (and their model's single-process reference,
+for the ratio) and merges them into the existing results file: rows of the same layout are
+replaced, the others kept, each row with its own date and load. Writes
+benchmarks/results/parallel_memory.json and prints a markdown table of every row it holds.
+Memory figures are exact byte counts (not allocator statistics): they do not depend on load.
 """
 
 from __future__ import annotations
@@ -52,75 +60,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from comm_count import counting_collectives, scaled  # noqa: E402
 from common import RESULTS_DIR, machine_info  # noqa: E402
+from parallel_results import add_counts, merge, render_table  # noqa: E402
+from parallel_rows import MOE_EXPERTS, Row, rows, select, unsupported  # noqa: E402
+from rank_measures import (SavedBytes, collective_times, local_bytes, optimizer_state,  # noqa: E402
+                           sent_bytes)
 
-MODES = ("ddp", "zero1", "zero2", "fsdp")
-# Model-parallel layouts over all N processes (no data parallelism), run through the trainer's own
-# step (kiln/train/step.py train_step, kiln/parallel/pipeline.py pipeline_train_step, with
-# ContextParallel's sequence split): their config overrides, given N.
-# Pipeline layouts untie the embeddings (kiln refuses to split tied ones over stages; run with them
-# tied, before split_model checked that, the last stage's head was never initialized: NaN losses).
-MODEL_PARALLEL = {
-    "tp": lambda n: [f"parallel.tp={n}"],
-    "cp": lambda n: [f"parallel.cp={n}"],
-    "pp_gpipe": lambda n: [f"parallel.pp={n}", "parallel.pp_schedule='gpipe'", f"parallel.pp_microbatches={2 * n}",
-                           "model.tie_embeddings=false"],
-    "pp_1f1b": lambda n: [f"parallel.pp={n}", "parallel.pp_schedule='1f1b'", f"parallel.pp_microbatches={2 * n}",
-                          "model.tie_embeddings=false"],
-}
-SHARDED = {"ddp": (), "zero1": ("optimizer",), "zero2": ("params", "grads", "optimizer"),
-           "fsdp": ("params", "grads", "optimizer")}
-
-
-def local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
-
-
-def optimizer_state(optimizer) -> list[torch.Tensor]:
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's optimizer
-    return [v for state in inner.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
-
-
-class SavedBytes:
-    """Bytes of the tensors autograd saves for backward during a forward (torch's
-    saved_tensors_hooks; each storage counted once, parameters - leaves that require grad and their
-    views, gathered FSDP ones included - excluded): the activations."""
-
-    def __init__(self):
-        self.seen: set[int] = set()
-        self.total = 0
-
-    def pack(self, t):
-        if not t.is_nested and t.device.type == "cpu" and not hasattr(t, "to_local"):
-            ptr = t.untyped_storage().data_ptr()
-            base = t._base if t._base is not None else t  # weight.t() views save the parameter itself
-            if not (base.is_leaf and base.requires_grad) and ptr not in self.seen:
-                self.seen.add(ptr)
-                self.total += t.untyped_storage().nbytes()
-        return t
-
-
-def sent_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
+MODEL_ARGS = ("dim", "layers", "heads", "vocab", "seq", "batch")  # rows measured together share these
 
 
 def model_parallel_step(cfg, dims, model, tokens: torch.Tensor):
     """The trainer's step for a tp / cp / pp layout on the whole batch (every rank sees all of it:
     there is no data parallelism), set up in the trainer's order (pipeline, loss, context
     parallel, then the optimizer over the stage's parameters); returns (one step, optimizer)."""
-    from kiln.parallel.data_parallel import shard_optimizer_state
-    from kiln.train.optim import build_optimizer
     from kiln.parallel.context_parallel import ContextParallel
+    from kiln.parallel.data_parallel import shard_optimizer_state
     from kiln.parallel.pipeline import Pipeline, pipeline_train_step
-    from kiln.train.evaluate import autocast_context
-    from kiln.train.step import train_step
     from kiln.train.attention import configure_attention
+    from kiln.train.evaluate import autocast_context
+    from kiln.train.optim import build_optimizer
+    from kiln.train.step import train_step
     from kiln.train.system import compute_dtype, resolve_loss
 
     device = torch.device("cpu")
@@ -137,17 +97,18 @@ def model_parallel_step(cfg, dims, model, tokens: torch.Tensor):
         with context_parallel:
             loss, _, _ = (pipeline_train_step if pipeline else train_step)(pipeline or model, optimizer, micro,
                                                                            autocast=autocast, scaler=None, clip=0.0)
-        step.loss = float(loss)
+        step.loss = float(loss.detach())
     return step, optimizer
 
 
-def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, mode: str) -> list[dict]:
+def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, row: Row,
+                   count_comm: bool) -> list[dict]:
     """One layout in this process (rank `rank` of `world`): every rank's row."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from kiln.config import load_config
-    from kiln.model.transformer import lm_loss
     from kiln.parallel.data_parallel import shard_optimizer_state
+    from kiln.parallel.diloco import DiLoCo
     from kiln.parallel.dims import ParallelDims
     from kiln.train.optim import build_optimizer
     from kiln.train.trainer import build_model
@@ -155,30 +116,30 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, m
     cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
                              f"model.vocab_size={args.vocab}", f"data.seq_len={args.seq}", f"model.max_seq_len={args.seq}",
                              "train.dtype=fp32", "optim.implementation='foreach'", f"train.batch_size={args.batch}"]
-                      + (MODEL_PARALLEL[mode](world) + ["parallel.dp_mode='ddp'"] if mode in MODEL_PARALLEL
-                         else [f"parallel.dp_mode={mode!r}"]))
-    dims = ParallelDims.from_config(cfg.parallel)
+                      + list(row.overrides))
+    dims = ParallelDims.from_config(cfg.parallel, seq_len=cfg.data.seq_len)
+    dims.check_model(cfg)
     device = torch.device("cpu")
     dims.build_mesh("cpu")
     model = build_model(cfg, dims, device)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-    if mode in MODEL_PARALLEL:
+    diloco = None
+    if row.kind == "mp":
         mp_step, optimizer = model_parallel_step(cfg, dims, model, tokens)
     else:
         optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
-    per_rank = args.batch // world
-    x = tokens[rank * per_rank:(rank + 1) * per_rank, :-1]
-    y = tokens[rank * per_rank:(rank + 1) * per_rank, 1:]
+        if row.kind == "diloco":
+            diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
+                            cfg.parallel.diloco_outer_momentum)
+    per_rank = args.batch // dims.dp_size if row.kind != "mp" else args.batch
+    first = dims.dp_rank * per_rank
+    x, y = tokens[first:first + per_rank, :-1], tokens[first:first + per_rank, 1:]
 
-    def step() -> tuple[int, int]:
-        if mode in MODEL_PARALLEL:  # no memory split here: the trainer's step zeroes the gradients
-            mp_step()
-            step.activations, step.loss = 0, mp_step.loss
-            return 0, 0
+    def dp_step() -> tuple[int, int]:
         saved = SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            loss = lm_loss(model(x), y)
+            loss = model(x, y)  # the loss (with a mixture of experts' auxiliary losses)
         step.activations, step.loss = saved.total, float(loss.detach())
         after_forward = local_bytes(model.parameters())
         loss.backward()
@@ -187,76 +148,78 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, m
         optimizer.zero_grad(set_to_none=True)
         return after_forward, grads
 
-    # Two warm-up steps: the first builds DDP's reducer, FSDP's buffers and the optimizer state;
-    # DDP rebuilds its buckets (in the gradients' arrival order) during the second.
-    after_forward, grads = step()
-    step()
+    inner, outer = [], []
+
+    def step() -> tuple[int, int]:
+        """One measured step: a training step, or DiLoCo's H inner steps and its outer sync."""
+        if row.kind == "mp":  # no memory split here: the trainer's step zeroes the gradients
+            mp_step()
+            step.activations, step.loss = 0, mp_step.loss
+            return 0, 0
+        if diloco is None:
+            return dp_step()
+        for _ in range(diloco.inner_steps):
+            t0 = time.perf_counter()
+            result = dp_step()
+            inner.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        diloco.outer_step()
+        outer.append(time.perf_counter() - t0)
+        return result
+
+    per_step = diloco.inner_steps if diloco else 1  # training steps in one measured step
+    # Warm-up: the first step builds DDP's reducer, FSDP's buffers and the optimizer state; DDP
+    # rebuilds its buckets (in the gradients' arrival order) during the second. DiLoCo: two inner
+    # steps and a sync, then one timed window of H inner steps (H samples of the inner step).
+    after_forward, grads = dp_step() if diloco else step()
+    step() if diloco is None else (dp_step(), diloco.outer_step())
+    inner.clear(), outer.clear()
     times, sent, cpu = [], [], []
-    for _ in range(args.steps):
+    for _ in range(1 if diloco else args.steps):
         if dist.is_initialized():
             dist.barrier()
         s0, t0, c0 = sent_bytes(), time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-        sent.append(sent_bytes() - s0)
-    row = {"params": local_bytes(model.parameters()), "params_after_forward": after_forward, "grads": grads,
-           "optimizer": local_bytes(optimizer_state(optimizer)), "step_s": statistics.median(times),
-           "cpu_s": statistics.median(cpu), "sent": statistics.median(sent), "loss": step.loss, "activations": step.activations, "n_params": sum(p.numel() for p in model.parameters())}
-    rows = [row]
+        times.append((time.perf_counter() - t0) / per_step)
+        cpu.append((time.process_time() - c0) / per_step)
+        sent.append((sent_bytes() - s0) / per_step)
+    optim_bytes = local_bytes(optimizer_state(optimizer))
+    if diloco is not None:  # the anchor and the outer Nesterov momentum: a second optimizer's state
+        optim_bytes += local_bytes(diloco.anchor) + local_bytes(diloco.outer.state[a]["momentum_buffer"]
+                                                                for a in diloco.anchor)
+    result = {"params": local_bytes(model.parameters()), "params_after_forward": after_forward, "grads": grads,
+              "optimizer": optim_bytes, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+              "sent": statistics.median(sent), "loss": step.loss, "activations": step.activations,
+              "n_params": sum(p.numel() for p in model.parameters())}
+    if diloco is not None:
+        result.update(inner_step_s=statistics.median(inner), outer_sync_s=statistics.median(outer),
+                      sync_every=diloco.inner_steps)
+    if count_comm and dist.is_initialized():
+        dist.barrier()
+        with counting_collectives() as comm:
+            step()
+        result["comm"] = scaled(comm, per_step)
+    rows_ = [result]
     if dist.is_initialized():
-        rows = [None] * world
-        dist.all_gather_object(rows, row)
+        rows_ = [None] * world
+        dist.all_gather_object(rows_, result)
         dist.destroy_process_group()
-    return rows
+    return rows_
 
 
-def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, modes: list[str],
-           collective_reps: int, out: str) -> None:
-    """Every mode of one world size in one set of processes (a process group per mode, built and
-    destroyed in turn): spawning and importing torch once per world size, not per layout."""
+def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, layouts: list[Row],
+           collective_reps: int, count_comm: bool, out: str) -> None:
+    """Every layout of one world size in one set of processes (a process group per layout, built
+    and destroyed in turn): spawning and importing torch once per world size, not per layout."""
     torch.set_num_threads(1)
     collectives = collective_times(rank, world, ports[-1], collective_reps) if collective_reps else []
     # An untimed first layout: a fresh process's first-time costs (lazy initialisation, page faults)
     # would otherwise land on whichever layout comes first.
-    measure_layout(rank, world, ports[-2], argparse.Namespace(**{**vars(args), "steps": 1}), modes[0])
-    layouts = {mode: measure_layout(rank, world, port, args, mode) for mode, port in zip(modes, ports)}
+    measure_layout(rank, world, ports[-2], argparse.Namespace(**{**vars(args), "steps": 1}), layouts[0], False)
+    measured = {row.name: measure_layout(rank, world, port, args, row, count_comm)
+                for row, port in zip(layouts, ports)}
     if rank == 0:
-        Path(out).write_text(json.dumps({"layouts": layouts, "collectives": collectives}))
-
-
-COLLECTIVE_SIZES = (2**14, 2**18, 2**22, 2**24)  # bytes of the full (unsharded) tensor
-
-
-def collective_times(rank: int, world: int, port: int, reps: int) -> list[dict]:
-    """Median seconds of each gloo collective at each size (the slowest rank's)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch: the older name
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    rows = []
-    for nbytes in COLLECTIVE_SIZES:
-        full = torch.ones(nbytes // 4)
-        shard = torch.ones(nbytes // 4 // world)
-        copy_to = torch.empty_like(full)
-        ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "all_gather": lambda: gather(full, shard),
-               "reduce_scatter": lambda: scatter(shard, full),
-               "broadcast": lambda: dist.broadcast(full, src=0),
-               "copy": lambda: copy_to.copy_(full)}  # every rank at once, as FSDP2's copy-in/out
-        for op, call in ops.items():
-            call()  # warm-up: connections and buffers
-            times = []
-            for _ in range(reps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
-            rows.append({"op": op, "ranks": world, "bytes": nbytes, "seconds": statistics.median(times)})
-    gathered = [None] * world
-    dist.all_gather_object(gathered, rows)
-    dist.destroy_process_group()
-    return [max((g[i] for g in gathered), key=lambda r: r["seconds"]) for i in range(len(rows))]
+        Path(out).write_text(json.dumps({"layouts": measured, "collectives": collectives}))
 
 
 def free_port() -> int:
@@ -265,21 +228,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int, modes: list[str], args, collective_reps: int = 0) -> dict:
-    """{"layouts": {mode: rows}, "collectives": [...]} for `world` processes."""
+def measure(world: int, layouts: list[Row], args, collective_reps: int = 0, count_comm: bool = False) -> dict:
+    """{"layouts": {row name: per-rank rows}, "collectives": [...]} for `world` processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         if world == 1:
-            worker(0, 1, [0, 0, 0], args, modes, 0, out)
+            worker(0, 1, [0] * (len(layouts) + 2), args, layouts, 0, False, out)
         else:
-            ports = [free_port() for _ in range(len(modes) + 2)]
-            mp.spawn(worker, args=(world, ports, args, modes, collective_reps, out), nprocs=world, join=True)
+            ports = [free_port() for _ in range(len(layouts) + 2)]
+            mp.spawn(worker, args=(world, ports, args, layouts, collective_reps, count_comm, out), nprocs=world,
+                     join=True)
         return json.loads(Path(out).read_text())
 
 
 def spread(values: list[float]) -> float:
     """Round-to-round spread: (max - min) / median."""
     return (max(values) - min(values)) / statistics.median(values)
+
+
+def run_entry(row: Row, rounds: list[list[dict]], loads: list[float], single: dict | None) -> dict:
+    """The results file's entry of one layout from its rounds (rank rows of round 1: memory and
+    the counted collectives; step time: the slowest rank per round, median over rounds)."""
+    slowest = [max(x["step_s"] for x in rr) for rr in rounds]  # the step ends when the slowest rank does
+    cores = min(row.world, os.cpu_count() or 1)
+    busy = [sum(x.get("cpu_s", 0.0) for x in rr) / (t * cores) for rr, t in zip(rounds, slowest)]
+    per_rank = rounds[0]  # after `slowest`: this overwrites round 1's step_s with the median
+    for rank, r in enumerate(per_rank):
+        r["step_s_rounds"] = [rr[rank]["step_s"] for rr in rounds]
+        r["step_s"] = statistics.median(r["step_s_rounds"])
+    entry = {"mode": row.mode, "world": row.world, "kind": row.kind, "family": row.family,
+             "overrides": list(row.overrides), "per_rank": per_rank, "step_s_rounds": slowest,
+             "step_s_median": statistics.median(slowest), "cpu_busy_rounds": busy, "step_s_spread": spread(slowest),
+             "loadavg_1min": loads, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if row.world == 1:
+        single = per_rank[0]
+    if single is not None and row.kind != "mp":  # mp rows: time and traffic only
+        entry["ideal"] = {k: single[k] / (row.shard if k in row.sharded else 1) for k in ("params", "grads", "optimizer")}
+        entry["worst_over_ideal"] = max(max(r[k] for r in per_rank) / entry["ideal"][k] for k in entry["ideal"])
+    return entry
 
 
 def main() -> None:
@@ -290,123 +276,113 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over the ranks")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per measurement (after one warm-up step)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per measurement (after the warm-up)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="measure every layout this many times, interleaved (a shared machine's load drifts); "
                          "step_s is the median over the rounds")
-    ap.add_argument("--collective-reps", type=int, default=5)
+    ap.add_argument("--collective-reps", type=int, default=5, help="timed gloo collectives (full runs only)")
     ap.add_argument("--worlds", default="1,2,4")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--model-parallel", default=",".join(MODEL_PARALLEL),
-                    help="model-parallel layouts run at --model-parallel-world processes ('' for none)")
-    ap.add_argument("--model-parallel-world", type=int, default=2)
+    ap.add_argument("--only", default="", help="MODE or MODE@N, comma-separated: measure just these layouts (and "
+                                               "their model's 1-process reference) and merge them into --out")
+    ap.add_argument("--counts-only", action="store_true",
+                    help="with --only: one round, and only the counted collectives go into the existing rows of "
+                         "--out (their times and memory stay)")
+    ap.add_argument("--diloco-inner-steps", type=int, default=8, help="DiLoCo's H: inner steps per outer sync")
     ap.add_argument("--quick", action="store_true", help="tiny model, world 1 and 2, one round: checks the script runs")
     ap.add_argument("--out", default=str(RESULTS_DIR / "parallel_memory.json"))
     args = ap.parse_args()
     if args.quick:
-        args.dim, args.layers, args.heads, args.vocab, args.seq, args.batch, args.steps = 32, 2, 2, 256, 16, 4, 1
-        args.worlds, args.rounds, args.collective_reps = "1,2", 1, 2
+        args.dim, args.layers, args.heads, args.vocab, args.seq, args.batch, args.steps = 32, 4, 2, 256, 16, 4, 1
+        args.worlds, args.rounds, args.collective_reps, args.diloco_inner_steps = "1,2", 1, 2, 2
     worlds = [int(w) for w in args.worlds.split(",")]
-    modes = args.modes.split(",")
+    if args.counts_only:
+        if not args.only or not Path(args.out).is_file():
+            ap.error("--counts-only adds counts to layouts of an existing --out: pass --only and that file")
+        args.rounds, args.steps = 1, 1
     if any(args.batch % w for w in worlds):
         ap.error(f"--batch {args.batch} must be divisible by every world size {worlds}")
-    if args.rounds < 1 or args.steps < 1:
-        ap.error("--rounds and --steps must be >= 1")
-    extra = [m for m in args.model_parallel.split(",") if m]
-    if any(m not in MODEL_PARALLEL for m in extra):
-        ap.error(f"--model-parallel: choose from {', '.join(MODEL_PARALLEL)}")
-    mp_world = args.model_parallel_world
-    if extra and (mp_world not in worlds or mp_world == 1 or args.layers % mp_world or args.heads % mp_world):
-        ap.error(f"--model-parallel-world {mp_world} must be one of --worlds (> 1) and divide --layers and --heads")
+    if args.rounds < 1 or args.steps < 1 or args.diloco_inner_steps < 1:
+        ap.error("--rounds, --steps and --diloco-inner-steps must be >= 1")
+    from kiln.config import ModelConfig
+    from kiln.model.transformer import ffn_hidden_size
+
+    moe_hidden = ffn_hidden_size(ModelConfig(dim=args.dim)) // MOE_EXPERTS  # together: the dense FFN's parameters
+    try:
+        layouts = select(rows(args.dim, args.heads, args.layers, args.seq, moe_hidden, args.diloco_inner_steps),
+                         args.only, worlds)
+    except ValueError as e:
+        ap.error(str(e))
+    old = None
+    if args.only and Path(args.out).is_file():
+        try:
+            old = json.loads(Path(args.out).read_text())
+            old_args = {k: old["args"][k] for k in MODEL_ARGS}
+            # What a merge and the table read, checked before any measuring.
+            old["single"]["n_params"], [(r["mode"], int(r["world"]), r["per_rank"][0], r["step_s_median"])
+                                        for r in old["runs"]]  # noqa: B018
+        except (ValueError, KeyError, TypeError) as e:
+            ap.error(f"--only merges into {args.out}, which is not a parallel_memory.py results file ({e!r}); "
+                     f"pass another --out")
+        if old_args != {k: vars(args)[k] for k in MODEL_ARGS}:
+            ap.error(f"--only: {args.out} was measured with {old_args}; pass the same model and batch "
+                     f"or another --out")
+    named = {r.name for r in layouts if not args.only or r.mode in args.only.split(",") or r.name in args.only.split(",")}
 
     started = time.perf_counter()
-    layouts = [(1, "ddp")] + [(w, m) for w in worlds if w > 1 for m in modes + (extra if w == mp_world else [])]
-    measured: dict[tuple[int, str], list[list[dict]]] = {k: [] for k in layouts}
-    loads: dict[tuple[int, str], list[float]] = {k: [] for k in layouts}
+    by_world = {w: [r for r in layouts if r.world == w] for w in sorted({r.world for r in layouts})}
+    measured: dict[str, list[list[dict]]] = {r.name: [] for r in layouts}
+    loads: dict[str, list[float]] = {r.name: [] for r in layouts}
     collectives, rounds_log = [], []
-    for r in range(args.rounds):
+    for rnd in range(args.rounds):
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
-        for world in worlds:
-            world_modes = ["ddp"] if world == 1 else modes + (extra if world == mp_world else [])
+        for world, world_rows in by_world.items():
             load = os.getloadavg()[0]
-            got = measure(world, world_modes, args, args.collective_reps if world > 1 else 0)
-            collectives += [dict(row, round=r) for row in got["collectives"]]
-            for mode in world_modes:
-                loads[(world, mode)].append(load)
-                measured[(world, mode)].append(got["layouts"][mode])
-                print(f"round {r + 1}/{args.rounds} {mode} x{world}: "
-                      f"{max(x['step_s'] for x in got['layouts'][mode]):.3f} s (load {load:.1f})", flush=True)
-        rounds_log.append({"round": r, "seconds": time.perf_counter() - t0, "loadavg_1min_start": load0,
+            reps = args.collective_reps if world > 1 and not args.only else 0
+            got = measure(world, world_rows, args, reps, count_comm=rnd == 0)
+            collectives += [dict(c, round=rnd) for c in got["collectives"]]
+            for row in world_rows:
+                loads[row.name].append(load)
+                measured[row.name].append(got["layouts"][row.name])
+                print(f"round {rnd + 1}/{args.rounds} {row.mode} x{world}: "
+                      f"{max(x['step_s'] for x in got['layouts'][row.name]):.3f} s (load {load:.1f})", flush=True)
+        rounds_log.append({"round": rnd, "seconds": time.perf_counter() - t0, "loadavg_1min_start": load0,
                            "loadavg_1min_end": os.getloadavg()[0]})
 
-    def rows_of(world: int, mode: str) -> tuple[list[dict], dict]:
-        rounds = measured[(world, mode)]
-        rows = rounds[0]
-        for rank, row in enumerate(rows):
-            row["step_s_rounds"] = [rr[rank]["step_s"] for rr in rounds]
-            row["step_s"] = statistics.median(row["step_s_rounds"])
-        slowest = [max(x["step_s"] for x in rr) for rr in rounds]  # the step ends when the slowest rank does
-        cores = min(world, os.cpu_count() or 1)
-        busy = [sum(x.get("cpu_s", 0.0) for x in rr) / (t * cores) for rr, t in zip(rounds, slowest)]
-        return rows, {"step_s_rounds": slowest, "step_s_median": statistics.median(slowest), "cpu_busy_rounds": busy,
-                      "step_s_spread": spread(slowest), "loadavg_1min": loads[(world, mode)]}
-
-    # What autograd saves depends on the per-rank batch, not the mode: one forward per batch size.
-    activations = {}
-    for b in sorted({args.batch // w for w in worlds}):
-        one = measure(1, ["ddp"], argparse.Namespace(**{**vars(args), "batch": b, "steps": 1}))
-        activations[str(b)] = one["layouts"]["ddp"][0]["activations"]
-
-    single, single_time = rows_of(1, "ddp")
-    single = single[0]
-    results = {"single": dict(single, **single_time), "runs": [], "collectives": collectives,
-               "activations_by_batch": activations, "rounds": rounds_log,
-               "args": {k: v for k, v in vars(args).items() if k != "out"}}
-    lines = [f"model: {single['n_params'] / 1e6:.2f}M params, global batch {args.batch} x {args.seq} tokens, "
-             f"fp32 AdamW; bytes per rank (largest rank), MB = 2^20 bytes; step s: median of {args.rounds} "
-             f"interleaved rounds (spread = (max - min) / median)", "",
-             "| mode | N | params MB (ideal) | after fwd MB | grads MB (ideal) | optim MB (ideal) | "
-             "worst part / ideal | step s | spread | sent/step MB |",
-             "|---|---|---|---|---|---|---|---|---|---|",
-             f"| single | 1 | {single['params'] / 2**20:.2f} | {single['params_after_forward'] / 2**20:.2f} | "
-             f"{single['grads'] / 2**20:.2f} | {single['optimizer'] / 2**20:.2f} | 1.00 | "
-             f"{single_time['step_s_median']:.3f} | {single_time['step_s_spread']:.0%} | 0 |"]
-    for world in worlds:
-        if world == 1:
-            continue
-        for mode in modes:
-            rows, timing = rows_of(world, mode)
-            worst = {k: max(r[k] for r in rows) for k in rows[0] if not k.endswith("_rounds")}
-            ideal = {k: single[k] / (world if k in SHARDED[mode] else 1) for k in ("params", "grads", "optimizer")}
-            ratio = max(worst[k] / ideal[k] for k in ideal)
-            results["runs"].append({"mode": mode, "world": world, "per_rank": rows, "ideal": ideal,
-                                    "worst_over_ideal": ratio, **timing})
-            lines.append(
-                f"| {mode} | {world} | " + " | ".join(
-                    f"{worst[k] / 2**20:.2f} ({ideal[k] / 2**20:.2f})" if k != "params_after_forward"
-                    else f"{worst[k] / 2**20:.2f}" for k in ("params", "params_after_forward", "grads", "optimizer"))
-                + f" | {ratio:.2f} | {timing['step_s_median']:.3f} | {timing['step_s_spread']:.0%} | "
-                  f"{worst['sent'] / 2**20:.2f} |")
-    for mode in extra:  # model-parallel: time and traffic (the memory split is the DP modes' table)
-        rows, timing = rows_of(mp_world, mode)
-        results["runs"].append({"mode": mode, "world": mp_world, "per_rank": rows, **timing})
-        lines.append(f"| {mode} | {mp_world} | {max(r['params'] for r in rows) / 2**20:.2f} | - | - | "
-                     f"{max(r['optimizer'] for r in rows) / 2**20:.2f} | - | {timing['step_s_median']:.3f} | "
-                     f"{timing['step_s_spread']:.0%} | {max(r['sent'] for r in rows) / 2**20:.2f} |")
-    lines += ["", "CPU busy (ranks' CPU seconds / (step s x cores they could use); about 1 on a quiet machine) "
-              "per layout, rounds in order: " + "; ".join(
-                  f"{r['mode']} x{r['world']} " + " ".join(f"{b:.2f}" for b in r["cpu_busy_rounds"])
-                  for r in [dict(results["single"], mode="single", world=1)] + results["runs"])]
-    lines += ["", "load average (1 min) per round: " + ", ".join(
-        f"{r['loadavg_1min_start']:.1f} -> {r['loadavg_1min_end']:.1f}" for r in rounds_log)
-        + f"; total {time.perf_counter() - started:.0f} s"]
-    table = "\n".join(lines)
-    print(table)
-    results.update(table=table, machine=machine_info(), command="python " + " ".join(sys.argv),
-                   date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.perf_counter() - started)
+    singles = {r.name: run_entry(r, measured[r.name], loads[r.name], None) for r in layouts if r.world == 1}
+    runs = []
+    for row in layouts:
+        ref = singles.get(row.reference)
+        entry = singles[row.name] if row.world == 1 else \
+            run_entry(row, measured[row.name], loads[row.name], ref["per_rank"][0] if ref else None)
+        if ref is not None:
+            entry["vs_single"] = entry["step_s_median"] / ref["step_s_median"]
+        if row.mode != "single":
+            runs.append(entry)
+    single = singles.get("single@1")
+    single = dict(single["per_rank"][0], **{k: v for k, v in single.items() if k != "per_rank"}) if single else None
+    results = {"single": single, "runs": runs, "rounds": rounds_log, "seconds": time.perf_counter() - started,
+               "args": {k: v for k, v in vars(args).items() if k != "out"}, "machine": machine_info(),
+               "command": "python " + " ".join(sys.argv),
+               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.counts_only:
+        results = add_counts(old, results)
+    elif old is not None:
+        results = merge(old, results, named)
+    else:
+        # What autograd saves depends on the per-rank batch, not the layout: one forward per batch size.
+        results["activations_by_batch"] = {
+            str(b): measure(1, [layouts[0]], argparse.Namespace(**{**vars(args), "batch": b, "steps": 1})
+                            )["layouts"]["single@1"][0]["activations"] for b in sorted({args.batch // w for w in worlds})}
+        results["collectives"] = collectives
+    results["not_measured"] = unsupported(args.dim, args.heads, args.layers, args.seq)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))  # before anything else can fail
+    table = render_table(results) + "\n\nload average (1 min) per round of this run: " + ", ".join(
+        f"{r['loadavg_1min_start']:.1f} -> {r['loadavg_1min_end']:.1f}" for r in rounds_log) + \
+        f"; {time.perf_counter() - started:.0f} s" + "".join(f"\nnot measured: {u}" for u in results["not_measured"])
+    print(table)
+    results["table"] = table
     Path(args.out).write_text(json.dumps(results, indent=1))
-
 
 if __name__ == "__main__":
     main()
