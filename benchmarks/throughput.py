@@ -204,7 +204,8 @@ def measure(cases: list[Case], rounds: int, steps: int, peak: float) -> list[dic
                      "cpu_s_per_step": median(cpus[case.name]), "tokens_per_s": tps,
                      "flops_per_token": case.flops_per_token,
                      "mfu_fp32": case.flops_per_token * tps / peak,
-                     "compile_s": case.compile_s, "step_ms_all": [1000 * w for w in walls[case.name]]})
+                     "compile_s": case.compile_s, "step_ms_all": [1000 * w for w in walls[case.name]],
+                     "cpu_s_all": cpus[case.name]})
     return rows
 
 
@@ -224,7 +225,8 @@ def profile_top_ops(case: Case, steps: int, top: int = 15) -> list[dict[str, Any
 
 def fused_ab(sizes: list[Size], rounds: int, steps: int, compile_model: bool, out: str) -> int:
     """model.fused_projections on vs off, same weights and batch, cases interleaved per round;
-    the ratio is unfused/fused step time per round (> 1: fused is faster), median and range."""
+    the ratios are unfused/fused per round (> 1: fused is faster), of wall time and of process
+    CPU time (steadier than wall time on a shared machine), median and range."""
     from common import machine_info
 
     results: dict[str, Any] = {"machine": machine_info(), "load_before": list(_loadavg()), "rounds": rounds,
@@ -237,15 +239,20 @@ def fused_ab(sizes: list[Size], rounds: int, steps: int, compile_model: bool, ou
         ratios = {}
         for style in ("default", "gpt2"):
             tag = f"kiln-{style} fp32" + (" compiled" if compile_model else "")
-            plain, fused = by[f"{tag} unfused"]["step_ms_all"], by[f"{tag} fused"]["step_ms_all"]
-            per_round = sorted(p / f for p, f in zip(plain, fused))
-            ratios[style] = {"median": median(per_round), "min": per_round[0], "max": per_round[-1]}
+            ratios[style] = {}
+            for kind, key in (("wall", "step_ms_all"), ("cpu", "cpu_s_all")):
+                plain, fused = by[f"{tag} unfused"][key], by[f"{tag} fused"][key]
+                per_round = sorted(p / f for p, f in zip(plain, fused))
+                ratios[style][kind] = {
+                    "median": median(per_round), "min": per_round[0], "max": per_round[-1]}
         print(f"\n== {s.name}: dim {s.dim}, {s.layers} layers, vocab {s.vocab}, {s.batch} x {s.seq} tokens ==")
         print_table(["case", "step ms (median)", "CPU s/step", "rounds ms"],
                     [[r["case"], r["step_ms"], r["cpu_s_per_step"], " ".join(f"{x:.0f}" for x in r["step_ms_all"])]
                      for r in rows])
-        for style, r in ratios.items():
-            print(f"kiln-{style}: unfused/fused per round median {r['median']:.3f} (range {r['min']:.3f}-{r['max']:.3f})")
+        for style, by_kind in ratios.items():
+            for kind, r in by_kind.items():
+                print(f"kiln-{style} {kind}: unfused/fused per round median {r['median']:.3f} "
+                      f"(range {r['min']:.3f}-{r['max']:.3f})")
         results["sizes"][s.name] = {"shape": vars(s), "rows": rows, "unfused_over_fused": ratios}
     results["load_after"] = list(_loadavg())
     path = write_results(out, {"command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]), **results})
