@@ -10,7 +10,7 @@ best matmul FLOP/s this machine reaches, probed in the same run (several sizes, 
 
     python benchmarks/throughput.py [--rounds 4] [--no-compile] [--quick]
     python benchmarks/throughput.py --device cuda [--budget-s 420] [--corpus tinyshakespeare.txt]
-    python benchmarks/throughput.py --fused-ab [--sizes debug,small,124m] [--rounds 8] [--fused-compile]
+    python benchmarks/throughput.py --fused-ab [--sizes debug,small,124m] [--rounds 8] [--fused-compile | --fused-block]
 
 `--fused-ab`: model.fused_projections on against off (kiln default and gpt2 architecture, eager
 or `--fused-compile`d),
@@ -223,25 +223,45 @@ def profile_top_ops(case: Case, steps: int, top: int = 15) -> list[dict[str, Any
             for e in events[:top]]
 
 
-def fused_ab(sizes: list[Size], rounds: int, steps: int, compile_model: bool, out: str) -> int:
+def block_case(s: Size, style: str, fused: bool) -> Case:
+    """Forward + backward of one transformer block (no embedding, head or optimizer) on a fixed
+    (batch, seq, dim) input: the part of the step that model.fused_projections changes."""
+    from kiln.model.transformer import TransformerBlock, rope_tables
+
+    torch.manual_seed(0)
+    cfg = kiln_model_config(s, style, fused)
+    block = TransformerBlock(cfg, 0)
+    x = torch.randn(s.batch, s.seq, s.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    rope = rope_tables(s.dim // s.heads, s.seq, cfg.rope_theta)
+
+    def step() -> None:
+        block(x, rope).square().mean().backward()
+        for p in (x, *block.parameters()):
+            p.grad = None
+
+    name = f"kiln-{style} block fp32 " + ("fused" if fused else "unfused")
+    return _warm(Case(name, step, 0.0, s.batch * s.seq, sum(p.numel() for p in block.parameters())), False)
+
+
+def fused_ab(sizes: list[Size], rounds: int, steps: int, compile_model: bool, out: str, block: bool) -> int:
     """model.fused_projections on vs off, same weights and batch, cases interleaved per round;
     the ratios are unfused/fused per round (> 1: fused is faster), of wall time and of process
-    CPU time (steadier than wall time on a shared machine), median and range."""
+    CPU time (steadier than wall time on a shared machine), median and range. `block`: one
+    block's forward + backward instead of the whole training step."""
     from common import machine_info
 
     results: dict[str, Any] = {"machine": machine_info(), "load_before": list(_loadavg()), "rounds": rounds,
-                               "steps_per_round": steps, "sizes": {}}
+                               "steps_per_round": steps, "scope": "block" if block else "step", "sizes": {}}
     for s in sizes:
-        cases = [kiln_case(s, style, "fp32", compile_model, fused) for style in ("default", "gpt2")
-                 for fused in (False, True)]
-        rows = measure(cases, rounds, steps, 1.0)
+        pairs = {style: [block_case(s, style, fused) if block else kiln_case(s, style, "fp32", compile_model, fused)
+                         for fused in (False, True)] for style in ("default", "gpt2")}
+        rows = measure([c for pair in pairs.values() for c in pair], rounds, steps, 1.0)
         by = {r["case"]: r for r in rows}
         ratios = {}
-        for style in ("default", "gpt2"):
-            tag = f"kiln-{style} fp32" + (" compiled" if compile_model else "")
+        for style, (plain_case, fused_case) in pairs.items():
             ratios[style] = {}
             for kind, key in (("wall", "step_ms_all"), ("cpu", "cpu_s_all")):
-                plain, fused = by[f"{tag} unfused"][key], by[f"{tag} fused"][key]
+                plain, fused = by[plain_case.name][key], by[fused_case.name][key]
                 per_round = sorted(p / f for p, f in zip(plain, fused))
                 ratios[style][kind] = {
                     "median": median(per_round), "min": per_round[0], "max": per_round[-1]}
@@ -290,11 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--only", default="", help="run only the GPU cases whose 'case @ shape' contains this")
     ap.add_argument("--fused-ab", action="store_true", help="model.fused_projections on vs off (CPU, fp32)")
     ap.add_argument("--fused-compile", action="store_true", help="--fused-ab: torch.compile the models")
+    ap.add_argument("--fused-block", action="store_true", help="--fused-ab: one block's forward + backward")
     args = ap.parse_args(argv)
     if args.fused_ab:
         out = "fused_projections_cpu" if args.out == "throughput" else args.out
         return fused_ab([SIZES[n] for n in args.sizes.split(",")], args.rounds, args.steps,
-                        args.fused_compile, out)
+                        args.fused_compile, out, args.fused_block)
     if args.device.startswith("cuda") or args.gpu_cases:
         from gpu_throughput import run_all
 
