@@ -10,6 +10,11 @@ best matmul FLOP/s this machine reaches, probed in the same run (several sizes, 
 
     python benchmarks/throughput.py [--rounds 4] [--no-compile] [--quick]
     python benchmarks/throughput.py --device cuda [--budget-s 420] [--corpus tinyshakespeare.txt]
+    python benchmarks/throughput.py --fused-ab [--sizes debug,small,124m] [--rounds 8] [--fused-compile | --fused-block]
+
+`--fused-ab`: model.fused_projections on against off (kiln default and gpt2 architecture, eager
+or `--fused-compile`d),
+interleaved rounds, per size; writes benchmarks/results/fused_projections_cpu.json.
 
 Prints tables and writes benchmarks/results/throughput.json. `--device cuda` runs the one-GPU
 comparison in benchmarks/gpu_throughput.py instead (`--device cpu --gpu-cases --quick` dry-runs it).
@@ -55,6 +60,8 @@ SIZES = {
     "debug": Size("debug", vocab=4096, dim=128, layers=2, heads=4, seq=256, batch=8),
     "tiny": Size("tiny", vocab=512, dim=64, layers=1, heads=2, seq=64, batch=2),  # --quick only
     "small": Size("small", vocab=4096, dim=384, layers=8, heads=6, seq=256, batch=4),
+    # GPT-2 124M's model (--fused-ab only), with 512 tokens a step: seconds per step on a CPU
+    "124m": Size("124m", vocab=50304, dim=768, layers=12, heads=12, seq=256, batch=2),
 }
 
 
@@ -117,8 +124,10 @@ class Case:
     compile_s: float = 0.0
 
 
-def kiln_model_config(s: Size, style: str) -> ModelConfig:
+def kiln_model_config(s: Size, style: str, fused: bool | None = None) -> ModelConfig:
     cfg = ModelConfig(vocab_size=s.vocab, dim=s.dim, n_layers=s.layers, n_heads=s.heads, max_seq_len=s.seq)
+    if fused is not None:
+        cfg = replace(cfg, fused_projections=fused)
     if style == "gpt2":  # the baseline's architecture expressed in kiln's config
         cfg = replace(cfg, norm="layernorm", activation="gelu", positions="learned", init="normal")
     return cfg
@@ -130,9 +139,9 @@ def make_batch(s: Size, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]
     return [(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())]
 
 
-def kiln_case(s: Size, style: str, dtype: str, compile_model: bool) -> Case:
+def kiln_case(s: Size, style: str, dtype: str, compile_model: bool, fused: bool | None = None) -> Case:
     torch.manual_seed(0)
-    model = Transformer(kiln_model_config(s, style))
+    model = Transformer(kiln_model_config(s, style, fused))
     model.init_weights(torch.Generator().manual_seed(0))
     optimizer = build_optimizer(model, OptimConfig())
     flops = flops_per_token(model, s.seq)
@@ -146,6 +155,8 @@ def kiln_case(s: Size, style: str, dtype: str, compile_model: bool) -> Case:
         loss.item()
 
     name = f"kiln-{style} {dtype}" + (" compiled" if compile_model else "")
+    if fused is not None:
+        name += " fused" if fused else " unfused"
     return _warm(Case(name, step, flops, s.batch * s.seq, n_params), compile_model)
 
 
@@ -193,7 +204,8 @@ def measure(cases: list[Case], rounds: int, steps: int, peak: float) -> list[dic
                      "cpu_s_per_step": median(cpus[case.name]), "tokens_per_s": tps,
                      "flops_per_token": case.flops_per_token,
                      "mfu_fp32": case.flops_per_token * tps / peak,
-                     "compile_s": case.compile_s, "step_ms_all": [1000 * w for w in walls[case.name]]})
+                     "compile_s": case.compile_s, "step_ms_all": [1000 * w for w in walls[case.name]],
+                     "cpu_s_all": cpus[case.name]})
     return rows
 
 
@@ -209,6 +221,72 @@ def profile_top_ops(case: Case, steps: int, top: int = 15) -> list[dict[str, Any
     return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
              "pct": 100 * e.self_cpu_time_total / total, "calls_per_step": e.count / steps}
             for e in events[:top]]
+
+
+def block_case(s: Size, style: str, fused: bool) -> Case:
+    """Forward + backward of one transformer block (no embedding, head or optimizer) on a fixed
+    (batch, seq, dim) input: the part of the step that model.fused_projections changes."""
+    from kiln.model.transformer import TransformerBlock, rope_tables
+
+    torch.manual_seed(0)
+    cfg = kiln_model_config(s, style, fused)
+    block = TransformerBlock(cfg, 0)
+    x = torch.randn(s.batch, s.seq, s.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    rope = rope_tables(s.dim // s.heads, s.seq, cfg.rope_theta)
+
+    def step() -> None:
+        block(x, rope).square().mean().backward()
+        for p in (x, *block.parameters()):
+            p.grad = None
+
+    name = f"kiln-{style} block fp32 " + ("fused" if fused else "unfused")
+    return _warm(Case(name, step, 0.0, s.batch * s.seq, sum(p.numel() for p in block.parameters())), False)
+
+
+def fused_ab(sizes: list[Size], rounds: int, steps: int, compile_model: bool, out: str, block: bool) -> int:
+    """model.fused_projections on vs off, same weights and batch, cases interleaved per round;
+    the ratios are unfused/fused per round (> 1: fused is faster), of wall time and of process
+    CPU time (steadier than wall time on a shared machine), median and range. `block`: one
+    block's forward + backward instead of the whole training step."""
+    from common import machine_info
+
+    results: dict[str, Any] = {"machine": machine_info(), "load_before": list(_loadavg()), "rounds": rounds,
+                               "steps_per_round": steps, "scope": "block" if block else "step", "sizes": {}}
+    for s in sizes:
+        pairs = {style: [block_case(s, style, fused) if block else kiln_case(s, style, "fp32", compile_model, fused)
+                         for fused in (False, True)] for style in ("default", "gpt2")}
+        rows = measure([c for pair in pairs.values() for c in pair], rounds, steps, 1.0)
+        by = {r["case"]: r for r in rows}
+        ratios = {}
+        for style, (plain_case, fused_case) in pairs.items():
+            ratios[style] = {}
+            for kind, key in (("wall", "step_ms_all"), ("cpu", "cpu_s_all")):
+                plain, fused = by[plain_case.name][key], by[fused_case.name][key]
+                per_round = sorted(p / f for p, f in zip(plain, fused))
+                ratios[style][kind] = {
+                    "median": median(per_round), "min": per_round[0], "max": per_round[-1]}
+        print(f"\n== {s.name}: dim {s.dim}, {s.layers} layers, vocab {s.vocab}, {s.batch} x {s.seq} tokens ==")
+        print_table(["case", "step ms (median)", "CPU s/step", "rounds ms"],
+                    [[r["case"], r["step_ms"], r["cpu_s_per_step"], " ".join(f"{x:.0f}" for x in r["step_ms_all"])]
+                     for r in rows])
+        for style, by_kind in ratios.items():
+            for kind, r in by_kind.items():
+                print(f"kiln-{style} {kind}: unfused/fused per round median {r['median']:.3f} "
+                      f"(range {r['min']:.3f}-{r['max']:.3f})")
+        results["sizes"][s.name] = {"shape": vars(s), "rows": rows, "unfused_over_fused": ratios}
+    results["load_after"] = list(_loadavg())
+    path = write_results(out, {"command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]), **results})
+    print(f"wrote {path}; load average before {results['load_before']}, after {results['load_after']}")
+    return 0
+
+
+def _loadavg() -> tuple[float, ...]:
+    try:
+        import os
+
+        return os.getloadavg()
+    except OSError:
+        return ()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--target-steps", type=int, default=1200)
     gpu.add_argument("--json", help="also write the GPU results to this file after every case")
     gpu.add_argument("--only", default="", help="run only the GPU cases whose 'case @ shape' contains this")
+    ap.add_argument("--fused-ab", action="store_true", help="model.fused_projections on vs off (CPU, fp32)")
+    ap.add_argument("--fused-compile", action="store_true", help="--fused-ab: torch.compile the models")
+    ap.add_argument("--fused-block", action="store_true", help="--fused-ab: one block's forward + backward")
     args = ap.parse_args(argv)
+    if args.fused_ab:
+        out = "fused_projections_cpu" if args.out == "throughput" else args.out
+        return fused_ab([SIZES[n] for n in args.sizes.split(",")], args.rounds, args.steps,
+                        args.fused_compile, out, args.fused_block)
     if args.device.startswith("cuda") or args.gpu_cases:
         from gpu_throughput import run_all
 

@@ -132,6 +132,10 @@ class ModelConfig:
     moe_aux_loss_weight: float = ranged(0.01, ge=0.0)  # load-balancing loss (Switch eq. 4)
     moe_z_loss_weight: float = ranged(0.001, ge=0.0)  # router z-loss (ST-MoE, Zoph et al. 2022)
     moe_every: int = ranged(1, ge=1)  # MoE in every moe_every-th block (1: all), dense FeedForward elsewhere
+    # q/k/v (and a gated MLP's w1/w3) as one GEMM over their concatenated weights, parameters
+    # kept separate (kiln/model/transformer.py: fused_linear); falls back to one GEMM each under
+    # tensor parallelism and for float8 linears. Default chosen by benchmarks/README.md's figures.
+    fused_projections: bool = True
 
     def validate(self) -> None:
         check_fields(self, "model.")

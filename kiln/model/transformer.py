@@ -88,6 +88,33 @@ def _flex():
 _FLEX = False  # not looked up yet
 
 
+def fusable(*linears: nn.Linear) -> bool:
+    """Whether `fused_linear` may stand in for calling these modules one by one: each is exactly
+    `nn.Linear` (a subclass such as torchao's Float8Linear has its own matmul, so the check is by
+    type), carries no module hooks (tensor parallel's input/output layouts live there) and holds
+    plain-tensor weights (tensor parallel keeps DTensor shards; FSDP2 swaps in plain unsharded
+    tensors for the forward, so it fuses); biases all present or all absent."""
+    for m in linears:
+        if type(m) is not nn.Linear or isinstance(m.weight, DTensor):
+            return False
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+            return False
+    return len({m.bias is None for m in linears}) == 1
+
+
+def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """The outputs of several Linears that read the same input, as ONE `F.linear` over their
+    weights concatenated on the output dim (nanoGPT's c_attn, with separate parameters), split
+    back. Autograd then runs one input-gradient and one weight-gradient GEMM instead of one each
+    per module, and `torch.cat`'s backward hands every parameter its slice of the weight gradient.
+    Without autocast the concatenated weight is a copy that backward keeps (autocast's low-precision
+    cast of each weight is kept in the unfused path too); under FSDP2 it outlives the reshard
+    after forward. All torch ops (cat, linear, split); only the choice of which Linears is ours."""
+    weight = torch.cat([m.weight for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    return F.linear(x, weight, bias).split([m.weight.shape[0] for m in linears], dim=-1)
+
+
 class KVCache:
     """Keys/values of every layer for incremental decoding, preallocated to max_len."""
 
@@ -120,6 +147,7 @@ class Attention(nn.Module):
         # Replaces SDPA (causal, no cache) when set: context parallel's ring attention
         # (kiln/parallel/context_parallel.py), only for the duration of a training step.
         self.attention_fn = None
+        self.fused_projections = cfg.fused_projections  # q, k, v in one GEMM where fusable(...)
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
@@ -130,9 +158,13 @@ class Attention(nn.Module):
         """`mask`: None (causal), or `document_mask(...)` of packed windows (training only)."""
         bsz, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        if self.fused_projections and fusable(self.wq, self.wk, self.wv):
+            q, k, v = fused_linear(x, (self.wq, self.wk, self.wv))
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         if self.use_rope and rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -173,12 +205,17 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.w2 = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
         self.w3 = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if self.gated else None
+        self.fused_projections = cfg.fused_projections  # w1 and w3 in one GEMM where fusable(...)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.w1(x))
-        if self.w3 is not None:  # GLU variants (Shazeer 2020): act(x W1) * (x W3)
-            h = h * self.w3(x)
-        return self.w2(h)
+        if self.w3 is None:
+            return self.w2(self.act(self.w1(x)))
+        # GLU variants (Shazeer 2020): act(x W1) * (x W3)
+        if self.fused_projections and fusable(self.w1, self.w3):
+            gate, up = fused_linear(x, (self.w1, self.w3))
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(self.act(gate) * up)
 
 
 def uses_moe(cfg: ModelConfig, layer_id: int) -> bool:
