@@ -134,8 +134,10 @@ class ModelConfig:
     moe_every: int = ranged(1, ge=1)  # MoE in every moe_every-th block (1: all), dense FeedForward elsewhere
     # q/k/v (and a gated MLP's w1/w3) as one GEMM over their concatenated weights, parameters
     # kept separate (kiln/model/transformer.py: fused_linear); falls back to one GEMM each under
-    # tensor parallelism and for float8 linears. Default chosen by benchmarks/README.md's figures.
-    fused_projections: bool = True
+    # tensor parallelism and for float8 linears. Off by default until a GPU measures it: on CPU it
+    # is neither faster nor slower, and the concatenated weight autograd keeps is a copy that
+    # outlives FSDP2's reshard after forward (benchmarks/README.md, "Fused input projections").
+    fused_projections: bool = False
 
     def validate(self) -> None:
         check_fields(self, "model.")

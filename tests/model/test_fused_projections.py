@@ -111,11 +111,11 @@ def test_tolerance_catches_a_wrong_split(monkeypatch):
 
 
 def test_the_config_key_reaches_every_block():
-    cfg = load_config(None, ["model.fused_projections=false", "model.vocab_size=61", "model.dim=32",
+    cfg = load_config(None, ["model.fused_projections=true", "model.vocab_size=61", "model.dim=32",
                              "model.n_heads=4", "model.n_layers=2"])
     model = Transformer(cfg.model)
-    assert not any(b.attention.fused_projections or b.feed_forward.fused_projections for b in model.layers)
-    assert ModelConfig().fused_projections is True  # the default, chosen in benchmarks/README.md
+    assert all(b.attention.fused_projections and b.feed_forward.fused_projections for b in model.layers)
+    assert ModelConfig().fused_projections is False  # the default, chosen in benchmarks/README.md
 
 
 class StandInFloat8Linear(nn.Linear):
