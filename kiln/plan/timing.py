@@ -306,7 +306,11 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             overlappable = compute
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, overlappable))
         total += t
-    bubble = compute * bubble_fraction(layout)
+    # A stage idle in the bubble leaves its core to the node's other processes: where ranks share
+    # cores (share < 1, CPU), the step is the longer of the full-speed pipeline (compute at a whole
+    # core, plus its bubble) and the node's total work over its cores (= compute at the share).
+    bubble = max(0.0, compute * share * (1 + bubble_fraction(layout)) - compute) if share < 1 \
+        else compute * bubble_fraction(layout)
     # The optimizer step reads and writes weights, gradients and state: memory-bandwidth bound.
     # Each rank steps its partition: zero1 over the replicas, zero2/fsdp over the shards.
     shard = {"zero1": replicas, "zero2": shards, "fsdp": shards}.get(layout.dp_mode, 1)

@@ -77,3 +77,23 @@ def test_fit_with_timed_collectives_recovers_the_launch_cost_and_oversubscriptio
     no_launch = fit_cluster(start, cases, overlap=0.0)  # no timed collectives: launch cost stays 0
     assert no_launch.collective_launch_us == 0.0
     assert fit_error(no_launch, cases) > 10 * fit_error(fitted, cases)
+
+
+def test_a_pipeline_bubble_on_shared_cores_is_filled_by_the_other_stages():
+    """pp ranks idle in the bubble leave their cores to the node's other processes: with 4 stages on
+    2 cores the step is the node's work over its cores (no bubble term) as long as the full-speed
+    pipeline (compute at a whole core plus its bubble) is shorter; with a core each, the bubble is
+    the usual (pp-1)/m of compute."""
+    from kiln.plan.timing import step_time
+
+    shape = ModelShape(dim=64, n_layers=4, n_heads=4, kv_dim=64, ffn=256, gated=True, vocab=256, tied=False)
+    cluster = load_cluster("cpu-local")
+    cluster.cores_per_node = 4.0
+    own = step_time(shape, Layout(pp=4, grad_accum=4), 32, cluster)
+    assert own.bubble == pytest.approx(own.compute * 3 / 4)
+    cluster.cores_per_node = 2.0
+    shared = step_time(shape, Layout(pp=4, grad_accum=4), 32, cluster)
+    assert shared.compute == pytest.approx(2 * own.compute)  # half a core each
+    assert shared.bubble == 0.0  # full speed with its bubble: 1.75 x own.compute < 2 x own.compute
+    few = step_time(shape, Layout(pp=4, grad_accum=1), 32, cluster)  # bubble 3x compute: it shows
+    assert few.bubble == pytest.approx(few.compute * 0.5 * 4 - few.compute)
