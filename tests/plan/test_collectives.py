@@ -85,12 +85,10 @@ def test_bad_time_collectives_arguments(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_calibrate_runs_with_a_collectives_file_fits_link_then_runs(tmp_path, capsys):
+def test_calibrate_runs_with_a_collectives_file_fits_link_then_runs(tmp_path, capsys, calibration_runs):
     """`--calibrate RUN_DIR... --collectives FILE`: the link from the timed collectives, the
     efficiency curve from the runs' step times (single-process runs made by a known device)."""
-    from kiln.config import load_config, to_toml
-    from kiln.plan.calibrate import Measurement, measured_run, predicted_step
-    from kiln.plan.memory import Layout, ModelShape
+    from kiln.plan.calibrate import measured_run, predicted_step
     from kiln.plan.timing import all_reduce
 
     truth = load_cluster("cpu-local")
@@ -99,22 +97,7 @@ def test_calibrate_runs_with_a_collectives_file_fits_link_then_runs(tmp_path, ca
     rows = [{"op": "all_reduce", "ranks": n, "bytes": b, "seconds": all_reduce(truth, n, b)}
             for n in (2, 4) for b in (2**14, 2**22)]
     (tmp_path / "coll.json").write_text(json.dumps(rows))
-    runs = []
-    for i, (dim, mb) in enumerate(((64, 2), (256, 8))):
-        cfg = load_config(None, [f"model.dim={dim}", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=300",
-                                 f"train.batch_size={mb}", "data.seq_len=64", "model.max_seq_len=64",
-                                 "train.dtype=fp32"])
-        step = predicted_step(Measurement("x", ModelShape.from_config(cfg.model, 300), Layout(micro_batch=mb,
-                                          precision="fp32"), 64, 1.0), truth)
-        run = tmp_path / f"run{i}"
-        run.mkdir()
-        (run / "config.toml").write_text(to_toml(cfg))
-        metrics = [{"kind": "run", "step": 0, "world_size": 1, "dp_mode": "none", "dp_replicate": 1, "dp_shard": 1,
-                    "tokens_per_step": mb * 64, "dtype": "fp32"}]
-        metrics += [{"kind": "train", "step": s, "loss": 5.0, "lr": 1e-3, "tokens": s * mb * 64,
-                     "tokens_per_s": mb * 64 / step, "skipped": 0} for s in range(1, 4)]
-        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in metrics) + "\n")
-        runs.append(str(run))
+    runs = calibration_runs(truth, ((64, 2), (256, 8)))
     out = tmp_path / "cal.toml"
     rc = main(["plan", "--cluster", "cpu-local", "--calibrate", *runs, "--collectives", str(tmp_path / "coll.json"),
                "--calibrated-out", str(out)])

@@ -39,32 +39,13 @@ def test_nothing_fits_names_what_would(tmp_path, capsys):
     assert not (tmp_path / "p.toml").exists()
 
 
-def test_calibrate_fits_measured_runs_and_writes_a_loadable_cluster(tmp_path, capsys):
-    import json
-
-    from kiln.config import to_toml
-    from kiln.plan.calibrate import Measurement, measured_run, predicted_step
+def test_calibrate_fits_measured_runs_and_writes_a_loadable_cluster(tmp_path, capsys, calibration_runs):
+    from kiln.plan.calibrate import measured_run, predicted_step
     from kiln.plan.cluster import load_cluster
-    from kiln.plan.memory import Layout, ModelShape
 
     truth = load_cluster("cpu-local")
     truth.device.max_efficiency, truth.device.half_efficiency_work = 0.3, 5e4
-    runs = []
-    for i, (dim, mb) in enumerate(((64, 2), (128, 4), (256, 8))):
-        cfg = load_config(None, [f"model.dim={dim}", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=300",
-                                 f"train.batch_size={mb}", "data.seq_len=64", "model.max_seq_len=64",
-                                 "train.dtype=fp32"])
-        lay = Layout(micro_batch=mb, precision="fp32")
-        step = predicted_step(Measurement("x", ModelShape.from_config(cfg.model, 300), lay, 64, 1.0), truth)
-        run = tmp_path / f"run{i}"
-        run.mkdir()
-        (run / "config.toml").write_text(to_toml(cfg))
-        rows = [{"kind": "run", "step": 0, "world_size": 1, "dp_mode": "none", "dp_replicate": 1, "dp_shard": 1,
-                 "tokens_per_step": mb * 64, "dtype": "fp32"}]
-        rows += [{"kind": "train", "step": s, "loss": 5.0, "lr": 1e-3, "tokens": s * mb * 64,
-                  "tokens_per_s": mb * 64 / step, "skipped": 0} for s in range(1, 4)]
-        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-        runs.append(str(run))
+    runs = calibration_runs(truth, ((64, 2), (128, 4), (256, 8)))
     out = tmp_path / "cal.toml"
     rc = main(["plan", "--cluster", "cpu-local", "--calibrate", *runs, "--calibrated-out", str(out)])
     assert rc == 0, capsys.readouterr().err
