@@ -9,6 +9,7 @@ from kiln.cli import main
 from kiln.plan.calibrate import fit_link
 from kiln.plan.cluster import load_cluster
 from kiln.plan.collectives import OPS, read_collectives
+from calibration_runs import write_calibration_runs
 
 
 def _err(capsys):
@@ -85,7 +86,7 @@ def test_bad_time_collectives_arguments(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_calibrate_runs_with_a_collectives_file_fits_link_then_runs(tmp_path, capsys, calibration_runs):
+def test_calibrate_runs_with_a_collectives_file_fits_link_then_runs(tmp_path, capsys):
     """`--calibrate RUN_DIR... --collectives FILE`: the link from the timed collectives, the
     efficiency curve from the runs' step times (single-process runs made by a known device)."""
     from kiln.plan.calibrate import measured_run, predicted_step
@@ -97,7 +98,7 @@ def test_calibrate_runs_with_a_collectives_file_fits_link_then_runs(tmp_path, ca
     rows = [{"op": "all_reduce", "ranks": n, "bytes": b, "seconds": all_reduce(truth, n, b)}
             for n in (2, 4) for b in (2**14, 2**22)]
     (tmp_path / "coll.json").write_text(json.dumps(rows))
-    runs = calibration_runs(truth, ((64, 2), (256, 8)))
+    runs = write_calibration_runs(tmp_path, truth, ((64, 2), (256, 8)))
     out = tmp_path / "cal.toml"
     rc = main(["plan", "--cluster", "cpu-local", "--calibrate", *runs, "--collectives", str(tmp_path / "coll.json"),
                "--calibrated-out", str(out)])

@@ -1,5 +1,6 @@
 from kiln.cli import main
 from kiln.config import load_config
+from calibration_runs import write_calibration_runs
 
 
 def _err(capsys):
@@ -39,13 +40,13 @@ def test_nothing_fits_names_what_would(tmp_path, capsys):
     assert not (tmp_path / "p.toml").exists()
 
 
-def test_calibrate_fits_measured_runs_and_writes_a_loadable_cluster(tmp_path, capsys, calibration_runs):
+def test_calibrate_fits_measured_runs_and_writes_a_loadable_cluster(tmp_path, capsys):
     from kiln.plan.calibrate import measured_run, predicted_step
     from kiln.plan.cluster import load_cluster
 
     truth = load_cluster("cpu-local")
     truth.device.max_efficiency, truth.device.half_efficiency_work = 0.3, 5e4
-    runs = calibration_runs(truth, ((64, 2), (128, 4), (256, 8)))
+    runs = write_calibration_runs(tmp_path, truth, ((64, 2), (128, 4), (256, 8)))
     out = tmp_path / "cal.toml"
     rc = main(["plan", "--cluster", "cpu-local", "--calibrate", *runs, "--calibrated-out", str(out)])
     assert rc == 0, capsys.readouterr().err

@@ -1,9 +1,7 @@
-"""Shared fixtures of the planner tests."""
+"""Fake `kiln train` run directories for the calibration tests (test_plan_command, test_collectives)."""
 
 import json
 from pathlib import Path
-
-import pytest
 
 
 def write_calibration_runs(tmp_path: Path, truth, sizes) -> list[str]:
@@ -31,8 +29,3 @@ def write_calibration_runs(tmp_path: Path, truth, sizes) -> list[str]:
         runs.append(str(run))
     return runs
 
-
-@pytest.fixture
-def calibration_runs(tmp_path):
-    """write_calibration_runs in this test's tmp_path: calibration_runs(truth, sizes) -> run dirs."""
-    return lambda truth, sizes: write_calibration_runs(tmp_path, truth, sizes)
