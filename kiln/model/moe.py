@@ -26,7 +26,8 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
 - Under tensor parallelism (kiln/parallel/tensor_parallel.py, `MoETensorParallel`) the layer sees
   the whole sequence on every tp rank: routing, capacity and the aux/z losses are replicated and
   equal one process's; each rank computes a slice of every expert's hidden units, and its output
-  is a partial sum that the style reduce-scatters back to the sequence shard.
+  is a partial sum that the style reduce-scatters back to the sequence shard. With expert
+  parallelism as well, the all-to-all runs among the ep ranks of each tp coordinate.
 - The auxiliary losses of the last forward stay on the device (`last_aux_loss`,
   `last_z_loss`); the transformer adds them to its loss and exposes them for logging.
 """

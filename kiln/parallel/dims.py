@@ -178,7 +178,8 @@ class ParallelDims:
         across an HSDP replica, as ep divides dp_shard * cp). The dp_size * cp / ep ranks at the
         same place in every group hold the same experts ("edp" = dp_replicate x dp_shard_mod_ep).
         The mesh is ("pp", "edp", "ep", "tp"), pp and tp only where > 1, so every pipeline stage's
-        MoE layers exchange tokens among that stage's own ranks."""
+        MoE layers exchange tokens among that stage's own ranks, and each tp coordinate among its
+        own (under tp each expert's hidden units are sharded over "tp": expert tensor parallel)."""
         from torch.distributed.device_mesh import DeviceMesh
 
         shape = [("pp", self.pp), ("edp", self.dp_size * self.cp // self.ep), ("ep", self.ep), ("tp", self.tp)]
@@ -192,14 +193,15 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
     out of the data-parallel ranks of each pipeline stage and all of cp (torchtitan's rule: cp
     divides ep, ep divides dp_shard * cp), dp_shard under fsdp/zero2 (dense parameters stay FSDP
     over dp_shard x cp, the experts FSDP over the rest) or the replicas under ddp (experts
-    replicated). DiLoCo with ep is refused by ParallelConfig.validate (its replicas do not reduce
-    gradients)."""
+    replicated). With tp > 1 each expert is also sharded on its hidden units over tp (expert tensor
+    parallel, etp = tp: ep never borrows tp), under fsdp/zero2 only. DiLoCo with ep is refused by
+    ParallelConfig.validate (its replicas do not reduce gradients)."""
     if mode == "zero1":
         raise ConfigError(f"parallel.ep={ep} cannot combine with parallel.dp_mode='zero1' (its sharded optimizer "
                           f"does not take the experts' DTensors); use dp_mode='fsdp', 'zero2' or 'ddp'")
-    if tp > 1:
-        raise ConfigError(f"parallel.ep={ep} with parallel.tp={tp} is not supported yet; set parallel.tp=1, or "
-                          f"parallel.ep=1 (tp then shards every expert's hidden units)")
+    if tp > 1 and mode == "ddp":  # ep x tp shards the experts 2-D (expert tensor parallel); DDP replicates
+        raise ConfigError(f"parallel.ep={ep} with parallel.tp={tp} needs parallel.dp_mode='fsdp' or 'zero2' (DDP "
+                          f"cannot replicate the experts' tensor-parallel DTensors); change parallel.dp_mode")
     if ep % cp:
         raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.cp={cp} (expert parallelism borrows "
                           f"all of cp, as in torchtitan); change parallel.ep or parallel.cp")

@@ -30,6 +30,25 @@ another layout, and the grad norm of a DTensor counts each expert once.
 - ddp: the experts are replicated over edp (`Replicate()`), DDP ignores them, and the hook sums
   the gradients over edp and divides by D (`reduce_expert_grads`' arithmetic).
 Hooks act per backward pass and are linear, so gradient accumulation is unchanged.
+
+Expert tensor parallel (parallel.ep > 1 with parallel.tp > 1; torchtitan's ExpertTensorParallel
+with etp = tp). ep never borrows tp: the expert mesh is ("pp", "edp", "ep", "tp"), and within each
+tp coordinate the ep ranks split the experts as above. tensor_parallel.py's `MoETensorParallel`
+runs first (each expert's w1/w3 Shard(2), w2 Shard(1) over tp, the sequence gathered so every tp
+rank routes the same tokens); `apply_expert_parallel_training` then slices the experts of that tp
+shard over ep, so each weight is a DTensor on the ("ep", "tp") mesh, (Shard(0), hidden shard),
+and FSDP adds edp in front (torch's FSDP2 takes a 2-D EP x TP DTensor: _StridedShard over edp).
+In forward the all-to-all runs over ep among the ranks of one tp coordinate (its group is
+`expert_mesh["ep"]`'s for this rank), each rank computes its hidden slice of the received rows,
+the combine all-to-all returns partial sums, and the style reduce-scatters the MoE output over
+tp. Gradients: every tp rank of a data-parallel rank has the same loss (loss parallel) and the
+full output gradient (the reduce-scatter's backward all-gathers it), so its expert gradient is
+exactly its hidden slice of the gradient above - the tp ranks hold disjoint slices, not replicas,
+and the 1 / D arithmetic is unchanged (dividing by tp too is the mistake the tests catch). The
+tokens and gates the experts read are replicated over tp, so their gradients, partial per hidden
+slice, are summed over tp after the reverse all-to-all (`sum_grad_over_tp`, as without ep).
+DCP saves each (expert, hidden slice) once; the grad norm's `full_tensor` sums over edp x ep x tp.
+DDP is refused with ep x tp (it cannot replicate tensor-parallel DTensors; dims.check_ep_layout).
 """
 
 from __future__ import annotations
@@ -65,20 +84,27 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> None:
 
 
 def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, fsdp: bool) -> None:
-    """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP: slice the
-    experts over `expert_mesh["ep"]` and turn each local slice into a DTensor of the global shape.
+    """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP (and after
+    tensor parallelism): slice the experts over `expert_mesh["ep"]` and turn each local slice into
+    a DTensor of the global shape.
     fsdp=True (dp_mode fsdp/zero2): `Shard(0)` on the ep mesh, for `fully_shard_experts` to shard
     further over "edp"; else (ddp): on `expert_mesh["edp", "ep"]`, `Replicate()` over "edp",
     `Shard(0)` over "ep", with gradients summed over "edp" in backward. Either way an expert's
     gradient ends up divided by `dp_size`, the ranks the dense gradients are averaged over
-    (data parallel x cp)."""
+    (data parallel x cp). Under tp (`MoETensorParallel` made each expert weight a DTensor on the tp
+    mesh, hidden units sharded) the mesh gains "tp" and the weight keeps its tp placement."""
+    names, placements = (("ep",), [Shard(0)]) if fsdp else (("edp", "ep"), [Replicate(), Shard(0)])
+    tp_layouts = _unwrap_tensor_parallel_experts(model)
+    if tp_layouts:
+        if "tp" not in expert_mesh.mesh_dim_names:
+            raise ValueError("tensor-parallel experts need an expert mesh with a 'tp' dimension")
+        names = (*names, "tp")
     ep_mesh = expert_mesh["ep"]
     apply_expert_parallel(model, ep_mesh.get_group())
+    mesh = expert_mesh[names] if len(names) > 1 else ep_mesh
     if fsdp:  # FSDP averages over edp (reduce-scatter): a further 1 / ep makes the 1 / dp_size
-        mesh, placements = ep_mesh, [Shard(0)]
         hook = functools.partial(_scaled_grad, factor=1.0 / ep_mesh.size())
     else:
-        mesh, placements = expert_mesh["edp", "ep"], [Replicate(), Shard(0)]
         replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
         hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
     for m in model.modules():
@@ -89,12 +115,30 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
             w = getattr(ex, name)
             if w is None:
                 continue
-            shape = (ex.n_experts, *w.shape[1:])
+            shape, tp_placement = tp_layouts.get((id(ex), name), ((ex.n_experts, *w.shape[1:]), None))
             stride = torch.empty(shape, device="meta").stride()
-            d = DTensor.from_local(w.detach(), mesh, placements, run_check=False, shape=shape, stride=stride)
+            d = DTensor.from_local(w.detach(), mesh, placements + ([tp_placement] if tp_placement else []),
+                                   run_check=False, shape=shape, stride=stride)
             setattr(ex, name, nn.Parameter(d))
         # On the local slice in forward (a parameter hook would not survive materialization).
         ex.grad_hook = hook
+
+
+def _unwrap_tensor_parallel_experts(model: nn.Module) -> dict:
+    """Expert weights that tensor parallelism made DTensors on the tp mesh (hidden units sharded,
+    kiln/parallel/tensor_parallel.py) become their local tp shards, for `apply_expert_parallel` to
+    slice on the expert dim; returns (id(experts), name) -> (global shape, tp placement)."""
+    layouts = {}
+    for m in model.modules():
+        if not isinstance(m, MoE):
+            continue
+        for name in ("w1", "w2", "w3"):
+            w = getattr(m.experts, name)
+            if isinstance(w, DTensor):
+                (placement,) = w.placements
+                layouts[(id(m.experts), name)] = (tuple(w.shape), placement)
+                setattr(m.experts, name, nn.Parameter(w.to_local().detach()))
+    return layouts
 
 
 def fully_shard_experts(module: nn.Module, expert_mesh, **fsdp_kwargs) -> None:

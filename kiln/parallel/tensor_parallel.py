@@ -23,7 +23,9 @@ process's, the tokens being the same), each expert's w1/w3 are sharded on their 
 (Shard(2), column-wise) and w2 on its hidden dim (Shard(1), row-wise), and the partial output is
 reduce-scattered back to the sequence shard. The tokens and gates the experts read are replicated
 while their weights are sharded, so their gradients are all-reduced over tp (`sum_grad_over_tp`).
-Why not shard the experts whole over tp instead: that is expert parallelism (parallel.ep).
+Why not shard the experts whole over tp instead: that is expert parallelism (parallel.ep), which
+composes with this style: ep then slices each tp shard's experts over the data-parallel ranks
+(expert tensor parallel, kiln/parallel/expert_parallel.py).
 
 Under pipeline parallelism the plan covers one pipeline rank's modules (`tp_plan` on a
 `PipelineModel`); the stages pass the sequence-sharded residual stream between them unchanged.

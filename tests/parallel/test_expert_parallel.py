@@ -283,7 +283,7 @@ def grad_norms(run_dir):
 @pytest.mark.parametrize("world, degrees, expected", [
     (2, {"ep": 2, "dp_mode": "zero1"}, "parallel.ep=2 cannot combine with parallel.dp_mode='zero1'"),
     (2, {"ep": 2, "diloco_inner_steps": 3}, "parallel.diloco_inner_steps=3 with parallel.ep=2 is not supported"),
-    (4, {"ep": 2, "tp": 2}, "parallel.ep=2 with parallel.tp=2 is not supported yet"),
+    (4, {"ep": 2, "tp": 2, "dp_mode": "ddp"}, "parallel.ep=2 with parallel.tp=2 needs parallel.dp_mode='fsdp'"),
     (8, {"ep": 2, "cp": 4}, "parallel.ep=2 must be a multiple of parallel.cp=4"),
     (6, {"ep": 4, "cp": 2}, "parallel.ep=4 must divide dp_shard x cp = 3 x 2"),
     (12, {"ep": 4, "pp": 2, "dp_replicate": 2}, "parallel.ep=4 must divide dp_shard=3"),
@@ -307,6 +307,7 @@ def test_unsupported_ep_layouts_are_refused_in_one_line(world, degrees, expected
     (4, {"ep": 2, "pp": 2}, ("fsdp", 1, 2)),  # ep within each pipeline stage's dp ranks
     (4, {"ep": 4, "cp": 2}, ("fsdp", 1, 2)),  # ep borrows dp_shard and all of cp
     (4, {"ep": 2, "cp": 2, "dp_mode": "ddp"}, ("ddp", 2, 1)),
+    (4, {"ep": 2, "tp": 2}, ("fsdp", 1, 2)),  # expert tensor parallel (test_expert_tensor_parallel.py)
 ])
 def test_ep_dividing_the_data_parallel_ranks_is_accepted(world, degrees, layout):
     from kiln.config import ParallelConfig

@@ -1,0 +1,223 @@
+"""Expert parallel x tensor parallel ("expert tensor parallel", etp = tp): `kiln train`'s trainer
+in-process on gloo ranks against one process on the same global batch.
+
+Layouts (4 experts, top-2 with capacity factor 1.0, so assignments are dropped; AdamW, clipping
+active on every step):
+- ep2_tp2 (4 ranks): dp_shard=2 x tp=2; the 2 data-parallel ranks of each tp coordinate split
+  the experts, every expert's hidden units are sharded over tp (experts on an (ep, tp) mesh).
+- ep2_tp2_dp4 (8 ranks): dp_shard=4 x tp=2, ep=2, so the experts are also FSDP-sharded over the
+  2 "edp" ranks that hold the same experts.
+The step-3 checkpoint of ep2_tp2 continues (steps 4-5) in one process, under ep2 alone (4 ranks,
+dp_shard=4) and under tp2 alone (4 ranks, dp_shard=2 x tp=2, ep=1).
+
+Tolerance: fp32, relative 1e-5 per step for the loss (LM + weighted aux + z-loss), the
+pre-clipping grad norm and the logged aux and z-losses (tp and ep change only the order of sums).
+Negative controls (each must fail the comparison at step 1): the experts' input gradients not
+summed over tp (each tp rank keeps its hidden slice's part), and expert gradients divided by
+ep x tp (the tp ranks counted as data-parallel replicas).
+"""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from conftest import tiny_overrides
+from ranks import run_ranks
+
+STEPS, SAVE_AT, GLOBAL_BATCH, REL = 5, 3, 4, 1e-5
+CLIP = 0.5
+MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0,
+       "model.moe_aux_loss_weight": 0.1, "model.moe_z_loss_weight": 0.01, "model.init_std": 0.1,
+       "data.seq_len": 16}
+LAYOUTS = {  # name -> (world, [parallel] settings)
+    "single": (1, {}),
+    "ep2_tp2": (4, {"parallel.tp": 2, "parallel.ep": 2}),
+    "ep2_tp2_dp4": (8, {"parallel.tp": 2, "parallel.ep": 2}),
+    "ep2": (4, {"parallel.ep": 2}),
+    "tp2": (4, {"parallel.tp": 2}),
+}
+MISTAKES = ("tp_input_grad_not_summed", "experts_divided_by_ep_x_tp")
+
+
+def overrides(text_file, shards, name):
+    world, parallel = LAYOUTS[name]
+    per_rank = {"parallel.dp_mode": "'fsdp'", "parallel.tp": 1, "parallel.ep": 1, **parallel}
+    dp = world // per_rank["parallel.tp"]
+    return tiny_overrides(text_file, **{
+        "train.steps": STEPS, "train.eval_every": 0, "checkpoint.every": SAVE_AT, "checkpoint.keep_last": 5,
+        "optim.name": "'adamw'", "optim.lr": 0.01, "train.clip_grad_norm": CLIP, "train.device": "cpu",
+        "model.tie_embeddings": "false", "data.shards_dir": repr(str(shards)), "metrics.peak_flops": 1e11,
+        "train.batch_size": GLOBAL_BATCH // dp, **MOE, **per_rank})
+
+
+def deliberate_mistake(kind):
+    """Patch one deliberate mistake into this process; returns the undo."""
+    if kind == "tp_input_grad_not_summed":  # MoE looks the helper up at call time
+        from kiln.parallel import tensor_parallel as tp
+
+        saved = tp.sum_grad_over_tp
+        tp.sum_grad_over_tp = lambda t, mesh: t
+        return lambda: setattr(tp, "sum_grad_over_tp", saved)
+    if kind == "experts_divided_by_ep_x_tp":  # the hook is bound when the experts are parallelized
+        from kiln.parallel import expert_parallel as xp
+
+        saved = xp._scaled_grad
+        xp._scaled_grad = lambda grad, factor: saved(grad, factor / 2)
+        return lambda: setattr(xp, "_scaled_grad", saved)
+    return lambda: None
+
+
+def train_jobs(rank, world, jobs):
+    """kiln's trainer once per job on every rank: (source run or None, run, overrides, stop_at,
+    deliberate mistake or None)."""
+    import torch.distributed as dist
+
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    for source, run, sets, stop_at, mistake in jobs:
+        if source is not None and rank == 0:  # its step-3 checkpoint, not the last one
+            shutil.copytree(source, run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
+        dist.barrier()
+        undo = deliberate_mistake(mistake)
+        try:
+            train(load_config(None, sets), run, resume=source is not None or None, stop_at=stop_at)
+        finally:
+            undo()
+        dist.barrier()
+
+
+def rows(run):
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, text_file):
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    root = tmp_path_factory.mktemp("eptp")
+    shards = root / "shards"
+    sets = {name: overrides(text_file, shards, name) for name in LAYOUTS}
+    out = {name: root / name for name in ["single", "ep2_tp2", "ep2_tp2_dp4", *MISTAKES]}
+    train(load_config(None, sets["single"]), out["single"])  # writes the shared shards first
+    for target in ("ep2", "tp2"):
+        out[f"ep2_tp2->{target}"] = root / f"to-{target}"
+    jobs = [(None, out["ep2_tp2"], sets["ep2_tp2"], None, None)]
+    jobs += [(None, out[m], sets["ep2_tp2"], 1, m) for m in MISTAKES]
+    jobs += [(out["ep2_tp2"], out[f"ep2_tp2->{t}"], sets[t], None, None) for t in ("ep2", "tp2")]
+    import time
+    t0 = time.time()
+    (root / "ranks4").mkdir()
+    run_ranks(train_jobs, 4, root / "ranks4", jobs, timeout=300)
+    print("TIMING 4", time.time() - t0); t0 = time.time()
+    (root / "ranks8").mkdir()
+    run_ranks(train_jobs, 8, root / "ranks8", [(None, out["ep2_tp2_dp4"], sets["ep2_tp2_dp4"], None, None)],
+              timeout=300)
+    print("TIMING 8", time.time() - t0); t0 = time.time()
+    out["ep2_tp2->single"] = run = root / "to-single"
+    shutil.copytree(out["ep2_tp2"], run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
+    train(load_config(None, sets["single"]), run, resume=True)
+    print("TIMING 1", time.time() - t0)
+    return out
+
+
+def assert_same(expected, got, steps, label, keys=("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")):
+    for step in steps:
+        for key in keys:
+            assert got[step][key] == pytest.approx(expected[step][key], rel=REL), \
+                f"{label}, step {step}, {key}: {got[step][key]} != {expected[step][key]}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["ep2_tp2", "ep2_tp2_dp4"])
+def test_ep_with_tp_matches_one_process(runs, name):
+    expected = rows(runs["single"])
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert min(r["grad_norm"] for r in expected.values()) > CLIP  # clipping is active on every step
+    assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in expected.values())
+    got = rows(runs[name])
+    run_row = next(json.loads(x) for x in (runs[name] / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert run_row["world_size"] == LAYOUTS[name][0]
+    assert_same(expected, got, range(1, STEPS + 1), name)
+
+
+@pytest.mark.parametrize("target", ["single", "ep2", "tp2"])
+def test_ep_tp_checkpoint_continues_in_another_layout(runs, target):
+    pair = f"ep2_tp2->{target}"
+    expected, got = rows(runs["single"]), rows(runs[pair])
+    run_row = [json.loads(x) for x in (runs[pair] / "metrics.jsonl").read_text().splitlines() if '"run"' in x][-1]
+    assert run_row["resumed_from"] == SAVE_AT
+    assert_same(expected, got, range(SAVE_AT + 1, STEPS + 1), pair)
+
+
+def expert_chunks(run, step=SAVE_AT):
+    """{expert weight: (global size, [(offsets, sizes) of each saved chunk])} from a run's DCP
+    checkpoint metadata (read through kiln's safe loader)."""
+    from kiln.checkpoint.safe_load import load_metadata
+
+    path = run / "checkpoints" / f"step-{step}" / ".metadata"
+    meta = load_metadata(path.read_bytes(), str(path))
+    return {k: (tuple(v.size), [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks])
+            for k, v in meta.state_dict_metadata.items() if k.startswith("app.model.") and ".experts.w" in k}
+
+
+@pytest.mark.parametrize("name, chunk", [("ep2_tp2", 2), ("ep2_tp2_dp4", 1)])
+def test_ep_tp_checkpoint_saves_every_expert_element_once(runs, name, chunk):
+    import torch
+
+    weights = expert_chunks(runs[name])
+    assert len(weights) == 2 * 3  # w1, w2, w3 of both MoE layers
+    for key, (size, chunks) in weights.items():
+        seen = torch.zeros(size, dtype=torch.int32)
+        for offsets, sizes in chunks:
+            # experts split over ep (and edp), hidden units (w1/w3 dim 2, w2 dim 1) over tp
+            hidden = 1 if key.endswith("w2") else 2
+            assert sizes[0] == chunk and sizes[hidden] == size[hidden] // 2, (key, sizes)
+            seen[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] += 1
+        assert bool((seen == 1).all()), key  # every element saved by exactly one rank
+
+
+@pytest.mark.parametrize("name", MISTAKES)
+def test_each_deliberate_mistake_fails_the_comparison(runs, name):
+    expected, got = rows(runs["single"]), rows(runs[name])
+    assert sorted(got) == [1]
+    assert got[1]["loss"] == pytest.approx(expected[1]["loss"], rel=REL)  # the same first forward
+    assert got[1]["grad_norm"] != pytest.approx(expected[1]["grad_norm"], rel=10 * REL)
+
+
+@pytest.mark.parametrize("world, sets, expected", [
+    # ep x tp runs under FSDP only (DDP cannot replicate the experts' tensor-parallel DTensors)
+    (4, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'"},
+     "parallel.ep=2 with parallel.tp=2 needs parallel.dp_mode='fsdp' or 'zero2'"),
+    # ep borrows data-parallel ranks (and cp), never tp: 4 ranks / tp 2 leave dp_shard=2 for ep=4
+    (4, {"parallel.ep": 4}, "parallel.ep=4 must divide dp_shard=2"),
+    # the experts must divide over ep, their hidden units over tp
+    (4, {"model.moe_experts": 3, "model.moe_top_k": 1}, "parallel.ep=2 must divide model.moe_experts=3"),
+    (4, {"model.ffn_hidden": 33}, "parallel.tp=2 must divide model.ffn_hidden (the FFN hidden size)=33"),
+])
+def test_ep_tp_layouts_that_cannot_divide_are_refused_in_one_line(text_file, tmp_path, monkeypatch, capsys,
+                                                                  world, sets, expected):
+    from kiln.cli import main
+
+    for name, value in {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    sets = tiny_overrides(text_file, **{**MOE, "parallel.tp": 2, "parallel.ep": 2, **sets})
+    assert main(["train", "--run-dir", str(tmp_path / "run"), *[x for o in sets for x in ("--set", o)]]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines
+    assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_ep_tp_under_fsdp_or_zero2_is_accepted():
+    from kiln.config import ParallelConfig
+    from kiln.parallel.dims import ParallelDims
+
+    for mode in ("fsdp", "zero2"):
+        d = ParallelDims.from_config(ParallelConfig(ep=2, tp=2, dp_mode=mode), world_size=8, rank=0, local_rank=0)
+        assert (d.dp_mode, d.dp_shard, d.tp, d.ep) == (mode, 4, 2, 2)
