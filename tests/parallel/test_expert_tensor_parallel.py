@@ -143,6 +143,7 @@ def test_ep_with_tp_matches_one_process(runs, name):
     assert_same(expected, got, range(1, STEPS + 1), name)
 
 
+@pytest.mark.timeout(600)  # whichever test runs first sets the module's runs up
 @pytest.mark.parametrize("target", ["single", "ep2", "tp2"])
 def test_ep_tp_checkpoint_continues_in_another_layout(runs, target):
     pair = f"ep2_tp2->{target}"
@@ -163,6 +164,7 @@ def expert_chunks(run, step=SAVE_AT):
             for k, v in meta.state_dict_metadata.items() if k.startswith("app.model.") and ".experts.w" in k}
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name, chunk", [("ep2_tp2", 2), ("ep2_tp2_dp4", 1)])
 def test_ep_tp_checkpoint_saves_every_expert_element_once(runs, name, chunk):
     import torch
@@ -179,6 +181,7 @@ def test_ep_tp_checkpoint_saves_every_expert_element_once(runs, name, chunk):
         assert bool((seen == 1).all()), key  # every element saved by exactly one rank
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", MISTAKES)
 def test_each_deliberate_mistake_fails_the_comparison(runs, name):
     expected, got = rows(runs["single"]), rows(runs[name])
