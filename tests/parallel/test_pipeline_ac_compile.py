@@ -14,13 +14,14 @@ Tolerance: fp32, relative 1e-5 per step (as test_pipeline_parallel.py: the micro
 summed in another order). With compile, inductor's kernels are the same in both runs (one process
 runs the same 4 micro-batches of 1 sequence as grad accumulation, so the block graphs have the
 shapes of the pipeline's micro-batches); observed differences are reported in the test ids' asserts.
-SGD with momentum, no clipping: a wrong gradient moves the next losses (negative control:
-`test_tolerance_catches_a_wrong_stage_gradient`).
+SGD with momentum, no clipping: a wrong gradient moves the next losses (the negative control of
+this bound is test_pipeline_parallel.py's `test_tolerance_catches_unscaled_microbatch_gradients`);
+AC and compile do not change the math, so the controls here are structural: which layers are
+wrapped and compiled on each stage, and the saved activations.
 """
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
@@ -33,14 +34,20 @@ from kiln.model.transformer import Transformer
 from kiln.parallel import pipeline as pl
 from kiln.parallel.parallelize import apply_activation_checkpointing, apply_compile, convert_float8
 from ranks import run_ranks
-from test_data_parallel import assert_same_losses, losses, run_kiln, sets
+from test_data_parallel import assert_same_losses, losses
 
 STEPS, REL, MICRO = 5, 1e-5, 4
 # (schedule, virtual stages per rank); looped BFS runs the same stage code as interleaved 1F1B
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2),
              ("zbv_zero_bubble", 2)]
-VARIANTS = {"ac": {"activation_checkpointing": "every_k:3"}, "compile": {"compile": True},
-            "ac+compile": {"activation_checkpointing": "full", "compile": True}}
+# variant -> (train settings, schedules run). Compile is refused with the zero-bubble schedules
+# (test_compile_with_zero_bubble_is_refused_naming_the_key); compiling costs seconds per variant
+# whatever the schedule count, running a schedule well under one.
+ALL = [s for s, _ in SCHEDULES]
+VARIANTS = {"ac": ({"activation_checkpointing": "every_k:3"}, ALL),
+            "compile": ({"compile": True}, ["1f1b", "interleaved_1f1b"]),
+            "ac+compile": ({"activation_checkpointing": "full", "compile": True}, ["gpipe", "interleaved_1f1b"])}
+CASES = [(v, s) for v, (_, schedules) in VARIANTS.items() for s in schedules]
 
 
 def job(pp=2, virtual=1, schedule="1f1b", n_layers=4, **train) -> JobConfig:
@@ -182,19 +189,19 @@ def _steps(rank, world):
 
     def run(step_fn, target, params, data):
         opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
-        return [tuple(float(t) for t in step_fn(target, opt, micro, autocast=off, scaler=None, clip=0.0)[:2])
+        return [tuple(float(t.detach()) for t in step_fn(target, opt, micro, autocast=off, scaler=None, clip=0.0)[:2])
                 for micro in data]
 
     got = {}
-    for variant, train in VARIANTS.items():
+    for variant, (train, schedules) in VARIANTS.items():
         torch._dynamo.reset()
         cfg = job(pp=1, **train)
         dims1 = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0)
         model = build_model(cfg, dims1, torch.device("cpu"))
         got[(variant, "reference")] = run(train_step, model, model.parameters(), singles)
         for schedule, virtual in SCHEDULES:
-            if train.get("compile") and schedule in pl.ZERO_BUBBLE:
-                continue  # refused (test_compile_with_zero_bubble_is_refused_naming_the_key)
+            if schedule not in schedules:
+                continue
             cfg = job(schedule=schedule, virtual=virtual, **train)
             dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank)
             dims.build_mesh("cpu")
@@ -202,33 +209,84 @@ def _steps(rank, world):
             pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
             got[(variant, schedule, "wrappers")] = [
                 sum(isinstance(m, CheckpointWrapper) for m in c.modules()) for c in model.chunks]
+            got[(variant, schedule, "compiled")] = [
+                sum(type(m).__name__ == "OptimizedModule" for m in c.layers) for c in model.chunks]
             got[(variant, schedule)] = run(pl.pipeline_train_step, pipe, model.parameters(), whole)
             dist.barrier()
     return got
 
 
+def _session(rank, world, jobs):
+    """Both 2-rank parts in one pair of processes (torch is imported once): kiln's trainer
+    (test_cross_layout.py's train_jobs), then the step comparisons."""
+    from test_cross_layout import train_jobs
+
+    train_jobs(rank, world, jobs)
+    return _steps(rank, world)
+
+
+def trainer_overrides(text_file, shards, **extra):
+    return tiny_overrides(text_file, **{
+        "train.steps": 6, "train.eval_every": 0, "checkpoint.every": 3, "checkpoint.keep_last": 5,
+        "optim.name": "'adamw'", "optim.lr": 0.01, "train.clip_grad_norm": 0, "train.device": "cpu",
+        "model.n_layers": 4, "model.tie_embeddings": "false", "train.batch_size": 2, "train.grad_accum": 2,
+        "train.activation_checkpointing": "'selective'", "metrics.peak_flops": 1e11,
+        "data.shards_dir": repr(str(shards)), **extra})
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return run_ranks(_steps, 2, tmp_path_factory.mktemp("ppac"), timeout=400)
+def two_ranks(tmp_path_factory, text_file):
+    """The step comparisons per rank, and kiln's trainer: a one-process reference of 6 steps with
+    selective AC (here), pp=2 1F1B with selective AC saving at step 3 (2 gloo ranks)."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    root = tmp_path_factory.mktemp("ppac")
+    train(load_config(None, trainer_overrides(text_file, root / "shards")), root / "single")  # writes the shards
+    pp2 = trainer_overrides(text_file, root / "shards", **{"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'"})
+    results = run_ranks(_session, 2, root, [(None, root / "pp2", pp2, 3)], timeout=400)
+    return {"ranks": results, "root": root}
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
+@pytest.mark.parametrize("variant,schedule", CASES)
 def test_pipeline_with_ac_or_compile_matches_one_process(two_ranks, variant, schedule):
-    if "compile" in variant and schedule in pl.ZERO_BUBBLE:
-        pytest.skip("refused: test_compile_with_zero_bubble_is_refused_naming_the_key")
-    ref = two_ranks[0][(variant, "reference")]
+    ref = two_ranks["ranks"][0][(variant, "reference")]
     for rank in range(2):
-        got = two_ranks[rank][(variant, schedule)]
+        got = two_ranks["ranks"][rank][(variant, schedule)]
         for step, ((loss, norm), (rl, rn)) in enumerate(zip(got, ref)):
             assert loss == pytest.approx(rl, rel=REL), f"rank {rank} step {step + 1}"
             assert norm == pytest.approx(rn, rel=REL), f"rank {rank} step {step + 1} grad norm"
 
 
-def test_ac_is_applied_on_every_stage(two_ranks):
+def test_ac_and_compile_are_applied_on_every_stage(two_ranks):
     # every_k:3 on 4 layers: layers 0 and 3; 1f1b stages 0-1 | 2-3, interleaved 0 | 1 | 2 | 3 (v=2)
-    assert [two_ranks[r][("ac", "1f1b", "wrappers")] for r in range(2)] == [[1], [1]]
-    assert [two_ranks[r][("ac", "interleaved_1f1b", "wrappers")] for r in range(2)] == [[1, 0], [0, 1]]
-    assert [two_ranks[r][("ac+compile", "gpipe", "wrappers")] for r in range(2)] == [[2], [2]]
-    assert [two_ranks[r][("compile", "gpipe", "wrappers")] for r in range(2)] == [[0], [0]]
+    assert [two_ranks["ranks"][r][("ac", "1f1b", "wrappers")] for r in range(2)] == [[1], [1]]
+    assert [two_ranks["ranks"][r][("ac", "interleaved_1f1b", "wrappers")] for r in range(2)] == [[1, 0], [0, 1]]
+    assert [two_ranks["ranks"][r][("ac", "zbv_zero_bubble", "wrappers")] for r in range(2)] == [[1, 1], [0, 0]]
+    assert [two_ranks["ranks"][r][("ac+compile", "gpipe", "wrappers")] for r in range(2)] == [[2], [2]]
+    assert [two_ranks["ranks"][r][("compile", "1f1b", "wrappers")] for r in range(2)] == [[0], [0]]  # control
+    # per-block compile: every block of every stage chunk (the blocks of the AC variant: none)
+    assert [two_ranks["ranks"][r][("compile", "interleaved_1f1b", "compiled")] for r in range(2)] == [[1, 1], [1, 1]]
+    assert [two_ranks["ranks"][r][("ac+compile", "gpipe", "compiled")] for r in range(2)] == [[2], [2]]
+    assert [two_ranks["ranks"][r][("ac", "gpipe", "compiled")] for r in range(2)] == [[0], [0]]
+
+
+# ---------------------------------------------------------------- kiln's trainer: pp=2 + AC -> one process
+
+
+def test_trainer_pp2_with_ac_checkpoint_continues_in_one_process(two_ranks, text_file):
+    # The cross-layout harness's jobs (test_cross_layout.py): pp=2 + selective AC matches the
+    # one-process run for steps 1-3, and its step-3 checkpoint continues in one process (AC on,
+    # so the checkpoint names must be those of the plain model) with the same losses for 4-6.
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    root = two_ranks["root"]
+    single, piped = root / "single", root / "pp2"
+    run_row = next(json.loads(x) for x in (piped / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert run_row["pp"] == 2 and run_row["world_size"] == 2
+    expected = losses(single)
+    assert_same_losses(expected, losses(piped), range(1, 4))
+    train(load_config(None, trainer_overrides(text_file, root / "shards")), piped, resume=True)
+    assert_same_losses(expected, losses(piped), range(4, 7))
