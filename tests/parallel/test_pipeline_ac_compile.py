@@ -3,9 +3,10 @@
 - AC under pp wraps the blocks the single process wraps, by global layer index (a rule on the
   stage-local index would checkpoint other layers: `test_ac_rule_is_on_the_global_layer_index`
   spells out the sets), and the stage chunks run the wrappers (fewer tensors saved for backward).
-- 2 gloo ranks, pp=2, every schedule but looped BFS (GPipe, 1F1B, interleaved 1F1B, interleaved
-  zero-bubble, ZBV zero-bubble), each with AC (every_k:3), per-block compile and both: per-step
-  losses and grad norms match one process with the same AC / compile over 5 steps.
+- 2 gloo ranks, pp=2: AC (every_k:3) on every schedule, per-block compile on 1F1B and
+  interleaved 1F1B, AC (full) + compile on GPipe and interleaved 1F1B: per-step losses and grad
+  norms match one process with the same AC / compile over 5 steps. Compile with the zero-bubble
+  schedules is refused in one line (torch raises for compiled stage modules there).
 - float8 (torchao, `emulate=True` on CPU): a split model converts exactly the whole model's
   block linears under the same names, and the stage chunks run them.
 - `kiln train` pp=2 + AC: the step-3 checkpoint continues in one process with the same losses.
@@ -13,7 +14,7 @@
 Tolerance: fp32, relative 1e-5 per step (as test_pipeline_parallel.py: the micro-batch losses are
 summed in another order). With compile, inductor's kernels are the same in both runs (one process
 runs the same 4 micro-batches of 1 sequence as grad accumulation, so the block graphs have the
-shapes of the pipeline's micro-batches); observed differences are reported in the test ids' asserts.
+shapes of the pipeline's micro-batches); observed max 1.4e-7 over all cases and both ranks.
 SGD with momentum, no clipping: a wrong gradient moves the next losses (the negative control of
 this bound is test_pipeline_parallel.py's `test_tolerance_catches_unscaled_microbatch_gradients`);
 AC and compile do not change the math, so the controls here are structural: which layers are
@@ -37,8 +38,8 @@ from ranks import run_ranks
 from test_data_parallel import assert_same_losses, losses
 
 STEPS, REL, MICRO = 5, 1e-5, 4
-# (schedule, virtual stages per rank); looped BFS runs the same stage code as interleaved 1F1B
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2),
+# (schedule, virtual stages per rank): every schedule kiln offers
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("interleaved_zero_bubble", 2),
              ("zbv_zero_bubble", 2)]
 # variant -> (train settings, schedules run). Compile is refused with the zero-bubble schedules
 # (test_compile_with_zero_bubble_is_refused_naming_the_key); compiling costs seconds per variant
