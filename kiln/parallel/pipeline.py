@@ -78,6 +78,10 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if cfg.train.compile and cfg.train.compile_scope == "model":
         raise ConfigError("train.compile_scope='model' with parallel.pp > 1: a pipeline rank holds stages, not "
                           "the whole model; set train.compile_scope='blocks' (or 'auto')")
+    if cfg.train.cuda_graphs:  # otherwise "auto" would compile blocks and drop the CUDA graphs silently
+        raise ConfigError("train.cuda_graphs=true with parallel.pp > 1: CUDA graphs need "
+                          "train.compile_scope='model', and a pipeline rank holds stages, not the whole model; "
+                          "set train.cuda_graphs=false")
     if cfg.train.compile and p.pp_schedule in ZERO_BUBBLE:
         # torch refuses it too (pipelining/schedules.py _check_torch_compile_compatibility: the
         # input/weight split of the backward is not supported with torch.compile), but only

@@ -135,6 +135,10 @@ def test_model_compile_scope_with_pp_is_refused_naming_the_key():
     cfg.train.compile_scope = "model"
     with pytest.raises(ConfigError, match=r"train\.compile_scope='model' with parallel\.pp > 1"):
         pl.check_pipeline_config(cfg)
+    cfg = job(compile=True, cuda_graphs=True)
+    cfg.train.compile_scope = "auto"
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs=true with parallel\.pp > 1"):
+        pl.check_pipeline_config(cfg)
     for train in ({"compile": True}, {"activation_checkpointing": "selective"}, {"float8": True}):
         pl.check_pipeline_config(job(**train))  # accepted now (float8 still needs a GPU: apply_float8)
 
@@ -144,6 +148,21 @@ def test_compile_with_zero_bubble_is_refused_naming_the_key(schedule):
     with pytest.raises(ConfigError, match=rf"train\.compile=true with parallel\.pp_schedule='{schedule}'"):
         pl.check_pipeline_config(job(schedule=schedule, virtual=2, compile=True))
     pl.check_pipeline_config(job(schedule=schedule, virtual=2, activation_checkpointing="full"))
+
+
+def test_kiln_train_refuses_compile_with_zero_bubble_in_one_line(tmp_path, text_file, monkeypatch, capsys):
+    from kiln.cli import main
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    run = tmp_path / "zbv"
+    args = ["train", "--run-dir", str(run), *[x for o in tiny_overrides(text_file, **{
+        "parallel.pp": 2, "parallel.pp_schedule": "'zbv_zero_bubble'", "parallel.pp_virtual_stages": 2,
+        "model.n_layers": 4, "model.tie_embeddings": "false", "train.compile": "true"}) for x in ("--set", o)]]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "train.compile=true with parallel.pp_schedule='zbv_zero_bubble'" in lines[0], lines
+    assert not run.exists()  # before any work
 
 
 def test_float8_converts_the_same_linears_on_the_stages():
