@@ -20,13 +20,24 @@ from kiln.parallel.expert_parallel import fully_shard_experts
 from kiln.parallel.tensor_parallel import apply_tp
 
 
+def replace_blocks(model: nn.Module, wrap) -> None:
+    """Replace every block by wrap(layer index in the whole model, block). Under pp the rank's
+    PipelineModel keys its layers by that index and its stage chunks get the same wrapper."""
+    if hasattr(model, "replace_layers"):  # kiln/parallel/pipeline.py PipelineModel
+        model.replace_layers(wrap)
+        return
+    for i, block in enumerate(model.layers):
+        model.layers[i] = wrap(i, block)
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Recompute block activations in backward: every block (full), every other (selective) or
-    every K-th (every_k:K, the setting kiln plan's activation-checkpoint planner writes)."""
+    every K-th (every_k:K, the setting kiln plan's activation-checkpoint planner writes). The
+    rule is on the global layer index (blocks 0, K, 2K, ... of the whole model), so a pipeline
+    rank checkpoints exactly the layers that one process would (torch's checkpoint_wrapper)."""
     k = {"full": 1, "selective": 2}.get(mode) or int(mode.removeprefix("every_k:"))
-    for i, block in enumerate(model.layers):
-        if i % k == 0:
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=True)
+    replace_blocks(model, lambda i, block: checkpoint_wrapper(block, preserve_rng_state=True) if i % k == 0
+                   else block)
 
 
 def apply_float8(model: nn.Module, recipe: str, device: torch.device) -> None:
@@ -43,16 +54,24 @@ def apply_float8(model: nn.Module, recipe: str, device: torch.device) -> None:
                           f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
                           f"set train.float8=false")
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig
     except ImportError:
         raise ConfigError("train.float8=true needs torchao: pip install 'kiln-lm[float8]'") from None
+    convert_float8(model, Float8LinearConfig.from_recipe_name(recipe))
+
+
+def convert_float8(model: nn.Module, config) -> None:
+    """torchao's swap of the eligible block linears (see apply_float8) for a Float8LinearConfig.
+    Under pp `model` is the rank's PipelineModel: its fqns are the whole model's (`layers.N...`,
+    `output`), so the filter keeps the head out on the last stage, and torchao swaps each linear
+    in its parent module, which the stage chunks share, so the chunks run the float8 linears."""
+    from torchao.float8 import convert_to_float8_training
 
     def eligible(module: nn.Module, fqn: str) -> bool:
         return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=eligible)
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)
 
 
 def compile_scope(cfg: JobConfig, dims: ParallelDims) -> str:
@@ -68,9 +87,9 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False) -> No
         # In place (nn.Module.compile), so parameter names and checkpoints stay the same.
         model.compile(mode="reduce-overhead" if cuda_graphs else None)
         return
-    # Per block: every block has the same graph, so one compilation serves all of them.
-    for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(block, fullgraph=True)
+    # Per block: every block has the same graph, so one compilation serves all of them (under pp
+    # the blocks of every stage chunk of this rank).
+    replace_blocks(model, lambda i, block: torch.compile(block, fullgraph=True))
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None, cpu_offload: bool,

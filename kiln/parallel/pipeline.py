@@ -75,9 +75,20 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if cfg.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings=true cannot be split over pipeline stages (embedding and "
                           "head on different ranks); set model.tie_embeddings=false or parallel.pp=1")
-    for key in ("activation_checkpointing", "compile", "float8"):
-        if getattr(cfg.train, key) not in (False, "none"):
-            raise ConfigError(f"train.{key} with parallel.pp > 1 is not supported yet; turn train.{key} off")
+    if cfg.train.compile and cfg.train.compile_scope == "model":
+        raise ConfigError("train.compile_scope='model' with parallel.pp > 1: a pipeline rank holds stages, not "
+                          "the whole model; set train.compile_scope='blocks' (or 'auto')")
+    if cfg.train.cuda_graphs:  # otherwise "auto" would compile blocks and drop the CUDA graphs silently
+        raise ConfigError("train.cuda_graphs=true with parallel.pp > 1: CUDA graphs need "
+                          "train.compile_scope='model', and a pipeline rank holds stages, not the whole model; "
+                          "set train.cuda_graphs=false")
+    if cfg.train.compile and p.pp_schedule in ZERO_BUBBLE:
+        # torch refuses it too (pipelining/schedules.py _check_torch_compile_compatibility: the
+        # input/weight split of the backward is not supported with torch.compile), but only
+        # after the model is built; a compiled block's backward is one node for both passes.
+        raise ConfigError(f"train.compile=true with parallel.pp_schedule={p.pp_schedule!r}: torch does not "
+                          f"split a compiled block's backward into input and weight passes; set "
+                          f"train.compile=false or use interleaved_1f1b")
     if p.pp_split_points:
         stage_layer_ranges(cfg.model.n_layers, stages, p.pp_split_points)
 
@@ -187,6 +198,20 @@ class PipelineModel(nn.Module):
         # the step the mean over micro-batches, summed over all stages' layers (what the trainer logs).
         self.moe_records: dict[int, list[torch.Tensor]] = {}
         self.moe_losses: torch.Tensor | None = None
+
+    def replace_layers(self, wrap) -> None:
+        """Replace each layer by wrap(global layer index, layer), here and in the stage chunk that
+        runs it (activation checkpointing and per-block compile put a wrapper around a block; the
+        schedule calls the chunks, the checkpoint reads this model, so both must hold the wrapper).
+        The index is the layer's index in the whole model, so a rule such as every_k:K picks the
+        same layers on any pipeline layout as in one process."""
+        for key, layer in list(self.layers.items()):
+            new = wrap(int(key), layer)
+            self.layers[key] = new
+            for chunk in self.chunks:
+                for j, held in enumerate(chunk.layers):
+                    if held is layer:
+                        chunk.layers[j] = new
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
