@@ -53,13 +53,16 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
-def _float8_tensorwise(module: nn.Module) -> bool:
+def _takes_float8_styles(module: nn.Module) -> bool:
     """Whether `module` is torchao's float8 training linear with dynamic per-tensor scaling of its
-    input, weight and output gradient: what torchao's float8 TP styles assume (they cast with one
-    scale per tensor before the all-gather; they check the scaling type, not the granularity).
-    torchao is an optional dependency: if it was never imported, there is no float8 linear."""
+    input, weight and output gradient, and no bias. torchao's float8 TP styles assume tensorwise
+    scaling (they cast with one scale per tensor before the all-gather) but check only the scaling
+    type. They also cast the output gradient to float8 before the bias's backward, so a bias
+    gradient would be summed from e5m2 values instead of one process's high-precision ones
+    (measured on GPT-2: grad norm 4e-4 off on the first step). torchao is an optional dependency:
+    if it was never imported, there is no float8 linear."""
     float8_linear = sys.modules.get("torchao.float8.float8_linear")
-    if float8_linear is None or not isinstance(module, float8_linear.Float8Linear):
+    if float8_linear is None or not isinstance(module, float8_linear.Float8Linear) or module.bias is not None:
         return False
     from torchao.float8.config import ScalingGranularity, ScalingType
 
@@ -73,16 +76,13 @@ def _float8_tensorwise(module: nn.Module) -> bool:
 
 def _styles(*linears: nn.Module) -> tuple[type, type, type]:
     """(input preparation, column-wise, row-wise) styles for one attention or MLP whose linears
-    are `linears`. When all are tensorwise float8 linears without bias: torchao's float8 styles
+    are `linears`. When all take float8 styles (tensorwise, no bias): torchao's
     (torchtitan's `enable_float8_tensorwise_tp`), so the sequence all-gather of the input moves
     float8 (cast once for q/k/v, once for w1/w3) and the row-wise outputs' gradients are
-    all-gathered in float8. Otherwise torch's styles, and float8 linears cast after a
-    high-precision all-gather (as torchtitan does for rowwise): for plain linears, other recipes
-    (rowwise), a linear left unconverted next to float8 ones (a float8 input cannot feed it), and
-    biases: torchao's styles cast the output gradient to float8 before the bias's backward, so the
-    bias gradient would be summed from e5m2 values instead of the one-process high-precision ones
-    (measured: grad norm 4e-4 off on the first GPT-2 step, tests/parallel/test_tensor_parallel_float8.py)."""
-    if all(_float8_tensorwise(m) and m.bias is None for m in linears):
+    all-gathered in float8. Otherwise torch's, and float8 linears cast after a high-precision
+    all-gather, as torchtitan does for rowwise: other recipes, biases, or a linear left unconverted
+    next to float8 ones (a float8 input cannot feed it)."""
+    if all(_takes_float8_styles(m) for m in linears):
         from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
                                                             PrepareFloat8ModuleInput)
 

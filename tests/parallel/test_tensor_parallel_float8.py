@@ -118,25 +118,27 @@ def _gloo_all_gathers_float8_as_bytes():
 @contextlib.contextmanager
 def _float8_styles_for(predicate):
     """Which linears the plan treats as tensorwise float8 (the control cases' wrong choices)."""
-    saved = tensor_parallel._float8_tensorwise
-    tensor_parallel._float8_tensorwise = predicate
+    saved = tensor_parallel._takes_float8_styles
+    tensor_parallel._takes_float8_styles = predicate
     try:
         yield
     finally:
-        tensor_parallel._float8_tensorwise = saved
+        tensor_parallel._takes_float8_styles = saved
 
 
-def _is_float8_linear(module):  # what torchao's own styles check: the class, not the scaling granularity
+def _is_float8_linear(module):  # what torchao's own styles check: the class, not the granularity or a bias
     return type(module).__name__ == "Float8Linear"
 
 
 # name -> (model, recipe, styles override). All run in one 2-rank launch.
 CASES = {"llama": (LLAMA, "tensorwise", None), "gpt2": (GPT2, "tensorwise", None), "moe": (MOE, "tensorwise", None),
          "llama_rowwise": (LLAMA, "rowwise", None),
-         # controls: torch's plain styles on tensorwise float8 linears (right numbers, high-precision
-         # all-gathers), torchao's float8 styles on rowwise float8 linears (wrong numbers)
+              # controls: torch's plain styles on tensorwise float8 linears (right numbers, high-precision
+         # all-gathers), torchao's float8 styles on rowwise float8 linears (wrong numbers)...
          "tensorwise_plain_styles": (LLAMA, "tensorwise", lambda m: False),
-         "rowwise_float8_styles": (LLAMA, "rowwise", _is_float8_linear)}
+         "rowwise_float8_styles": (LLAMA, "rowwise", _is_float8_linear),
+         # and on linears with biases (the bias gradients then come from float8 output gradients)
+         "gpt2_float8_styles": (GPT2, "tensorwise", _is_float8_linear)}
 
 
 def _worker(rank, world):
@@ -199,6 +201,16 @@ def test_torchao_float8_styles_on_rowwise_linears_train_differently(tp2):
     assert max(rel) > 20 * REL and sum(r > 10 * REL for r in rel) >= 5, rel
 
 
+@pytest.mark.timeout(300)
+def test_torchao_float8_styles_on_linears_with_bias_train_differently(tp2):
+    # GPT-2's linears have biases; kiln's plan gives them torch's styles (case "gpt2" matches)
+    expected = run_steps(GPT2, "tensorwise")
+    got = tp2["gpt2_float8_styles"][0]
+    assert got[0] == pytest.approx(expected[0], rel=REL)  # the forward is the same...
+    rel = [abs(g - e) / abs(e) for g, e in zip(got[1:], expected[1:])]
+    assert rel[0] > 20 * REL and sum(r > 10 * REL for r in rel) >= 5, rel  # ...the bias gradients are not
+
+
 def _style_names(plan, block="layers.0"):
     return {k.removeprefix(block + "."): type(v).__name__ for k, v in plan.items() if k.startswith(block + ".")}
 
@@ -217,6 +229,9 @@ def test_plan_picks_float8_styles_per_sub_block():
     # rowwise: torch's styles everywhere (the float8 linears cast after the all-gather)
     rowwise = _style_names(tensor_parallel.tp_plan(build(LLAMA, "rowwise")))
     assert rowwise["attention"] == "PrepareModuleInput" and rowwise["attention.wq"] == "ColwiseParallel"
+    # biases (GPT-2): torch's styles too
+    biased = _style_names(tensor_parallel.tp_plan(build(GPT2, "tensorwise")))
+    assert biased["attention.wo"] == "RowwiseParallel" and biased["feed_forward"] == "PrepareModuleInput"
     # k/v of 2 heads of 12 (24 wide) are not float8-eligible: attention keeps torch's styles (a float8
     # input cannot feed a plain linear), the MLP (48 <-> 64) gets float8's
     mixed = build(["model.dim=48", *LLAMA[1:]], "tensorwise")
