@@ -1,8 +1,9 @@
-"""train.float8 under tensor parallel: a TP=2 model whose blocks' linears are torchao float8
-linears (torchao's fp32 emulation of the float8 GEMMs, `apply_float8(..., emulate=True)`, the same
-casts and scales as on a GPU) gives the per-step losses and grad norms of one float8-emulated
-process, for the Llama-style and GPT-2 architectures, a mixture-of-experts model (attention in
-float8, grouped experts in high precision) and the rowwise recipe; the tensorwise plan all-gathers
+"""train.float8 under tensor parallel: a TP=2 model built by kiln's `parallelize` (float8, then
+TP, then activation checkpointing) whose blocks' linears are torchao float8 linears (torchao's fp32
+emulation of the float8 GEMMs, `apply_float8(..., emulate=True)`, the same casts and scales as on a
+GPU) gives the per-step losses and grad norms of one float8-emulated process, for the Llama-style
+and GPT-2 architectures, a mixture-of-experts model (attention in float8, grouped experts in high
+precision; activation checkpointing on) and the rowwise recipe; the tensorwise plan all-gathers
 the activations in float8; torchao's float8 styles on rowwise or biased linears (which torchao
 accepts) train differently; the plan picks the styles per sub-block.
 
@@ -21,7 +22,9 @@ uint8 over gloo, so the gathered float8 values are bit-identical to a float8 all
 """
 
 import contextlib
+import functools
 import sys
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,7 @@ from kiln.errors import ConfigError
 from kiln.model.transformer import Transformer
 from kiln.parallel import tensor_parallel
 from kiln.parallel.dims import ParallelDims
-from kiln.parallel.parallelize import apply_float8
+from kiln.parallel.parallelize import apply_float8, parallelize
 from kiln.train.step import train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -55,33 +58,52 @@ MOE = LLAMA + ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=2", 
                "model.moe_z_loss_weight=0.01"]
 
 
-def build(overrides, recipe, tp_mesh=None):
+def build(overrides, recipe, dims=None):
+    """The float8-emulated model on the meta device: one process (dims None) or this rank's
+    shard through kiln's `parallelize` (float8, then TP, then activation checkpointing)."""
+    cfg = load_config(None, [*overrides, "train.float8=true", f"train.float8_recipe={recipe}"])
     with torch.device("meta"):
-        model = Transformer(load_config(None, overrides).model)
-    apply_float8(model, recipe, torch.device("cpu"), emulate=True)
-    if tp_mesh is not None:
-        tensor_parallel.apply_tp(model, tp_mesh)
-    return model
+        model = Transformer(cfg.model)
+    if dims is None:
+        apply_float8(model, recipe, torch.device("cpu"), emulate=True)
+        return model
+    # kiln train never emulates; the test's seam is apply_float8's internal `emulate` argument
+    emulated = functools.partial(apply_float8, emulate=True)
+    with mock.patch("kiln.parallel.parallelize.apply_float8", emulated):
+        return parallelize(model, dims, cfg, torch.device("cpu"))
 
 
-def run_steps(overrides, recipe, tp_mesh=None, gathers=None):
+def run_steps(overrides, recipe, dims=None, gathers=None, micro_batches=1):
     """STEPS of SGD (momentum, clipping active) with kiln's train_step on one fixed batch:
-    [loss, grad norm] per step, then the eval loss. `gathers`: records the training steps'
-    all-gathers."""
+    [loss, grad norm] per step, then the eval loss. Under data parallelism each rank takes its
+    share of the batch and the losses are averaged over the ranks; `micro_batches` splits the
+    batch in one process as data parallelism does (float8 scales its activations per micro-batch
+    or per rank, so that is the one-process equivalent). `gathers`: records the steps' all-gathers."""
     torch.manual_seed(0)
-    model = build(overrides, recipe, tp_mesh)
+    model = build(overrides, recipe, dims)
     model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(0))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     tokens = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    dp = 1 if dims is None else dims.dp_size
+    if dp > 1:
+        tokens = tokens.chunk(dp)[dims.dp_rank]
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens.chunk(micro_batches)]
+
+    def mean_over_ranks(loss):  # the tp ranks of a data-parallel rank hold the same loss
+        if dp > 1:
+            torch.distributed.all_reduce(loss)
+            loss /= torch.distributed.get_world_size()
+        return loss.item()
+
     out = []
     for _ in range(STEPS):
         with gathers if gathers is not None else contextlib.nullcontext():
-            loss, grad_norm, _ = train_step(model, opt, [(tokens[:, :-1], tokens[:, 1:])],
-                                            autocast=contextlib.nullcontext(), scaler=None, clip=CLIP)
-        out += [loss.item(), grad_norm.item()]
+            loss, grad_norm, _ = train_step(model, opt, batches, autocast=contextlib.nullcontext(), scaler=None,
+                                            clip=CLIP)
+        out += [mean_over_ranks(loss.detach().clone()), grad_norm.item()]
     with torch.no_grad():
-        out.append(model(tokens[:, :-1], tokens[:, 1:]).item())
+        out.append(mean_over_ranks(sum(model(x, y) for x, y in batches) / len(batches)))
     return out
 
 
@@ -133,7 +155,8 @@ def _is_float8_linear(module):  # what torchao's own styles check: the class, no
 
 
 # name -> (model, recipe, styles override). All run in one 2-rank launch.
-CASES = {"llama": (LLAMA, "tensorwise", None), "gpt2": (GPT2, "tensorwise", None), "moe": (MOE, "tensorwise", None),
+CASES = {"llama": (LLAMA, "tensorwise", None), "gpt2": (GPT2, "tensorwise", None),
+         "moe": (MOE + ["train.activation_checkpointing=full"], "tensorwise", None),  # (AC: same numbers)
          "llama_rowwise": (LLAMA, "rowwise", None),
               # controls: torch's plain styles on tensorwise float8 linears (right numbers, high-precision
          # all-gathers), torchao's float8 styles on rowwise float8 linears (wrong numbers)...
@@ -144,15 +167,17 @@ CASES = {"llama": (LLAMA, "tensorwise", None), "gpt2": (GPT2, "tensorwise", None
 
 
 def _worker(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-
     _gloo_all_gathers_float8_as_bytes()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     results = {}
     for name, (overrides, recipe, styles) in CASES.items():
+        cfg = load_config(None, [*overrides, f"parallel.tp={world}"])
+        dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
+                                        local_world_size=world)
+        dims.check_model(cfg)
+        dims.build_mesh("cpu")
         gathers = AllGathers()
         with _float8_styles_for(styles) if styles else contextlib.nullcontext():
-            losses = run_steps(overrides, recipe, mesh, gathers)
+            losses = run_steps(overrides, recipe, dims, gathers)
         results[name] = (losses, gathers.dtypes)
     return results
 
@@ -172,6 +197,27 @@ def test_float8_tp2_matches_one_float8_process(tp2, name):
     expected = run_steps(overrides, recipe)
     assert tp2[name][0] == pytest.approx(expected, rel=REL), (tp2[name][0], expected)
     assert expected[2 * STEPS - 2] < expected[0] and expected[1] > CLIP  # it trains, clipping is exercised
+
+
+def _fsdp_tp_worker(rank, world):
+    _gloo_all_gathers_float8_as_bytes()
+    cfg = load_config(None, [*LLAMA, "parallel.tp=2", "parallel.dp_shard=2"])
+    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
+                                    local_world_size=world)
+    dims.build_mesh("cpu")
+    return run_steps([*LLAMA, "train.activation_checkpointing=full"], "tensorwise", dims)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_over_float8_tp2_matches_one_process_with_two_micro_batches(tmp_path):
+    # dp_shard=2 x tp=2 (FSDP2 around the TP'd float8 blocks, activation checkpointing): each data-
+    # parallel rank scales its half of the batch, as one process does each of two micro-batches.
+    got = run_ranks(_fsdp_tp_worker, 4, tmp_path, timeout=240)
+    expected = run_steps(LLAMA, "tensorwise", micro_batches=2)
+    assert got[0] == pytest.approx(expected, rel=REL), (got[0], expected)
+    assert all(r == got[0] for r in got[1:])
+    # one micro-batch (one scale for the whole batch) is not the same computation in float8
+    assert run_steps(LLAMA, "tensorwise")[:2] != pytest.approx(expected[:2], rel=REL)
 
 
 @pytest.mark.timeout(300)
