@@ -3,8 +3,9 @@
 Order (torchtitan's): pipeline split -> float8 -> tensor/sequence parallel -> activation
 checkpointing -> compile -> FSDP/DDP (DDP and ZeRO-1 live in data_parallel.py). float8 comes before
 TP as torchtitan converts its model first: torchao's float8 TP styles shard Float8Linear modules
-(converting after TP would replace the sharded modules and drop TP's input/output hooks). On one device
-float8, checkpointing and compile apply; a whole-model compile comes last, after data parallelism.
+(converting after TP would replace the sharded modules and drop TP's input/output hooks). On one
+device float8, checkpointing and compile apply; a whole-model compile comes last, after data
+parallelism.
 Materialization and init come after this (see kiln/train/trainer.py), so sharded weights are
 allocated sharded.
 """

@@ -25,6 +25,13 @@ reduce-scattered back to the sequence shard. The tokens and gates the experts re
 while their weights are sharded, so their gradients are all-reduced over tp (`sum_grad_over_tp`).
 Why not shard the experts whole over tp instead: that is expert parallelism (parallel.ep).
 
+float8 (`train.float8`, kiln/parallel/parallelize.py converts the blocks' linears before TP): an
+attention or MLP whose linears are all tensorwise float8 linears without bias gets torchao's float8
+styles (`Float8ColwiseParallel`, `Float8RowwiseParallel`, `PrepareFloat8ModuleInput`, as torchtitan's
+`enable_float8_tensorwise_tp`): its input is cast to float8 once and all-gathered in float8. Rowwise
+float8 linears, biased ones, and a mix with unconverted linears get torch's styles above and cast
+after a high-precision all-gather (see `_styles`; docs/parallel.md "float8 under tensor parallel").
+
 Under pipeline parallelism the plan covers one pipeline rank's modules (`tp_plan` on a
 `PipelineModel`); the stages pass the sequence-sharded residual stream between them unchanged.
 
