@@ -158,7 +158,7 @@ def _is_float8_linear(module):  # what torchao's own styles check: the class, no
 CASES = {"llama": (LLAMA, "tensorwise", None), "gpt2": (GPT2, "tensorwise", None),
          "moe": (MOE + ["train.activation_checkpointing=full"], "tensorwise", None),  # (AC: same numbers)
          "llama_rowwise": (LLAMA, "rowwise", None),
-              # controls: torch's plain styles on tensorwise float8 linears (right numbers, high-precision
+         # controls: torch's plain styles on tensorwise float8 linears (right numbers, high-precision
          # all-gathers), torchao's float8 styles on rowwise float8 linears (wrong numbers)...
          "tensorwise_plain_styles": (LLAMA, "tensorwise", lambda m: False),
          "rowwise_float8_styles": (LLAMA, "rowwise", _is_float8_linear),
@@ -170,10 +170,11 @@ def _worker(rank, world):
     _gloo_all_gathers_float8_as_bytes()
     results = {}
     for name, (overrides, recipe, styles) in CASES.items():
-        cfg = load_config(None, [*overrides, f"parallel.tp={world}"])
+        cfg = load_config(None, [*overrides, "train.float8=true", f"train.float8_recipe={recipe}",
+                                 f"parallel.tp={world}"])
         dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
                                         local_world_size=world)
-        dims.check_model(cfg)
+        dims.check_model(cfg)  # the layout check kiln train runs first
         dims.build_mesh("cpu")
         gathers = AllGathers()
         with _float8_styles_for(styles) if styles else contextlib.nullcontext():
