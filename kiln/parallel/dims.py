@@ -101,8 +101,7 @@ class ParallelDims:
         for key, value in sizes:
             if value % tp:
                 raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")
-        if cfg.train.float8:  # torchao's float8 linears need their own TP styles (not wired yet)
-            raise ConfigError(f"train.float8=true with parallel.tp={tp} is not supported yet; set train.float8=false")
+        # train.float8 (both recipes) runs under tp: tensor_parallel._styles picks the TP styles.
         if cfg.train.compile:
             # Compiled blocks over DTensor TP (torch 2.13, CPU): the backward hands the embedding's
             # redistribute a plain-tensor gradient (AttributeError '_local_tensor'); with FSDP

@@ -1,13 +1,18 @@
 """The one `parallelize` entry for kiln's transformer, applied to the model on the meta device.
 
-Order (torchtitan's): pipeline split -> tensor/sequence parallel -> float8 -> activation
-checkpointing -> compile -> FSDP/DDP (DDP and ZeRO-1 live in data_parallel.py). On one device
-float8, checkpointing and compile apply; a whole-model compile comes last, after data parallelism.
+Order (torchtitan's): pipeline split -> float8 -> tensor/sequence parallel -> activation
+checkpointing -> compile -> FSDP/DDP (DDP and ZeRO-1 live in data_parallel.py). float8 comes before
+TP as torchtitan converts its model first: torchao's float8 TP styles shard Float8Linear modules
+(converting after TP would replace the sharded modules and drop TP's input/output hooks). On one
+device float8, checkpointing and compile apply; a whole-model compile comes last, after data
+parallelism.
 Materialization and init come after this (see kiln/train/trainer.py), so sharded weights are
 allocated sharded.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -40,24 +45,30 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
                    else block)
 
 
-def apply_float8(model: nn.Module, recipe: str, device: torch.device) -> None:
+def apply_float8(model: nn.Module, recipe: str, device: torch.device, emulate: bool = False) -> None:
     """Swap the blocks' nn.Linear for torchao's float8 training linear (dynamic scaling, per
     tensor or per row). The LM head stays in bf16 (its loss is sensitive; torchtitan does the
-    same), as does any linear whose dimensions are not multiples of 16 (a float8 GEMM limit)."""
+    same), as do the MoE routers (routing reads their weight in fp32, kiln/model/moe.py) and any
+    linear whose dimensions are not multiples of 16 (a float8 GEMM limit). Runs before tensor
+    parallelism, which then gives the float8 linears torchao's float8 TP styles (tensor_parallel.py).
+
+    `emulate` (tests only, not a config key): torchao's fp32 emulation of the float8 GEMMs, the same
+    casts and scales, on any device; `kiln train` never sets it, so float8 stays GPU-only there."""
     from kiln.errors import ConfigError
 
-    if device.type != "cuda":
-        raise ConfigError("train.float8=true needs a CUDA GPU with float8 tensor cores (e.g. H100); "
-                          "set train.float8=false on this device")
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        raise ConfigError(f"train.float8=true needs float8 tensor cores (compute capability >= 8.9); "
-                          f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
-                          f"set train.float8=false")
+    if not emulate:
+        if device.type != "cuda":
+            raise ConfigError("train.float8=true needs a CUDA GPU with float8 tensor cores (e.g. H100); "
+                              "set train.float8=false on this device")
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise ConfigError(f"train.float8=true needs float8 tensor cores (compute capability >= 8.9); "
+                              f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
+                              f"set train.float8=false")
     try:
         from torchao.float8 import Float8LinearConfig
     except ImportError:
         raise ConfigError("train.float8=true needs torchao: pip install 'kiln-lm[float8]'") from None
-    convert_float8(model, Float8LinearConfig.from_recipe_name(recipe))
+    convert_float8(model, dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate))
 
 
 def convert_float8(model: nn.Module, config) -> None:
@@ -68,7 +79,7 @@ def convert_float8(model: nn.Module, config) -> None:
     from torchao.float8 import convert_to_float8_training
 
     def eligible(module: nn.Module, fqn: str) -> bool:
-        return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
+        return (isinstance(module, nn.Linear) and fqn.startswith("layers.") and not fqn.endswith(".router")
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
     convert_to_float8_training(model, config=config, module_filter_fn=eligible)
@@ -136,12 +147,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
         from kiln.parallel.pipeline import split_model
 
         model = split_model(model, cfg, dims.mesh["pp"].get_local_rank())
+    if cfg.train.float8:  # before TP, which picks torchao's float8 styles for the float8 linears
+        apply_float8(model, cfg.train.float8_recipe, device)
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
     if dims.ep > 1:  # before FSDP, which leaves the experts (DTensors on its own mesh) to EP
         apply_ep(model, dims)
-    if cfg.train.float8:
-        apply_float8(model, cfg.train.float8_recipe, device)
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     scope = compile_scope(cfg, dims)

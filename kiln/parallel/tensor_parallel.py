@@ -27,6 +27,13 @@ Why not shard the experts whole over tp instead: that is expert parallelism (par
 composes with this style: ep then slices each tp shard's experts over the data-parallel ranks
 (expert tensor parallel, kiln/parallel/expert_parallel.py).
 
+float8 (`train.float8`, kiln/parallel/parallelize.py converts the blocks' linears before TP): an
+attention or MLP whose linears are all tensorwise float8 linears without bias gets torchao's float8
+styles (`Float8ColwiseParallel`, `Float8RowwiseParallel`, `PrepareFloat8ModuleInput`, as torchtitan's
+`enable_float8_tensorwise_tp`): its input is cast to float8 once and all-gathered in float8. Rowwise
+float8 linears, biased ones, and a mix with unconverted linears get torch's styles above and cast
+after a high-precision all-gather (see `_styles`; docs/parallel.md "float8 under tensor parallel").
+
 Under pipeline parallelism the plan covers one pipeline rank's modules (`tp_plan` on a
 `PipelineModel`); the stages pass the sequence-sharded residual stream between them unchanged.
 
@@ -36,6 +43,8 @@ after materialization, so the tie holds with identical placements.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +60,43 @@ from kiln.model.moe import MoE
 
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
+
+
+def _takes_float8_styles(module: nn.Module) -> bool:
+    """Whether `module` is torchao's float8 training linear with dynamic per-tensor scaling of its
+    input, weight and output gradient, and no bias. torchao's float8 TP styles assume tensorwise
+    scaling (they cast with one scale per tensor before the all-gather) but check only the scaling
+    type. They also cast the output gradient to float8 before the bias's backward, so a bias
+    gradient would be summed from e5m2 values instead of one process's high-precision ones
+    (measured on GPT-2: grad norm 4e-4 off on the first step). torchao is an optional dependency:
+    if it was never imported, there is no float8 linear."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    if float8_linear is None or not isinstance(module, float8_linear.Float8Linear) or module.bias is not None:
+        return False
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    c = module.config
+    casts = (c.cast_config_input, c.cast_config_weight, c.cast_config_grad_output,
+             c.cast_config_input_for_grad_weight, c.cast_config_weight_for_grad_input,
+             c.cast_config_grad_output_for_grad_weight)
+    return all(cc.scaling_type is ScalingType.DYNAMIC and cc.scaling_granularity is ScalingGranularity.TENSORWISE
+               for cc in casts)
+
+
+def _styles(*linears: nn.Module) -> tuple[type, type, type]:
+    """(input preparation, column-wise, row-wise) styles for one attention or MLP whose linears
+    are `linears`. When all take float8 styles (tensorwise, no bias): torchao's
+    (torchtitan's `enable_float8_tensorwise_tp`), so the sequence all-gather of the input moves
+    float8 (cast once for q/k/v, once for w1/w3) and the row-wise outputs' gradients are
+    all-gathered in float8. Otherwise torch's, and float8 linears cast after a high-precision
+    all-gather, as torchtitan does for rowwise: other recipes, biases, or a linear left unconverted
+    next to float8 ones (a float8 input cannot feed it)."""
+    if all(_takes_float8_styles(m) for m in linears):
+        from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                            PrepareFloat8ModuleInput)
+
+        return PrepareFloat8ModuleInput, Float8ColwiseParallel, Float8RowwiseParallel
+    return PrepareModuleInput, ColwiseParallel, RowwiseParallel
 
 
 def tp_plan(model: nn.Module) -> dict[str, object]:
@@ -79,19 +125,23 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
                 # Local outputs: post-norm blocks add them to plain residual tensors.
                 plan[f"{p}.{norm}"] = SequenceParallel(use_local_output=True)
         # attention(x, rope, cache, start_pos): only x is a tensor to gather.
-        plan[f"{p}.attention"] = PrepareModuleInput(
+        prepare, colwise, rowwise = _styles(block.attention.wq, block.attention.wk, block.attention.wv,
+                                            block.attention.wo)
+        plan[f"{p}.attention"] = prepare(
             input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None))
         for name in ("wq", "wk", "wv"):
-            plan[f"{p}.attention.{name}"] = ColwiseParallel()
-        plan[f"{p}.attention.wo"] = RowwiseParallel(output_layouts=Shard(1))
-        if isinstance(block.feed_forward, MoE):
+            plan[f"{p}.attention.{name}"] = colwise()
+        plan[f"{p}.attention.wo"] = rowwise(output_layouts=Shard(1))
+        if isinstance(block.feed_forward, MoE):  # grouped experts stay high precision (not nn.Linear)
             plan[f"{p}.feed_forward"] = MoETensorParallel()
             continue
-        plan[f"{p}.feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan[f"{p}.feed_forward.w1"] = ColwiseParallel()
-        if block.feed_forward.w3 is not None:
-            plan[f"{p}.feed_forward.w3"] = ColwiseParallel()
-        plan[f"{p}.feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+        ffn = block.feed_forward
+        prepare, colwise, rowwise = _styles(*(m for m in (ffn.w1, ffn.w3, ffn.w2) if m is not None))
+        plan[f"{p}.feed_forward"] = prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan[f"{p}.feed_forward.w1"] = colwise()
+        if ffn.w3 is not None:
+            plan[f"{p}.feed_forward.w3"] = colwise()
+        plan[f"{p}.feed_forward.w2"] = rowwise(output_layouts=Shard(1))
     return plan
 
 

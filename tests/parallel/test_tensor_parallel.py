@@ -206,7 +206,6 @@ def dims_for(tp, world, **cfg):
     (["model.ffn_hidden=30"], "model.ffn_hidden (the FFN hidden size)=30"),
     (["data.seq_len=30"], "data.seq_len=30"),
     (["train.loss=chunked"], "train.loss='chunked'"),
-    (["train.float8=true"], "train.float8=true"),
 ])
 def test_tp_not_fitting_the_model_is_one_line_naming_the_value(overrides, key):
     cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", *overrides])
