@@ -45,6 +45,24 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
                    else block)
 
 
+def check_float8_device(device: torch.device) -> None:
+    """train.float8's requirements, checked before any work (kiln/train/trainer.py) and again here:
+    a GPU with float8 tensor cores, and torchao installed."""
+    from kiln.errors import ConfigError
+
+    if device.type != "cuda":
+        raise ConfigError("train.float8=true needs a CUDA GPU with float8 tensor cores (e.g. H100); "
+                          "set train.float8=false on this device")
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"train.float8=true needs float8 tensor cores (compute capability >= 8.9); "
+                          f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
+                          f"set train.float8=false")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ConfigError("train.float8=true needs torchao: pip install 'kiln-lm[float8]'") from None
+
+
 def apply_float8(model: nn.Module, recipe: str, device: torch.device, emulate: bool = False) -> None:
     """Swap the blocks' nn.Linear for torchao's float8 training linear (dynamic scaling, per
     tensor or per row). The LM head stays in bf16 (its loss is sensitive; torchtitan does the
@@ -54,20 +72,10 @@ def apply_float8(model: nn.Module, recipe: str, device: torch.device, emulate: b
 
     `emulate` (tests only, not a config key): torchao's fp32 emulation of the float8 GEMMs, the same
     casts and scales, on any device; `kiln train` never sets it, so float8 stays GPU-only there."""
-    from kiln.errors import ConfigError
-
     if not emulate:
-        if device.type != "cuda":
-            raise ConfigError("train.float8=true needs a CUDA GPU with float8 tensor cores (e.g. H100); "
-                              "set train.float8=false on this device")
-        if torch.cuda.get_device_capability(device) < (8, 9):
-            raise ConfigError(f"train.float8=true needs float8 tensor cores (compute capability >= 8.9); "
-                              f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
-                              f"set train.float8=false")
-    try:
-        from torchao.float8 import Float8LinearConfig
-    except ImportError:
-        raise ConfigError("train.float8=true needs torchao: pip install 'kiln-lm[float8]'") from None
+        check_float8_device(device)
+    from torchao.float8 import Float8LinearConfig
+
     convert_float8(model, dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate))
 
 

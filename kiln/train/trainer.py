@@ -31,7 +31,7 @@ from kiln.parallel.diloco import DiLoCo, replica_states
 from kiln.parallel.diloco import check_resume as check_diloco_resume
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
-from kiln.parallel.parallelize import compile_scope, parallelize
+from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
 from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, check_pipeline_config, pipeline_train_step
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
@@ -116,6 +116,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
     if cfg.train.cuda_graphs and device.type != "cuda":
         raise KilnError(f"train.cuda_graphs=true needs a CUDA device; this run is on {device.type}")
+    if cfg.train.float8:
+        check_float8_device(device)
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last, dims.is_main,
                              keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save,
                              make_room=cfg.checkpoint.make_room, stop_on_error=cfg.checkpoint.on_error == "stop",

@@ -112,6 +112,15 @@ def test_fresh_start_refuses_existing_checkpoints(tmp_path, text_file):
         train(cfg_for(text_file), tmp_path / "empty", resume=True)
 
 
+def test_float8_on_cpu_is_refused_before_anything_is_written(tmp_path, text_file):
+    """float8 is GPU-only: the one-line refusal comes before the run directory, the shards or the
+    model exist (it used to come from parallelize, after the shards were written)."""
+    run = tmp_path / "r"
+    with pytest.raises(KilnError, match=r"train\.float8=true needs a CUDA GPU"):
+        train(cfg_for(text_file, **{"train.float8": "true", "train.device": "cpu"}), run)
+    assert not run.exists()
+
+
 def test_seq_len_larger_than_data(tmp_path):
     p = tmp_path / "small.txt"
     p.write_text("tiny corpus " * 3)
