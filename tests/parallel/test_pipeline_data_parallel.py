@@ -183,3 +183,64 @@ def test_refusals_name_the_key():
     cfg = job(pp=2, dp_mode="zero1")  # accepted now: 2 replicas of a 2-stage pipeline
     dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
     assert (dims.dp_replicate, dims.pp, dims.dp_mode) == (2, 2, "zero1")
+
+
+# ---------------------------------------------------------------- kiln's trainer: checkpoints across layouts
+
+PP = {"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'"}
+LAYOUTS = {"single": (1, {}), "ddp_pp": (4, {**PP, "parallel.dp_mode": "'ddp'"}),
+           "zero1_pp": (4, {**PP, "parallel.pp_schedule": "'gpipe'", "parallel.dp_mode": "'zero1'"}),
+           "fsdp_pp": (4, {**PP, "parallel.dp_mode": "'fsdp'"})}
+PAIRS = {"ddp_pp": ["single", "fsdp_pp"], "zero1_pp": ["single"]}  # saved at step 3 -> continued in
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory, text_file):
+    """test_cross_layout's runs for these layouts: the reference (one process, 6 steps), every saved
+    layout (steps 1..3) and every continued pair (steps 4..6)."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    root = tmp_path_factory.mktemp("ddp_pp_trainer")
+    shards = root / "shards"
+    with mock.patch.dict(cross.LAYOUTS, LAYOUTS):
+        sets = {name: cross.overrides(text_file, shards, name) for name in LAYOUTS}
+    train(load_config(None, sets["single"]), root / "reference")  # writes the shared shards first
+    out = {"reference": root / "reference"}
+    four = [(None, root / saved, sets[saved], cross.SAVE_AT) for saved in PAIRS]
+    out.update({saved: root / saved for saved in PAIRS})
+    single = []
+    for saved, targets in PAIRS.items():
+        for target in targets:
+            out[f"{saved}->{target}"] = run = root / f"{saved}-to-{target}"
+            (four if LAYOUTS[target][0] == 4 else single).append((root / saved, run, sets[target], None))
+    work = root / "ranks4"
+    work.mkdir()
+    run_ranks(cross.train_jobs, 4, work, four, timeout=300)
+    for source, run, job_sets, _ in single:
+        shutil.copytree(source, run)
+        train(load_config(None, job_sets), run, resume=True)
+    return out
+
+
+def _rows(run, kind):
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("pair", [f"{s}->{t}" for s, ts in PAIRS.items() for t in ts])
+def test_trainer_checkpoint_continues_in_another_layout_with_the_same_losses(trainer_runs, pair):
+    reference = cross.losses(trainer_runs["reference"])
+    saved, target = pair.split("->")
+    run_row = _rows(trainer_runs[saved], "run")[0]
+    assert (run_row["dp_mode"], run_row["pp"], run_row["dp_replicate"], run_row["world_size"]) == \
+        (saved.split("_")[0], 2, 2, 4)
+    # the loss is the mean over the replicas, the tokens those of the whole global batch
+    cross.assert_same_losses(reference, cross.losses(trainer_runs[saved]), range(1, cross.SAVE_AT + 1), saved)
+    ref_tokens = {r["step"]: r["tokens"] for r in _rows(trainer_runs["reference"], "train")}
+    for row in _rows(trainer_runs[saved], "train"):
+        assert row["tokens"] == ref_tokens[row["step"]] and row["tokens_per_s"] > 0
+    got = cross.losses(trainer_runs[pair])
+    assert sorted(got) == list(range(1, cross.STEPS + 1))
+    assert _rows(trainer_runs[pair], "run")[-1]["resumed_from"] == cross.SAVE_AT
+    cross.assert_same_losses(reference, got, range(cross.SAVE_AT + 1, cross.STEPS + 1), pair)
