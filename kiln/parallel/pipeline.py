@@ -377,8 +377,9 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
         # DDP stages (kiln/parallel/data_parallel.py replicate_stage): torch's schedule runs each
         # forward and all but the last backward under no_sync and re-arms DDP's reducer for the
         # last; but on the first step its shape inference calls the stage outside no_sync, which
-        # arms the reducer, and the first micro-batch's backward all-reduced as well (seen with a
-        # counting comm hook). Under an outer no_sync only the schedule's re-arming all-reduces.
+        # arms the reducer: the first micro-batch's backward all-reduced too, and DDP's bucket
+        # rebuild then failed at step 2 (torch 2.13: "rebuilt parameter indices size is not same
+        # as original model parameters size"). Under an outer no_sync only the re-arming reduces.
         for stage in pipeline.stages:
             if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
                 no_sync.enter_context(stage.submod.no_sync())
