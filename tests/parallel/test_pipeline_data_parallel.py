@@ -190,8 +190,11 @@ def test_refusals_name_the_key():
 PP = {"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'"}
 LAYOUTS = {"single": (1, {}), "ddp_pp": (4, {**PP, "parallel.dp_mode": "'ddp'"}),
            "zero1_pp": (4, {**PP, "parallel.pp_schedule": "'gpipe'", "parallel.dp_mode": "'zero1'"}),
-           "fsdp_pp": (4, {**PP, "parallel.dp_mode": "'fsdp'"})}
+           "fsdp_pp": (4, {**PP, "parallel.dp_mode": "'fsdp'"}),
+           # DDP over the cp ranks of each stage (no replicas): cp's gradient average is DDP's
+           "ddp_cp_pp": (4, {**PP, "parallel.cp": 2, "parallel.dp_mode": "'ddp'"})}
 PAIRS = {"ddp_pp": ["single", "fsdp_pp"], "zero1_pp": ["single"]}  # saved at step 3 -> continued in
+SAVED_ONLY = ["ddp_cp_pp"]  # steps 1..3 checked, not continued
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +210,8 @@ def trainer_runs(tmp_path_factory, text_file):
         sets = {name: cross.overrides(text_file, shards, name) for name in LAYOUTS}
     train(load_config(None, sets["single"]), root / "reference")  # writes the shared shards first
     out = {"reference": root / "reference"}
-    four = [(None, root / saved, sets[saved], cross.SAVE_AT) for saved in PAIRS]
-    out.update({saved: root / saved for saved in PAIRS})
+    four = [(None, root / saved, sets[saved], cross.SAVE_AT) for saved in [*PAIRS, *SAVED_ONLY]]
+    out.update({saved: root / saved for saved in [*PAIRS, *SAVED_ONLY]})
     single = []
     for saved, targets in PAIRS.items():
         for target in targets:
@@ -244,3 +247,12 @@ def test_trainer_checkpoint_continues_in_another_layout_with_the_same_losses(tra
     assert sorted(got) == list(range(1, cross.STEPS + 1))
     assert _rows(trainer_runs[pair], "run")[-1]["resumed_from"] == cross.SAVE_AT
     cross.assert_same_losses(reference, got, range(cross.SAVE_AT + 1, cross.STEPS + 1), pair)
+
+
+def test_trainer_ddp_over_cp_in_each_stage_matches_one_process(trainer_runs):
+    run = trainer_runs["ddp_cp_pp"]
+    run_row = _rows(run, "run")[0]
+    # (the run row's dp_mode says "none": no data-parallel replicas, cp alone)
+    assert (run_row["pp"], run_row["cp"], run_row["world_size"]) == (2, 2, 4)
+    cross.assert_same_losses(cross.losses(trainer_runs["reference"]), cross.losses(run),
+                             range(1, cross.SAVE_AT + 1), "ddp_cp_pp")
