@@ -54,17 +54,16 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> None:
 def replicate_stage(chunk: nn.Module, dims: ParallelDims) -> nn.Module:
     """DDP around one pipeline stage chunk (materialized: DDP broadcasts and buckets real
     tensors), for `PipelineStage` to run. torch's stage (pipelining/stage.py,
-    `forward_maybe_with_nosync` / `backward_maybe_with_nosync`, the same since torch 2.4) knows
-    this class, not composable `replicate`: forwards and all but the last backward of a step
+    `forward_maybe_with_nosync` / `backward_maybe_with_nosync`: run in 2.13; older copies in
+    public code have the same DDP branches) knows this class, not composable `replicate`: forwards and all but the last backward of a step
     run under `no_sync`, the last backward re-arms the reducer, so each chunk's gradients (summed
     over the micro-batches) are all-reduced once per step. The wrapper only sits in the schedule;
     the chunk's parameters are still the `PipelineModel`'s under their own names (checkpoints
-    and the optimizer see no `module.` prefix). Buffers are not broadcast: the stages hold none
-    that differ between replicas (RoPE tables are computed, on the PipelineModel)."""
+    and the optimizer see no `module.` prefix). A chunk holds no buffers (the RoPE tables are the
+    PipelineModel's), so DDP's buffer sync has nothing to send."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(chunk, process_group=grad_mesh(dims).get_group(), bucket_cap_mb=25,
-                                   broadcast_buffers=False)
+    return DistributedDataParallel(chunk, process_group=grad_mesh(dims).get_group(), bucket_cap_mb=25)
 
 
 class ZeroRedundancyState(ZeroRedundancyOptimizer):
