@@ -223,8 +223,9 @@ def check_replicated_pipeline(cfg: ParallelConfig, mode: str) -> None:
                           f"(torch's split weight backward bypasses DDP's gradient all-reduce); use "
                           f"dp_mode='fsdp' or 'zero2', or pp_schedule='interleaved_1f1b'")
     if cfg.ep > 1:
-        # DDP's constructor would take the experts' DTensors as parameters to all-reduce; the
-        # composable replicate that kiln uses without pp can skip them, the stage wrapper cannot.
+        # Without pp, kiln's ddp leaves the experts' DTensors out of composable replicate
+        # (apply_ddp's ignored_modules); the per-stage DDP wrapper has no such path wired or
+        # tested (its constructor would take them as parameters to all-reduce).
         raise ConfigError(f"parallel.ep={cfg.ep} with parallel.pp={cfg.pp} and parallel.dp_mode={mode!r} is not "
                           f"supported yet; use dp_mode='fsdp' (or 'zero2') with ep and pp")
 
