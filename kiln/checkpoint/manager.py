@@ -66,8 +66,21 @@ class ModelOptimizerState(Stateful):
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+        optim = state.get("optim", {})
+        if self.optimizer is not None and optim.get("param_groups"):
+            optim = {**optim, "param_groups": self._own_param_names(optim["param_groups"])}
+        set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=optim)
+
+    def _own_param_names(self, groups: list[dict]) -> list[dict]:
+        """A pipeline-parallel checkpoint holds one stage's parameter names per param group (DCP
+        saves the non-tensor group entry once, from one rank); on another stage's ranks torch's
+        set_state_dict then finds none of their parameters in any group and drops the group's
+        hyper-parameters (initial_lr, betas...). kiln builds the groups alike on every rank (same
+        order, same name), so each loaded group takes this rank's parameter names."""
+        current = get_state_dict(self.model, self.optimizer)[1]["param_groups"]
+        if len(current) != len(groups) or any(g.get("name") != c.get("name") for g, c in zip(groups, current)):
+            return groups
+        return [{**g, "params": c["params"]} for g, c in zip(groups, current)]
 
 
 class RNGState(Stateful):

@@ -5,6 +5,10 @@ Which torch API does what (nothing here is a hand-written collective):
   ddp   -> torch.distributed._composable.replicate (DistributedDataParallel, applied in place so
            parameter names, `model.layers` and checkpoints keep the plain model's FQNs; DDP is
            built at the first forward, after the meta-device model is materialized)
+  ddp under pp -> torch.nn.parallel.DistributedDataParallel around each stage chunk
+           (`replicate_stage`), the wrapper torch.distributed.pipelining recognizes: it runs
+           every forward and all but the last backward of a step under `no_sync`, so gradients
+           are all-reduced once per step and chunk, not once per micro-batch
   zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
            optimizer state of its partition of the parameters, then broadcasts the new values)
   zero2 / fsdp / hsdp -> FSDP2 `fully_shard` in kiln/parallel/parallelize.py
@@ -23,14 +27,19 @@ from kiln.model.moe import MoE
 from kiln.parallel.dims import ParallelDims
 
 
+def grad_mesh(dims: ParallelDims):
+    """The 1-D mesh gradients are averaged over (data parallel x cp, flattened); under pp it is
+    sliced from this rank's pipeline stage, so its ranks are the replicas of the same stage."""
+    mesh = dims.mesh[dims.grad_mesh_names]
+    return mesh._flatten() if mesh.ndim > 1 else mesh
+
+
 def apply_ddp(model: nn.Module, dims: ParallelDims) -> None:
     """Replicate `model` over the data-parallel mesh: gradients are all-reduced (averaged) in
     buckets during backward, overlapping with it."""
     from torch.distributed._composable.replicate import replicate
 
-    mesh = dims.mesh[dims.grad_mesh_names]
-    if mesh.ndim > 1:
-        mesh = mesh._flatten()
+    mesh = grad_mesh(dims)
     # Under parallel.ep the experts are DTensors reduced by kiln/parallel/expert_parallel.py.
     experts = [m.experts for m in model.modules() if isinstance(m, MoE)] if dims.ep > 1 else None
     if experts:
@@ -40,6 +49,21 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> None:
         replicate(model, process_group=mesh.get_group(), bucket_cap_mb=25, ignored_modules=experts)
         return
     replicate(model, device_mesh=mesh, bucket_cap_mb=25, ignored_modules=experts)
+
+
+def replicate_stage(chunk: nn.Module, dims: ParallelDims) -> nn.Module:
+    """DDP around one pipeline stage chunk (materialized: DDP broadcasts and buckets real
+    tensors), for `PipelineStage` to run. torch's stage (pipelining/stage.py,
+    `forward_maybe_with_nosync` / `backward_maybe_with_nosync`: run in 2.13; older copies in
+    public code have the same DDP branches) knows this class, not composable `replicate`: forwards and all but the last backward of a step
+    run under `no_sync`, the last backward re-arms the reducer, so each chunk's gradients (summed
+    over the micro-batches) are all-reduced once per step. The wrapper only sits in the schedule;
+    the chunk's parameters are still the `PipelineModel`'s under their own names (checkpoints
+    and the optimizer see no `module.` prefix). A chunk holds no buffers (the RoPE tables are the
+    PipelineModel's), so DDP's buffer sync has nothing to send."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(chunk, process_group=grad_mesh(dims).get_group(), bucket_cap_mb=25)
 
 
 class ZeroRedundancyState(ZeroRedundancyOptimizer):
@@ -83,8 +107,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) 
     partitioned over the data-parallel ranks. Returns `optimizer` itself unless dp_mode is zero1."""
     if dims.dp_mode != "zero1" or dims.dp_size * dims.cp == 1:
         return optimizer
-    mesh = dims.mesh[dims.grad_mesh_names]
-    group = (mesh._flatten() if mesh.ndim > 1 else mesh).get_group()
+    group = grad_mesh(dims).get_group()  # under pp: this stage's replicas, over its parameters
     groups = [dict(g) for g in optimizer.param_groups]
     # ZeRO builds a new optimizer per rank from the class and keyword arguments; `defaults` can
     # hold derived keys the constructor does not take (AdamW's decoupled_weight_decay), which the

@@ -74,11 +74,10 @@ class ParallelDims:
                 f"parallel degrees dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
                 f"tp={cfg.tp} x pp={cfg.pp} = {total}, but the world size is {world_size}; change "
                 f"parallel.dp_shard (-1 takes what is left) or the number of processes")
-        if cfg.pp > 1 and dp_replicate * dp_shard > 1 and mode in ("ddp", "zero1"):
-            raise ConfigError(f"parallel.dp_mode={mode!r} with parallel.pp={cfg.pp} is not supported yet; "
-                              f"use dp_mode='fsdp' (or 'zero2') for data parallelism across pipelines")
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
+        if cfg.pp > 1 and dp_replicate * cfg.cp > 1 and mode in ("ddp", "zero1"):
+            check_replicated_pipeline(cfg, mode)
         if cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
@@ -210,6 +209,26 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
         raise ConfigError(f"parallel.ep={ep} must divide {where} (ep is carved out of {name}"
                           f"{' and cp' if cp > 1 else ''} under dp_mode={mode!r}); change parallel.ep or the "
                           f"number of processes")
+
+
+def check_replicated_pipeline(cfg: ParallelConfig, mode: str) -> None:
+    """ddp/zero1 across pipeline replicas (kiln/parallel/data_parallel.py `replicate_stage`):
+    refused where DDP's gradient all-reduce would miss gradients."""
+    from kiln.parallel.pipeline import ZERO_BUBBLE
+
+    if cfg.pp_schedule in ZERO_BUBBLE:
+        # torch's weight pass (pipelining/_backward.py stage_backward_weight) takes the weight
+        # gradients with autograd.grad and adds them to .grad by hand: DDP's hooks on the
+        # gradient accumulators never fire, so those gradients would never be averaged.
+        raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule!r} cannot run with parallel.dp_mode={mode!r} "
+                          f"(torch's split weight backward bypasses DDP's gradient all-reduce); use "
+                          f"dp_mode='fsdp' or 'zero2', or pp_schedule='interleaved_1f1b'")
+    if cfg.ep > 1:
+        # Without pp, kiln's ddp leaves the experts' DTensors out of composable replicate
+        # (apply_ddp's ignored_modules); the per-stage DDP wrapper has no such path wired or
+        # tested (its constructor would take them as parameters to all-reduce).
+        raise ConfigError(f"parallel.ep={cfg.ep} with parallel.pp={cfg.pp} and parallel.dp_mode={mode!r} is not "
+                          f"supported yet; use dp_mode='fsdp' (or 'zero2') with ep and pp")
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

@@ -23,6 +23,8 @@ zig-zag slice's global positions from `PipelineModel.seq_positions` (kiln/parall
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -309,8 +311,13 @@ class Pipeline:
         self.has_first = 0 in model.stage_ids
         if cfg.parallel.pp_schedule in ZERO_BUBBLE:
             keep_gathered_until_backward(model.chunks)
-        self.stages = [PipelineStage(chunk, s, self.n_stages, device, group=self.group)
-                       for s, chunk in zip(model.stage_ids, model.chunks)]
+        modules = model.chunks
+        if dims.dp_mode in ("ddp", "zero1") and dims.dp_size * dims.cp > 1:  # DDP per stage chunk
+            from kiln.parallel.data_parallel import replicate_stage
+
+            modules = [replicate_stage(chunk, dims) for chunk in model.chunks]
+        self.stages = [PipelineStage(module, s, self.n_stages, device, group=self.group)
+                       for s, module in zip(model.stage_ids, modules)]
         cls = getattr(pipelining, SCHEDULES[cfg.parallel.pp_schedule])
         self.microbatches = n_microbatches(cfg)
         stages = self.stages[0] if cfg.parallel.pp_schedule in SINGLE_STAGE else self.stages
@@ -391,7 +398,16 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     losses: list[torch.Tensor] = []
     model = pipeline.model
     model.moe_records.clear()
-    with autocast:
+    with autocast, contextlib.ExitStack() as no_sync:
+        # DDP stages (kiln/parallel/data_parallel.py replicate_stage): torch's schedule runs each
+        # forward and all but the last backward under no_sync and re-arms DDP's reducer for the
+        # last; but on the first step its shape inference calls the stage outside no_sync, which
+        # arms the reducer: the first micro-batch's backward all-reduced too, and DDP's bucket
+        # rebuild then failed at step 2 (torch 2.13: "rebuilt parameter indices size is not same
+        # as original model parameters size"). Under an outer no_sync only the re-arming reduces.
+        for stage in pipeline.stages:
+            if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
+                no_sync.enter_context(stage.submod.no_sync())
         if pipeline.has_first and pipeline.has_last:
             pipeline.schedule.step(x, target=y, losses=losses, return_outputs=False)
         elif pipeline.has_first:

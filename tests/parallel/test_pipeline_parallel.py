@@ -98,15 +98,6 @@ def test_bad_pipeline_config_names_the_key():
         pl.split_model(full, job(tie_embeddings=True), 1)
 
 
-def test_replicated_data_parallel_with_pp_is_refused_naming_the_key():
-    from kiln.parallel.dims import ParallelDims
-
-    cfg = job()
-    cfg.parallel.dp_mode = "ddp"
-    with pytest.raises(ConfigError, match=r"parallel\.dp_mode='ddp' with parallel\.pp=2"):
-        ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
-
-
 def test_pp_larger_than_layer_count_fails_before_any_work(tmp_path, text_file, monkeypatch, capsys):
     from kiln.cli import main
 
