@@ -1,0 +1,163 @@
+"""examples/slurm/kiln.sbatch, run as sbatch would run it but without Slurm: bash executes the
+script with the SLURM_* environment of a 2-node allocation and fake `srun` / `scontrol` on PATH.
+The fake srun starts one copy of its command per node, locally, each with its SLURM_PROCID /
+SLURM_NODEID, and (like --kill-on-bad-exit) kills the others when one fails; the fake scontrol
+expands any node list to 127.0.0.1 and localhost. Each "node" gets one CPU worker
+(KILN_NPROC_PER_NODE=1, --set train.device=cpu), so the job is the 2-rank run of
+test_multinode_launch.py and must give the single-node 2-process losses to the last bit (same
+layout, same machine) - also when the job is paused at step 3 and submitted again (resume).
+
+What this does not show: Slurm itself (sbatch's header parsing, srun's CPU/GPU binding), two
+hosts, a network, NCCL, or storage shared between machines. The header is only checked for the
+lines sbatch reads and their consistency.
+
+The script runs in its own process group, killed whole (fake srun, torchrun agents, workers)
+when the test fails or times out.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_data_parallel import common, kill_launcher, losses, run_kiln, sets
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "kiln.sbatch"
+TIMEOUT = 240
+
+FAKE_SRUN = r"""#!/bin/bash
+# fake srun: log the call, then one copy of the command per node, here
+printf '%s\n' "$*" >>"$FAKE_SLURM_LOG"
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+declare -A node
+for ((i = 0; i < SLURM_NNODES; i++)); do
+    SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURMD_NODENAME=fake$i "$@" &
+    node[$!]=$i
+done
+while ((${#node[@]})); do
+    wait -n -p pid; rc=$?
+    unset "node[$pid]"
+    if ((rc != 0)); then
+        echo "srun: error: task $rc exited with $rc; killing the others" >&2
+        for p in "${!node[@]}"; do kill -TERM "$p" 2>/dev/null; done
+        wait; exit "$rc"
+    fi
+done
+"""
+
+FAKE_SCONTROL = r"""#!/bin/bash
+# fake scontrol: only `show hostnames LIST`, with LIST named
+[[ $1 == show && $2 == hostnames && -n $3 ]] || { echo "fake scontrol: unexpected: $*" >&2; exit 1; }
+printf '127.0.0.1\nlocalhost\n'
+"""
+
+
+def fake_slurm(tmp_path, job_id, **env):
+    """The environment of a 2-node sbatch job whose batch script runs on its first node."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+            (bin_dir / name).write_text(text)
+            (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SLURM_LOG": str(tmp_path / "srun.log"),
+            "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NAME": "kiln", "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_CPUS_PER_TASK": "1", "SLURMD_NODENAME": "127.0.0.1",
+            "SLURM_SUBMIT_DIR": str(tmp_path), "KILN_PYTHON": sys.executable, "KILN_NPROC_PER_NODE": "1", **env}
+
+
+def sbatch(args, env, logs, timeout=TIMEOUT):
+    """Run the script as the batch step; returns (returncode, stdout, stderr)."""
+    with open(logs / "job.out", "w+") as out, open(logs / "job.err", "w+") as err:
+        p = subprocess.Popen(["bash", str(SCRIPT), *args], stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        finally:
+            kill_launcher(p)  # the fake srun's copies and their workers share the script's group
+        out.seek(0)
+        err.seek(0)
+        return p.returncode, out.read(), err.read()
+
+
+def header(text):
+    """The #SBATCH options sbatch reads: those before the first command line."""
+    options = {}
+    for line in text.splitlines()[1:]:
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+        if m := re.match(r"#SBATCH\s+--([\w-]+)(?:=(\S+))?", line):
+            options[m.group(1)] = m.group(2)
+    return options
+
+
+def test_script_parses_and_its_header_asks_for_one_task_per_node():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    text = SCRIPT.read_text()
+    assert text.startswith("#!/bin/bash\n")
+    opts = header(text)
+    # Every #SBATCH line is in the header (sbatch ignores any after the first command).
+    assert len(opts) == len(re.findall(r"^#SBATCH", text, re.M))
+    assert opts["ntasks-per-node"] == "1" and int(opts["nodes"]) >= 2
+    assert "ntasks" not in opts or int(opts["ntasks"]) == int(opts["nodes"])
+    assert int(opts["gpus-per-node"]) >= 1 and int(opts["cpus-per-task"]) >= 1
+    # The body takes sizes from Slurm, not from the header it could drift from.
+    body = text[text.index("set -euo pipefail"):]
+    assert f"={opts['nodes']}" not in body and '--nnodes="$SLURM_NNODES"' in body
+    assert '--rdzv-id="$SLURM_JOB_ID"' in body and "--rdzv-backend=c10d" in body
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"KILN_NPROC_PER_NODE": ""}, "workers per node unknown"),
+    ({"SLURM_NTASKS": "4"}, "4 tasks on 2 nodes"),
+    ({"SLURMD_NODENAME": "node2"}, "set KILN_RDZV_PORT to a port free on 127.0.0.1"),
+    ({"KILN_RDZV_PORT": "http"}, "KILN_RDZV_PORT='http' is not a port number"),
+])
+def test_bad_settings_fail_before_any_step_in_one_line(tmp_path, env, expected):
+    rc, _, err = sbatch([], fake_slurm(tmp_path, 7, **env), tmp_path, timeout=30)
+    assert rc == 2 and err.startswith("kiln.sbatch: error:") and expected in err and err.count("\n") == 1
+    assert not (tmp_path / "srun.log").exists() and not (tmp_path / "runs").exists()
+
+
+def test_run_dir_every_node_cannot_see_fails_before_training(tmp_path):
+    # The second "node" runs with its own view: the fake srun's copy 1 looks in another directory.
+    env = fake_slurm(tmp_path, 8)
+    wrapper = tmp_path / "bin" / "srun"
+    wrapper.write_text(FAKE_SRUN.replace('"$@" &', '''bash -c 'if ((SLURM_NODEID)) && [[ $1 == bash ]]; then
+        set -- "${@:1:$#-1}" /elsewhere/marker; fi; exec "$@"' _ "$@" &'''))
+    rc, _, err = sbatch([], env, tmp_path, timeout=30)
+    assert rc == 2 and "does not see /elsewhere/marker: KILN_RUN_DIR must be on storage every node mounts" in err
+    assert len((tmp_path / "srun.log").read_text().splitlines()) == 1  # no training step
+    assert not list((tmp_path / "runs" / "kiln").iterdir())  # the check leaves nothing behind
+
+
+@pytest.mark.timeout(3 * TIMEOUT + 60)
+def test_two_node_job_matches_one_node_and_resumes_when_submitted_again(tmp_path, text_file):
+    args = sets(common(text_file, **{"train.batch_size": 2, "parallel.dp_mode": "'ddp'"}))
+    one_node = tmp_path / "one-node"
+    run_kiln(["train", "--run-dir", str(one_node), *args], nproc=2)
+    expected = losses(one_node)
+
+    run_dir = tmp_path / "shared" / "exp"
+    # The first job stops after step 3 (as a time limit would, after a checkpoint); the second,
+    # another job id, continues it from that checkpoint with the same command.
+    outs = []
+    for job_id, extra in ((101, ["--stop-at", "3"]), (102, [])):
+        env = fake_slurm(tmp_path, job_id, KILN_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
+        rc, out, err = sbatch([*args, *extra], env, tmp_path)
+        assert rc == 0, err[-3000:]
+        outs.append(out)
+        assert f"job {job_id}: 2 nodes x 1 workers, rendezvous 127.0.0.1:" in err
+        launch = (tmp_path / "srun.log").read_text().splitlines()[-1]
+        assert "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d" in launch and f"--rdzv-id={job_id}" in launch
+    assert "paused at step 3" in outs[0] and "done: 6 steps" in outs[1]
+
+    assert losses(run_dir) == expected and sorted(expected) == list(range(1, 7))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    runs = [r for r in rows if r["kind"] == "run"]
+    assert [(r["world_size"], r["resumed_from"]) for r in runs] == [(2, None), (2, 3)]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # rank 0 alone writes
+    assert not list(run_dir.glob(".kiln-sbatch-*"))
