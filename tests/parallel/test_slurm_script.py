@@ -52,7 +52,9 @@ done
 FAKE_SCONTROL = r"""#!/bin/bash
 # fake scontrol: only `show hostnames LIST`, with LIST named
 [[ $1 == show && $2 == hostnames && -n $3 ]] || { echo "fake scontrol: unexpected: $*" >&2; exit 1; }
-printf '127.0.0.1\nlocalhost\n'
+echo 127.0.0.1
+sleep 0.2  # like a long node list: still writing after a reader of the first line has left
+echo localhost
 """
 
 
@@ -106,15 +108,17 @@ def test_script_parses_and_its_header_asks_for_one_task_per_node():
     assert int(opts["gpus-per-node"]) >= 1 and int(opts["cpus-per-task"]) >= 1
     # The body takes sizes from Slurm, not from the header it could drift from.
     body = text[text.index("set -euo pipefail"):]
-    assert f"={opts['nodes']}" not in body and '--nnodes="$SLURM_NNODES"' in body
+    assert not re.search(r"--(nnodes|nproc-per-node)[= ]\d", body) and '--nnodes="$SLURM_NNODES"' in body
     assert '--rdzv-id="$SLURM_JOB_ID"' in body and "--rdzv-backend=c10d" in body
 
 
 @pytest.mark.parametrize("env, expected", [
+    ({"SLURM_JOB_ID": ""}, "not inside a Slurm job"),
     ({"KILN_NPROC_PER_NODE": ""}, "workers per node unknown"),
     ({"SLURM_NTASKS": "4"}, "4 tasks on 2 nodes"),
     ({"SLURMD_NODENAME": "node2"}, "set KILN_RDZV_PORT to a port free on 127.0.0.1"),
     ({"KILN_RDZV_PORT": "http"}, "KILN_RDZV_PORT='http' is not a port number"),
+    ({"SLURM_NNODES": "3", "SLURM_NTASKS": "3"}, "gave 2 hosts for SLURM_NNODES=3"),
 ])
 def test_bad_settings_fail_before_any_step_in_one_line(tmp_path, env, expected):
     rc, _, err = sbatch([], fake_slurm(tmp_path, 7, **env), tmp_path, timeout=30)
