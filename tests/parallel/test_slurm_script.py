@@ -35,17 +35,23 @@ printf '%s\n' "$*" >>"$FAKE_SLURM_LOG"
 while [[ $# -gt 0 && $1 == -* ]]; do shift; done
 declare -A node
 for ((i = 0; i < SLURM_NNODES; i++)); do
-    SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURMD_NODENAME=fake$i "$@" &
+    cmd=("$@")
+    if ((i > 0)) && [[ -n ${FAKE_SLURM_NODE_LOCAL:-} ]]; then
+        # a node-local directory: the other nodes do not have it (their copies name a missing path)
+        cmd=("${@//"$FAKE_SLURM_NODE_LOCAL"//missing-on-node$i}")
+    fi
+    SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURMD_NODENAME=fake$i "${cmd[@]}" &
     node[$!]=$i
 done
 while ((${#node[@]})); do
     wait -n -p pid; rc=$?
-    unset "node[$pid]"
     if ((rc != 0)); then
-        echo "srun: error: task $rc exited with $rc; killing the others" >&2
+        echo "srun: error: task ${node[$pid]} exited with $rc; killing the others" >&2
+        unset "node[$pid]"
         for p in "${!node[@]}"; do kill -TERM "$p" 2>/dev/null; done
         wait; exit "$rc"
     fi
+    unset "node[$pid]"
 done
 """
 
@@ -127,13 +133,10 @@ def test_bad_settings_fail_before_any_step_in_one_line(tmp_path, env, expected):
 
 
 def test_run_dir_every_node_cannot_see_fails_before_training(tmp_path):
-    # The second "node" runs with its own view: the fake srun's copy 1 looks in another directory.
-    env = fake_slurm(tmp_path, 8)
-    wrapper = tmp_path / "bin" / "srun"
-    wrapper.write_text(FAKE_SRUN.replace('"$@" &', '''bash -c 'if ((SLURM_NODEID)) && [[ $1 == bash ]]; then
-        set -- "${@:1:$#-1}" /elsewhere/marker; fi; exec "$@"' _ "$@" &'''))
+    env = fake_slurm(tmp_path, 8, FAKE_SLURM_NODE_LOCAL=str(tmp_path / "runs"))
     rc, _, err = sbatch([], env, tmp_path, timeout=30)
-    assert rc == 2 and "does not see /elsewhere/marker: KILN_RUN_DIR must be on storage every node mounts" in err
+    assert rc == 2, err
+    assert "does not see /missing-on-node1/kiln/.kiln-sbatch-8: KILN_RUN_DIR must be on storage every node" in err
     assert len((tmp_path / "srun.log").read_text().splitlines()) == 1  # no training step
     assert not list((tmp_path / "runs" / "kiln").iterdir())  # the check leaves nothing behind
 
