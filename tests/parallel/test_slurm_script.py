@@ -18,6 +18,7 @@ when the test fails or times out.
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,49 @@ def test_bad_settings_fail_before_any_step_in_one_line(tmp_path, env, expected):
     rc, _, err = sbatch([], fake_slurm(tmp_path, 7, **env), tmp_path, timeout=30)
     assert rc == 2 and err.startswith("kiln.sbatch: error:") and expected in err and err.count("\n") == 1
     assert not (tmp_path / "srun.log").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args", [["--run-dir", "x"], ["--set", "train.steps=3", "--run-dir=x"],
+                                  ["--resume", "runs/x"], ["--resume=runs/x"]])
+def test_a_run_directory_in_the_arguments_is_refused(tmp_path, args):
+    rc, _, err = sbatch(args, fake_slurm(tmp_path, 7), tmp_path, timeout=30)
+    assert rc == 2 and "names a run directory: set KILN_RUN_DIR instead" in err and err.count("\n") == 1
+    assert not (tmp_path / "srun.log").exists() and not (tmp_path / "runs").exists()
+
+
+RECORDING_PYTHON = """#!/bin/bash
+# stands in for the Python that runs torchrun: records each node's launch (the port probe still runs)
+[[ $1 == -c ]] && exec "$REAL_PYTHON" "$@"
+{ printf '%s %s ' "$SLURM_NODEID" "$OMP_NUM_THREADS"; printf '%q ' "$@"; echo; } >>"$FAKE_SLURM_LOG.launched"
+"""
+
+
+@pytest.mark.parametrize("gpus, nproc, threads", [({"SLURM_GPUS_ON_NODE": "8"}, 8, 8),
+                                                  ({"SLURM_GPUS_PER_NODE": "h100:4"}, 4, 16),
+                                                  ({"KILN_NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "8"}, 2, 32)])
+def test_launch_line_per_node_from_the_slurm_environment(tmp_path, gpus, nproc, threads):
+    """Without training: each node's torchrun command, from the GPUs Slurm reports, and the
+    script's arguments (a bare --resume, a value with a space) reaching kiln unchanged."""
+    python = tmp_path / "python"
+    python.write_text(RECORDING_PYTHON)
+    python.chmod(0o755)
+    run_dir = tmp_path / "shared" / "exp"
+    env = fake_slurm(tmp_path, 9, KILN_PYTHON=str(python), REAL_PYTHON=sys.executable, SLURM_CPUS_PER_TASK="64",
+                     KILN_RUN_DIR=str(run_dir), KILN_CONFIG="my.toml", **{"KILN_NPROC_PER_NODE": "", **gpus})
+    env.pop("OMP_NUM_THREADS", None)
+    args = ["--resume", "--set", "model.name='a b'", "--stop-at", "2"]
+    rc, _, err = sbatch(args, env, tmp_path, timeout=30)
+    assert rc == 0, err
+    srun_calls = (tmp_path / "srun.log").read_text().splitlines()
+    assert srun_calls[-1].startswith("--nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=64 ")
+    launched = sorted((tmp_path / "srun.log.launched").read_text().splitlines())
+    assert [line.split()[:2] for line in launched] == [["0", str(threads)], ["1", str(threads)]]
+    port = re.search(r"rendezvous 127.0.0.1:(\d+)", err).group(1)
+    for line in launched:
+        assert shlex.split(line)[2:] == [
+            "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=9", "--max-restarts=3",
+            "-m", "kiln.cli", "train", "my.toml", "--run-dir", str(run_dir), *args]
 
 
 def test_run_dir_every_node_cannot_see_fails_before_training(tmp_path):
