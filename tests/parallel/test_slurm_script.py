@@ -128,7 +128,7 @@ def test_script_parses_and_its_header_asks_for_one_task_per_node():
     ({"SLURM_NNODES": "3", "SLURM_NTASKS": "3"}, "gave 2 hosts for SLURM_NNODES=3"),
 ])
 def test_bad_settings_fail_before_any_step_in_one_line(tmp_path, env, expected):
-    rc, _, err = sbatch([], fake_slurm(tmp_path, 7, **env), tmp_path, timeout=30)
+    rc, _, err = sbatch([], fake_slurm(tmp_path, 7, **env), tmp_path, timeout=60)
     assert rc == 2 and err.startswith("kiln.sbatch: error:") and expected in err and err.count("\n") == 1
     assert not (tmp_path / "srun.log").exists() and not (tmp_path / "runs").exists()
 
@@ -136,7 +136,7 @@ def test_bad_settings_fail_before_any_step_in_one_line(tmp_path, env, expected):
 @pytest.mark.parametrize("args", [["--run-dir", "x"], ["--set", "train.steps=3", "--run-dir=x"],
                                   ["--resume", "runs/x"], ["--resume=runs/x"]])
 def test_a_run_directory_in_the_arguments_is_refused(tmp_path, args):
-    rc, _, err = sbatch(args, fake_slurm(tmp_path, 7), tmp_path, timeout=30)
+    rc, _, err = sbatch(args, fake_slurm(tmp_path, 7), tmp_path, timeout=60)
     assert rc == 2 and "names a run directory: set KILN_RUN_DIR instead" in err and err.count("\n") == 1
     assert not (tmp_path / "srun.log").exists() and not (tmp_path / "runs").exists()
 
@@ -144,7 +144,8 @@ def test_a_run_directory_in_the_arguments_is_refused(tmp_path, args):
 RECORDING_PYTHON = """#!/bin/bash
 # stands in for the Python that runs torchrun: records each node's launch (the port probe still runs)
 [[ $1 == -c ]] && exec "$REAL_PYTHON" "$@"
-{ printf '%s %s ' "$SLURM_NODEID" "$OMP_NUM_THREADS"; printf '%q ' "$@"; echo; } >>"$FAKE_SLURM_LOG.launched"
+line=$(printf '%q ' "$SLURM_NODEID" "$OMP_NUM_THREADS" "$@")
+printf '%s\n' "$line" >>"$FAKE_SLURM_LOG.launched"  # one write: the nodes append side by side
 """
 
 
@@ -162,7 +163,7 @@ def test_launch_line_per_node_from_the_slurm_environment(tmp_path, gpus, nproc, 
                      KILN_RUN_DIR=str(run_dir), KILN_CONFIG="my.toml", **{"KILN_NPROC_PER_NODE": "", **gpus})
     env.pop("OMP_NUM_THREADS", None)
     args = ["--resume", "--set", "model.name='a b'", "--stop-at", "2"]
-    rc, _, err = sbatch(args, env, tmp_path, timeout=30)
+    rc, _, err = sbatch(args, env, tmp_path, timeout=60)
     assert rc == 0, err
     srun_calls = (tmp_path / "srun.log").read_text().splitlines()
     assert srun_calls[-1].startswith("--nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=64 ")
@@ -178,7 +179,7 @@ def test_launch_line_per_node_from_the_slurm_environment(tmp_path, gpus, nproc, 
 
 def test_run_dir_every_node_cannot_see_fails_before_training(tmp_path):
     env = fake_slurm(tmp_path, 8, FAKE_SLURM_NODE_LOCAL=str(tmp_path / "runs"))
-    rc, _, err = sbatch([], env, tmp_path, timeout=30)
+    rc, _, err = sbatch([], env, tmp_path, timeout=60)
     assert rc == 2, err
     assert "does not see /missing-on-node1/kiln/.kiln-sbatch-8: KILN_RUN_DIR must be on storage every node" in err
     assert len((tmp_path / "srun.log").read_text().splitlines()) == 1  # no training step
