@@ -125,6 +125,8 @@ def test_script_parses_and_its_header_asks_for_one_task_per_node():
     ({"SLURM_NTASKS": "4"}, "4 tasks on 2 nodes"),
     ({"SLURMD_NODENAME": "node2"}, "set KILN_RDZV_PORT to a port free on 127.0.0.1"),
     ({"KILN_RDZV_PORT": "http"}, "KILN_RDZV_PORT='http' is not a port number"),
+    ({"KILN_RDZV_PORT": "08"}, "KILN_RDZV_PORT='08' is not a port number"),
+    ({"KILN_RDZV_PORT": "65536"}, "KILN_RDZV_PORT='65536' is not a port number"),
     ({"SLURM_NNODES": "3", "SLURM_NTASKS": "3"}, "gave 2 hosts for SLURM_NNODES=3"),
 ])
 def test_bad_settings_fail_before_any_step_in_one_line(tmp_path, env, expected):
