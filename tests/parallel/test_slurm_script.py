@@ -73,7 +73,9 @@ def fake_slurm(tmp_path, job_id, **env):
         for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
             (bin_dir / name).write_text(text)
             (bin_dir / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SLURM_LOG": str(tmp_path / "srun.log"),
+    # Nothing from a real job around the test (the suite may itself run under Slurm).
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SRUN_", "KILN_"))}
+    return {**inherited, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SLURM_LOG": str(tmp_path / "srun.log"),
             "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NAME": "kiln", "SLURM_JOB_NODELIST": "node[1-2]",
             "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_CPUS_PER_TASK": "1", "SLURMD_NODENAME": "127.0.0.1",
             "SLURM_SUBMIT_DIR": str(tmp_path), "KILN_PYTHON": sys.executable, "KILN_NPROC_PER_NODE": "1", **env}
