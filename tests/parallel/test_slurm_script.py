@@ -11,16 +11,21 @@ What this does not show: Slurm itself (sbatch's header parsing, srun's CPU/GPU b
 hosts, a network, NCCL, or storage shared between machines. The header is only checked for the
 lines sbatch reads and their consistency.
 
-The script runs in its own process group, killed whole (fake srun, torchrun agents, workers)
-when the test fails or times out.
+The script runs in its own process group, killed whole (fake srun, torchrun agents) when the
+test fails or times out, and so is every process carrying the job's tag in its environment: the
+workers, which torchrun starts in sessions of their own.
 """
 
+import contextlib
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -81,14 +86,49 @@ def fake_slurm(tmp_path, job_id, **env):
             "SLURM_SUBMIT_DIR": str(tmp_path), "KILN_PYTHON": sys.executable, "KILN_NPROC_PER_NODE": "1", **env}
 
 
+def kill_tagged(tag):
+    """SIGKILL every process started with TEST_JOB_TAG=tag in its environment, until none is left.
+    torchrun starts each worker in a session of its own (torch's SubprocessHandler), so killing the
+    launcher's process group would leave the workers running once their agent is gone."""
+    needle = f"TEST_JOB_TAG={tag}".encode()
+    for _ in range(10):
+        found = False
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                if needle in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    found = True
+            except (OSError, ProcessLookupError):  # gone meanwhile, or not ours
+                pass
+        if not found:
+            return
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def tagged(monkeypatch):
+    """Processes started inside (they inherit os.environ) are killed on the way out, whatever happened."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("TEST_JOB_TAG", tag)
+    try:
+        yield tag
+    finally:
+        kill_tagged(tag)
+
+
 def sbatch(args, env, logs, timeout=TIMEOUT):
     """Run the script as the batch step; returns (returncode, stdout, stderr)."""
+    tag = uuid.uuid4().hex
     with open(logs / "job.out", "w+") as out, open(logs / "job.err", "w+") as err:
-        p = subprocess.Popen(["bash", str(SCRIPT), *args], stdout=out, stderr=err, env=env, start_new_session=True)
+        p = subprocess.Popen(["bash", str(SCRIPT), *args], stdout=out, stderr=err, env={**env, "TEST_JOB_TAG": tag},
+                             start_new_session=True)
         try:
             p.wait(timeout=timeout)
         finally:
-            kill_launcher(p)  # the fake srun's copies and their workers share the script's group
+            kill_launcher(p)  # the script, the fake srun's copies and the torchrun agents
+            kill_tagged(tag)  # and the workers, each in its own session
         out.seek(0)
         err.seek(0)
         return p.returncode, out.read(), err.read()
@@ -191,10 +231,11 @@ def test_run_dir_every_node_cannot_see_fails_before_training(tmp_path):
 
 
 @pytest.mark.timeout(3 * TIMEOUT + 60)
-def test_two_node_job_matches_one_node_and_resumes_when_submitted_again(tmp_path, text_file):
+def test_two_node_job_matches_one_node_and_resumes_when_submitted_again(tmp_path, text_file, monkeypatch):
     args = sets(common(text_file, **{"train.batch_size": 2, "parallel.dp_mode": "'ddp'"}))
     one_node = tmp_path / "one-node"
-    run_kiln(["train", "--run-dir", str(one_node), *args], nproc=2)
+    with tagged(monkeypatch):
+        run_kiln(["train", "--run-dir", str(one_node), *args], nproc=2)
     expected = losses(one_node)
 
     run_dir = tmp_path / "shared" / "exp"
