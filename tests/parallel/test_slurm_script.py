@@ -37,8 +37,10 @@ TIMEOUT = 240
 
 FAKE_SRUN = r"""#!/bin/bash
 # fake srun: log the call, then one copy of the command per node, here
-printf '%s\n' "$*" >>"$FAKE_SLURM_LOG"
+call=$(printf '%q ' "$@")
+printf '%s\n' "$call" >>"$FAKE_SLURM_LOG"
 while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+NODE_NAMES=(127.0.0.1 localhost)  # as the fake scontrol lists them
 declare -A node
 for ((i = 0; i < SLURM_NNODES; i++)); do
     cmd=("$@")
@@ -46,7 +48,7 @@ for ((i = 0; i < SLURM_NNODES; i++)); do
         # a node-local directory: the other nodes do not have it (their copies name a missing path)
         cmd=("${@//"$FAKE_SLURM_NODE_LOCAL"//missing-on-node$i}")
     fi
-    SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURMD_NODENAME=fake$i "${cmd[@]}" &
+    SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURMD_NODENAME=${NODE_NAMES[i]} "${cmd[@]}" &
     node[$!]=$i
 done
 while ((${#node[@]})); do
@@ -214,9 +216,10 @@ def test_launch_line_per_node_from_the_slurm_environment(tmp_path, gpus, nproc, 
     launched = sorted((tmp_path / "srun.log.launched").read_text().splitlines())
     assert [line.split()[:2] for line in launched] == [["0", str(threads)], ["1", str(threads)]]
     port = re.search(r"rendezvous 127.0.0.1:(\d+)", err).group(1)
-    for line in launched:
+    for node, line in enumerate(launched):  # the first node (the rendezvous host) serves the store
         assert shlex.split(line)[2:] == [
-            "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            "-m", "torch.distributed.run", f"--rdzv-conf=is_host={int(node == 0)}",
+            "--nnodes=2", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=9", "--max-restarts=3",
             "-m", "kiln.cli", "train", "my.toml", "--run-dir", str(run_dir), *args]
 
