@@ -4,11 +4,21 @@ For tests of collectives on tiny models (no torchrun, no kiln CLI): `run_ranks(f
 *args)` spawns n processes, each joins a gloo group through a file store in tmp_path, calls
 fn(rank, n, *args), and pickles the result; a rank that fails or runs past `timeout` seconds
 fails the test instead of hanging it (every process is killed).
+
+For launcher tests (torchrun, the Slurm script): `tag_env(env)` marks every process started with
+that environment, and `kill_launcher(p, tag)` kills the launcher's process group and then every
+process still carrying the tag. torchrun starts each worker in a session of its own (torch's
+SubprocessHandler), so a process-group kill alone leaves the workers running once their agent is gone.
 """
 
 import os
 import pickle
+import signal
+import subprocess
+import time
 import traceback
+import uuid
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -50,3 +60,41 @@ def run_ranks(fn, n, tmp_path, *args, timeout=120):
         assert error is None, f"rank {rank} failed:\n{error}"
         results.append(result)
     return results
+
+
+def tag_env(env: dict) -> tuple[dict, str]:
+    """A copy of env whose processes (and their children, which inherit it) kill_tagged can find."""
+    tag = uuid.uuid4().hex
+    return {**env, "TEST_JOB_TAG": tag}, tag
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process started with TEST_JOB_TAG=tag in its environment, until none is left."""
+    needle = f"TEST_JOB_TAG={tag}".encode()
+    for _ in range(10):
+        found = False
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                if needle in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    found = True
+            except (OSError, ProcessLookupError):  # gone meanwhile, or not ours
+                pass
+        if not found:
+            return
+        time.sleep(0.2)
+
+
+def kill_launcher(p: subprocess.Popen, tag: str | None = None) -> None:
+    """Nothing outlives a test: a launcher still running (or failed) is killed with its whole process
+    group (start it with start_new_session=True), then every process carrying `tag` (tag_env)."""
+    if p.poll() is None or p.returncode != 0:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    if tag is not None:
+        kill_tagged(tag)

@@ -11,34 +11,23 @@ check fails for exactly that error.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 
 from conftest import tiny_overrides
+from ranks import kill_launcher, tag_env
 
 STEPS = 6
 REL = 1e-5
 GLOBAL_BATCH = 4
 
 
-def kill_launcher(p: subprocess.Popen) -> None:
-    """Nothing outlives a test: a launcher still running (or failed) is killed with its whole process
-    group (torchrun's agent and its workers; start it with start_new_session=True)."""
-    if p.poll() is None or p.returncode != 0:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-
-
 def run_kiln(args, nproc=1, timeout=240):
     """`kiln` in one process or under torchrun (--standalone picks a free port). The launcher
     runs in its own process group, killed whole on timeout or failure, so no rank outlives it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env, tag = tag_env({**os.environ, "OMP_NUM_THREADS": "1"})
     cmd = [sys.executable, "-m", "kiln.cli"]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -48,7 +37,7 @@ def run_kiln(args, nproc=1, timeout=240):
     try:
         out, err = p.communicate(timeout=timeout)
     finally:
-        kill_launcher(p)
+        kill_launcher(p, tag)
     assert p.returncode == 0, err[-3000:]
     return out, err
 

@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from test_data_parallel import common, kill_launcher, losses, run_kiln, sets
+from ranks import kill_launcher, tag_env
+from test_data_parallel import common, losses, run_kiln, sets
 
 TIMEOUT = 240
 
@@ -35,7 +36,7 @@ def free_port() -> int:
 def launch_two_nodes(args, port, logs, timeout=TIMEOUT):
     """Start both agents, wait for both; returns each one's (stdout, stderr). Output goes to files:
     a pipe nobody reads could fill and stall one agent, and with it the other."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env, tag = tag_env({**os.environ, "OMP_NUM_THREADS": "1"})
     procs, files = [], []
     try:
         for node in range(2):
@@ -57,7 +58,7 @@ def launch_two_nodes(args, port, logs, timeout=TIMEOUT):
         return outputs
     finally:
         for p in procs:  # nothing outlives the test: each launcher with its workers
-            kill_launcher(p)
+            kill_launcher(p, tag)
         for out, err in files:
             out.close()
             err.close()

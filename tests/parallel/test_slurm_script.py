@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from test_data_parallel import common, kill_launcher, losses, run_kiln, sets
+from ranks import kill_launcher, kill_tagged
+from test_data_parallel import common, losses, run_kiln, sets
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "kiln.sbatch"
 TIMEOUT = 240
@@ -86,27 +86,6 @@ def fake_slurm(tmp_path, job_id, **env):
             "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NAME": "kiln", "SLURM_JOB_NODELIST": "node[1-2]",
             "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_CPUS_PER_TASK": "1", "SLURMD_NODENAME": "127.0.0.1",
             "SLURM_SUBMIT_DIR": str(tmp_path), "KILN_PYTHON": sys.executable, "KILN_NPROC_PER_NODE": "1", **env}
-
-
-def kill_tagged(tag):
-    """SIGKILL every process started with TEST_JOB_TAG=tag in its environment, until none is left.
-    torchrun starts each worker in a session of its own (torch's SubprocessHandler), so killing the
-    launcher's process group would leave the workers running once their agent is gone."""
-    needle = f"TEST_JOB_TAG={tag}".encode()
-    for _ in range(10):
-        found = False
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit() or int(proc.name) == os.getpid():
-                continue
-            try:
-                if needle in (proc / "environ").read_bytes().split(b"\0"):
-                    os.kill(int(proc.name), signal.SIGKILL)
-                    found = True
-            except (OSError, ProcessLookupError):  # gone meanwhile, or not ours
-                pass
-        if not found:
-            return
-        time.sleep(0.2)
 
 
 @contextlib.contextmanager
