@@ -103,12 +103,6 @@ class ParallelDims:
                 raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")
         if cfg.train.float8:  # torchao's float8 linears need their own TP styles (not wired yet)
             raise ConfigError(f"train.float8=true with parallel.tp={tp} is not supported yet; set train.float8=false")
-        if cfg.train.compile:
-            # Compiled blocks over DTensor TP (torch 2.13, CPU): the backward hands the embedding's
-            # redistribute a plain-tensor gradient (AttributeError '_local_tensor'); with FSDP
-            # around them inductor ran but the losses were wrong (docs/parallel.md).
-            raise ConfigError(f"train.compile=true with parallel.tp={tp} is not supported yet (compiled blocks "
-                              f"over tensor-parallel DTensors fail or train wrongly); set train.compile=false")
         if cfg.train.loss == "chunked":
             raise ConfigError(f"train.loss='chunked' cannot run with parallel.tp={tp} (the logits are sharded "
                               f"on the vocabulary, the loss runs under loss_parallel); set train.loss='auto'")
