@@ -103,6 +103,12 @@ class ParallelDims:
                 raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")
         if cfg.train.float8:  # torchao's float8 linears need their own TP styles (not wired yet)
             raise ConfigError(f"train.float8=true with parallel.tp={tp} is not supported yet; set train.float8=false")
+        if cfg.train.compile and cfg.train.compile_scope == "model":
+            # Per-block compile under tp is what is tested (tests/parallel/test_tensor_parallel_compile.py,
+            # including the torch 2.13 workaround in parallelize.wait_collective_inputs); one graph
+            # over the TP embedding, the vocab-sharded head and loss_parallel is not.
+            raise ConfigError(f"train.compile_scope='model' with parallel.tp={tp} is not supported (compiled "
+                              f"blocks are); set train.compile_scope='blocks' or 'auto'")
         if cfg.train.loss == "chunked":
             raise ConfigError(f"train.loss='chunked' cannot run with parallel.tp={tp} (the logits are sharded "
                               f"on the vocabulary, the loss runs under loss_parallel); set train.loss='auto'")
