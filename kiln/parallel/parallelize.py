@@ -69,12 +69,13 @@ def wait_collective_inputs(module: nn.Module, args: tuple) -> tuple:
     reduce-scatter) enters the graph as a plain tensor that keeps its autograd edge.
 
     Why: torch 2.13's AOTAutograd resolves such inputs with `trigger_wait()`, which drops
-    `requires_grad` (pytorch/pytorch#179849; the fix, #191113, is not in 2.13): the block is traced
-    as if its input needed no gradient, and the backward never reaches the embedding
-    (AttributeError '_local_tensor' in its redistribute, or silently wrong training).
-    `clone()` waits through the tensor's own dispatch and records an ordinary CloneBackward on
-    every torch version; it costs one copy of the first block's input per step (only the eager
-    embedding hands a block an in-flight tensor; compiled blocks return plain ones)."""
+    `requires_grad` (pytorch/pytorch#179849; the proposed fix, #191113, is not in 2.13): the block
+    is traced as if its input needed no gradient, and the backward never reaches the embedding
+    (AttributeError '_local_tensor' in its redistribute, or, under FSDP, silently wrong training).
+    `clone()` waits through the tensor's own dispatch and records an ordinary CloneBackward; it
+    costs one copy of the first block's input per step (only the eager embedding hands a block
+    an in-flight tensor; compiled blocks return plain ones). Pinned by a strict-xfail repro in
+    tests/parallel/test_tensor_parallel_compile.py: when torch is fixed, this hook can go."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     if not any(isinstance(a, AsyncCollectiveTensor) for a in args):

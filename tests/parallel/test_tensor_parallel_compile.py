@@ -2,12 +2,14 @@
 compiled process, with and without FSDP around them, for a model with a dense and an MoE block
 (`kiln train`'s trainer in-process on gloo ranks: loader, metrics, checkpoint). Negative control:
 the same runs without the blocks' input-waiting hook (`wait_collective_inputs`) fail or train
-wrongly. The torch bug the hook works around is pinned by a plain-torch repro marked xfail(strict): a torch that fixes it turns this file red, and
-the hook (kiln/parallel/parallelize.py) can go.
+wrongly. The torch bug the hook works around is pinned by a plain-torch repro marked
+xfail(strict): a torch that fixes it turns this file red, and the hook (kiln/parallel/parallelize.py)
+can go.
 
 Backend: the compiled runs here use `aot_eager` (AOTAutograd, where the bug is, without inductor's
-codegen), because inductor takes ~2 minutes per rank to compile on a shared 2-core machine; the
-same runs with inductor were checked by hand (docs/parallel.md, "Compile under tensor parallel").
+codegen), because inductor takes ~2 minutes per rank to compile on a shared 2-core machine. The
+same file with `KILN_TEST_COMPILE_BACKEND=inductor` runs them with inductor (checked by hand:
+docs/parallel.md, "Compile under tensor parallel").
 
 Tolerance: fp32, relative 1e-5 per step (TP reorders the row-wise reductions and the sharded
 softmax). SGD with clipping active, tied embeddings: an embedding that misses its gradient shows
@@ -39,6 +41,8 @@ MODEL = {"model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_h
          "train.device": "cpu", "schedule.warmup_steps": 0,
          "metrics.peak_flops": 1e12}  # a given peak: no matmul probe per run (seconds on a loaded core)
 GLOBAL_BATCH = 4
+BACKEND = os.environ.get("KILN_TEST_COMPILE_BACKEND", "aot_eager")
+LAUNCH_TIMEOUT = 300 if BACKEND == "aot_eager" else 1800  # seconds per launch of 1, 2, 4 ranks
 
 
 def job(text_file, **extra):
@@ -47,7 +51,7 @@ def job(text_file, **extra):
 
 def _train(rank, world, runs, without_wait=(), repro=False):
     """Each (name, cfg, run_dir) in `runs` through kiln's trainer on this rank, blocks compiled
-    with aot_eager; the runs named in `without_wait` with the input-waiting hook disabled.
+    with BACKEND; the runs named in `without_wait` with the input-waiting hook disabled.
     Returns the runs' AttributeErrors by name, and the plain-torch repro's result (`repro`)."""
     import torch
 
@@ -55,7 +59,7 @@ def _train(rank, world, runs, without_wait=(), repro=False):
     from kiln.train.trainer import train
 
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.compile = functools.partial(torch.compile, backend="aot_eager")
+    torch.compile = functools.partial(torch.compile, backend=BACKEND)
     hook = parallelize.wait_collective_inputs
     errors = {"repro": _act_into_compiled_region(world)} if repro else {}
     for name, cfg, run_dir in runs:
@@ -95,13 +99,14 @@ def runs(tmp_path_factory, text_file):
         specs = [(name, job(text_file, **extra), tmp / name) for name, extra in cases.items()]
         without = tuple(n for n in cases if n.endswith("without_wait"))
         (tmp / f"world{world}").mkdir()
-        errors.update(run_ranks(_train, world, tmp / f"world{world}", specs, without, world == 2, timeout=300)[0])
+        errors.update(run_ranks(_train, world, tmp / f"world{world}", specs, without, world == 2,
+                                timeout=LAUNCH_TIMEOUT)[0])
         out.update({name: rows(tmp / name) for name in cases if name not in errors})
     out["errors"] = errors
     return out
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("name", ["tp2_compiled", "tp2_eager"])
 def test_tp2_compiled_blocks_match_one_compiled_process(runs, name):
     expected, got = runs["single_compiled"], runs[name]
@@ -109,14 +114,14 @@ def test_tp2_compiled_blocks_match_one_compiled_process(runs, name):
     assert got == pytest.approx(expected, rel=REL)  # losses, grad norms, aux / z-losses per step
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
 def test_fsdp2_x_tp2_compiled_blocks_match_one_compiled_process(runs):
     expected, got = runs["single_compiled"], runs["fsdp2_tp2_compiled"]
     assert len(got) == 4 * STEPS
     assert got == pytest.approx(expected, rel=REL)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
 def test_without_the_input_wait_compiled_tp_fails_or_trains_wrongly(runs):
     # torch 2.13: tp alone fails in the embedding's backward; under FSDP it runs, but the
     # embedding gets no gradient (the first step's grad norm is already smaller).
@@ -156,7 +161,7 @@ def _act_into_compiled_region(world):
 @pytest.mark.xfail(strict=True, reason="torch 2.13.0 (CPU): AOTAutograd unwraps an AsyncCollectiveTensor input "
                    "with trigger_wait() and drops its requires_grad (pytorch/pytorch#179849; fix proposed in "
                    "#191113); when this passes, wait_collective_inputs in kiln/parallel/parallelize.py can go")
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
 def test_torch_keeps_the_gradient_of_an_in_flight_collective_entering_a_compiled_region(runs):
     kind, result = runs["errors"]["repro"]  # run on rank 0 of the 2-rank launch
     # Passes (so fails strict) once torch keeps the gradient, or once to_local() no longer hands
