@@ -109,6 +109,11 @@ class ParallelDims:
             # over the TP embedding, the vocab-sharded head and loss_parallel is not.
             raise ConfigError(f"train.compile_scope='model' with parallel.tp={tp} is not supported (compiled "
                               f"blocks are); set train.compile_scope='blocks' or 'auto'")
+        if cfg.train.compile and self.cp > 1:
+            # Ring attention's point-to-point ops cannot be traced in a fullgraph block compile
+            # (torch 2.13: "P2P compilation disabled"), with or without tp.
+            raise ConfigError(f"train.compile=true with parallel.tp={tp} and parallel.cp={self.cp} is not supported "
+                              f"yet (ring attention cannot be compiled per block); set train.compile=false")
         if cfg.train.compile and cfg.train.activation_checkpointing != "none":
             # torch 2.13: a checkpointed TP block under AOTAutograd fails in the forward
             # (save_from_forward: a DeviceMesh among the tensors saved for backward).

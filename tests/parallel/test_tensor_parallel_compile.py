@@ -172,22 +172,26 @@ def test_torch_keeps_the_gradient_of_an_in_flight_collective_entering_a_compiled
     assert kind != "AsyncCollectiveTensor" or result is True, result
 
 
-@pytest.mark.parametrize("overrides, refusal, fix", [
-    (["train.compile_scope=model"], "train.compile_scope='model' with parallel.tp=2 is not supported",
+@pytest.mark.parametrize("overrides, cp, refusal, fix", [
+    (["train.compile_scope=model"], 1, "train.compile_scope='model' with parallel.tp=2 is not supported",
      "set train.compile_scope='blocks' or 'auto'"),
-    (["train.activation_checkpointing=full"], "train.activation_checkpointing='full' with train.compile=true "
+    (["train.activation_checkpointing=full"], 1, "train.activation_checkpointing='full' with train.compile=true "
      "and parallel.tp=2 is not supported yet", "set train.activation_checkpointing='none' or train.compile=false"),
+    ([], 2, "train.compile=true with parallel.tp=2 and parallel.cp=2 is not supported yet", "set train.compile=false"),
 ])
-def test_untested_compile_layouts_under_tp_are_refused_in_one_line(overrides, refusal, fix):
-    # What is not proven above: one whole-model graph, and checkpointed blocks (torch 2.13's
-    # AOTAutograd fails on them under TP; compile + checkpointing without tp runs).
+def test_untested_compile_layouts_under_tp_are_refused_in_one_line(overrides, cp, refusal, fix):
+    # What is not proven above: one whole-model graph; checkpointed blocks (torch 2.13's
+    # AOTAutograd fails on them under TP; compile + checkpointing without tp runs); ring
+    # attention (cp), which a fullgraph block compile cannot trace.
     from kiln.config import ParallelConfig
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
 
-    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=16", "train.compile=true", *overrides])
-    dims = ParallelDims.from_config(ParallelConfig(tp=2), world_size=2, rank=0, local_rank=0, local_world_size=2)
+    base = ["model.dim=32", "model.n_heads=4", "data.seq_len=16", "train.compile=true"]
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, cp=cp), world_size=2 * cp, rank=0, local_rank=0,
+                                    local_world_size=2 * cp)
     with pytest.raises(ConfigError) as e:
-        dims.check_model(cfg)
+        dims.check_model(load_config(None, base + overrides))
     assert refusal in str(e.value) and fix in str(e.value) and "\n" not in str(e.value)
-    dims.check_model(load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=16", "train.compile=true"]))
+    if cp == 1:
+        dims.check_model(load_config(None, base))  # per-block compile under tp alone runs
