@@ -89,7 +89,7 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False) -> No
         model.compile(mode="reduce-overhead" if cuda_graphs else None)
         return
     # Per block: every block has the same graph, so one compilation serves all of them. The hook
-    # runs eagerly, before the graph (and before FSDP's pre-forward hooks, registered later).
+    # runs eagerly, before the graph (FSDP's pre-forward hooks gather parameters; order is moot).
     for i, block in enumerate(model.layers):
         compiled = torch.compile(block, fullgraph=True)
         compiled.register_forward_pre_hook(wait_collective_inputs)
