@@ -181,7 +181,7 @@ def test_torch_keeps_the_gradient_of_an_in_flight_collective_entering_a_compiled
 ])
 def test_untested_compile_layouts_under_tp_are_refused_in_one_line(overrides, cp, refusal, fix):
     # What is not proven above: one whole-model graph; checkpointed blocks (torch 2.13's
-    # AOTAutograd fails on them under TP; compile + checkpointing without tp runs); ring
+    # AOTAutograd fails on them under TP; one process with both runs); ring
     # attention (cp), which a fullgraph block compile cannot trace.
     from kiln.config import ParallelConfig
     from kiln.errors import ConfigError
