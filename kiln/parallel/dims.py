@@ -88,9 +88,15 @@ class ParallelDims:
                    dp_mode=mode, local_world_size=local_world_size)
 
     def check_model(self, cfg: JobConfig) -> None:
-        """The layout against the model, before any work: tensor parallelism splits attention heads,
+        """The layout against the model, before any work: compile cannot trace ring attention (cp);
+        tensor parallelism splits attention heads,
         KV heads and FFN hidden units over the tp ranks, the sequence between blocks (sequence
         parallel), and computes the loss on vocab-sharded logits (not the chunked head)."""
+        if cfg.train.compile and self.cp > 1:
+            # Ring attention's point-to-point ops cannot be traced in a fullgraph block compile
+            # (torch 2.13: "P2P compilation disabled for P2POp construction"), with or without tp.
+            raise ConfigError(f"train.compile=true with parallel.cp={self.cp} is not supported yet (ring "
+                              f"attention cannot be compiled per block); set train.compile=false")
         tp = self.tp
         if tp == 1:
             return
@@ -101,12 +107,18 @@ class ParallelDims:
             if value % tp:
                 raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")
         # train.float8 (both recipes) runs under tp: tensor_parallel._styles picks the TP styles.
-        if cfg.train.compile:
-            # Compiled blocks over DTensor TP (torch 2.13, CPU): the backward hands the embedding's
-            # redistribute a plain-tensor gradient (AttributeError '_local_tensor'); with FSDP
-            # around them inductor ran but the losses were wrong (docs/parallel.md).
-            raise ConfigError(f"train.compile=true with parallel.tp={tp} is not supported yet (compiled blocks "
-                              f"over tensor-parallel DTensors fail or train wrongly); set train.compile=false")
+        if cfg.train.compile and cfg.train.compile_scope == "model":
+            # Per-block compile under tp is what is tested (tests/parallel/test_tensor_parallel_compile.py,
+            # including the torch 2.13 workaround in parallelize.wait_collective_inputs); one graph
+            # over the TP embedding, the vocab-sharded head and loss_parallel is not.
+            raise ConfigError(f"train.compile_scope='model' with parallel.tp={tp} is not supported (compiled "
+                              f"blocks are); set train.compile_scope='blocks' or 'auto'")
+        if cfg.train.compile and cfg.train.activation_checkpointing != "none":
+            # torch 2.13: a checkpointed TP block under AOTAutograd fails in the forward
+            # (save_from_forward: a DeviceMesh among the tensors saved for backward).
+            raise ConfigError(f"train.activation_checkpointing={cfg.train.activation_checkpointing!r} with "
+                              f"train.compile=true and parallel.tp={tp} is not supported yet; set "
+                              f"train.activation_checkpointing='none' or train.compile=false")
         if cfg.train.loss == "chunked":
             raise ConfigError(f"train.loss='chunked' cannot run with parallel.tp={tp} (the logits are sharded "
                               f"on the vocabulary, the loss runs under loss_parallel); set train.loss='auto'")

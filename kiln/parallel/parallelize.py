@@ -101,14 +101,40 @@ def compile_scope(cfg: JobConfig, dims: ParallelDims) -> str:
     return "blocks" if dims.world_size > 1 else "model"
 
 
+def wait_collective_inputs(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of a compiled block: an input still in flight from an eager collective
+    (an `AsyncCollectiveTensor`, e.g. `to_local()` of the tensor-parallel embedding's
+    reduce-scatter) enters the graph as a plain tensor that keeps its autograd edge.
+
+    Why: torch 2.13's AOTAutograd resolves such inputs with `trigger_wait()`, which drops
+    `requires_grad` (pytorch/pytorch#179849; the proposed fix, #191113, is not in 2.13): the block
+    is traced as if its input needed no gradient, and the backward never reaches the embedding
+    (AttributeError '_local_tensor' in its redistribute, or, under FSDP, silently wrong training).
+    `clone()` waits through the tensor's own dispatch and records an ordinary CloneBackward; it
+    costs one copy of the first block's input per step (only the eager embedding hands a block
+    an in-flight tensor; compiled blocks return plain ones). Pinned by a strict-xfail repro in
+    tests/parallel/test_tensor_parallel_compile.py: when torch is fixed, this hook can go."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if not any(isinstance(a, AsyncCollectiveTensor) for a in args):
+        return args
+    return tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
+
+
 def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False) -> None:
     if scope == "model":
         # In place (nn.Module.compile), so parameter names and checkpoints stay the same.
         model.compile(mode="reduce-overhead" if cuda_graphs else None)
         return
     # Per block: every block has the same graph, so one compilation serves all of them (under pp
-    # the blocks of every stage chunk of this rank).
-    replace_blocks(model, lambda i, block: torch.compile(block, fullgraph=True))
+    # the blocks of every stage chunk of this rank). The hook runs eagerly, before the graph
+    # (FSDP's pre-forward hooks gather parameters; order is moot).
+    def compile_block(i: int, block: nn.Module) -> nn.Module:
+        compiled = torch.compile(block, fullgraph=True)
+        compiled.register_forward_pre_hook(wait_collective_inputs)
+        return compiled
+
+    replace_blocks(model, compile_block)
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None, cpu_offload: bool,

@@ -1,0 +1,211 @@
+"""`train.compile=true` under tensor parallel: compiled blocks over TP DTensors train like one
+compiled process, with and without FSDP around them, for a model with a dense and an MoE block
+(`kiln train`'s trainer in-process on gloo ranks: loader, metrics, checkpoint). Negative control:
+the same runs without the blocks' input-waiting hook (`wait_collective_inputs`) fail or train
+wrongly. The torch bug the hook works around is pinned by a plain-torch repro marked
+xfail(strict): a torch that fixes it turns this file red, and the hook (kiln/parallel/parallelize.py)
+can go.
+
+Backend: the compiled runs here use `aot_eager` (AOTAutograd, where the bug is, without inductor's
+codegen), because inductor takes ~2 minutes per rank to compile on a shared 2-core machine. The
+same file with `KILN_TEST_COMPILE_BACKEND=inductor` runs them with inductor (checked by hand:
+docs/parallel.md, "Compile under tensor parallel").
+
+Tolerance: fp32, relative 1e-5 per step (TP reorders the row-wise reductions and the sharded
+softmax). SGD with clipping active, tied embeddings: an embedding that misses its gradient shows
+in the first step's gradient norm.
+"""
+
+import functools
+import json
+import os
+
+import pytest
+
+from kiln.config import load_config
+from conftest import tiny_overrides
+from ranks import run_ranks
+
+REL = 1e-5
+STEPS = 5
+
+# Llama-style (RoPE, RMSNorm, SwiGLU, GQA 4/2 heads, tied embeddings), one dense block, then one
+# MoE block (4 experts, top-2, capacity 1.25: some assignments drop; aux / z weights 0.1 / 0.01).
+# The dense block's input is the embedding's reduce-scattered output as it comes (GPT-2 adds
+# positions first, which waits).
+MODEL = {"model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "data.seq_len": 16,
+         "model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_every": 2, "model.moe_aux_loss_weight": 0.1,
+         "model.moe_z_loss_weight": 0.01,
+         "train.grad_accum": 1, "train.steps": STEPS, "train.eval_every": 0,
+         "checkpoint.every": 0, "optim.name": "sgd", "optim.lr": 0.1, "train.clip_grad_norm": 1.0,
+         "train.device": "cpu", "schedule.warmup_steps": 0,
+         "metrics.peak_flops": 1e12}  # a given peak: no matmul probe per run (seconds on a loaded core)
+GLOBAL_BATCH = 4
+BACKEND = os.environ.get("KILN_TEST_COMPILE_BACKEND", "aot_eager")
+LAUNCH_TIMEOUT = 300 if BACKEND == "aot_eager" else 1800  # seconds per launch of 1, 2, 4 ranks
+
+
+def job(text_file, **extra):
+    return load_config(None, tiny_overrides(text_file, **{**MODEL, **extra}))
+
+
+def _train(rank, world, runs, without_wait=(), repro=False):
+    """Each (name, cfg, run_dir) in `runs` through kiln's trainer on this rank, blocks compiled
+    with BACKEND; the runs named in `without_wait` with the input-waiting hook disabled.
+    Returns the runs' AttributeErrors by name, and the plain-torch repro's result (`repro`)."""
+    import torch
+
+    from kiln.parallel import parallelize
+    from kiln.train.trainer import train
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.compile = functools.partial(torch.compile, backend=BACKEND)
+    hook = parallelize.wait_collective_inputs
+    errors = {"repro": _act_into_compiled_region(world)} if repro else {}
+    for name, cfg, run_dir in runs:
+        parallelize.wait_collective_inputs = (lambda module, args: args) if name in without_wait else hook
+        try:
+            train(cfg, run_dir)
+        except AttributeError as e:  # torch 2.13 without the hook: the embedding's backward fails
+            errors[name] = str(e)
+        finally:
+            parallelize.wait_collective_inputs = hook
+            torch._dynamo.reset()
+    return errors
+
+
+def rows(run_dir):
+    """[loss, grad norm, MoE aux loss, MoE z-loss] per training step, flat."""
+    got = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")
+    return [r[k] for r in got if r["kind"] == "train" for k in keys]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, text_file):
+    """name -> rows(run) for: one compiled process, tp=2 compiled / eager / compiled without the
+    hook (2 ranks), and FSDP 2 x tp 2 compiled / without the hook (4 ranks); one launch per size.
+    "errors": rank 0's AttributeErrors by run name, and the plain-torch repro's result ("repro")."""
+    tmp = tmp_path_factory.mktemp("tp_compile")
+    one = {"train.batch_size": GLOBAL_BATCH, "train.compile": "true"}
+    tp2 = {**one, "parallel.tp": 2}
+    fsdp_tp = {**tp2, "train.batch_size": GLOBAL_BATCH // 2}  # per data-parallel rank
+    first_step = {"train.steps": 1}  # the negative controls differ at step 1
+    launches = {1: {"single_compiled": one},
+                2: {"tp2_compiled": tp2, "tp2_eager": {**tp2, "train.compile": "false"},
+                    "tp2_without_wait": {**tp2, **first_step}},
+                4: {"fsdp2_tp2_compiled": fsdp_tp, "fsdp2_tp2_without_wait": {**fsdp_tp, **first_step}}}
+    out, errors = {}, {}
+    for world, cases in launches.items():
+        specs = [(name, job(text_file, **extra), tmp / name) for name, extra in cases.items()]
+        without = tuple(n for n in cases if n.endswith("without_wait"))
+        (tmp / f"world{world}").mkdir()
+        errors.update(run_ranks(_train, world, tmp / f"world{world}", specs, without, world == 2,
+                                timeout=LAUNCH_TIMEOUT)[0])
+        out.update({name: rows(tmp / name) for name in cases if name not in errors})
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", ["tp2_compiled", "tp2_eager"])
+def test_tp2_compiled_blocks_match_one_compiled_process(runs, name):
+    assert name not in runs["errors"], runs["errors"][name]
+    expected, got = runs["single_compiled"], runs[name]
+    assert len(got) == 4 * STEPS
+    assert got == pytest.approx(expected, rel=REL)  # losses, grad norms, aux / z-losses per step
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
+def test_fsdp2_x_tp2_compiled_blocks_match_one_compiled_process(runs):
+    assert "fsdp2_tp2_compiled" not in runs["errors"], runs["errors"]["fsdp2_tp2_compiled"]
+    expected, got = runs["single_compiled"], runs["fsdp2_tp2_compiled"]
+    assert len(got) == 4 * STEPS
+    assert got == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
+def test_without_the_input_wait_compiled_tp_fails_or_trains_wrongly(runs):
+    # torch 2.13: tp alone fails in the embedding's backward; under FSDP it runs, but the
+    # embedding gets no gradient (the first step's grad norm is already smaller).
+    errors, expected = runs["errors"], runs["single_compiled"]
+    assert "tp2_without_wait" in errors and "_local_tensor" in errors["tp2_without_wait"]
+    got = runs["fsdp2_tp2_without_wait"]
+    assert got[0] == pytest.approx(expected[0], rel=REL)  # the forward is right...
+    assert got[1] < expected[1] * (1 - 1e-3)  # ...the gradient is not
+
+
+def _act_into_compiled_region(world):
+    """Plain torch: the tensor-parallel embedding's output (`to_local()` of its reduce-scatter, an
+    AsyncCollectiveTensor) fed to a compiled function; the embedding's gradient, eager vs aot_eager."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    grads = []
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        emb = parallelize_module(nn.Embedding(8, 4), mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                                          output_layouts=Shard(1)))
+        h = emb(torch.arange(8).view(2, 4))
+        out = torch.compile(lambda x: x * 2 + x.sin(), backend=backend, fullgraph=True)(h)
+        try:
+            out.sum().backward()
+        except RuntimeError as e:  # "element 0 of tensors does not require grad": the edge is gone
+            return type(h).__name__, str(e)
+        grads.append(emb.weight.grad.to_local().clone())
+    return type(h).__name__, bool(torch.allclose(grads[0], grads[1], rtol=1e-6, atol=0))
+
+
+@pytest.mark.xfail(strict=True, reason="torch 2.13.0 (CPU): AOTAutograd unwraps an AsyncCollectiveTensor input "
+                   "with trigger_wait() and drops its requires_grad (pytorch/pytorch#179849; fix proposed in "
+                   "#191113); when this passes, wait_collective_inputs in kiln/parallel/parallelize.py can go")
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
+def test_torch_keeps_the_gradient_of_an_in_flight_collective_entering_a_compiled_region(runs):
+    kind, result = runs["errors"]["repro"]  # run on rank 0 of the 2-rank launch
+    # Passes (so fails strict) once torch keeps the gradient, or once to_local() no longer hands
+    # on an in-flight collective: either way the hook is no longer needed.
+    assert kind != "AsyncCollectiveTensor" or result is True, result
+
+
+@pytest.mark.parametrize("overrides, cp, refusal, fix", [
+    (["train.compile_scope=model"], 1, "train.compile_scope='model' with parallel.tp=2 is not supported",
+     "set train.compile_scope='blocks' or 'auto'"),
+    (["train.activation_checkpointing=full"], 1, "train.activation_checkpointing='full' with train.compile=true "
+     "and parallel.tp=2 is not supported yet", "set train.activation_checkpointing='none' or train.compile=false"),
+    ([], 2, "train.compile=true with parallel.cp=2 is not supported yet", "set train.compile=false"),
+])
+def test_untested_compile_layouts_under_tp_are_refused_in_one_line(overrides, cp, refusal, fix):
+    # What is not proven above: one whole-model graph; checkpointed blocks (torch 2.13's
+    # AOTAutograd fails on them under TP; one process with both runs); ring
+    # attention (cp), which a fullgraph block compile cannot trace.
+    from kiln.config import ParallelConfig
+    from kiln.errors import ConfigError
+    from kiln.parallel.dims import ParallelDims
+
+    base = ["model.dim=32", "model.n_heads=4", "data.seq_len=16", "train.compile=true"]
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, cp=cp), world_size=2 * cp, rank=0, local_rank=0,
+                                    local_world_size=2 * cp)
+    with pytest.raises(ConfigError) as e:
+        dims.check_model(load_config(None, base + overrides))
+    assert refusal in str(e.value) and fix in str(e.value) and "\n" not in str(e.value)
+    if cp == 1:
+        dims.check_model(load_config(None, base))  # per-block compile under tp alone runs
+
+
+def test_compile_with_context_parallel_is_refused_without_tp_too():
+    # ring attention's point-to-point exchange fails a fullgraph block compile whatever tp is
+    # ("P2P compilation disabled for P2POp construction", torch 2.13, checked by hand with kiln train)
+    from kiln.config import ParallelConfig
+    from kiln.errors import ConfigError
+    from kiln.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelConfig(cp=2), world_size=2, rank=0, local_rank=0, local_world_size=2)
+    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=16", "train.compile=true"])
+    with pytest.raises(ConfigError, match=r"train\.compile=true with parallel\.cp=2 is not supported yet"):
+        dims.check_model(cfg)
+    dims.check_model(load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=16"]))
