@@ -1,5 +1,5 @@
 """Expert parallelism under HSDP, through kiln's trainer on 4 gloo ranks, against one process on
-the same global batch: dp_replicate=2 x dp_shard=2 (dp_mode fsdp), ep=2 carved out of dp_shard
+the same global batch: dp_replicate=2 x dp_shard=2 (dp_mode fsdp, and zero2), ep=2 carved out of dp_shard
 (kiln/parallel/dims.py `_build_expert_mesh`: ep groups {0, 1} and {2, 3}, one per replica; the
 experts FSDP-sharded over "edp" = {0, 2} and {1, 3}, across the replicas).
 
@@ -9,7 +9,7 @@ load-balancing and router z-losses, AdamW with clipping active on every step, 5 
 
 Tolerance: fp32, relative 1e-5 per step for the loss (LM + weighted aux + z-loss), the
 pre-clipping grad norm and the logged aux and z-losses (the layout changes only the order of
-sums; observed at most 2.3e-7). The step-3 checkpoint continues (steps 4-5) in one process and under ep=2 fsdp at 2 ranks
+sums; observed at most 2.3e-7 under both modes). The fsdp run's step-3 checkpoint continues (steps 4-5) in one process and under ep=2 fsdp at 2 ranks
 with the same figures (weights, AdamW moments, LR schedule, the loader's global position).
 
 Negative controls, each patched into the 4 ranks for one step and required to miss the
@@ -32,6 +32,7 @@ HSDP = {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.ep": 2}
 LAYOUTS = {  # name -> (world, [parallel] settings)
     "single": (1, {}),
     "hsdp_ep2": (4, HSDP),
+    "hsdp_ep2_zero2": (4, {**HSDP, "parallel.dp_mode": "'zero2'"}),  # blocks kept gathered forward -> backward
     "fsdp_ep2": (2, {"parallel.ep": 2}),  # dp_shard=2, ep=2: every expert on one rank
 }
 
@@ -98,7 +99,9 @@ def runs(tmp_path_factory, text_file):
     out = {"single": root / "single", "dropped": dropped}
     for name in ("hsdp_ep2", "no_replica_reduce", "replicas_same_data"):
         out[name] = root / name
+    out["hsdp_ep2_zero2"] = root / "hsdp_ep2_zero2"
     jobs = [(None, out["hsdp_ep2"], sets["hsdp_ep2"], None, None),
+            (None, out["hsdp_ep2_zero2"], sets["hsdp_ep2_zero2"], None, None),
             (None, out["no_replica_reduce"], sets["hsdp_ep2"], 1, "no_replica_reduce"),
             (None, out["replicas_same_data"], sets["hsdp_ep2"], 1, "replicas_same_data")]
     (root / "ranks4").mkdir()
@@ -120,15 +123,16 @@ def run_rows(run):
 
 
 @pytest.mark.timeout(400)
-def test_hsdp_with_ep_matches_one_process(runs):
+@pytest.mark.parametrize("name, mode", [("hsdp_ep2", "fsdp"), ("hsdp_ep2_zero2", "zero2")])
+def test_hsdp_with_ep_matches_one_process(runs, name, mode):
     expected = rows(runs["single"])
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert min(r["grad_norm"] for r in expected.values()) > CLIP  # clipping is active on every step
     assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in expected.values())
     assert max(runs["dropped"]) > 0  # capacity 1.0 drops assignments: the dropping path is compared too
-    run_row = run_rows(runs["hsdp_ep2"])[0]
-    assert (run_row["world_size"], run_row["dp_mode"], run_row["dp_replicate"], run_row["dp_shard"]) == (4, "fsdp", 2, 2)
-    assert_same(expected, rows(runs["hsdp_ep2"]), range(1, STEPS + 1), "hsdp_ep2")
+    run_row = run_rows(runs[name])[0]
+    assert (run_row["world_size"], run_row["dp_mode"], run_row["dp_replicate"], run_row["dp_shard"]) == (4, mode, 2, 2)
+    assert_same(expected, rows(runs[name]), range(1, STEPS + 1), name)
 
 
 @pytest.mark.parametrize("pair, world", [("hsdp_ep2->single", 1), ("hsdp_ep2->fsdp_ep2", 2)])
