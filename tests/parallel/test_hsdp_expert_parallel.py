@@ -1,7 +1,7 @@
 """Expert parallelism under HSDP, through kiln's trainer on 4 gloo ranks, against one process on
-the same global batch: dp_replicate=2 x dp_shard=2 (dp_mode fsdp, and zero2), ep=2 carved out of dp_shard
-(kiln/parallel/dims.py `_build_expert_mesh`: ep groups {0, 1} and {2, 3}, one per replica; the
-experts FSDP-sharded over "edp" = {0, 2} and {1, 3}, across the replicas).
+the same global batch: dp_replicate=2 x dp_shard=2 (dp_mode fsdp, and zero2), ep=2 carved out
+of dp_shard (kiln/parallel/dims.py `_build_expert_mesh`: ep groups {0, 1} and {2, 3}, one per
+replica; the experts FSDP-sharded over "edp" = {0, 2} and {1, 3}, across the replicas).
 
 Model and run (tests/parallel/test_expert_pipeline_context.py's MoE settings and trainer jobs):
 4 experts, top-2 with capacity factor 1.0 (tokens are dropped: checked on the reference run),
@@ -9,14 +9,16 @@ load-balancing and router z-losses, AdamW with clipping active on every step, 5 
 
 Tolerance: fp32, relative 1e-5 per step for the loss (LM + weighted aux + z-loss), the
 pre-clipping grad norm and the logged aux and z-losses (the layout changes only the order of
-sums; observed at most 2.3e-7 under both modes). The fsdp run's step-3 checkpoint continues (steps 4-5) in one process and under ep=2 fsdp at 2 ranks
-with the same figures (weights, AdamW moments, LR schedule, the loader's global position).
+sums; observed at most 2.3e-7 under both modes). The fsdp run's step-3 checkpoint continues
+(steps 4-5) in one process and under ep=2 fsdp at 2 ranks with the same figures (weights, AdamW
+moments, LR schedule, the loader's global position).
 
 Negative controls, each patched into the 4 ranks for one step and required to miss the
 reference: HSDP without the all-reduce across replicas (FSDP over dp_shard only: each replica
 steps on its own half-batch gradient; the step-1 grad norm misses), and both replicas reading
 the same data-parallel slice (the loader's dp_rank taken within the replica: the step-1 loss
-misses). Observed misses: 1.5e-2 (grad norm) and 4.5e-3 (loss) relative, both > 10 x the tolerance.
+misses). Observed misses: 1.5e-2 (grad norm) and 4.5e-3 (loss) relative, both > 10 x the
+tolerance.
 """
 
 import shutil
