@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from parallel_rows import MOE_DESC
+from parallel_rows import DEEP_LAYERS, MOE_DESC
 
 
 def mb(x: float) -> str:
@@ -41,8 +41,8 @@ def render_table(results: dict) -> str:
              f"median of interleaved rounds (spread = (max - min) / median); x single: step s / the same model's "
              f"1-process step in the same rounds; comm: payload handed to gloo per step (profiler), calls; "
              f"wire: bytes written to gloo sockets per step; bubble: the pipeline bubble fraction the run row reports "
-             f"(an upper bound for zero-bubble schedules); (8 layers): a deeper variant of the model, x single against "
-             f"its own 1-process row", "",
+             f"(an upper bound for zero-bubble schedules); ({DEEP_LAYERS} layers): a deeper variant of the model, x single "
+             f"against its own 1-process row", "",
              "| layout | N | params MB (ideal) | after fwd MB | grads MB (ideal) | optim MB (ideal) | worst / ideal | "
              "step s | spread | x single | comm MB/step (calls) | wire MB/step | bubble |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
