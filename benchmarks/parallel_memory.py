@@ -5,8 +5,10 @@ parallelize, `build_optimizer` -> `shard_optimizer_state`) and run AdamW steps o
 batch. The layouts (benchmarks/parallel_rows.py): 1 process; ddp, zero1, zero2, fsdp at 2 and 4;
 HSDP (dp_replicate 2 x dp_shard 2) at 4; a mixture-of-experts variant of the model (4 experts of a
 quarter of the FFN each, top-2) in 1 process, under fsdp and under expert parallelism (ep=2 carved
-out of dp_shard) at 2 and 4; DiLoCo with 2 replicas; tp, cp, pipelines (GPipe, 1F1B at 2 and 4,
-interleaved 1F1B with 2 virtual stages where the layers allow) through the trainer's step.
+out of dp_shard) at 2 and 4; DiLoCo with 2 replicas; tp, cp, pipelines (GPipe, 1F1B at 2 and 4;
+interleaved 1F1B, interleaved zero-bubble and ZBV zero-bubble with 2 stages per rank at 2 and 4,
+at 4 on a deeper variant of the model with its own 1-process row when the model has fewer than
+8 layers) through the trainer's step.
 Measured on every rank, then the largest rank is reported:
 
 - parameters, gradients, optimizer state: bytes of the tensors this rank holds (the local shard
@@ -30,6 +32,8 @@ Measured on every rank, then the largest rank is reported:
 - CPU seconds per step of each rank (time.process_time, all its threads): on a quiet machine
   their sum is about the step time x min(N, cores); far less means other work took the cores;
 - the last timed step's loss (a sanity check: about ln(vocab) at init);
+- pipelines: the bubble fraction the trainer's run row reports for the layout (computed from the
+  schedule, stages and micro-batches, not measured);
 - gloo collectives (full runs only): all_reduce, all_gather, reduce_scatter, broadcast and a
   copy of 16 KiB - 16 MiB at 2 and 4 processes, for kiln/plan/calibrate.py `fit_link`.
 
@@ -98,6 +102,9 @@ def model_parallel_step(cfg, dims, model, tokens: torch.Tensor):
             loss, _, _ = (pipeline_train_step if pipeline else train_step)(pipeline or model, optimizer, micro,
                                                                            autocast=autocast, scaler=None, clip=0.0)
         step.loss = float(loss.detach())
+    # What the trainer's run row reports as bubble_fraction (kiln/parallel/pipeline.py; an upper
+    # bound for the zero-bubble schedules, which fill the bubble with weight-gradient passes).
+    step.bubble = pipeline.bubble if pipeline else None
     return step, optimizer
 
 
@@ -191,6 +198,8 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, r
               "optimizer": optim_bytes, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
               "sent": statistics.median(sent), "loss": step.loss, "activations": step.activations,
               "n_params": sum(p.numel() for p in model.parameters())}
+    if row.kind == "mp" and mp_step.bubble is not None:
+        result["bubble_fraction"] = mp_step.bubble
     if diloco is not None:
         result.update(inner_step_s=statistics.median(inner), outer_sync_s=statistics.median(outer),
                       sync_every=diloco.inner_steps)
@@ -307,11 +316,13 @@ def main() -> None:
     from kiln.model.transformer import ffn_hidden_size
 
     moe_hidden = ffn_hidden_size(ModelConfig(dim=args.dim)) // MOE_EXPERTS  # together: the dense FFN's parameters
+    all_rows = rows(args.dim, args.heads, args.layers, args.seq, moe_hidden, args.diloco_inner_steps)
     try:
-        layouts = select(rows(args.dim, args.heads, args.layers, args.seq, moe_hidden, args.diloco_inner_steps),
-                         args.only, worlds)
+        layouts = select(all_rows, args.only, worlds)
     except ValueError as e:
         ap.error(str(e))
+    if args.only and not Path(args.out).is_file() and layouts[0].name != "single@1":
+        layouts.insert(0, all_rows[0])  # a new file's table and activations are of the benchmark model
     old = None
     if args.only and Path(args.out).is_file():
         try:

@@ -5,11 +5,32 @@ from __future__ import annotations
 
 import copy
 
-from parallel_rows import MOE_DESC
+from parallel_rows import DEEP_LAYERS, MOE_DESC
 
 
 def mb(x: float) -> str:
     return f"{x / 2**20:.2f}"
+
+
+def bubble(run: dict) -> float | None:
+    """A pipeline row's bubble fraction: the one its measurement recorded (the trainer's run-row
+    value), else (rows measured before it was recorded) kiln's same formula on the row's config."""
+    recorded = run["per_rank"][0].get("bubble_fraction")
+    if recorded is not None or not any(o.startswith("parallel.pp=") for o in run.get("overrides", ())):
+        return recorded
+    from kiln.config import load_config
+    from kiln.parallel.pipeline import bubble_fraction, n_microbatches
+
+    cfg = load_config(None, list(run["overrides"]))
+    p = cfg.parallel
+    return bubble_fraction(p.pp_schedule, p.pp, n_microbatches(cfg), p.pp_virtual_stages)
+
+
+def layout_name(run: dict) -> str:
+    """The row's layout, with the layer count where the row overrides the model's."""
+    layers = [o.split("=", 1)[1] for o in run.get("overrides", ()) if o.startswith("model.n_layers=")]
+    name = run["mode"] + (f" ({layers[-1]} layers)" if layers else "")
+    return name + (f" (H={run['per_rank'][0]['sync_every']})" if "sync_every" in run["per_rank"][0] else "")
 
 
 def render_table(results: dict) -> str:
@@ -19,10 +40,12 @@ def render_table(results: dict) -> str:
              f"{a['batch']} x {a['seq']} tokens, fp32 AdamW; bytes per rank (largest rank), MB = 2^20 bytes; step s: "
              f"median of interleaved rounds (spread = (max - min) / median); x single: step s / the same model's "
              f"1-process step in the same rounds; comm: payload handed to gloo per step (profiler), calls; "
-             f"wire: bytes written to gloo sockets per step", "",
+             f"wire: bytes written to gloo sockets per step; bubble: the pipeline bubble fraction the run row reports "
+             f"(an upper bound for zero-bubble schedules); ({DEEP_LAYERS} layers): a deeper variant of the model, x single "
+             f"against its own 1-process row", "",
              "| layout | N | params MB (ideal) | after fwd MB | grads MB (ideal) | optim MB (ideal) | worst / ideal | "
-             "step s | spread | x single | comm MB/step (calls) | wire MB/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step s | spread | x single | comm MB/step (calls) | wire MB/step | bubble |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in [dict(results["single"], mode="single", world=1, per_rank=[results["single"]])] + results["runs"]:
         ranks = run["per_rank"]
         worst = {k: max(r.get(k, 0) for r in ranks) for k in ("params", "params_after_forward", "grads", "optimizer")}
@@ -37,10 +60,10 @@ def render_table(results: dict) -> str:
         comm_cell = (f"{max(c['sent_bytes'] for c in comm) / 2**20:.2f} ({max(c['calls'] for c in comm):.4g})"
                      if comm else "0" if run["world"] == 1 else "-")
         ratio = f"{run['vs_single']:.2f}" if "vs_single" in run else "-"
-        name = run["mode"] + (f" (H={ranks[0]['sync_every']})" if "sync_every" in ranks[0] else "")
-        lines.append(f"| {name} | {run['world']} | {memory} | {run['step_s_median']:.3f} | "
+        b = bubble(run)
+        lines.append(f"| {layout_name(run)} | {run['world']} | {memory} | {run['step_s_median']:.3f} | "
                      f"{run.get('step_s_spread', 0.0):.0%} | {ratio} | {comm_cell} | "
-                     f"{max(r.get('sent', 0) for r in ranks) / 2**20:.2f} |")
+                     f"{max(r.get('sent', 0) for r in ranks) / 2**20:.2f} | {'-' if b is None else f'{b:.2f}'} |")
     lines += ["", "CPU busy (ranks' CPU seconds / (step s x cores they could use); about 1 on a quiet machine) "
               "per layout, rounds in order: " + "; ".join(
                   f"{r['mode']} x{r['world']} " + " ".join(f"{b:.2f}" for b in r.get("cpu_busy_rounds", []))

@@ -5,8 +5,13 @@ Kinds: "dp" rows run the data-parallel step the script writes out (forward, back
 step; memory split by part), "mp" rows (tp / cp / pp) run the trainer's own step on the whole batch
 (no data parallelism: time and traffic), "diloco" rows the dp step with no gradient reduction and
 DiLoCo's outer sync every `diloco_inner_steps` steps (kiln/parallel/diloco.py).
-Families: "dense" (the benchmark model; reference row `single`) and "moe" (the same model with
-every FFN a mixture of experts of the same total FFN parameters; reference row `moe_single`).
+Families: "dense" (the benchmark model; reference row `single`), "moe" (the same model with
+every FFN a mixture of experts of the same total FFN parameters; reference row `moe_single`) and
+"deep" (the same model with `DEEP_LAYERS` layers and untied embeddings, for the pipelines with 2
+stages per rank at 4 processes that need more layers than the benchmark model has; reference row
+`deep_single`, 1 process). Only those pipeline rows use the deep model: the other pipeline rows
+stay on the benchmark model, comparable with its earlier measurements and with kiln plan's
+validation (benchmarks/plan_validation.py validates the dense family only).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from dataclasses import dataclass
 
 MOE_EXPERTS, MOE_TOP_K, EP = 4, 2, 2
 MOE_DESC = f"every FFN {MOE_EXPERTS} experts of 1/{MOE_EXPERTS} the hidden units, top-{MOE_TOP_K}"
+PP_MAX, VIRTUAL = 4, 2  # the largest pipeline measured; stages per rank of the multi-stage schedules
+DEEP_LAYERS = PP_MAX * VIRTUAL  # one layer per stage at the largest pipeline
+# Schedules with VIRTUAL stages per rank (ZBV places its 2 as a V); gpipe and 1f1b hold one.
+MULTI_STAGE = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,7 @@ class Row:
     @property
     def reference(self) -> str:
         """The single-process row of this row's model, timed in the same run for the ratio."""
-        return "moe_single@1" if self.family == "moe" else "single@1"
+        return {"moe": "moe_single@1", "deep": "deep_single@1"}.get(self.family, "single@1")
 
 
 ALL = ("params", "grads", "optimizer")
@@ -48,9 +57,10 @@ def pipeline(schedule: str, n: int, virtual: int = 1) -> tuple[str, ...]:
 
 def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_steps: int) -> list[Row]:
     """Every layout, in measuring order; those the model cannot take (tp not dividing the heads,
-    more pipeline stages than layers, cp not dividing the sequence into 2 cp chunks) are left out
-    here and named by `unsupported`."""
+    cp not dividing the sequence into 2 cp chunks) are left out here and named by `unsupported`.
+    Pipelines of VIRTUAL stages per rank with more stages than layers run on the deep model."""
     moe = (f"model.moe_experts={MOE_EXPERTS}", f"model.moe_top_k={MOE_TOP_K}", f"model.ffn_hidden={moe_hidden}")
+    deep = (f"model.n_layers={max(layers, DEEP_LAYERS)}",)
     out = [Row("single", 1, "dp", ("parallel.dp_mode='ddp'",)),
            Row("moe_single", 1, "dp", ("parallel.dp_mode='ddp'",) + moe, "moe")]
     for n in (2, 4):
@@ -75,8 +85,14 @@ def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_st
         if seq % (2 * n) == 0:
             out.append(Row("cp", n, "mp", (f"parallel.cp={n}", "parallel.dp_mode='ddp'")))
         out += [Row(f"pp_{s}", n, "mp", pipeline(s, n)) for s in ("gpipe", "1f1b") if n <= layers]
-        if 2 * n <= layers:
-            out.append(Row("pp_interleaved_1f1b", n, "mp", pipeline("interleaved_1f1b", n, 2)))
+        for s in MULTI_STAGE:  # on the deep model where the benchmark model has too few layers
+            if VIRTUAL * n <= layers:
+                out.append(Row(f"pp_{s}", n, "mp", pipeline(s, n, VIRTUAL)))
+            else:
+                out.append(Row(f"pp_{s}", n, "mp", pipeline(s, n, VIRTUAL) + deep, "deep"))
+    if any(r.family == "deep" for r in out):  # 1 process, untied like the pipelines
+        out.insert(2, Row("deep_single", 1, "dp", ("parallel.dp_mode='ddp'", "model.tie_embeddings=false") + deep,
+                          "deep"))
     return out
 
 
@@ -84,8 +100,7 @@ def unsupported(dim: int, heads: int, layers: int, seq: int) -> list[str]:
     """Layouts of the issue that `rows` leaves out for this model, and why."""
     all_rows = {r.name for r in rows(dim, heads, layers, seq, 1, 1)}
     wanted = {"tp@4": "no head count divisible by 4 with an even head size divides dim",
-              "cp@4": "cp=4 needs seq divisible by 8",
-              "pp_interleaved_1f1b@4": f"pp=4 x 2 virtual stages = 8 stages > {layers} layers"}
+              "cp@4": "cp=4 needs seq divisible by 8"}
     return [f"{name}: {why}" for name, why in wanted.items() if name not in all_rows]
 
 
@@ -93,6 +108,9 @@ def select(all_rows: list[Row], only: str, worlds: list[int]) -> list[Row]:
     """Rows named by `only` (comma list of MODE or MODE@N; empty: every row) within `worlds`,
     plus the single-process reference row of each selected family. ValueError names an unknown one."""
     chosen = [r for r in all_rows if r.world in worlds or r.world == 1]
+    if worlds != [1]:  # a model's 1-process row without any of its multi-process rows: nothing to compare
+        families = {r.family for r in chosen if r.world > 1} | {"dense"}
+        chosen = [r for r in chosen if r.family in families]
     if only:
         names = [s.strip() for s in only.split(",") if s.strip()]
         known = {r.mode for r in all_rows} | {r.name for r in all_rows}

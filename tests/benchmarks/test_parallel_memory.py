@@ -74,8 +74,15 @@ def test_layouts_for_the_benchmark_model():
     assert "model.n_heads=8" in table["tp@4"].overrides  # 6 heads do not split 4 ways
     assert "parallel.dp_replicate=2" in table["hsdp@4"].overrides and table["hsdp@4"].shard == 2
     assert "parallel.diloco_inner_steps=8" in table["diloco@2"].overrides
-    assert "pp_interleaved_1f1b@4" not in table
-    assert unsupported(384, 6, 6, 128) == ["pp_interleaved_1f1b@4: pp=4 x 2 virtual stages = 8 stages > 6 layers"]
+    # 2 stages per rank: on the 6-layer model at 2 processes, on its 8-layer variant at 4
+    for schedule in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"):
+        two, four = table[f"pp_{schedule}@2"], table[f"pp_{schedule}@4"]
+        assert "parallel.pp_virtual_stages=2" in two.overrides and two.reference == "single@1"
+        assert four.overrides[-1] == "model.n_layers=8" and four.reference == "deep_single@1"
+    assert table["deep_single@1"].overrides == ("parallel.dp_mode='ddp'", "model.tie_embeddings=false",
+                                                "model.n_layers=8")
+    assert "deep_single@1" not in {r.name for r in rows(384, 6, 8, 128, 256, 8)}  # 8 layers take pp=4 x 2
+    assert unsupported(384, 6, 6, 128) == []
 
 
 def test_only_selects_layouts_and_their_reference():
@@ -84,6 +91,8 @@ def test_only_selects_layouts_and_their_reference():
     assert names("hsdp,moe_ep@2") == ["single@1", "moe_single@1", "moe_ep@2", "hsdp@4"]  # measuring order
     assert names("moe_ep", (1, 2)) == ["moe_single@1", "moe_ep@2"]
     assert len(names("")) == len(all_rows)
+    assert names("pp_zbv_zero_bubble") == ["single@1", "deep_single@1", "pp_zbv_zero_bubble@2", "pp_zbv_zero_bubble@4"]
+    assert "deep_single@1" not in names("", (1, 2))  # its model runs only at 4 processes
     with pytest.raises(ValueError, match="hsdp@2"):
         names("hsdp@2")
 
@@ -91,6 +100,18 @@ def test_only_selects_layouts_and_their_reference():
 def _run(mode, world, step_s, **extra):
     return {"mode": mode, "world": world, "overrides": [], "step_s_median": step_s,
             "per_rank": [{"params": 1, "step_s": step_s} for _ in range(world)], **extra}
+
+
+def test_bubble_of_rows_measured_before_it_was_recorded():
+    from parallel_results import bubble, layout_name
+
+    gpipe = _run("pp_gpipe", 2, 1.0, overrides=["parallel.pp=2", "parallel.pp_schedule='gpipe'",
+                                                "parallel.pp_microbatches=4", "model.tie_embeddings=false"])
+    assert bubble(gpipe) == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
+    zbv = _run("pp_zbv_zero_bubble", 4, 1.0, overrides=["model.n_layers=8"])
+    zbv["per_rank"][0]["bubble_fraction"] = 0.25  # recorded: taken as it is
+    assert bubble(zbv) == 0.25 and bubble(_run("ddp", 2, 1.0)) is None
+    assert layout_name(zbv) == "pp_zbv_zero_bubble (8 layers)"
 
 
 def test_partial_run_merges_into_results():
@@ -119,14 +140,20 @@ def test_quick_run_of_expert_parallel_and_diloco(tmp_path):
     out.write_text(json.dumps({"args": {"dim": 32, "layers": 4, "heads": 2, "vocab": 256, "seq": 16, "batch": 4},
                                "single": single, "runs": [earlier]}))
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "parallel_memory.py"), "--quick", "--only",
-                           "moe_ep,diloco", "--out", str(out)], capture_output=True, text=True, timeout=230)
+                           "moe_ep,diloco,pp_zbv_zero_bubble", "--out", str(out)], capture_output=True, text=True,
+                          timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     runs = {f"{r['mode']}@{r['world']}": r for r in data["runs"]}
-    assert set(runs) == {"tp@2", "moe_single@1", "moe_ep@2", "diloco@2"}
+    assert set(runs) == {"tp@2", "moe_single@1", "moe_ep@2", "diloco@2", "pp_zbv_zero_bubble@2"}
     assert runs["tp@2"] == earlier and data["single"] == single  # not named: kept as they were
-    assert data["partial_runs"][0]["layouts"] == ["diloco@2", "moe_ep@2", "moe_single@1"]
+    assert data["partial_runs"][0]["layouts"] == ["diloco@2", "moe_ep@2", "moe_single@1", "pp_zbv_zero_bubble@2"]
     del runs["tp@2"]
+    # ZBV at 2: stages 0 and 3 on rank 0 (embedding and head), 1 and 2 on rank 1; 4 micro-batches.
+    zbv = runs.pop("pp_zbv_zero_bubble@2")
+    assert [p["bubble_fraction"] for p in zbv["per_rank"]] == [pytest.approx(1 / 9)] * 2  # (p-1) / (v m + p-1)
+    assert all(p["comm"]["by_op"]["send"]["calls"] > 0 for p in zbv["per_rank"])
+    assert "| pp_zbv_zero_bubble | 2 |" in data["table"] and data["table"].count("| 0.11 |") == 1
     for r in runs.values():
         assert all(math.isfinite(p["loss"]) and p["loss"] < 2 * math.log(256) for p in r["per_rank"])
     ep = runs["moe_ep@2"]
