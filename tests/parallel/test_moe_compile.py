@@ -1,7 +1,7 @@
-"""A mixture-of-experts model with activation checkpointing and per-block compile, built by kiln's
-`parallelize` (AC -> compile, the order every layout uses, pipeline stages included).
+"""train.compile with mixture-of-experts blocks, two bugs found combining features.
 
-The bug this guards: a MoE block stores its aux and z losses as attributes in forward
+1. MoE + activation checkpointing + per-block compile, built by kiln's `parallelize` (AC ->
+compile, the order every layout uses, pipeline stages included). a MoE block stores its aux and z losses as attributes in forward
 (kiln/model/moe.py `last_aux_loss`, `last_z_loss`), a side effect dynamo refused inside a compiled
 checkpoint ("HOP: Unsafe side effect"), so `train.compile=true` with AC on a MoE model failed at
 its first forward, on one process and under pp (found with fsdp x pp, 4 ranks). The aux losses are
@@ -9,6 +9,11 @@ read once, after forward; the recompute in backward must not replay them, which 
 parallelize now tells dynamo. Tolerance: fp32, relative 1e-5 per step against the eager model
 with the same weights (observed 6e-8: inductor's kernels sum in another order). The aux losses
 count in the loss (weights 0.5 and 0.1 here, so a lost or doubled aux term moves every step).
+
+2. compile + expert parallel under fsdp/zero2: each compiled block holds the experts' own FSDP
+unit, whose hooks dynamo does not trace; every rank failed at the first step (4 ranks, dp_shard 4,
+ep 2, by hand). Now refused in one line before any work; under ddp it runs (by hand: the losses of
+6 steps within 2e-7 of one process), so ddp is not refused.
 """
 
 import copy
@@ -17,6 +22,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from conftest import tiny_overrides
 from kiln.config import load_config
 from kiln.model.transformer import Transformer
 from kiln.parallel.dims import ParallelDims
@@ -57,3 +63,23 @@ def test_moe_with_checkpointed_compiled_blocks_trains_as_eager(monkeypatch):
     expected = _losses(eager, batch)
     assert _losses(model, batch) == pytest.approx(expected, rel=REL)
     assert expected[1] > 0 and expected[2] > 0  # the aux and z losses are there to be counted
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero2"])
+def test_compile_with_ep_under_fsdp_is_refused_in_one_line_before_any_work(text_file, tmp_path, monkeypatch,
+                                                                           capsys, mode):
+    from kiln.cli import main
+
+    for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    run = tmp_path / "run"
+    sets = {"model.moe_experts": 4, "parallel.ep": 2, "parallel.dp_mode": f"'{mode}'", "train.compile": "true"}
+    assert main(["train", "--run-dir", str(run), *[x for o in tiny_overrides(text_file, **sets)
+                                                   for x in ("--set", o)]]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"train.compile=true with parallel.ep=2 and parallel.dp_mode='{mode}'" in lines[0]
+    assert "set train.compile=false" in lines[0] and not run.exists()
+    # the same layout without compile, and compile under ddp, pass the check
+    for extra in (["train.compile=false"], ["parallel.dp_mode='ddp'"]):
+        cfg = load_config(None, [*tiny_overrides(text_file, **sets), *extra])
+        ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).check_model(cfg)
