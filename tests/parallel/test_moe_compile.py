@@ -14,6 +14,9 @@ count in the loss (weights 0.5 and 0.1 here, so a lost or doubled aux term moves
 unit, whose hooks dynamo does not trace; every rank failed at the first step (4 ranks, dp_shard 4,
 ep 2, by hand). Now refused in one line before any work; under ddp it runs (by hand: the losses of
 6 steps within 2e-7 of one process), so ddp is not refused.
+
+3. compile + context parallel: dynamo refuses the ring attention's P2POp inside a compiled block;
+every rank failed at the first step. Refused in one line too.
 """
 
 import copy
@@ -83,3 +86,17 @@ def test_compile_with_ep_under_fsdp_is_refused_in_one_line_before_any_work(text_
     for extra in (["train.compile=false"], ["parallel.dp_mode='ddp'"]):
         cfg = load_config(None, [*tiny_overrides(text_file, **sets), *extra])
         ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).check_model(cfg)
+
+
+def test_compile_with_cp_is_refused_in_one_line(text_file):
+    # ring attention's P2POp inside a compiled block: every rank failed at step 1 (4 ranks, cp 2 x
+    # ddp 2, dense and MoE, by hand)
+    from kiln.errors import ConfigError
+
+    cfg = load_config(None, tiny_overrides(text_file, **{"parallel.cp": 2, "parallel.dp_mode": "'ddp'",
+                                                         "train.compile": "true"}))
+    dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0, seq_len=cfg.data.seq_len)
+    with pytest.raises(ConfigError, match=r"train\.compile=true with parallel\.cp=2 is not supported yet"):
+        dims.check_model(cfg)
+    cfg.train.compile = False
+    dims.check_model(cfg)
