@@ -41,6 +41,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     rule is on the global layer index (blocks 0, K, 2K, ... of the whole model), so a pipeline
     rank checkpoints exactly the layers that one process would (torch's checkpoint_wrapper)."""
     k = {"full": 1, "selective": 2}.get(mode) or int(mode.removeprefix("every_k:"))
+    # A MoE block sets its aux/z losses as attributes in forward (kiln/model/moe.py), a side effect
+    # that dynamo refuses inside a compiled checkpoint ("HOP: Unsafe side effect": train.compile
+    # with AC and MoE failed at the first step). They are read once, right after forward, so the
+    # recompute in backward need not replay it (torchtitan sets the same when compiling MoE).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     replace_blocks(model, lambda i, block: checkpoint_wrapper(block, preserve_rng_state=True) if i % k == 0
                    else block)
 

@@ -196,16 +196,3 @@ def test_untested_compile_layouts_under_tp_are_refused_in_one_line(overrides, cp
     if cp == 1:
         dims.check_model(load_config(None, base))  # per-block compile under tp alone runs
 
-
-def test_compile_with_context_parallel_is_refused_without_tp_too():
-    # ring attention's point-to-point exchange fails a fullgraph block compile whatever tp is
-    # ("P2P compilation disabled for P2POp construction", torch 2.13, checked by hand with kiln train)
-    from kiln.config import ParallelConfig
-    from kiln.errors import ConfigError
-    from kiln.parallel.dims import ParallelDims
-
-    dims = ParallelDims.from_config(ParallelConfig(cp=2), world_size=2, rank=0, local_rank=0, local_world_size=2)
-    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=16", "train.compile=true"])
-    with pytest.raises(ConfigError, match=r"train\.compile=true with parallel\.cp=2 is not supported yet"):
-        dims.check_model(cfg)
-    dims.check_model(load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=16"]))
