@@ -53,5 +53,17 @@ def text_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def ddp2_torchrun_run(tmp_path_factory, text_file) -> Path:
+    """`kiln train` under `torchrun --standalone --nproc-per-node=2`, DDP, 6 steps with
+    tests/parallel/test_data_parallel.py's `ddp2_args`: one launch, read (never changed) by the ddp
+    case there and as the one-node reference of test_multinode_launch.py and test_slurm_script.py."""
+    from test_data_parallel import ddp2_args, run_kiln  # tests/parallel: on sys.path once collected
+
+    run = tmp_path_factory.mktemp("ddp2") / "one-node"
+    run_kiln(["train", "--run-dir", str(run), *ddp2_args(text_file)], nproc=2)
+    return run
+
+
 def kiln_cmd() -> list[str]:
     return [sys.executable, "-m", "kiln.cli"]
