@@ -54,6 +54,20 @@ def text_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dp_reference(tmp_path_factory, text_file) -> dict[int, float]:
+    """Per-step losses of `kiln train` in one process on tests/parallel/test_data_parallel.py's
+    `common` settings and global batch: the reference that test_data_parallel, test_context_parallel
+    and test_tensor_parallel each compared against (one launch for the session, not one per module)."""
+    from test_data_parallel import GLOBAL_BATCH, STEPS, common, losses, run_kiln, sets
+
+    run = tmp_path_factory.mktemp("dp") / "single"
+    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH}))])
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+@pytest.fixture(scope="session")
 def ddp2_torchrun_run(tmp_path_factory, text_file) -> Path:
     """`kiln train` under `torchrun --standalone --nproc-per-node=2`, DDP, 6 steps with
     tests/parallel/test_data_parallel.py's `ddp2_args`: one launch, read (never changed) by the ddp
