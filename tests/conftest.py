@@ -68,6 +68,25 @@ def dp_reference(tmp_path_factory, text_file) -> dict[int, float]:
 
 
 @pytest.fixture(scope="session")
+def cross_layout_reference(tmp_path_factory, text_file) -> Path:
+    """tests/parallel/test_cross_layout.py's reference: kiln's trainer in this process, 6 steps of its
+    "single" layout, which also tokenizes the shards every run of test_cross_layout and
+    test_pipeline_data_parallel reads (`<parent>/shards`). Returns the run directory (with the
+    overrides in sets.json); read, never changed, by both modules."""
+    import json
+
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+    from test_cross_layout import overrides
+
+    root = tmp_path_factory.mktemp("xlayout_reference")
+    sets = overrides(text_file, root / "shards", "single")
+    train(load_config(None, sets), root / "reference")
+    (root / "reference" / "sets.json").write_text(json.dumps(sets))
+    return root / "reference"
+
+
+@pytest.fixture(scope="session")
 def ddp2_torchrun_run(tmp_path_factory, text_file) -> Path:
     """`kiln train` under `torchrun --standalone --nproc-per-node=2`, DDP, 6 steps with
     tests/parallel/test_data_parallel.py's `ddp2_args`: one launch, read (never changed) by the ddp
