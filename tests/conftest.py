@@ -17,6 +17,9 @@ TINY = [
     "--set", "train.batch_size=4", "--set", "train.steps=12", "--set", "train.eval_every=6",
     "--set", "train.eval_batches=2", "--set", "checkpoint.every=6", "--set", "train.dtype=fp32",
     "--set", "metrics.progress=plain", "--set", "schedule.warmup_steps=2",
+    # A given peak for MFU: no CPU matmul probe per run (~2-3 s of busy work per rank per run, far
+    # more on a loaded machine). tests/train/test_trainer.py sets 0 to keep the probe covered.
+    "--set", "metrics.peak_flops=1e11",
 ]
 
 
@@ -48,6 +51,51 @@ def text_dir(tmp_path_factory) -> Path:
     for i, f in enumerate(stdlib_files()[:40]):
         (d / f"doc{i:03d}.txt").write_text(f.read_text(encoding="utf-8", errors="replace")[:8000], encoding="utf-8")
     return d
+
+
+@pytest.fixture(scope="session")
+def dp_reference(tmp_path_factory, text_file) -> dict[int, float]:
+    """Per-step losses of `kiln train` in one process on tests/parallel/test_data_parallel.py's
+    `common` settings and global batch: the reference that test_data_parallel, test_context_parallel
+    and test_tensor_parallel each compared against (one launch for the session, not one per module)."""
+    from test_data_parallel import GLOBAL_BATCH, STEPS, common, losses, run_kiln, sets
+
+    run = tmp_path_factory.mktemp("dp") / "single"
+    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH}))])
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+@pytest.fixture(scope="session")
+def cross_layout_reference(tmp_path_factory, text_file) -> Path:
+    """tests/parallel/test_cross_layout.py's reference: kiln's trainer in this process, 6 steps of its
+    "single" layout, which also tokenizes the shards every run of test_cross_layout and
+    test_pipeline_data_parallel reads (`<parent>/shards`). Returns the run directory (with the
+    overrides in sets.json); read, never changed, by both modules."""
+    import json
+
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+    from test_cross_layout import overrides
+
+    root = tmp_path_factory.mktemp("xlayout_reference")
+    sets = overrides(text_file, root / "shards", "single")
+    train(load_config(None, sets), root / "reference")
+    (root / "reference" / "sets.json").write_text(json.dumps(sets))
+    return root / "reference"
+
+
+@pytest.fixture(scope="session")
+def ddp2_torchrun_run(tmp_path_factory, text_file) -> Path:
+    """`kiln train` under `torchrun --standalone --nproc-per-node=2`, DDP, 6 steps with
+    tests/parallel/test_data_parallel.py's `ddp2_args`: one launch, read (never changed) by the ddp
+    case there and as the one-node reference of test_multinode_launch.py and test_slurm_script.py."""
+    from test_data_parallel import ddp2_args, run_kiln  # tests/parallel: on sys.path once collected
+
+    run = tmp_path_factory.mktemp("ddp2") / "one-node"
+    run_kiln(["train", "--run-dir", str(run), *ddp2_args(text_file)], nproc=2)
+    return run
 
 
 def kiln_cmd() -> list[str]:

@@ -53,10 +53,8 @@ def test_ring_attention_matches_full_attention_forward_and_backward(nproc):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, text_file):
-    run = tmp_path_factory.mktemp("cp") / "single"
-    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH}))])
-    return losses(run)
+def reference(dp_reference):
+    return dp_reference  # one process, the global batch: test_data_parallel's, once per session (conftest)
 
 
 # Gradients are averaged over dp x cp: by DDP (cp=2 alone), and by FSDP2 sharding over the

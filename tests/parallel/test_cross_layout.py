@@ -93,18 +93,17 @@ def assert_same_losses(expected, got, steps, label):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, text_file):
-    """The reference (one process, 6 steps), every saved layout (steps 1..3) and every continued
-    pair (steps 4..6): {name: run directory}."""
+def runs(tmp_path_factory, text_file, cross_layout_reference):
+    """The reference (one process, 6 steps: conftest's, shared with test_pipeline_data_parallel),
+    every saved layout (steps 1..3) and every continued pair (steps 4..6): {name: run directory}."""
     from kiln.config import load_config
     from kiln.train.trainer import train
 
     root = tmp_path_factory.mktemp("xlayout")
-    shards = root / "shards"
+    shards = cross_layout_reference.parent / "shards"  # tokenized by the reference run
     sets = {name: overrides(text_file, shards, name) for name in LAYOUTS}
-    train(load_config(None, sets["single"]), root / "reference")  # writes the shared shards first
-    (root / "reference" / "sets.json").write_text(json.dumps(sets["single"]))
-    out = {"reference": root / "reference"}
+    assert json.loads((cross_layout_reference / "sets.json").read_text()) == sets["single"]
+    out = {"reference": cross_layout_reference}
     by_world = {}
     for saved, targets in PAIRS.items():
         out[saved] = root / saved

@@ -64,13 +64,14 @@ def common(text_file, **extra):
                                         "train.device": "cpu", **extra})
 
 
+def ddp2_args(text_file) -> list[str]:
+    """DDP on 2 ranks of 2 sequences (the global batch): the run of conftest's ddp2_torchrun_run."""
+    return sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.dp_mode": "'ddp'"}))
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, text_file):
-    run = tmp_path_factory.mktemp("dp") / "single"
-    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH}))])
-    got = losses(run)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    return got
+def reference(dp_reference):
+    return dp_reference  # one process, the global batch: one launch per session (conftest)
 
 
 def resume_from_step_3(run, nproc, batch_size, mode):
@@ -89,11 +90,14 @@ LAYOUTS = {"ddp": None, "zero1": (2, "fsdp"), "zero2": (2, "zero1"), "fsdp": (1,
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", list(LAYOUTS))
-def test_two_ranks_match_one_process_and_resume_in_another_layout(tmp_path, text_file, reference, mode):
-    run = tmp_path / mode
-    run_kiln(["train", "--run-dir", str(run),
-              *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.dp_mode": repr(mode)}))],
-             nproc=2)
+def test_two_ranks_match_one_process_and_resume_in_another_layout(tmp_path, text_file, reference, mode, request):
+    if mode == "ddp":  # the session's shared torchrun run (conftest), which ddp does not resume
+        run = request.getfixturevalue("ddp2_torchrun_run")
+    else:
+        run = tmp_path / mode
+        run_kiln(["train", "--run-dir", str(run),
+                  *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.dp_mode": repr(mode)}))],
+                 nproc=2)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     run_row = next(r for r in rows if r["kind"] == "run")
     assert (run_row["dp_mode"], run_row["world_size"]) == (mode, 2)

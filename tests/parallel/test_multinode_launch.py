@@ -22,7 +22,7 @@ import time
 import pytest
 
 from ranks import kill_launcher, tag_env
-from test_data_parallel import common, losses, run_kiln, sets
+from test_data_parallel import ddp2_args, losses
 
 TIMEOUT = 240
 
@@ -65,11 +65,9 @@ def launch_two_nodes(args, port, logs, timeout=TIMEOUT):
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-def test_two_nodes_through_c10d_rendezvous_match_one_node(tmp_path, text_file):
-    args = sets(common(text_file, **{"train.batch_size": 2, "parallel.dp_mode": "'ddp'",
-                                     "metrics.peak_flops": 1e11}))
-    one_node = tmp_path / "one-node"
-    run_kiln(["train", "--run-dir", str(one_node), *args], nproc=2)
+def test_two_nodes_through_c10d_rendezvous_match_one_node(tmp_path, text_file, ddp2_torchrun_run):
+    args = ddp2_args(text_file)
+    one_node = ddp2_torchrun_run  # the single-node torchrun run of the same arguments (conftest)
     two_nodes = tmp_path / "two-nodes"
     outputs = launch_two_nodes(["train", "--run-dir", str(two_nodes), *args], free_port(), tmp_path)
 

@@ -198,18 +198,19 @@ SAVED_ONLY = ["ddp_cp_pp"]  # steps 1..3 checked, not continued
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory, text_file):
-    """test_cross_layout's runs for these layouts: the reference (one process, 6 steps), every saved
-    layout (steps 1..3) and every continued pair (steps 4..6)."""
+def trainer_runs(tmp_path_factory, text_file, cross_layout_reference):
+    """test_cross_layout's runs for these layouts: the reference (one process, 6 steps: conftest's,
+    the one test_cross_layout reads), every saved layout (steps 1..3) and every continued pair
+    (steps 4..6)."""
     from kiln.config import load_config
     from kiln.train.trainer import train
 
     root = tmp_path_factory.mktemp("ddp_pp_trainer")
-    shards = root / "shards"
+    shards = cross_layout_reference.parent / "shards"  # tokenized by the reference run
     with mock.patch.dict(cross.LAYOUTS, LAYOUTS):
         sets = {name: cross.overrides(text_file, shards, name) for name in LAYOUTS}
-    train(load_config(None, sets["single"]), root / "reference")  # writes the shared shards first
-    out = {"reference": root / "reference"}
+    assert json.loads((cross_layout_reference / "sets.json").read_text()) == sets["single"]
+    out = {"reference": cross_layout_reference}
     four = [(None, root / saved, sets[saved], cross.SAVE_AT) for saved in [*PAIRS, *SAVED_ONLY]]
     out.update({saved: root / saved for saved in [*PAIRS, *SAVED_ONLY]})
     single = []

@@ -16,7 +16,6 @@ test fails or times out, and so is every process carrying the job's tag in its e
 workers, which torchrun starts in sessions of their own.
 """
 
-import contextlib
 import json
 import os
 import re
@@ -30,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from ranks import kill_launcher, kill_tagged
-from test_data_parallel import common, losses, run_kiln, sets
+from test_data_parallel import ddp2_args, losses
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "kiln.sbatch"
 TIMEOUT = 240
@@ -86,17 +85,6 @@ def fake_slurm(tmp_path, job_id, **env):
             "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NAME": "kiln", "SLURM_JOB_NODELIST": "node[1-2]",
             "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_CPUS_PER_TASK": "1", "SLURMD_NODENAME": "127.0.0.1",
             "SLURM_SUBMIT_DIR": str(tmp_path), "KILN_PYTHON": sys.executable, "KILN_NPROC_PER_NODE": "1", **env}
-
-
-@contextlib.contextmanager
-def tagged(monkeypatch):
-    """Processes started inside (they inherit os.environ) are killed on the way out, whatever happened."""
-    tag = uuid.uuid4().hex
-    monkeypatch.setenv("TEST_JOB_TAG", tag)
-    try:
-        yield tag
-    finally:
-        kill_tagged(tag)
 
 
 def sbatch(args, env, logs, timeout=TIMEOUT):
@@ -213,12 +201,9 @@ def test_run_dir_every_node_cannot_see_fails_before_training(tmp_path):
 
 
 @pytest.mark.timeout(3 * TIMEOUT + 60)
-def test_two_node_job_matches_one_node_and_resumes_when_submitted_again(tmp_path, text_file, monkeypatch):
-    args = sets(common(text_file, **{"train.batch_size": 2, "parallel.dp_mode": "'ddp'"}))
-    one_node = tmp_path / "one-node"
-    with tagged(monkeypatch):
-        run_kiln(["train", "--run-dir", str(one_node), *args], nproc=2)
-    expected = losses(one_node)
+def test_two_node_job_matches_one_node_and_resumes_when_submitted_again(tmp_path, text_file, ddp2_torchrun_run):
+    args = ddp2_args(text_file)
+    expected = losses(ddp2_torchrun_run)  # the single-node torchrun run of the same arguments (conftest)
 
     run_dir = tmp_path / "shared" / "exp"
     # The first job stops after step 3 (as a time limit would, after a checkpoint); the second,

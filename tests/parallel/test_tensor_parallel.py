@@ -226,12 +226,8 @@ def test_tp_layouts():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, text_file):
-    from test_data_parallel import GLOBAL_BATCH, common, losses, run_kiln, sets
-
-    run = tmp_path_factory.mktemp("tp") / "single"
-    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH}))])
-    return losses(run)
+def reference(dp_reference):
+    return dp_reference  # one process, the global batch: test_data_parallel's, once per session (conftest)
 
 
 @pytest.mark.timeout(600)
