@@ -117,7 +117,7 @@ def _tp_pp_worker(rank, world):
             # half of the sequence and vice versa, as if pipelines were built on the wrong mesh dim.
             groups = [dist.new_group([0, 3]), dist.new_group([1, 2])]
             wrong_pp = SimpleNamespace(get_group=lambda: groups[rank in (1, 2)])
-            dims = SimpleNamespace(tp=dims.tp, mesh={"pp": wrong_pp})
+            dims = SimpleNamespace(tp=dims.tp, dp_mode=dims.dp_mode, dp_size=dims.dp_size, cp=dims.cp, mesh={"pp": wrong_pp})
         pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
         if name == "llama_cp_zero_bubble_resharded":  # undo keep_gathered_until_backward
             for chunk in model.chunks:
