@@ -38,8 +38,9 @@ def test_search_best_plan_never_worse_than_best_run_within_the_measured_spread(w
         f"{row['best_measured']} {row['best_measured_s']:.3f} s (spread {tol:.0%})")
 
 
-@pytest.mark.xfail(strict=True, reason="55 of 57 pairs: pp_1f1b x4 measured 4% faster than pp_gpipe x4 (predicted "
-                   "equal: the same bubble) and 5% faster than ddp x4 (predicted 8% slower)")
+@pytest.mark.xfail(strict=True, reason="62 of 70 pairs: ZBV x2 measured 12-15% faster than five layouts (kiln plan "
+                   "times zero-bubble schedules as 1F1B); cp x2 vs interleaved 1F1B x2; pp_1f1b x4 4% faster than "
+                   "pp_gpipe x4 (predicted equal: the same bubble) and 5% faster than ddp x4 (predicted 7% slower)")
 def test_layouts_apart_by_more_than_their_spread_are_predicted_in_measured_order():
     data = _data()
     for pair in data["ordering"]:
