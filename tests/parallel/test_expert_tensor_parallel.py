@@ -19,16 +19,15 @@ ep x tp (the tp ranks counted as data-parallel replicas).
 """
 
 import json
-import os
-import re
 import shutil
 
 import pytest
 
 from conftest import tiny_overrides
 from ranks import run_ranks
+from test_expert_pipeline_context import REL, assert_same, rows, train_jobs
 
-STEPS, SAVE_AT, GLOBAL_BATCH, REL = 5, 3, 4, 1e-5
+STEPS, SAVE_AT, GLOBAL_BATCH = 5, 3, 4  # REL and the helpers: test_expert_pipeline_context
 CLIP = 0.5
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0,
        "model.moe_aux_loss_weight": 0.1, "model.moe_z_loss_weight": 0.01, "model.init_std": 0.1,
@@ -71,30 +70,14 @@ def deliberate_mistake(kind):
     return lambda: None
 
 
-def train_jobs(rank, world, jobs):
-    """kiln's trainer once per job on every rank: (source run or None, run, overrides, stop_at,
-    deliberate mistake or None)."""
-    import torch.distributed as dist
-
-    from kiln.config import load_config
-    from kiln.train.trainer import train
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def eptp_jobs(rank, world, jobs):
+    """test_expert_pipeline_context's trainer jobs, each with an optional ep x tp mistake."""
     for source, run, sets, stop_at, mistake in jobs:
-        if source is not None and rank == 0:  # its step-3 checkpoint, not the last one
-            shutil.copytree(source, run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
-        dist.barrier()
         undo = deliberate_mistake(mistake)
         try:
-            train(load_config(None, sets), run, resume=source is not None or None, stop_at=stop_at)
+            train_jobs(rank, world, [(source, run, sets, stop_at, None)])
         finally:
             undo()
-        dist.barrier()
-
-
-def rows(run):
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")
@@ -113,21 +96,14 @@ def runs(tmp_path_factory, text_file):
     jobs += [(None, out[m], sets["ep2_tp2"], 1, m) for m in MISTAKES]
     jobs += [(out["ep2_tp2"], out[f"ep2_tp2->{t}"], sets[t], None, None) for t in ("ep2", "tp2")]
     (root / "ranks4").mkdir()
-    run_ranks(train_jobs, 4, root / "ranks4", jobs, timeout=300)
+    run_ranks(eptp_jobs, 4, root / "ranks4", jobs, timeout=300)
     (root / "ranks8").mkdir()
-    run_ranks(train_jobs, 8, root / "ranks8", [(None, out["ep2_tp2_dp4"], sets["ep2_tp2_dp4"], None, None)],
+    run_ranks(eptp_jobs, 8, root / "ranks8", [(None, out["ep2_tp2_dp4"], sets["ep2_tp2_dp4"], None, None)],
               timeout=300)
     out["ep2_tp2->single"] = run = root / "to-single"
     shutil.copytree(out["ep2_tp2"], run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
     train(load_config(None, sets["single"]), run, resume=True)
     return out
-
-
-def assert_same(expected, got, steps, label, keys=("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")):
-    for step in steps:
-        for key in keys:
-            assert got[step][key] == pytest.approx(expected[step][key], rel=REL), \
-                f"{label}, step {step}, {key}: {got[step][key]} != {expected[step][key]}"
 
 
 @pytest.mark.timeout(600)
