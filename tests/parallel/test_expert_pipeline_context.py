@@ -48,12 +48,18 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
 def overrides(text_file, shards, name):
     world, parallel = LAYOUTS[name]
     per_rank = {"parallel.dp_mode": "'fsdp'", "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1, **parallel}
-    dp = world // (per_rank["parallel.pp"] * per_rank["parallel.cp"])
+    return moe_job(text_file, shards, per_rank, world // (per_rank["parallel.pp"] * per_rank["parallel.cp"]))
+
+
+def moe_job(text_file, shards, per_rank, data_ranks, moe=MOE):
+    """The trainer settings of the MoE layout tests (here, test_expert_tensor_parallel.py and
+    test_hsdp_expert_parallel.py): AdamW with clipping, checkpoints at SAVE_AT, shared shards, the
+    global batch split over `data_ranks`."""
     return tiny_overrides(text_file, **{
         "train.steps": STEPS, "train.eval_every": 0, "checkpoint.every": SAVE_AT, "checkpoint.keep_last": 5,
         "optim.name": "'adamw'", "optim.lr": 0.01, "train.clip_grad_norm": CLIP, "train.device": "cpu",
         "model.tie_embeddings": "false", "data.shards_dir": repr(str(shards)), "metrics.peak_flops": 1e11,
-        "train.batch_size": GLOBAL_BATCH // dp, **MOE, **per_rank})
+        "train.batch_size": GLOBAL_BATCH // data_ranks, **moe, **per_rank})
 
 
 def deliberate_mistake(kind):
@@ -108,6 +114,17 @@ def train_jobs(rank, world, jobs):
         finally:
             undo()
         dist.barrier()
+
+
+def jobs_with_mistakes(rank, world, patch, jobs):
+    """train_jobs with each job's mistake patched in by `patch` (another module's deliberate
+    mistakes: patch(kind) applies one and returns the undo)."""
+    for source, run, sets, stop_at, mistake in jobs:
+        undo = patch(mistake)
+        try:
+            train_jobs(rank, world, [(source, run, sets, stop_at, None)])
+        finally:
+            undo()
 
 
 def rows(run):

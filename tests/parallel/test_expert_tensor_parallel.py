@@ -25,10 +25,8 @@ import pytest
 
 from conftest import tiny_overrides
 from ranks import run_ranks
-from test_expert_pipeline_context import REL, assert_same, rows, train_jobs
+from test_expert_pipeline_context import CLIP, REL, SAVE_AT, STEPS, assert_same, jobs_with_mistakes, moe_job, rows
 
-STEPS, SAVE_AT, GLOBAL_BATCH = 5, 3, 4  # REL and the helpers: test_expert_pipeline_context
-CLIP = 0.5
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0,
        "model.moe_aux_loss_weight": 0.1, "model.moe_z_loss_weight": 0.01, "model.init_std": 0.1,
        "data.seq_len": 16}
@@ -45,12 +43,7 @@ MISTAKES = ("tp_input_grad_not_summed", "experts_divided_by_ep_x_tp")
 def overrides(text_file, shards, name):
     world, parallel = LAYOUTS[name]
     per_rank = {"parallel.dp_mode": "'fsdp'", "parallel.tp": 1, "parallel.ep": 1, **parallel}
-    dp = world // per_rank["parallel.tp"]
-    return tiny_overrides(text_file, **{
-        "train.steps": STEPS, "train.eval_every": 0, "checkpoint.every": SAVE_AT, "checkpoint.keep_last": 5,
-        "optim.name": "'adamw'", "optim.lr": 0.01, "train.clip_grad_norm": CLIP, "train.device": "cpu",
-        "model.tie_embeddings": "false", "data.shards_dir": repr(str(shards)), "metrics.peak_flops": 1e11,
-        "train.batch_size": GLOBAL_BATCH // dp, **MOE, **per_rank})
+    return moe_job(text_file, shards, per_rank, world // per_rank["parallel.tp"], moe=MOE)
 
 
 def deliberate_mistake(kind):
@@ -70,16 +63,6 @@ def deliberate_mistake(kind):
     return lambda: None
 
 
-def eptp_jobs(rank, world, jobs):
-    """test_expert_pipeline_context's trainer jobs, each with an optional ep x tp mistake."""
-    for source, run, sets, stop_at, mistake in jobs:
-        undo = deliberate_mistake(mistake)
-        try:
-            train_jobs(rank, world, [(source, run, sets, stop_at, None)])
-        finally:
-            undo()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text_file):
     from kiln.config import load_config
@@ -96,9 +79,9 @@ def runs(tmp_path_factory, text_file):
     jobs += [(None, out[m], sets["ep2_tp2"], 1, m) for m in MISTAKES]
     jobs += [(out["ep2_tp2"], out[f"ep2_tp2->{t}"], sets[t], None, None) for t in ("ep2", "tp2")]
     (root / "ranks4").mkdir()
-    run_ranks(eptp_jobs, 4, root / "ranks4", jobs, timeout=300)
+    run_ranks(jobs_with_mistakes, 4, root / "ranks4", deliberate_mistake, jobs, timeout=300)
     (root / "ranks8").mkdir()
-    run_ranks(eptp_jobs, 8, root / "ranks8", [(None, out["ep2_tp2_dp4"], sets["ep2_tp2_dp4"], None, None)],
+    run_ranks(jobs_with_mistakes, 8, root / "ranks8", deliberate_mistake, [(None, out["ep2_tp2_dp4"], sets["ep2_tp2_dp4"], None, None)],
               timeout=300)
     out["ep2_tp2->single"] = run = root / "to-single"
     shutil.copytree(out["ep2_tp2"], run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))

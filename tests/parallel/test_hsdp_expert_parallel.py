@@ -25,10 +25,9 @@ import shutil
 
 import pytest
 
-from conftest import tiny_overrides
 from ranks import run_ranks
-from test_expert_pipeline_context import (CLIP, GLOBAL_BATCH, MOE, REL, SAVE_AT, STEPS, assert_same, rows,
-                                          train_jobs)
+from test_expert_pipeline_context import (CLIP, REL, SAVE_AT, STEPS, assert_same, jobs_with_mistakes, moe_job,
+                                          rows)
 
 HSDP = {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.ep": 2}
 LAYOUTS = {  # name -> (world, [parallel] settings)
@@ -43,11 +42,7 @@ def overrides(text_file, shards, name):
     world, parallel = LAYOUTS[name]
     per_rank = {"parallel.dp_mode": "'fsdp'", "parallel.dp_replicate": 1, "parallel.dp_shard": -1,
                 "parallel.ep": 1, **parallel}
-    return tiny_overrides(text_file, **{
-        "train.steps": STEPS, "train.eval_every": 0, "checkpoint.every": SAVE_AT, "checkpoint.keep_last": 5,
-        "optim.name": "'adamw'", "optim.lr": 0.01, "train.clip_grad_norm": CLIP, "train.device": "cpu",
-        "model.tie_embeddings": "false", "data.shards_dir": repr(str(shards)), "metrics.peak_flops": 1e11,
-        "train.batch_size": GLOBAL_BATCH // world, **MOE, **per_rank})
+    return moe_job(text_file, shards, per_rank, world)
 
 
 def hsdp_mistake(kind):
@@ -64,16 +59,6 @@ def hsdp_mistake(kind):
         return lambda: None
     setattr(ParallelDims, name, patched)
     return lambda: setattr(ParallelDims, name, saved)
-
-
-def hsdp_jobs(rank, world, jobs):
-    """test_expert_pipeline_context's trainer jobs, each with an optional HSDP mistake."""
-    for source, run, sets, stop_at, mistake in jobs:
-        undo = hsdp_mistake(mistake)
-        try:
-            train_jobs(rank, world, [(source, run, sets, stop_at, None)])
-        finally:
-            undo()
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +92,10 @@ def runs(tmp_path_factory, text_file):
             (None, out["no_replica_reduce"], sets["hsdp_ep2"], 1, "no_replica_reduce"),
             (None, out["replicas_same_data"], sets["hsdp_ep2"], 1, "replicas_same_data")]
     (root / "ranks4").mkdir()
-    run_ranks(hsdp_jobs, 4, root / "ranks4", jobs, timeout=300)
+    run_ranks(jobs_with_mistakes, 4, root / "ranks4", hsdp_mistake, jobs, timeout=300)
     out["hsdp_ep2->fsdp_ep2"] = root / "to-fsdp-ep2"
     (root / "ranks2").mkdir()
-    run_ranks(hsdp_jobs, 2, root / "ranks2", [(out["hsdp_ep2"], out["hsdp_ep2->fsdp_ep2"], sets["fsdp_ep2"],
+    run_ranks(jobs_with_mistakes, 2, root / "ranks2", hsdp_mistake, [(out["hsdp_ep2"], out["hsdp_ep2->fsdp_ep2"], sets["fsdp_ep2"],
                                               None, None)], timeout=300)
     out["hsdp_ep2->single"] = run = root / "to-single"
     shutil.copytree(out["hsdp_ep2"], run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
