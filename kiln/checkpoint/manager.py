@@ -78,8 +78,9 @@ class ModelOptimizerState(Stateful):
         hyper-parameters (initial_lr, betas...). kiln builds the groups alike on every rank (same
         order, same name), so each loaded group takes this rank's parameter names."""
         current = get_state_dict(self.model, self.optimizer)[1]["param_groups"]
-        if len(current) != len(groups) or any(g.get("name") != c.get("name") for g, c in zip(groups, current)):
-            return groups
+        if (not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or len(current) != len(groups)
+                or any(g.get("name") != c.get("name") for g, c in zip(groups, current))):
+            return groups  # not kiln's groups: left to torch's own checks, unchanged
         return [{**g, "params": c["params"]} for g, c in zip(groups, current)]
 
 

@@ -171,14 +171,19 @@ def assert_same(expected, got, steps, label, keys=("loss", "grad_norm", "moe_aux
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single"])
 def test_ep_with_pp_or_cp_matches_one_process(runs, name):
-    expected = rows(runs["single"])
+    assert_matches_one_process(runs["single"], runs[name], 4, name)
+
+
+def assert_matches_one_process(single, run, world, label):
+    """The MoE layout tests' main check (also test_expert_tensor_parallel.py): the one-process run
+    clips on every step and has MoE losses; `run` ran on `world` ranks and matches it step by step."""
+    expected = rows(single)
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert min(r["grad_norm"] for r in expected.values()) > CLIP  # clipping is active on every step
     assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in expected.values())
-    got = rows(runs[name])
-    run_row = next(json.loads(x) for x in (runs[name] / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
-    assert run_row["world_size"] == 4
-    assert_same(expected, got, range(1, STEPS + 1), name)
+    run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert run_row["world_size"] == world
+    assert_same(expected, rows(run), range(1, STEPS + 1), label)
 
 
 @pytest.mark.parametrize("pair", ["ep2_pp2->ep4_cp2", "ep4_cp2->single"])

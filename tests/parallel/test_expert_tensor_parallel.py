@@ -25,7 +25,8 @@ import pytest
 
 from conftest import tiny_overrides
 from ranks import run_ranks
-from test_expert_pipeline_context import CLIP, REL, SAVE_AT, STEPS, assert_same, jobs_with_mistakes, moe_job, rows
+from test_expert_pipeline_context import (REL, SAVE_AT, STEPS, assert_matches_one_process, assert_same,
+                                          jobs_with_mistakes, moe_job, rows)
 
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0,
        "model.moe_aux_loss_weight": 0.1, "model.moe_z_loss_weight": 0.01, "model.init_std": 0.1,
@@ -92,14 +93,7 @@ def runs(tmp_path_factory, text_file):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["ep2_tp2", "ep2_tp2_dp4"])
 def test_ep_with_tp_matches_one_process(runs, name):
-    expected = rows(runs["single"])
-    assert sorted(expected) == list(range(1, STEPS + 1))
-    assert min(r["grad_norm"] for r in expected.values()) > CLIP  # clipping is active on every step
-    assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in expected.values())
-    got = rows(runs[name])
-    run_row = next(json.loads(x) for x in (runs[name] / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
-    assert run_row["world_size"] == LAYOUTS[name][0]
-    assert_same(expected, got, range(1, STEPS + 1), name)
+    assert_matches_one_process(runs["single"], runs[name], LAYOUTS[name][0], name)
 
 
 @pytest.mark.timeout(600)  # whichever test runs first sets the module's runs up
