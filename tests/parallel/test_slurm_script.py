@@ -50,15 +50,21 @@ for ((i = 0; i < SLURM_NNODES; i++)); do
     SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURMD_NODENAME=${NODE_NAMES[i]} "${cmd[@]}" &
     node[$!]=$i
 done
+# Poll rather than `wait -n`: bash may drop a job that ended while the next one was starting
+# from its job table, and `wait -n` then answers 127 with no pid; `wait PID` keeps its status.
 while ((${#node[@]})); do
-    wait -n -p pid; rc=$?
-    if ((rc != 0)); then
-        echo "srun: error: task ${node[$pid]} exited with $rc; killing the others" >&2
+    for pid in "${!node[@]}"; do
+        kill -0 "$pid" 2>/dev/null && continue
+        wait "$pid"; rc=$?
+        if ((rc != 0)); then
+            echo "srun: error: task ${node[$pid]} exited with $rc; killing the others" >&2
+            unset "node[$pid]"
+            for p in "${!node[@]}"; do kill -TERM "$p" 2>/dev/null; done
+            wait; exit "$rc"
+        fi
         unset "node[$pid]"
-        for p in "${!node[@]}"; do kill -TERM "$p" 2>/dev/null; done
-        wait; exit "$rc"
-    fi
-    unset "node[$pid]"
+    done
+    sleep 0.05
 done
 """
 
