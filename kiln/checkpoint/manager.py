@@ -42,6 +42,7 @@ from kiln.checkpoint.replica import MemoryReplicas
 from kiln.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, load_metadata
 from kiln.checkpoint.staging import ReusedStaging, StagingFileSystemWriter
 from kiln.errors import KilnError
+from kiln.parallel.pipeline_tied import optimizer_state_for_load, optimizer_state_for_save
 
 # DCP warns on every single-process save/load that it "assumes" single-process intent; we pass
 # no_dist explicitly, so the warning says nothing.
@@ -63,10 +64,16 @@ class ModelOptimizerState(Stateful):
         if self.optimizer is None:
             return {"model": get_state_dict(self.model, [])[0]}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": optimizer_state_for_save(optim_sd, self._aliases())}
+
+    def _aliases(self) -> dict[str, str]:
+        """Parameters whose optimizer state is saved under another one's name: under pp, a tied
+        model's head copy on the last stage, under the embedding's (kiln/parallel/pipeline_tied.py)."""
+        aliases = getattr(self.model, "optimizer_state_aliases", None)
+        return aliases() if aliases is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        optim = state.get("optim", {})
+        optim = optimizer_state_for_load(state.get("optim", {}), self._aliases())
         if self.optimizer is not None and optim.get("param_groups"):
             optim = {**optim, "param_groups": self._own_param_names(optim["param_groups"])}
         set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=optim)

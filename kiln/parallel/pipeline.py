@@ -12,7 +12,9 @@ not its code: a rank's `PipelineModel` holds exactly the modules of its stages u
 the single-process `Transformer` (`tok_embeddings`, `layers.N...`, `norm`, `output`), with
 `layers` a ModuleDict keyed by the layer index, so a DCP checkpoint of a pipeline rank loads into
 the single-process model and back. Each stage is a `StageChunk` that references those modules.
-Tied embeddings are refused with pp > 1 (the head and the embedding live on different ranks).
+Tied embeddings (GPT-2): the last stage holds its own copy of the weight as the head, initialized
+alike and with its gradient summed with the embedding's every step, as Megatron-LM does
+(kiln/parallel/pipeline_tied.py).
 
 With tensor parallelism (applied to the `PipelineModel` after the split, kiln/parallel/
 tensor_parallel.py) each tp rank runs its own pipeline over its `pp` group: stages exchange the
@@ -35,6 +37,7 @@ from kiln.errors import ConfigError
 from kiln.model.loss import lm_loss
 from kiln.model.moe import MoE
 from kiln.model.transformer import Transformer
+from kiln.parallel.pipeline_tied import EMBEDDING, HEAD, TiedEmbeddings, clip_grad_norm_counting_once, head_copy
 from kiln.train.step import clip_grad_norm, step_unless
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -74,9 +77,6 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
         raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
                           f"{p.pp_schedule!r}")
-    if cfg.model.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true cannot be split over pipeline stages (embedding and "
-                          "head on different ranks); set model.tie_embeddings=false or parallel.pp=1")
     if cfg.train.compile and cfg.train.compile_scope == "model":
         raise ConfigError("train.compile_scope='model' with parallel.pp > 1: a pipeline rank holds stages, not "
                           "the whole model; set train.compile_scope='blocks' (or 'auto')")
@@ -186,8 +186,9 @@ class PipelineModel(nn.Module):
         if first:
             self.tok_embeddings, self.pos_embeddings, self.dropout = full.tok_embeddings, full.pos_embeddings, full.dropout
         self.layers = nn.ModuleDict({str(i): full.layers[i] for r in layer_ranges for i in r})
-        if last:
-            self.norm, self.output = full.norm, full.output
+        if last:  # tied: the last stage's own copy of the embedding as its head (pipeline_tied.py)
+            self.norm, self.output = full.norm, head_copy(full) if full.cfg.tie_embeddings else full.output
+        self.has_first, self.has_last = first, last
         self.register_buffer("rope_cos", full.rope_cos, persistent=False)
         self.register_buffer("rope_sin", full.rope_sin, persistent=False)
         self.loss_impl = "full"  # the schedule's loss_fn is lm_loss over the last stage's logits
@@ -227,7 +228,33 @@ class PipelineModel(nn.Module):
                                device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        init_model(self._full, generator)
+        copies = self.tied_embedding_copies()
+        embedding = self._full.tok_embeddings
+        if copies and not self.has_first:  # the embedding's draw fills the head copy instead of scratch
+            meta_weight, embedding._parameters["weight"] = embedding.weight, copies[0]
+        try:
+            init_model(self._full, generator)
+        finally:
+            if copies and not self.has_first:
+                embedding._parameters["weight"] = meta_weight
+        if copies and self.has_first:  # both on this rank (ZBV): same placements, a local copy
+            copies[0].copy_(self.tok_embeddings.weight)
+
+    def to_empty(self, *, device, recurse: bool = True) -> "PipelineModel":
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings:  # re-tie the whole model (as Transformer.to_empty), whose
+            # parameter count (the trainer's run row) then counts the weight once
+            self._full.output.weight = self._full.tok_embeddings.weight
+        return self
+
+    def tied_embedding_copies(self) -> list[torch.Tensor]:
+        """The last stage's head copy of a tied embedding (the optimizer groups it as the
+        embedding, kiln/train/optim.py), or nothing."""
+        return [self.output.weight] if self.cfg.tie_embeddings and self.has_last else []
+
+    def optimizer_state_aliases(self) -> dict[str, str]:
+        """{own name: name saved in checkpoints} for optimizer state (kiln/checkpoint/manager.py)."""
+        return {HEAD: EMBEDDING} if self.tied_embedding_copies() else {}
 
 
 class StageChunk(nn.Module):
@@ -271,8 +298,7 @@ def split_model(full: Transformer, cfg: JobConfig, pp_rank: int) -> PipelineMode
     """This rank's part of `full` (on meta). Its `chunks` become PipelineStages after materializing;
     tensor parallelism (if any) is applied to the returned model afterwards, in place, so the
     chunks, which reference its modules, run sharded too. The config is checked here too, not only
-    by the trainer: a split of tied embeddings leaves the last stage's head uninitialized (a
-    benchmark that skipped the trainer's check trained on NaN losses)."""
+    by the trainer (a benchmark once skipped the trainer's check)."""
     check_pipeline_config(cfg)
     p = cfg.parallel
     n_stages = p.pp * p.pp_virtual_stages
@@ -309,6 +335,8 @@ class Pipeline:
         self.last_rank = dist.get_global_rank(self.group, last_pp_rank)
         self.has_last = self.n_stages - 1 in model.stage_ids
         self.has_first = 0 in model.stage_ids
+        # tied embeddings: the (first stage, last stage) pairs that sum the two copies' gradients
+        self.tied = TiedEmbeddings(model, dims, last_pp_rank) if cfg.model.tie_embeddings else None
         if cfg.parallel.pp_schedule in ZERO_BUBBLE:
             keep_gathered_until_backward(model.chunks)
         modules = model.chunks
@@ -416,6 +444,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
             pipeline.schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             pipeline.schedule.step(return_outputs=False)
+    if pipeline.tied is not None:  # before clipping: the tied weight's gradient is the sum of both copies'
+        pipeline.tied.sum_grads()
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=x.device)
     dist.broadcast(loss, src=pipeline.last_rank, group=pipeline.group)
     if model.cfg.moe_experts:  # (aux, z) summed over all stages' layers, averaged over micro-batches
@@ -429,7 +459,10 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     params = [p for p in model.parameters() if p.grad is not None]
     # Over all stages (squares summed over pp ranks), per mesh (expert parallelism's experts are
     # on their own mesh).
-    grad_norm = clip_grad_norm(params, clip, norm_group=pipeline.group)
+    if pipeline.tied is not None:  # the tied weight counts once in the norm, as in one process
+        grad_norm = clip_grad_norm_counting_once(params, pipeline.tied.copies(), clip, pipeline.group)
+    else:
+        grad_norm = clip_grad_norm(params, clip, norm_group=pipeline.group)
     skipped = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
     step_unless(optimizer, skipped)
     return loss, grad_norm, skipped

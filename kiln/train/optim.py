@@ -29,12 +29,16 @@ FUSED_ADAMW_FASTER = {"cpu": True, "cuda": True}
 
 
 def _embedding_param_ids(model: nn.Module) -> set[int]:
-    return {
+    ids = {
         id(p)
         for module in model.modules()
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
         for p in module.parameters(recurse=False)
     }
+    # Under pp a tied model's last stage holds its own copy of the embedding as its head
+    # (kiln/parallel/pipeline_tied.py): grouped as the embedding it copies, as in one process.
+    copies = getattr(model, "tied_embedding_copies", None)
+    return ids | {id(p) for p in copies()} if copies is not None else ids
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
