@@ -10,8 +10,8 @@ on 4 ranks pp2 x dp2 under fsdp and under ddp (each pair sums matching FSDP shar
 gradients). Negative control: 1F1B with the gradient sum skipped drifts off at step 2.
 
 Checkpoints (kiln/checkpoint/manager.py ModelOptimizerState through DCP, AdamW moments included):
-pp2 and pp2 x fsdp2 step-3 checkpoints continue in one process, and a one-process one in pp2, with
-the same losses for steps 4-5.
+pp2 (1F1B and ZBV) and pp2 x fsdp2 step-3 checkpoints continue in one process, and a one-process
+one in pp2 (1F1B and ZBV), with the same losses for steps 4-5.
 
 Tolerance: fp32, relative 1e-5 per step (the gradient sum and the micro-batch losses run in
 another order than one process's).
@@ -113,9 +113,12 @@ def pipelined(rank, world, cfg, ckpt_dir=None, resume_from=None):
 def two_rank_jobs(rank, world, root):
     from kiln.parallel.pipeline_tied import TiedEmbeddings
 
-    got = {name: pipelined(rank, world, job(pp=2, schedule=s, virtual=v), root / name if name == "1f1b" else None)
+    got = {name: pipelined(rank, world, job(pp=2, schedule=s, virtual=v), root / name if name != "interleaved" else None)
            for name, (s, v) in CASES.items()}
     got["single->pp2"] = pipelined(rank, world, job(pp=2), resume_from=root / "single")
+    # ZBV: the embedding and the head copy on one rank, both in the optimizer state there
+    got["single->zbv"] = pipelined(rank, world, job(pp=2, schedule="zbv_zero_bubble", virtual=2),
+                                   resume_from=root / "single")
     with mock.patch.object(TiedEmbeddings, "sum_grads", lambda self: None):
         got["1f1b_no_sum"] = pipelined(rank, world, job(pp=2))
     return got
@@ -137,6 +140,7 @@ def runs(tmp_path_factory):
     out["four"] = run_ranks(four_rank_jobs, 4, root / "work4", root, timeout=240)
     out["pp2->single"] = one_process(resume_from=root / "1f1b")
     out["fsdp->single"] = one_process(resume_from=root / "fsdp")
+    out["zbv->single"] = one_process(resume_from=root / "zbv")
     return out
 
 
@@ -173,7 +177,7 @@ def test_skipping_the_gradient_sum_fails_the_check(runs):
         assert_rows_match(ref, got, range(1, STEPS + 1), "no sum")
 
 
-@pytest.mark.parametrize("pair", ["pp2->single", "fsdp->single", "single->pp2"])
+@pytest.mark.parametrize("pair", ["pp2->single", "fsdp->single", "zbv->single", "single->pp2", "single->zbv"])
 def test_checkpoint_continues_in_another_layout(runs, pair):
     got = [runs[pair]] if pair.endswith("single") else [r[pair] for r in runs["two"]]
     assert all(sorted(rows) == [4, 5] for rows in got)
