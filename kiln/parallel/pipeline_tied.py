@@ -15,8 +15,9 @@ weight as the head:
   rank holds both stages (ZBV puts stage 0 and the last stage on pp rank 0) the sum is local.
   Under FSDP (fsdp/zero2) both copies are sharded the same way over the same data-parallel
   coordinates, so each pair sums matching shards of the already dp-reduced gradient; under
-  ddp/zero1 each copy's gradient is already the dp average. Both copies then take the same
-  optimizer update and stay identical;
+  ddp/zero1 each copy's gradient is already the dp average; under tp both are Shard(0) over
+  the vocabulary, so each tp coordinate's pair sums its vocab shard. Both copies then take the
+  same optimizer update and stay identical;
 - clipping counts the weight once (`clip_grad_norm_counting_once`): the copy is left out of the
   norm and clipped with the coefficient of the rest, as its gradient equals the embedding's.
 
@@ -55,6 +56,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _grad_laid_out_as_param(p: torch.Tensor) -> torch.Tensor:
+    """p.grad with p's placements: under tp the embedding's gradient comes back Replicate (the
+    whole table on every tp rank) while its weight is Shard(0) like the head copy's; DTensor's
+    redistribute keeps this rank's rows (no communication), so both copies add matching shards."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+    return p.grad
+
+
 def _pair_groups(dims, last_pp_rank: int):
     """This rank's (first stage, last stage) process group, or None. Every rank must call this
     (new_group is collective), in the same order: one pair per pipeline, from the mesh."""
@@ -82,18 +93,15 @@ class TiedEmbeddings:
     @torch.no_grad()
     def sum_grads(self) -> None:
         """Each copy's gradient becomes the sum of both (see the module docstring)."""
-        embedding, copies = self._embedding(), self.copies()
-        if embedding is not None and copies:  # both on this rank (ZBV's rank 0)
-            total = _local(embedding.grad)
-            total.add_(_local(copies[0].grad))
-            _local(copies[0].grad).copy_(total)
-            return
-        mine = embedding if embedding is not None else (copies[0] if copies else None)
-        if mine is None:  # a middle stage
-            return
-        if mine.grad is None:
-            raise RuntimeError(f"pipeline stage {self.model.stage_ids}: the tied embedding got no gradient")
-        dist.all_reduce(_local(mine.grad), op=dist.ReduceOp.SUM, group=self.group)
+        held = [p for p in (self._embedding(), *self.copies()) if p is not None]
+        if any(p.grad is None for p in held):
+            raise RuntimeError(f"pipeline stages {self.model.stage_ids}: the tied embedding got no gradient")
+        grads = [_local(_grad_laid_out_as_param(p)) for p in held]
+        if len(grads) == 2:  # both on this rank (ZBV's rank 0)
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif grads:  # a middle stage holds neither
+            dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.group)
 
 
 def clip_grad_norm_counting_once(params: list[torch.Tensor], copies: list[torch.Tensor], clip: float,
