@@ -100,7 +100,7 @@ class TiedEmbeddings:
         if len(grads) == 2:  # both on this rank (ZBV's rank 0)
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
-        elif grads:  # a middle stage holds neither
+        elif grads:  # one of the two: summed with the pair's other rank (a middle stage holds neither)
             dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.group)
 
 
