@@ -1,9 +1,10 @@
 """Tied embeddings under pipeline parallelism, the Megatron-LM way.
 
 The token embedding lives on the first stage and the LM head, which shares its weight in one
-process, on the last. As Megatron-LM does (its "word embeddings" copy on the last stage and the
-embedding-group all-reduce in `finalize_model_grads`), the last stage holds its own copy of the
-weight as the head:
+process, on the last. As Megatron-LM does (a copy of the word embeddings on the last stage, the
+all-reduce of the two gradients over its "embedding group" in `finalize_model_grads`, and the copy
+marked shared so the grad norm skips it), the last stage holds its own copy of the weight as the
+head:
 
 - init: the copy gets the values the embedding gets, from the same generator draw
   (`PipelineModel.init_weights`), so both start bit-identical to the one-process tied weight;
