@@ -6,7 +6,7 @@ Step level, as the trainer calls it (`pipeline_train_step`, kiln's AdamW param g
 0.5, active: the norms are above it, so a tied weight counted twice in the norm changes every
 step): on 2 gloo ranks pp2 with 1F1B (first and last stage on different ranks: the pair's
 all-reduce), interleaved 1F1B, and ZBV (stage 0 and the last stage both on rank 0: the local sum);
-on 4 ranks pp2 x dp2 under fsdp and under ddp (each pair sums matching FSDP shards / DDP-averaged
+on 4 ranks pp2 x dp2 under fsdp, ddp and zero1 (each pair sums matching FSDP shards / DDP-averaged
 gradients) and pp2 x tp2 (each tp coordinate's pair sums its vocab shard). Negative control: 1F1B with the gradient sum skipped drifts off at step 2.
 
 Checkpoints (kiln/checkpoint/manager.py ModelOptimizerState through DCP, AdamW moments included):
@@ -127,7 +127,7 @@ def two_rank_jobs(rank, world, root):
 def four_rank_jobs(rank, world, root):
     got = {mode: pipelined(rank, world, job(pp=2, dp_mode=mode, batch=GLOBAL_BATCH // 2),
                            root / mode if mode == "fsdp" else None)
-           for mode in ("fsdp", "ddp")}
+           for mode in ("fsdp", "ddp", "zero1")}
     tp = job(pp=2)  # pp2 x tp2: each tp rank's pipeline pairs the vocab shards of its tp coordinate
     tp.parallel.tp = 2
     got["tp"] = pipelined(rank, world, tp)
@@ -169,7 +169,7 @@ def test_tied_pipeline_matches_one_process(runs, name):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["fsdp", "ddp", "tp"])
+@pytest.mark.parametrize("mode", ["fsdp", "ddp", "zero1", "tp"])
 def test_tied_pipeline_times_data_parallel_matches_one_process(runs, mode):
     assert_rows_match(runs["reference"], [r[mode] for r in runs["four"]], range(1, STEPS + 1), mode)
 
