@@ -158,3 +158,102 @@ def test_ep_with_pp_and_zero1_are_accepted(mode):
     assert (d.dp_mode, d.dp_replicate, d.pp, d.ep) == (mode, 4, 2, 2)
     d = ParallelDims.from_config(ParallelConfig(ep=2, dp_mode="zero1"), world_size=4, rank=0, local_rank=0)
     assert (d.dp_mode, d.dp_replicate, d.ep) == ("zero1", 4, 2)
+
+
+# ------------------------------------------------- the split optimizer's state in one gloo process
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _model_with_experts(seed):
+    """Two dense layers and an 'experts' weight that is a DTensor (as parallel.ep makes them)."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(seed)
+    model = nn.Module()
+    model.inp, model.out = nn.Linear(4, 6), nn.Linear(6, 2)
+    model.experts = nn.Parameter(distribute_tensor(torch.randn(6, 6) * 0.3, init_device_mesh("cpu", (1,)), [Shard(0)]))
+    return model
+
+
+def _adamw(model, lr=0.01):
+    import torch
+
+    groups = [{"name": "decay", "params": [model.inp.weight, model.experts, model.out.weight], "weight_decay": 0.1},
+              {"name": "no_decay", "params": [model.inp.bias, model.out.bias], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, foreach=False)
+
+
+def _step(model, opt, seed, lr):
+    import torch
+
+    for g in opt.param_groups:  # as LRSchedule does: on the outer groups only
+        g["lr"] = lr
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    h = torch.tanh(model.inp(x))
+    model.out(h @ model.experts.to_local()).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_split_optimizer_saves_and_loads_as_a_plain_one(one_rank):
+    """Same steps, same state_dict as a plain AdamW over the same groups (a changing lr reaches
+    both parts); DCP's FQN-keyed dict loads into a fresh split optimizer and into a plain AdamW,
+    and all three continue identically."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from kiln.parallel.data_parallel import ZeroRedundancyExceptExperts
+
+    model, plain_model = _model_with_experts(0), _model_with_experts(0)
+    split, plain = ZeroRedundancyExceptExperts(_adamw(model), one_rank), _adamw(plain_model)
+    assert isinstance(split.experts.param_groups[0]["params"][0], type(model.experts))
+    for s, lr in enumerate([0.01, 0.03, 0.02]):
+        _step(model, split, s, lr)
+        _step(plain_model, plain, s, lr)
+    ours, theirs = split.state_dict(), plain.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert set(ours["state"]) == set(theirs["state"]) == set(range(5))
+    for k in theirs["state"]:
+        for name, value in theirs["state"][k].items():
+            torch.testing.assert_close(ours["state"][k][name], value, rtol=0, atol=0)
+
+    model_sd, optim_sd = copy.deepcopy(get_state_dict(model, split))  # as if read back from disk
+    assert set(optim_sd["state"]) == {"inp.weight", "inp.bias", "out.weight", "out.bias", "experts"}
+    resumed_model = _model_with_experts(1)
+    resumed = ZeroRedundancyExceptExperts(_adamw(resumed_model, lr=0.5), one_rank)
+    set_state_dict(resumed_model, resumed, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    other_model = _model_with_experts(2)
+    other = _adamw(other_model, lr=0.5)
+    set_state_dict(other_model, other, model_state_dict=copy.deepcopy(model_sd),
+                   optim_state_dict=copy.deepcopy(optim_sd))
+    assert [g["lr"] for g in resumed.param_groups] == [g["lr"] for g in other.param_groups] == [0.02, 0.02]
+    for m, opt in ((model, split), (resumed_model, resumed), (other_model, other)):
+        _step(m, opt, 7, 0.015)
+    for name, p in model.named_parameters():
+        for m in (resumed_model, other_model):
+            torch.testing.assert_close(dict(m.named_parameters())[name], p, rtol=0, atol=0)
+
+
+def test_split_optimizer_refuses_a_state_of_other_groups(one_rank):
+    from kiln.parallel.data_parallel import ZeroRedundancyExceptExperts
+
+    model = _model_with_experts(0)
+    split = ZeroRedundancyExceptExperts(_adamw(model), one_rank)
+    state = split.state_dict()
+    state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:2]
+    with pytest.raises(ValueError, match=r"param groups of sizes \[2, 2\], this optimizer \[3, 2\]"):
+        split.load_state_dict(state)
