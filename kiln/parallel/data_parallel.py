@@ -143,7 +143,7 @@ class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
         kwargs, cls = _constructor_kwargs(optimizer), type(optimizer)
         groups = [dict(g) for g in optimizer.param_groups]
         dense_groups, expert_groups = [], []
-        # Per group: its index in the dense and in the expert optimizer (None: no such parameters);
+        # Per group: its index in the dense and/or the expert optimizer (absent: no such parameters);
         # per parameter in group order: ("dense" | "experts", its position in that optimizer).
         self._group_index, self._where = [], []
         counts = {"dense": 0, "experts": 0}
@@ -186,12 +186,7 @@ class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         parts = {name: opt.state_dict()["state"] for name, opt in self._parts.items()}
         state = {k: parts[name][i] for k, (name, i) in enumerate(self._where) if i in parts[name]}
-        groups, start = [], 0
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": _numbered(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         # Keyed by positions (a plain optimizer's dict) or by FQNs (what DCP hands over), the
@@ -201,8 +196,7 @@ class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
             raise ValueError(f"optimizer state has param groups of sizes {[len(g['params']) for g in loaded]}, "
                              f"this optimizer {[len(g['params']) for g in self.param_groups]}")
         keys = [key for g in loaded for key in g["params"]]
-        parts = {name: {"state": {}, "param_groups": [dict(g) for g in opt.param_groups]}
-                 for name, opt in self._parts.items()}
+        parts = {name: {"state": {}, "param_groups": _numbered(opt.param_groups)} for name, opt in self._parts.items()}
         for key, (name, i) in zip(keys, self._where):
             if key in state_dict["state"]:
                 parts[name]["state"][i] = state_dict["state"][key]
@@ -212,16 +206,19 @@ class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
             for name, i in index.items():
                 parts[name]["param_groups"][i].update(values)
         for name, opt in self._parts.items():
-            positions = _positions(opt.param_groups)
-            parts[name]["param_groups"] = [{**g, "params": [positions[id(p)] for p in og["params"]]}
-                                           for g, og in zip(parts[name]["param_groups"], opt.param_groups)]
             opt.load_state_dict(parts[name])
         self._refresh_state()
 
 
-def _positions(groups: list[dict]) -> dict[int, int]:
-    """id(parameter) -> its position over `groups` (how torch's optimizers key their state)."""
-    return {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
+def _numbered(groups: list[dict]) -> list[dict]:
+    """`groups` with each parameter replaced by its position over all of them (how torch's
+    optimizers key their state in `state_dict`)."""
+    out, start = [], 0
+    for g in groups:
+        n = len(g["params"])
+        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
+        start += n
+    return out
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:

@@ -11,7 +11,8 @@ reference run; tests/parallel/test_expert_pipeline_context.py's MoE settings and
   (data_parallel.py `ZeroRedundancyExceptExperts`).
 - ep2_pp2_zero1: 2 stages x 2 replicas under zero1 (GPipe): both of the above in each stage.
 ep2_zero1's step-3 checkpoint continues (steps 4-5) in one process (a plain AdamW loads the split
-optimizer's state) and in ep2_zero1 itself (the split optimizer loads it back).
+optimizer's state) and in ep2_zero1 itself (the split optimizer loads it back), and the one-process
+run's continues in ep2_zero1 (the split optimizer loads a plain one's state).
 
 Tolerance: fp32, relative 1e-5 per step over 5 steps for the loss (LM + weighted aux + z-loss), the
 pre-clipping grad norm and the logged aux and z-losses (the layouts change only the order of sums).
@@ -87,10 +88,12 @@ def runs(tmp_path_factory, text_file):
         MoE.forward = forward
     out = {name: root / name for name in LAYOUTS}
     out["dropped"] = dropped
-    for name in ("ep2_zero1->ep2_zero1", "ep2_zero1->single", "expert_grads_not_reduced", "lr_not_handed_on"):
+    for name in ("ep2_zero1->ep2_zero1", "ep2_zero1->single", "single->ep2_zero1", "expert_grads_not_reduced",
+                 "lr_not_handed_on"):
         out[name] = root / name.replace(">", "")
     jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if name != "single"]
     jobs += [(out["ep2_zero1"], out["ep2_zero1->ep2_zero1"], sets["ep2_zero1"], None, None),
+             (out["single"], out["single->ep2_zero1"], sets["ep2_zero1"], None, None),
              (None, out["expert_grads_not_reduced"], sets["ep2_pp2_ddp"], 1, "expert_grads_not_reduced"),
              (None, out["lr_not_handed_on"], sets["ep2_zero1"], 2, "lr_not_handed_on")]
     (root / "ranks").mkdir()
@@ -112,7 +115,8 @@ def test_ep_under_ddp_or_zero1_matches_one_process(runs, name, mode):
     assert_matches_one_process(runs["single"], runs[name], 4, name)
 
 
-@pytest.mark.parametrize("pair, world", [("ep2_zero1->single", 1), ("ep2_zero1->ep2_zero1", 4)])
+@pytest.mark.parametrize("pair, world", [("ep2_zero1->single", 1), ("ep2_zero1->ep2_zero1", 4),
+                                         ("single->ep2_zero1", 4)])
 def test_zero1_ep_checkpoint_continues(runs, pair, world):
     expected, got = rows(runs["single"]), rows(runs[pair])
     run_row = run_rows(runs[pair])[-1]
