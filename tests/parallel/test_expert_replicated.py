@@ -19,7 +19,9 @@ pre-clipping grad norm and the logged aux and z-losses (the layouts change only 
 Negative controls, each patched into the 4 ranks and required to miss the reference: ep2_pp2_ddp
 with the expert gradients neither summed over their replicas nor divided by the data-parallel
 ranks (step-1 grad norm), and ep2_zero1 with the schedule's learning rate never handed to the
-two optimizers (each keeps the constructor's lr; the step-2 loss misses).
+two optimizers (each keeps the constructor's lr; the step-2 loss misses). Observed: every layout
+and continuation within 2.3e-7; the controls miss by 0.19 (grad norm) and 2.4e-2 (loss). (With the
+experts left in the per-stage DDP, torch's DDP constructor fails on the DTensors; no numbers.)
 """
 
 import json
