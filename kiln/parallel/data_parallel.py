@@ -223,21 +223,22 @@ def _numbered(groups: list[dict]) -> list[dict]:
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
     """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state
-    partitioned over the data-parallel ranks. Returns `optimizer` itself unless dp_mode is zero1."""
+    partitioned over the data-parallel ranks (under parallel.ep the dense parameters' state only,
+    `ZeroRedundancyExceptExperts`). Returns `optimizer` itself unless dp_mode is zero1."""
     if dims.dp_mode != "zero1" or dims.dp_size * dims.cp == 1:
         return optimizer
     group = grad_mesh(dims).get_group()  # under pp: this stage's replicas, over its parameters
     groups = [dict(g) for g in optimizer.param_groups]
-    # ZeRO builds a new optimizer per rank from the class and keyword arguments; `defaults` can
-    # hold derived keys the constructor does not take (AdamW's decoupled_weight_decay), which the
-    # param groups carry anyway.
-    kwargs = _constructor_kwargs(optimizer)
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):  # parallel.ep's experts
         return ZeroRedundancyExceptExperts(optimizer, group)
-    return ZeroRedundancyState(groups, optimizer_class=type(optimizer), process_group=group, **kwargs)
+    return ZeroRedundancyState(groups, optimizer_class=type(optimizer), process_group=group,
+                               **_constructor_kwargs(optimizer))
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
+    """The keyword arguments to build another `type(optimizer)` like it: ZeRO builds a new
+    optimizer per rank from the class and keyword arguments; `defaults` can hold derived keys the
+    constructor does not take (AdamW's decoupled_weight_decay), which the param groups carry anyway."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
