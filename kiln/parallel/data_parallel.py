@@ -11,6 +11,8 @@ Which torch API does what (nothing here is a hand-written collective):
            are all-reduced once per step and chunk, not once per micro-batch
   zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
            optimizer state of its partition of the parameters, then broadcasts the new values)
+  zero1 with parallel.ep -> ZeroRedundancyOptimizer over the dense parameters and a plain optimizer
+           of the same class over the experts (`ZeroRedundancyExceptExperts`, kiln's split)
   zero2 / fsdp / hsdp -> FSDP2 `fully_shard` in kiln/parallel/parallelize.py
 """
 
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from kiln.model.moe import MoE
 from kiln.parallel.dims import ParallelDims
@@ -63,7 +66,22 @@ def replicate_stage(chunk: nn.Module, dims: ParallelDims) -> nn.Module:
     PipelineModel's), so DDP's buffer sync has nothing to send."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if dims.ep > 1:
+        leave_experts_to_expert_parallel(chunk)
     return DistributedDataParallel(chunk, process_group=grad_mesh(dims).get_group(), bucket_cap_mb=25)
+
+
+def leave_experts_to_expert_parallel(chunk: nn.Module) -> None:
+    """Under parallel.ep, DDP around a stage chunk must not take the experts: they differ between
+    the ep ranks of its group, and kiln/parallel/expert_parallel.py already sums their gradients
+    over their replicas ("edp") in backward, as without pp (`apply_ddp`'s ignored_modules). torch's
+    way to leave parameters out of the class wrapper: their FQNs in the chunk, set before
+    construction (`_set_params_and_buffers_to_ignore_for_model`, what DDP reads in its constructor)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    experts = {id(p) for m in chunk.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
+    names = [name for name, p in chunk.named_parameters() if id(p) in experts]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(chunk, names)
 
 
 class ZeroRedundancyState(ZeroRedundancyOptimizer):
@@ -102,19 +120,127 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
         })
 
 
+class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
+    """ZeRO-1 under expert parallelism: `optimizer`'s param groups, hyper-parameters and class,
+    with the dense parameters' state partitioned over `group` (`ZeroRedundancyState`) and the
+    experts (the DTensor parameters: under ddp/zero1 only kiln/parallel/expert_parallel.py's are)
+    stepped by a plain optimizer of the same class on every rank.
+
+    Why not ZeRO for the experts too: ZeRO steps each parameter on one rank of `group` and
+    broadcasts it, but the ranks of `group` hold different experts (the ep ranks) and torch's ZeRO
+    partitions and broadcasts plain tensors, not DTensors. The experts' replicas over "edp" get the
+    same all-reduced gradients, so their plain steps stay identical; their state is divided by ep
+    already (each rank holds E / ep experts), not further by edp.
+
+    To the trainer, the LR schedule and DCP this is one optimizer over the original groups (in
+    the original order): the schedule sets each group's lr here and `step` hands the
+    hyper-parameters to both parts; `state_dict` is the plain optimizer's format (positions in these
+    groups; the dense state consolidated as ZeroRedundancyState does, the experts' as DTensors), so
+    a checkpoint resumes in any layout and a plain optimizer's resumes here. The split is kiln's;
+    the partitioning, stepping and broadcasting are torch's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group):
+        kwargs, cls = _constructor_kwargs(optimizer), type(optimizer)
+        groups = [dict(g) for g in optimizer.param_groups]
+        dense_groups, expert_groups = [], []
+        # Per group: its index in the dense and/or the expert optimizer (absent: no such parameters);
+        # per parameter in group order: ("dense" | "experts", its position in that optimizer).
+        self._group_index, self._where = [], []
+        counts = {"dense": 0, "experts": 0}
+        for g in groups:
+            parts = {"dense": [p for p in g["params"] if not isinstance(p, DTensor)],
+                     "experts": [p for p in g["params"] if isinstance(p, DTensor)]}
+            index = {}
+            for name, out in (("dense", dense_groups), ("experts", expert_groups)):
+                if parts[name]:
+                    index[name] = len(out)
+                    out.append({**g, "params": parts[name]})
+            self._group_index.append(index)
+            for p in g["params"]:
+                name = "experts" if isinstance(p, DTensor) else "dense"
+                self._where.append((name, counts[name]))
+                counts[name] += 1
+        self.dense = ZeroRedundancyState(dense_groups, optimizer_class=cls, process_group=group, **kwargs)
+        self.experts = cls(expert_groups, **kwargs)
+        super().__init__(groups, optimizer.defaults)
+        self._parts = {"dense": self.dense, "experts": self.experts}
+
+    def _push_hyperparameters(self) -> None:
+        for mine, index in zip(self.param_groups, self._group_index):
+            values = {k: v for k, v in mine.items() if k != "params"}
+            for name, i in index.items():
+                self._parts[name].param_groups[i].update(values)
+
+    def _refresh_state(self) -> None:
+        # DCP reads `state` only to tell "never stepped" (it then steps on zero gradients).
+        self.state = {**self.dense.optim.state, **self.experts.state}
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ZeroRedundancyExceptExperts.step takes no closure")
+        self._push_hyperparameters()
+        self.dense.step()
+        self.experts.step()
+        self._refresh_state()
+
+    def state_dict(self) -> dict:
+        parts = {name: opt.state_dict()["state"] for name, opt in self._parts.items()}
+        state = {k: parts[name][i] for k, (name, i) in enumerate(self._where) if i in parts[name]}
+        return {"state": state, "param_groups": _numbered(self.param_groups)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Keyed by positions (a plain optimizer's dict) or by FQNs (what DCP hands over), the
+        # saved groups in the order and with the sizes of these groups.
+        loaded = state_dict["param_groups"]
+        if [len(g["params"]) for g in loaded] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"optimizer state has param groups of sizes {[len(g['params']) for g in loaded]}, "
+                             f"this optimizer {[len(g['params']) for g in self.param_groups]}")
+        keys = [key for g in loaded for key in g["params"]]
+        parts = {name: {"state": {}, "param_groups": _numbered(opt.param_groups)} for name, opt in self._parts.items()}
+        for key, (name, i) in zip(keys, self._where):
+            if key in state_dict["state"]:
+                parts[name]["state"][i] = state_dict["state"][key]
+        for mine, saved, index in zip(self.param_groups, loaded, self._group_index):
+            values = {k: v for k, v in saved.items() if k != "params"}
+            mine.update(values)
+            for name, i in index.items():
+                parts[name]["param_groups"][i].update(values)
+        for name, opt in self._parts.items():
+            opt.load_state_dict(parts[name])
+        self._refresh_state()
+
+
+def _numbered(groups: list[dict]) -> list[dict]:
+    """`groups` with each parameter replaced by its position over all of them (how torch's
+    optimizers key their state in `state_dict`)."""
+    out, start = [], 0
+    for g in groups:
+        n = len(g["params"])
+        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
+        start += n
+    return out
+
+
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
     """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state
-    partitioned over the data-parallel ranks. Returns `optimizer` itself unless dp_mode is zero1."""
+    partitioned over the data-parallel ranks (under parallel.ep the dense parameters' state only,
+    `ZeroRedundancyExceptExperts`). Returns `optimizer` itself unless dp_mode is zero1."""
     if dims.dp_mode != "zero1" or dims.dp_size * dims.cp == 1:
         return optimizer
     group = grad_mesh(dims).get_group()  # under pp: this stage's replicas, over its parameters
     groups = [dict(g) for g in optimizer.param_groups]
-    # ZeRO builds a new optimizer per rank from the class and keyword arguments; `defaults` can
-    # hold derived keys the constructor does not take (AdamW's decoupled_weight_decay), which the
-    # param groups carry anyway.
+    if any(isinstance(p, DTensor) for g in groups for p in g["params"]):  # parallel.ep's experts
+        return ZeroRedundancyExceptExperts(optimizer, group)
+    return ZeroRedundancyState(groups, optimizer_class=type(optimizer), process_group=group,
+                               **_constructor_kwargs(optimizer))
+
+
+def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
+    """The keyword arguments to build another `type(optimizer)` like it: ZeRO builds a new
+    optimizer per rank from the class and keyword arguments; `defaults` can hold derived keys the
+    constructor does not take (AdamW's decoupled_weight_decay), which the param groups carry anyway."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return ZeroRedundancyState(groups, optimizer_class=type(optimizer), process_group=group, **kwargs)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 def window_stats_over_ranks(window_s: float, memory_mb: float, device: torch.device) -> dict[str, float]:

@@ -209,20 +209,20 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
     """What `kiln train` runs expert parallelism with (kiln/parallel/expert_parallel.py): ep carved
     out of the data-parallel ranks of each pipeline stage and all of cp (torchtitan's rule: cp
     divides ep, ep divides dp_shard * cp), dp_shard under fsdp/zero2 (dense parameters stay FSDP
-    over dp_shard x cp, the experts FSDP over the rest) or the replicas under ddp (experts
-    replicated). With tp > 1 each expert is also sharded on its hidden units over tp (expert tensor
-    parallel, etp = tp: ep never borrows tp), under fsdp/zero2 only. DiLoCo with ep is refused by
-    ParallelConfig.validate (its replicas do not reduce gradients)."""
-    if mode == "zero1":
-        raise ConfigError(f"parallel.ep={ep} cannot combine with parallel.dp_mode='zero1' (its sharded optimizer "
-                          f"does not take the experts' DTensors); use dp_mode='fsdp', 'zero2' or 'ddp'")
-    if tp > 1 and mode == "ddp":  # ep x tp shards the experts 2-D (expert tensor parallel); DDP replicates
-        raise ConfigError(f"parallel.ep={ep} with parallel.tp={tp} needs parallel.dp_mode='fsdp' or 'zero2' (DDP "
-                          f"cannot replicate the experts' tensor-parallel DTensors); change parallel.dp_mode")
+    over dp_shard x cp, the experts FSDP over the rest) or the replicas under ddp/zero1 (experts
+    replicated; zero1 shards the dense parameters' optimizer state only, data_parallel.py
+    `ZeroRedundancyExceptExperts`). With tp > 1 each expert is also sharded on its hidden units
+    over tp (expert tensor parallel, etp = tp: ep never borrows tp), under fsdp/zero2 only: kiln's
+    ddp/zero1 do not take tensor-parallel (DTensor) dense parameters at all (from_config), as
+    torchtitan's DDP does not either. DiLoCo with ep is refused by ParallelConfig.validate (its
+    replicas do not reduce gradients)."""
+    if tp > 1 and mode in ("ddp", "zero1"):  # ep x tp shards the experts 2-D (expert tensor parallel)
+        raise ConfigError(f"parallel.ep={ep} with parallel.tp={tp} needs parallel.dp_mode='fsdp' or 'zero2' "
+                          f"(dp_mode={mode!r} cannot replicate tensor-parallel DTensors); change parallel.dp_mode")
     if ep % cp:
         raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.cp={cp} (expert parallelism borrows "
                           f"all of cp, as in torchtitan); change parallel.ep or parallel.cp")
-    name, size = ("dp_replicate", dp_replicate) if mode == "ddp" else ("dp_shard", dp_shard)
+    name, size = ("dp_replicate", dp_replicate) if mode in ("ddp", "zero1") else ("dp_shard", dp_shard)
     if size * cp % ep:
         where = f"{name}={size}" if cp == 1 else f"{name} x cp = {size} x {cp}"
         raise ConfigError(f"parallel.ep={ep} must divide {where} (ep is carved out of {name}"
@@ -242,12 +242,8 @@ def check_replicated_pipeline(cfg: ParallelConfig, mode: str) -> None:
         raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule!r} cannot run with parallel.dp_mode={mode!r} "
                           f"(torch's split weight backward bypasses DDP's gradient all-reduce); use "
                           f"dp_mode='fsdp' or 'zero2', or pp_schedule='interleaved_1f1b'")
-    if cfg.ep > 1:
-        # Without pp, kiln's ddp leaves the experts' DTensors out of composable replicate
-        # (apply_ddp's ignored_modules); the per-stage DDP wrapper has no such path wired or
-        # tested (its constructor would take them as parameters to all-reduce).
-        raise ConfigError(f"parallel.ep={cfg.ep} with parallel.pp={cfg.pp} and parallel.dp_mode={mode!r} is not "
-                          f"supported yet; use dp_mode='fsdp' (or 'zero2') with ep and pp")
+    # parallel.ep runs here: the per-stage DDP leaves the experts out (data_parallel.py
+    # `leave_experts_to_expert_parallel`), expert_parallel.py reduces their gradients.
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

@@ -27,8 +27,11 @@ another layout, and the grad norm of a DTensor counts each expert once.
 - fsdp/zero2: `fully_shard_experts` adds FSDP2 over edp (torchtitan's dp_shard_mod_ep FSDP), so
   the experts are sharded over all D ranks; FSDP averages their gradients over edp and a hook on
   each forward's local slice divides by ep, which makes the 1 / D.
-- ddp: the experts are replicated over edp (`Replicate()`), DDP ignores them, and the hook sums
-  the gradients over edp and divides by D (`reduce_expert_grads`' arithmetic).
+- ddp/zero1: the experts are replicated over edp (`Replicate()`), DDP ignores them (composable
+  replicate's ignored_modules; under pp the per-stage DDP class, data_parallel.py
+  `leave_experts_to_expert_parallel`), and the hook sums the gradients over edp and divides by D
+  (`reduce_expert_grads`' arithmetic). zero1 shards the dense parameters' optimizer state only
+  (data_parallel.py `ZeroRedundancyExceptExperts`).
 Hooks act per backward pass and are linear, so gradient accumulation is unchanged.
 
 Expert tensor parallel (parallel.ep > 1 with parallel.tp > 1; torchtitan's ExpertTensorParallel
@@ -48,7 +51,7 @@ and the 1 / D arithmetic is unchanged (dividing by tp too is the mistake the tes
 tokens and gates the experts read are replicated over tp, so their gradients, partial per hidden
 slice, are summed over tp after the reverse all-to-all (`sum_grad_over_tp`, as without ep).
 DCP saves each (expert, hidden slice) once; the grad norm's `full_tensor` sums over edp x ep x tp.
-DDP is refused with ep x tp (it cannot replicate tensor-parallel DTensors; dims.check_ep_layout).
+ddp/zero1 are refused with ep x tp (they take no tensor-parallel DTensors; dims.check_ep_layout).
 """
 
 from __future__ import annotations

@@ -176,10 +176,9 @@ def test_refusals_name_the_key():
     cfg.parallel.dp_replicate, cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages = 2, "zbv_zero_bubble", 2
     with pytest.raises(ConfigError, match=r"parallel\.dp_mode='ddp'"):
         ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
-    cfg = job(pp=2, dp_mode="ddp")
+    cfg = job(pp=2, dp_mode="ddp")  # accepted now with ep (tests/parallel/test_expert_replicated.py)
     cfg.parallel.ep = 2
-    with pytest.raises(ConfigError, match=r"parallel\.ep=2 with parallel\.pp=2 and parallel\.dp_mode='ddp'"):
-        ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
+    assert ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).ep == 2
     cfg = job(pp=2, dp_mode="zero1")  # accepted now: 2 replicas of a 2-stage pipeline
     dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
     assert (dims.dp_replicate, dims.pp, dims.dp_mode) == (2, 2, "zero1")
