@@ -226,7 +226,8 @@ class MoE(nn.Module):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         mine = list(chunks_of(rank))
         bsz, kt, n_exp = onehot.shape
-        blocks = onehot.view(bsz, self.top_k, len(mine), kt // (len(mine) * self.top_k), n_exp)  # (B, k, my chunks, ., E)
+        # (B, k, my chunks, chunk length, E)
+        blocks = onehot.view(bsz, self.top_k, len(mine), kt // (len(mine) * self.top_k), n_exp)
         counts = blocks.sum(3)  # (B, k, my chunks, E)
         gathered = [torch.empty_like(counts) for _ in range(n)]
         dist.all_gather(gathered, counts.contiguous(), group=group)

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import tiny_overrides
 from ranks import run_ranks
-from test_expert_pipeline_context import (REL, SAVE_AT, STEPS, assert_matches_one_process, assert_same,
+from test_expert_pipeline_context import (SAVE_AT, STEPS, assert_matches_one_process, assert_same,
                                           jobs_with_mistakes, moe_job, rows)
 from test_expert_tensor_parallel import MOE, expert_chunks
 
@@ -94,7 +94,6 @@ def runs(tmp_path_factory, text_file):
 @pytest.mark.parametrize("name", ["ep2_tp2", "ep4_tp2"])
 def test_ep_borrowing_tp_matches_one_process(runs, name):
     assert_matches_one_process(runs["single"], runs[name], LAYOUTS[name][0], name)
-    assert all(r["moe_aux_loss"] > 0 for r in rows(runs[name]).values())
 
 
 @pytest.mark.timeout(600)  # whichever test runs first sets the module's runs up
@@ -135,8 +134,10 @@ def test_each_deliberate_mistake_fails_the_comparison(runs, name):
 @pytest.mark.parametrize("world, sets, expected", [
     (4, {"parallel.etp": 3}, "parallel.etp=3 must be 1 (experts whole, ep borrows tp) or parallel.tp=2"),
     # ep borrows all of tp: a multiple of tp that divides dp_shard x tp
-    (4, {"parallel.tp": 4, "model.n_heads": 4}, "parallel.ep=2 must be a multiple of parallel.tp=4 with parallel.etp=1"),
-    (4, {"parallel.ep": 8, "model.moe_experts": 8}, "parallel.ep=8 must divide dp_shard x tp = 2 x 2 with parallel.etp=1"),
+    (4, {"parallel.tp": 4, "model.n_heads": 4},
+     "parallel.ep=2 must be a multiple of parallel.tp=4 with parallel.etp=1"),
+    (4, {"parallel.ep": 8, "model.moe_experts": 8},
+     "parallel.ep=8 must divide dp_shard x tp = 2 x 2 with parallel.etp=1"),
     (8, {"parallel.cp": 2}, "parallel.etp=1 (ep borrowing tp) with parallel.cp=2 is not supported yet"),
     (8, {"parallel.pp": 2}, "parallel.etp=1 (ep borrowing tp) with parallel.pp=2 is not supported yet"),
     (8, {"parallel.dp_replicate": 2}, "parallel.etp=1 (ep borrowing tp) with parallel.dp_replicate=2 is not supported"),
