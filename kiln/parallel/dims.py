@@ -92,7 +92,7 @@ class ParallelDims:
             check_replicated_pipeline(cfg, mode)
         etp = cfg.tp if cfg.etp == -1 else cfg.etp
         if cfg.ep > 1 and cfg.tp > 1 and etp == 1:
-            check_ep_borrowing_tp_layout(cfg, mode, dp_replicate, dp_shard)
+            check_ep_borrowing_tp_layout(cfg, mode, dp_shard)
         elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
@@ -236,20 +236,19 @@ class ParallelDims:
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
 
 
-def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: int) -> None:
+def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int) -> None:
     """parallel.etp=1 with ep > 1 and tp > 1: the ep group spans dp_shard_in_ep x cp x tp
     (torchtitan's rule: cp * tp divides ep, ep divides dp_shard * cp * tp), the experts are whole and
-    FSDP-sharded over the rest (fsdp/zero2; DDP and ZeRO-1 cannot take tensor parallelism anyway).
-    cp > 1, pp > 1 and HSDP are refused until tested (cp x tp: routing would need the queue positions
-    over a zig-zag cp split and a tp split of each sequence at once; kiln/model/moe.py does one)."""
+    FSDP-sharded over the rest (fsdp/zero2, HSDP included; DDP and ZeRO-1 cannot take tensor
+    parallelism anyway). cp > 1 is refused: routing would need the queue positions over a zig-zag
+    cp split and a contiguous tp split of each sequence at once (kiln/model/moe.py does one)."""
     ep, tp, cp = cfg.ep, cfg.tp, cfg.cp
     if mode not in ("fsdp", "zero2"):
         raise ConfigError(f"parallel.etp=1 with parallel.ep={ep} and parallel.tp={tp} needs parallel.dp_mode="
                           f"'fsdp' or 'zero2', not {mode!r}; change parallel.dp_mode")
-    for key, degree in (("cp", cp), ("pp", cfg.pp), ("dp_replicate", dp_replicate)):
-        if degree > 1:
-            raise ConfigError(f"parallel.etp=1 (ep borrowing tp) with parallel.{key}={degree} is not supported yet; "
-                              f"set parallel.etp={tp} (experts sharded over tp) or parallel.{key}=1")
+    if cp > 1:
+        raise ConfigError(f"parallel.etp=1 (ep borrowing tp) with parallel.cp={cp} is not supported yet; "
+                          f"set parallel.etp={tp} (experts sharded over tp) or parallel.cp=1")
     if ep % (cp * tp):
         raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.tp={tp} with parallel.etp=1 (ep "
                           f"borrows all of tp, as in torchtitan); change parallel.ep or set parallel.etp={tp}")

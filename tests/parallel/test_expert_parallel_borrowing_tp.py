@@ -139,8 +139,6 @@ def test_each_deliberate_mistake_fails_the_comparison(runs, name):
     (4, {"parallel.ep": 8, "model.moe_experts": 8},
      "parallel.ep=8 must divide dp_shard x tp = 2 x 2 with parallel.etp=1"),
     (8, {"parallel.cp": 2}, "parallel.etp=1 (ep borrowing tp) with parallel.cp=2 is not supported yet"),
-    (8, {"parallel.pp": 2}, "parallel.etp=1 (ep borrowing tp) with parallel.pp=2 is not supported yet"),
-    (8, {"parallel.dp_replicate": 2}, "parallel.etp=1 (ep borrowing tp) with parallel.dp_replicate=2 is not supported"),
     (4, {"parallel.dp_mode": "'zero1'"}, "parallel.etp=1 with parallel.ep=2 and parallel.tp=2 needs parallel.dp_mode="),
 ])
 def test_ep_borrowing_tp_bad_layouts_are_refused_in_one_line(text_file, tmp_path, monkeypatch, capsys,
@@ -164,6 +162,10 @@ def test_etp_resolves_to_tp_by_default_and_to_1_when_set():
     assert (d.etp, d.ep_borrows_tp) == (2, False)
     d = ParallelDims.from_config(ParallelConfig(ep=4, tp=2, etp=1), world_size=4, rank=0, local_rank=0)
     assert (d.etp, d.ep_borrows_tp, d.dp_shard) == (1, True, 2)
+    # with pp and under HSDP (checked against one process by hand, docs/parallel.md)
+    for extra in ({"pp": 2}, {"dp_replicate": 2, "dp_shard": 2}):
+        d = ParallelDims.from_config(ParallelConfig(ep=2, tp=2, etp=1, **extra), world_size=8, rank=0, local_rank=0)
+        assert d.ep_borrows_tp and d.dp_mode == "fsdp"
     # etp=1 with ep=1 or tp=1 changes nothing
     d = ParallelDims.from_config(ParallelConfig(ep=1, tp=2, etp=1), world_size=4, rank=0, local_rank=0)
     assert not d.ep_borrows_tp
