@@ -73,6 +73,10 @@ def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_st
                                              "parallel.dp_shard=2"), shard=2, sharded=ALL))
         out += [Row("moe_fsdp", n, "dp", ("parallel.dp_mode='fsdp'",) + moe, "moe", n, ALL),
                 Row("moe_ep", n, "dp", ("parallel.dp_mode='fsdp'", f"parallel.ep={EP}") + moe, "moe", n, ALL)]
+        if n == 4:  # ep2 x tp2 (dp_shard 2): experts sharded over tp (etp = tp) vs whole, ep borrowing tp (etp = 1)
+            ep_tp = ("parallel.dp_mode='fsdp'", f"parallel.ep={EP}", "parallel.tp=2") + moe
+            out += [Row("moe_ep_tp", n, "dp", ep_tp, "moe", n, ALL),
+                    Row("moe_ep_tp_etp1", n, "dp", ep_tp + ("parallel.etp=1",), "moe", n, ALL)]
         if n == 2:
             out.append(Row("diloco", n, "diloco", ("parallel.dp_mode='ddp'",
                                                    f"parallel.diloco_inner_steps={diloco_steps}")))

@@ -346,6 +346,10 @@ class ParallelConfig:
     pp: int = ranged(1, gt=0)
     cp: int = ranged(1, gt=0)
     ep: int = ranged(1, gt=0)
+    # Expert tensor parallel degree under ep > 1 and tp > 1 (torchtitan's expert_tensor_parallel_degree):
+    # -1 = tp (each expert's hidden units sharded over tp, ep from dp_shard x cp); 1 = experts whole,
+    # ep borrows tp as well (each tp rank routes its own sequence shard; docs/parallel.md).
+    etp: int = ranged(-1, ge=-1)
     # How the data-parallel ranks share the model (exact mapping in docs/parallel.md):
     #   auto:  ddp when only dp_replicate > 1, else fsdp (hsdp when both dp_replicate and dp_shard > 1)
     #   ddp:   replicated params/grads/optimizer, gradients all-reduced (DistributedDataParallel)
@@ -386,6 +390,9 @@ class ParallelConfig:
             raise ConfigError(f"parallel.diloco_inner_steps={self.diloco_inner_steps} with parallel."
                               f"{', '.join(split)} is not supported (each rank must hold a whole replica); "
                               f"set those to 1 or parallel.diloco_inner_steps=0")
+        if self.etp not in (-1, 1, self.tp):
+            raise ConfigError(f"parallel.etp={self.etp} must be 1 (experts whole, ep borrows tp) or "
+                              f"parallel.tp={self.tp} (experts sharded over tp); -1 means tp")
         if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
             raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "
                               f"not {self.dp_mode!r}")

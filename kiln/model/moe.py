@@ -27,7 +27,10 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
   the whole sequence on every tp rank: routing, capacity and the aux/z losses are replicated and
   equal one process's; each rank computes a slice of every expert's hidden units, and its output
   is a partial sum that the style reduce-scatters back to the sequence shard. With expert
-  parallelism as well, the all-to-all runs among the ep ranks of each tp coordinate.
+  parallelism as well, the all-to-all runs among the ep ranks of each tp coordinate. With
+  parallel.etp=1 (`MoELocalSequence`, `sp_mesh`) each tp rank routes only its contiguous shard of
+  every sequence instead: queue slots, the balancing loss and the z-loss are still those of the
+  whole sequence (counts exchanged over tp, as over cp), and the all-to-all spans tp too.
 - The auxiliary losses of the last forward stay on the device (`last_aux_loss`,
   `last_z_loss`); the transformer adds them to its loss and exposes them for logging.
 """
@@ -98,6 +101,15 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
+def _gather_over_sp(t: torch.Tensor, mesh) -> torch.Tensor:
+    """The tp ranks' `t` concatenated on dim 0 (torch's DTensor Shard(0) -> Replicate all-gather).
+    Its backward keeps each rank's own slice of the gradient, unsummed: every tp rank has the same
+    loss and so the same upstream gradient (a summing all-gather backward would count it tp times)."""
+    from torch.distributed.tensor import Shard
+
+    return DTensor.from_local(t, mesh, [Shard(0)], run_check=False).full_tensor()
+
+
 def grouped_mm_runs(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """Whether torch's grouped matmul takes these operands: on CUDA bf16 on sm80+ (its kernels,
     and its meta function, take bf16 only); on CPU any float dtype; on both, row strides of
@@ -129,6 +141,9 @@ class MoE(nn.Module):
         # Set by kiln.parallel.context_parallel.ContextParallel around a training step: the cp group
         # over which each sequence is split; None = this rank sees whole sequences.
         self.cp_group = None
+        # Set by kiln.parallel.tensor_parallel.MoELocalSequence (parallel.etp=1): the tp mesh over
+        # which each sequence is split in contiguous shards, one per rank; None = not split over tp.
+        self.sp_mesh = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -145,6 +160,10 @@ class MoE(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             weight = self.router.weight  # tensor parallel: replicated, a DTensor
             weight = weight.to_local() if isinstance(weight, DTensor) else weight
+            if self.sp_mesh is not None:  # each tp rank routes other tokens: its gradient is partial
+                from kiln.parallel.tensor_parallel import sum_grad_over_tp
+
+                weight = sum_grad_over_tp(weight, self.sp_mesh)
             logits = F.linear(x.float(), weight.float())  # (B, T, E) fp32
         probs = logits.softmax(dim=-1)
         gates, experts = probs.topk(self.top_k, dim=-1)  # (B, T, k)
@@ -154,11 +173,14 @@ class MoE(nn.Module):
         experts_km = experts.transpose(1, 2).reshape(bsz, self.top_k * seqlen)  # (B, kT)
         onehot = F.one_hot(experts_km, self.n_experts)  # (B, kT, E)
         cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
-        if cp == 1:
-            position = (onehot.cumsum(dim=1) * onehot).sum(-1) - 1  # slot of each assignment in its expert
-        else:
+        sp = 1 if self.sp_mesh is None else self.sp_mesh.size()
+        if cp > 1:
             position = self._cp_positions(onehot)
-        keep = position < self.capacity(seqlen * cp)
+        elif sp > 1:
+            position = self._sp_positions(onehot)
+        else:
+            position = (onehot.cumsum(dim=1) * onehot).sum(-1) - 1  # slot of each assignment in its expert
+        keep = position < self.capacity(seqlen * cp * sp)
         # Load balancing per sequence: f_e = share of the sequence's assignments (before dropping)
         # routed to e, P_e = mean router probability of e; E * sum_e f_e P_e, averaged over sequences.
         f = onehot.float().sum(dim=1)  # (B, E) counts
@@ -171,34 +193,51 @@ class MoE(nn.Module):
 
             both = funcol.all_gather_single_autograd(torch.stack([f, p]), 0, self.cp_group)
             f, p = both.view(cp, 2, *f.shape).sum(0).unbind(0)
-        f, p = f / (self.top_k * seqlen * cp), p / (seqlen * cp)
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        if sp > 1:  # tp ranks of one loss: sums over the whole sequence, each rank's gradient its own part
+            f, p = _gather_over_sp(torch.stack([f, p]), self.sp_mesh).view(sp, 2, *f.shape).sum(0).unbind(0)
+            z = _gather_over_sp(z[None], self.sp_mesh).mean()
+        f, p = f / (self.top_k * seqlen * cp * sp), p / (seqlen * cp * sp)
         self.last_aux_loss = self.n_experts * (f * p).sum(-1).mean()
-        self.last_z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        self.last_z_loss = z
         self.last_dropped_fraction = (~keep).float().mean().detach()
         token = (torch.arange(bsz, device=x.device)[:, None] * seqlen
                  + torch.arange(seqlen, device=x.device).repeat(self.top_k)[None])  # (B, kT)
         gates_km = gates.transpose(1, 2).reshape(bsz, self.top_k * seqlen)
         return token.flatten(), experts_km.flatten(), gates_km.flatten(), keep.flatten()
 
-    @torch.no_grad()
     def _cp_positions(self, onehot: torch.Tensor) -> torch.Tensor:
-        """Slots of this rank's assignments in their experts' queues for the whole sequence
-        (first choices before second ones, in token order), when context parallelism holds the
-        zig-zag chunks (r, 2cp-1-r) of every sequence (kiln/parallel/context_parallel.py): the
-        per-chunk counts of all cp ranks (one all-gather) give each chunk's offset."""
-        group = self.cp_group
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        """Slots of this rank's assignments in their experts' queues for the whole sequence, when
+        context parallelism holds the zig-zag chunks (r, 2cp-1-r) of every sequence
+        (kiln/parallel/context_parallel.py)."""
+        cp = dist.get_world_size(self.cp_group)
+        return self._split_positions(onehot, self.cp_group, lambda q: (q, 2 * cp - 1 - q))
+
+    def _sp_positions(self, onehot: torch.Tensor) -> torch.Tensor:
+        """The same when tp rank r holds the contiguous chunk r of every sequence (parallel.etp=1)."""
+        return self._split_positions(onehot, self.sp_mesh.get_group(), lambda q: (q,))
+
+    @torch.no_grad()
+    def _split_positions(self, onehot: torch.Tensor, group, chunks_of) -> torch.Tensor:
+        """Slots of this rank's assignments in their experts' queues for the whole sequence (first
+        choices before second ones, in token order) when rank q of `group` holds the equal chunks
+        `chunks_of(q)` (indices in sequence order) of every sequence, concatenated: the per-chunk
+        counts of all ranks (one all-gather) give each chunk's offset."""
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        mine = list(chunks_of(rank))
         bsz, kt, n_exp = onehot.shape
-        blocks = onehot.view(bsz, self.top_k, 2, kt // (2 * self.top_k), n_exp)  # (B, k, my 2 chunks, T/2, E)
-        counts = blocks.sum(3)  # (B, k, 2, E)
-        gathered = [torch.empty_like(counts) for _ in range(cp)]
+        # (B, k, my chunks, chunk length, E)
+        blocks = onehot.view(bsz, self.top_k, len(mine), kt // (len(mine) * self.top_k), n_exp)
+        counts = blocks.sum(3)  # (B, k, my chunks, E)
+        gathered = [torch.empty_like(counts) for _ in range(n)]
         dist.all_gather(gathered, counts.contiguous(), group=group)
-        whole = counts.new_empty(bsz, self.top_k, 2 * cp, n_exp)  # counts per chunk in sequence order
+        whole = counts.new_empty(bsz, self.top_k, n * len(mine), n_exp)  # counts per chunk in sequence order
         for q, c in enumerate(gathered):
-            whole[:, :, q], whole[:, :, 2 * cp - 1 - q] = c[:, :, 0], c[:, :, 1]
+            for j, chunk in enumerate(chunks_of(q)):
+                whole[:, :, chunk] = c[:, :, j]
         before = whole.flatten(1, 2).cumsum(1).view_as(whole) - whole  # assignments in earlier (k, chunk) blocks
-        offset = before[:, :, [rank, 2 * cp - 1 - rank]]  # (B, k, 2, E)
-        within = (blocks.cumsum(3) * blocks).sum(-1) - 1  # (B, k, 2, T/2)
+        offset = before[:, :, mine]  # (B, k, my chunks, E)
+        within = (blocks.cumsum(3) * blocks).sum(-1) - 1  # (B, k, my chunks, chunk length)
         position = within + (offset.unsqueeze(3) * blocks).sum(-1)
         return position.view(bsz, kt)
 

@@ -38,6 +38,18 @@ class ParallelDims:
     local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
     # Under parallel.ep > 1: ("pp", "edp", "ep", "tp") over the world, see _build_expert_mesh.
     expert_mesh: object = None
+    # Expert tensor parallel degree (parallel.etp resolved): tp, or 1 where ep borrows tp too.
+    etp: int | None = None
+
+    def __post_init__(self):
+        if self.etp is None:
+            self.etp = self.tp
+
+    @property
+    def ep_borrows_tp(self) -> bool:
+        """parallel.etp=1 under ep > 1 and tp > 1: the ep group spans tp, each tp rank routes its own
+        sequence shard to whole experts (kiln/parallel/expert_parallel.py, "ep borrowing tp")."""
+        return self.ep > 1 and self.tp > 1 and self.etp == 1
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int | None = None, rank: int | None = None,
@@ -78,14 +90,17 @@ class ParallelDims:
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         if cfg.pp > 1 and dp_replicate * cfg.cp > 1 and mode in ("ddp", "zero1"):
             check_replicated_pipeline(cfg, mode)
-        if cfg.ep > 1:
+        etp = cfg.tp if cfg.etp == -1 else cfg.etp
+        if cfg.ep > 1 and cfg.tp > 1 and etp == 1:
+            check_ep_borrowing_tp_layout(cfg, mode, dp_shard)
+        elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
             # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
             raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
                               f"parallel.dp_mode='fsdp' (or 'zero2') for data x tensor parallelism")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
-                   dp_mode=mode, local_world_size=local_world_size)
+                   dp_mode=mode, local_world_size=local_world_size, etp=etp)
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Compile cannot trace ring attention (cp) nor
@@ -199,10 +214,47 @@ class ParallelDims:
         own (under tp each expert's hidden units are sharded over "tp": expert tensor parallel)."""
         from torch.distributed.device_mesh import DeviceMesh
 
+        if self.ep_borrows_tp:
+            return self._build_expert_mesh_borrowing_tp(device_type)
         shape = [("pp", self.pp), ("edp", self.dp_size * self.cp // self.ep), ("ep", self.ep), ("tp", self.tp)]
         shape = [(n, d) for n, d in shape if d > 1 or n in ("edp", "ep")]
         ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
+
+    def _build_expert_mesh_borrowing_tp(self, device_type: str):
+        """parallel.etp=1 (torchtitan's etp = 1): ep borrows tp as well. tp is the innermost mesh
+        dimension, so within each pipeline stage the ranks are laid out (dp_replicate, dp_shard, tp),
+        and consecutive groups of `ep` of them (dp_shard_in_ep x tp; ep is a multiple of tp and divides
+        dp_shard * tp, so a group never crosses an HSDP replica) split the experts. The ranks at the same
+        place in every group hold the same experts: "edp" = dp_replicate x dp_shard * tp / ep. The mesh
+        is ("pp", "edp", "ep"), pp only where > 1; there is no "tp" dimension: the experts are whole."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shape = [("pp", self.pp), ("edp", self.dp_size * self.tp // self.ep), ("ep", self.ep)]
+        shape = [(n, d) for n, d in shape if d > 1 or n != "pp"]
+        ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
+        return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
+
+
+def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int) -> None:
+    """parallel.etp=1 with ep > 1 and tp > 1: the ep group spans dp_shard_in_ep x cp x tp
+    (torchtitan's rule: cp * tp divides ep, ep divides dp_shard * cp * tp), the experts are whole and
+    FSDP-sharded over the rest (fsdp/zero2, HSDP included; DDP and ZeRO-1 cannot take tensor
+    parallelism anyway). cp > 1 is refused: routing would need the queue positions over a zig-zag
+    cp split and a contiguous tp split of each sequence at once (kiln/model/moe.py does one)."""
+    ep, tp, cp = cfg.ep, cfg.tp, cfg.cp
+    if mode not in ("fsdp", "zero2"):
+        raise ConfigError(f"parallel.etp=1 with parallel.ep={ep} and parallel.tp={tp} needs parallel.dp_mode="
+                          f"'fsdp' or 'zero2', not {mode!r}; change parallel.dp_mode")
+    if cp > 1:
+        raise ConfigError(f"parallel.etp=1 (ep borrowing tp) with parallel.cp={cp} is not supported yet; "
+                          f"set parallel.etp={tp} (experts sharded over tp) or parallel.cp=1")
+    if ep % (cp * tp):
+        raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.tp={tp} with parallel.etp=1 (ep "
+                          f"borrows all of tp, as in torchtitan); change parallel.ep or set parallel.etp={tp}")
+    if dp_shard * cp * tp % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide dp_shard x tp = {dp_shard} x {tp} with parallel.etp=1 (ep "
+                          f"is carved out of dp_shard and tp); change parallel.ep or the number of processes")
 
 
 def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> None:

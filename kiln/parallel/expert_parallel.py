@@ -26,7 +26,7 @@ global shape, `Shard(0)` (expert dimension) over ep; DCP saves every expert once
 another layout, and the grad norm of a DTensor counts each expert once.
 - fsdp/zero2: `fully_shard_experts` adds FSDP2 over edp (torchtitan's dp_shard_mod_ep FSDP), so
   the experts are sharded over all D ranks; FSDP averages their gradients over edp and a hook on
-  each forward's local slice divides by ep, which makes the 1 / D.
+  each forward's local slice scales by edp / D (= 1 / ep here), which makes the 1 / D.
 - ddp/zero1: the experts are replicated over edp (`Replicate()`), DDP ignores them (composable
   replicate's ignored_modules; under pp the per-stage DDP class, data_parallel.py
   `leave_experts_to_expert_parallel`), and the hook sums the gradients over edp and divides by D
@@ -52,6 +52,21 @@ tokens and gates the experts read are replicated over tp, so their gradients, pa
 slice, are summed over tp after the reverse all-to-all (`sum_grad_over_tp`, as without ep).
 DCP saves each (expert, hidden slice) once; the grad norm's `full_tensor` sums over edp x ep x tp.
 ddp/zero1 are refused with ep x tp (they take no tensor-parallel DTensors; dims.check_ep_layout).
+
+Expert parallel borrowing tp (parallel.etp=1; torchtitan's etp = 1). The ep group spans tp: the
+expert mesh is ("edp", "ep") with ep = dp_shard_in_ep x tp consecutive ranks and edp =
+dp_shard * tp / ep (dims.ParallelDims._build_expert_mesh_borrowing_tp). tensor_parallel.py's
+`MoELocalSequence` leaves the experts whole and the MoE block's input sequence-sharded, so each tp
+rank routes only its own tokens (queue slots, aux and z-losses taken over the whole sequence,
+kiln/model/moe.py) and sends them to whole experts: the all-to-all carries every token once, not
+tp times, and no expert row is computed twice. Each weight is a DTensor of the global shape,
+Shard(0) over ep, FSDP-sharded over edp as above. Gradients: every token lives on exactly one rank
+and gets its own true gradient (sequence parallel), so an expert's all-to-all backward sums the
+gradients of the dp ranks of its ep group; the global mean over D needs 1 / D over the D * tp / ep
+edp replicas' sum, i.e. a hook factor edp / D = tp / ep after FSDP's average over edp (the factor
+edp / D is 1 / ep when ep does not borrow tp: one formula). The router runs replicated over tp
+on different tokens: its gradient is summed over tp (moe.py, `sum_grad_over_tp`). DCP saves each
+expert once (Shard(0) over ep x FSDP over edp) and reshards to any other layout.
 """
 
 from __future__ import annotations
@@ -105,8 +120,8 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
     ep_mesh = expert_mesh["ep"]
     apply_expert_parallel(model, ep_mesh.get_group())
     mesh = expert_mesh[names] if len(names) > 1 else ep_mesh
-    if fsdp:  # FSDP averages over edp (reduce-scatter): a further 1 / ep makes the 1 / dp_size
-        hook = functools.partial(_scaled_grad, factor=1.0 / ep_mesh.size())
+    if fsdp:  # FSDP averages over edp (reduce-scatter): a further edp / dp_size makes the 1 / dp_size
+        hook = functools.partial(_scaled_grad, factor=expert_mesh["edp"].size() / dp_size)
     else:
         replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
         hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)

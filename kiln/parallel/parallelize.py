@@ -189,7 +189,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
     if cfg.train.float8:  # before TP, which picks torchao's float8 styles for the float8 linears
         apply_float8(model, cfg.train.float8_recipe, device)
     if dims.tp > 1:
-        apply_tp(model, dims.mesh["tp"])
+        apply_tp(model, dims.mesh["tp"], shard_experts=not dims.ep_borrows_tp)
     if dims.ep > 1:  # before FSDP, which leaves the experts (DTensors on its own mesh) to EP
         apply_ep(model, dims)
     if cfg.train.activation_checkpointing != "none":

@@ -25,7 +25,11 @@ reduce-scattered back to the sequence shard. The tokens and gates the experts re
 while their weights are sharded, so their gradients are all-reduced over tp (`sum_grad_over_tp`).
 Why not shard the experts whole over tp instead: that is expert parallelism (parallel.ep), which
 composes with this style: ep then slices each tp shard's experts over the data-parallel ranks
-(expert tensor parallel, kiln/parallel/expert_parallel.py).
+(expert tensor parallel, kiln/parallel/expert_parallel.py). With parallel.etp=1 ep borrows tp
+instead (`MoELocalSequence`): the MoE block keeps its input sequence-sharded, each tp rank routes
+its own tokens (router replicated, its gradient summed over tp), and the experts stay whole for ep
+to split over dp_shard x tp: no all-gather / reduce-scatter of the activations around the block,
+and no expert computed twice over tp.
 
 float8 (`train.float8`, kiln/parallel/parallelize.py converts the blocks' linears before TP): an
 attention or MLP whose linears are all tensorwise float8 linears without bias gets torchao's float8
@@ -99,9 +103,10 @@ def _styles(*linears: nn.Module) -> tuple[type, type, type]:
     return PrepareModuleInput, ColwiseParallel, RowwiseParallel
 
 
-def tp_plan(model: nn.Module) -> dict[str, object]:
+def tp_plan(model: nn.Module, shard_experts: bool = True) -> dict[str, object]:
     """Module FQN -> ParallelStyle for `parallelize_module`, for both architectures (rope or
     learned positions, RMSNorm or LayerNorm with bias, pre- or post-norm, gated or plain MLP).
+    MoE blocks: `MoETensorParallel`, or `MoELocalSequence` when not `shard_experts` (parallel.etp=1).
 
     `model` is the whole `Transformer` or one pipeline rank's `PipelineModel`
     (kiln/parallel/pipeline.py), which holds only some layers (`layers` keyed by the layer index)
@@ -133,7 +138,7 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
             plan[f"{p}.attention.{name}"] = colwise()
         plan[f"{p}.attention.wo"] = rowwise(output_layouts=Shard(1))
         if isinstance(block.feed_forward, MoE):  # grouped experts stay high precision (not nn.Linear)
-            plan[f"{p}.feed_forward"] = MoETensorParallel()
+            plan[f"{p}.feed_forward"] = MoETensorParallel() if shard_experts else MoELocalSequence()
             continue
         ffn = block.feed_forward
         prepare, colwise, rowwise = _styles(*(m for m in (ffn.w1, ffn.w3, ffn.w2) if m is not None))
@@ -185,9 +190,27 @@ class MoETensorParallel(ParallelStyle):
                                  output_fn=self._reduce_scatter_sequence)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard `model` (on the meta device, before materialization) over `tp_mesh` in place."""
-    parallelize_module(model, tp_mesh, tp_plan(model))
+class MoELocalSequence(ParallelStyle):
+    """TP style for an `MoE` block whose experts ep splits over tp as well (parallel.etp=1): the
+    input stays this rank's sequence shard (Shard(1), a plain tensor, as between blocks) and so does
+    the output; the router weight becomes a replicated DTensor on the tp mesh and the experts stay
+    plain whole tensors (kiln/parallel/expert_parallel.py slices them over ep). `MoE.sp_mesh` tells
+    the block that each sequence is split over tp: its queue positions (capacity), balancing and
+    z-losses are taken over the whole sequence, and its router's gradient is summed over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Not torch's distribute_module: it would replicate every parameter left plain (the experts).
+        module.sp_mesh = device_mesh
+        router = module.router
+        router.weight = nn.Parameter(distribute_tensor(router.weight, device_mesh, [Replicate()],
+                                                       src_data_rank=self.src_data_rank))
+        return module
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_experts: bool = True) -> None:
+    """Shard `model` (on the meta device, before materialization) over `tp_mesh` in place; MoE
+    experts whole (for ep to split over tp, parallel.etp=1) unless `shard_experts`."""
+    parallelize_module(model, tp_mesh, tp_plan(model, shard_experts))
 
 
 class _LossParallel(torch.autograd.Function):
