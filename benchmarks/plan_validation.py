@@ -82,8 +82,9 @@ def layout_for(mode: str, world: int, batch: int) -> Layout:
     if mode == "cp":
         return Layout(cp=world, micro_batch=batch, precision="fp32")
     if mode.startswith("pp_"):
-        return Layout(pp=world, micro_batch=batch // (2 * world), grad_accum=2 * world, schedule=mode[3:],
-                      virtual_stages=2 if mode == "pp_interleaved_1f1b" else 1, precision="fp32")
+        schedule = mode[3:]  # parallel_rows.py: the multi-stage schedules with 2 stages per rank
+        return Layout(pp=world, micro_batch=batch // (2 * world), grad_accum=2 * world, schedule=schedule,
+                      virtual_stages=1 if schedule in ("gpipe", "1f1b") else 2, precision="fp32")
     if mode == "hsdp":  # parallel_rows.py: 2 replicas x world / 2 shards
         return Layout(dp_replicate=2, dp_shard=world // 2, dp_mode="fsdp", micro_batch=per_rank, precision="fp32")
     if mode in ("ddp", "zero1") or world == 1:

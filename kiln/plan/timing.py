@@ -59,7 +59,8 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.plan.cluster import Cluster, LinkSpec
-from kiln.plan.memory import DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, recomputed_blocks
+from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, recomputed_blocks,
+                              resharded_after_forward)
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
 # where counted from torch's code (see the module docstring); others: read and write the
@@ -154,13 +155,46 @@ def p2p(cluster: Cluster, nbytes: float, spans: bool) -> float:
     return nbytes / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6
 
 
-def bubble_fraction(layout: Layout) -> float:
-    """Idle time of a pipeline step relative to its compute: (pp-1)/m for gpipe and 1f1b,
-    (pp-1)/(m*v) for interleaved 1F1B (Narayanan et al. 2021, sec. 2.2)."""
-    if layout.pp == 1:
+def pass_split(shape: ModelShape, layout: Layout, seq_len: int) -> tuple[float, float, float]:
+    """Shares (f, b, w) of a micro-batch's compute in the forward, the input-gradient backward and
+    the weight-gradient backward, by FLOPs per token: every matmul weight costs 2 per pass (forward
+    x W, grad x W^T for the input, grad^T x input for the weight); attention's score and value
+    products (4 * seq * dim per layer forward, the 12*L*dim*seq convention) have no weight, so
+    backward's 8 * seq * dim are all input gradient; a recomputed block's forward runs in the
+    input pass (the checkpoint's unpack hook fires on backward's first read). Always w <= f <= b."""
+    non_embed = shape.params - shape.embedding_params + shape.vocab * shape.dim
+    attention = 4 * shape.n_layers * shape.dim * seq_len
+    recompute = recomputed_blocks(layout.ac, shape.n_layers) * (2 * shape.layer_params + 4 * shape.dim * seq_len)
+    f, b, w = 2 * non_embed + attention, 2 * non_embed + 2 * attention + recompute, 2 * non_embed
+    return f / (f + b + w), b / (f + b + w), w / (f + b + w)
+
+
+def bubble_fraction(layout: Layout, split: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)) -> float:
+    """Idle time of a pipeline step relative to its compute, p = pp stages, m micro-batches, v
+    stages per rank, (f, b, w) the shares of forward, input-gradient and weight-gradient work
+    (`pass_split`; the zero-bubble paper's T_F = T_B = T_W by default):
+      gpipe, 1f1b          (p-1)/m                  (Narayanan et al. 2021, sec. 2.2)
+      interleaved_1f1b     (p-1)/(m v)
+      interleaved_zero_bubble  (p-1)(f + b - min(w, f))/(m v): ZB-H1 (Qi et al. 2023, sec. 3),
+                           whose weight passes fill all but T_F + T_B - T_W of each warm-up slot
+      zbv_zero_bubble (v=2)    (p-1) max(b, 2(b - w))/(2m) for m >= 2p - 1, else (p-1)(b + max(f, b))/(2m)
+    The two zero-bubble lines are torch's own orders (pipelining/schedules.py: ZB1P with one
+    warm-up forward per hop, the V with its fixed F/I/W pattern, padded to 2p - 1 micro-batches),
+    list-scheduled with these pass times: tests/plan/test_pipeline_schedules.py derives them from
+    torch's action lists. torch's ZBV is not the paper's ideal (zero at T_F = T_B = T_W): its
+    fixed order idles one input pass per hop. For ZBV they hold for w <= f <= b, which `pass_split`
+    always gives; outside it torch's order idles more."""
+    p, m = layout.pp, layout.grad_accum
+    if p == 1:
         return 0.0
+    f, b, w = split
+    if layout.schedule == "interleaved_zero_bubble":
+        return (p - 1) * (f + b - min(w, f)) / (m * layout.virtual_stages)
+    if layout.schedule == "zbv_zero_bubble":
+        warm = max(b, 2 * (b - w)) if m >= 2 * p - 1 else b + max(f, b)
+        return (p - 1) * warm / (2 * m)
     v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-    return (layout.pp - 1) / (layout.grad_accum * v)
+    return (p - 1) / (m * v)
 
 
 def ddp_buckets(grad_bytes: float) -> int:
@@ -284,9 +318,11 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             # FSDP2 all-gathers each unit before its forward and (fsdp: resharded after forward)
             # again before its backward, except the last block (kiln keeps it; the root is
             # resharded: kiln passes reshard_after_forward=True, which torch applies to the root
-            # too); it reduce-scatters each unit's gradients once per step.
+            # too); it reduce-scatters each unit's gradients once per step. Zero-bubble pipelines
+            # keep every unit gathered until backward (kiln/parallel/pipeline.py
+            # keep_gathered_until_backward), as zero2 does.
             gathers, gathered = units, stage_params
-            if layout.dp_mode == "fsdp":
+            if layout.dp_mode == "fsdp" and resharded_after_forward(layout):
                 gathers += units - 1
                 gathered += stage_params - shape.layer_params / layout.tp
             gathers *= ga
@@ -309,8 +345,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # A stage idle in the bubble leaves its core to the node's other processes: where ranks share
     # cores (share < 1, CPU), the step is the longer of the full-speed pipeline (compute at a whole
     # core, plus its bubble) and the node's total work over its cores (= compute at the share).
-    bubble = max(0.0, compute * share * (1 + bubble_fraction(layout)) - compute) if share < 1 \
-        else compute * bubble_fraction(layout)
+    idle = bubble_fraction(layout, pass_split(shape, layout, seq_len))
+    bubble = max(0.0, compute * share * (1 + idle) - compute) if share < 1 else compute * idle
     # The optimizer step reads and writes weights, gradients and state: memory-bandwidth bound.
     # Each rank steps its partition: zero1 over the replicas, zero2/fsdp over the shards.
     shard = {"zero1": replicas, "zero2": shards, "fsdp": shards}.get(layout.dp_mode, 1)
