@@ -197,6 +197,27 @@ def bubble_fraction(layout: Layout, split: tuple[float, float, float] = (1 / 3, 
     return (p - 1) / (m * v)
 
 
+def pipeline_p2p_per_microbatch(layout: Layout) -> float:
+    """Sends and receives a pipeline rank issues per micro-batch, on average over the pp ranks:
+    every stage boundary between two ranks costs a send and a receive forward and again backward
+    (4 ops), and there are p-1 such boundaries with one stage per rank, vp-1 with v looped stages,
+    2p-2 with ZBV's V (its tip, stages p-1 and p, is one rank's: handed over in memory); so 4(p-1)/p,
+    4v - 4/p and 8 - 8/p per rank. Counted in torch's action lists with communication
+    (`pipeline_order_with_comms`, tests/plan/test_pipeline_schedules.py). The average, not the
+    busiest rank (middle ranks issue 4, 4v, 8): at full speed the ranks wait for each other anyway,
+    and where ranks share cores their host work adds up."""
+    p = layout.pp
+    if p == 1:
+        return 0.0
+    if layout.schedule == "zbv_zero_bubble":
+        boundaries = 2 * p - 2
+    elif layout.schedule in ("gpipe", "1f1b"):
+        boundaries = p - 1
+    else:
+        boundaries = layout.virtual_stages * p - 1
+    return 4 * boundaries / p
+
+
 def ddp_buckets(grad_bytes: float) -> int:
     """All-reduces DDP issues per step: buckets of bucket_cap_mb (kiln passes 25 MiB; torch's
     smaller 1 MiB first bucket applies only when bucket_cap_mb is left at its default)."""
@@ -277,19 +298,23 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         count("all_reduce", norm_reads + 3 * ga + 1)
         exposed += t
         total += t
-    # Context parallel (ring attention): K and V pass around the ring, hidden behind attention.
+    # Context parallel (ring attention): K and V pass around the ring, hidden behind attention's
+    # score and value products only (the ring issues the next block's K/V before this block's
+    # attention): their FLOP share of the step, 12*L*dim*seq of the token's FLOPs.
     if layout.cp > 1:
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
         t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * stage_layers * ga
         count("p2p", 3 * (layout.cp - 1) * stage_layers * ga)
-        attn_compute = t_mb * ga * 0.3
+        attn_compute = t_mb * ga * 12 * shape.n_layers * shape.dim * seq_len / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
-    # Pipeline: stage-boundary activations forward and their gradients backward per micro-batch.
+    # Pipeline: stage-boundary activations forward and their gradients backward, the sends and
+    # receives a rank issues per micro-batch on average (`pipeline_p2p_per_microbatch`).
     if layout.pp > 1:
         spans = layout.pp * layout.tp * layout.cp > cluster.gpus_per_node
-        t = 2 * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * ga
-        count("p2p", 2 * ga)
+        hops = pipeline_p2p_per_microbatch(layout)
+        t = hops * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * ga
+        count("p2p", hops * ga)
         exposed += t
         total += t
     # Data parallel: gradient reduction (+ parameter gathers for sharded modes), over dp x cp: the
