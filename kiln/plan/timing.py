@@ -182,8 +182,9 @@ def bubble_fraction(layout: Layout, split: tuple[float, float, float] = (1 / 3, 
     warm-up forward per hop, the V with its fixed F/I/W pattern, padded to 2p - 1 micro-batches),
     list-scheduled with these pass times: tests/plan/test_pipeline_schedules.py derives them from
     torch's action lists. torch's ZBV is not the paper's ideal (zero at T_F = T_B = T_W): its
-    fixed order idles one input pass per hop. For ZBV they hold for w <= f <= b, which `pass_split`
-    always gives; outside it torch's order idles more."""
+    fixed order idles one input pass per hop. Checked for m a multiple of p (kiln's rule for
+    multi-stage schedules) and, for ZBV, w <= f <= b, which `pass_split` always gives; outside it
+    torch's order idles more."""
     p, m = layout.pp, layout.grad_accum
     if p == 1:
         return 0.0
