@@ -82,8 +82,9 @@ def layout_for(mode: str, world: int, batch: int) -> Layout:
     if mode == "cp":
         return Layout(cp=world, micro_batch=batch, precision="fp32")
     if mode.startswith("pp_"):
-        return Layout(pp=world, micro_batch=batch // (2 * world), grad_accum=2 * world, schedule=mode[3:],
-                      virtual_stages=2 if mode == "pp_interleaved_1f1b" else 1, precision="fp32")
+        schedule = mode[3:]  # parallel_rows.py: the multi-stage schedules with 2 stages per rank
+        return Layout(pp=world, micro_batch=batch // (2 * world), grad_accum=2 * world, schedule=schedule,
+                      virtual_stages=1 if schedule in ("gpipe", "1f1b") else 2, precision="fp32")
     if mode == "hsdp":  # parallel_rows.py: 2 replicas x world / 2 shards
         return Layout(dp_replicate=2, dp_shard=world // 2, dp_mode="fsdp", micro_batch=per_rank, precision="fp32")
     if mode in ("ddp", "zero1") or world == 1:
@@ -121,9 +122,18 @@ def main() -> None:
     shape = ModelShape.from_config(model, run_args["vocab"])
     assert shape.params == data["single"]["n_params"], "benchmark model shape changed; update DEFAULTS"
     untied = ModelShape.from_config(dataclasses.replace(model, tie_embeddings=False), run_args["vocab"])
-    # The mixture-of-experts rows (another model) and DiLoCo (no planner model) are not validated here.
+    # The "deep" rows (parallel_rows.py: the same model with more layers, untied, for pipelines of
+    # more stages than the benchmark model has layers) are timed with their own shape and compared
+    # only with each other; the mixture-of-experts rows (another model) and DiLoCo (no planner
+    # model) are not validated here.
+    family_shape = {"dense": shape}
+    for r in data["runs"]:
+        if r.get("family") == "deep":
+            layers = [int(o.split("=", 1)[1]) for o in r.get("overrides", []) if o.startswith("model.n_layers=")]
+            family_shape["deep"] = ModelShape.from_config(dataclasses.replace(
+                model, tie_embeddings=False, n_layers=layers[0] if layers else model.n_layers), run_args["vocab"])
     other = [f"{r['mode']} x{r['world']}" for r in data["runs"]
-             if r.get("family", "dense") != "dense" or r.get("kind") == "diloco"]
+             if r.get("family", "dense") not in family_shape or r.get("kind") == "diloco"]
     if other:
         print(f"not validated (another model, or a strategy the planner does not model): {', '.join(other)}\n")
     runs = [("single", 1, [data["single"]], data["single"])] + [(r["mode"], r["world"], r["per_rank"], r)
@@ -138,14 +148,16 @@ def main() -> None:
     if stale:
         print(f"left out (no optimizer state after the timed steps, or a loss not below 2 ln(vocab)): "
               f"{', '.join(stale)}\n")
-    cases, spreads = [], {}
+    cases, spreads, families = [], {}, {}
     for m, w, ranks, run in runs:
         step_s = run.get("step_s_median", max(p["step_s"] for p in ranks))
+        family = run.get("family", "dense")
         # pipeline runs untie the embeddings (parallel_memory.py MODEL_PARALLEL): their own shape
-        case_shape = untied if m.startswith("pp_") else shape
+        case_shape = untied if m.startswith("pp_") and family == "dense" else family_shape[family]
         # parallel_memory.py runs optim.implementation='foreach'
         cases.append(Measurement(f"{m} x{w}", case_shape, layout_for(m, w, batch), seq, step_s, "adamw", "foreach"))
         spreads[cases[-1].name] = run.get("step_s_spread", 0.0)
+        families[cases[-1].name] = family
     links = [CollectiveSample(c["op"], c["ranks"], c["bytes"], c["seconds"]) for c in data.get("collectives", [])]
     cores = data.get("machine", {}).get("cores_visible") or os.cpu_count()
     cluster = load_cluster("cpu-local")
@@ -157,11 +169,11 @@ def main() -> None:
         pred_t = predicted_step(case, fitted)
         params = (fitted.device.max_efficiency, fitted.device.half_efficiency_work, fitted.intra_node.bandwidth_gbps,
                   fitted.overlap_efficiency, fitted.collective_launch_us, fitted.intra_node.latency_us)
-        row = dict(layout=case.name, describe=layout.describe(), measured_step_s=measured_t,
+        row = dict(layout=case.name, family=families[case.name], describe=layout.describe(), measured_step_s=measured_t,
                    step_spread=spreads[case.name], predicted_step_s=pred_t, time_error=pred_t / measured_t - 1,
                    fit=params)
         rows.append(row)
-        if "params_after_forward" not in ranks[0] or layout.dp != world:
+        if "params_after_forward" not in ranks[0] or layout.dp != world or families[case.name] != "dense":
             continue  # model-parallel runs: time only (parallel_memory.py splits memory for the DP modes)
         mem = rank_memory(shape, layout, seq, "adamw")
         pred_mem = mem.parameters + mem.gradients + mem.optimizer  # state at rest, exact tensor bytes
@@ -190,7 +202,7 @@ def main() -> None:
           f" (from {len(links)} timed collectives), max_efficiency {fitted.device.max_efficiency:.3g}, "
           f"half_efficiency_work {fitted.device.half_efficiency_work:.3g}, overlap {fitted.overlap_efficiency:.2f}, "
           f"launch {fitted.collective_launch_us:.0f} us per collective")
-    best_plan, ordering = best_plan_check(shape, cases, spreads, fitted, seq, batch)
+    best_plan, ordering = best_plan_check(shape, cases, spreads, fitted, seq, batch, families)
     within = sum(abs(r["time_error"]) <= TIME_TARGET for r in rows)
     memory_ok = sum(abs(r["peak_error"]) <= 0.10 for r in rows if "peak_error" in r)
     print(f"\nchecks: step time within {TIME_TARGET:.0%} (leave-one-out): {within} of {len(rows)}; "
@@ -213,10 +225,11 @@ def main() -> None:
                                "cpu_count": os.cpu_count()}, indent=1))
 
 
-def best_plan_check(shape, cases, spreads, fitted, seq, batch) -> tuple[list[dict], list[dict]]:
+def best_plan_check(shape, cases, spreads, fitted, seq, batch, families) -> tuple[list[dict], list[dict]]:
     """Per process count: the search's best data-parallel plan (max tp = pp = cp = 1, what the
     measured set covers) against the best measured layout, with the round-to-round spread as the
-    tolerance; and every pair of measured layouts whose gap exceeds both spreads, predicted in order."""
+    tolerance; and every pair of measured layouts of one model (`families`) whose gap exceeds both
+    spreads, predicted in order."""
     from kiln.plan.search import search
 
     best_rows, ordering = [], []
@@ -226,7 +239,7 @@ def best_plan_check(shape, cases, spreads, fitted, seq, batch) -> tuple[list[dic
         c = copy.deepcopy(fitted)
         c.gpus_per_node, c.device.memory_gib = world, 64.0
         best = search(shape, c, seq, batch, precision="fp32", max_tp=1, max_pp=1, max_cp=1)[0].layout
-        same_world = [m for m in cases if m.layout.world_size == world]
+        same_world = [m for m in cases if m.layout.world_size == world and families[m.name] == "dense"]
         measured = {(m.layout.dp_mode, m.layout.dp_replicate, m.layout.dp_shard, m.layout.micro_batch): m
                     for m in same_world if m.layout.dp == world}
         same = measured.get((best.dp_mode, best.dp_replicate, best.dp_shard, best.micro_batch))
@@ -239,9 +252,11 @@ def best_plan_check(shape, cases, spreads, fitted, seq, batch) -> tuple[list[dic
         best_rows.append(dict(world=world, plan=best.describe(), plan_measured=same.name if same else None,
                               plan_measured_s=same.step_s if same else None, best_measured=top.name,
                               best_measured_s=top.step_s, tolerance=tol, ok=ok))
-        ranked = sorted(same_world, key=lambda m: m.step_s)  # model-parallel runs too
+        ranked = sorted([m for m in cases if m.layout.world_size == world], key=lambda m: m.step_s)  # model-parallel too
         for i, fast in enumerate(ranked):
             for slow in ranked[i + 1:]:
+                if families[fast.name] != families[slow.name]:
+                    continue  # another model: no order to keep
                 gap = slow.step_s / fast.step_s - 1
                 if gap <= max(spreads[fast.name], spreads[slow.name]):
                     continue  # within the measurement's noise: no order to keep

@@ -11,13 +11,15 @@ Closed form (no module is built). Terms, per rank:
   pre-norm block: two fp32 norm inputs, normed inputs, q/k/v, attention output, and the MLP's
   2 (gelu) or 4 (gated) hidden-sized tensors; SDPA/flash keeps no s x s matrix), times the
   micro-batches a pipeline schedule keeps in flight (gpipe: all; 1f1b: pp; interleaved:
-  pp*(1 + (pp-1)/(pp*v)), Korthikanti et al. 2022 sec. 4.2.3), split by tp (sequence parallel)
-  and cp; activation checkpointing keeps only block inputs for the recomputed blocks plus one
-  block's activations during recompute. Compiled (`Layout.compiled`, torch.compile of the whole
-  model): what AOTAutograd's min-cut partitioner (inductor's decompositions) saves, measured on
-  CPU by tests/plan/test_compiled_saved.py (the partition is made before any device code): per
-  block and token the two fp32 norm inputs (layernorm: the fp32 normalized input instead, same
-  size) and their low-precision normed copies, q/k (after RoPE) and v, SDPA's output (with RoPE
+  pp*(1 + (pp-1)/(pp*v)), Korthikanti et al. 2022 sec. 4.2.3; the zero-bubble schedules, which hold
+  activations until the weight pass: pp, `in_flight_microbatches`), split by tp (sequence
+  parallel) and cp (each rank keeps its 1/cp of the sequence); activation checkpointing keeps
+  only block inputs for the recomputed blocks plus one block's activations during recompute.
+  Compiled (`Layout.compiled`, torch.compile of the whole model): what AOTAutograd's min-cut
+  partitioner (inductor's decompositions) saves, measured on CPU by
+  tests/plan/test_compiled_saved.py (the partition is made before any device code): per block
+  and token the two fp32 norm inputs (layernorm: the fp32 normalized input instead, same size)
+  and their low-precision normed copies, q/k (after RoPE) and v, SDPA's output (with RoPE
   also its contiguous (b, s, h*d) copy, the output projection's input: without RoPE the
   partitioner recomputes that copy), SDPA's fp32 logsumexp per head, and the MLP's matmul
   outputs plus the activation's product (gated: w1 and w3 outputs and act*w3; plain: w1 output and act);
@@ -35,7 +37,8 @@ Closed form (no module is built). Terms, per rank:
   compiled graph (the partitioner saves the casts as backward inputs) except a checkpointed
   block's and, under float8, every block's (recomputed); the LM head's always;
   the gathered parameters of the largest FSDP unit (x2: prefetch) or all gathered parameters
-  for zero2 (reshard_after_forward=False);
+  for zero2 (reshard_after_forward=False) and for fsdp under a zero-bubble pipeline (kept gathered
+  until backward: `resharded_after_forward`);
 - communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
 
 Eager runs add every term (an upper bound). Compiled runs take the larger of two phases, the peak
@@ -58,7 +61,8 @@ OPTIM_STATE_BYTES = {"adamw": 8, "lamb": 8, "muon": 8, "lion": 4, "sgd": 4, "ada
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 2}
 DDP_BUCKET_BYTES = 25 * 2**20
 LOSS_CHUNK_TOKENS = 1024  # kiln/model/loss.py chunked_lm_loss works on chunks of about this many tokens
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # kiln/parallel/pipeline.py ZERO_BUBBLE
 
 
 @dataclass(frozen=True)
@@ -183,15 +187,29 @@ class MemoryBreakdown:
 
 
 def in_flight_microbatches(layout: Layout) -> float:
-    """Micro-batches whose activations the first (fullest) pipeline stage holds at its peak."""
+    """Micro-batches whose activations the fullest pipeline rank holds at its peak, in whole-stage
+    micro-batches (a chunk of a rank's v stages counts 1/v): gpipe m; 1f1b p; interleaved 1F1B
+    p(1 + (p-1)/(p v)) (torch's warm-up of (v-1)p + 2(p-1-r) forwards on rank r). The zero-bubble
+    schedules hold a micro-batch's activations until its weight pass, not its input pass (torch's
+    split backward keeps the graph for the weight gradients), and still peak at p: torch's ZB1P
+    warms up with one forward per hop, (v-1)p + (p-1-r), and delays rank r's weight passes by r;
+    its ZBV runs 2p chunk forwards before the first weight pass on the last rank (counted from
+    torch's action lists in tests/plan/test_pipeline_schedules.py). At most m."""
     if layout.pp == 1:
         return 1.0
-    m = layout.grad_accum
+    m, p = layout.grad_accum, layout.pp
     if layout.schedule == "gpipe":
         return float(m)
     if layout.schedule == "interleaved_1f1b" and layout.virtual_stages > 1:
-        return min(m, layout.pp * (1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages)))
-    return float(min(m, layout.pp))
+        return min(m, p * (1 + (p - 1) / (p * layout.virtual_stages)))
+    return float(min(m, p))
+
+
+def resharded_after_forward(layout: Layout) -> bool:
+    """Whether FSDP (dp_mode fsdp) frees its gathered parameters after forward: not under a
+    zero-bubble pipeline, where kiln keeps them gathered until backward (kiln/parallel/pipeline.py
+    keep_gathered_until_backward: torch's split weight pass needs the gathered parameters)."""
+    return layout.dp_mode == "fsdp" and not (layout.pp > 1 and layout.schedule in ZERO_BUBBLE)
 
 
 def recomputed_blocks(ac: str, n_layers: int) -> int:
@@ -239,10 +257,10 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
     else:
         logits = 2 * 4 * loss_tokens * shape.vocab / layout.tp  # fp32 logits and their gradient
         out.temporary += logits
-    if full_mode == "fsdp" and layout.dp_shard > 1:
+    if resharded_after_forward(layout) and layout.dp_shard > 1:
         out.temporary += 2 * param_bytes * shape.layer_params / layout.tp  # current + prefetched unit
         out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
-    elif full_mode == "zero2" and layout.dp_shard > 1:
+    elif full_mode in ("fsdp", "zero2") and layout.dp_shard > 1:
         out.temporary += param_bytes * stage_params  # params stay gathered from forward to backward
         out.comm_buffers += 4 * shape.layer_params / layout.tp
     elif layout.dp > 1:

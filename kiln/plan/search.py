@@ -3,10 +3,11 @@ not fit a device's memory (kiln/plan/memory.py), rank the rest by predicted step
 (kiln/plan/timing.py), and write the best as a config `kiln train` runs as is.
 
 Dimensions searched: tp (divides the GPUs of a node and the attention/KV heads), pp (divides the
-layers; schedules gpipe, 1f1b, interleaved_1f1b with 2 virtual stages), cp (powers of two that
-split the sequence into 2*cp chunks), data parallel as ddp, zero1, zero2, fsdp and hsdp
-(dp_replicate x dp_shard), micro-batch (powers of two dividing the per-rank batch) and activation
-checkpointing (none, selective, full). kiln's models are dense, so ep stays 1.
+layers; schedules gpipe, 1f1b and, with 2 virtual stages, interleaved_1f1b, interleaved_zero_bubble
+and zbv_zero_bubble where kiln runs them: `pipeline_schedules`), cp (powers of two that split the
+sequence into 2*cp chunks), data parallel as ddp, zero1, zero2, fsdp and hsdp (dp_replicate x
+dp_shard), micro-batch (powers of two dividing the per-rank batch) and activation checkpointing
+(none, selective, full). kiln's models are dense, so ep stays 1.
 """
 
 from __future__ import annotations
@@ -49,6 +50,25 @@ def _dp_splits(dp: int) -> list[tuple[str, int, int]]:
     return out + [("fsdp", r, dp // r) for r in divisors(dp) if 1 < r < dp]  # HSDP
 
 
+def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, replicas: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) `kiln train` runs for a pipeline of `pp` stages: gpipe and 1f1b;
+    with 2 stages per rank (an even layer split) interleaved 1F1B and the zero-bubble ZB1P and ZBV
+    where the micro-batches are a multiple of pp (kiln/parallel/pipeline.py check_pipeline_config),
+    the zero-bubble ones not under ddp/zero1 across `replicas` = dp_replicate x cp > 1 (torch's
+    split weight pass bypasses DDP's all-reduce: kiln/parallel/dims.py check_replicated_pipeline).
+    Compiled runs are never pipelined here (search compiles only one device), so the refusal of
+    compile with zero bubble does not arise."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1), ("1f1b", 1)]
+    if n_layers % (2 * pp) or microbatches % pp:
+        return out
+    out.append(("interleaved_1f1b", 2))
+    if not (dp_mode in ("ddp", "zero1") and replicas > 1):
+        out += [("interleaved_zero_bubble", 2), ("zbv_zero_bubble", 2)]
+    return out
+
+
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                       precision: str, loss: str = "full", ac_choices: tuple[str, ...] = AC_CHOICES,
                       max_tp: int = 1024, max_pp: int = 64, max_cp: int = 8):
@@ -68,17 +88,12 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                 if global_batch % dp:
                     continue
                 per_rank = global_batch // dp
-                schedules = [("1f1b", 1)]
-                if pp > 1:
-                    schedules = [("gpipe", 1), ("1f1b", 1)]
-                    if shape.n_layers % (2 * pp) == 0:
-                        schedules.append(("interleaved_1f1b", 2))
                 for mode, rep, shard in _dp_splits(dp):
                     for mb in _powers_of_two_dividing(per_rank):
                         ga = per_rank // mb
                         if pp > 1 and ga < pp:
                             continue
-                        for sched, v in schedules:
+                        for sched, v in pipeline_schedules(shape.n_layers, pp, ga, mode, rep * cp):
                             for ac in ac_choices:
                                 yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, dp_mode=mode,
                                              micro_batch=mb, grad_accum=ga, ac=ac, schedule=sched,

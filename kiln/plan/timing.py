@@ -59,7 +59,8 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.plan.cluster import Cluster, LinkSpec
-from kiln.plan.memory import DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, recomputed_blocks
+from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, recomputed_blocks,
+                              resharded_after_forward)
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
 # where counted from torch's code (see the module docstring); others: read and write the
@@ -154,13 +155,68 @@ def p2p(cluster: Cluster, nbytes: float, spans: bool) -> float:
     return nbytes / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6
 
 
-def bubble_fraction(layout: Layout) -> float:
-    """Idle time of a pipeline step relative to its compute: (pp-1)/m for gpipe and 1f1b,
-    (pp-1)/(m*v) for interleaved 1F1B (Narayanan et al. 2021, sec. 2.2)."""
-    if layout.pp == 1:
+def pass_split(shape: ModelShape, layout: Layout, seq_len: int) -> tuple[float, float, float]:
+    """Shares (f, b, w) of a micro-batch's compute in the forward, the input-gradient backward and
+    the weight-gradient backward, by FLOPs per token: every matmul weight costs 2 per pass (forward
+    x W, grad x W^T for the input, grad^T x input for the weight); attention's score and value
+    products (4 * seq * dim per layer forward, the 12*L*dim*seq convention) have no weight, so
+    backward's 8 * seq * dim are all input gradient; a recomputed block's forward runs in the
+    input pass (the checkpoint's unpack hook fires on backward's first read). Always w <= f <= b."""
+    non_embed = shape.params - shape.embedding_params + shape.vocab * shape.dim
+    attention = 4 * shape.n_layers * shape.dim * seq_len
+    recompute = recomputed_blocks(layout.ac, shape.n_layers) * (2 * shape.layer_params + 4 * shape.dim * seq_len)
+    f, b, w = 2 * non_embed + attention, 2 * non_embed + 2 * attention + recompute, 2 * non_embed
+    return f / (f + b + w), b / (f + b + w), w / (f + b + w)
+
+
+def bubble_fraction(layout: Layout, split: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)) -> float:
+    """Idle time of a pipeline step relative to its compute, p = pp stages, m micro-batches, v
+    stages per rank, (f, b, w) the shares of forward, input-gradient and weight-gradient work
+    (`pass_split`; the zero-bubble paper's T_F = T_B = T_W by default):
+      gpipe, 1f1b          (p-1)/m                  (Narayanan et al. 2021, sec. 2.2)
+      interleaved_1f1b     (p-1)/(m v)
+      interleaved_zero_bubble  (p-1)(f + b - min(w, f))/(m v): ZB-H1 (Qi et al. 2023, sec. 3),
+                           whose weight passes fill all but T_F + T_B - T_W of each warm-up slot
+      zbv_zero_bubble (v=2)    (p-1) max(b, 2(b - w))/(2m) for m >= 2p - 1, else (p-1)(b + max(f, b))/(2m)
+    The two zero-bubble lines are torch's own orders (pipelining/schedules.py: ZB1P with one
+    warm-up forward per hop, the V with its fixed F/I/W pattern, padded to 2p - 1 micro-batches),
+    list-scheduled with these pass times: tests/plan/test_pipeline_schedules.py derives them from
+    torch's action lists. torch's ZBV is not the paper's ideal (zero at T_F = T_B = T_W): its
+    fixed order idles one input pass per hop. Checked for m a multiple of p (kiln's rule for
+    multi-stage schedules) and, for ZBV, w <= f <= b, which `pass_split` always gives; outside it
+    torch's order idles more."""
+    p, m = layout.pp, layout.grad_accum
+    if p == 1:
         return 0.0
+    f, b, w = split
+    if layout.schedule == "interleaved_zero_bubble":
+        return (p - 1) * (f + b - min(w, f)) / (m * layout.virtual_stages)
+    if layout.schedule == "zbv_zero_bubble":
+        warm = max(b, 2 * (b - w)) if m >= 2 * p - 1 else b + max(f, b)
+        return (p - 1) * warm / (2 * m)
     v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-    return (layout.pp - 1) / (layout.grad_accum * v)
+    return (p - 1) / (m * v)
+
+
+def pipeline_p2p_per_microbatch(layout: Layout) -> float:
+    """Sends and receives a pipeline rank issues per micro-batch, on average over the pp ranks:
+    every stage boundary between two ranks costs a send and a receive forward and again backward
+    (4 ops), and there are p-1 such boundaries with one stage per rank, vp-1 with v looped stages,
+    2p-2 with ZBV's V (its tip, stages p-1 and p, is one rank's: handed over in memory); so 4(p-1)/p,
+    4v - 4/p and 8 - 8/p per rank. Counted in torch's action lists with communication
+    (`pipeline_order_with_comms`, tests/plan/test_pipeline_schedules.py). The average, not the
+    busiest rank (middle ranks issue 4, 4v, 8): at full speed the ranks wait for each other anyway,
+    and where ranks share cores their host work adds up."""
+    p = layout.pp
+    if p == 1:
+        return 0.0
+    if layout.schedule == "zbv_zero_bubble":
+        boundaries = 2 * p - 2
+    elif layout.schedule in ("gpipe", "1f1b"):
+        boundaries = p - 1
+    else:
+        boundaries = layout.virtual_stages * p - 1
+    return 4 * boundaries / p
 
 
 def ddp_buckets(grad_bytes: float) -> int:
@@ -243,19 +299,23 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         count("all_reduce", norm_reads + 3 * ga + 1)
         exposed += t
         total += t
-    # Context parallel (ring attention): K and V pass around the ring, hidden behind attention.
+    # Context parallel (ring attention): K and V pass around the ring, hidden behind attention's
+    # score and value products only (the ring issues the next block's K/V before this block's
+    # attention): their FLOP share of the step, 12*L*dim*seq of the token's FLOPs.
     if layout.cp > 1:
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
         t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * stage_layers * ga
         count("p2p", 3 * (layout.cp - 1) * stage_layers * ga)
-        attn_compute = t_mb * ga * 0.3
+        attn_compute = t_mb * ga * 12 * shape.n_layers * shape.dim * seq_len / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
-    # Pipeline: stage-boundary activations forward and their gradients backward per micro-batch.
+    # Pipeline: stage-boundary activations forward and their gradients backward, the sends and
+    # receives a rank issues per micro-batch on average (`pipeline_p2p_per_microbatch`).
     if layout.pp > 1:
         spans = layout.pp * layout.tp * layout.cp > cluster.gpus_per_node
-        t = 2 * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * ga
-        count("p2p", 2 * ga)
+        hops = pipeline_p2p_per_microbatch(layout)
+        t = hops * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * ga
+        count("p2p", hops * ga)
         exposed += t
         total += t
     # Data parallel: gradient reduction (+ parameter gathers for sharded modes), over dp x cp: the
@@ -284,9 +344,11 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             # FSDP2 all-gathers each unit before its forward and (fsdp: resharded after forward)
             # again before its backward, except the last block (kiln keeps it; the root is
             # resharded: kiln passes reshard_after_forward=True, which torch applies to the root
-            # too); it reduce-scatters each unit's gradients once per step.
+            # too); it reduce-scatters each unit's gradients once per step. Zero-bubble pipelines
+            # keep every unit gathered until backward (kiln/parallel/pipeline.py
+            # keep_gathered_until_backward), as zero2 does.
             gathers, gathered = units, stage_params
-            if layout.dp_mode == "fsdp":
+            if layout.dp_mode == "fsdp" and resharded_after_forward(layout):
                 gathers += units - 1
                 gathered += stage_params - shape.layer_params / layout.tp
             gathers *= ga
@@ -309,8 +371,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # A stage idle in the bubble leaves its core to the node's other processes: where ranks share
     # cores (share < 1, CPU), the step is the longer of the full-speed pipeline (compute at a whole
     # core, plus its bubble) and the node's total work over its cores (= compute at the share).
-    bubble = max(0.0, compute * share * (1 + bubble_fraction(layout)) - compute) if share < 1 \
-        else compute * bubble_fraction(layout)
+    idle = bubble_fraction(layout, pass_split(shape, layout, seq_len))
+    bubble = max(0.0, compute * share * (1 + idle) - compute) if share < 1 else compute * idle
     # The optimizer step reads and writes weights, gradients and state: memory-bandwidth bound.
     # Each rank steps its partition: zero1 over the replicas, zero2/fsdp over the shards.
     shard = {"zero1": replicas, "zero2": shards, "fsdp": shards}.get(layout.dp_mode, 1)
