@@ -36,15 +36,28 @@ def count_params_closed_form(m: ModelConfig, vocab: int) -> int:
 
 
 def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
-    """The planner's Layout for a job config (and its resolved ParallelDims, if any)."""
+    """The planner's Layout for a job config (and its resolved ParallelDims, if any). Under pp the
+    accumulated batch is one schedule step split into the schedule's micro-batches (the inverse of
+    kiln/plan/search.py config_for_plan), so the schedule decides the activations held in flight."""
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else "fp32"  # auto may be fp32: the larger
     d = dims
+    micro_batch, grad_accum, pipeline = cfg.train.batch_size, cfg.train.grad_accum, {}
+    if d and d.pp > 1:
+        from kiln.parallel.pipeline import n_microbatches
+
+        p = cfg.parallel
+        grad_accum = n_microbatches(cfg)
+        micro_batch = max(1, cfg.train.batch_size * cfg.train.grad_accum // grad_accum)
+        # looped BFS runs every micro-batch's forward through a rank's stages first: GPipe's memory
+        schedule = "gpipe" if p.pp_schedule == "looped_bfs" else p.pp_schedule
+        pipeline = {"schedule": schedule,
+                    "virtual_stages": 2 if schedule == "zbv_zero_bubble" else p.pp_virtual_stages}
     return Layout(dp_replicate=d.dp_replicate if d else 1, dp_shard=d.dp_shard if d else 1, tp=d.tp if d else 1,
                   pp=d.pp if d else 1, cp=d.cp if d else 1, ep=d.ep if d else 1,
-                  dp_mode=d.dp_mode if d else "ddp", micro_batch=cfg.train.batch_size,
-                  grad_accum=cfg.train.grad_accum, ac=cfg.train.activation_checkpointing,
+                  dp_mode=d.dp_mode if d else "ddp", micro_batch=micro_batch,
+                  grad_accum=grad_accum, ac=cfg.train.activation_checkpointing,
                   precision="float8" if cfg.train.float8 else dtype,
-                  loss="chunked" if cfg.train.loss == "chunked" else "full")
+                  loss="chunked" if cfg.train.loss == "chunked" else "full", **pipeline)
 
 
 def estimate_train_bytes(cfg: JobConfig, dims: ParallelDims | None = None) -> int:

@@ -69,3 +69,25 @@ def test_sharded_weights_count_per_rank():
     with pytest.raises(ConfigError, match="model.n_layers=32 needs|model.dim=4096 needs"):
         check_fits_memory(cfg, CPU, available=80 << 30)
     check_fits_memory(cfg, CPU, ParallelDims.from_config(cfg.parallel, world_size=8, rank=0), available=80 << 30)
+
+
+def test_pipeline_jobs_are_estimated_with_their_schedule_and_micro_batches():
+    """Under pp the accumulated batch is one schedule step: GPipe holds all its micro-batches'
+    activations, 1F1B at most pp of them (kiln/plan/memory.py in_flight_microbatches)."""
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.memory import layout_of
+
+    def layout(schedule, microbatches=8, extra=()):
+        cfg = load_config(None, ["model.tie_embeddings=false", "model.n_layers=4", "parallel.pp=2",
+                                 f"parallel.pp_schedule={schedule!r}", f"parallel.pp_microbatches={microbatches}",
+                                 "train.batch_size=4", "train.grad_accum=2", *extra])
+        return cfg, layout_of(cfg, ParallelDims.from_config(cfg.parallel, world_size=2, rank=0))
+
+    cfg, gpipe = layout("gpipe")
+    assert (gpipe.schedule, gpipe.grad_accum, gpipe.micro_batch) == ("gpipe", 8, 1)
+    _, zbv = layout("zbv_zero_bubble")
+    assert (zbv.schedule, zbv.virtual_stages) == ("zbv_zero_bubble", 2)
+    _, one_f_one_b = layout("1f1b")
+    dims = ParallelDims.from_config(cfg.parallel, world_size=2, rank=0)
+    assert estimate_train_bytes(cfg, dims) > estimate_train_bytes(layout("1f1b")[0], dims)
+    assert one_f_one_b.micro_batch * one_f_one_b.grad_accum == 4 * 2
