@@ -119,7 +119,8 @@ def _ring_forward(q, k, v, ring: Ring):
     scale = 1.0 / math.sqrt(head_dim)
     mine = zigzag_chunks(ring.size, ring.rank)
     q5 = q.float().reshape(bsz, n_kv, n_heads // n_kv, seqlen, head_dim)
-    acc = torch.zeros_like(q5)
+    # Contiguous whatever q's strides (zeros_like would copy them): the op's fake says so.
+    acc = torch.zeros(q5.shape, device=q.device)
     m = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
     l = torch.zeros_like(m)
     kv = torch.stack([k.float(), v.float()]).contiguous()
@@ -146,7 +147,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
     q5 = q.float().reshape(out.shape)
     dout = grad_out.float().reshape(out.shape)
     delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
-    dq = torch.zeros_like(q5)
+    dq = torch.zeros(q5.shape, device=q.device)  # contiguous, as the fake (see _ring_forward)
     kv = torch.stack([k.float(), v.float()]).contiguous()
     dkv = torch.zeros_like(kv)
     for step in range(ring.size):
@@ -173,7 +174,11 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
 # wraps its all-gather): a compiled block keeps one graph and calls them eagerly, since dynamo
 # cannot trace P2POp. Fake implementations give AOTAutograd/inductor the output shapes; the
 # process group travels by name (what torch's functional collectives do), resolved in the op.
-@torch.library.custom_op("kiln::ring_attention", mutates_args=())
+# cudagraph_unsafe: inductor splits a CUDA graph (train.cuda_graphs) around them (P2P waited on the host).
+_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op("kiln::ring_attention", mutates_args=(), tags=_OP_TAGS)
 def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)))
@@ -186,7 +191,7 @@ def _(q, k, v, group_name):
     return out, out.new_empty(out.shape[:-1])
 
 
-@torch.library.custom_op("kiln::ring_attention_backward", mutates_args=())
+@torch.library.custom_op("kiln::ring_attention_backward", mutates_args=(), tags=_OP_TAGS)
 def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor,
                                 group_name: str) -> tuple[torch.Tensor, torch.Tensor]:

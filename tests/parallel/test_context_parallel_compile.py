@@ -6,11 +6,13 @@ compiled (fullgraph), cp=2 under DDP (2 ranks) and FSDP dp_shard=2 x cp=2 (4 ran
 EAGER process on the same global batch (conftest's dp_reference: test_data_parallel's settings,
 SGD, no clipping, 6 steps); fp32, relative 1e-5 per step (the data-parallel tests' bound).
 
-Attention: ring attention compiled (fullgraph) on 2 ranks equals the matching rows of full causal
-SDPA, forward and dQ/dK/dV, MHA and GQA (cp_ring_worker's check, fp32 atol 1e-5). Negative
-control: the same compiled check with a ring merge that forgets the earlier partial sums fails.
-The control is at the attention level because this tiny model's loss barely feels attention at
-initialization (that merge moves the first loss by ~2e-6 relative, below the training bound).
+Ops: both ring ops pass `torch.library.opcheck` (schema, fake against real outputs, autograd
+registration, AOTAutograd). Attention: ring attention compiled (fullgraph) on 2 ranks equals the
+matching rows of full causal SDPA, forward and dQ/dK/dV, MHA and GQA (cp_ring_worker's check,
+fp32 atol 1e-5). Negative control: the same compiled check with a ring merge that forgets the
+earlier partial sums fails. The control is at the attention level because this tiny model's
+loss barely feels attention at initialization (that merge moves the first loss by ~2e-6
+relative in one process, below the training bound).
 
 Recompiles: a step loop over kiln's `parallelize` and `ContextParallel`, each step followed by
 an evaluation outside `with cp:` (whole sequences, SDPA: kiln's scorer), compiles its graphs in
@@ -52,8 +54,8 @@ def _merge_forgetting_earlier_blocks(acc, l, m, s, vb):
 
 def _train(rank, world, runs, recompile_job=None):
     """Each (name, cfg, run_dir) of `runs` through kiln's trainer on this rank, blocks compiled with
-    BACKEND. With `recompile_job`, then the compiled attention check (`_compiled_ring_errors`) and
-    the step loop of `_graphs_per_step`, strict from step 1 and from step 0."""
+    BACKEND. With `recompile_job`, then the ops' opcheck, the compiled attention check
+    (`_compiled_ring_errors`) and the step loop of `_graphs_per_step`, strict from 1 and from 0."""
     import torch
 
     from kiln.train.trainer import train
@@ -67,8 +69,29 @@ def _train(rank, world, runs, recompile_job=None):
             torch._dynamo.reset()
     if recompile_job is None:
         return None
-    return {"attention": _compiled_ring_errors(rank, world),
+    return {"opcheck": _opcheck_ring_ops(), "attention": _compiled_ring_errors(rank, world),
             "graphs": {strict_from: _graphs_per_step(rank, world, recompile_job, strict_from) for strict_from in (1, 0)}}
+
+
+def _opcheck_ring_ops():
+    """torch.library.opcheck of both ring ops (schema, fake implementation against the real one
+    (shapes, strides, dtypes), autograd registration, AOTAutograd dynamic), q as the model hands
+    it (a transposed view). Every rank runs the same checks in the same order, so the ring's
+    point-to-point calls pair up."""
+    import torch
+    import torch.distributed as dist
+
+    from kiln.parallel import context_parallel
+
+    group = context_parallel.Ring(dist.group.WORLD).group_name
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q = torch.randn(2, 16, 4, 8, generator=g).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 2, 16, 8, generator=g).requires_grad_() for _ in range(2))
+    forward = torch.library.opcheck(context_parallel._ring_attention_op, (q, k, v, group))
+    out, lse = context_parallel._ring_attention_op(q.detach(), k.detach(), v.detach(), group)
+    backward = torch.library.opcheck(context_parallel._ring_attention_backward_op,
+                                     (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, group))
+    return {"forward": forward, "backward": backward}
 
 
 def _compiled_ring_errors(rank, world):
@@ -171,6 +194,13 @@ def test_compiled_blocks_with_context_parallel_match_one_eager_process(runs, dp_
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(dp_reference[step], rel=REL), f"step {step}: {got[step]}"
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
+def test_ring_ops_pass_torch_library_opcheck(runs):
+    for rank, checks in enumerate(runs["checks"]):
+        for op, results in checks["opcheck"].items():
+            assert results and set(results.values()) == {"SUCCESS"}, f"rank {rank} {op}: {results}"
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
