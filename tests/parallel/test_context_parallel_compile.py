@@ -70,7 +70,7 @@ def _train(rank, world, runs, recompile_job=None):
     if recompile_job is None:
         return None
     return {"opcheck": _opcheck_ring_ops(), "attention": _compiled_ring_errors(rank, world),
-            "graphs": {strict_from: _graphs_per_step(rank, world, recompile_job, strict_from) for strict_from in (1, 0)}}
+            "graphs": {strict: _graphs_per_step(rank, world, recompile_job, strict) for strict in (1, 0)}}
 
 
 def _opcheck_ring_ops():
@@ -147,7 +147,8 @@ def _graphs_per_step(rank, world, cfg, strict_from):
     model = parallelize(model, dims, cfg, cpu)
     cp = ContextParallel(model, dims, cfg.data.seq_len, cpu)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1),
+                           generator=torch.Generator().manual_seed(1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     graphs = []
     for step in range(STEPS):
