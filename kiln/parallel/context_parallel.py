@@ -173,7 +173,8 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
 # The ring as two opaque torch ops (torch.library.custom_op, the way torch's own flex-attention CP
 # wraps its all-gather): a compiled block keeps one graph and calls them eagerly, since dynamo
 # cannot trace P2POp. Fake implementations give AOTAutograd/inductor the output shapes; the
-# process group travels by name (what torch's functional collectives do), resolved in the op.
+# process group travels by name, resolved in the op by c10d's `_resolve_process_group` (private,
+# what torch's functional collectives use).
 # cudagraph_unsafe: inductor splits a CUDA graph (train.cuda_graphs) around them (P2P waited on the host).
 _OP_TAGS = (torch.Tag.cudagraph_unsafe,)
 
