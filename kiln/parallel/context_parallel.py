@@ -20,6 +20,13 @@ because it yields the log-sum-exp on every device and backend; SDPA's LSE-return
 private aten ops whose signatures differ between CPU and CUDA builds. Torch's own
 `torch.distributed.tensor.experimental.context_parallel` (CUDA only) is not wired in: see
 docs/parallel.md. Attention dropout is not supported under cp > 1 (refused at startup).
+
+Under train.compile the ring is two opaque ops (`torch.library.custom_op`: forward, and backward
+via `register_autograd`, each with a fake implementation for shapes), the pattern torch's own
+flex-attention context parallel uses for its all-gather: dynamo cannot trace `P2POp`, and an
+opaque op keeps each compiled block one graph (fullgraph) that calls the ring eagerly, its
+overlap untouched. Eager training runs the same ops; results are bit-identical to the former
+autograd.Function. The process group reaches the ops by name (as torch's functional collectives).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from kiln.errors import ConfigError
 
@@ -56,6 +64,7 @@ class Ring:
 
     def __init__(self, group):
         self.group = group
+        self.group_name = group.group_name  # how the ring ops (below) receive the group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
@@ -92,81 +101,132 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return s
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
-        bsz, n_heads, seqlen, head_dim = q.shape
-        n_kv = k.shape[1]
-        size = seqlen // 2
-        scale = 1.0 / math.sqrt(head_dim)
-        mine = zigzag_chunks(ring.size, ring.rank)
-        q5 = q.float().view(bsz, n_kv, n_heads // n_kv, seqlen, head_dim)
-        acc = torch.zeros_like(q5)
-        m = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
-        l = torch.zeros_like(m)
-        kv = torch.stack([k.float(), v.float()]).contiguous()
-        for step in range(ring.size):
-            pending = ring.start_shift(kv) if step < ring.size - 1 else None
-            src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
-            for qs, ks, causal in _chunk_pairs(mine, src, size):
-                s = _scores(q5[..., qs, :], kv[0][..., ks, :], causal, scale)
-                # Every kept row has an unmasked score (full blocks, or a causal diagonal), so m stays finite.
-                m_new = torch.maximum(m[..., qs], s.amax(-1))
-                p = torch.exp(s - m_new.unsqueeze(-1))
-                alpha = torch.exp(m[..., qs] - m_new)
-                l[..., qs] = l[..., qs] * alpha + p.sum(-1)
-                acc[..., qs, :] = acc[..., qs, :] * alpha.unsqueeze(-1) + p @ kv[1][..., ks, :].unsqueeze(2)
-                m[..., qs] = m_new
-            if pending is not None:
-                kv, works = pending
-                for w in works:
-                    w.wait()
-        out = acc / l.unsqueeze(-1)
-        lse = m + torch.log(l)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out.view(bsz, n_heads, seqlen, head_dim).to(q.dtype)
+def _merge_block(acc, l, m, s, vb):
+    """Online softmax: one block's scores `s` and values `vb` folded into its rows' running
+    (output sum `acc`, normalizer `l`, max `m`); earlier partials are rescaled to the new max."""
+    # Every kept row has an unmasked score (full blocks, or a causal diagonal), so m stays finite.
+    m_new = torch.maximum(m, s.amax(-1))
+    p = torch.exp(s - m_new.unsqueeze(-1))
+    alpha = torch.exp(m - m_new)
+    return acc * alpha.unsqueeze(-1) + p @ vb.unsqueeze(2), l * alpha + p.sum(-1), m_new
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
-        bsz, n_heads, seqlen, head_dim = q.shape
-        size = seqlen // 2
-        scale = 1.0 / math.sqrt(head_dim)
-        mine = zigzag_chunks(ring.size, ring.rank)
-        q5 = q.float().view(out.shape)
-        dout = grad_out.float().reshape(out.shape)
-        delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
-        dq = torch.zeros_like(q5)
-        kv = torch.stack([k.float(), v.float()]).contiguous()
-        dkv = torch.zeros_like(kv)
-        for step in range(ring.size):
-            pending = ring.start_shift(kv) if step < ring.size - 1 else None
-            src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
-            for qs, ks, causal in _chunk_pairs(mine, src, size):
-                kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
-                p = torch.exp(_scores(q5[..., qs, :], kb, causal, scale) - lse[..., qs].unsqueeze(-1))
-                do = dout[..., qs, :]
-                dkv[1][..., ks, :] += (p.transpose(-1, -2) @ do).sum(2)
-                ds = p * (do @ vb.unsqueeze(2).transpose(-1, -2) - delta[..., qs].unsqueeze(-1))
-                dq[..., qs, :] += (ds @ kb.unsqueeze(2)) * scale
-                dkv[0][..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2) * scale
-            if pending is not None:
-                kv, works = pending
-                for w in works:
-                    w.wait()
-            # The gradient accumulator travels with its block; after the last step it goes home.
-            dkv = ring.shift(dkv)
-        dq = dq.view(bsz, n_heads, seqlen, head_dim).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+def _ring_forward(q, k, v, ring: Ring):
+    """The ring's forward: out (B, Hkv, rep, T, D) and its log-sum-exp (B, Hkv, rep, T), fp32."""
+    bsz, n_heads, seqlen, head_dim = q.shape
+    n_kv = k.shape[1]
+    size = seqlen // 2
+    scale = 1.0 / math.sqrt(head_dim)
+    mine = zigzag_chunks(ring.size, ring.rank)
+    q5 = q.float().reshape(bsz, n_kv, n_heads // n_kv, seqlen, head_dim)
+    # Contiguous whatever q's strides (zeros_like would copy them): the op's fake says so.
+    acc = torch.zeros(q5.shape, device=q.device)
+    m = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
+    l = torch.zeros_like(m)
+    kv = torch.stack([k.float(), v.float()]).contiguous()
+    for step in range(ring.size):
+        pending = ring.start_shift(kv) if step < ring.size - 1 else None
+        src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
+        for qs, ks, causal in _chunk_pairs(mine, src, size):
+            s = _scores(q5[..., qs, :], kv[0][..., ks, :], causal, scale)
+            acc[..., qs, :], l[..., qs], m[..., qs] = _merge_block(acc[..., qs, :], l[..., qs], m[..., qs], s,
+                                                                   kv[1][..., ks, :])
+        if pending is not None:
+            kv, works = pending
+            for w in works:
+                w.wait()
+    return acc / l.unsqueeze(-1), m + torch.log(l)
+
+
+def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
+    """The ring's backward: dq (q's shape and dtype) and dK/dV stacked (2, B, Hkv, T, D) in fp32."""
+    bsz, n_heads, seqlen, head_dim = q.shape
+    size = seqlen // 2
+    scale = 1.0 / math.sqrt(head_dim)
+    mine = zigzag_chunks(ring.size, ring.rank)
+    q5 = q.float().reshape(out.shape)
+    dout = grad_out.float().reshape(out.shape)
+    delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
+    dq = torch.zeros(q5.shape, device=q.device)  # contiguous, as the fake (see _ring_forward)
+    kv = torch.stack([k.float(), v.float()]).contiguous()
+    dkv = torch.zeros_like(kv)
+    for step in range(ring.size):
+        pending = ring.start_shift(kv) if step < ring.size - 1 else None
+        src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
+        for qs, ks, causal in _chunk_pairs(mine, src, size):
+            kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
+            p = torch.exp(_scores(q5[..., qs, :], kb, causal, scale) - lse[..., qs].unsqueeze(-1))
+            do = dout[..., qs, :]
+            dkv[1][..., ks, :] += (p.transpose(-1, -2) @ do).sum(2)
+            ds = p * (do @ vb.unsqueeze(2).transpose(-1, -2) - delta[..., qs].unsqueeze(-1))
+            dq[..., qs, :] += (ds @ kb.unsqueeze(2)) * scale
+            dkv[0][..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2) * scale
+        if pending is not None:
+            kv, works = pending
+            for w in works:
+                w.wait()
+        # The gradient accumulator travels with its block; after the last step it goes home.
+        dkv = ring.shift(dkv)
+    return dq.view(bsz, n_heads, seqlen, head_dim).to(q.dtype), dkv
+
+
+# The ring as two opaque torch ops (torch.library.custom_op, the way torch's own flex-attention CP
+# wraps its all-gather): a compiled block keeps one graph and calls them eagerly, since dynamo
+# cannot trace P2POp. Fake implementations give AOTAutograd/inductor the output shapes; the
+# process group travels by name, resolved in the op by c10d's `_resolve_process_group` (private,
+# what torch's functional collectives use).
+# cudagraph_unsafe: inductor splits a CUDA graph (train.cuda_graphs) around them (P2P waited on the host).
+_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op("kiln::ring_attention", mutates_args=(), tags=_OP_TAGS)
+def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)))
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, group_name):
+    bsz, n_heads, seqlen, head_dim = q.shape
+    out = q.new_empty((bsz, k.shape[1], n_heads // k.shape[1], seqlen, head_dim), dtype=torch.float32)
+    return out, out.new_empty(out.shape[:-1])
+
+
+@torch.library.custom_op("kiln::ring_attention_backward", mutates_args=(), tags=_OP_TAGS)
+def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor,
+                                group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_backward(grad_out, q, k, v, out, lse, Ring(_resolve_process_group(group_name)))
+
+
+@_ring_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, group_name):
+    # Contiguous, as the real op returns them (empty_like would copy q's strides).
+    return q.new_empty(q.shape), k.new_empty((2, *k.shape), dtype=torch.float32)
+
+
+def _save_for_ring_backward(ctx, inputs, output):
+    q, k, v, ctx.group_name = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _ring_attention_grad(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dkv = _ring_attention_backward_op(grad_out, q, k, v, out, lse, ctx.group_name)
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+_ring_attention_op.register_autograd(_ring_attention_grad, setup_context=_save_for_ring_backward)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
     """Causal attention of this rank's zig-zag slice: q (B, H, T, D), k/v (B, Hkv, T, D) with
     H a multiple of Hkv (GQA); T = 2 chunks. Equals the matching rows of full causal attention."""
     with torch.autocast(q.device.type, enabled=False):  # the blocks run in fp32 (see module doc)
-        return _RingAttention.apply(q, k, v, ring)
+        out, _ = _ring_attention_op(q, k, v, ring.group_name)
+        return out.view(q.shape).to(q.dtype)
 
 
 class ContextParallel:

@@ -103,8 +103,9 @@ class ParallelDims:
                    dp_mode=mode, local_world_size=local_world_size, etp=etp)
 
     def check_model(self, cfg: JobConfig) -> None:
-        """The layout against the model, before any work. Compile cannot trace ring attention (cp) nor
-        the experts' own FSDP unit inside a block (ep under fsdp/zero2). Tensor parallelism splits
+        """The layout against the model, before any work. Compile cannot trace the experts' own FSDP
+        unit inside a block (ep under fsdp/zero2); ring attention (cp) enters compiled blocks as an
+        opaque op (kiln/parallel/context_parallel.py). Tensor parallelism splits
         attention heads, KV heads and FFN hidden units over the tp ranks, the sequence between blocks
         (sequence parallel), and computes the loss on vocab-sharded logits (not the chunked head)."""
         if self.ep > 1 and cfg.train.compile and self.dp_mode in ("fsdp", "zero2"):
@@ -114,11 +115,6 @@ class ParallelDims:
             raise ConfigError(f"train.compile=true with parallel.ep={self.ep} and parallel.dp_mode="
                               f"{self.dp_mode!r} is not supported yet; set train.compile=false, or "
                               f"parallel.dp_mode='ddp'")
-        if cfg.train.compile and self.cp > 1:
-            # Ring attention's point-to-point ops cannot be traced in a fullgraph block compile
-            # (torch 2.13: "P2P compilation disabled for P2POp construction"), with or without tp.
-            raise ConfigError(f"train.compile=true with parallel.cp={self.cp} is not supported yet (ring "
-                              f"attention cannot be compiled per block); set train.compile=false")
         tp = self.tp
         if tp == 1:
             return

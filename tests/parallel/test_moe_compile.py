@@ -15,8 +15,9 @@ unit, whose hooks dynamo does not trace; every rank failed at the first step (4 
 ep 2, by hand). Now refused in one line before any work; under ddp it runs (by hand: the losses of
 6 steps within 2e-7 of one process), so ddp is not refused.
 
-3. compile + context parallel: dynamo refuses the ring attention's P2POp inside a compiled block;
-every rank failed at the first step. Refused in one line too.
+3. compile + context parallel: dynamo refused the ring attention's P2POp inside a compiled block;
+every rank failed at the first step. Now the ring is an opaque op in the compiled block:
+tests/parallel/test_context_parallel_compile.py.
 """
 
 import copy
@@ -87,16 +88,3 @@ def test_compile_with_ep_under_fsdp_is_refused_in_one_line_before_any_work(text_
         cfg = load_config(None, [*tiny_overrides(text_file, **sets), *extra])
         ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).check_model(cfg)
 
-
-def test_compile_with_cp_is_refused_in_one_line(text_file):
-    # ring attention's P2POp inside a compiled block: every rank failed at step 1 (4 ranks, cp 2 x
-    # ddp 2, dense and MoE, by hand)
-    from kiln.errors import ConfigError
-
-    cfg = load_config(None, tiny_overrides(text_file, **{"parallel.cp": 2, "parallel.dp_mode": "'ddp'",
-                                                         "train.compile": "true"}))
-    dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0, seq_len=cfg.data.seq_len)
-    with pytest.raises(ConfigError, match=r"train\.compile=true with parallel\.cp=2 is not supported yet"):
-        dims.check_model(cfg)
-    cfg.train.compile = False
-    dims.check_model(cfg)

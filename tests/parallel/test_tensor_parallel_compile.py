@@ -177,12 +177,11 @@ def test_torch_keeps_the_gradient_of_an_in_flight_collective_entering_a_compiled
      "set train.compile_scope='blocks' or 'auto'"),
     (["train.activation_checkpointing=full"], 1, "train.activation_checkpointing='full' with train.compile=true "
      "and parallel.tp=2 is not supported yet", "set train.activation_checkpointing='none' or train.compile=false"),
-    ([], 2, "train.compile=true with parallel.cp=2 is not supported yet", "set train.compile=false"),
 ])
 def test_untested_compile_layouts_under_tp_are_refused_in_one_line(overrides, cp, refusal, fix):
     # What is not proven above: one whole-model graph; checkpointed blocks (torch 2.13's
-    # AOTAutograd fails on them under TP; one process with both runs); ring
-    # attention (cp), which a fullgraph block compile cannot trace.
+    # AOTAutograd fails on them under TP; one process with both runs). (compile with tp and cp
+    # runs: tests/parallel/test_context_parallel_compile.py covers cp, tp x cp by hand.)
     from kiln.config import ParallelConfig
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
