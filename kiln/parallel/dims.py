@@ -233,15 +233,6 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
 def check_replicated_pipeline(cfg: ParallelConfig, mode: str) -> None:
     """ddp/zero1 across pipeline replicas (kiln/parallel/data_parallel.py `replicate_stage`):
     refused where DDP's gradient all-reduce would miss gradients."""
-    from kiln.parallel.pipeline import ZERO_BUBBLE
-
-    if cfg.pp_schedule in ZERO_BUBBLE:
-        # torch's weight pass (pipelining/_backward.py stage_backward_weight) takes the weight
-        # gradients with autograd.grad and adds them to .grad by hand: DDP's hooks on the
-        # gradient accumulators never fire, so those gradients would never be averaged.
-        raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule!r} cannot run with parallel.dp_mode={mode!r} "
-                          f"(torch's split weight backward bypasses DDP's gradient all-reduce); use "
-                          f"dp_mode='fsdp' or 'zero2', or pp_schedule='interleaved_1f1b'")
     if cfg.ep > 1:
         # Without pp, kiln's ddp leaves the experts' DTensors out of composable replicate
         # (apply_ddp's ignored_modules); the per-stage DDP wrapper has no such path wired or
