@@ -184,9 +184,13 @@ LAYOUTS = {"single": (1, {}), "ddp_pp": (4, {**PP, "parallel.dp_mode": "'ddp'"})
            "zero1_pp": (4, {**PP, "parallel.pp_schedule": "'gpipe'", "parallel.dp_mode": "'zero1'"}),
            "fsdp_pp": (4, {**PP, "parallel.dp_mode": "'fsdp'"}),
            # DDP over the cp ranks of each stage (no replicas): cp's gradient average is DDP's
-           "ddp_cp_pp": (4, {**PP, "parallel.cp": 2, "parallel.dp_mode": "'ddp'"})}
+           "ddp_cp_pp": (4, {**PP, "parallel.cp": 2, "parallel.dp_mode": "'ddp'"}),
+           # a zero-bubble schedule (no DDP wrapper: data_parallel.py SplitBackwardReplicas); one
+           # stage per rank, as the 2-layer test model has 2 layers
+           "ddp_zero_bubble_pp": (4, {**PP, "parallel.pp_schedule": "'interleaved_zero_bubble'",
+                                      "parallel.dp_mode": "'ddp'"})}
 PAIRS = {"ddp_pp": ["single", "fsdp_pp"], "zero1_pp": ["single"]}  # saved at step 3 -> continued in
-SAVED_ONLY = ["ddp_cp_pp"]  # steps 1..3 checked, not continued
+SAVED_ONLY = ["ddp_cp_pp", "ddp_zero_bubble_pp"]  # steps 1..3 checked, not continued
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +253,11 @@ def test_trainer_ddp_over_cp_in_each_stage_matches_one_process(trainer_runs):
     assert (run_row["pp"], run_row["cp"], run_row["world_size"]) == (2, 2, 4)
     cross.assert_same_losses(cross.losses(trainer_runs["reference"]), cross.losses(run),
                              range(1, cross.SAVE_AT + 1), "ddp_cp_pp")
+
+
+def test_trainer_ddp_with_a_zero_bubble_schedule_matches_one_process(trainer_runs):
+    run = trainer_runs["ddp_zero_bubble_pp"]
+    run_row = _rows(run, "run")[0]
+    assert (run_row["dp_mode"], run_row["pp_schedule"], run_row["dp_replicate"]) == ("ddp", "interleaved_zero_bubble", 2)
+    cross.assert_same_losses(cross.losses(trainer_runs["reference"]), cross.losses(run),
+                             range(1, cross.SAVE_AT + 1), "ddp_zero_bubble_pp")
