@@ -80,8 +80,9 @@ class SplitBackwardReplicas:
     stage_backward_weight, every stage but the first) computes the weight gradients with
     `autograd.grad` and adds them to `.grad` itself: no AccumulateGrad runs, no hook fires, and
     the reducer has no public call to reduce its buckets afterwards. (torch's other replicate, `_composable.replicate_with_fsdp`, has a manual post-backward
-    that torch's REDUCE_GRAD action calls, but it turns the parameters into DTensors, which
-    `ZeroRedundancyOptimizer` (zero1) and the other pp layouts' checkpoints do not take.)
+    that torch's REDUCE_GRAD action calls, but it turns every parameter into a DTensor: another
+    parameter type for the optimizer, ZeroRedundancyOptimizer's broadcasts (zero1) and the
+    checkpoints than every other ddp layout has; not tried.)
 
     What is torch's: DDP's own start (`_verify_param_shape_across_processes`, then
     `_sync_module_states`: the group's first rank broadcasts parameters and buffers in 250 MB
