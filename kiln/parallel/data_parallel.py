@@ -79,10 +79,11 @@ class SplitBackwardReplicas:
     AccumulateGrad nodes have fired for all of it. torch's weight pass (pipelining/_backward.py
     stage_backward_weight, every stage but the first) computes the weight gradients with
     `autograd.grad` and adds them to `.grad` itself: no AccumulateGrad runs, no hook fires, and
-    the reducer has no public call to reduce its buckets afterwards. (torch's other replicate, `_composable.replicate_with_fsdp`, has a manual post-backward
-    that torch's REDUCE_GRAD action calls, but it turns every parameter into a DTensor: another
-    parameter type for the optimizer, ZeroRedundancyOptimizer's broadcasts (zero1) and the
-    checkpoints than every other ddp layout has; not tried.)
+    the reducer has no public call to reduce its buckets afterwards. (torch's other replicate,
+    `_composable.replicate_with_fsdp`, has a manual post-backward that torch's REDUCE_GRAD
+    action calls, but it turns every parameter into a DTensor: another parameter type for the
+    optimizer, ZeroRedundancyOptimizer's broadcasts (zero1) and the checkpoints than every
+    other ddp layout has; not tried.)
 
     What is torch's: DDP's own start (`_verify_param_shape_across_processes`, then
     `_sync_module_states`: the group's first rank broadcasts parameters and buffers in 250 MB
@@ -120,8 +121,8 @@ class SplitBackwardReplicas:
 
     def average(self) -> None:
         """Replace every parameter's gradient by its mean over the replicas. A parameter that got
-        no gradient on this rank takes part with zeros (as in DDP's bucket), so every replica sends
-        the same buckets and ends with the same gradient."""
+        no gradient on this rank takes part with zeros, so every replica sends the same buckets
+        and ends with the same gradient."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         pending = []

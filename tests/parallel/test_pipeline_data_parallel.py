@@ -11,8 +11,9 @@ the norms are above it), so a gradient that is not averaged over the replicas ch
 losses (`test_tolerance_catches_gradients_not_averaged_over_replicas`, a comm hook that skips the
 all-reduce). DDP comm hooks count the all-reduces: one per bucket per step.
 
-Trainer level (kiln's trainer, tests/parallel/test_cross_layout.py's helpers): ddp x pp and
-zero1 x pp match one process for steps 1..3; the ddp x pp step-3 checkpoint continues in one
+Trainer level (kiln's trainer, tests/parallel/test_cross_layout.py's helpers): ddp x pp,
+zero1 x pp and ddp x pp with interleaved zero-bubble (no DDP wrapper: the zero-bubble step level is
+in test_pipeline_data_parallel_zero_bubble.py) match one process for steps 1..3; the ddp x pp step-3 checkpoint continues in one
 process and in fsdp x pp, the zero1 x pp one in one process, with the same losses (weights, AdamW
 moments and the loader's global position carried over).
 """
@@ -258,6 +259,7 @@ def test_trainer_ddp_over_cp_in_each_stage_matches_one_process(trainer_runs):
 def test_trainer_ddp_with_a_zero_bubble_schedule_matches_one_process(trainer_runs):
     run = trainer_runs["ddp_zero_bubble_pp"]
     run_row = _rows(run, "run")[0]
-    assert (run_row["dp_mode"], run_row["pp_schedule"], run_row["dp_replicate"]) == ("ddp", "interleaved_zero_bubble", 2)
+    assert (run_row["dp_mode"], run_row["pp_schedule"], run_row["dp_replicate"]) == \
+        ("ddp", "interleaved_zero_bubble", 2)
     cross.assert_same_losses(cross.losses(trainer_runs["reference"]), cross.losses(run),
                              range(1, cross.SAVE_AT + 1), "ddp_zero_bubble_pp")
