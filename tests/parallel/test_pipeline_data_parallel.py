@@ -189,9 +189,11 @@ LAYOUTS = {"single": (1, {}), "ddp_pp": (4, {**PP, "parallel.dp_mode": "'ddp'"})
            # a zero-bubble schedule (no DDP wrapper: data_parallel.py SplitBackwardReplicas); one
            # stage per rank, as the 2-layer test model has 2 layers
            "ddp_zero_bubble_pp": (4, {**PP, "parallel.pp_schedule": "'interleaved_zero_bubble'",
-                                      "parallel.dp_mode": "'ddp'"})}
+                                      "parallel.dp_mode": "'ddp'"}),
+           "ddp_cp_zero_bubble_pp": (4, {**PP, "parallel.pp_schedule": "'interleaved_zero_bubble'", "parallel.cp": 2,
+                                         "parallel.dp_mode": "'ddp'"})}
 PAIRS = {"ddp_pp": ["single", "fsdp_pp"], "zero1_pp": ["single"]}  # saved at step 3 -> continued in
-SAVED_ONLY = ["ddp_cp_pp", "ddp_zero_bubble_pp"]  # steps 1..3 checked, not continued
+SAVED_ONLY = ["ddp_cp_pp", "ddp_zero_bubble_pp", "ddp_cp_zero_bubble_pp"]  # steps 1..3 checked, not continued
 
 
 @pytest.fixture(scope="module")
@@ -256,10 +258,11 @@ def test_trainer_ddp_over_cp_in_each_stage_matches_one_process(trainer_runs):
                              range(1, cross.SAVE_AT + 1), "ddp_cp_pp")
 
 
-def test_trainer_ddp_with_a_zero_bubble_schedule_matches_one_process(trainer_runs):
-    run = trainer_runs["ddp_zero_bubble_pp"]
+@pytest.mark.parametrize("name,cp", [("ddp_zero_bubble_pp", 1), ("ddp_cp_zero_bubble_pp", 2)])
+def test_trainer_ddp_with_a_zero_bubble_schedule_matches_one_process(trainer_runs, name, cp):
+    run = trainer_runs[name]
     run_row = _rows(run, "run")[0]
-    assert (run_row["dp_mode"], run_row["pp_schedule"], run_row["dp_replicate"]) == \
-        ("ddp", "interleaved_zero_bubble", 2)
+    assert (run_row["pp_schedule"], run_row["dp_replicate"] * run_row["cp"], run_row["cp"]) == \
+        ("interleaved_zero_bubble", 2, cp)  # averaged over 2 replicas, or over the 2 cp ranks of a stage
     cross.assert_same_losses(cross.losses(trainer_runs["reference"]), cross.losses(run),
-                             range(1, cross.SAVE_AT + 1), "ddp_zero_bubble_pp")
+                             range(1, cross.SAVE_AT + 1), name)
