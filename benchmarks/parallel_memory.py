@@ -132,15 +132,15 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, r
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
     diloco = None
+    per_rank = args.batch // dims.dp_size  # mp rows: the whole batch, unless ddp x pp (each replica its half)
+    first = dims.dp_rank * per_rank
     if row.kind == "mp":
-        mp_step, optimizer = model_parallel_step(cfg, dims, model, tokens)
+        mp_step, optimizer = model_parallel_step(cfg, dims, model, tokens[first:first + per_rank])
     else:
         optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
         if row.kind == "diloco":
             diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
                             cfg.parallel.diloco_outer_momentum)
-    per_rank = args.batch // dims.dp_size if row.kind != "mp" else args.batch
-    first = dims.dp_rank * per_rank
     x, y = tokens[first:first + per_rank, :-1], tokens[first:first + per_rank, 1:]
 
     def dp_step() -> tuple[int, int]:

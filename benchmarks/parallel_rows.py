@@ -3,7 +3,8 @@ each a set of kiln config overrides on top of the benchmark's model, and `--only
 
 Kinds: "dp" rows run the data-parallel step the script writes out (forward, backward, optimizer
 step; memory split by part), "mp" rows (tp / cp / pp) run the trainer's own step on the whole batch
-(no data parallelism: time and traffic), "diloco" rows the dp step with no gradient reduction and
+(no data parallelism: time and traffic; the `ddp_pp2_*` rows: each of 2 ddp replicas of a pp=2
+pipeline on its half), "diloco" rows the dp step with no gradient reduction and
 DiLoCo's outer sync every `diloco_inner_steps` steps (kiln/parallel/diloco.py).
 Families: "dense" (the benchmark model; reference row `single`), "moe" (the same model with
 every FFN a mixture of experts of the same total FFN parameters; reference row `moe_single`) and
@@ -94,6 +95,8 @@ def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_st
                 out.append(Row(f"pp_{s}", n, "mp", pipeline(s, n, VIRTUAL)))
             else:
                 out.append(Row(f"pp_{s}", n, "mp", pipeline(s, n, VIRTUAL) + deep, "deep"))
+        if n == 4 and VIRTUAL * 2 <= layers:  # 2 ddp replicas of a pp=2 pipeline, 2 stages per rank
+            out += [Row(f"ddp_pp2_{s}", n, "mp", pipeline(s, 2, VIRTUAL)) for s in MULTI_STAGE]
     if any(r.family == "deep" for r in out):  # 1 process, untied like the pipelines
         out.insert(2, Row("deep_single", 1, "dp", ("parallel.dp_mode='ddp'", "model.tie_embeddings=false") + deep,
                           "deep"))

@@ -9,6 +9,10 @@ Which torch API does what (nothing here is a hand-written collective):
            (`replicate_stage`), the wrapper torch.distributed.pipelining recognizes: it runs
            every forward and all but the last backward of a step under `no_sync`, so gradients
            are all-reduced once per step and chunk, not once per micro-batch
+  ddp under pp with a zero-bubble schedule -> no wrapper (`SplitBackwardReplicas`): DDP's
+           start-of-training broadcast (torch.distributed.utils._sync_module_states, the call
+           DDP's constructor makes), then one bucketed torch.distributed.all_reduce of the
+           gradients after the schedule's step
   zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
            optimizer state of its partition of the parameters, then broadcasts the new values)
   zero1 with parallel.ep -> ZeroRedundancyOptimizer over the dense parameters and a plain optimizer
@@ -82,6 +86,76 @@ def leave_experts_to_expert_parallel(chunk: nn.Module) -> None:
     experts = {id(p) for m in chunk.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
     names = [name for name, p in chunk.named_parameters() if id(p) in experts]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(chunk, names)
+
+
+class SplitBackwardReplicas:
+    """Data-parallel replicas of a rank's stage chunks for the zero-bubble schedules, where DDP's
+    gradient all-reduce cannot run: built once the chunks are materialized, then `average()`
+    once per step, after the schedule's step and before clipping.
+
+    Why not DDP: its reducer all-reduces a bucket when the autograd hooks on the parameters'
+    AccumulateGrad nodes have fired for all of it. torch's weight pass (pipelining/_backward.py
+    stage_backward_weight, every stage but the first) computes the weight gradients with
+    `autograd.grad` and adds them to `.grad` itself: no AccumulateGrad runs, no hook fires, and
+    the reducer has no public call to reduce its buckets afterwards. (torch's other replicate,
+    `_composable.replicate_with_fsdp`, has a manual post-backward that torch's REDUCE_GRAD
+    action calls, but it turns every parameter into a DTensor: another parameter type for the
+    optimizer, ZeroRedundancyOptimizer's broadcasts (zero1) and the checkpoints than every
+    other ddp layout has; not tried.)
+
+    What is torch's: DDP's own start (`_verify_param_shape_across_processes`, then
+    `_sync_module_states`: the group's first rank broadcasts parameters and buffers in 250 MB
+    coalesced buckets), `_flatten_dense_tensors` / `_unflatten_dense_tensors` and the
+    `all_reduce` collective. What is kiln's: the bucket plan (consecutive parameters of one dtype
+    and device, up to `bucket_cap_mb`, as DDP's default 25 MB) and the pre-division by the group
+    size before a SUM (DDP's allreduce_hook; gloo has no AVG). Every bucket is in flight at once
+    (async) and copied back as it completes: one transient flat copy of the gradients, where DDP
+    keeps its buckets for the whole run. Unlike DDP nothing overlaps the backward: the gradients
+    are final only at the schedule's end (its REDUCE_GRAD step per stage)."""
+
+    BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
+
+    def __init__(self, chunks: list[nn.Module], dims: ParallelDims, bucket_cap_mb: float = 25):
+        from torch.distributed.utils import _sync_module_states, _verify_param_shape_across_processes
+
+        self.group = grad_mesh(dims).get_group()
+        self.size = dist.get_world_size(self.group)
+        for chunk in chunks:  # DDP's constructor, per chunk as replicate_stage's DDP would do it
+            _verify_param_shape_across_processes(self.group, list(chunk.parameters()))
+            _sync_module_states(chunk, self.group, self.BROADCAST_BUCKET_BYTES, src=0,
+                                params_and_buffers_to_ignore=set())
+        seen: set[int] = set()
+        self.params = [p for chunk in chunks for p in chunk.parameters()
+                       if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        self.buckets: list[list[nn.Parameter]] = []  # the same plan on every replica: same model
+        cap, size, key = bucket_cap_mb * 1024 * 1024, 0.0, None
+        for p in self.params:
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or (p.dtype, p.device) != key or size + nbytes > cap:
+                self.buckets.append([])
+                size, key = 0.0, (p.dtype, p.device)
+            self.buckets[-1].append(p)
+            size += nbytes
+
+    def average(self) -> None:
+        """Replace every parameter's gradient by its mean over the replicas. A parameter that got
+        no gradient on this rank takes part with zeros, so every replica sends the same buckets
+        and ends with the same gradient."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        pending = []
+        for bucket in self.buckets:
+            grads = []
+            for p in bucket:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            flat = _flatten_dense_tensors(grads).div_(self.size)
+            pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        for grads, flat, work in pending:
+            work.wait()
+            for grad, mean in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(mean)
 
 
 class ZeroRedundancyState(ZeroRedundancyOptimizer):

@@ -283,15 +283,15 @@ def check_replicated_pipeline(cfg: ParallelConfig, mode: str) -> None:
     refused where DDP's gradient all-reduce would miss gradients."""
     from kiln.parallel.pipeline import ZERO_BUBBLE
 
-    if cfg.pp_schedule in ZERO_BUBBLE:
-        # torch's weight pass (pipelining/_backward.py stage_backward_weight) takes the weight
-        # gradients with autograd.grad and adds them to .grad by hand: DDP's hooks on the
-        # gradient accumulators never fire, so those gradients would never be averaged.
-        raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule!r} cannot run with parallel.dp_mode={mode!r} "
-                          f"(torch's split weight backward bypasses DDP's gradient all-reduce); use "
-                          f"dp_mode='fsdp' or 'zero2', or pp_schedule='interleaved_1f1b'")
-    # parallel.ep runs here: the per-stage DDP leaves the experts out (data_parallel.py
-    # `leave_experts_to_expert_parallel`), expert_parallel.py reduces their gradients.
+    # The zero-bubble schedules run (data_parallel.py `SplitBackwardReplicas` averages after the
+    # step), and parallel.ep runs with the other schedules: the per-stage DDP leaves the experts
+    # out (data_parallel.py `leave_experts_to_expert_parallel`), expert_parallel.py reduces their
+    # gradients. Both together are untested (the experts' gradient hooks under torch's split
+    # weight pass), so refused.
+    if cfg.ep > 1 and cfg.pp_schedule in ZERO_BUBBLE:
+        raise ConfigError(f"parallel.ep={cfg.ep} with parallel.pp_schedule={cfg.pp_schedule!r} and parallel.dp_mode="
+                          f"{mode!r} is not supported yet; use dp_mode='fsdp' (or 'zero2'), or pp_schedule="
+                          f"'interleaved_1f1b'")
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

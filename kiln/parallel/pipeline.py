@@ -340,10 +340,16 @@ class Pipeline:
         if cfg.parallel.pp_schedule in ZERO_BUBBLE:
             keep_gathered_until_backward(model.chunks)
         modules = model.chunks
-        if dims.dp_mode in ("ddp", "zero1") and dims.dp_size * dims.cp > 1:  # DDP per stage chunk
-            from kiln.parallel.data_parallel import replicate_stage
+        # ddp/zero1 with a zero-bubble schedule: torch's weight pass bypasses DDP's hooks, so the
+        # replicas average after the step instead (pipeline_train_step; data_parallel.py).
+        self.replicas = None
+        if dims.dp_mode in ("ddp", "zero1") and dims.dp_size * dims.cp > 1:
+            from kiln.parallel.data_parallel import SplitBackwardReplicas, replicate_stage
 
-            modules = [replicate_stage(chunk, dims) for chunk in model.chunks]
+            if cfg.parallel.pp_schedule in ZERO_BUBBLE:
+                self.replicas = SplitBackwardReplicas(model.chunks, dims)
+            else:  # DDP per stage chunk
+                modules = [replicate_stage(chunk, dims) for chunk in model.chunks]
         self.stages = [PipelineStage(module, s, self.n_stages, device, group=self.group)
                        for s, module in zip(model.stage_ids, modules)]
         cls = getattr(pipelining, SCHEDULES[cfg.parallel.pp_schedule])
@@ -444,6 +450,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
             pipeline.schedule.step(target=y, losses=losses, return_outputs=False)
         else:
             pipeline.schedule.step(return_outputs=False)
+    if pipeline.replicas is not None:  # ddp/zero1 under a zero-bubble schedule: once per step
+        pipeline.replicas.average()
     if pipeline.tied is not None:  # before clipping: the tied weight's gradient is the sum of both copies'
         pipeline.tied.sum_grads()
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=x.device)

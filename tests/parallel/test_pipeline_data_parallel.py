@@ -11,8 +11,9 @@ the norms are above it), so a gradient that is not averaged over the replicas ch
 losses (`test_tolerance_catches_gradients_not_averaged_over_replicas`, a comm hook that skips the
 all-reduce). DDP comm hooks count the all-reduces: one per bucket per step.
 
-Trainer level (kiln's trainer, tests/parallel/test_cross_layout.py's helpers): ddp x pp and
-zero1 x pp match one process for steps 1..3; the ddp x pp step-3 checkpoint continues in one
+Trainer level (kiln's trainer, tests/parallel/test_cross_layout.py's helpers): ddp x pp,
+zero1 x pp and ddp x pp with interleaved zero-bubble (no DDP wrapper: the zero-bubble step level is
+in test_pipeline_data_parallel_zero_bubble.py) match one process for steps 1..3; the ddp x pp step-3 checkpoint continues in one
 process and in fsdp x pp, the zero1 x pp one in one process, with the same losses (weights, AdamW
 moments and the loader's global position carried over).
 """
@@ -167,15 +168,7 @@ def test_refusals_name_the_key():
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
 
-    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):
-        cfg = job(pp=2, virtual=2, schedule=schedule, dp_mode="ddp")
-        with pytest.raises(ConfigError, match=rf"parallel\.pp_schedule='{schedule}' cannot run with "
-                                              r"parallel\.dp_mode='ddp'"):
-            ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
-    cfg = job(pp=2, dp_mode="auto")  # auto with replicas alone is ddp
-    cfg.parallel.dp_replicate, cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages = 2, "zbv_zero_bubble", 2
-    with pytest.raises(ConfigError, match=r"parallel\.dp_mode='ddp'"):
-        ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
+    # (the zero-bubble schedules run: test_pipeline_data_parallel_zero_bubble.py)
     cfg = job(pp=2, dp_mode="ddp")  # accepted now with ep (tests/parallel/test_expert_replicated.py)
     cfg.parallel.ep = 2
     assert ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).ep == 2
@@ -191,9 +184,15 @@ LAYOUTS = {"single": (1, {}), "ddp_pp": (4, {**PP, "parallel.dp_mode": "'ddp'"})
            "zero1_pp": (4, {**PP, "parallel.pp_schedule": "'gpipe'", "parallel.dp_mode": "'zero1'"}),
            "fsdp_pp": (4, {**PP, "parallel.dp_mode": "'fsdp'"}),
            # DDP over the cp ranks of each stage (no replicas): cp's gradient average is DDP's
-           "ddp_cp_pp": (4, {**PP, "parallel.cp": 2, "parallel.dp_mode": "'ddp'"})}
+           "ddp_cp_pp": (4, {**PP, "parallel.cp": 2, "parallel.dp_mode": "'ddp'"}),
+           # a zero-bubble schedule (no DDP wrapper: data_parallel.py SplitBackwardReplicas); one
+           # stage per rank, as the 2-layer test model has 2 layers
+           "ddp_zero_bubble_pp": (4, {**PP, "parallel.pp_schedule": "'interleaved_zero_bubble'",
+                                      "parallel.dp_mode": "'ddp'"}),
+           "ddp_cp_zero_bubble_pp": (4, {**PP, "parallel.pp_schedule": "'interleaved_zero_bubble'", "parallel.cp": 2,
+                                         "parallel.dp_mode": "'ddp'"})}
 PAIRS = {"ddp_pp": ["single", "fsdp_pp"], "zero1_pp": ["single"]}  # saved at step 3 -> continued in
-SAVED_ONLY = ["ddp_cp_pp"]  # steps 1..3 checked, not continued
+SAVED_ONLY = ["ddp_cp_pp", "ddp_zero_bubble_pp", "ddp_cp_zero_bubble_pp"]  # steps 1..3 checked, not continued
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +255,13 @@ def test_trainer_ddp_over_cp_in_each_stage_matches_one_process(trainer_runs):
     assert (run_row["pp"], run_row["cp"], run_row["world_size"]) == (2, 2, 4)
     cross.assert_same_losses(cross.losses(trainer_runs["reference"]), cross.losses(run),
                              range(1, cross.SAVE_AT + 1), "ddp_cp_pp")
+
+
+@pytest.mark.parametrize("name,cp", [("ddp_zero_bubble_pp", 1), ("ddp_cp_zero_bubble_pp", 2)])
+def test_trainer_ddp_with_a_zero_bubble_schedule_matches_one_process(trainer_runs, name, cp):
+    run = trainer_runs[name]
+    run_row = _rows(run, "run")[0]
+    assert (run_row["pp_schedule"], run_row["dp_replicate"] * run_row["cp"], run_row["cp"]) == \
+        ("interleaved_zero_bubble", 2, cp)  # averaged over 2 replicas, or over the 2 cp ranks of a stage
+    cross.assert_same_losses(cross.losses(trainer_runs["reference"]), cross.losses(run),
+                             range(1, cross.SAVE_AT + 1), name)
