@@ -169,6 +169,11 @@ def test_refusals_name_the_key():
     from kiln.parallel.dims import ParallelDims
 
     # (the zero-bubble schedules run: test_pipeline_data_parallel_zero_bubble.py)
+    cfg = job(pp=2, virtual=2, schedule="zbv_zero_bubble", dp_mode="ddp")  # ep under the split weight pass: untested
+    cfg.parallel.ep = 2
+    with pytest.raises(ConfigError, match=r"parallel\.ep=2 with parallel\.pp_schedule='zbv_zero_bubble' and "
+                                          r"parallel\.dp_mode='ddp'"):
+        ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
     cfg = job(pp=2, dp_mode="ddp")  # accepted now with ep (tests/parallel/test_expert_replicated.py)
     cfg.parallel.ep = 2
     assert ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).ep == 2
