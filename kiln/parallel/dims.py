@@ -131,12 +131,6 @@ class ParallelDims:
             # over the TP embedding, the vocab-sharded head and loss_parallel is not.
             raise ConfigError(f"train.compile_scope='model' with parallel.tp={tp} is not supported (compiled "
                               f"blocks are); set train.compile_scope='blocks' or 'auto'")
-        if cfg.train.compile and cfg.train.activation_checkpointing != "none":
-            # torch 2.13: a checkpointed TP block under AOTAutograd fails in the forward
-            # (save_from_forward: a DeviceMesh among the tensors saved for backward).
-            raise ConfigError(f"train.activation_checkpointing={cfg.train.activation_checkpointing!r} with "
-                              f"train.compile=true and parallel.tp={tp} is not supported yet; set "
-                              f"train.activation_checkpointing='none' or train.compile=false")
         if cfg.train.loss == "chunked":
             raise ConfigError(f"train.loss='chunked' cannot run with parallel.tp={tp} (the logits are sharded "
                               f"on the vocabulary, the loss runs under loss_parallel); set train.loss='auto'")

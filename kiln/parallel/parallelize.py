@@ -13,6 +13,7 @@ allocated sharded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -35,19 +36,45 @@ def replace_blocks(model: nn.Module, wrap) -> None:
         model.layers[i] = wrap(i, block)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+def keep_random_op_outputs(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy (torch's `create_selective_checkpoint_contexts`): the outputs of
+    random ops (dropout; CPU's flash SDPA kernel, tagged random even at dropout 0) are kept from
+    the forward, everything else is recomputed. Same values as replaying their RNG state.
+
+    Why: under compile, torch 2.13's partitioner replays a recomputed random op on a non-CUDA
+    device by returning its RNG state from the forward graph, placed before the symints but after
+    the opaque objects saved for backward (`functionalize_rng_ops` in torch/_functorch/
+    partitioners.py). A block with DTensor parameters (tp, ep) saves one: their DeviceMesh, an
+    opaque type in compiled graphs since pytorch/pytorch#169867. The forward then fails ("expected
+    all tensors_saved_with_vc_check to be Tensors", a DeviceMesh among them). No upstream issue
+    found for it (searched 2026-11). CUDA replays with graph inputs (graphsafe RNG), not outputs,
+    so GPUs never take this path. Pinned by a strict-xfail repro in
+    tests/parallel/test_tensor_parallel_compile.py: when torch is fixed, this can go."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    return CheckpointPolicy.MUST_SAVE if random else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, keep_random_outputs: bool = False) -> None:
     """Recompute block activations in backward: every block (full), every other (selective) or
     every K-th (every_k:K, the setting kiln plan's activation-checkpoint planner writes). The
     rule is on the global layer index (blocks 0, K, 2K, ... of the whole model), so a pipeline
-    rank checkpoints exactly the layers that one process would (torch's checkpoint_wrapper)."""
+    rank checkpoints exactly the layers that one process would (torch's checkpoint_wrapper).
+    `keep_random_outputs`: compiled blocks keep their random ops' outputs instead of recomputing
+    them (`keep_random_op_outputs`, a torch 2.13 workaround that parallelize applies off CUDA)."""
     k = {"full": 1, "selective": 2}.get(mode) or int(mode.removeprefix("every_k:"))
     # A MoE block sets its aux/z losses as attributes in forward (kiln/model/moe.py), a side effect
     # that dynamo refuses inside a compiled checkpoint ("HOP: Unsafe side effect": train.compile
     # with AC and MoE failed at the first step). They are read once, right after forward, so the
     # recompute in backward need not replay it (torchtitan sets the same when compiling MoE).
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    replace_blocks(model, lambda i, block: checkpoint_wrapper(block, preserve_rng_state=True) if i % k == 0
-                   else block)
+    kwargs = {"preserve_rng_state": True}
+    if keep_random_outputs:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_random_op_outputs)
+    replace_blocks(model, lambda i, block: checkpoint_wrapper(block, **kwargs) if i % k == 0 else block)
 
 
 def check_float8_device(device: torch.device) -> None:
@@ -193,7 +220,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
     if dims.ep > 1:  # before FSDP, which leaves the experts (DTensors on its own mesh) to EP
         apply_ep(model, dims)
     if cfg.train.activation_checkpointing != "none":
-        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+        # Where torch 2.13 cannot replay a random op next to a saved DeviceMesh (keep_random_op_outputs).
+        keep_random = cfg.train.compile and device.type != "cuda" and (dims.tp > 1 or dims.ep > 1)
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing, keep_random)
     scope = compile_scope(cfg, dims)
     if cfg.train.compile and scope == "blocks":
         apply_compile(model, "blocks")

@@ -1,10 +1,11 @@
 """`train.compile=true` under tensor parallel: compiled blocks over TP DTensors train like one
-compiled process, with and without FSDP around them, for a model with a dense and an MoE block
-(`kiln train`'s trainer in-process on gloo ranks: loader, metrics, checkpoint). Negative control:
-the same runs without the blocks' input-waiting hook (`wait_collective_inputs`) fail or train
-wrongly. The torch bug the hook works around is pinned by a plain-torch repro marked
-xfail(strict): a torch that fixes it turns this file red, and the hook (kiln/parallel/parallelize.py)
-can go.
+compiled process, with and without FSDP around them, and with activation checkpointing (full and
+every_k:2) inside the compiled blocks, for a model with a dense and an MoE block (`kiln train`'s
+trainer in-process on gloo ranks: loader, metrics, checkpoint). Negative controls: the same runs
+without the blocks' input-waiting hook (`wait_collective_inputs`) fail or train wrongly, and
+checkpointed blocks without the random-op policy (`keep_random_op_outputs`) fail. The two torch
+bugs these work around are pinned by plain-torch repros marked xfail(strict): a torch that fixes
+one turns this file red, and its workaround (kiln/parallel/parallelize.py) can go.
 
 Backend: the compiled runs here use `aot_eager` (AOTAutograd, where the bug is, without inductor's
 codegen), because inductor takes ~2 minutes per rank to compile on a shared 2-core machine. The
@@ -51,25 +52,31 @@ def job(text_file, **extra):
 
 def _train(rank, world, runs, without_wait=(), repro=False):
     """Each (name, cfg, run_dir) in `runs` through kiln's trainer on this rank, blocks compiled
-    with BACKEND; the runs named in `without_wait` with the input-waiting hook disabled.
-    Returns the runs' AttributeErrors by name, and the plain-torch repro's result (`repro`)."""
+    with BACKEND; the runs named in `without_wait` with the input-waiting hook disabled, those
+    ending in "without_keep" with the random-op policy replaced by plain recompute (what AC does
+    under compile without it). Returns the runs' AttributeErrors / AssertionErrors by name, and
+    the plain-torch repros' results (`repro`)."""
     import torch
+    from torch.utils.checkpoint import CheckpointPolicy
 
     from kiln.parallel import parallelize
     from kiln.train.trainer import train
 
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.compile = functools.partial(torch.compile, backend=BACKEND)
-    hook = parallelize.wait_collective_inputs
-    errors = {"repro": _act_into_compiled_region(world)} if repro else {}
+    hook, policy = parallelize.wait_collective_inputs, parallelize.keep_random_op_outputs
+    errors = {"repro": _act_into_compiled_region(world), "repro_random": _checkpointed_random_op(world)} \
+        if repro else {}
     for name, cfg, run_dir in runs:
         parallelize.wait_collective_inputs = (lambda module, args: args) if name in without_wait else hook
+        if name.endswith("without_keep"):
+            parallelize.keep_random_op_outputs = lambda *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE
         try:
             train(cfg, run_dir)
-        except AttributeError as e:  # torch 2.13 without the hook: the embedding's backward fails
+        except (AttributeError, AssertionError) as e:  # torch 2.13 without the hook / without the policy
             errors[name] = str(e)
         finally:
-            parallelize.wait_collective_inputs = hook
+            parallelize.wait_collective_inputs, parallelize.keep_random_op_outputs = hook, policy
             torch._dynamo.reset()
     return errors
 
@@ -83,18 +90,24 @@ def rows(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text_file):
-    """name -> rows(run) for: one compiled process, tp=2 compiled / eager / compiled without the
-    hook (2 ranks), and FSDP 2 x tp 2 compiled / without the hook (4 ranks); one launch per size.
-    "errors": rank 0's AttributeErrors by run name, and the plain-torch repro's result ("repro")."""
+    """name -> rows(run) for: one compiled process; tp=2 compiled / eager / compiled without the
+    hook / checkpointed (full, every_k:2) and compiled / the same without the random-op policy
+    (2 ranks); FSDP 2 x tp 2 compiled / without the hook / checkpointed (full) and compiled (4
+    ranks); one launch per size. "errors": rank 0's errors by run name, and the plain-torch
+    repros' results ("repro", "repro_random")."""
     tmp = tmp_path_factory.mktemp("tp_compile")
     one = {"train.batch_size": GLOBAL_BATCH, "train.compile": "true"}
     tp2 = {**one, "parallel.tp": 2}
     fsdp_tp = {**tp2, "train.batch_size": GLOBAL_BATCH // 2}  # per data-parallel rank
     first_step = {"train.steps": 1}  # the negative controls differ at step 1
+    full, every2 = ({"train.activation_checkpointing": ac} for ac in ("full", "every_k:2"))
     launches = {1: {"single_compiled": one},
                 2: {"tp2_compiled": tp2, "tp2_eager": {**tp2, "train.compile": "false"},
-                    "tp2_without_wait": {**tp2, **first_step}},
-                4: {"fsdp2_tp2_compiled": fsdp_tp, "fsdp2_tp2_without_wait": {**fsdp_tp, **first_step}}}
+                    "tp2_without_wait": {**tp2, **first_step},
+                    "tp2_ac_full_compiled": {**tp2, **full}, "tp2_ac_every2_compiled": {**tp2, **every2},
+                    "tp2_ac_full_without_keep": {**tp2, **full, **first_step}},
+                4: {"fsdp2_tp2_compiled": fsdp_tp, "fsdp2_tp2_without_wait": {**fsdp_tp, **first_step},
+                    "fsdp2_tp2_ac_full_compiled": {**fsdp_tp, **full}}}
     out, errors = {}, {}
     for world, cases in launches.items():
         specs = [(name, job(text_file, **extra), tmp / name) for name, extra in cases.items()]
@@ -117,11 +130,30 @@ def test_tp2_compiled_blocks_match_one_compiled_process(runs, name):
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
-def test_fsdp2_x_tp2_compiled_blocks_match_one_compiled_process(runs):
-    assert "fsdp2_tp2_compiled" not in runs["errors"], runs["errors"]["fsdp2_tp2_compiled"]
-    expected, got = runs["single_compiled"], runs["fsdp2_tp2_compiled"]
+@pytest.mark.parametrize("name", ["fsdp2_tp2_compiled", "fsdp2_tp2_ac_full_compiled"])
+def test_fsdp2_x_tp2_compiled_blocks_match_one_compiled_process(runs, name):
+    assert name not in runs["errors"], runs["errors"][name]
+    expected, got = runs["single_compiled"], runs[name]
     assert len(got) == 4 * STEPS
     assert got == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", ["tp2_ac_full_compiled", "tp2_ac_every2_compiled"])
+def test_tp2_checkpointed_compiled_blocks_match_one_compiled_process(runs, name):
+    # Recomputing a block changes no value: one process without checkpointing is the reference.
+    # every_k:2 checkpoints the dense block only, full also the MoE block.
+    assert name not in runs["errors"], runs["errors"][name]
+    expected, got = runs["single_compiled"], runs[name]
+    assert len(got) == 4 * STEPS
+    assert got == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
+def test_without_the_random_op_policy_checkpointed_compiled_tp_fails(runs):
+    # torch 2.13 on CPU: the forward of the first checkpointed block fails (see _checkpointed_random_op).
+    error = runs["errors"].get("tp2_ac_full_without_keep", "")
+    assert "tensors_saved_with_vc_check" in error and "DeviceMesh" in error, error
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
@@ -172,16 +204,52 @@ def test_torch_keeps_the_gradient_of_an_in_flight_collective_entering_a_compiled
     assert kind != "AsyncCollectiveTensor" or result is True, result
 
 
+def _checkpointed_random_op(world):
+    """Plain torch: attention over a column-parallel projection, checkpointed inside a compiled
+    function, on CPU, whose SDPA kernel is a random op (dropout_p is an argument; dropout alone
+    fails the same under aot_eager, inductor replaces it). torch 2.13 returns the op's RNG state
+    from the forward graph after the DeviceMesh it saves for backward, and the forward fails.
+    "ok", or the error."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.utils.checkpoint import checkpoint
+
+    def attend(x):
+        q = linear(x).view(1, 1, 4, -1)  # this rank's output features: one head
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    torch._dynamo.reset()
+    linear = parallelize_module(nn.Linear(8, 8), init_device_mesh("cpu", (world,)), ColwiseParallel())
+    step = torch.compile(lambda x: checkpoint(attend, x, use_reentrant=False), backend=BACKEND, fullgraph=True)
+    try:
+        step(torch.randn(4, 8)).sum().backward()
+    except AssertionError as e:
+        return str(e)
+    return "ok"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="torch 2.13.0 (CPU): a recomputed random op's RNG state is returned after the opaque "
+                   "DeviceMesh saved for backward and taken for it (functionalize_rng_ops); when this passes, "
+                   "keep_random_op_outputs in kiln/parallel/parallelize.py can go")
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
+def test_torch_replays_a_random_op_in_a_checkpointed_compiled_dtensor_region(runs):
+    result = runs["errors"]["repro_random"]  # run on every rank of the 2-rank launch, rank 0's
+    if result != "ok" and "DeviceMesh" not in result:
+        raise RuntimeError(f"the repro failed another way: {result}")  # a real failure, not the xfail
+    assert result == "ok"
+
+
 @pytest.mark.parametrize("overrides, cp, refusal, fix", [
     (["train.compile_scope=model"], 1, "train.compile_scope='model' with parallel.tp=2 is not supported",
      "set train.compile_scope='blocks' or 'auto'"),
-    (["train.activation_checkpointing=full"], 1, "train.activation_checkpointing='full' with train.compile=true "
-     "and parallel.tp=2 is not supported yet", "set train.activation_checkpointing='none' or train.compile=false"),
 ])
 def test_untested_compile_layouts_under_tp_are_refused_in_one_line(overrides, cp, refusal, fix):
-    # What is not proven above: one whole-model graph; checkpointed blocks (torch 2.13's
-    # AOTAutograd fails on them under TP; one process with both runs). (compile with tp and cp
-    # runs: tests/parallel/test_context_parallel_compile.py covers cp, tp x cp by hand.)
+    # What is not proven above: one whole-model graph. (Checkpointed compiled blocks under tp are
+    # proven above; compile with tp and cp runs: tests/parallel/test_context_parallel_compile.py.)
     from kiln.config import ParallelConfig
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
@@ -192,6 +260,7 @@ def test_untested_compile_layouts_under_tp_are_refused_in_one_line(overrides, cp
     with pytest.raises(ConfigError) as e:
         dims.check_model(load_config(None, base + overrides))
     assert refusal in str(e.value) and fix in str(e.value) and "\n" not in str(e.value)
-    if cp == 1:
-        dims.check_model(load_config(None, base))  # per-block compile under tp alone runs
+    if cp == 1:  # per-block compile under tp runs, with and without checkpointing
+        dims.check_model(load_config(None, base))
+        dims.check_model(load_config(None, base + ["train.activation_checkpointing=full"]))
 
