@@ -22,7 +22,10 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
 - Without expert parallelism the forward never reads the device from the host when
   `F.grouped_mm` runs: every assignment keeps its slot (fixed shapes, no boolean indexing, no
   bincount), a dropped one is sorted last and masked out with `torch.where`. Expert parallelism
-  drops them before the all-to-all, whose split sizes must be host integers (one read per layer).
+  sorts the same way and sends only the kept rows, at the all-to-all's split sizes, which must be
+  host integers (one read per layer). The forward is three steps around the experts and the
+  all-to-all (`sort_by_expert`, `GroupedExperts.compute`, `weighted_sum`), which compile can
+  take one by one (kiln/parallel/parallelize.py `apply_compile`).
 - Under tensor parallelism (kiln/parallel/tensor_parallel.py, `MoETensorParallel`) the layer sees
   the whole sequence on every tp rank: routing, capacity and the aux/z losses are replicated and
   equal one process's; each rank computes a slice of every expert's hidden units, and its output
