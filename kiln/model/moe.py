@@ -22,7 +22,10 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
 - Without expert parallelism the forward never reads the device from the host when
   `F.grouped_mm` runs: every assignment keeps its slot (fixed shapes, no boolean indexing, no
   bincount), a dropped one is sorted last and masked out with `torch.where`. Expert parallelism
-  drops them before the all-to-all, whose split sizes must be host integers (one read per layer).
+  sorts the same way and sends only the kept rows, at the all-to-all's split sizes, which must be
+  host integers (one read per layer). The forward is three steps around the experts and the
+  all-to-all (`sort_by_expert`, `GroupedExperts.compute`, `weighted_sum`), which compile can
+  take one by one (kiln/parallel/parallelize.py `apply_compile`).
 - Under tensor parallelism (kiln/parallel/tensor_parallel.py, `MoETensorParallel`) the layer sees
   the whole sequence on every tp rank: routing, capacity and the aux/z losses are replicated and
   equal one process's; each rank computes a slice of every expert's hidden units, and its output
@@ -81,7 +84,12 @@ class GroupedExperts(nn.Module):
         """x: rows sorted by local expert, `counts[e]` (a device tensor) rows for local expert e.
         Rows after the last expert's (`sum(counts)` onwards) are not computed: their output is
         undefined, for the caller to mask."""
-        w1, w2, w3 = (self._local(w) for w in (self.w1, self.w2, self.w3))
+        return self.compute(x, counts, *(self._local(w) for w in (self.w1, self.w2, self.w3)))
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor | None) -> torch.Tensor:
+        """The experts' math on local weights (no DTensor, no hook: what `apply_compile` compiles
+        on its own under expert parallelism, see expert_parallel.py `compile_moe_steps`)."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x, w1, w2, w3 = (t.to(dtype) if t is not None else None for t in (x, w1, w2, w3))
         if grouped_mm_runs(x, w1):
@@ -242,34 +250,45 @@ class MoE(nn.Module):
         return position.view(bsz, kt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bsz, seqlen, dim = x.shape
-        token, expert, gate, keep = self.route(x)
+        """Routing and sorting, the experts, and the weighted sum, as three steps that
+        kiln/parallel/parallelize.py `apply_compile` can compile one by one (expert_parallel.py
+        `compile_moe_steps`), leaving the all-to-all and the experts' own FSDP unit eager."""
         x_experts = x
         if self.tp_mesh is not None:
             # The experts see a slice of the hidden units: the gradients they send back to their
             # replicated inputs (tokens and gates) are partial sums, all-reduced over tp.
             from kiln.parallel.tensor_parallel import sum_grad_over_tp
 
-            x_experts, gate = sum_grad_over_tp(x, self.tp_mesh), sum_grad_over_tp(gate, self.tp_mesh)
-        if self.ep_group is not None:  # the all-to-all needs host split sizes anyway: drop now
-            token, expert, gate = token[keep], expert[keep], gate[keep]
-            keep = None
-        # Kept assignments grouped by expert, in (sequence, k-major) order within an expert;
-        # dropped ones (sort key E) last. Counts by scatter_add: bincount reads its max on the host.
-        order = torch.argsort(expert if keep is None else torch.where(keep, expert, self.n_experts), stable=True)
-        token, expert, gate = token[order], expert[order], gate[order]
-        kept = torch.ones_like(expert) if keep is None else keep[order].long()
-        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(0, expert, kept)
-        rows = x_experts.reshape(-1, dim)[token]
+            x_experts = sum_grad_over_tp(x, self.tp_mesh)
+        token, gate, kept, counts, rows = self.sort_by_expert(x, x_experts)
+        if self.tp_mesh is not None:  # identity forward: after the sort as well as before it
+            gate = sum_grad_over_tp(gate, self.tp_mesh)
         if self.ep_group is None:
-            mask = kept.bool()[:, None]
+            mask = kept[:, None]
             # Dropped rows go in as zeros and come out masked (where, not a product: the experts
             # leave them undefined, and a product would carry a NaN into the gradients).
             y = torch.where(mask, self.experts(torch.where(mask, rows, 0), counts), 0)
-        else:
+        else:  # the dropped rows (last) stay home and come back as zeros
             from kiln.parallel.expert_parallel import dispatch_and_combine
 
             y = dispatch_and_combine(rows, counts, self.experts, self.ep_group)
-        out = torch.zeros(bsz * seqlen, dim, device=x.device, dtype=y.dtype)
+        return self.weighted_sum(y, token, gate, x)
+
+    def sort_by_expert(self, x: torch.Tensor, x_experts: torch.Tensor):
+        """Route x and sort every assignment by expert: kept ones grouped by expert, in (sequence,
+        k-major) order within an expert; dropped ones (sort key E) last. Returns the sorted token
+        index, gate and kept flag of each assignment, the kept count per expert and the rows
+        (x_experts at each assignment's token). Fixed shapes, no host read: counts by
+        scatter_add (bincount reads its max on the host), drops masked rather than removed."""
+        dim = x.shape[-1]
+        token, expert, gate, keep = self.route(x)
+        order = torch.argsort(torch.where(keep, expert, self.n_experts), stable=True)
+        token, expert, gate, kept = token[order], expert[order], gate[order], keep[order]
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(0, expert, kept.long())
+        return token, gate, kept, counts, x_experts.reshape(-1, dim)[token]
+
+    def weighted_sum(self, y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Each token's output: the sum of its assignments' expert outputs times their gates."""
+        out = torch.zeros(x.shape[0] * x.shape[1], x.shape[2], device=x.device, dtype=y.dtype)
         out = out.index_add(0, token, y * gate[:, None].to(y.dtype))
-        return out.view(bsz, seqlen, dim).to(x.dtype)
+        return out.view(x.shape).to(x.dtype)

@@ -171,6 +171,33 @@ def fully_shard_experts(module: nn.Module, expert_mesh, **fsdp_kwargs) -> None:
             fully_shard(m.experts, mesh=expert_mesh["edp"], **fsdp_kwargs)
 
 
+def compile_moe_steps(moe: MoE) -> None:
+    """torch.compile (fullgraph) of a MoE layer's steps one by one, for a block that cannot be
+    compiled whole because its experts are their own FSDP unit (fully_shard_experts), whose hooks
+    dynamo does not trace: routing and sorting (`sort_by_expert`), the experts' math on their local
+    weights (`GroupedExperts.compute`) and the weighted sum (`weighted_sum`) become three graphs;
+    the all-to-all, the regrouping of the received rows, the FSDP unit's hooks and the DTensor
+    unwrapping with its gradient hook run eagerly between them (torchtitan's apply_compile for MoE
+    leaves the experts' FSDP unit out the same way). Compiled in place on the instance, so module
+    and parameter names do not change.
+
+    The number of rows an ep rank receives changes every step, so the experts' input is marked
+    dynamic on its first dimension: one graph for every count from 2 up (dynamo specializes 0 and
+    1, so such a batch runs the same math eagerly instead of compiling again)."""
+    moe.sort_by_expert = torch.compile(moe.sort_by_expert, fullgraph=True)
+    moe.weighted_sum = torch.compile(moe.weighted_sum, fullgraph=True)
+    eager = moe.experts.compute
+    compiled = torch.compile(eager, fullgraph=True)
+
+    def compute(x, counts, w1, w2, w3):
+        if x.shape[0] < 2:
+            return eager(x, counts, w1, w2, w3)
+        torch._dynamo.mark_dynamic(x, 0)
+        return compiled(x, counts, w1, w2, w3)
+
+    moe.experts.compute = compute
+
+
 def local_weight(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts of an expert weight (differentiable; a plain tensor is returned as is)."""
     return w.to_local() if isinstance(w, DTensor) else w
@@ -200,8 +227,9 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def dispatch_and_combine(rows: torch.Tensor, counts: torch.Tensor, experts, group) -> torch.Tensor:
-    """rows: this rank's routed token copies sorted by global expert, `counts[e]` for expert e.
-    Returns the experts' outputs for those rows, in the same order."""
+    """rows: this rank's routed token copies sorted by global expert, `counts[e]` for expert e,
+    the dropped ones after them (MoE.sort_by_expert). Returns the experts' outputs for those rows,
+    in the same order, zeros for the dropped ones (which never leave this rank)."""
     ep = dist.get_world_size(group)
     n_local = experts.n_local
     # counts_in[s * n_local + e]: rows that rank s sends to local expert e.
@@ -210,14 +238,21 @@ def dispatch_and_combine(rows: torch.Tensor, counts: torch.Tensor, experts, grou
     # Split sizes must be host ints: one host read per MoE layer (as in every all-to-all MoE).
     recv_matrix = counts_in.view(ep, n_local)
     send_splits, recv_splits = torch.stack([counts.view(ep, n_local).sum(1), recv_matrix.sum(1)]).tolist()
-    received = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
-    # Received rows come grouped by source rank, then expert: regroup by local expert.
-    local_expert = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(
-        counts_in, output_size=sum(recv_splits))
-    order = torch.argsort(local_expert, stable=True)
-    out_sorted = experts(received[order], recv_matrix.sum(0))
-    out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
-    return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
+    sent = sum(send_splits)
+    received = funcol.all_to_all_single_autograd(rows[:sent], recv_splits, send_splits, group)
+    out = _expert_outputs(received, counts_in, recv_matrix.sum(0), experts)
+    back = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
+    return torch.cat([back, back.new_zeros(rows.shape[0] - sent, back.shape[1])])
+
+
+def _expert_outputs(received: torch.Tensor, counts_in: torch.Tensor, per_expert: torch.Tensor, experts) -> torch.Tensor:
+    """The local experts on the received rows, which come grouped by source rank, then expert:
+    regrouped by local expert for them, and back to the order received."""
+    n_local = per_expert.shape[0]
+    local_expert = torch.arange(n_local, device=received.device).repeat(counts_in.shape[0] // n_local)
+    order = torch.argsort(local_expert.repeat_interleave(counts_in, output_size=received.shape[0]), stable=True)
+    out_sorted = experts(received[order], per_expert)
+    return torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
 
 
 @torch.no_grad()

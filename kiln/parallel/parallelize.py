@@ -17,12 +17,13 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 
 from kiln.config import JobConfig
+from kiln.model.moe import MoE
 from kiln.parallel.data_parallel import apply_ddp
 from kiln.parallel.dims import ParallelDims
-from kiln.parallel.expert_parallel import fully_shard_experts
+from kiln.parallel.expert_parallel import compile_moe_steps, fully_shard_experts
 from kiln.parallel.tensor_parallel import apply_tp
 
 
@@ -153,7 +154,16 @@ def wait_collective_inputs(module: nn.Module, args: tuple) -> tuple:
     return tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
-def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False) -> None:
+def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, experts_fsdp: bool = False) -> None:
+    """torch.compile, in one graph for the whole model ("model") or per block ("blocks"), each
+    block whole (fullgraph). `experts_fsdp` (ep under fsdp/zero2): a MoE block's experts will be
+    their own FSDP unit, whose hooks dynamo does not trace (torch 2.13: "Attempted to call
+    function marked as skipped" at the first step), so such a block is compiled piecewise, as
+    torchtitan does: each child but the MoE (attention, norms), and the MoE's routing,
+    experts' math and weighted sum as separate graphs (expert_parallel.py `compile_moe_steps`),
+    leaving the block's residual adds, the all-to-all and the FSDP hooks eager. Under activation
+    checkpointing the pieces are compiled inside the (eager) checkpoint wrapper. Dense blocks,
+    and MoE blocks under ddp, are compiled whole."""
     if scope == "model":
         # In place (nn.Module.compile), so parameter names and checkpoints stay the same.
         model.compile(mode="reduce-overhead" if cuda_graphs else None)
@@ -162,6 +172,14 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False) -> No
     # the blocks of every stage chunk of this rank). The hook runs eagerly, before the graph
     # (FSDP's pre-forward hooks gather parameters; order is moot).
     def compile_block(i: int, block: nn.Module) -> nn.Module:
+        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        if experts_fsdp and any(isinstance(m, MoE) for m in inner.children()):
+            for name, child in inner.named_children():
+                if isinstance(child, MoE):
+                    compile_moe_steps(child)
+                else:  # wrapped as the whole blocks are (torch.nn's own forwards cannot be compiled in place)
+                    setattr(inner, name, torch.compile(child, fullgraph=True))
+            return block
         compiled = torch.compile(block, fullgraph=True)
         compiled.register_forward_pre_hook(wait_collective_inputs)
         return compiled
@@ -225,7 +243,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing, keep_random)
     scope = compile_scope(cfg, dims)
     if cfg.train.compile and scope == "blocks":
-        apply_compile(model, "blocks")
+        apply_compile(model, "blocks", experts_fsdp=dims.ep > 1 and dims.dp_mode in ("fsdp", "zero2"))
     # Context parallel needs no module change (its attention is swapped in per step, see
     # context_parallel.py), only the gradient average over cp, which data parallelism does.
     # DiLoCo: every rank trains its own replica; the replicas meet in kiln/parallel/diloco.py.

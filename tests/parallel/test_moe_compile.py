@@ -10,10 +10,10 @@ parallelize now tells dynamo. Tolerance: fp32, relative 1e-5 per step against th
 with the same weights (observed 6e-8: inductor's kernels sum in another order). The aux losses
 count in the loss (weights 0.5 and 0.1 here, so a lost or doubled aux term moves every step).
 
-2. compile + expert parallel under fsdp/zero2: each compiled block holds the experts' own FSDP
+2. compile + expert parallel under fsdp/zero2: each compiled block held the experts' own FSDP
 unit, whose hooks dynamo does not trace; every rank failed at the first step (4 ranks, dp_shard 4,
-ep 2, by hand). Now refused in one line before any work; under ddp it runs (by hand: the losses of
-6 steps within 2e-7 of one process), so ddp is not refused.
+ep 2, by hand). Such blocks are now compiled piecewise (tested in test_expert_parallel_compile.py);
+with tp or pp as well that is untested, and refused in one line before any work.
 
 3. compile + context parallel: dynamo refused the ring attention's P2POp inside a compiled block;
 every rank failed at the first step. Now the ring is an opaque op in the compiled block:
@@ -69,22 +69,24 @@ def test_moe_with_checkpointed_compiled_blocks_trains_as_eager(monkeypatch):
     assert expected[1] > 0 and expected[2] > 0  # the aux and z losses are there to be counted
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "zero2"])
-def test_compile_with_ep_under_fsdp_is_refused_in_one_line_before_any_work(text_file, tmp_path, monkeypatch,
-                                                                           capsys, mode):
+@pytest.mark.parametrize("mode, other", [("fsdp", "tp"), ("zero2", "pp")])
+def test_compile_with_ep_and_tp_or_pp_under_fsdp_is_refused_in_one_line_before_any_work(
+        text_file, tmp_path, monkeypatch, capsys, mode, other):
     from kiln.cli import main
 
     for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     run = tmp_path / "run"
     sets = {"model.moe_experts": 4, "parallel.ep": 2, "parallel.dp_mode": f"'{mode}'", "train.compile": "true"}
-    assert main(["train", "--run-dir", str(run), *[x for o in tiny_overrides(text_file, **sets)
+    assert main(["train", "--run-dir", str(run), *[x for o in tiny_overrides(text_file, **sets, **{f"parallel.{other}": 2})
                                                    for x in ("--set", o)]]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and f"train.compile=true with parallel.ep=2 and parallel.dp_mode='{mode}'" in lines[0]
+    assert len(lines) == 1 and f"train.compile=true with parallel.ep=2, parallel.{other}=2 and parallel.dp_mode=" \
+                                f"'{mode}' is not supported yet" in lines[0]
     assert "set train.compile=false" in lines[0] and not run.exists()
-    # the same layout without compile, and compile under ddp, pass the check
-    for extra in (["train.compile=false"], ["parallel.dp_mode='ddp'"]):
+    # compile with ep alone under fsdp/zero2 (tests/parallel/test_expert_parallel_compile.py), the
+    # same layout without compile, and compile under ddp pass the check
+    for extra in ([], [f"parallel.{other}=2", "train.compile=false"], ["parallel.dp_mode='ddp'"]):
         cfg = load_config(None, [*tiny_overrides(text_file, **sets), *extra])
         ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).check_model(cfg)
 
