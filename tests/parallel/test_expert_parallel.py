@@ -281,7 +281,7 @@ def grad_norms(run_dir):
 
 
 @pytest.mark.parametrize("world, degrees, expected", [
-    (2, {"ep": 2, "dp_mode": "zero1"}, "parallel.ep=2 cannot combine with parallel.dp_mode='zero1'"),
+    (4, {"ep": 2, "tp": 2, "dp_mode": "zero1"}, "parallel.ep=2 with parallel.tp=2 needs parallel.dp_mode='fsdp'"),
     (2, {"ep": 2, "diloco_inner_steps": 3}, "parallel.diloco_inner_steps=3 with parallel.ep=2 is not supported"),
     (4, {"ep": 2, "tp": 2, "dp_mode": "ddp"}, "parallel.ep=2 with parallel.tp=2 needs parallel.dp_mode='fsdp'"),
     (8, {"ep": 2, "cp": 4}, "parallel.ep=2 must be a multiple of parallel.cp=4"),
@@ -304,6 +304,7 @@ def test_unsupported_ep_layouts_are_refused_in_one_line(world, degrees, expected
     (4, {"ep": 2}, ("fsdp", 1, 4)),
     (8, {"ep": 2, "dp_replicate": 2}, ("fsdp", 2, 4)),
     (4, {"ep": 2, "dp_mode": "ddp"}, ("ddp", 4, 1)),
+    (2, {"ep": 2, "dp_mode": "zero1"}, ("zero1", 2, 1)),  # dense optimizer state sharded (test_expert_replicated.py)
     (4, {"ep": 2, "pp": 2}, ("fsdp", 1, 2)),  # ep within each pipeline stage's dp ranks
     (4, {"ep": 4, "cp": 2}, ("fsdp", 1, 2)),  # ep borrows dp_shard and all of cp
     (4, {"ep": 2, "cp": 2, "dp_mode": "ddp"}, ("ddp", 2, 1)),
