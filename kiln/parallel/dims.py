@@ -92,7 +92,7 @@ class ParallelDims:
             check_replicated_pipeline(cfg, mode)
         etp = cfg.tp if cfg.etp == -1 else cfg.etp
         if cfg.ep > 1 and cfg.tp > 1 and etp == 1:
-            check_ep_borrowing_tp_layout(cfg, mode, dp_shard)
+            check_ep_borrowing_tp_layout(cfg, mode, dp_shard, seq_len)
         elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
@@ -229,12 +229,13 @@ class ParallelDims:
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
 
 
-def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int) -> None:
+def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int, seq_len: int | None = None) -> None:
     """parallel.etp=1 with ep > 1 and tp > 1: the ep group spans dp_shard_in_ep x cp x tp
     (torchtitan's rule: cp * tp divides ep, ep divides dp_shard * cp * tp), the experts are whole and
     FSDP-sharded over the rest (fsdp/zero2, HSDP included; DDP and ZeRO-1 cannot take tensor
     parallelism anyway). With cp > 1 each rank routes the tp slice of its zig-zag half of every
-    sequence (kiln/model/moe.py `_cp_sp_positions`)."""
+    sequence (kiln/model/moe.py `_cp_sp_positions`); routing counts equal slices, so every rank's
+    share of a sequence (seq_len / (cp * tp) tokens) must be whole."""
     ep, tp, cp = cfg.ep, cfg.tp, cfg.cp
     if mode not in ("fsdp", "zero2"):
         raise ConfigError(f"parallel.etp=1 with parallel.ep={ep} and parallel.tp={tp} needs parallel.dp_mode="
@@ -249,6 +250,9 @@ def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int) 
         raise ConfigError(f"parallel.ep={ep} must divide {where} with parallel.etp=1 (ep is carved out of "
                           f"dp_shard{' and tp' if cp == 1 else ', cp and tp'}); change parallel.ep or the "
                           f"number of processes")
+    if seq_len is not None and seq_len % (cp * tp):
+        raise ConfigError(f"data.seq_len={seq_len} is not divisible by parallel.cp x tp = {cp} x {tp} (with "
+                          f"parallel.etp=1 each rank routes an equal slice of every sequence); change data.seq_len")
 
 
 def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> None:

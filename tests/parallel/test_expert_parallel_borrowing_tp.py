@@ -157,6 +157,9 @@ def test_each_deliberate_mistake_fails_the_comparison(runs, name):
     (8, {"parallel.cp": 2, "parallel.ep": 12, "model.moe_experts": 12},
      "parallel.ep=12 must divide dp_shard x cp x tp = 2 x 2 x 2 with parallel.etp=1"),
     (4, {"parallel.dp_mode": "'zero1'"}, "parallel.etp=1 with parallel.ep=2 and parallel.tp=2 needs parallel.dp_mode="),
+    (4, {"data.seq_len": 15}, "data.seq_len=15 is not divisible by parallel.cp x tp = 1 x 2 (with parallel.etp=1"),
+    (8, {"parallel.cp": 2, "parallel.tp": 4, "model.n_heads": 4, "parallel.ep": 8, "model.moe_experts": 8,
+         "data.seq_len": 20}, "data.seq_len=20 is not divisible by parallel.cp x tp = 2 x 4"),
 ])
 def test_ep_borrowing_tp_bad_layouts_are_refused_in_one_line(text_file, tmp_path, monkeypatch, capsys,
                                                               world, sets, expected):
