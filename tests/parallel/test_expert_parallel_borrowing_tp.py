@@ -22,7 +22,8 @@ Negative controls (each must fail the comparison at step 1): the expert gradient
 etp = tp (1 / ep instead of edp / D), the router's gradient not summed over tp, and queue slots
 counted within each tp rank's shard of the sequence (capacity per rank's tokens: other drops), and
 under cp x tp the slots counted over the tp slices of the cp rank's half only, without the other cp
-rank's chunks before them (the cp offset left out: other drops).
+rank's chunks before them (the cp offset left out: other drops), or counted over the whole sequence
+but with the cp ranks' chunks taken as contiguous instead of zig-zag (wrong offsets: other drops).
 """
 
 import json
@@ -44,7 +45,7 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
     "ep2_tp2_etp2": (4, {"parallel.tp": 2, "parallel.ep": 2}),  # etp = tp (the default)
 }
 MISTAKES = ("experts_scaled_as_etp_tp", "router_grad_not_summed", "capacity_per_tp_shard")
-CP_MISTAKES = ("cp_tp_capacity_without_cp_offset",)
+CP_MISTAKES = ("cp_tp_capacity_without_cp_offset", "cp_tp_pieces_not_zigzag")
 
 
 def overrides(text_file, shards, name):
@@ -79,6 +80,12 @@ def deliberate_mistake(kind):
         saved = MoE._cp_sp_positions
         MoE._cp_sp_positions = lambda self, onehot: self._sp_positions(onehot)
         return lambda: setattr(MoE, "_cp_sp_positions", saved)
+    if kind == "cp_tp_pieces_not_zigzag":  # whole-sequence counts, but cp's chunks taken as contiguous
+        from kiln.model import moe
+
+        saved = moe.cp_sp_pieces
+        moe.cp_sp_pieces = lambda seq_len, cp, sp, r, t: saved(seq_len, 1, cp * sp, 0, r * sp + t)
+        return lambda: setattr(moe, "cp_sp_pieces", saved)
     return lambda: None
 
 
