@@ -33,7 +33,9 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
   parallelism as well, the all-to-all runs among the ep ranks of each tp coordinate. With
   parallel.etp=1 (`MoELocalSequence`, `sp_mesh`) each tp rank routes only its contiguous shard of
   every sequence instead: queue slots, the balancing loss and the z-loss are still those of the
-  whole sequence (counts exchanged over tp, as over cp), and the all-to-all spans tp too.
+  whole sequence (counts exchanged over tp, as over cp), and the all-to-all spans tp too. With
+  cp as well, rank (c, t) holds the t-th tp slice of cp rank c's zig-zag chunks (`cp_sp_pieces`):
+  the counts are exchanged over cp and tp, and the all-to-all spans cp and tp.
 - The auxiliary losses of the last forward stay on the device (`last_aux_loss`,
   `last_z_loss`); the transformer adds them to its loss and exposes them for logging.
 """
@@ -134,6 +136,21 @@ def grouped_mm_runs(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def cp_sp_pieces(seq_len: int, cp: int, sp: int, cp_rank: int, sp_rank: int) -> list[int]:
+    """Which pieces of a sequence (in sequence order, pieces of gcd(chunk, slice) tokens) the rank
+    (cp_rank, sp_rank) holds, in the order it holds them, when context parallelism gives cp rank r
+    the zig-zag chunks (r, 2cp-1-r) of 2cp (kiln/parallel/context_parallel.py `zigzag_chunks`),
+    concatenated, and tp's sequence parallelism gives tp rank t the contiguous t-th of `sp` equal
+    slices of that (parallel.etp=1 with cp: a slice may span both chunks when sp is odd)."""
+    from kiln.parallel.context_parallel import zigzag_chunks
+
+    chunk, slice_len = seq_len // (2 * cp), seq_len // (cp * sp)
+    piece = math.gcd(chunk, slice_len)
+    per_chunk, per_slice = chunk // piece, slice_len // piece
+    local = [c * per_chunk + i for c in zigzag_chunks(cp, cp_rank) for i in range(per_chunk)]
+    return local[sp_rank * per_slice:(sp_rank + 1) * per_slice]
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, hidden: int):
         super().__init__()
@@ -182,7 +199,9 @@ class MoE(nn.Module):
         onehot = F.one_hot(experts_km, self.n_experts)  # (B, kT, E)
         cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
         sp = 1 if self.sp_mesh is None else self.sp_mesh.size()
-        if cp > 1:
+        if cp > 1 and sp > 1:
+            position = self._cp_sp_positions(onehot)
+        elif cp > 1:
             position = self._cp_positions(onehot)
         elif sp > 1:
             position = self._sp_positions(onehot)
@@ -225,20 +244,37 @@ class MoE(nn.Module):
         """The same when tp rank r holds the contiguous chunk r of every sequence (parallel.etp=1)."""
         return self._split_positions(onehot, self.sp_mesh.get_group(), lambda q: (q,))
 
+    def _cp_sp_positions(self, onehot: torch.Tensor) -> torch.Tensor:
+        """The same under both (parallel.etp=1 with cp): cp rank r holds the zig-zag chunks of
+        every sequence and tp rank t of it a contiguous slice of those (`cp_sp_pieces`); the
+        all-gathers run over cp (outer) and tp (inner)."""
+        cp, sp = dist.get_world_size(self.cp_group), self.sp_mesh.size()
+        seq_len = onehot.shape[1] // self.top_k * cp * sp
+        return self._split_positions(onehot, (self.cp_group, self.sp_mesh.get_group()),
+                                     lambda q: cp_sp_pieces(seq_len, cp, sp, *divmod(q, sp)))
+
     @torch.no_grad()
-    def _split_positions(self, onehot: torch.Tensor, group, chunks_of) -> torch.Tensor:
+    def _split_positions(self, onehot: torch.Tensor, groups, chunks_of) -> torch.Tensor:
         """Slots of this rank's assignments in their experts' queues for the whole sequence (first
-        choices before second ones, in token order) when rank q of `group` holds the equal chunks
+        choices before second ones, in token order) when rank q holds the equal chunks
         `chunks_of(q)` (indices in sequence order) of every sequence, concatenated: the per-chunk
-        counts of all ranks (one all-gather) give each chunk's offset."""
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        counts of all ranks (one all-gather per group) give each chunk's offset. `groups` is one
+        process group or a tuple of them, outer first: q = (outer rank) * (inner size) + inner rank."""
+        groups = groups if isinstance(groups, tuple) else (groups,)
+        rank = 0
+        for g in groups:
+            rank = rank * dist.get_world_size(g) + dist.get_rank(g)
         mine = list(chunks_of(rank))
         bsz, kt, n_exp = onehot.shape
         # (B, k, my chunks, chunk length, E)
         blocks = onehot.view(bsz, self.top_k, len(mine), kt // (len(mine) * self.top_k), n_exp)
         counts = blocks.sum(3)  # (B, k, my chunks, E)
-        gathered = [torch.empty_like(counts) for _ in range(n)]
-        dist.all_gather(gathered, counts.contiguous(), group=group)
+        for g in reversed(groups):  # innermost first: the result is (outer, ..., inner, *counts.shape)
+            parts = [torch.empty_like(counts) for _ in range(dist.get_world_size(g))]
+            dist.all_gather(parts, counts.contiguous(), group=g)
+            counts = torch.stack(parts)
+        gathered = counts.flatten(0, len(groups) - 1).unbind(0)
+        n = len(gathered)
         whole = counts.new_empty(bsz, self.top_k, n * len(mine), n_exp)  # counts per chunk in sequence order
         for q, c in enumerate(gathered):
             for j, chunk in enumerate(chunks_of(q)):

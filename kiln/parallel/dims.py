@@ -92,7 +92,7 @@ class ParallelDims:
             check_replicated_pipeline(cfg, mode)
         etp = cfg.tp if cfg.etp == -1 else cfg.etp
         if cfg.ep > 1 and cfg.tp > 1 and etp == 1:
-            check_ep_borrowing_tp_layout(cfg, mode, dp_shard)
+            check_ep_borrowing_tp_layout(cfg, mode, dp_shard, seq_len)
         elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
@@ -214,39 +214,45 @@ class ParallelDims:
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
 
     def _build_expert_mesh_borrowing_tp(self, device_type: str):
-        """parallel.etp=1 (torchtitan's etp = 1): ep borrows tp as well. tp is the innermost mesh
-        dimension, so within each pipeline stage the ranks are laid out (dp_replicate, dp_shard, tp),
-        and consecutive groups of `ep` of them (dp_shard_in_ep x tp; ep is a multiple of tp and divides
-        dp_shard * tp, so a group never crosses an HSDP replica) split the experts. The ranks at the same
-        place in every group hold the same experts: "edp" = dp_replicate x dp_shard * tp / ep. The mesh
-        is ("pp", "edp", "ep"), pp only where > 1; there is no "tp" dimension: the experts are whole."""
+        """parallel.etp=1 (torchtitan's etp = 1): ep borrows cp and tp as well. cp and tp are the
+        innermost mesh dimensions, so within each pipeline stage the ranks are laid out
+        (dp_replicate, dp_shard, cp, tp), and consecutive groups of `ep` of them (dp_shard_in_ep x cp
+        x tp; ep is a multiple of cp * tp and divides dp_shard * cp * tp, so a group never crosses an
+        HSDP replica) split the experts. The ranks at the same place in every group hold the same
+        experts: "edp" = dp_replicate x dp_shard * cp * tp / ep. The mesh is ("pp", "edp", "ep"), pp
+        only where > 1; there is no "tp" dimension: the experts are whole."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        shape = [("pp", self.pp), ("edp", self.dp_size * self.tp // self.ep), ("ep", self.ep)]
+        shape = [("pp", self.pp), ("edp", self.dp_size * self.cp * self.tp // self.ep), ("ep", self.ep)]
         shape = [(n, d) for n, d in shape if d > 1 or n != "pp"]
         ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
 
 
-def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int) -> None:
+def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int, seq_len: int | None = None) -> None:
     """parallel.etp=1 with ep > 1 and tp > 1: the ep group spans dp_shard_in_ep x cp x tp
     (torchtitan's rule: cp * tp divides ep, ep divides dp_shard * cp * tp), the experts are whole and
     FSDP-sharded over the rest (fsdp/zero2, HSDP included; DDP and ZeRO-1 cannot take tensor
-    parallelism anyway). cp > 1 is refused: routing would need the queue positions over a zig-zag
-    cp split and a contiguous tp split of each sequence at once (kiln/model/moe.py does one)."""
+    parallelism anyway). With cp > 1 each rank routes the tp slice of its zig-zag half of every
+    sequence (kiln/model/moe.py `_cp_sp_positions`); routing counts equal slices, so every rank's
+    share of a sequence (seq_len / (cp * tp) tokens) must be whole."""
     ep, tp, cp = cfg.ep, cfg.tp, cfg.cp
     if mode not in ("fsdp", "zero2"):
         raise ConfigError(f"parallel.etp=1 with parallel.ep={ep} and parallel.tp={tp} needs parallel.dp_mode="
                           f"'fsdp' or 'zero2', not {mode!r}; change parallel.dp_mode")
-    if cp > 1:
-        raise ConfigError(f"parallel.etp=1 (ep borrowing tp) with parallel.cp={cp} is not supported yet; "
-                          f"set parallel.etp={tp} (experts sharded over tp) or parallel.cp=1")
+    borrowed = f"parallel.tp={tp}" if cp == 1 else f"parallel.cp x tp = {cp} x {tp}"
     if ep % (cp * tp):
-        raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.tp={tp} with parallel.etp=1 (ep "
-                          f"borrows all of tp, as in torchtitan); change parallel.ep or set parallel.etp={tp}")
+        raise ConfigError(f"parallel.ep={ep} must be a multiple of {borrowed} with parallel.etp=1 (ep "
+                          f"borrows all of {'tp' if cp == 1 else 'cp and tp'}, as in torchtitan); change "
+                          f"parallel.ep or set parallel.etp={tp}")
     if dp_shard * cp * tp % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide dp_shard x tp = {dp_shard} x {tp} with parallel.etp=1 (ep "
-                          f"is carved out of dp_shard and tp); change parallel.ep or the number of processes")
+        where = f"dp_shard x tp = {dp_shard} x {tp}" if cp == 1 else f"dp_shard x cp x tp = {dp_shard} x {cp} x {tp}"
+        raise ConfigError(f"parallel.ep={ep} must divide {where} with parallel.etp=1 (ep is carved out of "
+                          f"dp_shard{' and tp' if cp == 1 else ', cp and tp'}); change parallel.ep or the "
+                          f"number of processes")
+    if seq_len is not None and seq_len % (cp * tp):
+        raise ConfigError(f"data.seq_len={seq_len} is not divisible by parallel.cp x tp = {cp} x {tp} (with "
+                          f"parallel.etp=1 each rank routes an equal slice of every sequence); change data.seq_len")
 
 
 def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> None:

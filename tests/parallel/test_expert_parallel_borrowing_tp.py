@@ -6,18 +6,24 @@ active on every step; seq_len 16, so each tp rank routes 8 tokens of every seque
 - ep2_tp2 (4 ranks, fsdp): dp_shard=2 x tp=2, ep=2: each data-parallel rank's 2 tp ranks are one
   ep group (2 whole experts each), the experts FSDP-sharded over the 2 "edp" ranks.
 - ep4_tp2 (4 ranks, zero2): ep=4 spans dp_shard x tp, one whole expert per rank, edp = 1.
+- ep4_cp2_tp2 (4 ranks, fsdp): cp=2 x tp=2, ep=4 = cp x tp, one whole expert per rank. Each cp
+  rank holds the zig-zag chunks (r, 3-r) of 4 of every sequence and each of its tp ranks one of
+  them (4 tokens): rank (c, t) routes chunk c if t = 0, else chunk 3-c.
 Capacity semantics: one process's, exactly. Capacity is per sequence (GShard groups,
 kiln/model/moe.py), not per rank: the tp ranks exchange per-expert counts of their sequence
 shards, so each assignment gets the slot it has in one process and the same assignments drop.
-The step-3 checkpoint of ep2_tp2 stores every expert once (whole experts, split over ep x edp,
-its DCP metadata) and continues (steps 4-5) in one process and under etp = tp (ep2 x tp2, experts
-sharded over tp).
+The step-3 checkpoints of ep2_tp2 and ep4_cp2_tp2 store every expert once (whole experts, split over ep x edp,
+its DCP metadata) and continue (steps 4-5) in one process; ep2_tp2's also under etp = tp (ep2 x
+tp2, experts sharded over tp).
 
 Tolerance: fp32, relative 1e-5 per step for the loss (LM + weighted aux + z-loss), the
 pre-clipping grad norm and the logged aux and z-losses (the layout changes only the order of sums).
 Negative controls (each must fail the comparison at step 1): the expert gradients scaled as for
 etp = tp (1 / ep instead of edp / D), the router's gradient not summed over tp, and queue slots
-counted within each tp rank's shard of the sequence (capacity per rank's tokens: other drops).
+counted within each tp rank's shard of the sequence (capacity per rank's tokens: other drops), and
+under cp x tp the slots counted over the tp slices of the cp rank's half only, without the other cp
+rank's chunks before them (the cp offset left out: other drops), or counted over the whole sequence
+but with the cp ranks' chunks taken as contiguous instead of zig-zag (wrong offsets: other drops).
 """
 
 import json
@@ -35,15 +41,17 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
     "single": (1, {}),
     "ep2_tp2": (4, {"parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1}),
     "ep4_tp2": (4, {"parallel.tp": 2, "parallel.ep": 4, "parallel.etp": 1, "parallel.dp_mode": "'zero2'"}),
+    "ep4_cp2_tp2": (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.ep": 4, "parallel.etp": 1}),
     "ep2_tp2_etp2": (4, {"parallel.tp": 2, "parallel.ep": 2}),  # etp = tp (the default)
 }
 MISTAKES = ("experts_scaled_as_etp_tp", "router_grad_not_summed", "capacity_per_tp_shard")
+CP_MISTAKES = ("cp_tp_capacity_without_cp_offset", "cp_tp_pieces_not_zigzag")
 
 
 def overrides(text_file, shards, name):
     world, parallel = LAYOUTS[name]
-    per_rank = {"parallel.dp_mode": "'fsdp'", "parallel.tp": 1, "parallel.ep": 1, **parallel}
-    return moe_job(text_file, shards, per_rank, world // per_rank["parallel.tp"], moe=MOE)
+    per_rank = {"parallel.dp_mode": "'fsdp'", "parallel.cp": 1, "parallel.tp": 1, "parallel.ep": 1, **parallel}
+    return moe_job(text_file, shards, per_rank, world // (per_rank["parallel.cp"] * per_rank["parallel.tp"]), moe=MOE)
 
 
 def deliberate_mistake(kind):
@@ -66,6 +74,18 @@ def deliberate_mistake(kind):
         saved = MoE._sp_positions
         MoE._sp_positions = lambda self, onehot: (onehot.cumsum(1) * onehot).sum(-1) - 1
         return lambda: setattr(MoE, "_sp_positions", saved)
+    if kind == "cp_tp_capacity_without_cp_offset":  # the cp rank's half taken for the whole sequence
+        from kiln.model.moe import MoE
+
+        saved = MoE._cp_sp_positions
+        MoE._cp_sp_positions = lambda self, onehot: self._sp_positions(onehot)
+        return lambda: setattr(MoE, "_cp_sp_positions", saved)
+    if kind == "cp_tp_pieces_not_zigzag":  # whole-sequence counts, but cp's chunks taken as contiguous
+        from kiln.model import moe
+
+        saved = moe.cp_sp_pieces
+        moe.cp_sp_pieces = lambda seq_len, cp, sp, r, t: saved(seq_len, 1, cp * sp, 0, r * sp + t)
+        return lambda: setattr(moe, "cp_sp_pieces", saved)
     return lambda: None
 
 
@@ -77,29 +97,30 @@ def runs(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("epborrowtp")
     shards = root / "shards"
     sets = {name: overrides(text_file, shards, name) for name in LAYOUTS}
-    out = {name: root / name for name in ["single", "ep2_tp2", "ep4_tp2", *MISTAKES]}
+    out = {name: root / name for name in ["single", "ep2_tp2", "ep4_tp2", "ep4_cp2_tp2", *MISTAKES, *CP_MISTAKES]}
     train(load_config(None, sets["single"]), out["single"])  # writes the shared shards first
     out["ep2_tp2->etp2"] = root / "to-etp2"
-    jobs = [(None, out[name], sets[name], None, None) for name in ("ep2_tp2", "ep4_tp2")]
+    jobs = [(None, out[name], sets[name], None, None) for name in ("ep2_tp2", "ep4_tp2", "ep4_cp2_tp2")]
     jobs += [(None, out[m], sets["ep2_tp2"], 1, m) for m in MISTAKES]
+    jobs += [(None, out[m], sets["ep4_cp2_tp2"], 1, m) for m in CP_MISTAKES]
     jobs += [(out["ep2_tp2"], out["ep2_tp2->etp2"], sets["ep2_tp2_etp2"], None, None)]
     run_ranks(jobs_with_mistakes, 4, root, deliberate_mistake, jobs, timeout=300)
-    out["ep2_tp2->single"] = run = root / "to-single"
-    shutil.copytree(out["ep2_tp2"], run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
-    train(load_config(None, sets["single"]), run, resume=True)
+    for name in ("ep2_tp2", "ep4_cp2_tp2"):
+        out[f"{name}->single"] = run = root / f"{name}-to-single"
+        shutil.copytree(out[name], run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
+        train(load_config(None, sets["single"]), run, resume=True)
     return out
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["ep2_tp2", "ep4_tp2"])
+@pytest.mark.parametrize("name", ["ep2_tp2", "ep4_tp2", "ep4_cp2_tp2"])
 def test_ep_borrowing_tp_matches_one_process(runs, name):
     assert_matches_one_process(runs["single"], runs[name], LAYOUTS[name][0], name)
 
 
 @pytest.mark.timeout(600)  # whichever test runs first sets the module's runs up
-@pytest.mark.parametrize("target", ["single", "etp2"])
-def test_ep_borrowing_tp_checkpoint_continues_in_another_layout(runs, target):
-    pair = f"ep2_tp2->{target}"
+@pytest.mark.parametrize("pair", ["ep2_tp2->single", "ep2_tp2->etp2", "ep4_cp2_tp2->single"])
+def test_ep_borrowing_tp_checkpoint_continues_in_another_layout(runs, pair):
     expected, got = rows(runs["single"]), rows(runs[pair])
     run_row = [json.loads(x) for x in (runs[pair] / "metrics.jsonl").read_text().splitlines() if '"run"' in x][-1]
     assert run_row["resumed_from"] == SAVE_AT
@@ -107,7 +128,7 @@ def test_ep_borrowing_tp_checkpoint_continues_in_another_layout(runs, target):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, experts_per_chunk", [("ep2_tp2", 1), ("ep4_tp2", 1)])
+@pytest.mark.parametrize("name, experts_per_chunk", [("ep2_tp2", 1), ("ep4_tp2", 1), ("ep4_cp2_tp2", 1)])
 def test_ep_borrowing_tp_checkpoint_saves_whole_experts_once(runs, name, experts_per_chunk):
     import torch
 
@@ -123,7 +144,7 @@ def test_ep_borrowing_tp_checkpoint_saves_whole_experts_once(runs, name, experts
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", MISTAKES)
+@pytest.mark.parametrize("name", [*MISTAKES, *CP_MISTAKES])
 def test_each_deliberate_mistake_fails_the_comparison(runs, name):
     expected, got = rows(runs["single"]), rows(runs[name])
     assert sorted(got) == [1]
@@ -138,8 +159,14 @@ def test_each_deliberate_mistake_fails_the_comparison(runs, name):
      "parallel.ep=2 must be a multiple of parallel.tp=4 with parallel.etp=1"),
     (4, {"parallel.ep": 8, "model.moe_experts": 8},
      "parallel.ep=8 must divide dp_shard x tp = 2 x 2 with parallel.etp=1"),
-    (8, {"parallel.cp": 2}, "parallel.etp=1 (ep borrowing tp) with parallel.cp=2 is not supported yet"),
+    # with cp, ep borrows all of cp x tp: a multiple of cp x tp that divides dp_shard x cp x tp
+    (8, {"parallel.cp": 2}, "parallel.ep=2 must be a multiple of parallel.cp x tp = 2 x 2 with parallel.etp=1"),
+    (8, {"parallel.cp": 2, "parallel.ep": 12, "model.moe_experts": 12},
+     "parallel.ep=12 must divide dp_shard x cp x tp = 2 x 2 x 2 with parallel.etp=1"),
     (4, {"parallel.dp_mode": "'zero1'"}, "parallel.etp=1 with parallel.ep=2 and parallel.tp=2 needs parallel.dp_mode="),
+    (4, {"data.seq_len": 15}, "data.seq_len=15 is not divisible by parallel.cp x tp = 1 x 2 (with parallel.etp=1"),
+    (8, {"parallel.cp": 2, "parallel.tp": 4, "model.n_heads": 4, "parallel.ep": 8, "model.moe_experts": 8,
+         "data.seq_len": 20}, "data.seq_len=20 is not divisible by parallel.cp x tp = 2 x 4"),
 ])
 def test_ep_borrowing_tp_bad_layouts_are_refused_in_one_line(text_file, tmp_path, monkeypatch, capsys,
                                                               world, sets, expected):
@@ -169,3 +196,19 @@ def test_etp_resolves_to_tp_by_default_and_to_1_when_set():
     # etp=1 with ep=1 or tp=1 changes nothing
     d = ParallelDims.from_config(ParallelConfig(ep=1, tp=2, etp=1), world_size=4, rank=0, local_rank=0)
     assert not d.ep_borrows_tp
+
+
+@pytest.mark.parametrize("cp, sp, seq_len", [(2, 2, 16), (2, 4, 16), (2, 3, 24), (3, 2, 12), (4, 2, 48)])
+def test_cp_sp_pieces_are_each_ranks_tokens_in_order(cp, sp, seq_len):
+    """kiln/model/moe.py `cp_sp_pieces` against context_parallel.py's zig-zag token positions, split
+    contiguously over tp: a slice within one chunk (sp even), across both (sp odd), several per chunk."""
+    from kiln.model.moe import cp_sp_pieces
+    from kiln.parallel.context_parallel import zigzag_positions
+
+    piece_len = seq_len // len([p for r in range(cp) for t in range(sp) for p in cp_sp_pieces(seq_len, cp, sp, r, t)])
+    for r in range(cp):
+        held = zigzag_positions(seq_len, cp, r).tolist()
+        for t in range(sp):
+            pieces = cp_sp_pieces(seq_len, cp, sp, r, t)
+            got = [p * piece_len + i for p in pieces for i in range(piece_len)]
+            assert got == held[t * len(held) // sp:(t + 1) * len(held) // sp], (r, t)
