@@ -53,9 +53,9 @@ slice, are summed over tp after the reverse all-to-all (`sum_grad_over_tp`, as w
 DCP saves each (expert, hidden slice) once; the grad norm's `full_tensor` sums over edp x ep x tp.
 ddp/zero1 are refused with ep x tp (they take no tensor-parallel DTensors; dims.check_ep_layout).
 
-Expert parallel borrowing tp (parallel.etp=1; torchtitan's etp = 1). The ep group spans tp: the
-expert mesh is ("edp", "ep") with ep = dp_shard_in_ep x tp consecutive ranks and edp =
-dp_shard * tp / ep (dims.ParallelDims._build_expert_mesh_borrowing_tp). tensor_parallel.py's
+Expert parallel borrowing tp (parallel.etp=1; torchtitan's etp = 1). The ep group spans tp (and cp): the
+expert mesh is ("edp", "ep") with ep = dp_shard_in_ep x cp x tp consecutive ranks and edp =
+dp_shard * cp * tp / ep (dims.ParallelDims._build_expert_mesh_borrowing_tp). tensor_parallel.py's
 `MoELocalSequence` leaves the experts whole and the MoE block's input sequence-sharded, so each tp
 rank routes only its own tokens (queue slots, aux and z-losses taken over the whole sequence,
 kiln/model/moe.py) and sends them to whole experts: the all-to-all carries every token once, not
