@@ -33,6 +33,8 @@ from ranks import run_ranks
 from test_expert_pipeline_context import (REL, SAVE_AT, STEPS, assert_matches_one_process, assert_same,
                                           jobs_with_mistakes, moe_job, rows)
 
+ZBV = {"parallel.pp": 2, "parallel.ep": 2, "parallel.pp_schedule": "'zbv_zero_bubble'",
+       "parallel.pp_virtual_stages": 2, "parallel.pp_microbatches": 2, "model.n_layers": 4}
 LAYOUTS = {  # name -> (world, [parallel] settings)
     "single": (1, {}),
     "ep2_pp2_ddp": (4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "'ddp'",
@@ -40,7 +42,16 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
     "ep2_zero1": (4, {"parallel.ep": 2, "parallel.dp_mode": "'zero1'"}),
     "ep2_pp2_zero1": (4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "'zero1'",
                           "parallel.pp_schedule": "'gpipe'"}),
+    # The zero-bubble schedules (torch's split weight pass): one stage per rank with 2 layers ...
+    "ep2_pp2_ddp_izb": (4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "'ddp'",
+                            "parallel.pp_schedule": "'interleaved_zero_bubble'"}),
+    # ... and ZBV's 2 stages per rank with 4 layers, against their own one-process run
+    "single4": (1, {"model.n_layers": 4}),
+    "ep2_pp2_ddp_zbv": (4, {**ZBV, "parallel.dp_mode": "'ddp'"}),
+    "ep2_pp2_zero1_zbv": (4, {**ZBV, "parallel.dp_mode": "'zero1'"}),
+    "ep2_pp2_fsdp_zbv": (4, {**ZBV, "parallel.dp_mode": "'fsdp'"}),
 }
+REFERENCE = {name: "single4" if LAYOUTS[name][1].get("model.n_layers") == 4 else "single" for name in LAYOUTS}
 
 
 def overrides(text_file, shards, name):
@@ -57,6 +68,12 @@ def replicated_mistake(kind):
         saved = xp._reduced_expert_grad
         xp._reduced_expert_grad = lambda grad, dp_size, replica_group: grad
         return lambda: setattr(xp, "_reduced_expert_grad", saved)
+    if kind == "split_replicas_not_averaged":  # the dense gradients of a zero-bubble step left per replica
+        from kiln.parallel.data_parallel import SplitBackwardReplicas
+
+        saved = SplitBackwardReplicas.average
+        SplitBackwardReplicas.average = lambda self: None
+        return lambda: setattr(SplitBackwardReplicas, "average", saved)
     if kind == "lr_not_handed_on":
         from kiln.parallel.data_parallel import ZeroRedundancyExceptExperts as Split
 
@@ -88,16 +105,19 @@ def runs(tmp_path_factory, text_file):
         train(load_config(None, sets["single"]), root / "single")  # writes the shared shards first
     finally:
         MoE.forward = forward
+    train(load_config(None, sets["single4"]), root / "single4")
     out = {name: root / name for name in LAYOUTS}
     out["dropped"] = dropped
     for name in ("ep2_zero1->ep2_zero1", "ep2_zero1->single", "single->ep2_zero1", "expert_grads_not_reduced",
-                 "lr_not_handed_on"):
+                 "lr_not_handed_on", "zbv_expert_grads_not_reduced", "zbv_split_replicas_not_averaged"):
         out[name] = root / name.replace(">", "")
-    jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if name != "single"]
+    jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if not name.startswith("single")]
     jobs += [(out["ep2_zero1"], out["ep2_zero1->ep2_zero1"], sets["ep2_zero1"], None, None),
              (out["single"], out["single->ep2_zero1"], sets["ep2_zero1"], None, None),
              (None, out["expert_grads_not_reduced"], sets["ep2_pp2_ddp"], 1, "expert_grads_not_reduced"),
-             (None, out["lr_not_handed_on"], sets["ep2_zero1"], 2, "lr_not_handed_on")]
+             (None, out["lr_not_handed_on"], sets["ep2_zero1"], 2, "lr_not_handed_on"),
+             (None, out["zbv_expert_grads_not_reduced"], sets["ep2_pp2_ddp_zbv"], 1, "expert_grads_not_reduced"),
+             (None, out["zbv_split_replicas_not_averaged"], sets["ep2_pp2_ddp_zbv"], 1, "split_replicas_not_averaged")]
     (root / "ranks").mkdir()
     run_ranks(jobs_with_mistakes, 4, root / "ranks", replicated_mistake, jobs, timeout=400)
     shutil.copytree(out["ep2_zero1"], out["ep2_zero1->single"], ignore=shutil.ignore_patterns(f"step-{STEPS}"))
@@ -110,11 +130,15 @@ def run_rows(run):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, mode", [("ep2_pp2_ddp", "ddp"), ("ep2_zero1", "zero1"), ("ep2_pp2_zero1", "zero1")])
+@pytest.mark.parametrize("name, mode", [("ep2_pp2_ddp", "ddp"), ("ep2_zero1", "zero1"), ("ep2_pp2_zero1", "zero1"),
+                                        ("ep2_pp2_ddp_izb", "ddp"), ("ep2_pp2_ddp_zbv", "ddp"),
+                                        ("ep2_pp2_zero1_zbv", "zero1"), ("ep2_pp2_fsdp_zbv", "fsdp")])
 def test_ep_under_ddp_or_zero1_matches_one_process(runs, name, mode):
     assert max(runs["dropped"]) > 0  # capacity 1.0 drops assignments: the dropping path is compared too
-    assert run_rows(runs[name])[0]["dp_mode"] == mode
-    assert_matches_one_process(runs["single"], runs[name], 4, name)
+    row = run_rows(runs[name])[0]
+    assert row["dp_mode"] == mode
+    assert row.get("pp_schedule") == (LAYOUTS[name][1].get("parallel.pp_schedule", "").strip("'") or None)
+    assert_matches_one_process(runs[REFERENCE[name]], runs[name], 4, name)
 
 
 @pytest.mark.parametrize("pair, world", [("ep2_zero1->single", 1), ("ep2_zero1->ep2_zero1", 4),
@@ -127,10 +151,11 @@ def test_zero1_ep_checkpoint_continues(runs, pair, world):
     assert_same(expected, got, range(SAVE_AT + 1, STEPS + 1), pair)
 
 
-@pytest.mark.parametrize("name, step, key", [("expert_grads_not_reduced", 1, "grad_norm"),
-                                             ("lr_not_handed_on", 2, "loss")])
-def test_each_deliberate_mistake_fails_the_comparison(runs, name, step, key):
-    expected, got = rows(runs["single"]), rows(runs[name])
+@pytest.mark.parametrize("name, step, key, reference", [
+    ("expert_grads_not_reduced", 1, "grad_norm", "single"), ("lr_not_handed_on", 2, "loss", "single"),
+    ("zbv_expert_grads_not_reduced", 1, "grad_norm", "single4"), ("zbv_split_replicas_not_averaged", 1, "grad_norm", "single4")])
+def test_each_deliberate_mistake_fails_the_comparison(runs, name, step, key, reference):
+    expected, got = rows(runs[reference]), rows(runs[name])
     assert sorted(got) == list(range(1, step + 1))
     assert got[step][key] != pytest.approx(expected[step][key], rel=10 * REL)
     with pytest.raises(AssertionError):
@@ -263,3 +288,54 @@ def test_split_optimizer_refuses_a_state_of_other_groups(one_rank):
     state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:2]
     with pytest.raises(ValueError, match=r"param groups of sizes \[2, 2\], this optimizer \[3, 2\]"):
         split.load_state_dict(state)
+
+
+def test_expert_gradient_hook_fires_once_in_the_split_weight_pass(one_rank):
+    """torch's zero-bubble backward (pipelining/_backward.py) on a MoE layer with kiln's ddp-mode
+    experts (DTensors, the gradient hook on each forward's local slice): the input pass leaves the
+    experts alone (no hook call, no gradient), the weight pass (`autograd.grad` from the saved
+    intermediates, no AccumulateGrad hooks) runs the hook once per expert weight, and every
+    gradient equals one plain backward's, the experts' divided by dp_size as the hook does."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from kiln.config import ModelConfig
+    from kiln.model.moe import MoE
+    from kiln.parallel import expert_parallel as xp
+
+    cfg = ModelConfig(dim=8, n_layers=1, n_heads=2, moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("edp", "ep"))
+
+    def layer():
+        torch.manual_seed(0)
+        moe = MoE(cfg, 16)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0, 0.3)
+        xp.apply_expert_parallel_training(moe, mesh, dp_size=2, fsdp=False)
+        calls = []
+        hook = moe.experts.grad_hook
+        moe.experts.grad_hook = lambda grad: calls.append(grad.shape) or hook(grad)
+        return moe, calls
+
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(2))
+    plain, plain_calls = layer()
+    inp = x.clone().requires_grad_()
+    (inp + plain(inp)).backward(dy)  # a residual block's output, as a stage sends it
+    split, calls = layer()
+    split_inp = x.clone().requires_grad_()  # a later stage's input: torch splits its backward
+    weights = list(split.parameters())
+    _, param_groups = stage_backward_input([split_inp + split(split_inp)], [dy], [split_inp], iter(weights))
+    assert calls == [] and all(p.grad is None for p in split.experts.parameters())
+    torch.testing.assert_close(split_inp.grad, inp.grad, rtol=0, atol=0)
+    stage_backward_weight(iter(weights), param_groups)
+    assert len(calls) == len(plain_calls) == len(list(split.experts.parameters())) == 3
+    unhooked, _ = layer()
+    unhooked.experts.grad_hook = None
+    unhooked(x.clone()).backward(dy)
+    for (name, p), q, r in zip(split.named_parameters(), plain.parameters(), unhooked.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=name)
+        if "experts" in name:  # the hook divided by dp_size = 2 (no replicas to sum over here)
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad.full_tensor() / 2, rtol=1e-6, atol=0)
