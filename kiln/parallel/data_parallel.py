@@ -12,7 +12,8 @@ Which torch API does what (nothing here is a hand-written collective):
   ddp under pp with a zero-bubble schedule -> no wrapper (`SplitBackwardReplicas`): DDP's
            start-of-training broadcast (torch.distributed.utils._sync_module_states, the call
            DDP's constructor makes), then one bucketed torch.distributed.all_reduce of the
-           gradients after the schedule's step
+           gradients after the schedule's step; under parallel.ep both leave the experts out, as
+           the per-stage DDP does (`leave_experts_to_expert_parallel`)
   zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
            optimizer state of its partition of the parameters, then broadcasts the new values)
   zero1 with parallel.ep -> ZeroRedundancyOptimizer over the dense parameters and a plain optimizer
@@ -114,7 +115,12 @@ class SplitBackwardReplicas:
     size before a SUM (DDP's allreduce_hook; gloo has no AVG). Every bucket is in flight at once
     (async) and copied back as it completes: one transient flat copy of the gradients, where DDP
     keeps its buckets for the whole run. Unlike DDP nothing overlaps the backward: the gradients
-    are final only at the schedule's end (its REDUCE_GRAD step per stage)."""
+    are final only at the schedule's end (its REDUCE_GRAD step per stage).
+
+    Under parallel.ep the experts are neither broadcast nor averaged (the rule DDP follows here,
+    `leave_experts_to_expert_parallel`): they differ between the ep ranks of the group, and their
+    gradients are reduced by expert_parallel.py's hook on each forward's local slice, which fires
+    in the weight pass too (`autograd.grad` runs tensor hooks; tests/parallel/test_expert_replicated.py)."""
 
     BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 
