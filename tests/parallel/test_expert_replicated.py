@@ -100,6 +100,18 @@ def replicated_mistake(kind):
     return lambda: None
 
 
+def weight_pass_then_jobs(rank, world, jobs):
+    """In the launch the trainer jobs share: first `split_and_plain_backward` on 4 ranks with the
+    experts on ("edp" 2, "ep" 2), so the hook's all-reduce over edp runs inside the weight pass
+    (which the trainer layouts, edp = 1, never do); then the jobs. Returns the former's result."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    got = split_and_plain_backward(mesh, world, seed=rank)  # each rank its own tokens
+    jobs_with_mistakes(rank, world, replicated_mistake, jobs)
+    return got
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text_file):
     from kiln.config import load_config
@@ -136,7 +148,7 @@ def runs(tmp_path_factory, text_file):
              (None, out["zbv_expert_grads_not_reduced"], sets["ep2_pp2_ddp_zbv"], 1, "expert_grads_not_reduced"),
              (None, out["zbv_split_replicas_not_averaged"], sets["ep2_pp2_ddp_zbv"], 1, "split_replicas_not_averaged")]
     (root / "ranks").mkdir()
-    run_ranks(jobs_with_mistakes, 4, root / "ranks", replicated_mistake, jobs, timeout=400)
+    out["weight_pass"] = run_ranks(weight_pass_then_jobs, 4, root / "ranks", jobs, timeout=400)
     shutil.copytree(out["ep2_zero1"], out["ep2_zero1->single"], ignore=shutil.ignore_patterns(f"step-{STEPS}"))
     train(load_config(None, sets["single"]), out["ep2_zero1->single"], resume=True)
     return out
@@ -310,37 +322,37 @@ def test_split_optimizer_refuses_a_state_of_other_groups(one_rank):
         split.load_state_dict(state)
 
 
-def test_expert_gradient_hook_fires_once_in_the_split_weight_pass(one_rank):
-    """torch's zero-bubble backward (pipelining/_backward.py) on a MoE layer with kiln's ddp-mode
-    experts (DTensors, the gradient hook on each forward's local slice): the input pass leaves the
-    experts alone (no hook call, no gradient), the weight pass (`autograd.grad` from the saved
-    intermediates, no AccumulateGrad hooks) runs the hook once per expert weight, and every
-    gradient equals one plain backward's, the experts' divided by dp_size as the hook does."""
+def split_and_plain_backward(mesh, dp_size, seed):
+    """One MoE layer with kiln's ddp-mode experts on `mesh` ("edp", "ep"; DTensors, the gradient
+    hook on each forward's local slice), backward twice on this rank's input (drawn from `seed`):
+    torch's zero-bubble split (pipelining/_backward.py: input pass, then the weight pass from the
+    saved intermediates with `autograd.grad`, where no AccumulateGrad hook runs) and one plain
+    backward. Returns the hook calls during the input pass, during the weight pass and in the plain
+    backward, and per parameter (split gradient, plain gradient), local tensors."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.distributed.tensor import DTensor
 
     from kiln.config import ModelConfig
     from kiln.model.moe import MoE
     from kiln.parallel import expert_parallel as xp
 
     cfg = ModelConfig(dim=8, n_layers=1, n_heads=2, moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0)
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("edp", "ep"))
 
     def layer():
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # the same experts everywhere, sliced over ep
         moe = MoE(cfg, 16)
         with torch.no_grad():
             for p in moe.parameters():
                 p.normal_(0, 0.3)
-        xp.apply_expert_parallel_training(moe, mesh, dp_size=2, fsdp=False)
+        xp.apply_expert_parallel_training(moe, mesh, dp_size=dp_size, fsdp=False)
         calls = []
         hook = moe.experts.grad_hook
         moe.experts.grad_hook = lambda grad: calls.append(grad.shape) or hook(grad)
         return moe, calls
 
-    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
-    dy = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(seed))
+    dy = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(seed + 100))
     plain, plain_calls = layer()
     inp = x.clone().requires_grad_()
     (inp + plain(inp)).backward(dy)  # a residual block's output, as a stage sends it
@@ -348,14 +360,50 @@ def test_expert_gradient_hook_fires_once_in_the_split_weight_pass(one_rank):
     split_inp = x.clone().requires_grad_()  # a later stage's input: torch splits its backward
     weights = list(split.parameters())
     _, param_groups = stage_backward_input([split_inp + split(split_inp)], [dy], [split_inp], iter(weights))
-    assert calls == [] and all(p.grad is None for p in split.experts.parameters())
-    torch.testing.assert_close(split_inp.grad, inp.grad, rtol=0, atol=0)
+    input_pass_calls = len(calls)
+    no_expert_grad_yet = all(p.grad is None for p in split.experts.parameters())
     stage_backward_weight(iter(weights), param_groups)
-    assert len(calls) == len(plain_calls) == len(list(split.experts.parameters())) == 3
-    unhooked, _ = layer()
-    unhooked.experts.grad_hook = None
-    unhooked(x.clone()).backward(dy)
-    for (name, p), q, r in zip(split.named_parameters(), plain.parameters(), unhooked.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=name)
-        if "experts" in name:  # the hook divided by dp_size = 2 (no replicas to sum over here)
-            torch.testing.assert_close(p.grad.full_tensor(), r.grad.full_tensor() / 2, rtol=1e-6, atol=0)
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    grads = {name: (local(p.grad), local(q.grad)) for (name, p), q in zip(split.named_parameters(), plain.parameters())}
+    grads["input"] = (split_inp.grad, inp.grad)
+    return {"input_pass_calls": input_pass_calls, "no_expert_grad_after_input_pass": no_expert_grad_yet,
+            "weight_pass_calls": len(calls) - input_pass_calls, "plain_calls": len(plain_calls), "grads": grads}
+
+
+def assert_hook_runs_in_the_weight_pass(got):
+    import torch
+
+    assert got["input_pass_calls"] == 0 and got["no_expert_grad_after_input_pass"]
+    assert got["weight_pass_calls"] == got["plain_calls"] == 3  # once per expert weight (w1, w2, w3)
+    for name, (split, plain) in got["grads"].items():
+        torch.testing.assert_close(split, plain, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_expert_gradient_hook_fires_once_in_the_split_weight_pass(one_rank):
+    """On one rank (dp_size 2, no replicas): the input pass leaves the experts alone, the weight
+    pass runs the hook once per expert weight, every gradient is the plain backward's, and the
+    experts' are the unhooked ones divided by dp_size (the hook did act)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("edp", "ep"))
+    got = split_and_plain_backward(mesh, 2, seed=1)
+    assert_hook_runs_in_the_weight_pass(got)
+    unhooked = split_and_plain_backward(mesh, 1, seed=1)  # dp_size 1, one replica: the hook is the identity
+    for name in ("experts.w1", "experts.w2", "experts.w3"):
+        torch.testing.assert_close(got["grads"][name][0], unhooked["grads"][name][0] / 2, rtol=1e-6, atol=0)
+
+
+def test_expert_hook_reduces_over_replicas_inside_the_weight_pass(runs):
+    """4 ranks, experts on ("edp" 2, "ep" 2), each rank its own input: split == plain backward on
+    every rank, and the two replicas of each expert (ranks r and r + 2) hold the same gradient,
+    which their different inputs give only through the hook's sum over edp."""
+    import torch
+
+    got = runs["weight_pass"]
+    for r in range(4):
+        assert_hook_runs_in_the_weight_pass(got[r])
+    for r in (0, 1):
+        for name in ("experts.w1", "experts.w2", "experts.w3"):
+            torch.testing.assert_close(got[r]["grads"][name][0], got[r + 2]["grads"][name][0], rtol=1e-6, atol=0)
+        assert not torch.equal(got[r]["grads"]["router.weight"][0], got[r + 2]["grads"]["router.weight"][0])
