@@ -1,5 +1,6 @@
 """Expert parallelism under the replicating data-parallel modes (ddp with pp, zero1 with and
-without pp), through kiln's trainer on 4 gloo ranks, against one process on the same global batch.
+without pp; also fsdp/zero2 with a zero-bubble schedule), through kiln's trainer on 4 gloo ranks,
+against one process on the same global batch.
 
 Layouts (4 experts, top-2 with capacity factor 1.0, so assignments are dropped: checked on the
 reference run; tests/parallel/test_expert_pipeline_context.py's MoE settings and trainer jobs):
@@ -15,11 +16,13 @@ reference run; tests/parallel/test_expert_pipeline_context.py's MoE settings and
   data_parallel.py `SplitBackwardReplicas` broadcasts and averages the dense parameters only (the
   experts left out by the same rule as the per-stage DDP), the experts' gradient hook runs inside
   the weight pass. ep2_pp2_ddp_izb: interleaved zero-bubble, one stage per rank (2 layers, against
-  `single`); ep2_pp2_{ddp,zero1,fsdp}_zbv: ZBV, 2 stages per rank, 4 layers, 2 micro-batches,
+  `single`); ep2_pp2_{ddp,zero1,fsdp,zero2}_zbv: ZBV, 2 stages per rank, 4 layers, 2 micro-batches,
   against `single4` (fsdp/zero2: FSDP2 units, the experts' own over edp, with the split weight
   pass; torch's schedule reduce-scatters them at its REDUCE_GRAD step).
   With 2 replicas per stage and ep = 2 each expert lives on one rank per stage (edp = 1): the
-  hook's all-reduce over edp inside a weight pass is not exercised here (it needs 8 ranks).
+  hook's all-reduce over edp inside a weight pass is checked in the same launch on one MoE layer
+  with torch's split functions called directly (edp 2 x ep 2, `weight_pass_then_jobs`), not through
+  a pipeline schedule (that needs 8 ranks).
 ep2_zero1's step-3 checkpoint continues (steps 4-5) in one process (a plain AdamW loads the split
 optimizer's state) and in ep2_zero1 itself (the split optimizer loads it back), and the one-process
 run's continues in ep2_zero1 (the split optimizer loads a plain one's state).
@@ -36,8 +39,9 @@ step-2 loss misses). Observed: every layout and continuation within 2.3e-7 (the 
 within 1.5e-7); the controls miss by 0.19, 0.18 and 2.1e-2 (grad norm) and 2.4e-2 (loss). (With
 the experts left in the per-stage DDP, torch's DDP constructor fails on the DTensors; with them
 in SplitBackwardReplicas, its start broadcast fails on mixed Tensor/DTensor; no numbers.)
-The single-process test below runs torch's split backward functions on one MoE layer directly:
-the experts' hook fires only in the weight pass, once per expert weight.
+The layer-level tests below (one rank, and 4 ranks in the shared launch) run torch's split backward
+functions on one MoE layer directly: the experts' hook fires only in the weight pass, once per
+expert weight, and gives a plain backward's gradients (on 4 ranks, summed over the replicas).
 """
 
 import json
