@@ -12,7 +12,8 @@ Which torch API does what (nothing here is a hand-written collective):
   ddp under pp with a zero-bubble schedule -> no wrapper (`SplitBackwardReplicas`): DDP's
            start-of-training broadcast (torch.distributed.utils._sync_module_states, the call
            DDP's constructor makes), then one bucketed torch.distributed.all_reduce of the
-           gradients after the schedule's step
+           gradients after the schedule's step; under parallel.ep both leave the experts out, as
+           the per-stage DDP does (`leave_experts_to_expert_parallel`)
   zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
            optimizer state of its partition of the parameters, then broadcasts the new values)
   zero1 with parallel.ep -> ZeroRedundancyOptimizer over the dense parameters and a plain optimizer
@@ -75,17 +76,20 @@ def replicate_stage(chunk: nn.Module, dims: ParallelDims) -> nn.Module:
     return DistributedDataParallel(chunk, process_group=grad_mesh(dims).get_group(), bucket_cap_mb=25)
 
 
-def leave_experts_to_expert_parallel(chunk: nn.Module) -> None:
-    """Under parallel.ep, DDP around a stage chunk must not take the experts: they differ between
-    the ep ranks of its group, and kiln/parallel/expert_parallel.py already sums their gradients
-    over their replicas ("edp") in backward, as without pp (`apply_ddp`'s ignored_modules). torch's
-    way to leave parameters out of the class wrapper: their FQNs in the chunk, set before
-    construction (`_set_params_and_buffers_to_ignore_for_model`, what DDP reads in its constructor)."""
+def leave_experts_to_expert_parallel(chunk: nn.Module) -> set[str]:
+    """Under parallel.ep, the replication of a stage chunk (DDP's, or `SplitBackwardReplicas`')
+    must not take the experts: they differ between the ep ranks of its group, and
+    kiln/parallel/expert_parallel.py already sums their gradients over their replicas ("edp") in
+    backward, as without pp (`apply_ddp`'s ignored_modules). torch's way to leave parameters out of
+    the class wrapper: their FQNs in the chunk, set before construction
+    (`_set_params_and_buffers_to_ignore_for_model`, what DDP reads in its constructor). Returns
+    those FQNs, which SplitBackwardReplicas leaves out of its broadcast and average alike."""
     from torch.nn.parallel import DistributedDataParallel
 
     experts = {id(p) for m in chunk.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
     names = [name for name, p in chunk.named_parameters() if id(p) in experts]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(chunk, names)
+    return set(names)
 
 
 class SplitBackwardReplicas:
@@ -111,7 +115,12 @@ class SplitBackwardReplicas:
     size before a SUM (DDP's allreduce_hook; gloo has no AVG). Every bucket is in flight at once
     (async) and copied back as it completes: one transient flat copy of the gradients, where DDP
     keeps its buckets for the whole run. Unlike DDP nothing overlaps the backward: the gradients
-    are final only at the schedule's end (its REDUCE_GRAD step per stage)."""
+    are final only at the schedule's end (its REDUCE_GRAD step per stage).
+
+    Under parallel.ep the experts are neither broadcast nor averaged (the rule DDP follows here,
+    `leave_experts_to_expert_parallel`): they differ between the ep ranks of the group, and their
+    gradients are reduced by expert_parallel.py's hook on each forward's local slice, which fires
+    in the weight pass too (`autograd.grad` runs tensor hooks; tests/parallel/test_expert_replicated.py)."""
 
     BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 
@@ -120,13 +129,16 @@ class SplitBackwardReplicas:
 
         self.group = grad_mesh(dims).get_group()
         self.size = dist.get_world_size(self.group)
-        for chunk in chunks:  # DDP's constructor, per chunk as replicate_stage's DDP would do it
-            _verify_param_shape_across_processes(self.group, list(chunk.parameters()))
-            _sync_module_states(chunk, self.group, self.BROADCAST_BUCKET_BYTES, src=0,
-                                params_and_buffers_to_ignore=set())
         seen: set[int] = set()
-        self.params = [p for chunk in chunks for p in chunk.parameters()
-                       if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        self.params = []
+        for chunk in chunks:  # DDP's constructor, per chunk as replicate_stage's DDP would do it
+            ignored = leave_experts_to_expert_parallel(chunk) if dims.ep > 1 else set()
+            replicated = [(name, p) for name, p in chunk.named_parameters() if name not in ignored]
+            _verify_param_shape_across_processes(self.group, [p for _, p in replicated])
+            _sync_module_states(chunk, self.group, self.BROADCAST_BUCKET_BYTES, src=0,
+                                params_and_buffers_to_ignore=ignored)
+            self.params += [p for _, p in replicated
+                            if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
         self.buckets: list[list[nn.Parameter]] = []  # the same plan on every replica: same model
         cap, size, key = bucket_cap_mb * 1024 * 1024, 0.0, None
         for p in self.params:

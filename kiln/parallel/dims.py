@@ -88,8 +88,6 @@ class ParallelDims:
                 f"parallel.dp_shard (-1 takes what is left) or the number of processes")
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
-        if cfg.pp > 1 and dp_replicate * cfg.cp > 1 and mode in ("ddp", "zero1"):
-            check_replicated_pipeline(cfg, mode)
         etp = cfg.tp if cfg.etp == -1 else cfg.etp
         if cfg.ep > 1 and cfg.tp > 1 and etp == 1:
             check_ep_borrowing_tp_layout(cfg, mode, dp_shard, seq_len)
@@ -278,22 +276,6 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
         raise ConfigError(f"parallel.ep={ep} must divide {where} (ep is carved out of {name}"
                           f"{' and cp' if cp > 1 else ''} under dp_mode={mode!r}); change parallel.ep or the "
                           f"number of processes")
-
-
-def check_replicated_pipeline(cfg: ParallelConfig, mode: str) -> None:
-    """ddp/zero1 across pipeline replicas (kiln/parallel/data_parallel.py `replicate_stage`):
-    refused where DDP's gradient all-reduce would miss gradients."""
-    from kiln.parallel.pipeline import ZERO_BUBBLE
-
-    # The zero-bubble schedules run (data_parallel.py `SplitBackwardReplicas` averages after the
-    # step), and parallel.ep runs with the other schedules: the per-stage DDP leaves the experts
-    # out (data_parallel.py `leave_experts_to_expert_parallel`), expert_parallel.py reduces their
-    # gradients. Both together are untested (the experts' gradient hooks under torch's split
-    # weight pass), so refused.
-    if cfg.ep > 1 and cfg.pp_schedule in ZERO_BUBBLE:
-        raise ConfigError(f"parallel.ep={cfg.ep} with parallel.pp_schedule={cfg.pp_schedule!r} and parallel.dp_mode="
-                          f"{mode!r} is not supported yet; use dp_mode='fsdp' (or 'zero2'), or pp_schedule="
-                          f"'interleaved_1f1b'")
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

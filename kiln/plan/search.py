@@ -54,8 +54,10 @@ def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, 
     """(schedule, virtual stages) `kiln train` runs for a pipeline of `pp` stages: gpipe and 1f1b;
     with 2 stages per rank (an even layer split) interleaved 1F1B and the zero-bubble ZB1P and ZBV
     where the micro-batches are a multiple of pp (kiln/parallel/pipeline.py check_pipeline_config),
-    the zero-bubble ones not under ddp/zero1 across `replicas` = dp_replicate x cp > 1 (torch's
-    split weight pass bypasses DDP's all-reduce: kiln/parallel/dims.py check_replicated_pipeline).
+    the zero-bubble ones not under ddp/zero1 across `replicas` = dp_replicate x cp > 1: kiln runs
+    them there, but averages the gradients after the schedule's step with nothing overlapping
+    (kiln/parallel/data_parallel.py SplitBackwardReplicas, as torch's split weight pass bypasses
+    DDP's hooks), which the timing model's DDP overlap does not describe, so they are not proposed.
     Compiled runs are never pipelined here (search compiles only one device), so the refusal of
     compile with zero bubble does not arise."""
     if pp == 1:

@@ -1,5 +1,6 @@
 """Expert parallelism under the replicating data-parallel modes (ddp with pp, zero1 with and
-without pp), through kiln's trainer on 4 gloo ranks, against one process on the same global batch.
+without pp; also fsdp/zero2 with a zero-bubble schedule), through kiln's trainer on 4 gloo ranks,
+against one process on the same global batch.
 
 Layouts (4 experts, top-2 with capacity factor 1.0, so assignments are dropped: checked on the
 reference run; tests/parallel/test_expert_pipeline_context.py's MoE settings and trainer jobs):
@@ -10,6 +11,18 @@ reference run; tests/parallel/test_expert_pipeline_context.py's MoE settings and
   summed there; ZeRO-1 over the dense parameters, a plain AdamW over the experts
   (data_parallel.py `ZeroRedundancyExceptExperts`).
 - ep2_pp2_zero1: 2 stages x 2 replicas under zero1 (GPipe): both of the above in each stage.
+- The zero-bubble schedules (torch's split backward: every stage but the first computes its weight
+  gradients in a separate `autograd.grad` pass, where DDP's hooks never fire): no DDP wrapper,
+  data_parallel.py `SplitBackwardReplicas` broadcasts and averages the dense parameters only (the
+  experts left out by the same rule as the per-stage DDP), the experts' gradient hook runs inside
+  the weight pass. ep2_pp2_ddp_izb: interleaved zero-bubble, one stage per rank (2 layers, against
+  `single`); ep2_pp2_{ddp,zero1,fsdp,zero2}_zbv: ZBV, 2 stages per rank, 4 layers, 2 micro-batches,
+  against `single4` (fsdp/zero2: FSDP2 units, the experts' own over edp, with the split weight
+  pass; torch's schedule reduce-scatters them at its REDUCE_GRAD step).
+  With 2 replicas per stage and ep = 2 each expert lives on one rank per stage (edp = 1): the
+  hook's all-reduce over edp inside a weight pass is checked in the same launch on one MoE layer
+  with torch's split functions called directly (edp 2 x ep 2, `weight_pass_then_jobs`), not through
+  a pipeline schedule (that needs 8 ranks).
 ep2_zero1's step-3 checkpoint continues (steps 4-5) in one process (a plain AdamW loads the split
 optimizer's state) and in ep2_zero1 itself (the split optimizer loads it back), and the one-process
 run's continues in ep2_zero1 (the split optimizer loads a plain one's state).
@@ -18,10 +31,17 @@ Tolerance: fp32, relative 1e-5 per step over 5 steps for the loss (LM + weighted
 pre-clipping grad norm and the logged aux and z-losses (the layouts change only the order of sums).
 Negative controls, each patched into the 4 ranks and required to miss the reference: ep2_pp2_ddp
 with the expert gradients neither summed over their replicas nor divided by the data-parallel
-ranks (step-1 grad norm), and ep2_zero1 with the schedule's learning rate never handed to the
-two optimizers (each keeps the constructor's lr; the step-2 loss misses). Observed: every layout
-and continuation within 2.3e-7; the controls miss by 0.19 (grad norm) and 2.4e-2 (loss). (With the
-experts left in the per-stage DDP, torch's DDP constructor fails on the DTensors; no numbers.)
+ranks (step-1 grad norm), the same under ep2_pp2_ddp_zbv (the hook's division inside the weight
+pass is what makes the step-1 grad norm), ep2_pp2_ddp_zbv with SplitBackwardReplicas' average
+skipped (the dense gradients stay per replica; step-1 grad norm), and ep2_zero1 with the
+schedule's learning rate never handed to the two optimizers (each keeps the constructor's lr; the
+step-2 loss misses). Observed: every layout and continuation within 2.3e-7 (the zero-bubble ones
+within 1.5e-7); the controls miss by 0.19, 0.18 and 2.1e-2 (grad norm) and 2.4e-2 (loss). (With
+the experts left in the per-stage DDP, torch's DDP constructor fails on the DTensors; with them
+in SplitBackwardReplicas, its start broadcast fails on mixed Tensor/DTensor; no numbers.)
+The layer-level tests below (one rank, and 4 ranks in the shared launch) run torch's split backward
+functions on one MoE layer directly: the experts' hook fires only in the weight pass, once per
+expert weight, and gives a plain backward's gradients (on 4 ranks, summed over the replicas).
 """
 
 import json
@@ -33,6 +53,8 @@ from ranks import run_ranks
 from test_expert_pipeline_context import (REL, SAVE_AT, STEPS, assert_matches_one_process, assert_same,
                                           jobs_with_mistakes, moe_job, rows)
 
+ZBV = {"parallel.pp": 2, "parallel.ep": 2, "parallel.pp_schedule": "'zbv_zero_bubble'",
+       "parallel.pp_virtual_stages": 2, "parallel.pp_microbatches": 2, "model.n_layers": 4}
 LAYOUTS = {  # name -> (world, [parallel] settings)
     "single": (1, {}),
     "ep2_pp2_ddp": (4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "'ddp'",
@@ -40,7 +62,17 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
     "ep2_zero1": (4, {"parallel.ep": 2, "parallel.dp_mode": "'zero1'"}),
     "ep2_pp2_zero1": (4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "'zero1'",
                           "parallel.pp_schedule": "'gpipe'"}),
+    # The zero-bubble schedules (torch's split weight pass): one stage per rank with 2 layers ...
+    "ep2_pp2_ddp_izb": (4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "'ddp'",
+                            "parallel.pp_schedule": "'interleaved_zero_bubble'"}),
+    # ... and ZBV's 2 stages per rank with 4 layers, against their own one-process run
+    "single4": (1, {"model.n_layers": 4}),
+    "ep2_pp2_ddp_zbv": (4, {**ZBV, "parallel.dp_mode": "'ddp'"}),
+    "ep2_pp2_zero1_zbv": (4, {**ZBV, "parallel.dp_mode": "'zero1'"}),
+    "ep2_pp2_fsdp_zbv": (4, {**ZBV, "parallel.dp_mode": "'fsdp'"}),
+    "ep2_pp2_zero2_zbv": (4, {**ZBV, "parallel.dp_mode": "'zero2'"}),
 }
+REFERENCE = {name: "single4" if LAYOUTS[name][1].get("model.n_layers") == 4 else "single" for name in LAYOUTS}
 
 
 def overrides(text_file, shards, name):
@@ -57,6 +89,12 @@ def replicated_mistake(kind):
         saved = xp._reduced_expert_grad
         xp._reduced_expert_grad = lambda grad, dp_size, replica_group: grad
         return lambda: setattr(xp, "_reduced_expert_grad", saved)
+    if kind == "split_replicas_not_averaged":  # the dense gradients of a zero-bubble step left per replica
+        from kiln.parallel.data_parallel import SplitBackwardReplicas
+
+        saved = SplitBackwardReplicas.average
+        SplitBackwardReplicas.average = lambda self: None
+        return lambda: setattr(SplitBackwardReplicas, "average", saved)
     if kind == "lr_not_handed_on":
         from kiln.parallel.data_parallel import ZeroRedundancyExceptExperts as Split
 
@@ -64,6 +102,18 @@ def replicated_mistake(kind):
         Split._push_hyperparameters = lambda self: None
         return lambda: setattr(Split, "_push_hyperparameters", saved)
     return lambda: None
+
+
+def weight_pass_then_jobs(rank, world, jobs):
+    """In the launch the trainer jobs share: first `split_and_plain_backward` on 4 ranks with the
+    experts on ("edp" 2, "ep" 2), so the hook's all-reduce over edp runs inside the weight pass
+    (which the trainer layouts, edp = 1, never do); then the jobs. Returns the former's result."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    got = split_and_plain_backward(mesh, world, seed=rank)  # each rank its own tokens
+    jobs_with_mistakes(rank, world, replicated_mistake, jobs)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -75,31 +125,34 @@ def runs(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("ep_replicated")
     shards = root / "shards"
     sets = {name: overrides(text_file, shards, name) for name in LAYOUTS}
-    dropped = []  # the reference run's dropped share of assignments, every MoE forward
+    dropped = {"single": [], "single4": []}  # each reference's dropped share of assignments, every MoE forward
     forward = MoE.forward
 
     def recording(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
-        dropped.append(float(self.last_dropped_fraction))
+        dropped[reference].append(float(self.last_dropped_fraction))
         return out
 
     MoE.forward = recording
     try:
-        train(load_config(None, sets["single"]), root / "single")  # writes the shared shards first
+        for reference in ("single", "single4"):  # the first writes the shared shards
+            train(load_config(None, sets[reference]), root / reference)
     finally:
         MoE.forward = forward
     out = {name: root / name for name in LAYOUTS}
     out["dropped"] = dropped
     for name in ("ep2_zero1->ep2_zero1", "ep2_zero1->single", "single->ep2_zero1", "expert_grads_not_reduced",
-                 "lr_not_handed_on"):
+                 "lr_not_handed_on", "zbv_expert_grads_not_reduced", "zbv_split_replicas_not_averaged"):
         out[name] = root / name.replace(">", "")
-    jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if name != "single"]
+    jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if not name.startswith("single")]
     jobs += [(out["ep2_zero1"], out["ep2_zero1->ep2_zero1"], sets["ep2_zero1"], None, None),
              (out["single"], out["single->ep2_zero1"], sets["ep2_zero1"], None, None),
              (None, out["expert_grads_not_reduced"], sets["ep2_pp2_ddp"], 1, "expert_grads_not_reduced"),
-             (None, out["lr_not_handed_on"], sets["ep2_zero1"], 2, "lr_not_handed_on")]
+             (None, out["lr_not_handed_on"], sets["ep2_zero1"], 2, "lr_not_handed_on"),
+             (None, out["zbv_expert_grads_not_reduced"], sets["ep2_pp2_ddp_zbv"], 1, "expert_grads_not_reduced"),
+             (None, out["zbv_split_replicas_not_averaged"], sets["ep2_pp2_ddp_zbv"], 1, "split_replicas_not_averaged")]
     (root / "ranks").mkdir()
-    run_ranks(jobs_with_mistakes, 4, root / "ranks", replicated_mistake, jobs, timeout=400)
+    out["weight_pass"] = run_ranks(weight_pass_then_jobs, 4, root / "ranks", jobs, timeout=400)
     shutil.copytree(out["ep2_zero1"], out["ep2_zero1->single"], ignore=shutil.ignore_patterns(f"step-{STEPS}"))
     train(load_config(None, sets["single"]), out["ep2_zero1->single"], resume=True)
     return out
@@ -110,11 +163,17 @@ def run_rows(run):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, mode", [("ep2_pp2_ddp", "ddp"), ("ep2_zero1", "zero1"), ("ep2_pp2_zero1", "zero1")])
+@pytest.mark.parametrize("name, mode", [("ep2_pp2_ddp", "ddp"), ("ep2_zero1", "zero1"), ("ep2_pp2_zero1", "zero1"),
+                                        ("ep2_pp2_ddp_izb", "ddp"), ("ep2_pp2_ddp_zbv", "ddp"),
+                                        ("ep2_pp2_zero1_zbv", "zero1"), ("ep2_pp2_fsdp_zbv", "fsdp"),
+                                        ("ep2_pp2_zero2_zbv", "zero2")])
 def test_ep_under_ddp_or_zero1_matches_one_process(runs, name, mode):
-    assert max(runs["dropped"]) > 0  # capacity 1.0 drops assignments: the dropping path is compared too
-    assert run_rows(runs[name])[0]["dp_mode"] == mode
-    assert_matches_one_process(runs["single"], runs[name], 4, name)
+    # capacity 1.0 drops assignments: the dropping path is compared too
+    assert max(runs["dropped"][REFERENCE[name]]) > 0
+    row = run_rows(runs[name])[0]
+    assert row["dp_mode"] == mode
+    assert row.get("pp_schedule") == (LAYOUTS[name][1].get("parallel.pp_schedule", "").strip("'") or None)
+    assert_matches_one_process(runs[REFERENCE[name]], runs[name], 4, name)
 
 
 @pytest.mark.parametrize("pair, world", [("ep2_zero1->single", 1), ("ep2_zero1->ep2_zero1", 4),
@@ -127,10 +186,12 @@ def test_zero1_ep_checkpoint_continues(runs, pair, world):
     assert_same(expected, got, range(SAVE_AT + 1, STEPS + 1), pair)
 
 
-@pytest.mark.parametrize("name, step, key", [("expert_grads_not_reduced", 1, "grad_norm"),
-                                             ("lr_not_handed_on", 2, "loss")])
-def test_each_deliberate_mistake_fails_the_comparison(runs, name, step, key):
-    expected, got = rows(runs["single"]), rows(runs[name])
+@pytest.mark.parametrize("name, step, key, reference", [
+    ("expert_grads_not_reduced", 1, "grad_norm", "single"), ("lr_not_handed_on", 2, "loss", "single"),
+    ("zbv_expert_grads_not_reduced", 1, "grad_norm", "single4"),
+    ("zbv_split_replicas_not_averaged", 1, "grad_norm", "single4")])
+def test_each_deliberate_mistake_fails_the_comparison(runs, name, step, key, reference):
+    expected, got = rows(runs[reference]), rows(runs[name])
     assert sorted(got) == list(range(1, step + 1))
     assert got[step][key] != pytest.approx(expected[step][key], rel=10 * REL)
     with pytest.raises(AssertionError):
@@ -263,3 +324,90 @@ def test_split_optimizer_refuses_a_state_of_other_groups(one_rank):
     state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:2]
     with pytest.raises(ValueError, match=r"param groups of sizes \[2, 2\], this optimizer \[3, 2\]"):
         split.load_state_dict(state)
+
+
+def split_and_plain_backward(mesh, dp_size, seed):
+    """One MoE layer with kiln's ddp-mode experts on `mesh` ("edp", "ep"; DTensors, the gradient
+    hook on each forward's local slice), backward twice on this rank's input (drawn from `seed`):
+    torch's zero-bubble split (pipelining/_backward.py: input pass, then the weight pass from the
+    saved intermediates with `autograd.grad`, where no AccumulateGrad hook runs) and one plain
+    backward. Returns the hook calls during the input pass, during the weight pass and in the plain
+    backward, and per parameter (split gradient, plain gradient), local tensors."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.distributed.tensor import DTensor
+
+    from kiln.config import ModelConfig
+    from kiln.model.moe import MoE
+    from kiln.parallel import expert_parallel as xp
+
+    cfg = ModelConfig(dim=8, n_layers=1, n_heads=2, moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0)
+
+    def layer():
+        torch.manual_seed(0)  # the same experts everywhere, sliced over ep
+        moe = MoE(cfg, 16)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0, 0.3)
+        xp.apply_expert_parallel_training(moe, mesh, dp_size=dp_size, fsdp=False)
+        calls = []
+        hook = moe.experts.grad_hook
+        moe.experts.grad_hook = lambda grad: calls.append(grad.shape) or hook(grad)
+        return moe, calls
+
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(seed))
+    dy = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(seed + 100))
+    plain, plain_calls = layer()
+    inp = x.clone().requires_grad_()
+    (inp + plain(inp)).backward(dy)  # a residual block's output, as a stage sends it
+    split, calls = layer()
+    split_inp = x.clone().requires_grad_()  # a later stage's input: torch splits its backward
+    weights = list(split.parameters())
+    _, param_groups = stage_backward_input([split_inp + split(split_inp)], [dy], [split_inp], iter(weights))
+    input_pass_calls = len(calls)
+    no_expert_grad_yet = all(p.grad is None for p in split.experts.parameters())
+    stage_backward_weight(iter(weights), param_groups)
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    grads = {name: (local(p.grad), local(q.grad)) for (name, p), q in zip(split.named_parameters(), plain.parameters())}
+    grads["input"] = (split_inp.grad, inp.grad)
+    return {"input_pass_calls": input_pass_calls, "no_expert_grad_after_input_pass": no_expert_grad_yet,
+            "weight_pass_calls": len(calls) - input_pass_calls, "plain_calls": len(plain_calls), "grads": grads}
+
+
+def assert_hook_runs_in_the_weight_pass(got):
+    import torch
+
+    assert got["input_pass_calls"] == 0 and got["no_expert_grad_after_input_pass"]
+    assert got["weight_pass_calls"] == got["plain_calls"] == 3  # once per expert weight (w1, w2, w3)
+    for name, (split, plain) in got["grads"].items():
+        torch.testing.assert_close(split, plain, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_expert_gradient_hook_fires_once_in_the_split_weight_pass(one_rank):
+    """On one rank (dp_size 2, no replicas): the input pass leaves the experts alone, the weight
+    pass runs the hook once per expert weight, every gradient is the plain backward's, and the
+    experts' are the unhooked ones divided by dp_size (the hook did act)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("edp", "ep"))
+    got = split_and_plain_backward(mesh, 2, seed=1)
+    assert_hook_runs_in_the_weight_pass(got)
+    unhooked = split_and_plain_backward(mesh, 1, seed=1)  # dp_size 1, one replica: the hook is the identity
+    for name in ("experts.w1", "experts.w2", "experts.w3"):
+        torch.testing.assert_close(got["grads"][name][0], unhooked["grads"][name][0] / 2, rtol=1e-6, atol=0)
+
+
+def test_expert_hook_reduces_over_replicas_inside_the_weight_pass(runs):
+    """4 ranks, experts on ("edp" 2, "ep" 2), each rank its own input: split == plain backward on
+    every rank, and the two replicas of each expert (ranks r and r + 2) hold the same gradient,
+    which their different inputs give only through the hook's sum over edp."""
+    import torch
+
+    got = runs["weight_pass"]
+    for r in range(4):
+        assert_hook_runs_in_the_weight_pass(got[r])
+    for r in (0, 1):
+        for name in ("experts.w1", "experts.w2", "experts.w3"):
+            torch.testing.assert_close(got[r]["grads"][name][0], got[r + 2]["grads"][name][0], rtol=1e-6, atol=0)
+        assert not torch.equal(got[r]["grads"]["router.weight"][0], got[r + 2]["grads"]["router.weight"][0])

@@ -168,15 +168,17 @@ def test_refusals_name_the_key():
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
 
-    # (the zero-bubble schedules run: test_pipeline_data_parallel_zero_bubble.py)
-    cfg = job(pp=2, virtual=2, schedule="zbv_zero_bubble", dp_mode="ddp")  # ep under the split weight pass: untested
-    cfg.parallel.ep = 2
-    with pytest.raises(ConfigError, match=r"parallel\.ep=2 with parallel\.pp_schedule='zbv_zero_bubble' and "
-                                          r"parallel\.dp_mode='ddp'"):
+    # (the zero-bubble schedules run: test_pipeline_data_parallel_zero_bubble.py; with ep too)
+    for mode, schedule, virtual in [("ddp", "1f1b", 1), ("ddp", "zbv_zero_bubble", 2), ("zero1", "zbv_zero_bubble", 2),
+                                    ("zero1", "interleaved_zero_bubble", 2)]:
+        cfg = job(pp=2, virtual=virtual, schedule=schedule, dp_mode=mode)  # tests/parallel/test_expert_replicated.py
+        cfg.parallel.ep = 2
+        dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
+        assert (dims.ep, dims.dp_replicate, dims.dp_mode) == (2, 2, mode)
+    cfg = job(pp=2, virtual=2, schedule="zbv_zero_bubble", dp_mode="ddp")  # ep must still divide the replicas
+    cfg.parallel.ep = 4
+    with pytest.raises(ConfigError, match=r"parallel\.ep=4 must divide dp_replicate=2"):
         ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
-    cfg = job(pp=2, dp_mode="ddp")  # accepted now with ep (tests/parallel/test_expert_replicated.py)
-    cfg.parallel.ep = 2
-    assert ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).ep == 2
     cfg = job(pp=2, dp_mode="zero1")  # accepted now: 2 replicas of a 2-stage pipeline
     dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0)
     assert (dims.dp_replicate, dims.pp, dims.dp_mode) == (2, 2, "zero1")
