@@ -1,0 +1,142 @@
+"""fp16 with a grad scaler under pipeline parallelism (kiln/parallel/pipeline.py `ScaledLoss`,
+`agree_found_inf`, `pipeline_train_step`): on 2 gloo ranks, fp16 autocast and torch's
+GradScaler('cpu') through the pipeline give the per-step losses, grad norms, skip flags and loss
+scales of one process running kiln's `train_step` with the same scaler settings on the same global
+batch, and the same weights at the end.
+
+The scaler starts at 2**40 (the fp16 logit gradients overflow on the last stage: steps skipped on
+every stage until the scale has come down) and grows every 2 good steps; at step POISON the first
+stage's embedding gradient alone is made inf (a hook, in the reference too), an overflow that only
+stage 0 sees: both stages must skip it. Cases: 1F1B (one stage per rank) and interleaved 1F1B (two
+per rank, the first and the last stage on different ranks).
+
+Negative control: with the found-inf flag left per rank (`agree_found_inf` a no-op), stage 0
+skips the POISON step and the last stage steps: the ranks' scales part and the last stage's
+weights leave the reference's.
+
+Tolerance (fp16 autocast; the pipeline backpropagates each micro-batch's scaled loss and divides
+the gradients by the micro-batch count after, one process divides the loss first): losses and grad
+norms relative 2e-3, final weights absolute 2e-3 (lr 1e-2); skips and scales exact.
+"""
+
+import dataclasses
+import math
+from unittest import mock
+
+import torch
+
+from ranks import run_ranks
+
+STEPS, POISON, CLIP = 12, 9, 1.0
+GLOBAL_BATCH, MICRO = 8, 4
+SCALER = dict(init_scale=2.0 ** 30, growth_factor=2.0, backoff_factor=2.0 ** -4, growth_interval=2)
+REL, WEIGHT_ATOL = 2e-3, 2e-3
+CASES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2)}
+
+
+def job(pp=1, schedule="1f1b", virtual=1):
+    from kiln.config import JobConfig, ModelConfig, OptimConfig
+
+    cfg = JobConfig()
+    cfg.model = ModelConfig(dim=32, n_layers=4, n_heads=2, vocab_size=61, max_seq_len=16)
+    cfg.optim = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1)
+    cfg.train.batch_size, cfg.train.dtype, cfg.train.device = GLOBAL_BATCH, "fp16", "cpu"
+    cfg.parallel = dataclasses.replace(cfg.parallel, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
+                                       pp_microbatches=MICRO if pp > 1 else 0)
+    return cfg
+
+
+def micro_batches(step):
+    """The global batch of `step` as MICRO grad-accumulation micro-batches (the pipeline joins them
+    and its schedule splits them into the same MICRO pieces)."""
+    gen = torch.Generator().manual_seed(step)
+    b = torch.randint(0, 61, (GLOBAL_BATCH, 17), generator=gen)
+    return [(x[:, :-1], x[:, 1:]) for x in b.chunk(MICRO)]
+
+
+def train(step_fn, target, model, opt):
+    """Rows (loss, grad norm, skipped, scale after the step) and the final weights."""
+    from kiln.train.evaluate import autocast_context
+
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    rows, step = [], 0
+    def poison(param):
+        if step == POISON:
+            param.grad.fill_(float("inf"))
+
+    first_layer = dict(model.named_modules()).get("layers.0")  # on the first stage only
+    if first_layer is not None:  # an overflow only that stage sees (not in the tied embedding,
+        # whose gradient the last stage's head copy sums in)
+        first_layer.attention.wq.weight.register_post_accumulate_grad_hook(poison)
+    for step in range(1, STEPS + 1):
+        loss, norm, skipped = step_fn(target, opt, micro_batches(step), scaler=scaler, clip=CLIP,
+                                      autocast=autocast_context(torch.device("cpu"), "fp16"))
+        rows.append((float(loss), float(norm), bool(skipped), scaler.get_scale()))
+    return rows, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def one_process():
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.optim import build_optimizer
+    from kiln.train.step import train_step
+    from kiln.train.trainer import build_model
+
+    cfg = job()
+    model = build_model(cfg, ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0),
+                        torch.device("cpu"))
+    return train(train_step, model, model, build_optimizer(model, cfg.optim, "cpu"))
+
+
+def pipelined(rank, world, cfg):
+    from kiln.parallel import pipeline as pl
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.optim import build_optimizer
+    from kiln.train.trainer import build_model
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank)
+    dims.build_mesh("cpu")
+    model = build_model(cfg, dims, torch.device("cpu"))
+    pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
+    return train(pl.pipeline_train_step, pipe, model, build_optimizer(model, cfg.optim, "cpu"))
+
+
+def two_rank_jobs(rank, world):
+    from kiln.parallel import pipeline as pl
+
+    got = {name: pipelined(rank, world, job(pp=2, schedule=s, virtual=v)) for name, (s, v) in CASES.items()}
+    with mock.patch.object(pl, "agree_found_inf", lambda *args: None):  # the negative control
+        got["unagreed"] = pipelined(rank, world, job(pp=2))
+    return got
+
+
+def close(got, want):
+    """Within REL, or both not finite (a skipped step's grad norm is inf or nan)."""
+    return abs(got - want) <= REL * abs(want) or not (math.isfinite(got) or math.isfinite(want))
+
+
+def rows_match(got, want):
+    return all(g[2:] == w[2:] and close(g[0], w[0]) and close(g[1], w[1]) for g, w in zip(got, want, strict=True))
+
+
+def weights_match(got, want):
+    return all(torch.allclose(v, want[k], rtol=0, atol=WEIGHT_ATOL) for k, v in got.items())
+
+
+def test_fp16_pipeline_matches_one_process_and_skips_together(tmp_path):
+    ref_rows, ref_weights = one_process()
+    skips = [r[2] for r in ref_rows]
+    # the scale came down from 2**40 (overflow on every stage), then grew; the poisoned step skipped
+    assert skips[0] and not all(skips[:POISON - 1]) and skips[POISON - 1] and not skips[-1], ref_rows
+    assert any(b[3] > a[3] for a, b in zip(ref_rows, ref_rows[1:])), ref_rows  # and grew
+    ranks = run_ranks(two_rank_jobs, 2, tmp_path, timeout=180)
+    for name in CASES:
+        for rank, got in enumerate(ranks):
+            rows, weights = got[name]
+            assert rows_match(rows, ref_rows), (name, rank, rows, ref_rows)
+            assert weights.keys() <= ref_weights.keys() and weights_match(weights, ref_weights), (name, rank)
+    # Negative control: stage 0 skipped the poisoned step, the last stage stepped.
+    (rows0, _), (rows1, weights1) = ranks[0]["unagreed"], ranks[1]["unagreed"]
+    assert rows_match(rows0[:POISON - 1], ref_rows[:POISON - 1])  # agreed until then (the overflow hit both)
+    assert rows0[POISON - 1][3] != rows1[POISON - 1][3]  # the scales part
+    assert not weights_match(weights1, ref_weights)
+    assert not rows_match(rows1, ref_rows)
