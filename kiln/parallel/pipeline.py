@@ -163,18 +163,21 @@ class _AddToBackward(torch.autograd.Function):
         return grad, torch.ones_like(extra)
 
 
-def add_moe_losses(h: torch.Tensor, layers, records: dict, aux_weight: float, z_weight: float) -> torch.Tensor:
+def add_moe_losses(h: torch.Tensor, layers, records: dict, aux_weight: float, z_weight: float,
+                   scale=None) -> torch.Tensor:
     """Training forward of a stage with MoE layers: their weighted load-balancing and z-losses
     join the backward at the stage output (`_AddToBackward`), so each micro-batch's gradient is
     that of (its LM loss + the weighted aux losses of every stage), as in one process; the
-    unweighted values go to `records` (per stage) for the step's reported loss."""
+    unweighted values go to `records` (per stage) for the step's reported loss. scale: what the
+    schedule's loss_fn does to the LM loss (`ScaledLoss.scale`, fp16), done to this term alike."""
     moes = [layer.feed_forward for layer in layers if isinstance(getattr(layer, "feed_forward", None), MoE)]
     if not moes or not torch.is_grad_enabled():
         return h
     aux = torch.stack([m.last_aux_loss for m in moes]).sum()
     z = torch.stack([m.last_z_loss for m in moes]).sum()
     records.setdefault(id(layers), []).append(torch.stack([aux, z]).detach())
-    return _AddToBackward.apply(h, aux_weight * aux + z_weight * z)
+    extra = aux_weight * aux + z_weight * z
+    return _AddToBackward.apply(h, extra if scale is None else scale(extra))
 
 
 class PipelineModel(nn.Module):
@@ -290,7 +293,7 @@ class StageChunk(nn.Module):
             rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
         for layer in self.layers:
             h = layer(h, rope)
-        h = add_moe_losses(h, self.layers, *self._moe)
+        h = add_moe_losses(h, self.layers, *self._moe, scale=self.__dict__.get("loss_scale"))
         return self.output(self.norm(h)) if self.last else h
 
 
@@ -406,6 +409,8 @@ class Pipeline:
             from kiln.parallel.tensor_parallel import parallel_lm_loss as loss_fn
         self.loss_fn = ScaledLoss(loss_fn, self.microbatches)
         self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True)
+        for chunk in model.chunks:  # MoE aux losses join the backward inside the stages, scaled alike
+            chunk.__dict__["loss_scale"] = self.loss_fn.scale
         self.bubble = bubble_fraction(cfg.parallel.pp_schedule, self.pp, self.microbatches,
                                       cfg.parallel.pp_virtual_stages)
 
@@ -476,15 +481,17 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     """
     x = torch.cat([m[0] for m in micro_batches])
     y = torch.cat([m[1] for m in micro_batches])
-    losses: list[torch.Tensor] = []
     model = pipeline.model
     model.moe_records.clear()
     pipeline.loss_fn.unscaled.clear()
-    pipeline.loss_fn.scaler = scaler
-    pipeline.schedule.scale_grads = scaler is None  # fp16: ScaledLoss divides by the micro-batch count
     if scaler is not None:  # a rank without the last stage never scales a loss; its scaler still
         scaler.scale(torch.zeros((), device=x.device))  # needs its scale for unscale_ (lazily made)
     with autocast, contextlib.ExitStack() as no_sync:
+        if scaler is not None:  # for this step, however it ends: ScaledLoss scales and divides by
+            # the micro-batch count, before the backward, instead of the schedule after it
+            no_sync.callback(setattr, pipeline.schedule, "scale_grads", pipeline.schedule.scale_grads)
+            no_sync.callback(setattr, pipeline.loss_fn, "scaler", None)
+            pipeline.schedule.scale_grads, pipeline.loss_fn.scaler = False, scaler
         # DDP stages (kiln/parallel/data_parallel.py replicate_stage): torch's schedule runs each
         # forward and all but the last backward under no_sync and re-arms DDP's reducer for the
         # last; but on the first step its shape inference calls the stage outside no_sync, which
@@ -495,18 +502,17 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
             if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
                 no_sync.enter_context(stage.submod.no_sync())
         if pipeline.has_first and pipeline.has_last:
-            pipeline.schedule.step(x, target=y, losses=losses, return_outputs=False)
+            pipeline.schedule.step(x, target=y, return_outputs=False)
         elif pipeline.has_first:
             pipeline.schedule.step(x, return_outputs=False)
         elif pipeline.has_last:
-            pipeline.schedule.step(target=y, losses=losses, return_outputs=False)
+            pipeline.schedule.step(target=y, return_outputs=False)
         else:
             pipeline.schedule.step(return_outputs=False)
     if pipeline.replicas is not None:  # ddp/zero1 under a zero-bubble schedule: once per step
         pipeline.replicas.average()
     if pipeline.tied is not None:  # before clipping: the tied weight's gradient is the sum of both copies'
         pipeline.tied.sum_grads()
-    pipeline.loss_fn.scaler = None
     # The micro-batch losses before the scaler's factor: the last `microbatches` (on its first step
     # torch's last stage also calls loss_fn once to infer the backward's shapes).
     losses = pipeline.loss_fn.unscaled[-pipeline.microbatches:]
