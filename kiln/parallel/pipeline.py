@@ -479,6 +479,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     loss (`ScaledLoss`), every rank unscales its own gradients, the found-inf flag is agreed over
     all ranks (`agree_found_inf`), then the scaler steps and updates exactly as in train_step.
     """
+    if scaler is not None and not scaler.is_enabled():  # GradScaler(enabled=False): no scaling at all
+        scaler = None
     x = torch.cat([m[0] for m in micro_batches])
     y = torch.cat([m[1] for m in micro_batches])
     model = pipeline.model
