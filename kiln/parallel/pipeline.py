@@ -163,18 +163,21 @@ class _AddToBackward(torch.autograd.Function):
         return grad, torch.ones_like(extra)
 
 
-def add_moe_losses(h: torch.Tensor, layers, records: dict, aux_weight: float, z_weight: float) -> torch.Tensor:
+def add_moe_losses(h: torch.Tensor, layers, records: dict, aux_weight: float, z_weight: float,
+                   scale=None) -> torch.Tensor:
     """Training forward of a stage with MoE layers: their weighted load-balancing and z-losses
     join the backward at the stage output (`_AddToBackward`), so each micro-batch's gradient is
     that of (its LM loss + the weighted aux losses of every stage), as in one process; the
-    unweighted values go to `records` (per stage) for the step's reported loss."""
+    unweighted values go to `records` (per stage) for the step's reported loss. scale: what the
+    schedule's loss_fn does to the LM loss (`ScaledLoss.scale`, fp16), done to this term alike."""
     moes = [layer.feed_forward for layer in layers if isinstance(getattr(layer, "feed_forward", None), MoE)]
     if not moes or not torch.is_grad_enabled():
         return h
     aux = torch.stack([m.last_aux_loss for m in moes]).sum()
     z = torch.stack([m.last_z_loss for m in moes]).sum()
     records.setdefault(id(layers), []).append(torch.stack([aux, z]).detach())
-    return _AddToBackward.apply(h, aux_weight * aux + z_weight * z)
+    extra = aux_weight * aux + z_weight * z
+    return _AddToBackward.apply(h, extra if scale is None else scale(extra))
 
 
 class PipelineModel(nn.Module):
@@ -290,7 +293,7 @@ class StageChunk(nn.Module):
             rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
         for layer in self.layers:
             h = layer(h, rope)
-        h = add_moe_losses(h, self.layers, *self._moe)
+        h = add_moe_losses(h, self.layers, *self._moe, scale=self.__dict__.get("loss_scale"))
         return self.output(self.norm(h)) if self.last else h
 
 
@@ -310,6 +313,50 @@ def split_model(full: Transformer, cfg: JobConfig, pp_rank: int) -> PipelineMode
                                 for s in mine]
     model.__dict__["n_stages"] = n_stages
     return model
+
+
+class ScaledLoss:
+    """The schedule's loss_fn: kiln's LM loss on the last stage's output; while a step with a grad
+    scaler runs (fp16), divided by the micro-batch count and multiplied by the scaler's scale, as
+    Megatron-LM and DeepSpeed scale the last stage's loss inside their schedules: torch's schedules
+    backpropagate what loss_fn returns, so every stage's gradients come out scaled. The division
+    happens here, before the backward (the schedule's `scale_grads` is off for such a step), so the
+    fp16 backward carries the magnitudes of `train_step`'s (loss / micro-batches x scale) and
+    overflows at the same scale. `unscaled` keeps each micro-batch's loss as computed (the step's
+    reported loss). The scaling itself is torch's (`GradScaler.scale`)."""
+
+    def __init__(self, loss_fn, microbatches: int):
+        self.loss_fn, self.microbatches, self.scaler = loss_fn, microbatches, None
+        self.unscaled: list[torch.Tensor] = []
+
+    def __call__(self, output, target):
+        loss = self.loss_fn(output, target)
+        self.unscaled.append(loss.detach())
+        return self.scale(loss)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the backward of a term of a micro-batch's loss starts from (MoE aux losses too)."""
+        return loss if self.scaler is None else self.scaler.scale(loss / self.microbatches)
+
+
+def agree_found_inf(scaler, optimizer, device: torch.device) -> None:
+    """Make the grad scaler's found-inf flags (set by `GradScaler.unscale_` from this rank's own
+    gradients) the MAX over all ranks, so every stage skips or steps together and every rank's
+    scale update is the same. torch's DTensor handler already reduces the flag over the mesh of
+    sharded (FSDP2, tp) gradients, but it reads the placements of the first gradient only, and no
+    mesh spans the pipeline stages; one element all-reduced over the default group covers pp, tp,
+    dp and ep at once. MAX, not SUM (torch's FSDP1 ShardedGradScaler sums): torch's fused
+    optimizers skip only when found_inf == 1. GradScaler has no public hook for this: the flags are
+    read from its per-optimizer state, where torch's ShardedGradScaler reduces them too."""
+    flags = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
+    if flags is None:
+        raise RuntimeError("GradScaler.unscale_ recorded no found_inf_per_device for the optimizer "
+                           "(torch's GradScaler internals changed?)")
+    # Every rank takes part, even one that recorded no flag (a collective per rank, not per device).
+    agreed = torch.stack([f.to(device) for f in flags.values()]).amax() if flags else torch.zeros((), device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    for flag in flags.values():
+        flag.copy_(agreed)
 
 
 class Pipeline:
@@ -360,7 +407,10 @@ class Pipeline:
         loss_fn = lm_loss
         if self.tp > 1:
             from kiln.parallel.tensor_parallel import parallel_lm_loss as loss_fn
-        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True)
+        self.loss_fn = ScaledLoss(loss_fn, self.microbatches)
+        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True)
+        for chunk in model.chunks:  # MoE aux losses join the backward inside the stages, scaled alike
+            chunk.__dict__["loss_scale"] = self.loss_fn.scale
         self.bubble = bubble_fraction(cfg.parallel.pp_schedule, self.pp, self.microbatches,
                                       cfg.parallel.pp_virtual_stages)
 
@@ -424,15 +474,26 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     parallel.pp_microbatches. The loss is the mean of the last stage's micro-batch losses,
     broadcast to every pp rank; the grad norm is over all stages (squares summed over pp ranks).
     Non-finite steps are skipped as in train_step (on the device where the optimizer allows).
+
+    fp16 (`scaler`, a `torch.amp.GradScaler`): the last stage's loss_fn scales each micro-batch's
+    loss (`ScaledLoss`), every rank unscales its own gradients, the found-inf flag is agreed over
+    all ranks (`agree_found_inf`), then the scaler steps and updates exactly as in train_step.
     """
-    if scaler is not None:
-        raise ConfigError("train.dtype='fp16' (grad scaler) with parallel.pp > 1 is not supported; use bf16")
+    if scaler is not None and not scaler.is_enabled():  # GradScaler(enabled=False): no scaling at all
+        scaler = None
     x = torch.cat([m[0] for m in micro_batches])
     y = torch.cat([m[1] for m in micro_batches])
-    losses: list[torch.Tensor] = []
     model = pipeline.model
     model.moe_records.clear()
+    pipeline.loss_fn.unscaled.clear()
+    if scaler is not None:  # a rank without the last stage never scales a loss; its scaler still
+        scaler.scale(torch.zeros((), device=x.device))  # needs its scale for unscale_ (lazily made)
     with autocast, contextlib.ExitStack() as no_sync:
+        if scaler is not None:  # for this step, however it ends: ScaledLoss scales and divides by
+            # the micro-batch count, before the backward, instead of the schedule after it
+            no_sync.callback(setattr, pipeline.schedule, "scale_grads", pipeline.schedule.scale_grads)
+            no_sync.callback(setattr, pipeline.loss_fn, "scaler", None)
+            pipeline.schedule.scale_grads, pipeline.loss_fn.scaler = False, scaler
         # DDP stages (kiln/parallel/data_parallel.py replicate_stage): torch's schedule runs each
         # forward and all but the last backward under no_sync and re-arms DDP's reducer for the
         # last; but on the first step its shape inference calls the stage outside no_sync, which
@@ -443,17 +504,20 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
             if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
                 no_sync.enter_context(stage.submod.no_sync())
         if pipeline.has_first and pipeline.has_last:
-            pipeline.schedule.step(x, target=y, losses=losses, return_outputs=False)
+            pipeline.schedule.step(x, target=y, return_outputs=False)
         elif pipeline.has_first:
             pipeline.schedule.step(x, return_outputs=False)
         elif pipeline.has_last:
-            pipeline.schedule.step(target=y, losses=losses, return_outputs=False)
+            pipeline.schedule.step(target=y, return_outputs=False)
         else:
             pipeline.schedule.step(return_outputs=False)
     if pipeline.replicas is not None:  # ddp/zero1 under a zero-bubble schedule: once per step
         pipeline.replicas.average()
     if pipeline.tied is not None:  # before clipping: the tied weight's gradient is the sum of both copies'
         pipeline.tied.sum_grads()
+    # The micro-batch losses before the scaler's factor: the last `microbatches` (on its first step
+    # torch's last stage also calls loss_fn once to infer the backward's shapes).
+    losses = pipeline.loss_fn.unscaled[-pipeline.microbatches:]
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=x.device)
     dist.broadcast(loss, src=pipeline.last_rank, group=pipeline.group)
     if model.cfg.moe_experts:  # (aux, z) summed over all stages' layers, averaged over micro-batches
@@ -464,6 +528,9 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
         dist.all_reduce(moe, op=dist.ReduceOp.SUM, group=pipeline.group)
         model.moe_losses = moe
         loss = loss + model.cfg.moe_aux_loss_weight * moe[0] + model.cfg.moe_z_loss_weight * moe[1]
+    if scaler is not None:  # before clipping: the norm and the clip are of the true gradients
+        scaler.unscale_(optimizer)
+        agree_found_inf(scaler, optimizer, x.device)
     params = [p for p in model.parameters() if p.grad is not None]
     # Over all stages (squares summed over pp ranks), per mesh (expert parallelism's experts are
     # on their own mesh).
@@ -472,5 +539,10 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     else:
         grad_norm = clip_grad_norm(params, clip, norm_group=pipeline.group)
     skipped = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    step_unless(optimizer, skipped)
+    if scaler is not None:  # as train_step: the scaler skips non-finite steps itself, lowers its scale
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        step_unless(optimizer, skipped)
     return loss, grad_norm, skipped
