@@ -173,6 +173,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(), "train": state}
+    scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
+    if scaler is not None:  # the loss scale and its growth count: an fp16 run resumes with its own
+        stateful["scaler"] = scaler
     diloco = None
     if cfg.parallel.diloco_inner_steps:  # every rank a replica (no DP wrapper): kiln/parallel/diloco.py
         diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
@@ -183,14 +186,15 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
         ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
     elif resume_step is not None:  # memory replica, else the newest checkpoint that verifies
-        names = ckpt.saved_state_names(resume_step) if diloco is not None else None
-        if names is not None:
+        names = ckpt.saved_state_names(resume_step) if diloco is not None or scaler is not None else None
+        if names is not None and diloco is not None:
             check_diloco_resume(names, dims.world_size, f"{ckpt.dir}/step-{resume_step}")
-        resume_step, recovered_from, recovery_s = ckpt.restore(stateful)
+        # A checkpoint from before kiln saved the scaler: resume with a fresh scale (saved from now on).
+        unsaved = {"scaler"} if names is not None and scaler is not None and "scaler" not in names else set()
+        resume_step, recovered_from, recovery_s = ckpt.restore({k: v for k, v in stateful.items() if k not in unsaved})
         recovery = f"resumed step {resume_step} from {recovered_from} in {recovery_s:.2f} s"
     if dims.is_main:  # only now: a start that failed above leaves the run's files as they were
         write_run_files(run_dir, cfg, tokenizer, fresh=resume_step is None)
-    scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
     autocast = autocast_context(device, cfg.train.dtype)
 
     # ---- metrics

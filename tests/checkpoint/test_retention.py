@@ -100,3 +100,18 @@ def test_async_save_result_rows(tmp_path):
         row = result.row()
         assert row["ok"] and row["step"] == step and row["save_block_s"] >= 0 and row["save_background_s"] > 0
         assert row["size_bytes"] > 1024
+
+
+def test_grad_scaler_state_round_trips(tmp_path):
+    """fp16 runs save torch's GradScaler (kiln/train/trainer.py): the scale and its growth count
+    come back, so a resumed run skips and grows exactly as the uninterrupted one."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+    scaler.scale(torch.ones(()))  # its first use creates the scale
+    scaler.update(new_scale=1024.0)
+    scaler._growth_tracker.fill_(2)  # two good steps since the last change
+    mgr = CheckpointManager(tmp_path / "ck", async_save=False)
+    assert all(r.ok for r in mgr.save(5, {"scaler": scaler, "w": torch.ones(2)}))
+    fresh = torch.amp.GradScaler("cpu", growth_interval=3)
+    assert mgr.load({"scaler": fresh, "w": torch.zeros(2)}) == 5
+    assert fresh.get_scale() == 1024.0 and fresh.state_dict()["_growth_tracker"] == 2
+    assert "scaler" in mgr.saved_state_names(5)
