@@ -109,8 +109,9 @@ class ParallelDims:
         (sequence parallel), and computes the loss on vocab-sharded logits (not the chunked head)."""
         if (self.ep > 1 and self.tp > 1 and cfg.train.compile and cfg.train.activation_checkpointing != "none"
                 and self.dp_mode in ("fsdp", "zero2")):
-            # Untested: the MoE pieces inside a selective checkpoint (tp's DeviceMesh workaround,
-            # parallelize.keep_random_op_outputs) with the experts' FSDP unit, which without tp fails.
+            # Fails off CUDA (seen with ep2 x tp2, aot_eager): tp's checkpointed pieces need a selective
+            # checkpoint (parallelize.keep_random_op_outputs), which cannot hold the experts' FSDP unit
+            # ("_record_function_enter_new ... not found in storage" at the first backward).
             raise ConfigError(f"train.activation_checkpointing={cfg.train.activation_checkpointing!r} with "
                               f"train.compile=true, parallel.ep={self.ep} and parallel.tp={self.tp} under "
                               f"parallel.dp_mode={self.dp_mode!r} is not supported yet; set "
