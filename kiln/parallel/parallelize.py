@@ -145,7 +145,11 @@ def wait_collective_inputs(module: nn.Module, args: tuple) -> tuple:
     (AttributeError '_local_tensor' in its redistribute, or, under FSDP, silently wrong training).
     `clone()` waits through the tensor's own dispatch and records an ordinary CloneBackward; it
     costs one copy of the first block's input per step (only the eager embedding hands a block
-    an in-flight tensor; compiled blocks return plain ones). Pinned by a strict-xfail repro in
+    an in-flight tensor; compiled blocks return plain ones). A MoE block compiled piecewise (ep
+    under fsdp/zero2, `apply_compile`) has it on each wrapped child: the first block's first
+    piece (its attention norm) takes that embedding output (tests/parallel/
+    test_expert_parallel_compile.py's negative control: ep x tp with the pieces not waiting trains
+    wrong). Pinned by a strict-xfail repro in
     tests/parallel/test_tensor_parallel_compile.py: when torch is fixed, this hook can go."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
@@ -161,7 +165,9 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
     function marked as skipped" at the first step), so such a block is compiled piecewise, as
     torchtitan does: each child but the MoE (attention, norms), and the MoE's routing,
     experts' math and weighted sum as separate graphs (expert_parallel.py `compile_moe_steps`),
-    leaving the block's residual adds, the all-to-all and the FSDP hooks eager. Under activation
+    leaving the block's residual adds, the all-to-all and the FSDP hooks eager; each wrapped
+    child waits for its in-flight collective inputs first, as whole blocks do
+    (`wait_collective_inputs`; the MoE's steps were seen to receive none under tp). Under activation
     checkpointing the pieces are compiled inside the (eager) checkpoint wrapper. Dense blocks,
     and MoE blocks under ddp, are compiled whole."""
     if scope == "model":
@@ -178,7 +184,9 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
                 if isinstance(child, MoE):
                     compile_moe_steps(child)
                 else:  # wrapped as the whole blocks are (torch.nn's own forwards cannot be compiled in place)
-                    setattr(inner, name, torch.compile(child, fullgraph=True))
+                    piece = torch.compile(child, fullgraph=True)
+                    piece.register_forward_pre_hook(wait_collective_inputs)
+                    setattr(inner, name, piece)
             return block
         compiled = torch.compile(block, fullgraph=True)
         compiled.register_forward_pre_hook(wait_collective_inputs)
@@ -237,13 +245,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
         apply_tp(model, dims.mesh["tp"], shard_experts=not dims.ep_borrows_tp)
     if dims.ep > 1:  # before FSDP, which leaves the experts (DTensors on its own mesh) to EP
         apply_ep(model, dims)
+    experts_fsdp = dims.ep > 1 and dims.dp_mode in ("fsdp", "zero2")  # MoE blocks compiled piecewise
     if cfg.train.activation_checkpointing != "none":
         # Where torch 2.13 cannot replay a random op next to a saved DeviceMesh (keep_random_op_outputs).
-        keep_random = cfg.train.compile and device.type != "cuda" and (dims.tp > 1 or dims.ep > 1)
+        # Not for ep alone under fsdp/zero2: no piece's graph holds a DTensor (the experts' math takes
+        # local weights), and a selective checkpoint cannot hold the experts' FSDP hooks (their
+        # profiler ops run more often in the recompute: "not found in storage" in the first backward).
+        mesh_saved = dims.tp > 1 or (dims.ep > 1 and not experts_fsdp)
+        keep_random = cfg.train.compile and device.type != "cuda" and mesh_saved
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing, keep_random)
     scope = compile_scope(cfg, dims)
     if cfg.train.compile and scope == "blocks":
-        apply_compile(model, "blocks", experts_fsdp=dims.ep > 1 and dims.dp_mode in ("fsdp", "zero2"))
+        apply_compile(model, "blocks", experts_fsdp=experts_fsdp)
     # Context parallel needs no module change (its attention is swapped in per step, see
     # context_parallel.py), only the gradient average over cp, which data parallelism does.
     # DiLoCo: every rank trains its own replica; the replicas meet in kiln/parallel/diloco.py.

@@ -69,24 +69,27 @@ def test_moe_with_checkpointed_compiled_blocks_trains_as_eager(monkeypatch):
     assert expected[1] > 0 and expected[2] > 0  # the aux and z losses are there to be counted
 
 
-@pytest.mark.parametrize("mode, other", [("fsdp", "tp"), ("zero2", "pp")])
-def test_compile_with_ep_and_tp_or_pp_under_fsdp_is_refused_in_one_line_before_any_work(
-        text_file, tmp_path, monkeypatch, capsys, mode, other):
+@pytest.mark.parametrize("mode", ["fsdp", "zero2"])
+def test_compile_with_ep_tp_and_checkpointing_under_fsdp_is_refused_in_one_line_before_any_work(
+        text_file, tmp_path, monkeypatch, capsys, mode):
     from kiln.cli import main
 
     for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     run = tmp_path / "run"
     sets = {"model.moe_experts": 4, "parallel.ep": 2, "parallel.dp_mode": f"'{mode}'", "train.compile": "true"}
-    assert main(["train", "--run-dir", str(run), *[x for o in tiny_overrides(text_file, **sets, **{f"parallel.{other}": 2})
+    ac = {"train.activation_checkpointing": "'full'", "parallel.tp": 2}
+    assert main(["train", "--run-dir", str(run), *[x for o in tiny_overrides(text_file, **sets, **ac)
                                                    for x in ("--set", o)]]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and f"train.compile=true with parallel.ep=2, parallel.{other}=2 and parallel.dp_mode=" \
-                                f"'{mode}' is not supported yet" in lines[0]
-    assert "set train.compile=false" in lines[0] and not run.exists()
-    # compile with ep alone under fsdp/zero2 (tests/parallel/test_expert_parallel_compile.py), the
-    # same layout without compile, and compile under ddp pass the check
-    for extra in ([], [f"parallel.{other}=2", "train.compile=false"], ["parallel.dp_mode='ddp'"]):
+    assert len(lines) == 1 and ("train.activation_checkpointing='full' with train.compile=true, parallel.ep=2 and "
+                                f"parallel.tp=2 under parallel.dp_mode='{mode}' is not supported yet") in lines[0]
+    assert not run.exists()
+    # compile with ep and tp (etp = tp or 1) or pp under fsdp/zero2 (tests/parallel/
+    # test_expert_parallel_compile.py), with AC but not tp, and without compile pass the check
+    for extra in (["parallel.tp=2"], ["parallel.tp=2", "parallel.etp=1"], ["parallel.pp=2"],
+                  ["train.activation_checkpointing='full'"], ["parallel.tp=2", "train.activation_checkpointing='full'",
+                                                              "train.compile=false"]):
         cfg = load_config(None, [*tiny_overrides(text_file, **sets), *extra])
         ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).check_model(cfg)
 
