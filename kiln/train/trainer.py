@@ -75,6 +75,31 @@ class TrainState:
             setattr(self, key, type(getattr(self, key))(value))
 
 
+class ScalerState:
+    """torch's GradScaler as a Stateful for the checkpoint (fp16: the loss scale and its growth
+    count, so a resumed run skips and grows as the uninterrupted one). Values from a checkpoint are
+    checked before torch sees them: a bad one is one line naming the key (the checkpoint manager
+    then falls back to an older checkpoint), not an error at the first step."""
+
+    RULES = {"scale": lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v > 0,
+             "growth_factor": lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v > 1,
+             "backoff_factor": lambda v: isinstance(v, (int, float)) and 0 < v < 1,
+             "growth_interval": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+             "_growth_tracker": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, ok in self.RULES.items():
+            if key not in state or not ok(state[key]):
+                raise KilnError(f"checkpoint scaler.{key}={state.get(key)!r} is not a valid GradScaler value")
+        self.scaler.load_state_dict(state)
+
+
 def build_mixture(cfg: JobConfig, reference: ShardSet) -> MixtureWindows:
     """data.mixture's shard directories as one weighted MixtureWindows (same tokenizer required)."""
     sources = []
@@ -175,7 +200,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                 "rng": RNGState(), "train": state}
     scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
     if scaler is not None:  # the loss scale and its growth count: an fp16 run resumes with its own
-        stateful["scaler"] = scaler
+        stateful["scaler"] = ScalerState(scaler)
     diloco = None
     if cfg.parallel.diloco_inner_steps:  # every rank a replica (no DP wrapper): kiln/parallel/diloco.py
         diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,

@@ -10,6 +10,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from kiln.checkpoint import manager as manager_mod
 from kiln.checkpoint.manager import CheckpointManager
 from kiln.checkpoint.retention import complete_steps, retained, to_prune
+from kiln.train.trainer import ScalerState
 
 
 @pytest.mark.parametrize("steps,keep_last,keep_every,kept", [
@@ -110,8 +111,30 @@ def test_grad_scaler_state_round_trips(tmp_path):
     scaler.update(new_scale=1024.0)
     scaler._growth_tracker.fill_(2)  # two good steps since the last change
     mgr = CheckpointManager(tmp_path / "ck", async_save=False)
-    assert all(r.ok for r in mgr.save(5, {"scaler": scaler, "w": torch.ones(2)}))
+    assert all(r.ok for r in mgr.save(5, {"scaler": ScalerState(scaler), "w": torch.ones(2)}))
     fresh = torch.amp.GradScaler("cpu", growth_interval=3)
-    assert mgr.load({"scaler": fresh, "w": torch.zeros(2)}) == 5
+    assert mgr.load({"scaler": ScalerState(fresh), "w": torch.zeros(2)}) == 5
     assert fresh.get_scale() == 1024.0 and fresh.state_dict()["_growth_tracker"] == 2
     assert "scaler" in mgr.saved_state_names(5)
+
+
+@pytest.mark.parametrize("key, bad", [("scale", -1.0), ("scale", float("nan")), ("scale", "big"),
+                                      ("_growth_tracker", -3), ("growth_interval", 0)])
+def test_a_bad_scaler_value_is_one_line_and_an_older_checkpoint_is_used(tmp_path, key, bad):
+    """A tampered scaler value never reaches torch: that checkpoint is skipped in one line naming
+    the key, and the older good one loads."""
+    from kiln.errors import KilnError
+
+    good = torch.amp.GradScaler("cpu", init_scale=512.0)
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=3, async_save=False)
+    assert all(r.ok for r in mgr.save(1, {"scaler": ScalerState(good)}))
+    tampered = type("Tampered", (), {"state_dict": lambda self: {**good.state_dict(), key: bad},
+                                     "load_state_dict": lambda self, s: None})()
+    assert all(r.ok for r in mgr.save(2, {"scaler": tampered}))
+    lines = []
+    mgr.log = lines.append
+    fresh = torch.amp.GradScaler("cpu")
+    assert mgr.load({"scaler": ScalerState(fresh)}) == 1 and fresh.get_scale() == 512.0
+    assert len(lines) == 1 and f"scaler.{key}=" in lines[0] and "\n" not in lines[0]
+    with pytest.raises(KilnError, match=f"scaler.{key}="):
+        ScalerState(fresh).load_state_dict({**good.state_dict(), key: bad})
