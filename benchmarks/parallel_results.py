@@ -19,7 +19,7 @@ def bubble(run: dict) -> float | None:
     if recorded is not None or not any(o.startswith("parallel.pp=") for o in run.get("overrides", ())):
         return recorded
     from kiln.config import load_config
-    from kiln.parallel.pipeline import bubble_fraction, n_microbatches
+    from kiln.parallel.pipeline_layout import bubble_fraction, n_microbatches
 
     cfg = load_config(None, list(run["overrides"]))
     p = cfg.parallel

@@ -33,101 +33,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kiln.config import JobConfig
-from kiln.errors import ConfigError
 from kiln.model.loss import lm_loss
 from kiln.model.moe import MoE
 from kiln.model.transformer import Transformer
+from kiln.parallel.pipeline_fp16 import ScaledLoss, agree_found_inf
+from kiln.parallel.pipeline_layout import (SCHEDULES, SINGLE_STAGE, ZERO_BUBBLE, bubble_fraction, check_pipeline_config,
+                                           n_microbatches, stage_layer_ranges, stages_of_rank)
 from kiln.parallel.pipeline_tied import EMBEDDING, HEAD, TiedEmbeddings, clip_grad_norm_counting_once, head_copy
 from kiln.train.step import clip_grad_norm, step_unless
-
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-             "zbv_zero_bubble": "ScheduleZBVZeroBubble"}
-SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others take pp_virtual_stages per rank
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # backward split into input and weight passes
-
-
-def n_microbatches(cfg: JobConfig) -> int:
-    """parallel.pp_microbatches, or (0) one per pipeline stage."""
-    p = cfg.parallel
-    return p.pp_microbatches or p.pp * p.pp_virtual_stages
-
-
-def check_pipeline_config(cfg: JobConfig) -> None:
-    """Everything about pp that can be wrong, checked before any work (one line naming the key)."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return
-    stages = p.pp * p.pp_virtual_stages
-    if stages > cfg.model.n_layers:
-        raise ConfigError(f"parallel.pp={p.pp} x pp_virtual_stages={p.pp_virtual_stages} = {stages} pipeline "
-                          f"stages but model.n_layers={cfg.model.n_layers}; lower parallel.pp (each stage "
-                          f"needs at least one layer)")
-    if p.pp_schedule in SINGLE_STAGE and p.pp_virtual_stages != 1:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
-                          f"parallel.pp_virtual_stages=1 or use interleaved_1f1b")
-    if p.pp_schedule == "zbv_zero_bubble" and p.pp_virtual_stages != 2:
-        raise ConfigError("parallel.pp_schedule='zbv_zero_bubble' places two stages per rank (a V); "
-                          "set parallel.pp_virtual_stages=2")
-    batch = cfg.train.batch_size * cfg.train.grad_accum
-    m = n_microbatches(cfg)
-    if batch % m:
-        raise ConfigError(f"parallel.pp_microbatches={m} must divide train.batch_size x grad_accum = {batch} "
-                          f"(each micro-batch must be the same size)")
-    if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
-        raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
-                          f"{p.pp_schedule!r}")
-    if cfg.train.compile and cfg.train.compile_scope == "model":
-        raise ConfigError("train.compile_scope='model' with parallel.pp > 1: a pipeline rank holds stages, not "
-                          "the whole model; set train.compile_scope='blocks' (or 'auto')")
-    if cfg.train.cuda_graphs:  # otherwise "auto" would compile blocks and drop the CUDA graphs silently
-        raise ConfigError("train.cuda_graphs=true with parallel.pp > 1: CUDA graphs need "
-                          "train.compile_scope='model', and a pipeline rank holds stages, not the whole model; "
-                          "set train.cuda_graphs=false")
-    if cfg.train.compile and p.pp_schedule in ZERO_BUBBLE:
-        # torch refuses it too (pipelining/schedules.py _check_torch_compile_compatibility: the
-        # input/weight split of the backward is not supported with torch.compile), but only
-        # after the model is built; a compiled block's backward is one node for both passes.
-        raise ConfigError(f"train.compile=true with parallel.pp_schedule={p.pp_schedule!r}: torch does not "
-                          f"split a compiled block's backward into input and weight passes; set "
-                          f"train.compile=false or use interleaved_1f1b")
-    if p.pp_split_points:
-        stage_layer_ranges(cfg.model.n_layers, stages, p.pp_split_points)
-
-
-def stage_layer_ranges(n_layers: int, n_stages: int, split_points: list[int]) -> list[range]:
-    """The layers of each stage. split_points: the first layer of stages 1..n-1 (explicit split);
-    empty: as even as possible, earlier stages taking the remainder."""
-    if split_points:
-        pts = list(split_points)
-        if not all(type(x) is int for x in pts) or len(pts) != n_stages - 1 or pts != sorted(set(pts)) or pts[0] <= 0 or pts[-1] >= n_layers:
-            raise ConfigError(f"parallel.pp_split_points={pts} must be {n_stages - 1} increasing layer indices "
-                              f"in 1..{n_layers - 1} (the first layer of each stage after the first)")
-        bounds = [0, *pts, n_layers]
-    else:
-        base, extra = divmod(n_layers, n_stages)
-        bounds = [0]
-        for s in range(n_stages):
-            bounds.append(bounds[-1] + base + (s < extra))
-    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
-
-
-def stages_of_rank(schedule: str, pp: int, virtual: int, pp_rank: int) -> list[int]:
-    """Stage indices a pp rank holds: looped (r, r+pp, ...) or, for ZBV, a V (r, 2pp-1-r)."""
-    if schedule == "zbv_zero_bubble":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + v * pp for v in range(virtual)]
-
-
-def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
-    """Idle share of a step (Narayanan et al. 2021, sec. 2.2): (p-1)/(m+p-1) for GPipe/1F1B, with v
-    stages per rank the warm-up shrinks v-fold: (p-1)/(v*m+p-1). The zero-bubble schedules fill it
-    with weight-gradient work, so this is their upper bound. torch exposes no such number."""
-    if pp == 1:
-        return 0.0
-    v = 1 if schedule in SINGLE_STAGE else virtual
-    return (pp - 1) / (v * microbatches + pp - 1)
-
 
 def keep_gathered_until_backward(chunks) -> None:
     """Zero-bubble schedules under FSDP (dp or cp > 1): no reshard after forward (FSDP2's
@@ -313,50 +226,6 @@ def split_model(full: Transformer, cfg: JobConfig, pp_rank: int) -> PipelineMode
                                 for s in mine]
     model.__dict__["n_stages"] = n_stages
     return model
-
-
-class ScaledLoss:
-    """The schedule's loss_fn: kiln's LM loss on the last stage's output; while a step with a grad
-    scaler runs (fp16), divided by the micro-batch count and multiplied by the scaler's scale, as
-    Megatron-LM and DeepSpeed scale the last stage's loss inside their schedules: torch's schedules
-    backpropagate what loss_fn returns, so every stage's gradients come out scaled. The division
-    happens here, before the backward (the schedule's `scale_grads` is off for such a step), so the
-    fp16 backward carries the magnitudes of `train_step`'s (loss / micro-batches x scale) and
-    overflows at the same scale. `unscaled` keeps each micro-batch's loss as computed (the step's
-    reported loss). The scaling itself is torch's (`GradScaler.scale`)."""
-
-    def __init__(self, loss_fn, microbatches: int):
-        self.loss_fn, self.microbatches, self.scaler = loss_fn, microbatches, None
-        self.unscaled: list[torch.Tensor] = []
-
-    def __call__(self, output, target):
-        loss = self.loss_fn(output, target)
-        self.unscaled.append(loss.detach())
-        return self.scale(loss)
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """What the backward of a term of a micro-batch's loss starts from (MoE aux losses too)."""
-        return loss if self.scaler is None else self.scaler.scale(loss / self.microbatches)
-
-
-def agree_found_inf(scaler, optimizer, device: torch.device) -> None:
-    """Make the grad scaler's found-inf flags (set by `GradScaler.unscale_` from this rank's own
-    gradients) the MAX over all ranks, so every stage skips or steps together and every rank's
-    scale update is the same. torch's DTensor handler already reduces the flag over the mesh of
-    sharded (FSDP2, tp) gradients, but it reads the placements of the first gradient only, and no
-    mesh spans the pipeline stages; one element all-reduced over the default group covers pp, tp,
-    dp and ep at once. MAX, not SUM (torch's FSDP1 ShardedGradScaler sums): torch's fused
-    optimizers skip only when found_inf == 1. GradScaler has no public hook for this: the flags are
-    read from its per-optimizer state, where torch's ShardedGradScaler reduces them too."""
-    flags = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device")
-    if flags is None:
-        raise RuntimeError("GradScaler.unscale_ recorded no found_inf_per_device for the optimizer "
-                           "(torch's GradScaler internals changed?)")
-    # Every rank takes part, even one that recorded no flag (a collective per rank, not per device).
-    agreed = torch.stack([f.to(device) for f in flags.values()]).amax() if flags else torch.zeros((), device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    for flag in flags.values():
-        flag.copy_(agreed)
 
 
 class Pipeline:

@@ -62,7 +62,7 @@ ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 2}
 DDP_BUCKET_BYTES = 25 * 2**20
 LOSS_CHUNK_TOKENS = 1024  # kiln/model/loss.py chunked_lm_loss works on chunks of about this many tokens
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # kiln/parallel/pipeline.py ZERO_BUBBLE
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # kiln/parallel/pipeline_layout.py ZERO_BUBBLE
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ def kiln_refusal(cfg: JobConfig, layout: Layout, world_size: int) -> str | None:
     plan is never one kiln cannot run (e.g. pp with tied embeddings)."""
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
-    from kiln.parallel.pipeline import check_pipeline_config
+    from kiln.parallel.pipeline_layout import check_pipeline_config
 
     try:
         run_cfg = config_for_plan(cfg, layout)

@@ -43,7 +43,7 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
     d = dims
     micro_batch, grad_accum, pipeline = cfg.train.batch_size, cfg.train.grad_accum, {}
     if d and d.pp > 1:
-        from kiln.parallel.pipeline import n_microbatches
+        from kiln.parallel.pipeline_layout import n_microbatches
 
         p = cfg.parallel
         grad_accum = n_microbatches(cfg)

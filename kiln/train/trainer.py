@@ -32,7 +32,8 @@ from kiln.parallel.diloco import check_resume as check_diloco_resume
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
-from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, check_pipeline_config, pipeline_train_step
+from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, pipeline_train_step
+from kiln.parallel.pipeline_layout import check_pipeline_config
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.memory import check_fits_memory

@@ -191,7 +191,7 @@ def test_zero_bubble_over_fsdp_units_resharded_after_forward_changes_the_gradien
 def test_unverified_pp_layouts_are_refused_naming_the_values():
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
-    from kiln.parallel.pipeline import check_pipeline_config
+    from kiln.parallel.pipeline_layout import check_pipeline_config
 
     for schedule in ("looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble"):  # cp x pp: all schedules
         check_pipeline_config(job(LLAMA, pp=2, cp=2, schedule=schedule, virtual=2))

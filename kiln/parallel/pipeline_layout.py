@@ -1,0 +1,98 @@
+"""Pipeline layout: the schedules kiln offers, the micro-batch count, the checks of the `[parallel]`
+pp keys against the model and the batch (before any work, one line naming the key), which stages a
+rank holds, and the bubble fraction reported in the run row. Pure arithmetic on the config, so the
+planner (kiln/plan/) and the memory estimate use it without building a pipeline
+(kiln/parallel/pipeline.py builds and runs one)."""
+
+from __future__ import annotations
+
+from kiln.config import JobConfig
+from kiln.errors import ConfigError
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+             "zbv_zero_bubble": "ScheduleZBVZeroBubble"}
+SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others take pp_virtual_stages per rank
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # backward split into input and weight passes
+
+
+def n_microbatches(cfg: JobConfig) -> int:
+    """parallel.pp_microbatches, or (0) one per pipeline stage."""
+    p = cfg.parallel
+    return p.pp_microbatches or p.pp * p.pp_virtual_stages
+
+
+def check_pipeline_config(cfg: JobConfig) -> None:
+    """Everything about pp that can be wrong, checked before any work (one line naming the key)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    stages = p.pp * p.pp_virtual_stages
+    if stages > cfg.model.n_layers:
+        raise ConfigError(f"parallel.pp={p.pp} x pp_virtual_stages={p.pp_virtual_stages} = {stages} pipeline "
+                          f"stages but model.n_layers={cfg.model.n_layers}; lower parallel.pp (each stage "
+                          f"needs at least one layer)")
+    if p.pp_schedule in SINGLE_STAGE and p.pp_virtual_stages != 1:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
+                          f"parallel.pp_virtual_stages=1 or use interleaved_1f1b")
+    if p.pp_schedule == "zbv_zero_bubble" and p.pp_virtual_stages != 2:
+        raise ConfigError("parallel.pp_schedule='zbv_zero_bubble' places two stages per rank (a V); "
+                          "set parallel.pp_virtual_stages=2")
+    batch = cfg.train.batch_size * cfg.train.grad_accum
+    m = n_microbatches(cfg)
+    if batch % m:
+        raise ConfigError(f"parallel.pp_microbatches={m} must divide train.batch_size x grad_accum = {batch} "
+                          f"(each micro-batch must be the same size)")
+    if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
+        raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
+                          f"{p.pp_schedule!r}")
+    if cfg.train.compile and cfg.train.compile_scope == "model":
+        raise ConfigError("train.compile_scope='model' with parallel.pp > 1: a pipeline rank holds stages, not "
+                          "the whole model; set train.compile_scope='blocks' (or 'auto')")
+    if cfg.train.cuda_graphs:  # otherwise "auto" would compile blocks and drop the CUDA graphs silently
+        raise ConfigError("train.cuda_graphs=true with parallel.pp > 1: CUDA graphs need "
+                          "train.compile_scope='model', and a pipeline rank holds stages, not the whole model; "
+                          "set train.cuda_graphs=false")
+    if cfg.train.compile and p.pp_schedule in ZERO_BUBBLE:
+        # torch refuses it too (pipelining/schedules.py _check_torch_compile_compatibility: the
+        # input/weight split of the backward is not supported with torch.compile), but only
+        # after the model is built; a compiled block's backward is one node for both passes.
+        raise ConfigError(f"train.compile=true with parallel.pp_schedule={p.pp_schedule!r}: torch does not "
+                          f"split a compiled block's backward into input and weight passes; set "
+                          f"train.compile=false or use interleaved_1f1b")
+    if p.pp_split_points:
+        stage_layer_ranges(cfg.model.n_layers, stages, p.pp_split_points)
+
+
+def stage_layer_ranges(n_layers: int, n_stages: int, split_points: list[int]) -> list[range]:
+    """The layers of each stage. split_points: the first layer of stages 1..n-1 (explicit split);
+    empty: as even as possible, earlier stages taking the remainder."""
+    if split_points:
+        pts = list(split_points)
+        if not all(type(x) is int for x in pts) or len(pts) != n_stages - 1 or pts != sorted(set(pts)) or pts[0] <= 0 or pts[-1] >= n_layers:
+            raise ConfigError(f"parallel.pp_split_points={pts} must be {n_stages - 1} increasing layer indices "
+                              f"in 1..{n_layers - 1} (the first layer of each stage after the first)")
+        bounds = [0, *pts, n_layers]
+    else:
+        base, extra = divmod(n_layers, n_stages)
+        bounds = [0]
+        for s in range(n_stages):
+            bounds.append(bounds[-1] + base + (s < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
+
+
+def stages_of_rank(schedule: str, pp: int, virtual: int, pp_rank: int) -> list[int]:
+    """Stage indices a pp rank holds: looped (r, r+pp, ...) or, for ZBV, a V (r, 2pp-1-r)."""
+    if schedule == "zbv_zero_bubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Idle share of a step (Narayanan et al. 2021, sec. 2.2): (p-1)/(m+p-1) for GPipe/1F1B, with v
+    stages per rank the warm-up shrinks v-fold: (p-1)/(v*m+p-1). The zero-bubble schedules fill it
+    with weight-gradient work, so this is their upper bound. torch exposes no such number."""
+    if pp == 1:
+        return 0.0
+    v = 1 if schedule in SINGLE_STAGE else virtual
+    return (pp - 1) / (v * microbatches + pp - 1)
