@@ -260,7 +260,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # forward(tokens, targets) returns the loss; "chunked" never forms full fp32 logits
-        # (kiln/model/loss.py); "parallel" is the full loss on vocab-sharded logits under tensor
+        # (kiln/model/loss.py; vocab-parallel under tp); "parallel" is the full loss on vocab-sharded logits under tensor
         # parallelism (kiln/parallel/tensor_parallel.py). Set by the trainer from train.loss.
         self.loss_impl = "full"
         # Global positions of the tokens this rank holds, when they are not 0..seqlen-1 (context
@@ -320,7 +320,12 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache, start_pos) if mask is None else layer(h, rope, cache, start_pos, mask)
         h = self.norm(h)
         if self.loss_impl == "chunked" and targets is not None:
-            loss = _loss.chunked_lm_loss(h, self.output.weight, targets)
+            if isinstance(self.output.weight, DTensor):  # tensor parallel: the head sharded on the vocabulary
+                from kiln.parallel.tensor_parallel import parallel_chunked_lm_loss
+
+                loss = parallel_chunked_lm_loss(h, self.output.weight, targets)
+            else:
+                loss = _loss.chunked_lm_loss(h, self.output.weight, targets)
         else:
             logits = self.output(h)
             if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary

@@ -104,7 +104,8 @@ class ParallelDims:
         """The layout against the model, before any work. Ring attention (cp) enters compiled
         blocks as an opaque op (kiln/parallel/context_parallel.py). Tensor parallelism splits
         attention heads, KV heads and FFN hidden units over the tp ranks, the sequence between blocks
-        (sequence parallel), and computes the loss on vocab-sharded logits (not the chunked head)."""
+        (sequence parallel), and computes the loss on vocab-sharded logits (train.loss='chunked': in
+        chunks of tokens, kiln/parallel/tensor_parallel.py parallel_chunked_lm_loss)."""
         if (self.ep > 1 and self.tp > 1 and cfg.train.compile and cfg.train.activation_checkpointing != "none"
                 and self.dp_mode in ("fsdp", "zero2")):
             # Fails off CUDA (seen with ep2 x tp2, aot_eager): tp's checkpointed pieces need a selective
@@ -130,9 +131,6 @@ class ParallelDims:
             # over the TP embedding, the vocab-sharded head and loss_parallel is not.
             raise ConfigError(f"train.compile_scope='model' with parallel.tp={tp} is not supported (compiled "
                               f"blocks are); set train.compile_scope='blocks' or 'auto'")
-        if cfg.train.loss == "chunked":
-            raise ConfigError(f"train.loss='chunked' cannot run with parallel.tp={tp} (the logits are sharded "
-                              f"on the vocabulary, the loss runs under loss_parallel); set train.loss='auto'")
 
     @property
     def dp_mesh_names(self) -> tuple[str, ...]:

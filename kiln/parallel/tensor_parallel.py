@@ -59,6 +59,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from kiln.model.loss import CHUNK_TOKENS, IGNORE_INDEX, chunked_lm_loss
 from kiln.model.moe import MoE
 
 
@@ -222,7 +223,7 @@ class _LossParallel(torch.autograd.Function):
     def forward(ctx, logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad(), loss_parallel():
             leaf = logits.detach().requires_grad_()
-            loss = F.cross_entropy(leaf.float().flatten(0, 1), targets.flatten(0, 1))
+            loss = F.cross_entropy(leaf.float().flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
             (grad,) = torch.autograd.grad(loss, leaf)
         ctx.save_for_backward(grad)
         return loss.to_local().detach()
@@ -240,4 +241,23 @@ def parallel_lm_loss(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and logits.requires_grad:
         return _LossParallel.apply(logits, targets)
     with loss_parallel():  # eval: no gradient to keep
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1)).to_local()
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1),
+                               ignore_index=IGNORE_INDEX).to_local()
+
+
+def parallel_chunked_lm_loss(hidden: torch.Tensor, weight: DTensor, targets: torch.Tensor,
+                             chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    """`train.loss = "chunked"` under tp: the mean next-token loss (a plain replicated scalar) of
+    the column-wise head `weight` (Shard(0) on the tp mesh: vocabulary rows) over the hidden states
+    `hidden`, this rank's sequence shard (Shard(1), as the head's ColwiseParallel input), without
+    the (tokens x vocab/tp) fp32 logits. The layout is the head's own, by DTensor: the sequence is
+    all-gathered and the partial hidden gradient of each rank's vocabulary rows reduce-scattered
+    back to the sequence shard; the chunked vocab-parallel cross-entropy is kiln/model/loss.py's."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or weight.placements != (Shard(0),):
+        raise ValueError(f"the chunked tp loss wants the head weight Shard(0) on a 1-D tp mesh, got "
+                         f"{weight.placements} on {mesh}")
+    full = (DTensor.from_local(hidden, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+            .to_local(grad_placements=[Partial()]))
+    _, offset = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(), mesh.get_local_rank())
+    return chunked_lm_loss(full, weight.to_local(), targets, chunk, vocab_offset=offset, group=mesh.get_group())

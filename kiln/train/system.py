@@ -33,9 +33,9 @@ def resolve_loss(name: str, device: torch.device, whole_model_compiled: bool = F
     faster at GPT-2 124M shapes on an H200 (benchmarks/README.md, "One GPU"); eager or per-block
     compiled, chunking keeps the fp32 logits (2.5 GB at 124M shapes) out of GPU memory. CPU: the
     plain loss (no GPU memory to save, and one matmul beats many small ones). Tensor parallel:
-    the full loss on vocab-sharded logits ("parallel")."""
-    if tp > 1:  # vocab-sharded logits under loss_parallel ("chunked" is refused by ParallelDims.check_model)
-        return "parallel"
+    the full loss on vocab-sharded logits ("parallel"), or the vocab-parallel chunked one if asked."""
+    if tp > 1:  # vocab-sharded logits under loss_parallel, or chunks of them (kiln/model/loss.py)
+        return "chunked" if name == "chunked" else "parallel"
     if name != "auto":
         return name
     return "chunked" if device.type == "cuda" and not whole_model_compiled else "full"

@@ -1,10 +1,12 @@
-"""The chunked LM head + cross-entropy equals the plain one (value and gradients)."""
+"""The chunked LM head + cross-entropy equals the plain one (value and gradients), padding
+(IGNORE_INDEX) targets included. The vocab-parallel variant on 2 ranks is tested in
+tests/parallel/test_tensor_parallel.py (one shared launch)."""
 
 import pytest
 import torch
 
 from kiln.config import ModelConfig
-from kiln.model.loss import chunked_lm_loss, lm_loss
+from kiln.model.loss import IGNORE_INDEX, chunked_lm_loss, lm_loss
 from kiln.model.transformer import Transformer
 
 
@@ -21,6 +23,25 @@ def test_chunked_loss_and_grads_equal_plain_in_fp32(chunk):
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ch, gh, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(cw, gw, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk", [7, 4096])
+def test_ignored_targets_count_in_neither_the_loss_nor_the_mean(chunk):
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 20, 16, generator=gen, requires_grad=True)
+    w = torch.randn(50, 16, generator=gen, requires_grad=True)
+    t = torch.randint(0, 50, (2, 20), generator=gen)
+    t[0, 3:11] = IGNORE_INDEX
+    ref = lm_loss(h @ w.t(), t)
+    gh, gw = torch.autograd.grad(ref, (h, w))
+    got = chunked_lm_loss(h, w, t, chunk=chunk)
+    ch, cw = torch.autograd.grad(got, (h, w))
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ch, gh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(cw, gw, rtol=1e-5, atol=1e-7)
+    assert not ch[0, 3:11].any()
+    everything_ignored = chunked_lm_loss(h, w, torch.full_like(t, IGNORE_INDEX), chunk=chunk)
+    assert everything_ignored.isnan() and lm_loss(h @ w.t(), torch.full_like(t, IGNORE_INDEX)).isnan()
 
 
 def test_chunked_loss_under_bf16_autocast_is_close_to_plain():

@@ -1,7 +1,9 @@
 """Tensor + sequence + loss parallel gives the per-step losses of one process, for the Llama-style
 and the GPT-2 architecture and a mixture-of-experts model (expert tensor parallel, with its
-load-balancing and z-losses); a wrong plan does not; bad layouts fail before any work; a TP=2
-checkpoint continues in one process with the same losses.
+load-balancing and z-losses), with the loss on the whole vocab-sharded logits or chunked
+(train.loss='chunked', kiln/model/loss.py's vocab-parallel chunks); a wrong plan or a log-sum-exp
+not combined over the ranks does not; bad layouts fail before any work; a TP=2 checkpoint
+continues in one process with the same losses.
 
 Tolerance: fp32, relative 1e-5 per step (TP changes only the order of the sums in the row-wise
 reductions and the sharded softmax). The optimizer is SGD with momentum, so a gradient that is
@@ -9,6 +11,7 @@ wrong on any rank shows in the next step's loss.
 """
 
 import contextlib
+import functools
 import time
 
 import pytest
@@ -45,9 +48,10 @@ def model_config(overrides):
     return load_config(None, overrides).model
 
 
-def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False):
+def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_impl="full"):
     """STEPS of SGD with kiln's train_step on one batch: [loss, grad norm] per step (plain_step:
-    loss.backward + SGD, losses only). With a tp_mesh, the model is tensor-parallel."""
+    loss.backward + SGD, losses only). With a tp_mesh, the model is tensor-parallel; loss_impl
+    "chunked": the chunked head + loss (vocab-parallel under tp)."""
     from kiln.parallel import tensor_parallel
 
     torch.manual_seed(0)
@@ -61,6 +65,7 @@ def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False):
         parallelize_module(model, tp_mesh, plan)
     model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(0))
+    model.loss_impl = loss_impl
     if model.cfg.tie_embeddings:  # the tie survives TP: both modules shard the one weight on dim 0
         assert model.output.weight is model.tok_embeddings.weight
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -91,6 +96,13 @@ def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False):
 # start costs seconds on 2 cores).
 CASES = {"llama": (LLAMA, False), "gpt2": (GPT2, False), "post_norm": (POST_NORM, False),
          "llama_wrong_plan": (LLAMA, True), "moe": (MOE, False), "moe_no_grad_sum": (MOE, False)}
+# train.loss='chunked' under tp: name -> (overrides, whether the log-sum-exp is left per rank). The
+# head is tied in Llama (even split of 64) and in GPT-2 tied, untied in GPT-2 (65 = 33 + 32 rows).
+GPT2_TIED = GPT2 + ["model.tie_embeddings=true"]
+CHUNKED_CASES = {"llama_chunked": (LLAMA, False), "gpt2_chunked": (GPT2, False),
+                 "gpt2_tied_chunked": (GPT2_TIED, False), "llama_chunked_local_lse": (LLAMA, True)}
+BROKEN = {"moe_no_grad_sum", "llama_chunked_local_lse"}  # their ranks disagree
+LOSS_CHUNK = 12  # 32 tokens -> chunks of 12, 12, 8
 
 
 def _worker(rank, world, store_path, result_path):
@@ -104,6 +116,12 @@ def _worker(rank, world, store_path, result_path):
         for name, (overrides, wrong) in CASES.items():
             with _without_moe_grad_sum() if name == "moe_no_grad_sum" else contextlib.nullcontext():
                 losses[name] = run_steps(overrides, mesh, _drop_norm_sequence_parallel if wrong else None, wrong)
+        for name, (overrides, local_lse) in CHUNKED_CASES.items():
+            with _small_loss_chunks(), _lse_not_combined() if local_lse else contextlib.nullcontext():
+                losses[name] = run_steps(overrides, mesh, loss_impl="chunked")
+        losses["vocab_parallel_math"] = _vocab_parallel_math(rank, world, mesh)
+        with _lse_not_combined():
+            losses["vocab_parallel_math_local_lse"] = _vocab_parallel_math(rank, world, mesh)
         torch.save(losses, f"{result_path}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -130,6 +148,72 @@ def _without_moe_grad_sum():
         tensor_parallel.sum_grad_over_tp = saved
 
 
+@contextlib.contextmanager
+def _small_loss_chunks():
+    # Several chunks (the last one short) in the tiny models' 32 tokens.
+    from kiln.parallel import tensor_parallel
+
+    saved = tensor_parallel.parallel_chunked_lm_loss
+    tensor_parallel.parallel_chunked_lm_loss = functools.partial(saved, chunk=LOSS_CHUNK)
+    try:
+        yield
+    finally:
+        tensor_parallel.parallel_chunked_lm_loss = saved
+
+
+@contextlib.contextmanager
+def _lse_not_combined():
+    # The vocab-parallel bug: each rank's log-sum-exp (its sum-exp) and target logit over its own
+    # vocabulary rows only, never reduced over tp.
+    from kiln.model import loss
+
+    saved = loss.combine_over_vocab_shards
+    loss.combine_over_vocab_shards = lambda lse, target_logit, group: (lse, target_logit)
+    try:
+        yield
+    finally:
+        loss.combine_over_vocab_shards = saved
+
+
+MATH_VOCAB, MATH_DIM = 65, 24  # rank 0 owns rows 0..32, rank 1 rows 33..64
+MATH_CHUNKS = (1, 7, 4096)
+
+
+def math_inputs():
+    """Hidden states (BATCH, SEQ, dim), head weight, targets: every shard's first and last row
+    among the targets, and padding (IGNORE_INDEX) ones."""
+    from kiln.model.loss import IGNORE_INDEX
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(BATCH, SEQ, MATH_DIM, generator=gen)
+    weight = torch.randn(MATH_VOCAB, MATH_DIM, generator=gen)
+    targets = torch.randint(0, MATH_VOCAB, (BATCH, SEQ), generator=gen)
+    targets[0, :4] = torch.tensor([0, 32, 33, 64])
+    targets[1, -3:] = IGNORE_INDEX
+    return hidden, weight, targets
+
+
+def _vocab_parallel_math(rank, world, mesh):
+    """chunk -> (loss, d hidden, d weight) of the vocab-parallel chunked loss with an upstream
+    gradient of 3, the gradients gathered whole (the same on every rank)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from kiln.parallel.tensor_parallel import parallel_chunked_lm_loss
+
+    hidden, weight, targets = math_inputs()
+    seq = SEQ // world
+    out = {}
+    for chunk in MATH_CHUNKS:
+        local = hidden[:, rank * seq:(rank + 1) * seq].clone().requires_grad_()
+        w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+        loss = parallel_chunked_lm_loss(local, w, targets, chunk=chunk)
+        (loss * 3.0).backward()
+        shards = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(shards, local.grad)
+        out[chunk] = (loss.detach(), torch.cat(shards, dim=1), w.grad.full_tensor())
+    return out
+
+
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     """name -> per-step losses on 2 tensor-parallel ranks (asserted equal on both ranks)."""
@@ -146,8 +230,12 @@ def tp2(tmp_path_factory):
                 process.kill()
             pytest.fail("the 2-rank tensor-parallel run did not finish in 240 s")
     per_rank = [torch.load(tmp / f"losses.{r}") for r in range(world)]
-    for name in per_rank[0]:  # the loss is replicated over the tp ranks (the broken MoE's ranks diverge)
-        assert name == "moe_no_grad_sum" or per_rank[0][name] == per_rank[1][name], name
+    for name in per_rank[0]:  # the loss is replicated over the tp ranks (the broken runs' ranks diverge)
+        if name not in BROKEN and not name.startswith("vocab_parallel_math"):
+            assert per_rank[0][name] == per_rank[1][name], name
+    for chunk, (loss, dh, dw) in per_rank[0]["vocab_parallel_math"].items():
+        other = per_rank[1]["vocab_parallel_math"][chunk]
+        assert torch.equal(loss, other[0]) and torch.equal(dh, other[1]) and torch.equal(dw, other[2]), chunk
     return per_rank[0]
 
 
@@ -195,6 +283,51 @@ def test_wrong_plan_changes_the_losses(tp2):
     assert got[1:] != pytest.approx(expected[1:], rel=REL)  # ...the norms' gradients are not
 
 
+@pytest.fixture(scope="module")
+def one_process():
+    """name -> one process's losses with the plain loss, for the models the chunked cases use."""
+    return {name: run_steps(overrides) for name, (overrides, _) in CHUNKED_CASES.items()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["llama_chunked", "gpt2_chunked", "gpt2_tied_chunked"])
+def test_tp2_chunked_loss_matches_one_process(tp2, one_process, name):
+    expected = one_process[name]
+    # (loss, grad norm) per step, then the eval loss (chunked too) and the logits' mean square
+    assert tp2[name] == pytest.approx(expected, rel=REL), (tp2[name], expected)
+    assert expected[2 * STEPS - 2] < expected[0] and expected[1] > CLIP
+
+
+@pytest.mark.timeout(300)
+def test_tp2_chunked_loss_without_combining_over_tp_differs(tp2, one_process):
+    got, expected = tp2["llama_chunked_local_lse"], one_process["llama_chunked_local_lse"]
+    # Rank 0's loss over its half of the vocabulary: wrong from the first step on.
+    assert got[0] != pytest.approx(expected[0], rel=100 * REL), (got[0], expected[0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("chunk", MATH_CHUNKS)
+def test_vocab_parallel_chunked_loss_and_grads_equal_lm_loss(tp2, chunk):
+    from kiln.model.loss import lm_loss
+
+    hidden, weight, targets = math_inputs()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    ref = lm_loss(hidden @ weight.t(), targets)
+    gh, gw = torch.autograd.grad(ref * 3.0, (hidden, weight))
+    loss, dh, dw = tp2["vocab_parallel_math"][chunk]
+    torch.testing.assert_close(loss, ref.detach(), rtol=REL, atol=0)
+    # Each gradient element sums (softmax - onehot) terms over the vocabulary, split over the ranks:
+    # elements that nearly cancel are compared to the largest one (rounding of the terms, not of the sum).
+    torch.testing.assert_close(dh, gh, rtol=REL, atol=REL * gh.abs().max().item())
+    torch.testing.assert_close(dw, gw, rtol=REL, atol=REL * gw.abs().max().item())
+    assert not dh[1, -3:].any()  # padding targets give no gradient
+    # The negative control: a log-sum-exp per vocabulary shard is far off.
+    broken = tp2["vocab_parallel_math_local_lse"][chunk]
+    assert not torch.allclose(broken[0], ref, rtol=100 * REL)
+    assert not torch.allclose(broken[1], gh, rtol=100 * REL, atol=1e-5)
+
+
 def dims_for(tp, world, **cfg):
     return ParallelDims.from_config(ParallelConfig(tp=tp, **cfg), world_size=world, rank=0, local_rank=0,
                                     local_world_size=world)
@@ -205,7 +338,6 @@ def dims_for(tp, world, **cfg):
     (["model.n_heads=4", "model.n_kv_heads=1"], "model.n_kv_heads=1"),
     (["model.ffn_hidden=30"], "model.ffn_hidden (the FFN hidden size)=30"),
     (["data.seq_len=30"], "data.seq_len=30"),
-    (["train.loss=chunked"], "train.loss='chunked'"),
 ])
 def test_tp_not_fitting_the_model_is_one_line_naming_the_value(overrides, key):
     cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", *overrides])
@@ -218,6 +350,7 @@ def test_tp_layouts():
     d = dims_for(2, 4)
     assert (d.tp, d.dp_shard, d.dp_mode) == (2, 2, "fsdp")
     d.check_model(load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32"]))
+    d.check_model(load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", "train.loss=chunked"]))
     with pytest.raises(ConfigError, match="parallel.dp_mode='ddp' cannot combine with parallel.tp=2"):
         dims_for(2, 4, dp_mode="ddp")
 
