@@ -78,17 +78,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             owned = (local_t >= 0) & (local_t < weight.shape[0])  # IGNORE_INDEX is owned by no rank
             index = torch.where(owned, local_t, 0)[:, None]
             logits = (h @ w.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
             target_logit = torch.where(owned, logits.gather(1, index).squeeze(1), 0.0)
+            # exp(logits - row max) in place of the logits (no second chunk-sized buffer, as
+            # torch.logsumexp would take); log-sum-exp from its row sums.
+            row_max = logits.amax(dim=-1)
+            probs = logits.sub_(row_max[:, None]).exp_()
+            lse = row_max + probs.sum(dim=-1).log()
             lse, target_logit = combine_over_vocab_shards(lse, target_logit, group)
             counts = t != IGNORE_INDEX
             total += torch.where(counts, lse - target_logit, 0.0).sum()
             if needs_h or needs_w:
-                # d(mean CE)/d logits = (softmax - onehot) / counted, formed in place in the fp32
-                # logits; an ignored target's row is zero.
-                grad = logits.sub_(lse[:, None]).exp_()
-                grad.scatter_add_(1, index, -owned[:, None].to(grad.dtype))
-                grad = grad.div_(counted.clamp(min=1)).masked_fill_(~counts[:, None], 0.0).to(w.dtype)
+                # d(mean CE)/d logits = (softmax - onehot) / counted, 0 on an ignored target's row;
+                # softmax = exp(logits - row max) * exp(row max - lse): one pass over the chunk.
+                row_scale = counts / counted.clamp(min=1)
+                grad = probs.mul_((torch.exp(row_max - lse) * row_scale)[:, None])
+                grad.scatter_add_(1, index, -(owned * row_scale)[:, None])
+                grad = grad.to(w.dtype)
                 if needs_h:
                     grad_hidden[start:start + chunk] = (grad @ w).to(hidden.dtype)
                 if needs_w:
