@@ -98,6 +98,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start:start + chunk] = (grad @ w).to(hidden.dtype)
                 if needs_w:
                     grad_weight += (grad.t() @ h).float()
+                del grad
+            del logits, probs  # before the next chunk's matmul: one chunk's logits live, not two
         ctx.save_for_backward(grad_hidden if needs_h else None, grad_weight if needs_w else None)
         ctx.weight_dtype = weight.dtype
         return total / counted
