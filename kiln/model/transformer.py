@@ -260,8 +260,9 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # forward(tokens, targets) returns the loss; "chunked" never forms full fp32 logits
-        # (kiln/model/loss.py; vocab-parallel under tp); "parallel" is the full loss on vocab-sharded logits under tensor
-        # parallelism (kiln/parallel/tensor_parallel.py). Set by the trainer from train.loss.
+        # (kiln/model/loss.py; vocab-parallel under tensor parallelism); "parallel" is the full loss
+        # on vocab-sharded logits under tensor parallelism (kiln/parallel/tensor_parallel.py). Set by
+        # the trainer from train.loss.
         self.loss_impl = "full"
         # Global positions of the tokens this rank holds, when they are not 0..seqlen-1 (context
         # parallel's zig-zag slices; set around a training step by kiln/parallel/context_parallel.py).
