@@ -211,6 +211,9 @@ def _vocab_parallel_math(rank, world, mesh):
         shards = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(shards, local.grad)
         out[chunk] = (loss.detach(), torch.cat(shards, dim=1), w.grad.full_tensor())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the matmuls in bf16 on each shard, softmax fp32
+        w = distribute_tensor(weight, mesh, [Shard(0)])
+        out["bf16"] = parallel_chunked_lm_loss(hidden[:, rank * seq:(rank + 1) * seq], w, targets, chunk=7)
     return out
 
 
@@ -233,8 +236,8 @@ def tp2(tmp_path_factory):
     for name in per_rank[0]:  # the loss is replicated over the tp ranks (the broken runs' ranks diverge)
         if name not in BROKEN and not name.startswith("vocab_parallel_math"):
             assert per_rank[0][name] == per_rank[1][name], name
-    for chunk, (loss, dh, dw) in per_rank[0]["vocab_parallel_math"].items():
-        other = per_rank[1]["vocab_parallel_math"][chunk]
+    for chunk in MATH_CHUNKS:
+        (loss, dh, dw), other = per_rank[0]["vocab_parallel_math"][chunk], per_rank[1]["vocab_parallel_math"][chunk]
         assert torch.equal(loss, other[0]) and torch.equal(dh, other[1]) and torch.equal(dw, other[2]), chunk
     return per_rank[0]
 
@@ -326,6 +329,17 @@ def test_vocab_parallel_chunked_loss_and_grads_equal_lm_loss(tp2, chunk):
     broken = tp2["vocab_parallel_math_local_lse"][chunk]
     assert not torch.allclose(broken[0], ref, rtol=100 * REL)
     assert not torch.allclose(broken[1], gh, rtol=100 * REL, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_vocab_parallel_chunked_loss_under_bf16_autocast_is_close_to_lm_loss(tp2):
+    from kiln.model.loss import lm_loss
+
+    hidden, weight, targets = math_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 logits in both; the sums differ in order
+        ref = lm_loss(torch.nn.functional.linear(hidden, weight), targets)
+    got = tp2["vocab_parallel_math"]["bf16"]
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(ref.item(), rel=1e-3), (got, ref)
 
 
 def dims_for(tp, world, **cfg):
