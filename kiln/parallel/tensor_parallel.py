@@ -14,7 +14,9 @@ reduce-scattered to Shard(1)); learned positions are row-wise too, with their ou
 dim 0 of the (seq, dim) lookup, which is exactly the local sequence shard of the tokens. RoPE
 tables stay replicated: attention sees the whole sequence. The LM head is column-wise: logits
 stay sharded on the vocabulary (a DTensor) and the cross-entropy runs under `loss_parallel`, so no
-rank ever holds the full (tokens x vocab) logits.
+rank ever holds the full (tokens x vocab) logits. With train.loss='chunked' the head's weight shard
+goes to kiln/model/loss.py's vocab-parallel chunked loss instead (`parallel_chunked_lm_loss`), so no
+rank holds more than one chunk of tokens' logits slice either.
 
 Mixture-of-experts blocks (kiln/model/moe.py) get `MoETensorParallel` instead of the dense MLP's
 styles ("expert tensor parallel", as torchtitan shards GroupedExperts): the sequence is gathered
