@@ -114,17 +114,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     chunk: int = CHUNK_TOKENS, *, vocab_offset: int = 0,
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    group: dist.ProcessGroup | None = None, vocab_size: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets` without full fp32 logits.
 
     hidden: (..., dim), weight: (vocab, dim), targets: (...) int64 (IGNORE_INDEX: not counted).
     Under autocast the matmuls use the autocast dtype (as `nn.Linear` would); the loss and softmax
     are fp32. With `group`: `weight` holds the vocabulary rows from `vocab_offset` on, split over
-    the group's ranks, and the hidden gradient is this rank's partial sum (module docstring).
+    the group's ranks, and the hidden gradient is this rank's partial sum (module docstring);
+    `vocab_size` is then the whole vocabulary (default: this rank's rows).
+
+    A target outside [0, vocab) other than IGNORE_INDEX fails as `lm_loss`'s gather would (the
+    masked gather here would silently count its logit as 0): an on-device assert, no host sync.
     """
+    vocab = vocab_size if vocab_size is not None else vocab_offset + weight.shape[0]
+    flat = targets.reshape(-1)
+    torch._assert_async(((flat == IGNORE_INDEX) | ((flat >= 0) & (flat < vocab))).all(),
+                        f"chunked_lm_loss: a target is outside [0, {vocab}) and is not {IGNORE_INDEX}")
     compute_dtype = None
     if torch.is_autocast_enabled(hidden.device.type):
         compute_dtype = torch.get_autocast_dtype(hidden.device.type)
     with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                targets.reshape(-1), chunk, compute_dtype, vocab_offset, group)
+                                                flat, chunk, compute_dtype, vocab_offset, group)

@@ -71,3 +71,14 @@ def test_model_loss_paths_agree_and_train_the_same_weights():
     for a, b in zip(grads["chunked"][1], grads["full"][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert torch.equal(model(x).argmax(-1), model(x).argmax(-1))  # logits path unchanged
+
+
+def test_chunked_loss_refuses_a_target_outside_the_vocabulary():
+    """lm_loss's gather raises on such a target; the chunked loss's masked gather would count its
+    logit as 0 and return a wrong loss silently, so it asserts (on the device) instead."""
+    hidden, weight = torch.randn(6, 8), torch.randn(5, 8)
+    for bad in (5, -1, 99):
+        targets = torch.tensor([0, 1, 2, 3, 4, bad])
+        with pytest.raises(RuntimeError, match=r"outside \[0, 5\)"):
+            chunked_lm_loss(hidden, weight, targets, chunk=4)
+    chunked_lm_loss(hidden, weight, torch.tensor([0, 1, 2, 3, 4, IGNORE_INDEX]), chunk=4)  # fine
