@@ -95,3 +95,20 @@ def test_one_named_gpu_for_several_ranks_and_no_gpu():
 def test_cpu_is_the_explicit_fallback():
     d = ParallelDims.from_config(ParallelConfig(), world_size=2, rank=1, local_rank=1, local_world_size=2)
     assert pick_device("cpu", d).type == "cpu"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_replicating_modes_take_tensor_and_expert_tensor_parallelism(mode):
+    d = dims(4, dp_mode=mode, tp=2)
+    assert layout(d) + (d.tp,) == (mode, 2, 1, 2)
+    d = dims(8, dp_mode=mode, tp=2, ep=2)  # ep carved out of the 4 replicas, experts' hidden units over tp
+    assert layout(d) + (d.tp, d.ep, d.etp) == (mode, 4, 1, 2, 2, 2)
+    assert layout(dims(8, dp_mode=mode, tp=2, cp=2)) == (mode, 2, 1)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_replicating_modes_with_tp_and_pp_are_one_line(mode):
+    with pytest.raises(ConfigError) as e:
+        dims(8, dp_mode=mode, tp=2, pp=2)
+    assert f"parallel.dp_mode={mode!r} with parallel.tp=2 and parallel.pp=2" in str(e.value)
+    assert "\n" not in str(e.value)
