@@ -131,8 +131,7 @@ class Replicas:
         from torch.distributed.utils import _sync_params_and_buffers, _verify_param_shape_across_processes
 
         self.size = dist.get_world_size(self.group)
-        with torch.no_grad():
-            states = [_local(p) for p in params] + [_local(b) for b in buffers]
+        states = [_local(t.detach()) for t in params + buffers]  # in place, as DDP's (detached) broadcast
         _verify_param_shape_across_processes(self.group, states)
         _sync_params_and_buffers(self.group, states, self.BROADCAST_BUCKET_BYTES, 0)
         self.params = [p for p in params if p.requires_grad]
