@@ -59,6 +59,25 @@ def deliberate_mistake(kind):
 
         Replicas._setup = setup
         return lambda: setattr(Replicas, "_setup", saved)
+    if isinstance(kind, tuple) and kind[0] == "count":  # not a mistake: count the gradient all-reduces
+        import json
+
+        import torch.distributed as dist
+
+        from kiln.parallel.data_parallel import Replicas
+
+        saved, calls = Replicas._wait_all, []
+
+        def wait_all(self):
+            calls.append([i in self._inflight for i in range(len(self.buckets))])  # started in backward
+            saved(self)
+
+        Replicas._wait_all = wait_all
+
+        def undo():
+            Replicas._wait_all = saved
+            (kind[1] / f"rank{dist.get_rank()}.json").write_text(json.dumps(calls))
+        return undo
     return lambda: None
 
 
@@ -74,7 +93,10 @@ def runs(tmp_path_factory, text_file):
     out[MISTAKE] = root / MISTAKE
     train(load_config(None, sets["single"]), out["single"])  # writes the shared shards first
     train(load_config(None, sets["moe_single"]), out["moe_single"])
-    jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if "single" not in name]
+    out["counts"] = root / "counts"
+    out["counts"].mkdir()
+    jobs = [(None, out[name], sets[name], None, ("count", out["counts"]) if name == "ddp_tp2_accum2" else None)
+            for name in LAYOUTS if "single" not in name]
     jobs.append((None, out[MISTAKE], sets["ddp_tp2"], 1, MISTAKE))
     (root / "ranks4").mkdir()
     run_ranks(jobs_with_mistakes, 4, root / "ranks4", deliberate_mistake, jobs, timeout=400)
@@ -121,3 +143,15 @@ def test_gradients_averaged_over_tp_fail_the_comparison(runs):
     assert sorted(got) == [1]
     assert got[1]["loss"] == pytest.approx(expected[1]["loss"], rel=REL)  # the same first forward
     assert got[1]["grad_norm"] != pytest.approx(expected[1]["grad_norm"], rel=10 * REL)
+
+
+def test_grad_accum_all_reduces_once_per_step(runs):
+    """2 micro-batches per step: one averaging per step (in the last micro-batch's backward), every
+    bucket started by its gradients' hooks before the end-of-backward wait (the tiny model fits one
+    25 MB bucket, so what overlaps here is the wait, not several buckets)."""
+    import json
+
+    for rank in range(4):
+        calls = json.loads((runs["counts"] / f"rank{rank}.json").read_text())
+        assert len(calls) == STEPS, calls
+        assert all(started and all(started) for started in calls), calls
