@@ -14,10 +14,19 @@ Which torch API does what (nothing here is a hand-written collective):
            DDP's constructor makes), then one bucketed torch.distributed.all_reduce of the
            gradients after the schedule's step; under parallel.ep both leave the experts out, as
            the per-stage DDP does (`leave_experts_to_expert_parallel`)
+  ddp with parallel.tp (pp = 1) -> kiln's `OverlappedReplicas`, as torch's DDP swaps tp's DTensor
+           parameters for local tensors outside forward: torch's start-of-training broadcast of
+           the local shards over the dp (x cp) replicas, then per 25 MB bucket one
+           torch.distributed.all_reduce of the local gradient shards, started by post-accumulate-
+           grad hooks in the backward of each step's last micro-batch (overlapping it) and waited
+           for at the end of that backward; the zero-bubble `SplitBackwardReplicas` shares the core
+           (`Replicas`). Under parallel.ep the experts are left to expert parallelism as above
   zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
            optimizer state of its partition of the parameters, then broadcasts the new values)
-  zero1 with parallel.ep -> ZeroRedundancyOptimizer over the dense parameters and a plain optimizer
-           of the same class over the experts (`ZeroRedundancyExceptExperts`, kiln's split)
+  zero1 with parallel.ep and/or parallel.tp -> ZeroRedundancyOptimizer over the dense parameters
+           (a tp DTensor through a plain parameter aliasing its local shard: torch's ZeRO cannot
+           broadcast DTensors) and a plain optimizer of the same class over the experts
+           (`ZeroRedundancyExceptExperts`, kiln's split; its state_dict holds DTensors)
   zero2 / fsdp / hsdp -> FSDP2 `fully_shard` in kiln/parallel/parallelize.py
 """
 
@@ -31,6 +40,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from kiln.errors import ConfigError
 from kiln.model.moe import MoE
 from kiln.parallel.dims import ParallelDims
 
@@ -484,10 +494,24 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) 
         return optimizer
     group = grad_mesh(dims).get_group()  # under pp: this stage's replicas, over its parameters
     groups = [dict(g) for g in optimizer.param_groups]
+    if any(isinstance(p, DTensor) and not _is_expert(p) for g in groups for p in g["params"]):
+        _check_elementwise(optimizer)
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):  # parallel.ep's experts, tp's shards
         return ZeroRedundancyExceptExperts(optimizer, group)
     return ZeroRedundancyState(groups, optimizer_class=type(optimizer), process_group=group,
                                **_constructor_kwargs(optimizer))
+
+
+def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """ZeRO-1 steps a tp-sharded parameter's local shard (ZeroRedundancyExceptExperts), which is
+    the shard of the whole step only for elementwise updates; LAMB's trust ratio and Muon's
+    orthogonalization take whole-matrix norms, Adafactor row and column statistics."""
+    from kiln.train.optimizers import Lion
+
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, Lion)):
+        raise ConfigError(f"parallel.dp_mode='zero1' with parallel.tp > 1 steps each rank's tensor-parallel "
+                          f"shard alone, which {type(optimizer).__name__} cannot (not elementwise); use "
+                          f"optim.name='adamw', 'lion' or 'sgd', or parallel.dp_mode='ddp' or 'fsdp'")
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:

@@ -112,3 +112,10 @@ def test_replicating_modes_with_tp_and_pp_are_one_line(mode):
         dims(8, dp_mode=mode, tp=2, pp=2)
     assert f"parallel.dp_mode={mode!r} with parallel.tp=2 and parallel.pp=2" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_zero1_with_tp_refuses_an_optimizer_that_is_not_elementwise():
+    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", "optim.name='lamb'"])
+    with pytest.raises(ConfigError, match="optim.name='lamb' with parallel.dp_mode='zero1' and parallel.tp=2"):
+        dims(4, dp_mode="zero1", tp=2).check_model(cfg)
+    dims(4, dp_mode="ddp", tp=2).check_model(cfg)  # ddp steps whole DTensors
