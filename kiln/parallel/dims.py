@@ -93,10 +93,11 @@ class ParallelDims:
             check_ep_borrowing_tp_layout(cfg, mode, dp_shard, seq_len)
         elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
-        if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
-            # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
-            raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
-                              f"parallel.dp_mode='fsdp' (or 'zero2') for data x tensor parallelism")
+        if cfg.tp > 1 and cfg.pp > 1 and mode in ("ddp", "zero1") and dp_replicate * cfg.cp > 1:
+            # Without pp, kiln's replicas take tp's DTensors (data_parallel.OverlappedReplicas); the
+            # per-stage DDP under pp (replicate_stage) is torch's, which cannot.
+            raise ConfigError(f"parallel.dp_mode={mode!r} with parallel.tp={cfg.tp} and parallel.pp={cfg.pp} is "
+                              f"not supported; set parallel.dp_mode='fsdp' (or 'zero2') or parallel.pp=1")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size, etp=etp)
 
@@ -118,6 +119,11 @@ class ParallelDims:
         tp = self.tp
         if tp == 1:
             return
+        if self.dp_mode == "zero1" and self.dp_size * self.cp > 1 and cfg.optim.name not in ("adamw", "lion", "sgd"):
+            # ZeRO-1 steps each tp shard alone (data_parallel.ZeroRedundancyExceptExperts, which checks too)
+            raise ConfigError(f"optim.name={cfg.optim.name!r} with parallel.dp_mode='zero1' and parallel.tp={tp} "
+                              f"is not supported (its update is not elementwise); use optim.name='adamw', 'lion' "
+                              f"or 'sgd', or parallel.dp_mode='ddp' or 'fsdp'")
         m = cfg.model
         sizes = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
                  ("model.ffn_hidden (the FFN hidden size)", ffn_hidden_size(m)), ("data.seq_len", cfg.data.seq_len)]
@@ -227,8 +233,7 @@ class ParallelDims:
 def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int, seq_len: int | None = None) -> None:
     """parallel.etp=1 with ep > 1 and tp > 1: the ep group spans dp_shard_in_ep x cp x tp
     (torchtitan's rule: cp * tp divides ep, ep divides dp_shard * cp * tp), the experts are whole and
-    FSDP-sharded over the rest (fsdp/zero2, HSDP included; DDP and ZeRO-1 cannot take tensor
-    parallelism anyway). With cp > 1 each rank routes the tp slice of its zig-zag half of every
+    FSDP-sharded over the rest (fsdp/zero2, HSDP included; not ddp/zero1). With cp > 1 each rank routes the tp slice of its zig-zag half of every
     sequence (kiln/model/moe.py `_cp_sp_positions`); routing counts equal slices, so every rank's
     share of a sequence (seq_len / (cp * tp) tokens) must be whole."""
     ep, tp, cp = cfg.ep, cfg.tp, cfg.cp
@@ -257,13 +262,10 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
     over dp_shard x cp, the experts FSDP over the rest) or the replicas under ddp/zero1 (experts
     replicated; zero1 shards the dense parameters' optimizer state only, data_parallel.py
     `ZeroRedundancyExceptExperts`). With tp > 1 each expert is also sharded on its hidden units
-    over tp (expert tensor parallel, etp = tp: ep never borrows tp), under fsdp/zero2 only: kiln's
-    ddp/zero1 do not take tensor-parallel (DTensor) dense parameters at all (from_config), as
-    torchtitan's DDP does not either. DiLoCo with ep is refused by ParallelConfig.validate (its
+    over tp (expert tensor parallel, etp = tp: ep never borrows tp), under any dp_mode: under
+    ddp/zero1 the dense tp shards are kiln's replicas' (data_parallel.OverlappedReplicas), the
+    experts' gradients summed over "edp" by expert_parallel.py as without tp. DiLoCo with ep is refused by ParallelConfig.validate (its
     replicas do not reduce gradients)."""
-    if tp > 1 and mode in ("ddp", "zero1"):  # ep x tp shards the experts 2-D (expert tensor parallel)
-        raise ConfigError(f"parallel.ep={ep} with parallel.tp={tp} needs parallel.dp_mode='fsdp' or 'zero2' "
-                          f"(dp_mode={mode!r} cannot replicate tensor-parallel DTensors); change parallel.dp_mode")
     if ep % cp:
         raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.cp={cp} (expert parallelism borrows "
                           f"all of cp, as in torchtitan); change parallel.ep or parallel.cp")

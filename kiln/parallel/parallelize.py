@@ -272,7 +272,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, de
     zero2/fsdp/hsdp shard with FSDP2."""
     if dims.dp_mode in ("ddp", "zero1"):
         if dims.pp == 1:  # under pp: DDP per stage chunk, wrapped once materialized (Pipeline, replicate_stage)
-            apply_ddp(model, dims)
+            apply_ddp(model, dims, cfg.train.grad_accum)
         return
     # Mixed precision: compute in bf16 on GPUs when train.dtype=bf16 (autocast does it on CPU).
     param_dtype = torch.bfloat16 if (cfg.train.dtype == "bf16" and device.type == "cuda") else None

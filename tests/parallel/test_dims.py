@@ -95,3 +95,27 @@ def test_one_named_gpu_for_several_ranks_and_no_gpu():
 def test_cpu_is_the_explicit_fallback():
     d = ParallelDims.from_config(ParallelConfig(), world_size=2, rank=1, local_rank=1, local_world_size=2)
     assert pick_device("cpu", d).type == "cpu"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_replicating_modes_take_tensor_and_expert_tensor_parallelism(mode):
+    d = dims(4, dp_mode=mode, tp=2)
+    assert layout(d) + (d.tp,) == (mode, 2, 1, 2)
+    d = dims(8, dp_mode=mode, tp=2, ep=2)  # ep carved out of the 4 replicas, experts' hidden units over tp
+    assert layout(d) + (d.tp, d.ep, d.etp) == (mode, 4, 1, 2, 2, 2)
+    assert layout(dims(8, dp_mode=mode, tp=2, cp=2)) == (mode, 2, 1)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_replicating_modes_with_tp_and_pp_are_one_line(mode):
+    with pytest.raises(ConfigError) as e:
+        dims(8, dp_mode=mode, tp=2, pp=2)
+    assert f"parallel.dp_mode={mode!r} with parallel.tp=2 and parallel.pp=2" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_zero1_with_tp_refuses_an_optimizer_that_is_not_elementwise():
+    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", "optim.name='lamb'"])
+    with pytest.raises(ConfigError, match="optim.name='lamb' with parallel.dp_mode='zero1' and parallel.tp=2"):
+        dims(4, dp_mode="zero1", tp=2).check_model(cfg)
+    dims(4, dp_mode="ddp", tp=2).check_model(cfg)  # ddp steps whole DTensors

@@ -365,8 +365,7 @@ def test_tp_layouts():
     assert (d.tp, d.dp_shard, d.dp_mode) == (2, 2, "fsdp")
     d.check_model(load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32"]))
     d.check_model(load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", "train.loss=chunked"]))
-    with pytest.raises(ConfigError, match="parallel.dp_mode='ddp' cannot combine with parallel.tp=2"):
-        dims_for(2, 4, dp_mode="ddp")
+    assert dims_for(2, 4, dp_mode="ddp").dp_replicate == 2  # ddp x tp: tests/parallel/test_data_tensor_parallel.py
 
 
 # ---- end to end: `kiln train` under torchrun, the loader and checkpoints included
