@@ -20,6 +20,12 @@ statistics, per step 2 (fused AdamW) or 4 (foreach) all-reduces of every norm we
 and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
 reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all_reduce under
 each reduce-scatter), so it costs one.
+Expert parallelism: 4 all-to-alls of the routed rows per MoE block and micro-batch (plus one of the
+per-expert counts per dispatch; taken from kiln/parallel/expert_parallel.py, not yet profiled),
+over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp of the tokens
+(etp = 1, whose MoE blocks skip tp's all-gather / reduce-scatter pair); the experts' FSDP or
+all-reduce traffic over edp (`_expert_reduction`). Tied embeddings under pp: one all-reduce per
+step of the embedding gradient between the first and the last stage's ranks.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
