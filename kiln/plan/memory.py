@@ -4,7 +4,10 @@ checkpointing x micro-batch x sequence length. `kiln train`'s refusal (kiln/trai
 
 Closed form (no module is built). Terms, per rank:
 - parameters: fp32 master weights (kiln keeps fp32 params and autocasts), split by tp*pp and, for
-  zero2/fsdp/hsdp (all FSDP2 in kiln), by dp_shard;
+  zero2/fsdp/hsdp (all FSDP2 in kiln), by dp_shard; under pp the first and the last stage's ranks
+  are each counted (`rank_params`: embedding on the first, head on the last, for tied embeddings
+  the last stage's own copy) and the fuller kept; MoE experts split over ep x tp (etp = tp) or
+  over ep alone (etp = 1: ep borrows the tp ranks, experts whole), then FSDP over "edp";
 - gradients: fp32, split like parameters;
 - optimizer state: bytes per parameter by optimizer, split by dp for zero1/zero2/fsdp;
 - activations kept for backward, per layer and token (counted tensor by tensor for kiln's
@@ -75,6 +78,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = -1  # expert tensor parallel degree: -1 = tp (experts sharded over tp too), 1 = whole experts
     dp_mode: str = "ddp"
     micro_batch: int = 1
     grad_accum: int = 1
@@ -93,9 +97,28 @@ class Layout:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def ep_borrows_tp(self) -> bool:
+        """parallel.etp=1 with ep > 1 and tp > 1 (kiln/parallel/dims.py `ParallelDims.ep_borrows_tp`):
+        the ep group spans the tp ranks, each routes its own sequence shard to whole experts."""
+        return self.ep > 1 and self.tp > 1 and self.etp == 1
+
+    @property
+    def expert_tp(self) -> int:
+        """The degree each expert's hidden units are sharded over: tp, or 1 when ep borrows tp."""
+        return 1 if self.ep_borrows_tp else self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts ("edp", kiln/parallel/dims.py _build_expert_mesh): the data
+        parallel x cp ranks of a stage (x tp when ep borrows tp) over ep."""
+        return max(1, self.dp * self.cp * (self.tp if self.ep_borrows_tp else 1) // self.ep)
+
     def describe(self) -> str:
         parts = [f"dp={self.dp_replicate}x{self.dp_shard}({self.dp_mode})"]
         parts += [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1]
+        if self.ep_borrows_tp:
+            parts.append("etp=1")
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += [f"mb={self.micro_batch}", f"ga={self.grad_accum}", f"ac={self.ac}"]
@@ -115,6 +138,7 @@ class ModelShape:
     learned_positions_len: int = 0
     moe_experts: int = 0  # MoE blocks (kiln/model/moe.py): E bias-free experts + a router per block
     moe_layers: int = 0
+    moe_top_k: int = 1  # experts each token is routed to
     rope: bool = True  # RoPE: the compiled graph saves SDPA's output and its contiguous copy (docstring)
 
     @classmethod
@@ -126,7 +150,7 @@ class ModelShape:
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
                    tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
                    moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
-                   rope=m.positions == "rope")
+                   moe_top_k=m.moe_top_k, rope=m.positions == "rope")
 
     @property
     def layer_params(self) -> int:
@@ -143,6 +167,21 @@ class ModelShape:
         ffn = (3 if self.gated else 2) * self.dim * self.ffn
         moe = self.moe_layers * ((self.moe_experts - 1) * ffn + self.moe_experts * self.dim)
         return self.embedding_params + self.n_layers * self.layer_params + self.dim + moe
+
+    @property
+    def ffn_params(self) -> int:
+        """One MLP's (one expert's) matrices."""
+        return (3 if self.gated else 2) * self.dim * self.ffn
+
+    @property
+    def expert_params(self) -> int:
+        """All experts of all MoE blocks (the rest of a MoE block, its router included, is dense)."""
+        return self.moe_layers * self.moe_experts * self.ffn_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token's forward multiplies by: top-k of each MoE block's experts."""
+        return self.params - self.moe_layers * (self.moe_experts - self.moe_top_k) * self.ffn_params
 
     def param_tensors(self, pp: int = 1) -> int:
         """Parameter tensors of the fullest pipeline stage (weights and norm scales; kiln's
@@ -226,18 +265,64 @@ def recomputed_blocks(ac: str, n_layers: int) -> int:
     raise ValueError(f"unknown activation checkpointing {ac!r}")
 
 
+def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[float, float, int]:
+    """(dense, expert, blocks) of one rank of the pipeline's first (or, `last`, last) stage before
+    any data-parallel sharding: dense weights split over tp (the final norm replicated), each MoE
+    block's experts over ep x `expert_tp` (1 when ep borrows tp: whole experts; the router is dense).
+    pp = 1: the whole model. pp > 1: kiln's split (pipeline_layout.py stage_layer_ranges, earlier
+    stages take the remainder): the first rank holds ceil(L/pp) blocks and the embedding, the last
+    L//pp blocks, the final norm and the head, which for tied embeddings is the last stage's own
+    copy of the embedding (kiln/parallel/pipeline_tied.py, Megatron-LM's): weight, gradient and
+    optimizer state on both ends. ZBV's V puts the first and the last stage on rank 0 (both ends
+    there; `last` is then a middle rank)."""
+    p, n_layers = layout.pp, shape.n_layers
+    head = shape.vocab * shape.dim
+    embedding = head + shape.learned_positions_len * shape.dim
+    zbv = p > 1 and layout.schedule == "zbv_zero_bubble"
+    if p == 1:
+        blocks, ends, norm = n_layers, shape.embedding_params, shape.dim
+    elif not last:
+        blocks, ends, norm = -(-n_layers // p), embedding + (head if zbv else 0), shape.dim if zbv else 0
+    else:
+        blocks, ends, norm = n_layers // p, 0 if zbv else head, 0 if zbv else shape.dim
+    moe_blocks = blocks * shape.moe_layers / n_layers
+    # a MoE block's MLP is its experts, plus a router of E x dim
+    moe_dense = moe_blocks * (shape.moe_experts * shape.dim - shape.ffn_params)
+    dense = (blocks * shape.layer_params + moe_dense + ends) / layout.tp + norm
+    experts = moe_blocks * shape.moe_experts * shape.ffn_params / (layout.ep * layout.expert_tp)
+    return dense, experts, blocks
+
+
+def holds_head(layout: Layout, last: bool) -> bool:
+    """Whether that rank computes the LM head and the loss (the last stage; ZBV's rank 0)."""
+    if layout.pp == 1:
+        return True
+    return (not last) if layout.schedule == "zbv_zero_bubble" else last
+
+
 def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str = "adamw") -> MemoryBreakdown:
-    """Peak training bytes of the fullest rank (the first pipeline stage) for `layout`."""
+    """Peak training bytes of the fullest rank for `layout`: under pp the larger of the first
+    stage's rank (embedding, the most micro-batches in flight) and the last's (head, logits)."""
+    first = _end_rank_memory(shape, layout, seq_len, optimizer, last=False)
+    if layout.pp == 1:
+        return first
+    last = _end_rank_memory(shape, layout, seq_len, optimizer, last=True)
+    return first if first.total >= last.total else last
+
+
+def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str, last: bool) -> MemoryBreakdown:
     out = MemoryBreakdown()
-    layers = -(-shape.n_layers // layout.pp)  # the first stage's blocks
-    # Embedding and LM head are both counted on the fullest stage: an upper bound when pp > 1.
-    stage_params = shape.embedding_params / layout.tp + layers * shape.layer_params / layout.tp + shape.dim
+    dense, experts, layers = rank_params(shape, layout, last)
+    stage_params = dense + experts
     full_mode = layout.dp_mode
-    shard = layout.dp_shard if full_mode in ("fsdp", "zero2") else 1  # both are FSDP2: sharded at rest
-    out.parameters = 4 * stage_params / shard
-    out.gradients = 4 * stage_params / shard
-    optim_split = layout.dp if full_mode == "zero1" else (layout.dp_shard if full_mode in ("zero2", "fsdp") else 1)
-    out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * stage_params / optim_split
+    sharded = full_mode in ("fsdp", "zero2")  # both are FSDP2: sharded at rest
+    shard = layout.dp_shard if sharded else 1
+    expert_shard = layout.expert_dp if sharded else 1  # experts FSDP over "edp"; ddp/zero1 replicate them
+    out.parameters = 4 * (dense / shard + experts / expert_shard)
+    out.gradients = out.parameters
+    # zero1 shards the dense optimizer state only (data_parallel.py ZeroRedundancyExceptExperts)
+    optim_split = layout.dp if full_mode == "zero1" else shard
+    out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * (dense / optim_split + experts / expert_shard)
 
     act = ACT_BYTES[layout.precision]
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
@@ -246,34 +331,38 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
     n_ac = recomputed_blocks(layout.ac, layers)
     block_input = 4 * shape.dim * tokens / layout.tp
     per_microbatch = (layers - n_ac) * per_block + n_ac * block_input
-    out.activations = per_microbatch * in_flight_microbatches(layout)
+    in_flight = in_flight_microbatches(layout)
+    if last and layout.pp > 1 and layout.schedule == "1f1b":
+        in_flight = 1.0  # torch's 1F1B: the last rank runs each backward right after its forward
+    out.activations = per_microbatch * in_flight
     if n_ac and not layout.compiled:
         out.activations += per_block  # the one block being recomputed
 
     param_bytes = 4 if layout.precision == "fp32" else 2
+    head = holds_head(layout, last)
     loss_tokens = tokens if layout.loss == "full" else min(tokens, LOSS_CHUNK_TOKENS)
-    if layout.compiled:  # fused loss: the saved low-precision logits, their gradient written in place
+    logits = 0.0
+    if head and layout.compiled:  # fused loss: the saved low-precision logits, their gradient written in place
         logits = act * loss_tokens * shape.vocab / layout.tp
-    else:
-        logits = 2 * 4 * loss_tokens * shape.vocab / layout.tp  # fp32 logits and their gradient
-        out.temporary += logits
+    elif head:
+        out.temporary += 2 * 4 * loss_tokens * shape.vocab / layout.tp  # fp32 logits and their gradient
     if resharded_after_forward(layout) and layout.dp_shard > 1:
         out.temporary += 2 * param_bytes * shape.layer_params / layout.tp  # current + prefetched unit
         out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
-    elif full_mode in ("fsdp", "zero2") and layout.dp_shard > 1:
+    elif sharded and layout.dp_shard > 1:
         out.temporary += param_bytes * stage_params  # params stay gathered from forward to backward
         out.comm_buffers += 4 * shape.layer_params / layout.tp
     elif layout.dp > 1:
         out.comm_buffers += min(2 * DDP_BUCKET_BYTES, 4 * stage_params)
     casts_forward = casts_backward = 0.0
-    if layout.precision != "fp32" and full_mode not in ("fsdp", "zero2"):  # autocast's low-precision weight copies
-        head = shape.vocab * shape.dim if layout.pp == 1 or not shape.tied else 0  # the LM head's weight
+    if layout.precision != "fp32" and not sharded:  # autocast's low-precision weight copies
+        head_w = shape.vocab * shape.dim if head else 0  # the LM head's weight (tied under pp: the copy)
         if layout.compiled:  # a checkpointed block's casts are recomputed, not saved; backward frees them
             blocks = 0 if float8 else layers - n_ac  # torchao's float8 weight casts are recomputed too
-            casts_forward = param_bytes * (blocks * shape.layer_params + head) / layout.tp
+            casts_forward = param_bytes * (blocks * shape.layer_params + head_w) / layout.tp
             casts_backward = param_bytes * shape.layer_params / layout.tp
         else:
-            out.temporary += param_bytes * (layers * shape.layer_params + head) / layout.tp
+            out.temporary += param_bytes * (layers * shape.layer_params + head_w) / layout.tp
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
     if layout.compiled:

@@ -7,13 +7,18 @@ layers; schedules gpipe, 1f1b and, with 2 virtual stages, interleaved_1f1b, inte
 and zbv_zero_bubble where kiln runs them: `pipeline_schedules`), cp (powers of two that split the
 sequence into 2*cp chunks), data parallel as ddp, zero1, zero2, fsdp and hsdp (dp_replicate x
 dp_shard), micro-batch (powers of two dividing the per-rank batch) and activation checkpointing
-(none, selective, full). kiln's models are dense, so ep stays 1.
+(none, selective, full). For a mixture-of-experts model also ep (divisors of the expert count)
+and, with tp > 1, whether ep borrows the tp ranks (parallel.etp = 1: whole experts) or each
+expert is sharded over tp too (etp = tp); the ep / dp mode / degree combinations are kept only
+where kiln's own layout checks pass (kiln/parallel/dims.py `check_ep_layout`,
+`check_ep_borrowing_tp_layout`, the ones `ParallelDims.from_config` runs).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -48,6 +53,30 @@ def _dp_splits(dp: int) -> list[tuple[str, int, int]]:
         return [("ddp", 1, 1)]
     out = [("ddp", dp, 1), ("zero1", dp, 1), ("zero2", 1, dp), ("fsdp", 1, dp)]
     return out + [("fsdp", r, dp // r) for r in divisors(dp) if 1 < r < dp]  # HSDP
+
+
+def expert_layouts(shape: ModelShape, mode: str, replicate: int, shard: int, cp: int, tp: int,
+                   seq_len: int) -> list[tuple[int, int]]:
+    """(ep, etp) choices kiln runs for a layout: (1, -1) for a dense model, else every ep dividing
+    the expert count that passes kiln's own checks (kiln/parallel/dims.py, called as
+    ParallelDims.from_config calls them), with etp = -1 (tp) and, under tp > 1, etp = 1."""
+    from types import SimpleNamespace
+
+    from kiln.errors import ConfigError
+    from kiln.parallel.dims import check_ep_borrowing_tp_layout, check_ep_layout
+
+    out = [(1, -1)]
+    for ep in divisors(shape.moe_experts)[1:] if shape.moe_layers else []:
+        for etp in ((-1, 1) if tp > 1 else (-1,)):
+            try:
+                if etp == 1:
+                    check_ep_borrowing_tp_layout(SimpleNamespace(ep=ep, tp=tp, cp=cp), mode, shard, seq_len)
+                else:
+                    check_ep_layout(ep, mode, replicate, shard, cp, tp)
+            except ConfigError:
+                continue
+            out.append((ep, etp))
+    return out
 
 
 def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, replicas: int) -> list[tuple[str, int]]:
@@ -91,15 +120,16 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                     continue
                 per_rank = global_batch // dp
                 for mode, rep, shard in _dp_splits(dp):
+                    experts = expert_layouts(shape, mode, rep, shard, cp, tp, seq_len)
                     for mb in _powers_of_two_dividing(per_rank):
                         ga = per_rank // mb
                         if pp > 1 and ga < pp:
                             continue
                         for sched, v in pipeline_schedules(shape.n_layers, pp, ga, mode, rep * cp):
-                            for ac in ac_choices:
-                                yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, dp_mode=mode,
-                                             micro_batch=mb, grad_accum=ga, ac=ac, schedule=sched,
-                                             virtual_stages=v, precision=precision, loss=loss)
+                            for (ep, etp), ac in itertools.product(experts, ac_choices):
+                                yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep,
+                                             etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,
+                                             schedule=sched, virtual_stages=v, precision=precision, loss=loss)
 
 
 def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
@@ -169,6 +199,7 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
     p = out.parallel
     p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.ep = (layout.dp_replicate, layout.dp_shard, layout.tp,
                                                          layout.pp, layout.cp, layout.ep)
+    p.etp = layout.etp
     p.dp_mode = layout.dp_mode
     if layout.pp > 1:
         p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches = layout.schedule, layout.virtual_stages, layout.grad_accum

@@ -20,6 +20,12 @@ statistics, per step 2 (fused AdamW) or 4 (foreach) all-reduces of every norm we
 and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
 reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all_reduce under
 each reduce-scatter), so it costs one.
+Expert parallelism: 4 all-to-alls of the routed rows per MoE block and micro-batch (plus one of the
+per-expert counts per dispatch; taken from kiln/parallel/expert_parallel.py, not yet profiled),
+over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp of the tokens
+(etp = 1, whose MoE blocks skip tp's all-gather / reduce-scatter pair); the experts' FSDP or
+all-reduce traffic over edp (`_expert_reduction`). Tied embeddings under pp: one all-reduce per
+step of the embedding gradient between the first and the last stage's ranks.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
@@ -59,8 +65,8 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.plan.cluster import Cluster, LinkSpec
-from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, recomputed_blocks,
-                              resharded_after_forward)
+from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, rank_params,
+                              recomputed_blocks, resharded_after_forward)
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
 # where counted from torch's code (see the module docstring); others: read and write the
@@ -140,11 +146,12 @@ def broadcast(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: i
     return nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6 * calls
 
 
-def all_to_all(cluster: Cluster, n: int, nbytes: float, stride: int = 1) -> float:
+def all_to_all(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
+    """`nbytes` each rank holds before the exchange, in all, over `calls` collectives."""
     if n <= 1:
         return 0.0
     link, spans = _link(cluster, n, stride)
-    t = (n - 1) / n * nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6
+    t = (n - 1) / n * nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6 * calls
     if spans and link.topology == "rail_only":
         t += all_gather(cluster, min(n, cluster.gpus_per_node), nbytes)  # the hop onto the right rail
     return t
@@ -245,7 +252,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     """Predicted wall time of one optimizer step (grad_accum micro-batches) on every rank."""
     dev = cluster.device
     tokens_rank_mb = layout.micro_batch * seq_len / layout.cp  # tokens one rank computes per micro-batch
-    non_embed = shape.params - shape.embedding_params + shape.vocab * shape.dim  # the LM head matmul counts
+    # the LM head matmul counts; a MoE block's token passes through its top-k experts only
+    non_embed = shape.active_params - shape.embedding_params + shape.vocab * shape.dim
     flops_token = 6 * non_embed + 12 * shape.n_layers * shape.dim * seq_len
     global_tokens = layout.micro_batch * seq_len * layout.grad_accum * layout.dp
     model_flops = flops_token * global_tokens
@@ -266,7 +274,10 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
 
     act = {"fp32": 4}.get(layout.precision, 2)
     param_bytes = 4 if layout.precision == "fp32" else 2
-    stage_params = (shape.embedding_params + shape.n_layers * shape.layer_params / layout.pp) / layout.tp
+    # the fuller end of the pipeline (rank_params: the embedding on the first stage, the head - for
+    # tied embeddings a copy - on the last); the data-parallel reduction waits for it
+    ends = [rank_params(shape, layout, last) for last in ((False, True) if layout.pp > 1 else (False,))]
+    dense, experts, _ = max(ends, key=lambda e: e[0] + e[1])
     exposed, total = 0.0, 0.0
     calls: dict[str, float] = {}  # collective calls by op
     launched, copied = 0.0, 0.0  # calls waited on in turn (each pays the launch cost); bytes copied
@@ -285,9 +296,12 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # weight's gradient, a Partial DTensor that stays a pending sum, all-reduced by every op that
     # reads it (the gradient norm, then AdamW: fused once, foreach 3 times: lerp_ and addcmul_'s
     # two reads), and the stacked gradient norms once. All on the critical path.
+    moe_stage_layers = shape.moe_layers / layout.pp if layout.ep > 1 else 0.0
     if layout.tp > 1:
         nbytes = act * tokens_rank_mb * shape.dim
-        boundary = 4 * stage_layers + 2
+        # ep borrowing tp leaves a MoE block's input sequence-sharded (MoELocalSequence): its MLP
+        # has no all-gather / reduce-scatter pair forward and backward
+        boundary = 4 * stage_layers + 2 - (2 * moe_stage_layers if layout.ep_borrows_tp else 0)
         norm_reads = (2 * stage_layers + 1) * (1 + (3 if optimizer_impl in ("foreach", "single") else 1))
         t = all_gather(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
         t += reduce_scatter(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
@@ -309,6 +323,21 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         attn_compute = t_mb * ga * 12 * shape.n_layers * shape.dim * seq_len / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
+    # Expert parallel (kiln/parallel/expert_parallel.py): per MoE block and micro-batch a dispatch
+    # and a combine all-to-all of the routed rows (top-k per token) forward, their reverses
+    # backward, each after a small all-to-all of the per-expert counts; on the critical path. With
+    # etp = tp the group is one tp coordinate's ep ranks (stride tp) and every tp rank routes the
+    # whole gathered sequence; borrowing tp (etp = 1) the group is ep consecutive ranks spanning tp
+    # and each rank routes only its own 1/tp of the tokens.
+    if moe_stage_layers:
+        routed = tokens_rank_mb / (layout.tp if layout.ep_borrows_tp else 1) * shape.moe_top_k
+        stride = 1 if layout.ep_borrows_tp else layout.tp
+        a2a = 4 * moe_stage_layers * ga
+        t = all_to_all(cluster, layout.ep, act * routed * shape.dim * a2a, stride, calls=a2a)
+        t += all_to_all(cluster, layout.ep, 8 * shape.moe_experts * a2a / 4, stride, calls=a2a / 4)
+        count("all_to_all", 1.25 * a2a)
+        exposed += t
+        total += t
     # Pipeline: stage-boundary activations forward and their gradients backward, the sends and
     # receives a rank issues per micro-batch on average (`pipeline_p2p_per_microbatch`).
     if layout.pp > 1:
@@ -326,7 +355,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     if layout.dp_mode in ("ddp", "zero1"):
         replicas, shards = layout.dp * layout.cp, 1
     if replicas * shards > 1:
-        grad_bytes = 4 * stage_params
+        grad_bytes = 4 * dense  # the experts are reduced over their own group, below
         if layout.dp_mode in ("ddp", "zero1"):
             buckets = ddp_buckets(grad_bytes)
             t = all_reduce(cluster, replicas, grad_bytes, dp_stride, calls=buckets)
@@ -335,7 +364,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             overlappable = compute * 2 / 3 / ga  # only the last micro-batch's backward
             if layout.dp_mode == "zero1":  # a broadcast of each updated parameter, after the step
                 tensors = shape.param_tensors(layout.pp)
-                t_b = broadcast(cluster, replicas, 4 * stage_params, dp_stride, calls=tensors)
+                t_b = broadcast(cluster, replicas, 4 * dense, dp_stride, calls=tensors)
                 count("broadcast", tensors, waited=False)
                 exposed += t_b
                 total += t_b
@@ -347,10 +376,10 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             # too); it reduce-scatters each unit's gradients once per step. Zero-bubble pipelines
             # keep every unit gathered until backward (kiln/parallel/pipeline.py
             # keep_gathered_until_backward), as zero2 does.
-            gathers, gathered = units, stage_params
+            gathers, gathered = units, dense
             if layout.dp_mode == "fsdp" and resharded_after_forward(layout):
                 gathers += units - 1
-                gathered += stage_params - shape.layer_params / layout.tp
+                gathered += dense - shape.layer_params / layout.tp
             gathers *= ga
             shard = shards
             gather_bytes = param_bytes * gathered * ga
@@ -366,7 +395,20 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             # reduce-scatter buffer and the reduced shard out
             copied += gather_bytes * (1 + 1 / shard) + grad_bytes * (1 + 1 / shard)
             overlappable = compute
+        t += _expert_reduction(cluster, shape, layout, experts, param_bytes, count)
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, overlappable))
+        total += t
+    # Tied embeddings under pp (kiln/parallel/pipeline_tied.py, Megatron-LM's embedding group): once
+    # per step, after the schedule's backward and before clipping, the first stage's and the last
+    # stage's ranks sum the embedding's and the head copy's gradients (their local tp shard, under
+    # fsdp/zero2 their dp shard too): an all-reduce over 2 ranks (pp - 1) stages apart, waited on.
+    # ZBV's rank 0 holds both stages: a local sum.
+    if layout.pp > 1 and shape.tied and layout.schedule != "zbv_zero_bubble":
+        tied_shard = layout.dp_shard * layout.cp if layout.dp_mode in ("fsdp", "zero2") else 1
+        stride = layout.world_size // layout.pp * (layout.pp - 1)
+        t = all_reduce(cluster, 2, 4 * shape.vocab * shape.dim / (layout.tp * tied_shard), stride)
+        count("all_reduce", 1)
+        exposed += t
         total += t
     # A stage idle in the bubble leaves its core to the node's other processes: where ranks share
     # cores (share < 1, CPU), the step is the longer of the full-speed pipeline (compute at a whole
@@ -376,7 +418,9 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # The optimizer step reads and writes weights, gradients and state: memory-bandwidth bound.
     # Each rank steps its partition: zero1 over the replicas, zero2/fsdp over the shards.
     shard = {"zero1": replicas, "zero2": shards, "fsdp": shards}.get(layout.dp_mode, 1)
-    opt_bytes = stage_params / shard * optimizer_step_bytes(optimizer, optimizer_impl)
+    expert_shard = layout.expert_dp if layout.dp_mode in ("zero2", "fsdp") else 1  # zero1: dense state only
+    stepped = dense / shard + experts / expert_shard
+    opt_bytes = stepped * optimizer_step_bytes(optimizer, optimizer_impl)
     mem_bw = dev.memory_bandwidth_gbps * 1e9
     optimizer_s = opt_bytes / mem_bw / share
     # Host work: each copy reads and writes its bytes; each waited-on call pays the launch cost.
@@ -386,9 +430,32 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         per_mb = elementwise_bytes(shape, layout, seq_len) * tokens_rank_mb / (layout.tp * layout.pp)
         if layout.precision == "float8":  # the fp32 weights per micro-batch: amax (4), cast (4 + 1), transpose (2)
             per_mb += 11 * shape.n_layers * shape.layer_params / (layout.tp * layout.pp)
-        memory_bound = (per_mb * ga + 12 * stage_params / shard) / mem_bw / share
+        memory_bound = (per_mb * ga + 12 * stepped) / mem_bw / share
     return StepTime(compute=compute, comm_exposed=exposed, comm_total=total, bubble=bubble,
                     optimizer=optimizer_s, flops=model_flops, host=host, calls=calls, memory_bound=memory_bound)
+
+
+def _expert_reduction(cluster: Cluster, shape: ModelShape, layout: Layout, experts: float, param_bytes: int,
+                      count) -> float:
+    """The experts' data-parallel traffic over "edp" (`Layout.expert_dp`; kiln/parallel/
+    expert_parallel.py): fsdp/zero2 gather each MoE block's experts per micro-batch (fsdp again for
+    backward) and reduce-scatter their gradients once per step; ddp/zero1 (experts replicated, DDP
+    ignores them) all-reduce them once per step per MoE block. The group's ranks are ep x tp apart
+    (etp = tp) or ep apart (ep borrowing tp)."""
+    edp = layout.expert_dp
+    moe_blocks = shape.moe_layers / layout.pp
+    if not (layout.ep > 1 and moe_blocks and edp > 1):
+        return 0.0
+    stride = layout.ep * (1 if layout.ep_borrows_tp else layout.tp)
+    calls = math.ceil(moe_blocks)
+    if layout.dp_mode in ("ddp", "zero1"):
+        count("all_reduce", calls)
+        return all_reduce(cluster, edp, 4 * experts, stride, calls=calls)
+    passes = (2 if resharded_after_forward(layout) else 1) * layout.grad_accum
+    count("all_gather", calls * passes)
+    count("reduce_scatter", calls)
+    return (all_gather(cluster, edp, param_bytes * experts * passes, stride, calls=calls * passes)
+            + reduce_scatter(cluster, edp, 4 * experts, stride, calls=calls))
 
 
 def elementwise_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:

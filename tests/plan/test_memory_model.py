@@ -67,3 +67,84 @@ def test_activation_checkpointing_and_pipeline_schedules():
 def test_train_refusal_uses_the_same_model():
     cfg, shape = _shape(["train.batch_size=3", "train.dtype=bf16"])
     assert estimate_train_bytes(cfg) == int(rank_memory(shape, layout_of(cfg), 32, "adamw").total)
+
+
+def _stage_params(cfg, rank):
+    """Parameters kiln's own split (kiln/parallel/pipeline.py split_model, on meta) gives pp rank `rank`."""
+    from kiln.model.transformer import Transformer
+    from kiln.parallel import pipeline as pl
+
+    with torch.device("meta"):
+        full = Transformer(cfg.model)
+    return sum(p.numel() for p in pl.split_model(full, cfg, rank).parameters())
+
+
+def test_pipeline_end_ranks_hold_what_kilns_split_gives_them():
+    """Under pp the first rank holds the embedding, the last the head: for tied embeddings the last
+    stage's own copy (kiln/parallel/pipeline_tied.py); ZBV's rank 0 holds both ends."""
+    from kiln.plan.memory import rank_params
+
+    for tied in ("true", "false"):
+        for sched, virtual in (("1f1b", 1), ("zbv_zero_bubble", 2)):
+            cfg, shape = _shape([f"model.tie_embeddings={tied}", "model.n_layers=4", "parallel.pp=2",
+                                 f"parallel.pp_schedule={sched}", f"parallel.pp_virtual_stages={virtual}",
+                                 "train.grad_accum=2"])
+            lay = Layout(pp=2, schedule=sched, virtual_stages=virtual, grad_accum=2)
+            for rank, last in ((0, False), (1, True)):
+                dense, experts, _ = rank_params(shape, lay, last)
+                assert (dense, experts) == (_stage_params(cfg, rank), 0), (tied, sched, rank)
+
+
+def test_tied_head_copy_costs_the_last_stage_like_an_untied_head():
+    """The copy's weight, gradient, optimizer state and autocast cast sit on the last stage: a tied
+    model under pp needs what an untied one needs on its fullest rank (both ends hold vocab x dim)."""
+    lay = Layout(pp=2, grad_accum=2, micro_batch=1, precision="bf16")
+    _, tied = _shape(["model.tie_embeddings=true", "model.vocab_size=4000"])
+    _, untied = _shape(["model.tie_embeddings=false", "model.vocab_size=4000"])
+    tied, untied = (ModelShape(**{**s.__dict__, "vocab": 4000}) for s in (tied, untied))
+    t, u = rank_memory(tied, lay, 32), rank_memory(untied, lay, 32)
+    head = 4000 * 64
+    assert t.parameters == 4 * (head + tied.layer_params + 64)  # one block, the norm and the head copy
+    assert t.as_dict() == u.as_dict()
+    assert t.temporary >= 2 * head  # the copy's bf16 cast under autocast
+
+
+def test_data_parallel_over_tensor_parallel_shards():
+    """ddp / zero1 x tp: each rank holds its tp shard; ddp keeps its whole optimizer state, zero1
+    splits it over dp; DDP's buckets hold the local gradients."""
+    _, shape = _shape(["model.vocab_size=300"])
+    base = dict(tp=2, micro_batch=1, precision="fp32")
+    tp = rank_memory(shape, Layout(**base), 32)
+    ddp = rank_memory(shape, Layout(dp_replicate=4, dp_mode="ddp", **base), 32)
+    zero1 = rank_memory(shape, Layout(dp_replicate=4, dp_mode="zero1", **base), 32)
+    assert ddp.parameters == ddp.gradients == tp.parameters == 4 * ((shape.params - shape.dim) / 2 + shape.dim)
+    assert ddp.optimizer == tp.optimizer and zero1.optimizer == tp.optimizer / 4
+    assert ddp.comm_buffers == tp.gradients  # the local gradients (under 2 x 25 MiB) in buckets
+
+
+def _moe(overrides=()):
+    return _shape(["model.moe_experts=4", "model.moe_top_k=2", *overrides])
+
+
+def test_experts_counted_and_split_over_ep_and_etp():
+    """Experts: all on one rank (the exact parameter count of kiln's MoE model); over ep x tp with
+    etp = tp; over ep alone when ep borrows the tp ranks (etp = 1: whole experts), then FSDP over
+    edp = dp_shard x tp / ep (kiln/parallel/dims.py _build_expert_mesh_borrowing_tp)."""
+    from kiln.model.transformer import Transformer
+    from kiln.plan.memory import rank_params
+
+    cfg, shape = _moe()
+    mem = rank_memory(shape, Layout(precision="fp32"), 32)
+    assert mem.parameters == 4 * sum(p.numel() for p in Transformer(cfg.model).parameters())
+    experts = shape.expert_params
+    fsdp = dict(dp_shard=2, tp=2, dp_mode="fsdp", precision="fp32")
+    etp_tp, borrow = Layout(ep=2, **fsdp), Layout(ep=2, etp=1, **fsdp)
+    assert (etp_tp.expert_dp, borrow.expert_dp) == (1, 2)
+    assert rank_params(shape, etp_tp)[1] == experts / 4 and rank_params(shape, borrow)[1] == experts / 2
+    dense = rank_params(shape, borrow)[0]
+    assert dense == rank_params(shape, etp_tp)[0] == (shape.params - experts - shape.dim) / 2 + shape.dim
+    assert rank_memory(shape, borrow, 32).parameters == 4 * (dense / 2 + experts / 4)
+    whole = rank_memory(shape, Layout(ep=4, etp=1, **fsdp), 32)  # ep over dp_shard x tp: edp = 1
+    assert whole.parameters == 4 * (dense / 2 + experts / 4)
+    zero2 = [rank_memory(shape, Layout(ep=2, etp=e, **{**fsdp, "dp_mode": "zero2"}), 32) for e in (-1, 1)]
+    assert zero2[1].temporary - zero2[0].temporary == 4 * experts / 4  # gathered: whole experts, twice etp=tp's

@@ -179,3 +179,32 @@ def test_layouts_kiln_train_refuses_are_named_and_the_rest_accepted():
                                       virtual_stages=2, micro_batch=1, grad_accum=4))
     assert (run.parallel.pp_schedule, run.parallel.pp_virtual_stages, run.parallel.pp_microbatches) == \
         ("interleaved_1f1b", 2, 4)
+
+
+def test_moe_layouts_with_ep_and_etp_are_the_ones_kiln_train_runs():
+    """A MoE model's search adds ep (and, under tp, etp = 1: ep borrowing the tp ranks); every such
+    layout passes kiln train's own checks (ParallelDims.from_config through kiln_refusal), and the
+    written config carries parallel.etp."""
+    from kiln.plan.search import kiln_refusal
+
+    cfg = load_config(None, ["model.dim=128", "model.n_layers=2", "model.n_heads=4", "data.seq_len=128",
+                             "model.max_seq_len=128", "model.moe_experts=8", "parallel.dp_mode=fsdp"])
+    shape = ModelShape.from_config(cfg.model, cfg.model.vocab_size)
+    cluster = load_cluster("h100")
+    layouts = list(enumerate_layouts(shape, cluster, 128, 64, "bf16", ac_choices=("none",), max_pp=1, max_cp=1))
+    experts = {(l.tp, l.ep, l.etp, l.dp_mode, l.dp_replicate, l.dp_shard): l for l in layouts if l.ep > 1}
+    borrowing = [l for l in experts.values() if l.ep_borrows_tp]
+    assert borrowing and all(l.dp_mode in ("fsdp", "zero2") and l.ep % l.tp == 0 for l in borrowing)
+    assert any(l.tp > 1 and not l.ep_borrows_tp for l in experts.values())  # etp = tp as well
+    for lay in experts.values():
+        assert kiln_refusal(cfg, lay, 8) is None, lay.describe()
+    lay = next(l for l in borrowing if l.tp == 2 and l.ep == 4)
+    assert "etp=1" in lay.describe() and config_for_plan(cfg, lay).parallel.etp == 1
+    # ddp / zero1 over tp: proposed by the search; kiln train refuses them only while
+    # ParallelDims.from_config does (the refusal the planner then passes on)
+    dense = ModelShape.from_config(load_config(None, ["model.dim=128", "model.n_heads=4"]).model, 1000)
+    ddp_tp = [l for l in enumerate_layouts(dense, cluster, 128, 64, "bf16", ac_choices=("none",), max_pp=1,
+                                           max_cp=1) if l.tp > 1 and l.dp_mode in ("ddp", "zero1") and l.dp > 1]
+    assert {l.dp_mode for l in ddp_tp} == {"ddp", "zero1"}
+    why = kiln_refusal(cfg, ddp_tp[0], 8)
+    assert why is None or "cannot combine with parallel.tp" in why

@@ -1,0 +1,86 @@
+"""Pieces of the step-time model (kiln/plan/timing.py) for the layouts the planner learned last:
+tied embeddings under pp, ddp / zero1 over tensor-parallel shards, expert parallelism with and
+without borrowing the tp ranks (parallel.etp). Each compares two layouts that differ in one
+mechanism and checks the difference is exactly that mechanism's collectives."""
+
+import dataclasses
+
+import pytest
+
+from kiln.config import load_config
+from kiln.plan.cluster import load_cluster
+from kiln.plan.memory import Layout, ModelShape, rank_params
+from kiln.plan.timing import all_reduce, all_to_all, broadcast, ddp_buckets, step_time
+
+SEQ = 256
+
+
+def _shape(*overrides):
+    cfg = load_config(None, ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.vocab_size=8000",
+                             f"data.seq_len={SEQ}", f"model.max_seq_len={SEQ}", *overrides])
+    return ModelShape.from_config(cfg.model, 8000)
+
+
+def test_tied_embeddings_under_pp_add_one_gradient_all_reduce_between_the_end_stages():
+    cluster = load_cluster("h100", nodes=2)
+    tied, untied = _shape("model.tie_embeddings=true"), _shape("model.tie_embeddings=false")
+    for lay, shard in ((Layout(pp=4, grad_accum=8, micro_batch=2, dp_replicate=4), 1),
+                       (Layout(pp=4, grad_accum=8, micro_batch=2, dp_shard=4, dp_mode="fsdp", tp=2), 4 * 2)):
+        t, u = step_time(tied, lay, SEQ, cluster), step_time(untied, lay, SEQ, cluster)
+        # pp ranks are outermost: the first and the last stage are 3 stages x (world / pp) ranks apart
+        pair = all_reduce(cluster, 2, 4 * 8000 * 256 / shard, stride=3 * lay.world_size // 4)
+        assert pair > 0
+        assert t.comm_total - u.comm_total == pytest.approx(pair)
+        assert t.calls["all_reduce"] - u.calls.get("all_reduce", 0) == 1
+    zbv = Layout(pp=2, grad_accum=4, schedule="zbv_zero_bubble", virtual_stages=2)
+    assert step_time(tied, zbv, SEQ, cluster).total == step_time(untied, zbv, SEQ, cluster).total  # a local sum
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_data_parallel_over_tensor_parallel_reduces_the_local_shards(mode):
+    """ddp / zero1 x tp: the gradient all-reduce over the dp ranks (tp apart) carries each rank's
+    tp shard, in DDP's buckets of those bytes; zero1 broadcasts the updated shards and steps 1/dp."""
+    cluster, shape = load_cluster("h100"), _shape()
+    tp = Layout(tp=2, micro_batch=2)
+    both = dataclasses.replace(tp, dp_replicate=4, dp_mode=mode)
+    local = 4 * rank_params(shape, tp)[0]
+    assert local == 4 * ((shape.params - shape.dim) / 2 + shape.dim)
+    t_tp, t = step_time(shape, tp, SEQ, cluster), step_time(shape, both, SEQ, cluster)
+    expected = all_reduce(cluster, 4, local, stride=2, calls=ddp_buckets(local))
+    if mode == "zero1":
+        expected += broadcast(cluster, 4, local, stride=2, calls=shape.param_tensors())
+        assert t.optimizer == pytest.approx(t_tp.optimizer / 4)
+    else:
+        assert t.optimizer == pytest.approx(t_tp.optimizer)
+    assert t.comm_total - t_tp.comm_total == pytest.approx(expected)
+
+
+def test_expert_parallel_borrowing_tp_moves_each_token_once_over_the_wider_group():
+    """etp = tp: every tp rank routes the whole gathered sequence over an ep group tp apart, and the
+    MoE MLP keeps tp's all-gather / reduce-scatter; etp = 1: each rank routes its 1/tp of the tokens
+    over ep consecutive ranks, and the MoE blocks lose that pair forward and backward."""
+    cluster = load_cluster("h100")
+    shape = _shape("model.moe_experts=8", "model.moe_top_k=2")
+    base = dict(dp_shard=4, tp=2, dp_mode="fsdp", micro_batch=2, grad_accum=2)
+    etp_tp, borrow = Layout(ep=2, **base), Layout(ep=2, etp=1, **base)
+    a, b = step_time(shape, etp_tp, SEQ, cluster), step_time(shape, borrow, SEQ, cluster)
+    calls = 4 * 4 * 2  # 4 all-to-alls per MoE block per micro-batch
+    assert a.calls["all_to_all"] == b.calls["all_to_all"] == 1.25 * calls  # + one count exchange per dispatch
+    assert a.calls["all_gather"] - b.calls["all_gather"] == 2 * 4 * 2  # the MoE MLP's pair, per block and micro-batch
+    # the trade: whole experts gather more weight bytes over edp (overlapped with compute), while
+    # the exposed token exchange and tp's pairs shrink
+    assert b.comm_exposed < a.comm_exposed and b.comm_total > a.comm_total
+    # the routed rows: a second expert per token adds one more row per token to each exchange,
+    # (bf16 x dim) per token a rank routes: the whole sequence tp apart, or its 1/tp consecutively
+    top1 = _shape("model.moe_experts=8", "model.moe_top_k=1")
+    for lay, tokens, stride in ((etp_tp, 2 * SEQ, 2), (borrow, 2 * SEQ / 2, 1)):
+        extra = step_time(shape, lay, SEQ, cluster).comm_total - step_time(top1, lay, SEQ, cluster).comm_total
+        row_bytes = 2 * 256 * tokens * calls
+        expected = all_to_all(cluster, 2, 2 * row_bytes, stride, calls) - all_to_all(cluster, 2, row_bytes, stride, calls)
+        assert extra == pytest.approx(expected)
+    # compute: a token passes its top-k experts only (a dense model's FLOPs plus the routers' at top_k = 1)
+    one = _shape("model.moe_experts=8", "model.moe_top_k=1")
+    dense = _shape()
+    flops = step_time(one, Layout(micro_batch=2), SEQ, cluster).flops
+    routers = 6 * 4 * 8 * 256 * 2 * SEQ  # 6 FLOPs per parameter and token, 4 blocks of E x dim
+    assert flops == step_time(dense, Layout(micro_batch=2), SEQ, cluster).flops + routers
