@@ -86,6 +86,8 @@ class ParallelDims:
                 f"parallel degrees dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
                 f"tp={cfg.tp} x pp={cfg.pp} = {total}, but the world size is {world_size}; change "
                 f"parallel.dp_shard (-1 takes what is left) or the number of processes")
+        if cfg.diloco_inner_steps:
+            dp_replicate, dp_shard, mode = diloco_layout(cfg, mode, dp_replicate, dp_shard, world_size)
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         etp = cfg.tp if cfg.etp == -1 else cfg.etp
@@ -93,7 +95,7 @@ class ParallelDims:
             check_ep_borrowing_tp_layout(cfg, mode, dp_shard, seq_len)
         elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
-        if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1:
+        if cfg.tp > 1 and mode in ("ddp", "zero1") and dp_replicate > 1 and not cfg.diloco_inner_steps:
             # DDP cannot replicate DTensor (tensor-parallel) parameters; FSDP2 shards them 2-D.
             raise ConfigError(f"parallel.dp_mode={mode!r} cannot combine with parallel.tp={cfg.tp}; set "
                               f"parallel.dp_mode='fsdp' (or 'zero2') for data x tensor parallelism")
@@ -226,6 +228,20 @@ class ParallelDims:
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
 
 
+def diloco_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: int,
+                  world_size: int) -> tuple[int, int, str]:
+    """DiLoCo's replicas are the dp_replicate ranks (kiln/parallel/diloco.py). dp_mode auto/ddp:
+    every data-parallel rank is a whole replica (dp_replicate = all of them, no wrapper; tp may
+    split it). fsdp/zero2: dp_replicate replicas, FSDP2 over dp_shard inside each."""
+    if mode in ("auto", "ddp"):
+        return dp_replicate * dp_shard, 1, "ddp"
+    if world_size > 1 and dp_replicate == 1:
+        raise ConfigError(f"parallel.diloco_inner_steps={cfg.diloco_inner_steps} with parallel.dp_mode="
+                          f"{mode!r} takes its replicas from parallel.dp_replicate, which is 1 here (one "
+                          f"replica); set parallel.dp_replicate to the number of replicas")
+    return dp_replicate, dp_shard, mode
+
+
 def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int, seq_len: int | None = None) -> None:
     """parallel.etp=1 with ep > 1 and tp > 1: the ep group spans dp_shard_in_ep x cp x tp
     (torchtitan's rule: cp * tp divides ep, ep divides dp_shard * cp * tp), the experts are whole and
@@ -261,8 +277,7 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
     `ZeroRedundancyExceptExperts`). With tp > 1 each expert is also sharded on its hidden units
     over tp (expert tensor parallel, etp = tp: ep never borrows tp), under fsdp/zero2 only: kiln's
     ddp/zero1 do not take tensor-parallel (DTensor) dense parameters at all (from_config), as
-    torchtitan's DDP does not either. DiLoCo with ep is refused by ParallelConfig.validate (its
-    replicas do not reduce gradients)."""
+    torchtitan's DDP does not either. DiLoCo with ep is refused by ParallelConfig.validate."""
     if tp > 1 and mode in ("ddp", "zero1"):  # ep x tp shards the experts 2-D (expert tensor parallel)
         raise ConfigError(f"parallel.ep={ep} with parallel.tp={tp} needs parallel.dp_mode='fsdp' or 'zero2' "
                           f"(dp_mode={mode!r} cannot replicate tensor-parallel DTensors); change parallel.dp_mode")
