@@ -224,6 +224,14 @@ def test_check_resume_names_both_counts():
         check_resume({"app", "diloco"}, 2, "x")
     with pytest.raises(KilnError, match="x was saved without DiLoCo"):
         check_resume({"app", "loader"}, 2, "x")
+    # Replicas split inside: the layout entry must match (no entry: whole replicas).
+    split = {"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1"}
+    check_resume(split, 2, "x", shards=2)
+    with pytest.raises(KilnError, match=r"^x holds DiLoCo replicas split dp_shard=2 x tp=1, this run's are "
+                                        r"dp_shard=1 x tp=2; .* set parallel.dp_shard and parallel.tp as saved"):
+        check_resume(split, 2, "x", tp=2)
+    with pytest.raises(KilnError, match=r"x holds DiLoCo replicas split dp_shard=1 x tp=1, this run's are dp_shard=2"):
+        check_resume({"app", "diloco", "diloco_rank1"}, 2, "x", shards=2)
 
 
 def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
@@ -290,15 +298,35 @@ def split_replica_run(layout: dict, rank: int, steps: int, hsdp: bool = False):
     return losses, sent, sum(local(p).numel() for p in model.parameters()), [a.clone() for a in diloco.anchor]
 
 
-def split_replica_ranks(rank, world):
+def split_replica_ranks(rank, world, root, sets):
+    """The three runs above, then kiln's trainer with 2 replicas x fsdp dp_shard 2: uninterrupted,
+    and paused after step 3 (between outer syncs) and resumed."""
+    from pathlib import Path
+
+    import kiln.train.trainer as trainer
+    from kiln.config import load_config
+
     fsdp = {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2}
-    return {"fsdp": split_replica_run(fsdp, rank, STEPS), "tp": split_replica_run({"tp": 2}, rank, STEPS),
+    runs = {"fsdp": split_replica_run(fsdp, rank, STEPS), "tp": split_replica_run({"tp": 2}, rank, STEPS),
             "hsdp": split_replica_run(fsdp, rank, 4, hsdp=True)}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    trainer.train(load_config(None, sets), Path(root) / "whole")
+    trainer.train(load_config(None, sets), Path(root) / "paused", stop_at=RESUME_AT)
+    trainer.train(load_config(None, sets), Path(root) / "paused", resume=True)
+    return runs
 
 
 @pytest.fixture(scope="module")
-def split_replicas(tmp_path_factory):
-    return run_ranks(split_replica_ranks, 4, tmp_path_factory.mktemp("diloco-split"), timeout=240)
+def split_root(tmp_path_factory, text_file):
+    root = tmp_path_factory.mktemp("diloco-split")
+    (root / "work").mkdir()
+    sets = resume_overrides(text_file, root / "shards") + ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2"]
+    return root, run_ranks(split_replica_ranks, 4, root / "work", str(root), sets, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def split_replicas(split_root):
+    return split_root[1]
 
 
 @pytest.mark.timeout(300)
@@ -327,3 +355,18 @@ def test_hsdp_across_replicas_is_not_diloco(split_replicas):
     losses = split_replicas[0]["hsdp"][0]
     assert losses[0] == pytest.approx(expected[0], rel=REL)
     assert all(loss != pytest.approx(want, rel=REL) for loss, want in zip(losses[1:], expected[1:4])), losses
+
+
+@pytest.mark.timeout(400)
+def test_sharded_replicas_resume_between_outer_syncs_exactly(split_root):
+    from kiln.checkpoint.manager import CheckpointManager
+
+    root = split_root[0]
+    whole, paused = train_losses(root / "whole"), train_losses(root / "paused")
+    assert sorted(whole) == sorted(paused) == list(range(1, RESUME_STEPS + 1))
+    # Same processes, same math: equal to the last bit, before and after the outer sync at step 4.
+    assert [paused[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
+    names = CheckpointManager(root / "paused" / "checkpoints").saved_state_names(RESUME_AT)
+    # One entry per replica (its two ranks' shards), the anchor once, the layout for check_resume.
+    assert {n for n in names if n.startswith("diloco") or n == "app"} == \
+        {"app", "diloco_rank1", "diloco", "diloco_layout_2x2x1"}
