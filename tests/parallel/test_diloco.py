@@ -7,6 +7,11 @@ Tolerance: fp32, relative 1e-5 per step over 9 steps (3 outer steps); observed ~
 Resume (kiln's trainer on 2 gloo ranks): a checkpoint between outer syncs holds every replica's
 own parameters and AdamW moments, so the paused-and-resumed run equals the uninterrupted one to
 the last bit; the old resume (rank 0's state on every rank) does not.
+
+Model parallelism inside each replica (one 4-rank launch): 2 replicas x fsdp dp_shard 2 and
+2 replicas x tp 2 through kiln's ParallelDims and parallelize give the same single-process
+definition's losses (relative 1e-5, 9 steps, 3 outer steps); HSDP (gradients across replicas every
+step) does not; kiln's trainer with 2 replicas x fsdp 2 resumes between outer syncs bit for bit.
 """
 
 import os
@@ -370,3 +375,19 @@ def test_sharded_replicas_resume_between_outer_syncs_exactly(split_root):
     # One entry per replica (its two ranks' shards), the anchor once, the layout for check_resume.
     assert {n for n in names if n.startswith("diloco") or n == "app"} == \
         {"app", "diloco_rank1", "diloco", "diloco_layout_2x2x1"}
+    # Every tensor's saved chunks tile it exactly once: a replica's shards (and the anchor, equal
+    # across replicas) are written once, not once per rank.
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from kiln.checkpoint.safe_load import load_metadata
+
+    path = root / "paused" / "checkpoints" / f"step-{RESUME_AT}" / ".metadata"
+    tensors = {fqn: m for fqn, m in load_metadata(path.read_bytes(), str(path)).state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata)}
+    assert {"app.model.tok_embeddings.weight", "diloco_rank1.model.tok_embeddings.weight",
+            "diloco.anchor.0", "diloco.momentum.0"} <= set(tensors)
+    for fqn, m in tensors.items():
+        assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), (fqn, m.chunks)
+    assert len(tensors["diloco.anchor.0"].chunks) == 2  # sharded over dp_shard, like the parameter
