@@ -86,6 +86,8 @@ class ParallelDims:
                 f"parallel degrees dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
                 f"tp={cfg.tp} x pp={cfg.pp} = {total}, but the world size is {world_size}; change "
                 f"parallel.dp_shard (-1 takes what is left) or the number of processes")
+        if cfg.diloco_inner_steps:
+            dp_replicate, dp_shard, mode = diloco_layout(cfg, mode, dp_replicate, dp_shard, world_size)
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
         etp = cfg.tp if cfg.etp == -1 else cfg.etp
@@ -228,6 +230,20 @@ class ParallelDims:
         shape = [(n, d) for n, d in shape if d > 1 or n != "pp"]
         ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
+
+
+def diloco_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: int,
+                  world_size: int) -> tuple[int, int, str]:
+    """DiLoCo's replicas are the dp_replicate ranks (kiln/parallel/diloco.py). dp_mode auto/ddp:
+    every data-parallel rank is a whole replica (dp_replicate = all of them, no wrapper; tp may
+    split it). fsdp/zero2: dp_replicate replicas, FSDP2 over dp_shard inside each."""
+    if mode in ("auto", "ddp"):
+        return dp_replicate * dp_shard, 1, "ddp"
+    if world_size > 1 and dp_replicate == 1:
+        raise ConfigError(f"parallel.diloco_inner_steps={cfg.diloco_inner_steps} with parallel.dp_mode="
+                          f"{mode!r} takes its replicas from parallel.dp_replicate, which is 1 here (one "
+                          f"replica); set parallel.dp_replicate to the number of replicas")
+    return dp_replicate, dp_shard, mode
 
 
 def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int, seq_len: int | None = None) -> None:

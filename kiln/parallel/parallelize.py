@@ -196,14 +196,15 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None, cpu_offload: bool,
-               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> None:
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
+               mesh_names: tuple[str, ...] | None = None) -> None:
     """FSDP2 over the data-parallel mesh: 1-D (dp_shard) shards, 2-D (dp_replicate x dp_shard) is
     HSDP (sharded within a replica group, all-reduced across groups). reshard_after_forward=True
     is ZeRO-3; False keeps each block's parameters gathered from forward to backward (ZeRO-2:
     parameters are still stored sharded between steps, gradients and optimizer state always)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    names = dims.grad_mesh_names
+    names = mesh_names or dims.grad_mesh_names
     if "cp" in names and len(names) > 1:  # cp shards with dp_shard (torchtitan's dp_shard_cp)
         shard = tuple(n for n in names if n != "dp_replicate")
         if len(shard) > 1:
@@ -259,17 +260,21 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
         apply_compile(model, "blocks", experts_fsdp=experts_fsdp)
     # Context parallel needs no module change (its attention is swapped in per step, see
     # context_parallel.py), only the gradient average over cp, which data parallelism does.
-    # DiLoCo: every rank trains its own replica; the replicas meet in kiln/parallel/diloco.py.
+    # DiLoCo: each replica trains alone, FSDP over dp_shard inside it at most (never across
+    # replicas); the replicas meet in kiln/parallel/diloco.py.
     if dims.world_size > 1 and dims.dp_size * dims.cp > 1 and not cfg.parallel.diloco_inner_steps:
         apply_data_parallel(model, dims, cfg, device)
+    elif cfg.parallel.diloco_inner_steps and dims.dp_shard > 1:
+        apply_data_parallel(model, dims, cfg, device, mesh_names=("dp_shard",))
     if cfg.train.compile and scope == "model":
         apply_compile(model, "model", cfg.train.cuda_graphs)
     return model
 
 
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> None:
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device,
+                        mesh_names: tuple[str, ...] | None = None) -> None:
     """The last stage: ddp/zero1 replicate (zero1's optimizer side is in data_parallel.py);
-    zero2/fsdp/hsdp shard with FSDP2."""
+    zero2/fsdp/hsdp shard with FSDP2 (over `mesh_names` when given: DiLoCo's dp_shard alone)."""
     if dims.dp_mode in ("ddp", "zero1"):
         if dims.pp == 1:  # under pp: DDP per stage chunk, wrapped once materialized (Pipeline, replicate_stage)
             apply_ddp(model, dims, cfg.train.grad_accum)
@@ -279,4 +284,4 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, de
     reduce_dtype = torch.bfloat16 if cfg.parallel.reduce_dtype == "bf16" else torch.float32
     for root in getattr(model, "chunks", [model]):  # under pp: FSDP per stage (what the schedule calls)
         apply_fsdp(root, dims, param_dtype, cpu_offload=cfg.parallel.cpu_offload or device.type == "cpu",
-                   reduce_dtype=reduce_dtype, reshard_after_forward=dims.dp_mode != "zero2")
+                   reduce_dtype=reduce_dtype, reshard_after_forward=dims.dp_mode != "zero2", mesh_names=mesh_names)

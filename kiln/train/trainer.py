@@ -27,7 +27,8 @@ from kiln.data.storage import open_store
 from kiln.errors import ConfigError, KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
-from kiln.parallel.diloco import DiLoCo, replica_states
+from kiln.parallel.diloco import DiLoCo, layout_key, replica_states
+from kiln.parallel.diloco import Layout as DiLoCoLayout
 from kiln.parallel.diloco import check_resume as check_diloco_resume
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
@@ -203,18 +204,22 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if scaler is not None:  # the loss scale and its growth count: an fp16 run resumes with its own
         stateful["scaler"] = ScalerState(scaler)
     diloco = None
-    if cfg.parallel.diloco_inner_steps:  # every rank a replica (no DP wrapper): kiln/parallel/diloco.py
+    if cfg.parallel.diloco_inner_steps:  # replicas = dp_replicate (FSDP/TP inside): kiln/parallel/diloco.py
+        across = dims.mesh["dp_replicate"] if dims.dp_replicate > 1 else None
         diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
-                        cfg.parallel.diloco_outer_momentum)
+                        cfg.parallel.diloco_outer_momentum, group=across.get_group() if across else None)
         stateful["diloco"] = diloco
-        stateful = replica_states(stateful, dims.rank)  # every replica saves its own model and moments
+        stateful[layout_key(dims.dp_replicate, dims.dp_shard, dims.tp)] = DiLoCoLayout(dims.dp_replicate,
+                                                                                      dims.dp_shard, dims.tp)
+        # every replica saves its own model and moments
+        stateful = replica_states(stateful, across.get_local_rank() if across else 0)
     recovery = None
     if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
         ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
     elif resume_step is not None:  # memory replica, else the newest checkpoint that verifies
         names = ckpt.saved_state_names(resume_step) if diloco is not None or scaler is not None else None
         if names is not None and diloco is not None:
-            check_diloco_resume(names, dims.world_size, f"{ckpt.dir}/step-{resume_step}")
+            check_diloco_resume(names, dims.dp_replicate, f"{ckpt.dir}/step-{resume_step}", dims.dp_shard, dims.tp)
         # A checkpoint from before kiln saved the scaler: resume with a fresh scale (saved from now on).
         unsaved = {"scaler"} if names is not None and scaler is not None and "scaler" not in names else set()
         resume_step, recovered_from, recovery_s = ckpt.restore({k: v for k, v in stateful.items() if k not in unsaved})

@@ -7,6 +7,11 @@ Tolerance: fp32, relative 1e-5 per step over 9 steps (3 outer steps); observed ~
 Resume (kiln's trainer on 2 gloo ranks): a checkpoint between outer syncs holds every replica's
 own parameters and AdamW moments, so the paused-and-resumed run equals the uninterrupted one to
 the last bit; the old resume (rank 0's state on every rank) does not.
+
+Model parallelism inside each replica (one 4-rank launch): 2 replicas x fsdp dp_shard 2 and
+2 replicas x tp 2 through kiln's ParallelDims and parallelize give the same single-process
+definition's losses (relative 1e-5, 9 steps, 3 outer steps); HSDP (gradients across replicas every
+step) does not; kiln's trainer with 2 replicas x fsdp 2 resumes between outer syncs bit for bit.
 """
 
 import os
@@ -17,15 +22,16 @@ import torch
 from ranks import run_ranks
 
 H, STEPS, OUTER_LR, MOMENTUM, REL = 3, 9, 0.7, 0.9, 1e-5
+VOCAB = 42  # even: tensor parallelism shards the embedding and the head on the vocabulary
 
 
 def model_and_data():
     from kiln.config import ModelConfig
     from kiln.model.transformer import Transformer
 
-    model = Transformer(ModelConfig(vocab_size=41, dim=16, n_layers=1, n_heads=2, max_seq_len=16))
+    model = Transformer(ModelConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, max_seq_len=16))
     model.init_weights(torch.Generator().manual_seed(0))
-    data = torch.randint(0, 41, (STEPS, 4, 13), generator=torch.Generator().manual_seed(1))
+    data = torch.randint(0, VOCAB, (STEPS, 4, 13), generator=torch.Generator().manual_seed(1))
     return model, data
 
 
@@ -223,12 +229,165 @@ def test_check_resume_names_both_counts():
         check_resume({"app", "diloco"}, 2, "x")
     with pytest.raises(KilnError, match="x was saved without DiLoCo"):
         check_resume({"app", "loader"}, 2, "x")
+    # Replicas split inside: the layout entry must match (no entry: whole replicas).
+    split = {"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1"}
+    check_resume(split, 2, "x", shards=2)
+    with pytest.raises(KilnError, match=r"^x holds DiLoCo replicas split dp_shard=2 x tp=1, this run's are "
+                                        r"dp_shard=1 x tp=2; .* set parallel.dp_shard and parallel.tp as saved"):
+        check_resume(split, 2, "x", tp=2)
+    with pytest.raises(KilnError, match=r"x holds DiLoCo replicas split dp_shard=1 x tp=1, this run's are dp_shard=2"):
+        check_resume({"app", "diloco", "diloco_rank1"}, 2, "x", shards=2)
 
 
-def test_diloco_with_a_split_model_is_refused_naming_the_keys():
+def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
     from kiln.config import ParallelConfig
     from kiln.errors import ConfigError
+    from kiln.parallel.dims import ParallelDims
 
-    with pytest.raises(ConfigError, match=r"diloco_inner_steps=2 with parallel\.tp=2 is not supported"):
-        ParallelConfig(diloco_inner_steps=2, tp=2).validate()
-    ParallelConfig(diloco_inner_steps=2).validate()
+    with pytest.raises(ConfigError, match=r"diloco_inner_steps=2 with parallel\.pp=2 is not supported"):
+        ParallelConfig(diloco_inner_steps=2, pp=2, tp=2).validate()
+    with pytest.raises(ConfigError, match=r"diloco_inner_steps=2 with parallel\.dp_mode='zero1' is not supported"):
+        ParallelConfig(diloco_inner_steps=2, dp_mode="zero1").validate()
+    with pytest.raises(ConfigError, match=r"takes its replicas from parallel\.dp_replicate, which is 1 here"):
+        ParallelDims.from_config(ParallelConfig(diloco_inner_steps=2, dp_mode="fsdp"), world_size=4, rank=0)
+    ParallelConfig(diloco_inner_steps=2, tp=2).validate()
+    # auto: every data-parallel rank a whole replica (tp inside); fsdp: dp_replicate replicas of dp_shard.
+    dims = ParallelDims.from_config(ParallelConfig(diloco_inner_steps=2, tp=2), world_size=8, rank=0)
+    assert (dims.dp_replicate, dims.dp_shard, dims.dp_mode) == (4, 1, "ddp")
+    dims = ParallelDims.from_config(ParallelConfig(diloco_inner_steps=2, dp_mode="zero2", dp_replicate=2),
+                                    world_size=8, rank=0)
+    assert (dims.dp_replicate, dims.dp_shard, dims.dp_mode) == (2, 4, "zero2")
+
+
+# ---- model parallelism inside each replica (4 gloo ranks: 2 replicas x fsdp dp_shard 2, 2 x tp 2)
+def split_replica_run(layout: dict, rank: int, steps: int, hsdp: bool = False):
+    """kiln's DiLoCo on 2 replicas, each split per `layout` ([parallel] keys), through kiln's own
+    ParallelDims and parallelize. `hsdp` (the negative control): FSDP over dp_replicate x dp_shard,
+    gradients all-reduced across the replicas every step. Returns (losses, bytes sent per outer
+    step, this rank's parameter elements, the per-parameter local shards of the anchor)."""
+    import torch.distributed as dist
+
+    from kiln.config import JobConfig, ParallelConfig
+    from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.diloco import DiLoCo, local
+    from kiln.parallel.parallelize import apply_data_parallel, parallelize
+
+    cfg = JobConfig()
+    cfg.parallel = ParallelConfig(diloco_inner_steps=H, **layout)
+    dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=rank, local_rank=rank)
+    dims.build_mesh("cpu")
+    reference, data = model_and_data()
+    with torch.device("meta"):  # as kiln builds it (trainer.build_model): parallelize, then initialize
+        model = type(reference)(reference.cfg)
+    if hsdp:
+        apply_data_parallel(model, dims, cfg, torch.device("cpu"))
+    else:
+        model = parallelize(model, dims, cfg, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    model.init_weights(torch.Generator().manual_seed(0))
+    opt = adamw(model)
+    diloco = DiLoCo(model, H, OUTER_LR, MOMENTUM, group=dims.mesh["dp_replicate"].get_group())
+    rows = 4 // dims.dp_size  # a replica's two rows, split over its dp_shard ranks
+    losses, sent = [], []
+    for step, batch in enumerate(data[:steps], start=1):
+        part = batch[rows * dims.dp_rank:rows * (dims.dp_rank + 1)]
+        loss = model(part[:, :-1], part[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if diloco.due(step):
+            sent.append(diloco.outer_step())
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / 4)
+    return losses, sent, sum(local(p).numel() for p in model.parameters()), [a.clone() for a in diloco.anchor]
+
+
+def split_replica_ranks(rank, world, root, sets):
+    """The three runs above, then kiln's trainer with 2 replicas x fsdp dp_shard 2: uninterrupted,
+    and paused after step 3 (between outer syncs) and resumed."""
+    from pathlib import Path
+
+    import kiln.train.trainer as trainer
+    from kiln.config import load_config
+
+    fsdp = {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2}
+    runs = {"fsdp": split_replica_run(fsdp, rank, STEPS), "tp": split_replica_run({"tp": 2}, rank, STEPS),
+            "hsdp": split_replica_run(fsdp, rank, 4, hsdp=True)}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    trainer.train(load_config(None, sets), Path(root) / "whole")
+    trainer.train(load_config(None, sets), Path(root) / "paused", stop_at=RESUME_AT)
+    trainer.train(load_config(None, sets), Path(root) / "paused", resume=True)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def split_root(tmp_path_factory, text_file):
+    root = tmp_path_factory.mktemp("diloco-split")
+    (root / "work").mkdir()
+    sets = resume_overrides(text_file, root / "shards") + ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2"]
+    return root, run_ranks(split_replica_ranks, 4, root / "work", str(root), sets, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def split_replicas(split_root):
+    return split_root[1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_replicas_split_over_fsdp_or_tp_match_the_single_process_definition(split_replicas, layout):
+    # Ranks: fsdp (replica, shard) = (r // 2, r % 2); tp (replica, tp rank) = (r // 2, r % 2).
+    expected = simulated()
+    n_params = sum(p.numel() for p in model_and_data()[0].parameters())
+    for rank, runs in enumerate(split_replicas):
+        losses, sent, n_local, anchor = runs[layout]
+        assert losses == pytest.approx(expected, rel=REL), (rank, losses, expected)
+        # Each rank all-reduces its own shards (fp32) with its peer in the other replica, once per H steps.
+        assert sent == [4 * n_local] * (STEPS // H)
+        peer = split_replicas[(rank + 2) % 4][layout]
+        assert all(torch.equal(a, b) for a, b in zip(anchor, peer[3]))  # the same anchor shard in both replicas
+    if layout == "fsdp":  # the two shards of a replica are the whole model, each element once
+        assert split_replicas[0]["fsdp"][2] + split_replicas[1]["fsdp"][2] == n_params
+    else:  # tp: some parameters (the norms) are replicated over the tp ranks, the rest split
+        assert n_params < split_replicas[0]["tp"][2] + split_replicas[1]["tp"][2] < 2 * n_params
+
+
+def test_hsdp_across_replicas_is_not_diloco(split_replicas):
+    # The negative control: gradients all-reduced across the replicas every step (HSDP) train
+    # another model from step 2 on, so the check above can tell the layouts apart.
+    expected = simulated()
+    losses = split_replicas[0]["hsdp"][0]
+    assert losses[0] == pytest.approx(expected[0], rel=REL)
+    assert all(loss != pytest.approx(want, rel=REL) for loss, want in zip(losses[1:], expected[1:4])), losses
+
+
+@pytest.mark.timeout(400)
+def test_sharded_replicas_resume_between_outer_syncs_exactly(split_root):
+    from kiln.checkpoint.manager import CheckpointManager
+
+    root = split_root[0]
+    whole, paused = train_losses(root / "whole"), train_losses(root / "paused")
+    assert sorted(whole) == sorted(paused) == list(range(1, RESUME_STEPS + 1))
+    # Same processes, same math: equal to the last bit, before and after the outer sync at step 4.
+    assert [paused[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
+    names = CheckpointManager(root / "paused" / "checkpoints").saved_state_names(RESUME_AT)
+    # One entry per replica (its two ranks' shards), the anchor once, the layout for check_resume.
+    assert {n for n in names if n.startswith("diloco") or n == "app"} == \
+        {"app", "diloco_rank1", "diloco", "diloco_layout_2x2x1"}
+    # Every tensor's saved chunks tile it exactly once: a replica's shards (and the anchor, equal
+    # across replicas) are written once, not once per rank.
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from kiln.checkpoint.safe_load import load_metadata
+
+    path = root / "paused" / "checkpoints" / f"step-{RESUME_AT}" / ".metadata"
+    tensors = {fqn: m for fqn, m in load_metadata(path.read_bytes(), str(path)).state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata)}
+    assert {"app.model.tok_embeddings.weight", "diloco_rank1.model.tok_embeddings.weight",
+            "diloco.anchor.0", "diloco.momentum.0"} <= set(tensors)
+    for fqn, m in tensors.items():
+        assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), (fqn, m.chunks)
+    assert len(tensors["diloco.anchor.0"].chunks) == 2  # sharded over dp_shard, like the parameter
