@@ -159,7 +159,8 @@ def wait_collective_inputs(module: nn.Module, args: tuple) -> tuple:
 
 
 def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, experts_fsdp: bool = False) -> None:
-    """torch.compile, in one graph for the whole model ("model") or per block ("blocks"), each
+    """torch.compile, in one graph for the whole model ("model"; under pp one per stage chunk) or per
+    block ("blocks"), each
     block whole (fullgraph). `experts_fsdp` (ep under fsdp/zero2): a MoE block's experts will be
     their own FSDP unit, whose hooks dynamo does not trace (torch 2.13: "Attempted to call
     function marked as skipped" at the first step), so such a block is compiled piecewise, as
@@ -171,8 +172,14 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
     checkpointing the pieces are compiled inside the (eager) checkpoint wrapper. Dense blocks,
     and MoE blocks under ddp, are compiled whole."""
     if scope == "model":
-        # In place (nn.Module.compile), so parameter names and checkpoints stay the same.
-        model.compile(mode="reduce-overhead" if cuda_graphs else None)
+        # In place (nn.Module.compile), so parameter names and checkpoints stay the same. Under pp
+        # the schedule calls the rank's stage chunks (kiln/parallel/pipeline.py StageChunk), not the
+        # model: each chunk is one graph (embedding, its blocks, and on the last stage the head; the
+        # schedule's loss_fn stays eager). Under tp the graph holds the TP embedding and the
+        # vocab-sharded head; the loss under loss_parallel (tensor_parallel._LossParallel, whose
+        # forward takes a gradient) is a graph break, so it runs eagerly after the graph.
+        for root in getattr(model, "chunks", [model]):
+            root.compile(mode="reduce-overhead" if cuda_graphs else None)
         return
     # Per block: every block has the same graph, so one compilation serves all of them (under pp
     # the blocks of every stage chunk of this rank). The hook runs eagerly, before the graph

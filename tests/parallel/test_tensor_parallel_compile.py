@@ -71,8 +71,11 @@ def _train(rank, world, runs, without_wait=(), repro=False):
         parallelize.wait_collective_inputs = (lambda module, args: args) if name in without_wait else hook
         if name.endswith("without_keep"):
             parallelize.keep_random_op_outputs = lambda *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE
+        torch._dynamo.utils.counters.clear()
         try:
             train(cfg, run_dir)
+            if "model_compiled" in name:  # where dynamo broke the whole-model graph, and why
+                errors[f"breaks:{name}"] = sorted(torch._dynamo.utils.counters["graph_break"])
         except (AttributeError, AssertionError) as e:  # torch 2.13 without the hook / without the policy
             errors[name] = str(e)
         finally:
@@ -100,12 +103,14 @@ def runs(tmp_path_factory, text_file):
     tp2 = {**one, "parallel.tp": 2}
     fsdp_tp = {**tp2, "train.batch_size": GLOBAL_BATCH // 2}  # per data-parallel rank
     first_step = {"train.steps": 1}  # the negative controls differ at step 1
+    model = {"train.compile_scope": "model"}  # one graph: TP embedding, blocks, vocab-sharded head
     full, every2 = ({"train.activation_checkpointing": ac} for ac in ("full", "every_k:2"))
     launches = {1: {"single_compiled": one},
                 2: {"tp2_compiled": tp2, "tp2_eager": {**tp2, "train.compile": "false"},
                     "tp2_without_wait": {**tp2, **first_step},
                     "tp2_ac_full_compiled": {**tp2, **full}, "tp2_ac_every2_compiled": {**tp2, **every2},
-                    "tp2_ac_full_without_keep": {**tp2, **full, **first_step}},
+                    "tp2_ac_full_without_keep": {**tp2, **full, **first_step},
+                    "tp2_model_compiled": {**tp2, **model}, "tp2_ac_full_model_compiled": {**tp2, **full, **model}},
                 4: {"fsdp2_tp2_compiled": fsdp_tp, "fsdp2_tp2_without_wait": {**fsdp_tp, **first_step},
                     "fsdp2_tp2_ac_full_compiled": {**fsdp_tp, **full}}}
     out, errors = {}, {}
