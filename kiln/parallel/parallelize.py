@@ -158,6 +158,26 @@ def wait_collective_inputs(module: nn.Module, args: tuple) -> tuple:
     return tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
+def keep_tp_embedding_eager(root: nn.Module) -> None:
+    """Under tp, a whole-model (or stage-chunk) graph leaves the vocab-sharded embedding out: it
+    runs eagerly (torch.compiler.disable), its output waited for before the graph takes it.
+
+    Why: torch 2.13's AOTAutograd fails to trace the embedding's MaskPartial (its mask buffer is
+    made in another fake mode: "Mixing fake modes NYI" in _ops/_mask_buffer.py, seen with tp=2 on
+    CPU); per-block compile never has the embedding in a graph either. Its output is an in-flight
+    reduce-scatter (AsyncCollectiveTensor) that would lose its gradient entering the graph
+    (`wait_collective_inputs`), so the wait runs inside the eager part, as the embedding's last
+    forward hook. The wrapper is an OptimizedModule: checkpoint names drop its `_orig_mod`, as
+    for compiled blocks."""
+    from torch.distributed.tensor import DTensor
+
+    embedding = getattr(root, "tok_embeddings", None)
+    if embedding is None or not isinstance(embedding.weight, DTensor):
+        return
+    embedding.register_forward_hook(lambda module, args, out: wait_collective_inputs(module, (out,))[0])
+    root.tok_embeddings = torch.compiler.disable(embedding)
+
+
 def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, experts_fsdp: bool = False) -> None:
     """torch.compile, in one graph for the whole model ("model"; under pp one per stage chunk) or per
     block ("blocks"), each
@@ -175,10 +195,12 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
         # In place (nn.Module.compile), so parameter names and checkpoints stay the same. Under pp
         # the schedule calls the rank's stage chunks (kiln/parallel/pipeline.py StageChunk), not the
         # model: each chunk is one graph (embedding, its blocks, and on the last stage the head; the
-        # schedule's loss_fn stays eager). Under tp the graph holds the TP embedding and the
-        # vocab-sharded head; the loss under loss_parallel (tensor_parallel._LossParallel, whose
-        # forward takes a gradient) is a graph break, so it runs eagerly after the graph.
+        # schedule's loss_fn stays eager). Under tp the graph holds the blocks and the vocab-sharded
+        # head; the embedding (keep_tp_embedding_eager) and the loss under loss_parallel
+        # (tensor_parallel.parallel_lm_loss: dynamo traces it without loss_parallel's context,
+        # "got mixed torch.Tensor and DTensor") run eagerly around it.
         for root in getattr(model, "chunks", [model]):
+            keep_tp_embedding_eager(root)
             root.compile(mode="reduce-overhead" if cuda_graphs else None)
         return
     # Per block: every block has the same graph, so one compilation serves all of them (under pp

@@ -4,9 +4,11 @@
   stage-local index would checkpoint other layers: `test_ac_rule_is_on_the_global_layer_index`
   spells out the sets), and the stage chunks run the wrappers (fewer tensors saved for backward).
 - 2 gloo ranks, pp=2: AC (every_k:3) on every schedule, per-block compile on 1F1B and
-  interleaved 1F1B, AC (full) + compile on GPipe and interleaved 1F1B: per-step losses and grad
-  norms match one process with the same AC / compile over 5 steps. Compile with the zero-bubble
-  schedules is refused in one line (torch raises for compiled stage modules there).
+  interleaved 1F1B, `compile_scope='model'` (each stage chunk one graph) on 1F1B and interleaved
+  1F1B, AC (full) + compile on GPipe and interleaved 1F1B: per-step losses and grad norms match one
+  process with the same AC / compile over 5 steps. Compile with the zero-bubble schedules is
+  refused in one line: torch's weight pass re-runs a compiled block's whole backward (pinned with
+  torch's own split-backward functions in one process).
 - float8 (torchao, `emulate=True` on CPU): a split model converts exactly the whole model's
   block linears under the same names, and the stage chunks run them.
 - `kiln train` pp=2 + AC: the step-3 checkpoint continues in one process with the same losses.
