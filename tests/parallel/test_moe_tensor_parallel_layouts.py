@@ -4,9 +4,8 @@ metrics, evaluation and checkpoints included) gives the per-step losses, grad no
 load-balancing and z-losses of one process on the same global batch. Negative controls: MoE
 routing that counts capacity slots and load-balancing shares on the cp slice only, and pipeline
 stages whose MoE losses are reported but not backpropagated, do not match. MoE x TP alone:
-test_tensor_parallel.py (float8: test_tensor_parallel_float8.py). A whole-model
-`train.compile_scope='model'` with tp is refused in one line naming the key (last test here);
-per-block compile under tp: test_tensor_parallel_compile.py.
+test_tensor_parallel.py (float8: test_tensor_parallel_float8.py). Compile under tp (per block
+and `train.compile_scope='model'`, with an MoE block): test_tensor_parallel_compile.py.
 
 Tolerance: fp32, relative 1e-5 per step (TP reorders the row-wise reductions, CP the attention
 sums, PP the micro-batch sums). SGD with clipping active, top-2 routing with capacity 1.25
