@@ -133,12 +133,8 @@ class ParallelDims:
             if value % tp:
                 raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")
         # train.float8 (both recipes) runs under tp: tensor_parallel._styles picks the TP styles.
-        if cfg.train.compile and cfg.train.compile_scope == "model":
-            # Per-block compile under tp is what is tested (tests/parallel/test_tensor_parallel_compile.py,
-            # including the torch 2.13 workaround in parallelize.wait_collective_inputs); one graph
-            # over the TP embedding, the vocab-sharded head and loss_parallel is not.
-            raise ConfigError(f"train.compile_scope='model' with parallel.tp={tp} is not supported (compiled "
-                              f"blocks are); set train.compile_scope='blocks' or 'auto'")
+        # train.compile_scope='model' runs under tp (one graph over the blocks and the vocab-sharded head;
+        # the TP embedding and the loss stay eager; tests/parallel/test_tensor_parallel_compile.py).
 
     @property
     def dp_mesh_names(self) -> tuple[str, ...]:

@@ -158,8 +158,29 @@ def wait_collective_inputs(module: nn.Module, args: tuple) -> tuple:
     return tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
 
 
+def keep_tp_embedding_eager(root: nn.Module) -> None:
+    """Under tp, a whole-model (or stage-chunk) graph leaves the vocab-sharded embedding out: it
+    runs eagerly (torch.compiler.disable), its output waited for before the graph takes it.
+
+    Why: torch 2.13's AOTAutograd fails to trace the embedding's MaskPartial (its mask buffer is
+    made in another fake mode: "Mixing fake modes NYI" in _ops/_mask_buffer.py, seen with tp=2 on
+    CPU); per-block compile never has the embedding in a graph either. Its output is an in-flight
+    reduce-scatter (AsyncCollectiveTensor) that would lose its gradient entering the graph
+    (`wait_collective_inputs`), so the wait runs inside the eager part, as the embedding's last
+    forward hook. The wrapper is an OptimizedModule: checkpoint names drop its `_orig_mod`, as
+    for compiled blocks."""
+    from torch.distributed.tensor import DTensor
+
+    embedding = getattr(root, "tok_embeddings", None)
+    if embedding is None or not isinstance(embedding.weight, DTensor):
+        return
+    embedding.register_forward_hook(lambda module, args, out: wait_collective_inputs(module, (out,))[0])
+    root.tok_embeddings = torch.compiler.disable(embedding)
+
+
 def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, experts_fsdp: bool = False) -> None:
-    """torch.compile, in one graph for the whole model ("model") or per block ("blocks"), each
+    """torch.compile, in one graph for the whole model ("model"; under pp one per stage chunk) or per
+    block ("blocks"), each
     block whole (fullgraph). `experts_fsdp` (ep under fsdp/zero2): a MoE block's experts will be
     their own FSDP unit, whose hooks dynamo does not trace (torch 2.13: "Attempted to call
     function marked as skipped" at the first step), so such a block is compiled piecewise, as
@@ -171,8 +192,16 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
     checkpointing the pieces are compiled inside the (eager) checkpoint wrapper. Dense blocks,
     and MoE blocks under ddp, are compiled whole."""
     if scope == "model":
-        # In place (nn.Module.compile), so parameter names and checkpoints stay the same.
-        model.compile(mode="reduce-overhead" if cuda_graphs else None)
+        # In place (nn.Module.compile), so parameter names and checkpoints stay the same. Under pp
+        # the schedule calls the rank's stage chunks (kiln/parallel/pipeline.py StageChunk), not the
+        # model: each chunk is one graph (embedding, its blocks, and on the last stage the head; the
+        # schedule's loss_fn stays eager). Under tp the graph holds the blocks and the vocab-sharded
+        # head; the embedding (keep_tp_embedding_eager) and the loss under loss_parallel
+        # (tensor_parallel.parallel_lm_loss: dynamo traces it without loss_parallel's context,
+        # "got mixed torch.Tensor and DTensor") run eagerly around it.
+        for root in getattr(model, "chunks", [model]):
+            keep_tp_embedding_eager(root)
+            root.compile(mode="reduce-overhead" if cuda_graphs else None)
         return
     # Per block: every block has the same graph, so one compilation serves all of them (under pp
     # the blocks of every stage chunk of this rank). The hook runs eagerly, before the graph

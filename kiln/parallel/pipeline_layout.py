@@ -46,20 +46,21 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
         raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
                           f"{p.pp_schedule!r}")
-    if cfg.train.compile and cfg.train.compile_scope == "model":
-        raise ConfigError("train.compile_scope='model' with parallel.pp > 1: a pipeline rank holds stages, not "
-                          "the whole model; set train.compile_scope='blocks' (or 'auto')")
     if cfg.train.cuda_graphs:  # otherwise "auto" would compile blocks and drop the CUDA graphs silently
-        raise ConfigError("train.cuda_graphs=true with parallel.pp > 1: CUDA graphs need "
-                          "train.compile_scope='model', and a pipeline rank holds stages, not the whole model; "
+        raise ConfigError("train.cuda_graphs=true with parallel.pp > 1: CUDA graphs over the stage chunks "
+                          "are not tested (compile_scope='model' compiles each chunk without them); "
                           "set train.cuda_graphs=false")
     if cfg.train.compile and p.pp_schedule in ZERO_BUBBLE:
-        # torch refuses it too (pipelining/schedules.py _check_torch_compile_compatibility: the
-        # input/weight split of the backward is not supported with torch.compile), but only
-        # after the model is built; a compiled block's backward is one node for both passes.
-        raise ConfigError(f"train.compile=true with parallel.pp_schedule={p.pp_schedule!r}: torch does not "
-                          f"split a compiled block's backward into input and weight passes; set "
-                          f"train.compile=false or use interleaved_1f1b")
+        # A compiled block's backward is one autograd node (AOTAutograd's) for its input and weight
+        # gradients. torch's input pass (pipelining/_backward.py stage_backward_input) runs it whole,
+        # and its weight pass (stage_backward_weight) starts again from that node's gradient, running
+        # the whole compiled backward a second time: the values are right but nothing is split, and
+        # each micro-batch pays the block's backward twice (pinned in tests/parallel/
+        # test_pipeline_ac_compile.py). torch refuses compiled stage modules there too
+        # (_check_torch_compile_compatibility), but only for OptimizedModule and after the build.
+        raise ConfigError(f"train.compile=true with parallel.pp_schedule={p.pp_schedule!r}: a compiled "
+                          f"block's backward is one autograd node, so the zero-bubble weight pass would run "
+                          f"it again (no input/weight split); set train.compile=false or use interleaved_1f1b")
     if p.pp_split_points:
         stage_layer_ranges(cfg.model.n_layers, stages, p.pp_split_points)
 

@@ -238,8 +238,10 @@ class _LossParallel(torch.autograd.Function):
                                   stride=grad.stride()), None
 
 
+@torch.compiler.disable  # dynamo traces the loss without loss_parallel's context (mixed Tensor/DTensor)
 def parallel_lm_loss(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss (a plain replicated scalar) of logits sharded on the vocabulary."""
+    """Mean next-token loss (a plain replicated scalar) of logits sharded on the vocabulary; eager
+    under a whole-model compile (parallelize.apply_compile)."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return _LossParallel.apply(logits, targets)
     with loss_parallel():  # eval: no gradient to keep

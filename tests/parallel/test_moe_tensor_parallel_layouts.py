@@ -4,9 +4,8 @@ metrics, evaluation and checkpoints included) gives the per-step losses, grad no
 load-balancing and z-losses of one process on the same global batch. Negative controls: MoE
 routing that counts capacity slots and load-balancing shares on the cp slice only, and pipeline
 stages whose MoE losses are reported but not backpropagated, do not match. MoE x TP alone:
-test_tensor_parallel.py (float8: test_tensor_parallel_float8.py). A whole-model
-`train.compile_scope='model'` with tp is refused in one line naming the key (last test here);
-per-block compile under tp: test_tensor_parallel_compile.py.
+test_tensor_parallel.py (float8: test_tensor_parallel_float8.py). Compile under tp (per block
+and `train.compile_scope='model'`, with an MoE block): test_tensor_parallel_compile.py.
 
 Tolerance: fp32, relative 1e-5 per step (TP reorders the row-wise reductions, CP the attention
 sums, PP the micro-batch sums). SGD with clipping active, top-2 routing with capacity 1.25
@@ -124,21 +123,3 @@ def test_pipeline_moe_losses_without_their_gradient_differ(four_ranks, one_proce
     assert [got[0], *got[2:4]] == pytest.approx([expected[0], *expected[2:4]], rel=REL)
     assert got[1] != pytest.approx(expected[1], rel=REL)
     assert got[4::4][:STEPS - 1] != pytest.approx(expected[4::4][:STEPS - 1], rel=REL)
-
-
-@pytest.mark.parametrize("sets, refusal, fix", [
-    ({"train.compile": "true", "train.compile_scope": "'model'"},
-     "train.compile_scope='model' with parallel.tp=2 is not supported", "set train.compile_scope='blocks'"),
-])
-def test_moe_tp_with_whole_model_compile_is_refused_in_one_line_before_any_work(
-        text_file, tmp_path, monkeypatch, capsys, sets, refusal, fix):
-    # compile under tp is tested per block (test_tensor_parallel_compile.py), not as one whole-model graph
-    from kiln.cli import main
-
-    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(name, value)
-    overrides = tiny_overrides(text_file, **{**MOE, "parallel.tp": 2, **sets})
-    assert main(["train", "--run-dir", str(tmp_path / "run"), *[x for o in overrides for x in ("--set", o)]]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and refusal in lines[0], lines
-    assert fix in lines[0] and not (tmp_path / "run").exists()

@@ -4,9 +4,11 @@
   stage-local index would checkpoint other layers: `test_ac_rule_is_on_the_global_layer_index`
   spells out the sets), and the stage chunks run the wrappers (fewer tensors saved for backward).
 - 2 gloo ranks, pp=2: AC (every_k:3) on every schedule, per-block compile on 1F1B and
-  interleaved 1F1B, AC (full) + compile on GPipe and interleaved 1F1B: per-step losses and grad
-  norms match one process with the same AC / compile over 5 steps. Compile with the zero-bubble
-  schedules is refused in one line (torch raises for compiled stage modules there).
+  interleaved 1F1B, `compile_scope='model'` (each stage chunk one graph) on 1F1B and interleaved
+  1F1B, AC (full) + compile on GPipe and interleaved 1F1B: per-step losses and grad norms match one
+  process with the same AC / compile over 5 steps. Compile with the zero-bubble schedules is
+  refused in one line: torch's weight pass re-runs a compiled block's whole backward (pinned with
+  torch's own split-backward functions in one process).
 - float8 (torchao, `emulate=True` on CPU): a split model converts exactly the whole model's
   block linears under the same names, and the stage chunks run them.
 - `kiln train` pp=2 + AC: the step-3 checkpoint continues in one process with the same losses.
@@ -47,6 +49,8 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 
 ALL = [s for s, _ in SCHEDULES]
 VARIANTS = {"ac": ({"activation_checkpointing": "every_k:3"}, ALL),
             "compile": ({"compile": True}, ["1f1b", "interleaved_1f1b"]),
+            # compile_scope='model': each stage chunk one graph (reference: the whole model one graph)
+            "compile_model": ({"compile": True, "compile_scope": "model"}, ["1f1b", "interleaved_1f1b"]),
             "ac+compile": ({"activation_checkpointing": "full", "compile": True}, ["gpipe", "interleaved_1f1b"])}
 CASES = [(v, s) for v, (_, schedules) in VARIANTS.items() for s in schedules]
 
@@ -55,8 +59,8 @@ def job(pp=2, virtual=1, schedule="1f1b", n_layers=4, **train) -> JobConfig:
     cfg = JobConfig()
     cfg.model = ModelConfig(dim=32, n_layers=n_layers, n_heads=2, vocab_size=61, max_seq_len=16,
                             tie_embeddings=False)
-    cfg.train = dataclasses.replace(cfg.train, batch_size=4, dtype="fp32", device="cpu", compile_scope="blocks",
-                                    **train)
+    cfg.train = dataclasses.replace(cfg.train, **{"batch_size": 4, "dtype": "fp32", "device": "cpu",
+                                                  "compile_scope": "blocks", **train})
     cfg.parallel = dataclasses.replace(cfg.parallel, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
                                        pp_microbatches=MICRO if pp > 1 else 0)
     return cfg
@@ -130,11 +134,8 @@ def test_names_stay_those_of_the_single_process_model():
     assert both == plain == set(Transformer(cfg.model).state_dict())
 
 
-def test_model_compile_scope_with_pp_is_refused_naming_the_key():
-    cfg = job(compile=True)
-    cfg.train.compile_scope = "model"
-    with pytest.raises(ConfigError, match=r"train\.compile_scope='model' with parallel\.pp > 1"):
-        pl.check_pipeline_config(cfg)
+def test_cuda_graphs_with_pp_are_refused_naming_the_key():
+    pl.check_pipeline_config(job(compile=True, compile_scope="model"))  # one graph per stage chunk: runs
     cfg = job(compile=True, cuda_graphs=True)
     cfg.train.compile_scope = "auto"
     with pytest.raises(ConfigError, match=r"train\.cuda_graphs=true with parallel\.pp > 1"):
@@ -148,6 +149,41 @@ def test_compile_with_zero_bubble_is_refused_naming_the_key(schedule):
     with pytest.raises(ConfigError, match=rf"train\.compile=true with parallel\.pp_schedule='{schedule}'"):
         pl.check_pipeline_config(job(schedule=schedule, virtual=2, compile=True))
     pl.check_pipeline_config(job(schedule=schedule, virtual=2, activation_checkpointing="full"))
+
+
+def test_zero_bubble_weight_pass_reruns_a_compiled_block_backward():
+    """Why compile is refused with the zero-bubble schedules, on torch's own split backward
+    (pipelining/_backward.py): an eager block's weights hang off their own matmul nodes, so the
+    weight pass computes only dW; a compiled block's only node is AOTAutograd's backward, which the
+    input pass runs whole and the weight pass runs again (values right, no split, backward twice).
+    If torch ever splits it (one run per pass), this fails and the refusal can be revisited."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    runs = []
+
+    def counting(gm, example_inputs):  # AOTAutograd without codegen, counting compiled backward runs
+        def backward(graph, _):
+            return lambda *args: runs.append(1) or graph(*args)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda graph, _: graph, bw_compiler=backward)
+
+    torch._dynamo.reset()
+    grads, nodes = {}, {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        run = torch.compile(block, backend=counting, fullgraph=True) if mode == "compiled" else block
+        x = torch.randn(4, 8, requires_grad=True)
+        out = run(x)
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+        nodes[mode] = sorted(type(n).__name__ for g in groups for n in g["intermediates"])
+        after_input = len(runs)
+        stage_backward_weight(block.parameters(), groups)
+        grads[mode] = [x.grad, *(p.grad for p in block.parameters())]
+        if mode == "compiled":
+            assert (after_input, len(runs)) == (1, 2), runs  # the weight pass ran the whole backward again
+    assert nodes == {"eager": ["AddmmBackward0", "AddmmBackward0"], "compiled": ["CompiledFunctionBackward"]}
+    assert all(torch.equal(a, b) for a, b in zip(grads["eager"], grads["compiled"]))
 
 
 def test_kiln_train_refuses_compile_with_zero_bubble_in_one_line(tmp_path, text_file, monkeypatch, capsys):
@@ -231,6 +267,7 @@ def _steps(rank, world):
                 sum(isinstance(m, CheckpointWrapper) for m in c.modules()) for c in model.chunks]
             got[(variant, schedule, "compiled")] = [
                 sum(type(m).__name__ == "OptimizedModule" for m in c.layers) for c in model.chunks]
+            got[(variant, schedule, "chunk compiled")] = [c._compiled_call_impl is not None for c in model.chunks]
             got[(variant, schedule)] = run(pl.pipeline_train_step, pipe, model.parameters(), whole)
             dist.barrier()
     return got
@@ -290,6 +327,13 @@ def test_ac_and_compile_are_applied_on_every_stage(two_ranks):
     assert [two_ranks["ranks"][r][("compile", "interleaved_1f1b", "compiled")] for r in range(2)] == [[1, 1], [1, 1]]
     assert [two_ranks["ranks"][r][("ac+compile", "gpipe", "compiled")] for r in range(2)] == [[2], [2]]
     assert [two_ranks["ranks"][r][("ac", "gpipe", "compiled")] for r in range(2)] == [[0], [0]]
+    # compile_scope='model': every stage chunk is one graph, its blocks are not compiled apart
+    for schedule, chunks in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        assert [two_ranks["ranks"][r][("compile_model", schedule, "chunk compiled")] for r in range(2)] == [
+            [True] * chunks] * 2
+        assert [two_ranks["ranks"][r][("compile_model", schedule, "compiled")] for r in range(2)] == [[0] * chunks] * 2
+        assert [two_ranks["ranks"][r][("compile", schedule, "chunk compiled")] for r in range(2)] == [
+            [False] * chunks] * 2  # control: per-block compile leaves the chunk eager
 
 
 # ---------------------------------------------------------------- kiln's trainer: pp=2 + AC -> one process
