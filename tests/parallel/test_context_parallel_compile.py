@@ -2,7 +2,8 @@
 opaque op (torch.library custom ops, kiln/parallel/context_parallel.py) and trains like one process.
 
 Training: `kiln train`'s trainer in-process on gloo ranks (tests/parallel/ranks.py), blocks
-compiled (fullgraph), cp=2 under DDP (2 ranks) and FSDP dp_shard=2 x cp=2 (4 ranks), against ONE
+compiled (fullgraph), cp=2 under DDP (2 ranks), and in one 4-rank launch FSDP dp_shard=2 x cp=2,
+tp=2 x cp=2 and pp=2 x cp=2 (1F1B, one block per stage), against ONE
 EAGER process on the same global batch (conftest's dp_reference: test_data_parallel's settings,
 SGD, no clipping, 6 steps); fp32, relative 1e-5 per step (the data-parallel tests' bound).
 
@@ -13,6 +14,9 @@ fp32 atol 1e-5). Negative control: the same compiled check with a ring merge tha
 earlier partial sums fails. The control is at the attention level because this tiny model's
 loss barely feels attention at initialization (that merge moves the first loss by ~2e-6
 relative in one process, below the training bound).
+
+The wrong merge is the control for the tp and pp layouts too: under tp each rank's ring runs on its
+own heads, and under pp each stage's cp pair is its ring; the same ring op as the 2-rank check.
 
 Recompiles: a step loop over kiln's `parallelize` and `ContextParallel`, each step followed by
 an evaluation outside `with cp:` (whole sequences, SDPA: kiln's scorer), compiles its graphs in
@@ -41,6 +45,16 @@ LAUNCH_TIMEOUT = 300 if BACKEND == "aot_eager" else 1800  # seconds per launch o
 CP2 = {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train.batch_size": GLOBAL_BATCH, "train.compile": "true"}
 FSDP2_CP2 = {"parallel.cp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH // 2,
              "train.compile": "true"}
+# No data parallelism: the 4 ranks are tp 2 x cp 2 (each cp rank's zig-zag half split over tp
+# between blocks) or pp 2 x cp 2 (1F1B, one block per stage, each stage's cp pair its ring).
+TP2_CP2 = {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH,
+           "train.compile": "true"}
+PP2_CP2 = {"parallel.cp": 2, "parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", "parallel.dp_mode": "'fsdp'",
+           "train.batch_size": GLOBAL_BATCH, "train.compile": "true"}
+LAUNCHES = {  # world -> runs of that launch (name -> settings)
+    2: {"cp2_compiled": CP2},
+    4: {"fsdp2_cp2_compiled": FSDP2_CP2, "tp2_cp2_compiled": TP2_CP2, "pp2_cp2_compiled": PP2_CP2},
+}
 
 
 def _merge_forgetting_earlier_blocks(acc, l, m, s, vb):
@@ -171,25 +185,28 @@ def _rows(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text_file):
-    """name -> per-step losses of cp=2 compiled (2 ranks, which also run the attention check and
-    the recompile loops: "checks", per rank) and FSDP 2 x cp 2 compiled (4 ranks)."""
+    """name -> per-step losses of each run of LAUNCHES (the 2-rank launch also runs the attention
+    check and the recompile loops: "checks", per rank)."""
     tmp = tmp_path_factory.mktemp("cp_compile")
     out = {}
-    for world, name, extra in ((2, "cp2_compiled", CP2), (4, "fsdp2_cp2_compiled", FSDP2_CP2)):
-        specs = [(name, load_config(None, common(text_file, **extra)), tmp / name)]
-        recompile_job = load_config(None, common(text_file, **extra)) if world == 2 else None
+    for world, layouts in LAUNCHES.items():
+        specs = [(name, load_config(None, common(text_file, **extra)), tmp / name) for name, extra in layouts.items()]
+        recompile_job = load_config(None, common(text_file, **CP2)) if world == 2 else None
         (tmp / f"world{world}").mkdir()
-        result = run_ranks(_train, world, tmp / f"world{world}", specs, recompile_job, timeout=LAUNCH_TIMEOUT)
+        result = run_ranks(_train, world, tmp / f"world{world}", specs, recompile_job,
+                           timeout=LAUNCH_TIMEOUT * len(specs))
         if world == 2:
             out["checks"] = result
-        run_row = next(r for r in _rows(tmp / name) if r["kind"] == "run")
-        assert run_row["compile"] == "blocks" and run_row["cp"] == 2 and run_row["world_size"] == world
-        out[name] = losses(tmp / name)
+        for name, extra in layouts.items():
+            run_row = next(r for r in _rows(tmp / name) if r["kind"] == "run")
+            assert run_row["compile"] == "blocks" and run_row["cp"] == 2 and run_row["world_size"] == world
+            assert (run_row["tp"], run_row["pp"]) == (extra.get("parallel.tp", 1), extra.get("parallel.pp", 1))
+            out[name] = losses(tmp / name)
     return out
 
 
-@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("name", ["cp2_compiled", "fsdp2_cp2_compiled"])
+@pytest.mark.timeout(5 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
 def test_compiled_blocks_with_context_parallel_match_one_eager_process(runs, dp_reference, name):
     got = runs[name]
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -197,14 +214,14 @@ def test_compiled_blocks_with_context_parallel_match_one_eager_process(runs, dp_
         assert got[step] == pytest.approx(dp_reference[step], rel=REL), f"step {step}: {got[step]}"
 
 
-@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
+@pytest.mark.timeout(5 * LAUNCH_TIMEOUT)
 def test_ring_ops_pass_torch_library_opcheck(runs):
     for rank, checks in enumerate(runs["checks"]):
         for op, results in checks["opcheck"].items():
             assert results and set(results.values()) == {"SUCCESS"}, f"rank {rank} {op}: {results}"
 
 
-@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
+@pytest.mark.timeout(5 * LAUNCH_TIMEOUT)
 def test_compiled_ring_attention_matches_full_attention_and_a_wrong_merge_does_not(runs):
     for rank, checks in enumerate(runs["checks"]):
         errors = checks["attention"]
@@ -214,7 +231,7 @@ def test_compiled_ring_attention_matches_full_attention_and_a_wrong_merge_does_n
         assert all(errors["wrong", *heads][0] > 100 * ATOL for heads in ((4, 4), (4, 2))), errors
 
 
-@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)
+@pytest.mark.timeout(5 * LAUNCH_TIMEOUT)
 def test_compiled_blocks_do_not_recompile_across_cp_steps_and_evaluations(runs):
     for rank, checks in enumerate(runs["checks"]):
         steady, strict = checks["graphs"][1], checks["graphs"][0]
