@@ -9,6 +9,13 @@ For launcher tests (torchrun, the Slurm script): `tag_env(env)` marks every proc
 that environment, and `kill_launcher(p, tag)` kills the launcher's process group and then every
 process still carrying the tag. torchrun starts each worker in a session of its own (torch's
 SubprocessHandler), so a process-group kill alone leaves the workers running once their agent is gone.
+
+For a deliberate mistake in one job of a shared launch: `undo = patch_for_one_run(owner, name, value)`
+sets owner.name and returns the function that puts the original back.
+
+For several kiln runs in one launch instead of a `kiln train` launch each: `run_ranks(train_runs, n,
+tmp, jobs)` runs kiln's trainer once per job on every rank, and `continue_in_copy(source, step, run,
+overrides)` continues a run's step-`step` checkpoint in a copy of its run directory (also in one process).
 """
 
 import os
@@ -60,6 +67,62 @@ def run_ranks(fn, n, tmp_path, *args, timeout=120):
         assert error is None, f"rank {rank} failed:\n{error}"
         results.append(result)
     return results
+
+
+def patch_for_one_run(owner, name: str, replacement):
+    """Set `owner.name = replacement` (a module function or a class attribute swapped for a
+    deliberate mistake while one job runs) and return the undo. A class's own attribute is restored
+    as it was stored (a staticmethod stays one); one it inherited is removed again."""
+    own = vars(owner) if isinstance(owner, type) else None
+    had_own = own is None or name in own
+    saved = getattr(owner, name) if own is None else own.get(name)
+    setattr(owner, name, replacement)
+
+    def undo():
+        if had_own:
+            setattr(owner, name, saved)
+        else:
+            delattr(owner, name)
+
+    return undo
+
+
+def continue_in_copy(source, step: int, run, overrides: list[str]):
+    """Copy run directory `source` to `run` without its checkpoints after `step` and train on from
+    there as `kiln train <run>/config.toml --resume --set <overrides>` does. In a launch, call it
+    on every rank (rank 0 copies)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    def later_checkpoints(folder, names):
+        return [x for x in names if x.startswith("step-") and x[5:].isdigit() and int(x[5:]) > step]
+
+    distributed = dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        shutil.copytree(source, run, ignore=later_checkpoints)
+    if distributed:
+        dist.barrier()
+    train(load_config(Path(run) / "config.toml", overrides), run, resume=True)
+    if distributed:
+        dist.barrier()
+
+
+def train_runs(rank, world, jobs):
+    """For run_ranks: kiln's trainer once per job on every rank, as under torchrun. A job is (run,
+    overrides) for a fresh run, or (run, overrides, source, step) to continue_in_copy."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    for run, overrides, *source in jobs:
+        if source:
+            continue_in_copy(source[0], source[1], run, overrides)
+        else:
+            train(load_config(None, overrides), run)
 
 
 def tag_env(env: dict) -> tuple[dict, str]:

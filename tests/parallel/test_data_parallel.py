@@ -10,14 +10,13 @@ check fails for exactly that error.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from conftest import tiny_overrides
-from ranks import kill_launcher, tag_env
+from ranks import continue_in_copy, kill_launcher, run_ranks, tag_env, train_runs
 
 STEPS = 6
 REL = 1e-5
@@ -74,63 +73,83 @@ def reference(dp_reference):
     return dp_reference  # one process, the global batch: one launch per session (conftest)
 
 
-def resume_from_step_3(run, nproc, batch_size, mode):
-    """Drop the later checkpoint and continue from step 3 in another layout."""
-    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")
-    run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume",
-              *sets([f"train.batch_size={batch_size}", f"parallel.dp_mode={mode!r}", "parallel.dp_replicate=1",
-                     "parallel.dp_shard=-1"])], nproc=nproc)
+def resume_overrides(nproc, mode) -> list[str]:
+    """The layout a step-3 checkpoint continues in: `mode` over all `nproc` ranks."""
+    return [f"train.batch_size={GLOBAL_BATCH // nproc}", f"parallel.dp_mode={mode!r}", "parallel.dp_replicate=1",
+            "parallel.dp_shard=-1"]
 
 
 # mode on 2 ranks -> the layout its step-3 checkpoint resumes in (nproc, dp_mode), or None. The
 # pairs cover ZeRO-1's own save and load paths, a sharded -> replicated load and FSDP 2 -> 1;
-# HSDP 4 -> FSDP 2 is below. (Every resume is a process start: kept few for the 2-core budget.)
+# HSDP 4 -> FSDP 2 is below. The runs share two launches (4 ranks, then 2), run by the `runs`
+# fixture; the torchrun + CLI path is the ddp run's (conftest) and the failing-rank test's.
 LAYOUTS = {"ddp": None, "zero1": (2, "fsdp"), "zero2": (2, "zero1"), "fsdp": (1, "auto")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, text_file):
+    """name -> run directory: each 2-rank mode, HSDP on 4 ranks, each step-3 continuation
+    ("<mode> resumed") and one process at twice the learning rate ("doubled lr")."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    root = tmp_path_factory.mktemp("dp")
+    out = {name: root / name for name in ["hsdp", "zero1", "zero2", "fsdp"]}
+    (root / "ranks4").mkdir()
+    run_ranks(train_runs, 4, root / "ranks4", [(out["hsdp"], common(
+        text_file, **{"train.batch_size": 1, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}))], timeout=400)
+    jobs = [(out[mode], common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.dp_mode": repr(mode)}))
+            for mode in ["zero1", "zero2", "fsdp"]]
+    for mode, (nproc, next_mode) in [("zero1", LAYOUTS["zero1"]), ("zero2", LAYOUTS["zero2"]), ("hsdp", (2, "fsdp"))]:
+        out[f"{mode} resumed"] = root / f"{mode}-resumed"
+        jobs.append((out[f"{mode} resumed"], resume_overrides(nproc, next_mode), out[mode], 3))
+    (root / "ranks2").mkdir()
+    run_ranks(train_runs, 2, root / "ranks2", jobs, timeout=400)
+    out["fsdp resumed"] = root / "fsdp-resumed"  # FSDP 2 -> 1: in this process
+    continue_in_copy(out["fsdp"], 3, out["fsdp resumed"], resume_overrides(*LAYOUTS["fsdp"]))
+    # Gradients summed over 2 ranks instead of averaged are twice too large; with SGD that is the
+    # same run as one process at twice the learning rate.
+    out["doubled lr"] = root / "doubled"
+    train(load_config(None, common(text_file, **{"train.batch_size": GLOBAL_BATCH, "optim.lr": 0.2})), out["doubled lr"])
+    return out
+
+
+def assert_resumed(reference, run):
+    """The copy's last run row resumed at step 3, and the rows it wrote (after that row) match."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    last = max(i for i, r in enumerate(rows) if r["kind"] == "run")
+    assert rows[last]["resumed_from"] == 3
+    got = {r["step"]: r["loss"] for r in rows[last:] if r["kind"] == "train"}
+    assert sorted(got) == list(range(4, STEPS + 1))
+    assert_same_losses(reference, got, range(4, STEPS + 1))
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", list(LAYOUTS))
-def test_two_ranks_match_one_process_and_resume_in_another_layout(tmp_path, text_file, reference, mode, request):
-    if mode == "ddp":  # the session's shared torchrun run (conftest), which ddp does not resume
-        run = request.getfixturevalue("ddp2_torchrun_run")
-    else:
-        run = tmp_path / mode
-        run_kiln(["train", "--run-dir", str(run),
-                  *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.dp_mode": repr(mode)}))],
-                 nproc=2)
+def test_two_ranks_match_one_process_and_resume_in_another_layout(text_file, reference, mode, request):
+    # ddp: the session's shared torchrun run (conftest), which ddp does not resume
+    run = request.getfixturevalue("ddp2_torchrun_run") if mode == "ddp" else request.getfixturevalue("runs")[mode]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     run_row = next(r for r in rows if r["kind"] == "run")
     assert (run_row["dp_mode"], run_row["world_size"]) == (mode, 2)
     assert all("memory_mb_min" in r for r in rows if r["kind"] == "train")
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
-
     if LAYOUTS[mode]:
-        nproc, next_mode = LAYOUTS[mode]
-        resume_from_step_3(run, nproc, GLOBAL_BATCH // nproc, next_mode)
-        assert_same_losses(reference, losses(run), range(4, STEPS + 1))
+        assert_resumed(reference, request.getfixturevalue("runs")[f"{mode} resumed"])
 
 
 @pytest.mark.timeout(600)
-def test_hsdp_on_four_ranks_matches_and_reshards_to_fsdp_on_two(tmp_path, text_file, reference):
-    run = tmp_path / "hsdp"
-    run_kiln(["train", "--run-dir", str(run),
-              *sets(common(text_file, **{"train.batch_size": 1, "parallel.dp_replicate": 2,
-                                         "parallel.dp_shard": 2}))], nproc=4)
+def test_hsdp_on_four_ranks_matches_and_reshards_to_fsdp_on_two(runs, reference):
+    run = runs["hsdp"]
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
     assert (run_row["dp_mode"], run_row["dp_replicate"], run_row["dp_shard"]) == ("fsdp", 2, 2)
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
-    resume_from_step_3(run, 2, GLOBAL_BATCH // 2, "fsdp")
-    assert_same_losses(reference, losses(run), range(4, STEPS + 1))
+    assert_resumed(reference, runs["hsdp resumed"])
 
 
-def test_tolerance_catches_wrong_gradient_scaling(tmp_path, text_file, reference):
-    # Gradients summed over 2 ranks instead of averaged are twice too large; with SGD that is the
-    # same run as one process at twice the learning rate.
-    run = tmp_path / "doubled"
-    run_kiln(["train", "--run-dir", str(run),
-              *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH, "optim.lr": 0.2}))])
+def test_tolerance_catches_wrong_gradient_scaling(runs, reference):
     with pytest.raises(AssertionError):
-        assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+        assert_same_losses(reference, losses(runs["doubled lr"]), range(1, STEPS + 1))
 
 
 def test_impossible_layout_fails_before_any_work_naming_the_key(tmp_path, text_file, monkeypatch, capsys):

@@ -18,12 +18,11 @@ a norm over the local experts only.
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
 
-from ranks import run_ranks
+from ranks import run_ranks, train_runs
 
 STEPS = 6
 REL = 1e-5
@@ -244,11 +243,38 @@ def assert_same_grads(got, expected):
         torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
 
 
-@pytest.mark.timeout(240)
-def test_ep2_within_four_data_parallel_ranks_matches_one_process_with_clipping(tmp_path):
+def four_ranks(rank, world, jobs):
+    """The module's one 4-rank launch: ep_within_dp_rank, then kiln's trainer on `jobs`."""
+    out = ep_within_dp_rank(rank, world)
+    train_runs(rank, world, jobs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_rank_launch(tmp_path_factory, text_file):
+    """(what ep_within_dp_rank returned on each rank, {name: run directory}): kiln's trainer in
+    this process ("single") and, in the launch, with ep=2 of dp_shard=4 ("ep2") and its step-3
+    checkpoint continued with dp_mode=ddp ("ep2 -> ddp")."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+    from test_data_parallel import GLOBAL_BATCH, common
+
+    root = tmp_path_factory.mktemp("ep4")
+    runs = {name: root / name for name in ["single", "ep2", "ep2-ddp"]}
+    runs["ep2 -> ddp"] = runs.pop("ep2-ddp")
+    train(load_config(None, common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH})), runs["single"])
+    jobs = [(runs["ep2"], common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2,
+                                                            "parallel.dp_mode": "'fsdp'"})),
+            (runs["ep2 -> ddp"], ["parallel.dp_mode='ddp'"], runs["ep2"], 3)]
+    (root / "ranks").mkdir()
+    return run_ranks(four_ranks, 4, root / "ranks", jobs, timeout=400), runs
+
+
+@pytest.mark.timeout(400)
+def test_ep2_within_four_data_parallel_ranks_matches_one_process_with_clipping(four_rank_launch):
     expected_losses, expected_norms, expected_grads = clipped_single_process()
     assert min(expected_norms) > CLIP and expected_losses[-1] < expected_losses[0]  # clipped, and it trains
-    ranks = run_ranks(ep_within_dp_rank, 4, tmp_path)
+    ranks = four_rank_launch[0]
     # (edp, ep): ep groups are consecutive ranks, inside one dp_shard group also under HSDP
     # (2 replicas x dp_shard 2: dp_shard groups {0, 1}, {2, 3}).
     assert ranks[0]["layouts"] == [[[0, 1], [2, 3]], [[0, 1], [2, 3]]]
@@ -319,33 +345,30 @@ def test_ep_dividing_the_data_parallel_ranks_is_accepted(world, degrees, layout)
 
 
 @pytest.mark.timeout(400)
-def test_kiln_train_ep2_of_dp_shard4_matches_one_process_and_resumes_under_ddp(tmp_path, text_file):
+def test_kiln_train_ep2_of_dp_shard4_matches_one_process_and_resumes_under_ddp(four_rank_launch):
     """4 ranks, dp_shard=4, ep=2 against one process; its step-3 checkpoint continues under
     dp_mode=ddp, ep=2 (ep carved from the 4 replicas) with the same losses and grad norms."""
-    from test_data_parallel import GLOBAL_BATCH, assert_same_losses, common, losses, run_kiln, sets
     from test_data_parallel import STEPS as TRAIN_STEPS
+    from test_data_parallel import assert_same_losses, losses
 
-    single = tmp_path / "single"
-    run_kiln(["train", "--run-dir", str(single),
-              *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH}))])
-    expected = losses(single)
-    norms = grad_norms(single)
+    runs = four_rank_launch[1]
+    expected = losses(runs["single"])
+    norms = grad_norms(runs["single"])
     assert min(norms.values()) > TRAIN_MOE["train.clip_grad_norm"]  # clipping is active on every step
 
-    run = tmp_path / "ep2"
-    run_kiln(["train", "--run-dir", str(run),
-              *sets(common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2,
-                                                      "parallel.dp_mode": "'fsdp'"}))], nproc=4, timeout=300)
+    run = runs["ep2"]
     assert_same_losses(expected, losses(run), range(1, TRAIN_STEPS + 1))
     # The pre-clipping norm covers all experts, each counted once, reduced as in one process.
     assert_same_losses(norms, grad_norms(run), range(1, TRAIN_STEPS + 1))
 
     # The step-3 checkpoint holds all 4 experts: it continues with the replicas under ddp.
-    shutil.rmtree(run / "checkpoints" / f"step-{TRAIN_STEPS}")
-    run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume",
-              *sets(["parallel.dp_mode='ddp'"])], nproc=4, timeout=300)
-    assert_same_losses(expected, losses(run), range(4, TRAIN_STEPS + 1))
-    assert_same_losses(norms, grad_norms(run), range(4, TRAIN_STEPS + 1))
+    rows = [json.loads(x) for x in (runs["ep2 -> ddp"] / "metrics.jsonl").read_text().splitlines()]
+    last = max(i for i, r in enumerate(rows) if r["kind"] == "run")
+    assert (rows[last]["resumed_from"], rows[last]["dp_mode"], rows[last]["world_size"]) == (3, "ddp", 4)
+    resumed = [r for r in rows[last:] if r["kind"] == "train"]
+    assert [r["step"] for r in resumed] == list(range(4, TRAIN_STEPS + 1))
+    assert_same_losses(expected, {r["step"]: r["loss"] for r in resumed}, range(4, TRAIN_STEPS + 1))
+    assert_same_losses(norms, {r["step"]: r["grad_norm"] for r in resumed}, range(4, TRAIN_STEPS + 1))
 
 
 def fsdp_manages_experts_rank(rank, world):

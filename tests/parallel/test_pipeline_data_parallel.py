@@ -122,8 +122,9 @@ def step_level(rank, world):
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return run_ranks(step_level, 4, tmp_path_factory.mktemp("ddp_pp"), timeout=240)
+def four_ranks(launch):
+    """What step_level returned on each rank (in the module's one 4-rank launch: `launch`)."""
+    return launch[0]
 
 
 def dp_mean(four_ranks, name):
@@ -202,14 +203,16 @@ PAIRS = {"ddp_pp": ["single", "fsdp_pp"], "zero1_pp": ["single"]}  # saved at st
 SAVED_ONLY = ["ddp_cp_pp", "ddp_zero_bubble_pp", "ddp_cp_zero_bubble_pp"]  # steps 1..3 checked, not continued
 
 
-@pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory, text_file, cross_layout_reference):
-    """test_cross_layout's runs for these layouts: the reference (one process, 6 steps: conftest's,
-    the one test_cross_layout reads), every saved layout (steps 1..3) and every continued pair
-    (steps 4..6)."""
-    from kiln.config import load_config
-    from kiln.train.trainer import train
+def step_level_then_train_jobs(rank, world, jobs):
+    """The module's one 4-rank launch: step_level, then test_cross_layout's train_jobs on `jobs`."""
+    got = step_level(rank, world)
+    cross.train_jobs(rank, world, jobs)
+    return got
 
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory, text_file, cross_layout_reference):
+    """(step_level's results per rank, trainer_runs' directories, the jobs left for one process)."""
     root = tmp_path_factory.mktemp("ddp_pp_trainer")
     shards = cross_layout_reference.parent / "shards"  # tokenized by the reference run
     with mock.patch.dict(cross.LAYOUTS, LAYOUTS):
@@ -225,7 +228,18 @@ def trainer_runs(tmp_path_factory, text_file, cross_layout_reference):
             (four if LAYOUTS[target][0] == 4 else single).append((root / saved, run, sets[target], None))
     work = root / "ranks4"
     work.mkdir()
-    run_ranks(cross.train_jobs, 4, work, four, timeout=300)
+    return run_ranks(step_level_then_train_jobs, 4, work, four, timeout=400), out, single
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(launch):
+    """test_cross_layout's runs for these layouts: the reference (one process, 6 steps: conftest's,
+    the one test_cross_layout reads), every saved layout (steps 1..3) and every continued pair
+    (steps 4..6); the 4-rank runs in `launch`, the one-process continuations here."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    _, out, single = launch
     for source, run, job_sets, _ in single:
         shutil.copytree(source, run)
         train(load_config(None, job_sets), run, resume=True)

@@ -1,7 +1,8 @@
 """Pipeline parallelism: every torch schedule on 2 gloo ranks gives the per-step losses and grad
 norms of one process on the same batch; a PP=2 checkpoint continues in one process; bad input
-fails before any work. `kiln train` with FSDP x PP and TP x PP on 4 ranks matches the same single
-run (TP x PP at the step level, and CP x PP: test_tensor_pipeline_parallel.py).
+fails before any work. kiln's trainer with FSDP x PP and TP x PP on 4 ranks matches the same single
+run (TP x PP at the step level, and CP x PP: test_tensor_pipeline_parallel.py); the trainer runs
+share one launch per world size (ranks.train_runs), the one-process runs are in the test process.
 
 Tolerance: fp32, relative 1e-5 per step (observed < 2e-7: the micro-batch losses are summed in
 another order). SGD without clipping, so wrongly scaled micro-batch gradients change the next
@@ -11,7 +12,6 @@ loss (`test_tolerance_catches_unscaled_microbatch_gradients`).
 import dataclasses
 import json
 import os
-import shutil
 import socket
 import traceback
 
@@ -23,7 +23,8 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import Transformer
 from kiln.parallel import pipeline as pl
-from test_data_parallel import assert_same_losses, losses, run_kiln, sets
+from ranks import continue_in_copy, run_ranks, train_runs
+from test_data_parallel import assert_same_losses, losses, sets
 from conftest import tiny_overrides
 
 STEPS = 5
@@ -229,66 +230,80 @@ def trainer_overrides(text_file, **extra):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, text_file):
-    run = tmp_path_factory.mktemp("pp") / "single"
-    run_kiln(["train", "--run-dir", str(run), *sets(trainer_overrides(text_file))])
-    return run
+def runs(tmp_path_factory, text_file):
+    """name -> run directory of kiln's trainer: "single" (one process) in this process, "pp2" on 2
+    ranks, "dxp" (FSDP x PP) and "tp2pp2" on 4 ranks (one launch each size), and the step-3
+    checkpoints of pp2 and tp2pp2 continued in one process ("<name> resumed")."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    root = tmp_path_factory.mktemp("pp")
+    out = {name: root / name for name in ["single", "pp2", "dxp", "tp2pp2"]}
+    train(load_config(None, trainer_overrides(text_file)), out["single"])
+    (root / "ranks2").mkdir()
+    run_ranks(train_runs, 2, root / "ranks2", [(out["pp2"], trainer_overrides(
+        text_file, **{"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", "parallel.pp_microbatches": 4}))], timeout=400)
+    # DP x PP: 2 pipelines of 2 stages, each stage FSDP-sharded over the 2 pipelines; the global
+    # batch (2 ranks x 1 x grad_accum 2) is the single run's.
+    # TP x PP: every tp rank runs its own pipeline of 2 (interleaved: 4) stages, each stage split
+    # over the 2 tp ranks; no data parallelism, so the batch is the single run's.
+    (root / "ranks4").mkdir()
+    run_ranks(train_runs, 4, root / "ranks4", [
+        (out["dxp"], trainer_overrides(text_file, **{"train.batch_size": 1, "parallel.pp": 2,
+                                                     "parallel.pp_schedule": "'gpipe'"})),
+        (out["tp2pp2"], trainer_overrides(text_file, **{"parallel.tp": 2, "parallel.pp": 2,
+                                                        "parallel.pp_virtual_stages": 2,
+                                                        "parallel.pp_schedule": "'interleaved_1f1b'"}))], timeout=400)
+    # one process from the step-3 checkpoints: weights, optimizer, loader position
+    out["pp2 resumed"], out["tp2pp2 resumed"] = root / "pp2-resumed", root / "tp2pp2-resumed"
+    continue_in_copy(out["pp2"], 3, out["pp2 resumed"], ["parallel.pp=1"])
+    continue_in_copy(out["tp2pp2"], 3, out["tp2pp2 resumed"],
+                     ["parallel.tp=1", "parallel.pp=1", "parallel.pp_virtual_stages=1"])
+    return out
+
+
+def eval_losses(run):
+    return [json.loads(x)["val_loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+
+
+def assert_continued(expected, run):
+    """The last run row resumed at step 3 and the steps written after it match `expected`."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    last = max(i for i, r in enumerate(rows) if r["kind"] == "run")
+    assert rows[last]["resumed_from"] == 3
+    got = {r["step"]: r["loss"] for r in rows[last:] if r["kind"] == "train"}
+    assert sorted(got) == [4, 5, 6]
+    assert_same_losses(expected, got, range(4, 7))
 
 
 @pytest.mark.timeout(600)
-def test_trainer_pp2_matches_and_checkpoint_continues_in_one_process(tmp_path, text_file, single):
-    common = trainer_overrides(text_file)
-    piped = tmp_path / "pp"
-    run_kiln(["train", "--run-dir", str(piped), *sets(common + ["parallel.pp=2", "parallel.pp_schedule='1f1b'",
-                                                                "parallel.pp_microbatches=4"])], nproc=2)
+def test_trainer_pp2_matches_and_checkpoint_continues_in_one_process(runs):
+    single, piped = runs["single"], runs["pp2"]
     rows = [json.loads(x) for x in (piped / "metrics.jsonl").read_text().splitlines()]
     run_row = next(r for r in rows if r["kind"] == "run")
     assert (run_row["pp"], run_row["pp_microbatches"]) == (2, 4)
     assert run_row["bubble_fraction"] == pytest.approx(1 / 5)
     expected = losses(single)
     assert_same_losses(expected, losses(piped), range(1, 7))
-    evals = [r["val_loss"] for r in rows if r["kind"] == "eval"]
-    ref_eval = [json.loads(x)["val_loss"] for x in (single / "metrics.jsonl").read_text().splitlines()
-                if '"eval"' in x]
-    assert evals == pytest.approx(ref_eval, rel=REL)
-
-    shutil.rmtree(piped / "checkpoints" / "step-6")  # continue the PP=2 step-3 checkpoint in one process
-    run_kiln(["train", str(piped / "config.toml"), "--run-dir", str(piped), "--resume", "--set", "parallel.pp=1"])
-    assert_same_losses(expected, losses(piped), range(4, 7))
+    assert eval_losses(piped) == pytest.approx(eval_losses(single), rel=REL)
+    assert_continued(expected, runs["pp2 resumed"])  # the PP=2 step-3 checkpoint in one process
 
 
 @pytest.mark.timeout(600)
-def test_fsdp_across_two_pipelines_on_four_ranks_matches_one_process(tmp_path, text_file, single):
-    # DP x PP: 2 pipelines of 2 stages, each stage FSDP-sharded over the 2 pipelines; the global
-    # batch (2 ranks x 1 x grad_accum 2) is the single run's.
-    run = tmp_path / "dxp"
-    run_kiln(["train", "--run-dir", str(run),
-              *sets(trainer_overrides(text_file, **{"train.batch_size": 1, "parallel.pp": 2,
-                                                    "parallel.pp_schedule": "'gpipe'"}))], nproc=4)
+def test_fsdp_across_two_pipelines_on_four_ranks_matches_one_process(runs):
+    run = runs["dxp"]
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
     assert (run_row["pp"], run_row["dp_mode"], run_row["dp_shard"]) == (2, "fsdp", 2)
-    assert_same_losses(losses(single), losses(run), range(1, 7))
+    assert_same_losses(losses(runs["single"]), losses(run), range(1, 7))
 
 
 @pytest.mark.timeout(600)
-def test_trainer_tp2_x_pp2_on_four_ranks_matches_and_checkpoint_continues_in_one_process(tmp_path, text_file,
-                                                                                          single):
-    # TP x PP: every tp rank runs its own pipeline of 2 (interleaved: 4) stages, each stage split
-    # over the 2 tp ranks; no data parallelism, so the batch is the single run's.
-    run = tmp_path / "tp2pp2"
-    run_kiln(["train", "--run-dir", str(run),
-              *sets(trainer_overrides(text_file, **{"parallel.tp": 2, "parallel.pp": 2, "parallel.pp_virtual_stages": 2,
-                                                    "parallel.pp_schedule": "'interleaved_1f1b'"}))], nproc=4)
+def test_trainer_tp2_x_pp2_on_four_ranks_matches_and_checkpoint_continues_in_one_process(runs):
+    run = runs["tp2pp2"]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     run_row = next(r for r in rows if r["kind"] == "run")
     assert (run_row["tp"], run_row["pp"], run_row["world_size"], run_row["loss_impl"]) == (2, 2, 4, "parallel")
-    expected = losses(single)
+    expected = losses(runs["single"])
     assert_same_losses(expected, losses(run), range(1, 7))
-    ref_eval = [json.loads(x)["val_loss"] for x in (single / "metrics.jsonl").read_text().splitlines()
-                if '"eval"' in x]
-    assert [r["val_loss"] for r in rows if r["kind"] == "eval"] == pytest.approx(ref_eval, rel=REL)
-    # tp=2 x pp=2 -> one process from the step-3 checkpoint: weights, optimizer, loader position
-    shutil.rmtree(run / "checkpoints" / "step-6")
-    run_kiln(["train", str(run / "config.toml"), "--run-dir", str(run), "--resume",
-              *sets(["parallel.tp=1", "parallel.pp=1", "parallel.pp_virtual_stages=1"])])
-    assert_same_losses(expected, losses(run), range(4, 7))
+    assert [r["val_loss"] for r in rows if r["kind"] == "eval"] == pytest.approx(eval_losses(runs["single"]), rel=REL)
+    assert_continued(expected, runs["tp2pp2 resumed"])  # tp=2 x pp=2 -> one process

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from ranks import kill_launcher, tag_env
+from ranks import kill_launcher, patch_for_one_run, tag_env
 
 LAUNCHER = """
 import subprocess, sys, time
@@ -41,3 +41,31 @@ def test_kill_launcher_kills_workers_in_their_own_session():
     finally:
         kill_launcher(p, tag)
         p.stdout.close()
+
+
+class _Base:
+    @staticmethod
+    def backward(x):
+        return x
+
+    def inherited(self):
+        return "base"
+
+
+class _Child(_Base):
+    pass
+
+
+def test_patch_for_one_run_restores_module_attributes_and_a_class_as_it_was():
+    undo = patch_for_one_run(os.path, "sep", "!")
+    assert os.path.sep == "!"
+    undo()
+    assert os.path.sep == "/"
+    undo = patch_for_one_run(_Base, "backward", staticmethod(lambda x: -x))
+    assert _Base.backward(2) == -2
+    undo()
+    assert isinstance(vars(_Base)["backward"], staticmethod) and _Base.backward(2) == 2
+    undo = patch_for_one_run(_Child, "inherited", lambda self: "child")
+    assert _Child().inherited() == "child"
+    undo()
+    assert "inherited" not in vars(_Child) and _Child().inherited() == "base"

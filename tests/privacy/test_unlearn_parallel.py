@@ -41,9 +41,10 @@ def _args(run_dir: Path, out: Path, retain_loss: str) -> list[str]:
             "--val-tokens", "300", "--device", "cpu", "--retain-loss", retain_loss, "--out", str(out)]
 
 
-def _unlearn_rank(rank, n, run_dir, out, retain_loss):
+def _unlearn_rank(rank, n, run_dir, outs):
+    """Every retain loss's `kiln unlearn` on the 2 ranks of one launch: their exit codes."""
     os.environ.update(WORLD_SIZE=str(n), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n))
-    return main(_args(Path(run_dir), Path(out), retain_loss))
+    return [main(_args(Path(run_dir), Path(out), retain_loss)) for retain_loss, out in outs]
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +64,35 @@ def run_dir(tmp_path_factory):
     return root / "run"
 
 
-@pytest.mark.timeout(400)  # ~220 s seen at load average 28 on 2 cores
-@pytest.mark.parametrize("retain_loss", ["lm", "kl"])
-def test_two_fsdp_ranks_match_one_process(run_dir, tmp_path, retain_loss):
+RETAIN_LOSSES = ["lm", "kl"]
+
+
+@pytest.fixture(scope="module")
+def outputs(run_dir, tmp_path_factory):
+    """retain loss -> (one-process output, 2-rank output): the one-process runs in this process,
+    both 2-rank runs in one launch."""
     from parallel.ranks import run_ranks
 
+    root = tmp_path_factory.mktemp("unlearn-outputs")
+    outs = {loss: (root / f"one-{loss}", root / f"two-{loss}") for loss in RETAIN_LOSSES}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for loss, (one, _) in outs.items():
+            assert main(_args(run_dir, one, loss)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert run_ranks(_unlearn_rank, 2, root, str(run_dir), [(loss, str(two)) for loss, (_, two) in outs.items()],
+                     timeout=500) == [[0, 0], [0, 0]]
+    return outs
+
+
+@pytest.mark.timeout(600)  # both retain losses: ~220 s each seen at load average 28 on 2 cores
+@pytest.mark.parametrize("retain_loss", RETAIN_LOSSES)
+def test_two_fsdp_ranks_match_one_process(outputs, retain_loss):
     from kiln.eval.load import load_run
 
-    torch.set_num_threads(1)
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(_args(run_dir, one, retain_loss)) == 0
-    assert run_ranks(_unlearn_rank, 2, tmp_path, str(run_dir), str(two), retain_loss, timeout=300) == [0, 0]
+    one, two = outputs[retain_loss]
     a = json.loads((one / "reports" / "unlearning.json").read_text())
     b = json.loads((two / "reports" / "unlearning.json").read_text())
     assert (a["world_size"], b["world_size"], b["dp_mode"]) == (1, 2, "fsdp")
