@@ -28,14 +28,20 @@ from ranks import run_ranks
 STEPS, SAVE_AT, REL, CLIP = 5, 3, 1e-5, 0.5
 GLOBAL_BATCH, MICRO = 8, 4
 CASES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zbv": ("zbv_zero_bubble", 2)}
+DP_MODES = ("fsdp", "ddp", "zero1", "zero2")
 
 
-def job(pp=1, schedule="1f1b", virtual=1, dp_mode="auto", batch=GLOBAL_BATCH):
+# a GPT-2 with MoE feed-forwards (4 experts, top-2, capacity-dropping, aux and z-losses weighted)
+MOE = dict(moe_experts=4, moe_top_k=2, moe_aux_loss_weight=0.1, moe_z_loss_weight=0.01)
+
+
+def job(pp=1, schedule="1f1b", virtual=1, dp_mode="auto", batch=GLOBAL_BATCH, moe=False):
     from kiln.config import JobConfig, ModelConfig, OptimConfig
 
     cfg = JobConfig()
     cfg.model = ModelConfig(dim=32, n_layers=4, n_heads=2, vocab_size=61, max_seq_len=16, tie_embeddings=True,
-                            positions="learned", norm="layernorm", activation="gelu_tanh", bias=True, init="gpt2")
+                            positions="learned", norm="layernorm", activation="gelu_tanh", bias=True, init="gpt2",
+                            **(MOE if moe else {}))
     # weight decay on matrices only: the head copy must be grouped as the embedding it copies
     cfg.optim = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1)
     cfg.train.batch_size, cfg.train.dtype, cfg.train.device = batch, "fp32", "cpu"
@@ -50,14 +56,16 @@ def batches():
     return [(b[:, :-1], b[:, 1:]) for b in out]
 
 
-def train(step_fn, target, model, opt, data, steps, ckpt=None):
-    """Rows (loss, grad norm) for `steps`; saves ModelOptimizerState at SAVE_AT into `ckpt`."""
+def train(step_fn, target, model, opt, data, steps, ckpt=None, micro=1):
+    """Rows (loss, grad norm) for `steps`; saves ModelOptimizerState at SAVE_AT into `ckpt`.
+    micro: the batch as that many grad-accumulation micro-batches."""
     from kiln.checkpoint.manager import ModelOptimizerState
 
     rows = {}
     for step in steps:
         x, y = data[step - 1]
-        loss, norm, skipped = step_fn(target, opt, [(x, y)], autocast=torch.autocast("cpu", enabled=False),
+        loss, norm, skipped = step_fn(target, opt, list(zip(x.chunk(micro), y.chunk(micro))),
+                                      autocast=torch.autocast("cpu", enabled=False),
                                       scaler=None, clip=CLIP)
         assert not bool(skipped)
         rows[step] = (float(loss), float(norm))
@@ -66,15 +74,17 @@ def train(step_fn, target, model, opt, data, steps, ckpt=None):
     return rows
 
 
-def one_process(ckpt_dir=None, resume_from=None):
-    """The reference: one process on the global batch (saving, or resuming from, step 3)."""
+def one_process(ckpt_dir=None, resume_from=None, moe=False):
+    """The reference: one process on the global batch (saving, or resuming from, step 3). MoE: the
+    batch as the pp2 x ep2 stages' forwards see it (each dp rank's micro-batch of one row per
+    forward: routing capacity and the load-balancing loss are per forward)."""
     from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState
     from kiln.parallel.dims import ParallelDims
     from kiln.train.optim import build_optimizer
     from kiln.train.step import train_step
     from kiln.train.trainer import build_model
 
-    cfg = job()
+    cfg = job(moe=moe)
     model = build_model(cfg, ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0),
                         torch.device("cpu"))
     opt = build_optimizer(model, cfg.optim, "cpu")
@@ -83,13 +93,17 @@ def one_process(ckpt_dir=None, resume_from=None):
         CheckpointManager(resume_from).load({"app": ModelOptimizerState(model, opt)}, SAVE_AT)
         first = SAVE_AT + 1
     ckpt = CheckpointManager(ckpt_dir, keep_last=5) if ckpt_dir is not None else None
-    return train(train_step, model, model, opt, batches(), range(first, STEPS + 1), ckpt)
+    # MoE: one row per forward, as each of pp2 x ep2's dp ranks splits its 4 rows into MICRO=4
+    return train(train_step, model, model, opt, batches(), range(first, STEPS + 1), ckpt,
+                 micro=GLOBAL_BATCH if moe else 1)
 
 
 def pipelined(rank, world, cfg, ckpt_dir=None, resume_from=None):
-    """pp (x dp) rows of this rank on its dp slice of the global batches."""
+    """pp (x dp, cp, ep) rows of this rank on its dp slice of the global batches (cp: its zig-zag
+    slice of every sequence, as the trainer's ContextParallel.shard takes it)."""
     from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState
     from kiln.parallel import pipeline as pl
+    from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.data_parallel import shard_optimizer_state
     from kiln.parallel.dims import ParallelDims
     from kiln.train.optim import build_optimizer
@@ -105,9 +119,15 @@ def pipelined(rank, world, cfg, ckpt_dir=None, resume_from=None):
         CheckpointManager(resume_from, is_main=rank == 0).load({"app": ModelOptimizerState(model, opt)}, SAVE_AT)
         first = SAVE_AT + 1
     mine = slice(dims.dp_rank * cfg.train.batch_size, (dims.dp_rank + 1) * cfg.train.batch_size)
-    data = [(x[mine], y[mine]) for x, y in batches()]
+    cp = ContextParallel(model, dims, 16, torch.device("cpu"))
+    data = [cp.shard(x[mine], y[mine]) for x, y in batches()]
     ckpt = CheckpointManager(ckpt_dir, keep_last=5, is_main=rank == 0) if ckpt_dir is not None else None
-    return train(pl.pipeline_train_step, pipe, model, opt, data, range(first, STEPS + 1), ckpt)
+
+    def step_fn(*args, **kwargs):
+        with cp:
+            return pl.pipeline_train_step(*args, **kwargs)
+
+    return train(step_fn, pipe, model, opt, data, range(first, STEPS + 1), ckpt)
 
 
 def two_rank_jobs(rank, world, root):
@@ -127,7 +147,13 @@ def two_rank_jobs(rank, world, root):
 def four_rank_jobs(rank, world, root):
     got = {mode: pipelined(rank, world, job(pp=2, dp_mode=mode, batch=GLOBAL_BATCH // 2),
                            root / mode if mode == "fsdp" else None)
-           for mode in ("fsdp", "ddp", "zero1")}
+           for mode in DP_MODES}
+    cp = job(pp=2)  # pp2 x cp2: each cp rank's pipeline pairs its (FSDP-sharded over cp) copies
+    cp.parallel.cp = 2
+    got["cp"] = pipelined(rank, world, cp)
+    ep = job(pp=2, moe=True, batch=GLOBAL_BATCH // 2)  # each stage's 2 dp ranks split its experts
+    ep.parallel.ep = 2
+    got["moe ep"] = pipelined(rank, world, ep)
     tp = job(pp=2)  # pp2 x tp2: each tp rank's pipeline pairs the vocab shards of its tp coordinate
     tp.parallel.tp = 2
     got["tp"] = pipelined(rank, world, tp)
@@ -137,7 +163,7 @@ def four_rank_jobs(rank, world, root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tied_pp")
-    out = {"reference": one_process(ckpt_dir=root / "single")}
+    out = {"reference": one_process(ckpt_dir=root / "single"), "moe reference": one_process(moe=True)}
     for work in ("work2", "work4"):
         (root / work).mkdir()
     out["two"] = run_ranks(two_rank_jobs, 2, root / "work2", root, timeout=240)
@@ -169,9 +195,10 @@ def test_tied_pipeline_matches_one_process(runs, name):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["fsdp", "ddp", "zero1", "tp"])
+@pytest.mark.parametrize("mode", [*DP_MODES, "tp", "cp", "moe ep"])
 def test_tied_pipeline_times_data_parallel_matches_one_process(runs, mode):
-    assert_rows_match(runs["reference"], [r[mode] for r in runs["four"]], range(1, STEPS + 1), mode)
+    ref = runs["moe reference" if mode == "moe ep" else "reference"]
+    assert_rows_match(ref, [r[mode] for r in runs["four"]], range(1, STEPS + 1), mode)
 
 
 def test_skipping_the_gradient_sum_fails_the_check(runs):
