@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kiln.config import JobConfig
-from kiln.model.loss import lm_loss
+from kiln.model.loss import chunked_lm_loss, lm_loss
 from kiln.model.moe import MoE
 from kiln.model.transformer import Transformer
 from kiln.parallel.pipeline_fp16 import ScaledLoss, agree_found_inf
@@ -107,7 +107,9 @@ class PipelineModel(nn.Module):
         self.has_first, self.has_last = first, last
         self.register_buffer("rope_cos", full.rope_cos, persistent=False)
         self.register_buffer("rope_sin", full.rope_sin, persistent=False)
-        self.loss_impl = "full"  # the schedule's loss_fn is lm_loss over the last stage's logits
+        # Set from train.loss by the trainer (kiln/train/system.py resolve_loss) before the Pipeline
+        # is built: "chunked" makes the last stage compute the chunked LM head + loss itself.
+        self.loss_impl = "full"
         # Context parallel: the global positions of this rank's zig-zag slice, set around a
         # training step by kiln/parallel/context_parallel.py (as on `Transformer`).
         self.seq_positions: torch.Tensor | None = None
@@ -174,7 +176,8 @@ class PipelineModel(nn.Module):
 
 
 class StageChunk(nn.Module):
-    """One pipeline stage: tokens or hidden states in, hidden states or logits (last stage) out."""
+    """One pipeline stage: tokens or hidden states in, hidden states or (last stage) logits out,
+    or with `targets` (train.loss = "chunked") the chunked LM head + loss of its hidden states."""
 
     def __init__(self, owner: PipelineModel, layers: range, first: bool, last: bool, seq_shards: int = 1):
         super().__init__()
@@ -190,7 +193,7 @@ class StageChunk(nn.Module):
         self.__dict__["_owner"] = owner  # for the RoPE tables (re-created by to_empty/init)
         self.__dict__["_moe"] = (owner.moe_records, owner.cfg.moe_aux_loss_weight, owner.cfg.moe_z_loss_weight)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seqlen = h.shape[1] if self.first else h.shape[1] * self.seq_shards  # attention sees all of it
         positions = self._owner.seq_positions  # cp: not 0..seqlen-1 but the rank's zig-zag slice
         if self.first:
@@ -207,7 +210,34 @@ class StageChunk(nn.Module):
         for layer in self.layers:
             h = layer(h, rope)
         h = add_moe_losses(h, self.layers, *self._moe, scale=self.__dict__.get("loss_scale"))
-        return self.output(self.norm(h)) if self.last else h
+        if not self.last:
+            return h
+        if targets is None:
+            return self.output(self.norm(h))
+        return chunked_head_loss(self.norm(h), self.output.weight, targets)
+
+
+def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The last stage's train.loss = "chunked": kiln/model/loss.py's chunked LM head + loss, the
+    vocab-parallel one when tp shards the head (a DTensor weight), as `Transformer.forward` does.
+    Inside the stage's forward, not in the schedule's loss_fn: FSDP (kiln's fsdp mode reshards
+    even the stage's root unit after forward) holds the gathered head weight only during the
+    forward, and a stage compiled whole (compile_scope = "model") takes the loss into its graph,
+    as one process's whole-model compile does. The head weight is the tied copy's under tied
+    embeddings (pipeline_tied.py)."""
+    if isinstance(weight, DTensor):
+        from kiln.parallel.tensor_parallel import parallel_chunked_lm_loss
+
+        return parallel_chunked_lm_loss(hidden, weight, targets)
+    return chunked_lm_loss(hidden, weight, targets)
+
+
+def loss_from_last_stage(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss_fn under train.loss = "chunked": the last stage's forward already
+    computed the loss from its `targets` keyword (`pipeline_train_step` passes the micro-batch's
+    targets to the stages, torch's schedules split them with the inputs); `targets` is the same
+    micro-batch again, which torch's schedule hands every loss_fn."""
+    return loss
 
 
 def split_model(full: Transformer, cfg: JobConfig, pp_rank: int) -> PipelineModel:
@@ -273,8 +303,11 @@ class Pipeline:
         stages = self.stages[0] if cfg.parallel.pp_schedule in SINGLE_STAGE else self.stages
         # scale_grads: each micro-batch's mean loss is backpropagated, gradients divided by the
         # micro-batch count -> the gradient of the mean over the whole batch, as in one process.
-        loss_fn = lm_loss
-        if self.tp > 1:
+        # The loss is train.loss as resolved for the model (`model.loss_impl`): chunked in the last
+        # stage's forward (StageChunk), else the full loss over its logits (vocab-sharded under tp).
+        self.chunked_loss = model.loss_impl == "chunked"
+        loss_fn = loss_from_last_stage if self.chunked_loss else lm_loss
+        if self.tp > 1 and not self.chunked_loss:
             from kiln.parallel.tensor_parallel import parallel_lm_loss as loss_fn
         self.loss_fn = ScaledLoss(loss_fn, self.microbatches)
         self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True)
@@ -372,12 +405,15 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
         for stage in pipeline.stages:
             if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
                 no_sync.enter_context(stage.submod.no_sync())
+        # train.loss = "chunked": the last stage takes the targets as a keyword (torch passes it to
+        # every stage of this rank, split into micro-batches as the target; the others ignore it).
+        last = {"targets": y} if pipeline.chunked_loss else {}
         if pipeline.has_first and pipeline.has_last:
-            pipeline.schedule.step(x, target=y, return_outputs=False)
+            pipeline.schedule.step(x, target=y, return_outputs=False, **last)
         elif pipeline.has_first:
             pipeline.schedule.step(x, return_outputs=False)
         elif pipeline.has_last:
-            pipeline.schedule.step(target=y, return_outputs=False)
+            pipeline.schedule.step(target=y, return_outputs=False, **last)
         else:
             pipeline.schedule.step(return_outputs=False)
     if pipeline.replicas is not None:  # ddp/zero1 under a zero-bubble schedule: once per step
