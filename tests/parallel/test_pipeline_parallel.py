@@ -23,7 +23,7 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import Transformer
 from kiln.parallel import pipeline as pl
-from ranks import continue_in_copy, run_ranks, train_runs
+from ranks import continue_in_copy, patch_for_one_run, run_ranks, train_runs
 from test_data_parallel import assert_same_losses, losses, sets
 from conftest import tiny_overrides
 
@@ -32,6 +32,12 @@ REL = 1e-5
 # every schedule torch ships (DualPipeV needs a custom stage layout kiln does not build)
 SCHEDULES = [("gpipe", 1, 0), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 0), ("looped_bfs", 2, 0),
              ("interleaved_zero_bubble", 2, 0), ("zbv_zero_bubble", 2, 0)]
+# train.loss = "chunked" (the last stage's chunked head + loss): name -> (schedule, virtual stages,
+# micro-batches, tied embeddings). ZBV holds the first and the last stage (embedding and head copy)
+# on rank 0. The last entry is the negative control: the head weight gets no gradient from the loss.
+CHUNKED = {"chunked_1f1b": ("1f1b", 1, 4, False), "chunked_interleaved_1f1b": ("interleaved_1f1b", 2, 0, False),
+           "chunked_tied_1f1b": ("1f1b", 1, 4, True), "chunked_tied_zbv_zero_bubble": ("zbv_zero_bubble", 2, 0, True),
+           "chunked_head_untrained": ("1f1b", 1, 4, False)}
 
 
 def job(pp=2, virtual=1, schedule="1f1b", microbatches=0, **model) -> JobConfig:
@@ -146,27 +152,57 @@ def _pp_worker(rank: int, port: int, results) -> None:
                 out.append((float(loss), float(norm), bool(skipped)))
             return out
 
-        ref_cfg = job(pp=1)
-        dims1 = ParallelDims.from_config(ref_cfg.parallel, world_size=1, rank=0, local_rank=0)
-        got = {"reference": run(ref_cfg, train_step, build_model(ref_cfg, dims1, torch.device("cpu")))}
+        got, calls = {}, {}
+        for tied, loss in [(False, "full"), (False, "chunked"), (True, "full"), (True, "chunked")]:
+            ref_cfg = job(pp=1, tie_embeddings=tied)
+            dims1 = ParallelDims.from_config(ref_cfg.parallel, world_size=1, rank=0, local_rank=0)
+            ref = build_model(ref_cfg, dims1, torch.device("cpu"))
+            ref.loss_impl = loss
+            got[reference_name(loss, tied)] = run(ref_cfg, train_step, ref)
+        # Which loss the pipeline's runs called (lm_loss from the schedule's loss_fn, the chunked
+        # one from the last stage): train.loss must not fall back to the full loss silently.
+        count = {"full": 0, "chunked": 0}
+        pl.lm_loss = _counting(pl.lm_loss, count, "full")
+        pl.chunked_lm_loss = _counting(pl.chunked_lm_loss, count, "chunked")
         # the last entry: 1f1b with micro-batch gradients summed, not averaged (must fail the check)
-        for schedule, virtual, micro in SCHEDULES + [("1f1b", 1, 4)]:
-            scale_grads = schedule not in got
-            cfg = job(schedule=schedule, virtual=virtual, microbatches=micro)
+        cases = [(s, v, m, "full", False, s) for s, v, m in SCHEDULES] + [("1f1b", 1, 4, "full", False, "1f1b_unscaled")]
+        cases += [(s, v, m, "chunked", tied, name) for name, (s, v, m, tied) in CHUNKED.items()]
+        for schedule, virtual, micro, loss, tied, name in cases:
+            cfg = job(schedule=schedule, virtual=virtual, microbatches=micro, tie_embeddings=tied)
             dims = ParallelDims.from_config(cfg.parallel, world_size=2, rank=rank, local_rank=rank)
             dims.build_mesh("cpu")
             model = build_model(cfg, dims, torch.device("cpu"))
+            model.loss_impl = loss  # as the trainer resolves train.loss, before the Pipeline
+            undo = None
+            if name == "chunked_head_untrained":  # deliberate mistake: no gradient reaches the head
+                undo = patch_for_one_run(pl, "chunked_head_loss", lambda h, w, t: pl.chunked_lm_loss(h, w.detach(), t))
             pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
-            pipe.schedule.scale_grads = scale_grads
-            if schedule == "gpipe":  # evaluation through the pipeline (initial weights): the whole model's logits
-                x, y = batches[0][0]
-                got["eval"] = float(torch.nn.functional.cross_entropy(
+            pipe.schedule.scale_grads = name != "1f1b_unscaled"
+            if schedule == "gpipe" or name == "chunked_interleaved_1f1b":  # evaluation through the pipeline
+                x, y = batches[0][0]  # (initial weights): the whole model's logits, also when the loss is chunked
+                got[f"eval {name}"] = float(torch.nn.functional.cross_entropy(
                     pl.PipelineEvalModel(pipe)(x).flatten(0, 1), y.flatten()))
-            got[schedule if scale_grads else "1f1b_unscaled"] = run(cfg, pl.pipeline_train_step, pipe)
-        results[rank] = got
+            count.update(full=0, chunked=0)
+            got[name] = run(cfg, pl.pipeline_train_step, pipe)
+            calls[name] = dict(count)
+            if undo:
+                undo()
+        results[rank] = {**got, "calls": calls}
         dist.destroy_process_group()
     except BaseException:
         results[rank] = traceback.format_exc()
+
+
+def reference_name(loss: str, tied: bool) -> str:
+    return "reference" + (" chunked" if loss == "chunked" else "") + (" tied" if tied else "")
+
+
+def _counting(fn, count: dict, key: str):
+    def counted(*args, **kwargs):
+        count[key] += 1
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 def _run_two_ranks(timeout=200):
@@ -202,12 +238,38 @@ def test_schedule_matches_one_process(two_ranks, schedule):
             assert loss == pytest.approx(rl, rel=REL), f"{schedule} rank {rank} step {step + 1}"
             assert norm == pytest.approx(rn, rel=REL), f"{schedule} rank {rank} step {step + 1} grad norm"
             assert not skipped
+    assert [c["chunked"] for r in range(2) for c in [two_ranks[r]["calls"][schedule]]] == [0, 0]
 
 
 def test_evaluation_runs_through_the_pipeline(two_ranks):
     first_loss = two_ranks[0]["reference"][0][0]  # step 1's loss is that of the initial weights
     for rank in range(2):
-        assert two_ranks[rank]["eval"] == pytest.approx(first_loss, rel=REL)
+        assert two_ranks[rank]["eval gpipe"] == pytest.approx(first_loss, rel=REL)
+        assert two_ranks[rank]["eval chunked_interleaved_1f1b"] == pytest.approx(first_loss, rel=REL)
+
+
+@pytest.mark.parametrize("name", [n for n in CHUNKED if n != "chunked_head_untrained"])
+def test_chunked_loss_under_pp_matches_one_process_chunked_and_full(two_ranks, name):
+    tied = CHUNKED[name][3]
+    for reference in (reference_name("full", tied), reference_name("chunked", tied)):
+        ref = two_ranks[0][reference]
+        for rank in range(2):
+            for step, ((loss, norm, skipped), (rl, rn, _)) in enumerate(zip(two_ranks[rank][name], ref)):
+                assert loss == pytest.approx(rl, rel=REL), f"{name} rank {rank} step {step + 1} vs {reference}"
+                assert norm == pytest.approx(rn, rel=REL), f"{name} rank {rank} step {step + 1} grad norm"
+                assert not skipped
+    # the last stage (rank 1; ZBV's rank 0) ran the chunked loss, no rank the full one
+    calls = [two_ranks[r]["calls"][name] for r in range(2)]
+    assert [c["full"] for c in calls] == [0, 0] and sum(c["chunked"] > 0 for c in calls) == 1, calls
+
+
+def test_tolerance_catches_a_chunked_loss_that_does_not_train_the_head(two_ranks):
+    ref, got = two_ranks[0]["reference chunked"], two_ranks[0]["chunked_head_untrained"]
+    assert got[0][0] == pytest.approx(ref[0][0], rel=REL)  # same first loss,
+    assert got[0][1] != pytest.approx(ref[0][1], rel=REL)  # the head's gradient missing from the norm,
+    with pytest.raises(AssertionError):  # and the next losses move
+        assert_same_losses({i: r[0] for i, r in enumerate(ref)}, {i: r[0] for i, r in enumerate(got)},
+                           range(STEPS))
 
 
 def test_tolerance_catches_unscaled_microbatch_gradients(two_ranks):

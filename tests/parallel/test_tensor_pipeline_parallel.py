@@ -13,6 +13,8 @@ softmax, PP the micro-batch sums). SGD with momentum and clipping active, so a g
 wrong on any rank shows in the next step's loss.
 """
 
+import functools
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -34,8 +36,12 @@ LLAMA = BASE + ["model.n_kv_heads=2", "model.vocab_size=64"]
 # that 2 ranks split unevenly (33 + 32 rows).
 GPT2 = BASE + ["model.vocab_size=65", "model.positions=learned", "model.norm=layernorm", "model.bias=true",
                "model.activation=gelu"]
-# name -> (model, schedule, virtual stages per rank, micro-batches (0: one per stage), cp); tp is
-# 2 where cp is 1. One 4-rank launch runs them all (a process start costs seconds on 2 cores).
+CHUNKED = ["train.loss=chunked"]
+COMPILE_MODEL = ["train.compile=true", "train.compile_scope='model'"]
+COMPILE_BACKEND = os.environ.get("KILN_TEST_COMPILE_BACKEND", "aot_eager")  # inductor: minutes per rank here
+# name -> (model, schedule (None: no pp), virtual stages per rank, micro-batches (0: one per stage),
+# cp[, dp_shard]); tp takes the rest of the 4 ranks. One 4-rank launch runs them all (a process
+# start costs seconds on 2 cores).
 CASES = {"llama_gpipe": (LLAMA, "gpipe", 1, 0, 1), "llama_interleaved_1f1b": (LLAMA, "interleaved_1f1b", 2, 0, 1),
          "gpt2_1f1b": (GPT2, "1f1b", 1, 2, 1),
          # a V: the first and the last stage (embedding and vocab-sharded head) on one rank
@@ -44,11 +50,21 @@ CASES = {"llama_gpipe": (LLAMA, "gpipe", 1, 0, 1), "llama_interleaved_1f1b": (LL
          "llama_cp_1f1b": (LLAMA, "1f1b", 1, 4, 2), "gpt2_cp_gpipe": (GPT2, "gpipe", 1, 0, 2),
          # zero-bubble (split input/weight backward) over FSDP-over-cp units
          "llama_cp_interleaved_zero_bubble": (LLAMA, "interleaved_zero_bubble", 2, 0, 2),
-         "gpt2_cp_zbv_zero_bubble": (GPT2, "zbv_zero_bubble", 2, 0, 2)}
+         "gpt2_cp_zbv_zero_bubble": (GPT2, "zbv_zero_bubble", 2, 0, 2),
+         # train.loss = "chunked": the last stage's vocab-parallel chunked head + loss (its 33 + 32 rows)
+         "gpt2_chunked_interleaved_1f1b": (GPT2 + CHUNKED, "interleaved_1f1b", 2, 0, 1),
+         # compile_scope = "model": each stage chunk one graph (aot_eager, COMPILE_BACKEND), the
+         # chunked loss inside it; under tp, and under FSDP over dp_shard 2 (the 6th entry: dp)
+         "llama_chunked_compiled_1f1b": (LLAMA + CHUNKED + COMPILE_MODEL, "1f1b", 1, 2, 1),
+         "llama_fsdp_chunked_compiled_1f1b": (LLAMA + CHUNKED + COMPILE_MODEL + ["train.batch_size=2"], "1f1b", 1,
+                                              2, 1, 2),
+         # no pp (schedule None): ddp x tp x cp on 4 ranks has dp 1, kiln's replicas average over cp
+         "llama_ddp_cp_tp": (LLAMA + ["parallel.dp_mode='ddp'"], None, 1, 0, 2)}
 
 
-def job(overrides, pp=1, tp=1, schedule="1f1b", virtual=1, microbatches=0, cp=1):
+def job(overrides, pp=1, tp=1, schedule="1f1b", virtual=1, microbatches=0, cp=1, dp=1):
     return load_config(None, overrides + [f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.cp={cp}",
+                                          f"parallel.dp_shard={dp}",
                                           f"parallel.pp_schedule={schedule!r}",
                                           f"parallel.pp_virtual_stages={virtual}",
                                           f"parallel.pp_microbatches={microbatches}"])
@@ -92,22 +108,37 @@ def _tp_pp_worker(rank, world):
     from kiln.parallel import pipeline as pl
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.dims import ParallelDims
+    from kiln.train.step import train_step
+    from kiln.train.system import resolve_loss
     from kiln.train.trainer import build_model
 
+    torch.compile = functools.partial(torch.compile, backend=COMPILE_BACKEND)
     got = {}
     wrong = {"llama_swapped_shards": (LLAMA, "1f1b", 1, 4, 1), "gpt2_cp_positions_ignored": (GPT2, "1f1b", 1, 2, 2),
              "llama_cp_zero_bubble_resharded": (LLAMA, "interleaved_zero_bubble", 2, 0, 2)}
-    for name, (overrides, schedule, virtual, micro, cp) in [*CASES.items(), *wrong.items()]:
-        cfg = job(overrides, pp=2, tp=4 // (2 * cp), schedule=schedule, virtual=virtual, microbatches=micro, cp=cp)
+    for name, (overrides, schedule, virtual, micro, cp, *dp) in [*CASES.items(), *wrong.items()]:
+        dp, pp = (dp or [1])[0], 2 if schedule else 1
+        cfg = job(overrides, pp=pp, tp=4 // (pp * cp * dp), schedule=schedule or "1f1b", virtual=virtual,
+                  microbatches=micro, cp=cp, dp=dp)
         dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank, seq_len=SEQ)
         dims.check_model(cfg)
         pl.check_pipeline_config(cfg)
         dims.build_mesh("cpu")
-        assert dims.mesh.mesh_dim_names == ("pp", "cp" if cp > 1 else "tp")
+        tp = 4 // (pp * cp * dp)
+        assert dims.mesh.mesh_dim_names == tuple(n for n, size in [("pp", pp), ("dp_shard", dp), ("cp", cp), ("tp", tp)]
+                                                 if size > 1)
         model = build_model(cfg, dims, torch.device("cpu"))
+        model.loss_impl = resolve_loss(cfg.train.loss, torch.device("cpu"), tp=dims.tp)  # as the trainer, before the Pipeline
+        if pp == 1:  # ddp x tp x cp: kiln's replicas (data_parallel.OverlappedReplicas) over the cp ranks
+            assert (dims.dp_mode, dims.dp_size, dims.cp, dims.tp) == ("ddp", 1, 2, 2)
+            step_fn = _context_parallel_step(ContextParallel(model, dims, SEQ, torch.device("cpu")), train_step)
+            got[name] = sgd_steps(step_fn, model, model.parameters(), model)
+            continue
         step_fn = pl.pipeline_train_step
         if cp > 1:
             step_fn = _context_parallel_step(ContextParallel(model, dims, SEQ, torch.device("cpu")))
+        if dp > 1:
+            step_fn = _data_parallel_step(step_fn, dims.mesh["dp_shard"].get_group(), dp)
         if name == "gpt2_cp_positions_ignored":  # stages that take 0..len-1 for the zig-zag slice's positions
             for chunk in model.chunks:
                 chunk.__dict__["_owner"] = SimpleNamespace(rope_cos=model.rope_cos, rope_sin=model.rope_sin,
@@ -124,24 +155,45 @@ def _tp_pp_worker(rank, world):
                 chunk.set_reshard_after_forward(True, recurse=False)  # the roots, as apply_fsdp left them
         # evaluation through the pipeline (the trainer's evaluator): full logits on every rank
         got[name] = sgd_steps(step_fn, pipe, model.parameters(), pl.PipelineEvalModel(pipe))
+        got[f"{name} chunked"] = pipe.chunked_loss
+        got[f"{name} compiled"] = all(chunk._compiled_call_impl is not None for chunk in model.chunks)
+        torch._dynamo.reset()  # the next case compiles its own graphs (or none)
     return got
 
 
-def _context_parallel_step(context_parallel):
-    """The trainer's cp step around the pipeline's: this rank's zig-zag slice of every sequence,
-    ring attention inside the stages; the loss averaged over the cp ranks (as the trainer's
-    metrics fetch does), the grad norm is already global."""
+def _context_parallel_step(context_parallel, step_fn=None):
+    """The trainer's cp step around the pipeline's (or, with `step_fn`, that one): this rank's
+    zig-zag slice of every sequence, ring attention inside the stages; the loss averaged over the
+    cp ranks (as the trainer's metrics fetch does), the grad norm is already global."""
     import torch.distributed as dist
 
     from kiln.parallel.pipeline import pipeline_train_step
 
+    step_fn = step_fn or pipeline_train_step
+
     def step(pipe, opt, micro, **kwargs):
         micro = [context_parallel.shard(x, y) for x, y in micro]
         with context_parallel:
-            loss, norm, skipped = pipeline_train_step(pipe, opt, micro, **kwargs)
+            loss, norm, skipped = step_fn(pipe, opt, micro, **kwargs)
         loss = loss.clone()
         dist.all_reduce(loss, group=context_parallel.ring.group)
         return loss / context_parallel.cp, norm, skipped
+
+    return step
+
+
+def _data_parallel_step(step_fn, group, dp):
+    """The step on this dp rank's rows of the batch (FSDP over dp_shard); the loss averaged over
+    the dp ranks as the trainer's metrics fetch does, the grad norm is already global."""
+    import torch.distributed as dist
+
+    def step(pipe, opt, micro, **kwargs):
+        rank = dist.get_rank(group)
+        micro = [(x.chunk(dp)[rank], y.chunk(dp)[rank]) for x, y in micro]
+        loss, norm, skipped = step_fn(pipe, opt, micro, **kwargs)
+        loss = loss.clone()
+        dist.all_reduce(loss, group=group)
+        return loss / dp, norm, skipped
 
     return step
 
@@ -166,6 +218,9 @@ def test_pp2_x_tp2_or_cp2_matches_one_process(four_ranks, reference, name):
     expected = reference[name.split("_")[0]]
     assert four_ranks[name] == pytest.approx(expected, rel=REL), (four_ranks[name], expected)
     assert expected[-3] < expected[0] and expected[1] > CLIP  # it trains, and clipping is exercised
+    if CASES[name][1]:  # the loss the pipeline ran is train.loss's, never the full one in its place
+        assert four_ranks[f"{name} chunked"] == ("train.loss=chunked" in CASES[name][0])
+        assert four_ranks[f"{name} compiled"] == ("train.compile=true" in CASES[name][0])  # each stage chunk whole
 
 
 def test_sequence_shards_sent_to_the_wrong_tp_rank_change_the_losses(four_ranks, reference):
