@@ -1,5 +1,8 @@
 """Pipeline parallelism: every torch schedule on 2 gloo ranks gives the per-step losses and grad
-norms of one process on the same batch; a PP=2 checkpoint continues in one process; bad input
+norms of one process on the same batch, and so does train.loss = "chunked" (1F1B, interleaved
+1F1B, tied embeddings with 1F1B and ZBV) against one process's chunked and full loss, with the
+chunked loss counted as run and the full one not (negative control: a chunked loss whose head
+weight gets no gradient fails); a PP=2 checkpoint continues in one process; bad input
 fails before any work. kiln's trainer with FSDP x PP and TP x PP on 4 ranks matches the same single
 run (TP x PP at the step level, and CP x PP: test_tensor_pipeline_parallel.py); the trainer runs
 share one launch per world size (ranks.train_runs), the one-process runs are in the test process.
@@ -294,7 +297,7 @@ def trainer_overrides(text_file, **extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text_file):
     """name -> run directory of kiln's trainer: "single" (one process) in this process, "pp2" on 2
-    ranks, "dxp" (FSDP x PP) and "tp2pp2" on 4 ranks (one launch each size), and the step-3
+    ranks, "dxp" (FSDP x PP, chunked loss) and "tp2pp2" on 4 ranks (one launch each size), and the step-3
     checkpoints of pp2 and tp2pp2 continued in one process ("<name> resumed")."""
     from kiln.config import load_config
     from kiln.train.trainer import train
@@ -306,13 +309,14 @@ def runs(tmp_path_factory, text_file):
     run_ranks(train_runs, 2, root / "ranks2", [(out["pp2"], trainer_overrides(
         text_file, **{"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", "parallel.pp_microbatches": 4}))], timeout=400)
     # DP x PP: 2 pipelines of 2 stages, each stage FSDP-sharded over the 2 pipelines; the global
-    # batch (2 ranks x 1 x grad_accum 2) is the single run's.
+    # batch (2 ranks x 1 x grad_accum 2) is the single run's. With train.loss = "chunked": the last
+    # stage's chunked head + loss inside its FSDP unit's forward (the single run's loss is full).
     # TP x PP: every tp rank runs its own pipeline of 2 (interleaved: 4) stages, each stage split
     # over the 2 tp ranks; no data parallelism, so the batch is the single run's.
     (root / "ranks4").mkdir()
     run_ranks(train_runs, 4, root / "ranks4", [
         (out["dxp"], trainer_overrides(text_file, **{"train.batch_size": 1, "parallel.pp": 2,
-                                                     "parallel.pp_schedule": "'gpipe'"})),
+                                                     "parallel.pp_schedule": "'gpipe'", "train.loss": "chunked"})),
         (out["tp2pp2"], trainer_overrides(text_file, **{"parallel.tp": 2, "parallel.pp": 2,
                                                         "parallel.pp_virtual_stages": 2,
                                                         "parallel.pp_schedule": "'interleaved_1f1b'"}))], timeout=400)
@@ -355,7 +359,7 @@ def test_trainer_pp2_matches_and_checkpoint_continues_in_one_process(runs):
 def test_fsdp_across_two_pipelines_on_four_ranks_matches_one_process(runs):
     run = runs["dxp"]
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
-    assert (run_row["pp"], run_row["dp_mode"], run_row["dp_shard"]) == (2, "fsdp", 2)
+    assert (run_row["pp"], run_row["dp_mode"], run_row["dp_shard"], run_row["loss_impl"]) == (2, "fsdp", 2, "chunked")
     assert_same_losses(losses(runs["single"]), losses(run), range(1, 7))
 
 

@@ -1,8 +1,12 @@
 """Tensor x pipeline and context x pipeline parallelism: 4 gloo ranks (tp=2 x pp=2, cp=2 x pp=2)
 give the per-step losses and grad norms of one process on the same batch, for GPipe, 1F1B and
 interleaved 1F1B and the zero-bubble schedules, the Llama-style and the GPT-2 architecture, and
-evaluation through the pipeline gives the single-process loss of the trained model. Negative
-controls: sequence shards sent between stages to the wrong tp rank (pipelines built across the tp
+evaluation through the pipeline gives the single-process loss of the trained model. In the same
+launch: train.loss = "chunked" (the last stage's vocab-parallel chunked head + loss; the one-process
+reference runs the full loss) for GPT-2 under tp2 x pp2, and with `compile_scope = "model"` (each
+stage chunk one graph, the loss inside it; aot_eager, see COMPILE_BACKEND) for the Llama model under
+tp2 x pp2 and under FSDP dp_shard 2 x pp2; and without pp, ddp x tp2 x cp2 (dp 1: kiln's replicas
+average over the cp ranks). Negative controls: sequence shards sent between stages to the wrong tp rank (pipelines built across the tp
 dimension), cp stages that ignore their zig-zag slice's positions, and a zero-bubble schedule over
 FSDP units resharded after forward (their split weight pass computes nothing), do not match. (`kiln train` with tp=2 x pp=2 and its
 checkpoint continuing in one process: tests/parallel/test_pipeline_parallel.py, which has the
@@ -52,7 +56,7 @@ CASES = {"llama_gpipe": (LLAMA, "gpipe", 1, 0, 1), "llama_interleaved_1f1b": (LL
          "llama_cp_interleaved_zero_bubble": (LLAMA, "interleaved_zero_bubble", 2, 0, 2),
          "gpt2_cp_zbv_zero_bubble": (GPT2, "zbv_zero_bubble", 2, 0, 2),
          # train.loss = "chunked": the last stage's vocab-parallel chunked head + loss (its 33 + 32 rows)
-         "gpt2_chunked_interleaved_1f1b": (GPT2 + CHUNKED, "interleaved_1f1b", 2, 0, 1),
+         "gpt2_chunked_1f1b": (GPT2 + CHUNKED, "1f1b", 1, 2, 1),
          # compile_scope = "model": each stage chunk one graph (aot_eager, COMPILE_BACKEND), the
          # chunked loss inside it; under tp, and under FSDP over dp_shard 2 (the 6th entry: dp)
          "llama_chunked_compiled_1f1b": (LLAMA + CHUNKED + COMPILE_MODEL, "1f1b", 1, 2, 1),
