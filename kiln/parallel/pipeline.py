@@ -19,8 +19,10 @@ alike and with its gradient summed with the embedding's every step, as Megatron-
 With tensor parallelism (applied to the `PipelineModel` after the split, kiln/parallel/
 tensor_parallel.py) each tp rank runs its own pipeline over its `pp` group: stages exchange the
 tp rank's sequence shard of the residual stream (sequence parallel's layout between blocks) and
-the last stage's loss runs on vocab-sharded logits. With context parallelism the stages take the
-zig-zag slice's global positions from `PipelineModel.seq_positions` (kiln/parallel/context_parallel.py).
+the last stage's loss runs on vocab-sharded logits (train.loss = "chunked": on its vocab shard of
+the head, chunk by chunk, in the stage's forward; `chunked_head_loss`). With context parallelism
+the stages take the zig-zag slice's global positions from `PipelineModel.seq_positions`
+(kiln/parallel/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ class PipelineModel(nn.Module):
         self.has_first, self.has_last = first, last
         self.register_buffer("rope_cos", full.rope_cos, persistent=False)
         self.register_buffer("rope_sin", full.rope_sin, persistent=False)
-        # Set from train.loss by the trainer (kiln/train/system.py resolve_loss) before the Pipeline
-        # is built: "chunked" makes the last stage compute the chunked LM head + loss itself.
+        # Set from train.loss by the trainer (kiln/train/system.py resolve_loss), read by the Pipeline
+        # at each step: "chunked" makes the last stage compute the chunked LM head + loss itself.
         self.loss_impl = "full"
         # Context parallel: the global positions of this rank's zig-zag slice, set around a
         # training step by kiln/parallel/context_parallel.py (as on `Transformer`).
@@ -232,14 +234,6 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     return chunked_lm_loss(hidden, weight, targets)
 
 
-def loss_from_last_stage(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The schedule's loss_fn under train.loss = "chunked": the last stage's forward already
-    computed the loss from its `targets` keyword (`pipeline_train_step` passes the micro-batch's
-    targets to the stages, torch's schedules split them with the inputs); `targets` is the same
-    micro-batch again, which torch's schedule hands every loss_fn."""
-    return loss
-
-
 def split_model(full: Transformer, cfg: JobConfig, pp_rank: int) -> PipelineModel:
     """This rank's part of `full` (on meta). Its `chunks` become PipelineStages after materializing;
     tensor parallelism (if any) is applied to the returned model afterwards, in place, so the
@@ -303,18 +297,32 @@ class Pipeline:
         stages = self.stages[0] if cfg.parallel.pp_schedule in SINGLE_STAGE else self.stages
         # scale_grads: each micro-batch's mean loss is backpropagated, gradients divided by the
         # micro-batch count -> the gradient of the mean over the whole batch, as in one process.
-        # The loss is train.loss as resolved for the model (`model.loss_impl`): chunked in the last
-        # stage's forward (StageChunk), else the full loss over its logits (vocab-sharded under tp).
-        self.chunked_loss = model.loss_impl == "chunked"
-        loss_fn = loss_from_last_stage if self.chunked_loss else lm_loss
-        if self.tp > 1 and not self.chunked_loss:
-            from kiln.parallel.tensor_parallel import parallel_lm_loss as loss_fn
-        self.loss_fn = ScaledLoss(loss_fn, self.microbatches)
+        self.loss_fn = ScaledLoss(self._loss, self.microbatches)
         self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True)
         for chunk in model.chunks:  # MoE aux losses join the backward inside the stages, scaled alike
             chunk.__dict__["loss_scale"] = self.loss_fn.scale
         self.bubble = bubble_fraction(cfg.parallel.pp_schedule, self.pp, self.microbatches,
                                       cfg.parallel.pp_virtual_stages)
+
+    @property
+    def chunked_loss(self) -> bool:
+        """train.loss as the trainer resolved it for the model (`model.loss_impl`, kiln/train/
+        system.py resolve_loss) is "chunked": the last stage computes the chunked head + loss in
+        its forward. Read at each step, so the Pipeline never holds a stale choice."""
+        return self.model.loss_impl == "chunked"
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn (inside `ScaledLoss`): under the chunked loss `output` is already
+        the micro-batch's loss (the last stage took its targets as a keyword, `pipeline_train_step`;
+        torch's schedule hands `target` to loss_fn all the same), else the full loss over the last
+        stage's logits, vocab-sharded under tp."""
+        if self.chunked_loss:
+            return output
+        if self.tp > 1:
+            from kiln.parallel.tensor_parallel import parallel_lm_loss
+
+            return parallel_lm_loss(output, target)
+        return lm_loss(output, target)
 
     @torch.no_grad()
     def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:

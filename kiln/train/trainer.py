@@ -186,11 +186,11 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, dims, device)
     model.train()
-    # Before the Pipeline, which builds its loss from it. Under pp the full loss is the schedule's,
-    # outside the compiled stage graphs: no whole-model graph to fuse it, as on one device.
+    pipeline = Pipeline(model, cfg, dims, device) if dims.pp > 1 else None
+    # Under pp the full loss is the schedule's, outside the compiled stage graphs: no whole-model
+    # graph fuses it as on one device. The Pipeline reads the result at each step.
     whole_model_compiled = cfg.train.compile and compile_scope(cfg, dims) == "model" and dims.pp == 1
     model.loss_impl = resolve_loss(cfg.train.loss, device, whole_model_compiled, tp=dims.tp)
-    pipeline = Pipeline(model, cfg, dims, device) if dims.pp > 1 else None
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
                                     cfg.train.batch_size, cfg.data.seq_len)
     context_parallel = ContextParallel(model, dims, cfg.data.seq_len, device)

@@ -175,11 +175,11 @@ def _pp_worker(rank: int, port: int, results) -> None:
             dims = ParallelDims.from_config(cfg.parallel, world_size=2, rank=rank, local_rank=rank)
             dims.build_mesh("cpu")
             model = build_model(cfg, dims, torch.device("cpu"))
-            model.loss_impl = loss  # as the trainer resolves train.loss, before the Pipeline
             undo = None
             if name == "chunked_head_untrained":  # deliberate mistake: no gradient reaches the head
                 undo = patch_for_one_run(pl, "chunked_head_loss", lambda h, w, t: pl.chunked_lm_loss(h, w.detach(), t))
             pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
+            model.loss_impl = loss  # train.loss resolved after the Pipeline is built, as the trainer does
             pipe.schedule.scale_grads = name != "1f1b_unscaled"
             if schedule == "gpipe" or name == "chunked_interleaved_1f1b":  # evaluation through the pipeline
                 x, y = batches[0][0]  # (initial weights): the whole model's logits, also when the loss is chunked

@@ -132,7 +132,7 @@ def _tp_pp_worker(rank, world):
         assert dims.mesh.mesh_dim_names == tuple(n for n, size in [("pp", pp), ("dp_shard", dp), ("cp", cp), ("tp", tp)]
                                                  if size > 1)
         model = build_model(cfg, dims, torch.device("cpu"))
-        model.loss_impl = resolve_loss(cfg.train.loss, torch.device("cpu"), tp=dims.tp)  # as the trainer, before the Pipeline
+        model.loss_impl = resolve_loss(cfg.train.loss, torch.device("cpu"), tp=dims.tp)  # as the trainer resolves it
         if pp == 1:  # ddp x tp x cp: kiln's replicas (data_parallel.OverlappedReplicas) over the cp ranks
             assert (dims.dp_mode, dims.dp_size, dims.cp, dims.tp) == ("ddp", 1, 2, 2)
             step_fn = _context_parallel_step(ContextParallel(model, dims, SEQ, torch.device("cpu")), train_step)
