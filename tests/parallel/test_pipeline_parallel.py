@@ -241,7 +241,8 @@ def test_schedule_matches_one_process(two_ranks, schedule):
             assert loss == pytest.approx(rl, rel=REL), f"{schedule} rank {rank} step {step + 1}"
             assert norm == pytest.approx(rn, rel=REL), f"{schedule} rank {rank} step {step + 1} grad norm"
             assert not skipped
-    assert [c["chunked"] for r in range(2) for c in [two_ranks[r]["calls"][schedule]]] == [0, 0]
+    calls = [two_ranks[r]["calls"][schedule] for r in range(2)]  # the full loss, on the last stage's rank
+    assert [c["chunked"] for c in calls] == [0, 0] and sum(c["full"] > 0 for c in calls) == 1, calls
 
 
 def test_evaluation_runs_through_the_pipeline(two_ranks):
