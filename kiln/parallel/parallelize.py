@@ -196,9 +196,9 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
         # the schedule calls the rank's stage chunks (kiln/parallel/pipeline.py StageChunk), not the
         # model: each chunk is one graph (embedding, its blocks, and on the last stage the head, with
         # train.loss = "chunked" the loss too; the schedule's full loss stays eager). Under tp the
-        # graph holds the blocks and the vocab-sharded head; the embedding (keep_tp_embedding_eager) and the loss under loss_parallel
-        # (tensor_parallel.parallel_lm_loss: dynamo traces it without loss_parallel's context,
-        # "got mixed torch.Tensor and DTensor") run eagerly around it.
+        # graph holds the blocks and the vocab-sharded head; the embedding (keep_tp_embedding_eager)
+        # and the loss under loss_parallel (tensor_parallel.parallel_lm_loss: dynamo traces it
+        # without loss_parallel's context, "got mixed torch.Tensor and DTensor") run eagerly around it.
         for root in getattr(model, "chunks", [model]):
             keep_tp_embedding_eager(root)
             root.compile(mode="reduce-overhead" if cuda_graphs else None)
