@@ -303,13 +303,15 @@ LAYOUTS = {"fsdp": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2}, "tp": 
            "ep": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2}}
 
 
-def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wrong_group: str | None = None):
+def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wrong_group: str | None = None,
+                      world: int = 4):
     """kiln's DiLoCo on 2 replicas, each split per LAYOUTS[name] ([parallel] keys), through kiln's
     own ParallelDims, parallelize, Pipeline (pp) and ContextParallel (cp), on FIELDS[name]'s model.
     Negative controls: `hsdp`, FSDP over dp_replicate x dp_shard (gradients all-reduced across the
     replicas every step); `wrong_group`, the outer step averaging over that mesh dimension instead
     of dp_replicate. Returns (losses, bytes sent per outer step, this rank's parameter elements,
-    the per-parameter local shards of the anchor, {parameter name: local shard} at the end)."""
+    the per-parameter local shards of the anchor, {parameter name: local shard} at the end).
+    `world` > 4: for checks by hand (2 replicas x fsdp 2 x tp 2 needs 8 ranks)."""
     import contextlib
 
     import torch.distributed as dist
@@ -325,7 +327,7 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     cfg.model = model_config(**FIELDS[name])
     cfg.parallel = ParallelConfig(diloco_inner_steps=H, **LAYOUTS[name])
     cfg.train.batch_size = 2  # a replica's rows (pp: one micro-batch per stage)
-    dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=rank, local_rank=rank, seq_len=12)
+    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank, seq_len=12)
     dims.build_mesh("cpu")
     cpu = torch.device("cpu")
     with torch.device("meta"):  # as kiln builds it (trainer.build_model): parallelize, then initialize
@@ -360,19 +362,21 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
             sent.append(diloco.outer_step())
         mean = loss.detach().clone()  # pp: every stage's rank holds its pipeline's loss; cp: a slice's
         dist.all_reduce(mean)
-        losses.append(mean.item() / 4)
+        losses.append(mean.item() / world)
     params = {n: local(p).detach().clone() for n, p in model.named_parameters()}
     return (losses, sent, sum(local(p).numel() for p in model.parameters()), [a.clone() for a in diloco.anchor],
             params)
 
 
-def split_replica_ranks(rank, world, root, sets):
+def split_replica_ranks(rank, world, root, sets, pp_sets):
     """The runs above, then kiln's trainer with 2 replicas x fsdp dp_shard 2: uninterrupted,
-    and paused after step 3 (between outer syncs) and resumed."""
+    and paused after step 3 (between outer syncs) and resumed; and with 2 replicas x pp 2:
+    uninterrupted, and its step-3 checkpoint continued in a copy."""
     from pathlib import Path
 
     import kiln.train.trainer as trainer
     from kiln.config import load_config
+    from ranks import continue_in_copy
 
     runs = {name: split_replica_run(name, rank, STEPS) for name in LAYOUTS}
     runs["hsdp"] = split_replica_run("fsdp", rank, 4, hsdp=True)
@@ -381,6 +385,8 @@ def split_replica_ranks(rank, world, root, sets):
     trainer.train(load_config(None, sets), Path(root) / "whole")
     trainer.train(load_config(None, sets), Path(root) / "paused", stop_at=RESUME_AT)
     trainer.train(load_config(None, sets), Path(root) / "paused", resume=True)
+    trainer.train(load_config(None, pp_sets), Path(root) / "pp_whole")
+    continue_in_copy(Path(root) / "pp_whole", RESUME_AT, Path(root) / "pp_resumed", pp_sets)
     return runs
 
 
@@ -388,8 +394,10 @@ def split_replica_ranks(rank, world, root, sets):
 def split_root(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("diloco-split")
     (root / "work").mkdir()
-    sets = resume_overrides(text_file, root / "shards") + ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2"]
-    return root, run_ranks(split_replica_ranks, 4, root / "work", str(root), sets, timeout=300)
+    sets = resume_overrides(text_file, root / "shards")
+    return root, run_ranks(split_replica_ranks, 4, root / "work", str(root),
+                           sets + ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2"], sets + ["parallel.pp=2"],
+                           timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -477,3 +485,27 @@ def test_sharded_replicas_resume_between_outer_syncs_exactly(split_root):
     for fqn, m in tensors.items():
         assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), (fqn, m.chunks)
     assert len(tensors["diloco.anchor.0"].chunks) == 2  # sharded over dp_shard, like the parameter
+
+
+def test_pipelined_replicas_resume_between_outer_syncs_exactly(split_root):
+    # 2 replicas x pp 2 through kiln's trainer: the anchor is keyed by parameter name (each stage's
+    # ranks hold other parameters), so the step-3 checkpoint continues each stage's anchor and
+    # each replica's moments: the losses after the outer sync at step 4 equal the uninterrupted run's.
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from kiln.checkpoint.manager import CheckpointManager
+    from kiln.checkpoint.safe_load import load_metadata
+
+    root = split_root[0]
+    whole, resumed = train_losses(root / "pp_whole"), train_losses(root / "pp_resumed")
+    assert sorted(resumed) == list(range(1, RESUME_STEPS + 1))
+    assert [resumed[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
+    names = CheckpointManager(root / "pp_whole" / "checkpoints").saved_state_names(RESUME_AT)
+    assert {n for n in names if n.startswith("diloco") or n == "app"} == \
+        {"app", "diloco_rank1", "diloco", "diloco_layout_2x1x1_pp2"}
+    path = root / "pp_whole" / "checkpoints" / f"step-{RESUME_AT}" / ".metadata"
+    tensors = {fqn for fqn, m in load_metadata(path.read_bytes(), str(path)).state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata)}
+    # the first stage's embedding and the last stage's tied head copy, each with its own anchor
+    assert {"diloco.anchor.tok_embeddings.weight", "diloco.anchor.output.weight",
+            "diloco.momentum.layers.1.attention.wq.weight"} <= tensors
