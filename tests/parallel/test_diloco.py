@@ -16,7 +16,7 @@ same anchor shard in both replicas, and parameters that stay equal where a repli
 (cp ranks; the pipeline's tied head copy and embedding), bit for bit. Negative controls: HSDP
 (gradients across replicas every step), and the outer step averaging over cp instead of the
 replicas (8e-4 relative at step 4). kiln's trainer with 2 replicas x fsdp 2 resumes between outer
-syncs bit for bit.
+syncs bit for bit, and so does 2 replicas x pp 2 (the anchor keyed by parameter name).
 """
 
 import os
