@@ -371,7 +371,8 @@ class ParallelConfig:
     # DiLoCo (Douillard et al. 2023, kiln/parallel/diloco.py): 0 = off; H > 0 = every replica takes
     # H local optimizer steps, then one outer Nesterov step on the replica-averaged parameter delta.
     # Replicas: every data-parallel rank (dp_mode auto/ddp), or dp_replicate of them with FSDP over
-    # dp_shard inside each (dp_mode fsdp/zero2); tp splits each replica further.
+    # dp_shard inside each (dp_mode fsdp/zero2); tp, pp, cp and ep (from inside a replica: dims.py
+    # diloco_layout) split each replica further.
     diloco_inner_steps: int = ranged(0, ge=0)
     diloco_outer_lr: float = ranged(0.7, gt=0.0)
     diloco_outer_momentum: float = ranged(0.9, ge=0.0, lt=1.0)
@@ -388,12 +389,6 @@ class ParallelConfig:
                               f"is not supported (its optimizer shards span every replica); set parallel.dp_mode="
                               f"'auto' (every data-parallel rank a whole replica) or 'fsdp' (dp_replicate replicas, "
                               f"FSDP over dp_shard inside each)")
-        split = [f"{k}={getattr(self, k)}" for k in ("pp", "cp", "ep") if getattr(self, k) > 1]
-        if self.diloco_inner_steps and split:
-            # Inside a replica kiln runs FSDP over dp_shard and tp (kiln/parallel/diloco.py), not these.
-            raise ConfigError(f"parallel.diloco_inner_steps={self.diloco_inner_steps} with parallel."
-                              f"{', '.join(split)} is not supported (a DiLoCo replica may be split over dp_shard "
-                              f"and tp only); set those to 1 or parallel.diloco_inner_steps=0")
         if self.etp not in (-1, 1, self.tp):
             raise ConfigError(f"parallel.etp={self.etp} must be 1 (experts whole, ep borrows tp) or "
                               f"parallel.tp={self.tp} (experts sharded over tp); -1 means tp")

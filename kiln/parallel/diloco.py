@@ -3,8 +3,11 @@ Low-Communication Training of Language Models", algorithm 1).
 
 The replicas are the `dp_replicate` ranks of the mesh. Each replica trains alone with its own inner
 optimizer (kiln's configured one, AdamW in the paper) on its own slice of the data; inside a
-replica the model may be split: FSDP2 over `dp_shard` (dp_mode fsdp/zero2, gradients reduced inside
-the replica only, never HSDP) and tensor parallelism over `tp`. Every H =
+replica the model may be split any way kiln splits one: FSDP2 over `dp_shard` (dp_mode
+fsdp/zero2), tensor parallelism over `tp`, pipeline stages over `pp`, context parallelism over
+`cp` and expert parallelism carved out of the replica's own ranks (dims.py `diloco_layout`).
+Gradients are reduced inside a replica only (`ParallelDims.grad_mesh_names` leaves dp_replicate
+out: never HSDP; the expert mesh keeps the replicas apart as well). Every H =
 `parallel.diloco_inner_steps` steps the replicas meet once:
 
     delta   = anchor - mean over replicas(params)        # the outer "pseudo-gradient"
@@ -15,7 +18,12 @@ where `anchor` holds the parameters of the last sync. Every rank works on its ow
 DTensor local tensors): it averages them with the ranks holding the same shard in the other
 replicas (the dp_replicate group) and steps its shard of the anchor, so the anchor and the outer
 momentum are sharded like the parameters, and nothing crosses replicas between outer steps (the
-torchft `DiLoCo` layout: one replica per island, FSDP/TP inside). `outer_step` returns the bytes
+torchft `DiLoCo` layout: one replica per island, FSDP/TP inside). Under pp a rank holds its
+stages' parameters only, and averages those with the same stage's ranks in the other replicas;
+a tied head copy (pipeline_tied.py) is averaged like the embedding it copies, from equal values in
+every replica, so the two stay equal. Parameters replicated inside a replica (over cp, or dense
+ones over ep) are equal on those ranks before the outer step and get the same average, so they
+stay equal after it. `outer_step` returns the bytes
 this rank sends into the all-reduce (its payload; a ring moves about 2 (N-1)/N of that per link).
 
 torch APIs: `torch.optim.SGD(nesterov=True)` is the outer optimizer, `torch.distributed.all_reduce`
@@ -28,10 +36,12 @@ generate and export read, and what a non-DiLoCo run continues from), replica r >
 `diloco_rank<r>` (`replica_states`). The ranks of one replica save their shards under that key
 (DCP writes each shard once), so this is one DCP checkpoint with one manifest, loaded through the
 same safe reader. The anchor and the outer momentum (`diloco`) are equal across replicas, DTensors
-sharded like the parameters, and stored once. A `diloco_layout_<R>x<S>x<T>` entry records the
-replica count and the dp_shard x tp split inside each; a DiLoCo run continues only a checkpoint of
-the same layout (`check_resume`, one line otherwise): a replica without its own state would train
-on another's moments.
+sharded like the parameters, and stored once; under pp they are keyed by parameter name (every
+stage holds other parameters), else by position. A `diloco_layout_<R>x<S>x<T>[_pp<P>][_cp<C>]
+[_ep<E>][_etp1]` entry records the replica count and the split inside each (dp_shard x tp, and
+pp, cp, ep where > 1, etp1 where ep borrows tp); a DiLoCo run continues only a checkpoint of the
+same layout (`check_resume`, one line otherwise): a replica without its own state would train on
+another's moments, and the anchor's keys and shards follow the split.
 """
 
 from __future__ import annotations
@@ -45,15 +55,34 @@ from kiln.errors import KilnError
 
 APP_KEY = "app"  # the model + optimizer entry of kiln's checkpoint (kiln/train/trainer.py)
 REPLICA_PREFIX = "diloco_rank"  # replica r > 0's own model + inner optimizer: diloco_rank<r>
-LAYOUT_PREFIX = "diloco_layout_"  # diloco_layout_<replicas>x<dp_shard>x<tp>
+LAYOUT_PREFIX = "diloco_layout_"  # diloco_layout_<replicas>x<dp_shard>x<tp>[_pp<P>][_cp<C>][_ep<E>][_etp1]
+SPLITS = ("pp", "cp", "ep")  # the dimensions inside a replica beyond dp_shard x tp, in the key when > 1
 
 
 def replica_key(replica: int) -> str:
     return APP_KEY if replica == 0 else f"{REPLICA_PREFIX}{replica}"
 
 
-def layout_key(replicas: int, shards: int, tp: int) -> str:
-    return f"{LAYOUT_PREFIX}{replicas}x{shards}x{tp}"
+def layout_key(replicas: int, shards: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1,
+               ep_borrows_tp: bool = False) -> str:
+    """A layout without pp, cp and ep keeps the key kiln wrote before those ran under DiLoCo."""
+    extra = "".join(f"_{name}{size}" for name, size in zip(SPLITS, (pp, cp, ep)) if size > 1)
+    return f"{LAYOUT_PREFIX}{replicas}x{shards}x{tp}{extra}{'_etp1' if ep_borrows_tp else ''}"
+
+
+def describe_layout(key: str) -> str:
+    """'dp_shard=S x tp=T[ x pp=P ...]' of a layout key (the key itself when it is not kiln's)."""
+    body = key[len(LAYOUT_PREFIX):].split("_")
+    split = body[0].split("x")
+    if len(split) != 3:
+        return key
+    parts = [f"dp_shard={split[1]}", f"tp={split[2]}"]
+    for extra in body[1:]:
+        name = next((n for n in (*SPLITS, "etp") if extra.startswith(n) and extra[len(n):].isdigit()), None)
+        if name is None:
+            return key
+        parts.append(f"{name}={extra[len(name):]}")
+    return " x ".join(parts)
 
 
 def replica_states(states: dict, replica: int) -> dict:
@@ -62,10 +91,11 @@ def replica_states(states: dict, replica: int) -> dict:
     return {replica_key(replica) if name == APP_KEY else name: value for name, value in states.items()}
 
 
-def check_resume(saved_names: set[str], replicas: int, where: str, shards: int = 1, tp: int = 1) -> None:
+def check_resume(saved_names: set[str], replicas: int, where: str, shards: int = 1, tp: int = 1,
+                 **split) -> None:
     """One line unless the checkpoint (its top-level state names) holds DiLoCo state for exactly
-    `replicas` replicas, each split dp_shard=`shards` x tp=`tp` (a checkpoint without a layout entry
-    was saved by whole replicas)."""
+    `replicas` replicas, each split dp_shard=`shards` x tp=`tp` x `split` (layout_key's pp, cp, ep,
+    ep_borrows_tp; a checkpoint without a layout entry was saved by whole replicas)."""
     if "diloco" not in saved_names:
         raise KilnError(f"{where} was saved without DiLoCo; a DiLoCo run (parallel.diloco_inner_steps > 0) "
                         f"continues only a DiLoCo checkpoint: set parallel.diloco_inner_steps=0 or start a "
@@ -80,30 +110,36 @@ def check_resume(saved_names: set[str], replicas: int, where: str, shards: int =
                         f"parallel.diloco_inner_steps=0)")
     layouts = sorted(n for n in saved_names if n.startswith(LAYOUT_PREFIX))
     saved_layout = layouts[0] if layouts else layout_key(saved, 1, 1)
-    if layouts[1:] or saved_layout != layout_key(replicas, shards, tp):
-        split = saved_layout[len(LAYOUT_PREFIX):].split("x")
-        inside = f"dp_shard={split[1]} x tp={split[2]}" if len(split) == 3 else saved_layout
-        raise KilnError(f"{where} holds DiLoCo replicas split {inside}, this run's are dp_shard={shards} x "
-                        f"tp={tp}; DiLoCo resumes each replica's shards on the same layout: set parallel."
-                        f"dp_shard and parallel.tp as saved (or continue without DiLoCo from replica 0's "
-                        f"state: parallel.diloco_inner_steps=0)")
+    mine = layout_key(replicas, shards, tp, **split)
+    if layouts[1:] or saved_layout != mine:
+        raise KilnError(f"{where} holds DiLoCo replicas split {describe_layout(saved_layout)}, this run's are "
+                        f"{describe_layout(mine)}; DiLoCo resumes each replica's shards on the same layout: set "
+                        f"parallel.dp_shard, tp, pp, cp, ep and etp as saved (or continue without DiLoCo from "
+                        f"replica 0's state: parallel.diloco_inner_steps=0)")
 
 
 class Layout:
     """Stateful: the replica layout, saved under its `layout_key` so `check_resume` reads it from
     the checkpoint's names before anything loads (the tensor double-checks it at load)."""
 
-    def __init__(self, replicas: int, shards: int, tp: int):
+    def __init__(self, replicas: int, shards: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1,
+                 ep_borrows_tp: bool = False):
         self.value = torch.tensor([replicas, shards, tp])
+        # Only where a replica has more in it: the checkpoints of kiln before pp/cp/ep keep loading.
+        more = [pp, cp, ep, int(ep_borrows_tp)]
+        self.split = torch.tensor(more) if more != [1, 1, 1, 0] else None
 
     def state_dict(self) -> dict:
-        return {"replicas_shards_tp": self.value}
+        state = {"replicas_shards_tp": self.value}
+        if self.split is not None:
+            state["pp_cp_ep_etp1"] = self.split
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state["replicas_shards_tp"]
-        if not torch.equal(saved, self.value):
-            raise KilnError(f"checkpoint DiLoCo layout (replicas, dp_shard, tp) = {saved.tolist()} differs from "
-                            f"this run's {self.value.tolist()}")
+        for name, mine in self.state_dict().items():
+            if not torch.equal(state[name], mine):
+                raise KilnError(f"checkpoint DiLoCo layout ({name.replace('_', ', ')}) = {state[name].tolist()} "
+                                f"differs from this run's {mine.tolist()}")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -113,13 +149,20 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 class DiLoCo:
     """`group`: the ranks holding the same shard in the other replicas (the dp_replicate group);
-    None = the default group when one is initialized (every rank a whole replica)."""
+    None = the default group when one is initialized (every rank a whole replica). `by_name`: the
+    checkpoint keys the anchor by parameter name, not position (pp: each stage's ranks hold other
+    parameters, so position i names another tensor on every stage)."""
 
     def __init__(self, model: nn.Module, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 group=None):
+                 group=None, by_name: bool = False):
         if inner_steps < 1:
             raise ValueError(f"DiLoCo needs inner_steps >= 1, got {inner_steps}")
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        # The names a checkpoint of the model uses: without the wrappers that activation
+        # checkpointing and per-block compile put around blocks (as DCP's get_state_dict drops them).
+        self.keys = [n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") if by_name else str(i)
+                     for i, (n, _) in enumerate(named)]
         self.inner_steps, self.group = inner_steps, group
         # The anchor is fp32 whatever the parameters' dtype (the outer step adds small deltas to it)
         # and holds this rank's shards only.
@@ -169,15 +212,15 @@ class DiLoCo:
     # Stateful, for the checkpoint: the anchor and the outer momentum (equal across replicas,
     # sharded like the parameters), as a flat dict of tensors that DCP saves and loads in place.
     def state_dict(self) -> dict:
-        state = {f"anchor.{i}": self._like_param(a, p) for i, (a, p) in enumerate(zip(self.anchor, self.params))}
-        state.update({f"momentum.{i}": self._like_param(self.outer.state[a]["momentum_buffer"], p)
-                      for i, (a, p) in enumerate(zip(self.anchor, self.params))})
+        state = {f"anchor.{k}": self._like_param(a, p) for k, a, p in zip(self.keys, self.anchor, self.params)}
+        state.update({f"momentum.{k}": self._like_param(self.outer.state[a]["momentum_buffer"], p)
+                      for k, a, p in zip(self.keys, self.anchor, self.params)})
         state["outer_steps"] = torch.tensor(self.outer_steps)
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        for i, a in enumerate(self.anchor):
-            a.copy_(local(state[f"anchor.{i}"]))
-            self.outer.state[a]["momentum_buffer"].copy_(local(state[f"momentum.{i}"]))
+        for k, a in zip(self.keys, self.anchor):
+            a.copy_(local(state[f"anchor.{k}"]))
+            self.outer.state[a]["momentum_buffer"].copy_(local(state[f"momentum.{k}"]))
         self.outer_steps = int(state["outer_steps"])

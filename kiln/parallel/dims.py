@@ -40,6 +40,9 @@ class ParallelDims:
     expert_mesh: object = None
     # Expert tensor parallel degree (parallel.etp resolved): tp, or 1 where ep borrows tp too.
     etp: int | None = None
+    # DiLoCo (parallel.diloco_inner_steps > 0): the dp_replicate ranks are replicas that never
+    # reduce gradients with each other (kiln/parallel/diloco.py); every group below stays inside one.
+    diloco: bool = False
 
     def __post_init__(self):
         if self.etp is None:
@@ -101,7 +104,7 @@ class ParallelDims:
             raise ConfigError(f"parallel.dp_mode={mode!r} with parallel.tp={cfg.tp} and parallel.pp={cfg.pp} is "
                               f"not supported; set parallel.dp_mode='fsdp' (or 'zero2') or parallel.pp=1")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
-                   dp_mode=mode, local_world_size=local_world_size, etp=etp)
+                   dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps))
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Ring attention (cp) enters compiled
@@ -146,10 +149,17 @@ class ParallelDims:
     @property
     def grad_mesh_names(self) -> tuple[str, ...]:
         """The mesh dimensions gradients are averaged over: data parallel and context parallel
-        (cp ranks hold the same parameters and each has the gradient of its slice's loss)."""
+        (cp ranks hold the same parameters and each has the gradient of its slice's loss). Under
+        DiLoCo not dp_replicate: the replicas meet only in the outer step."""
         if self.mesh is None:
             return ()
-        return self.dp_mesh_names + (("cp",) if "cp" in self.mesh.mesh_dim_names else ())
+        names = self.dp_mesh_names + (("cp",) if "cp" in self.mesh.mesh_dim_names else ())
+        return tuple(n for n in names if n != "dp_replicate") if self.diloco else names
+
+    @property
+    def grad_ranks(self) -> int:
+        """How many ranks share each gradient average (the size of grad_mesh_names' mesh; 1: none)."""
+        return (self.dp_shard if self.diloco else self.dp_size) * self.cp
 
     @property
     def dp_size(self) -> int:
@@ -207,10 +217,19 @@ class ParallelDims:
 
         if self.ep_borrows_tp:
             return self._build_expert_mesh_borrowing_tp(device_type)
-        shape = [("pp", self.pp), ("edp", self.dp_size * self.cp // self.ep), ("ep", self.ep), ("tp", self.tp)]
+        shape = [("pp", self.pp), *self._expert_replicas(self.dp_size * self.cp // self.ep), ("ep", self.ep),
+                 ("tp", self.tp)]
         shape = [(n, d) for n, d in shape if d > 1 or n in ("edp", "ep")]
         ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
+
+    def _expert_replicas(self, edp: int) -> list[tuple[str, int]]:
+        """The "edp" dimension of the expert mesh; under DiLoCo split as ("dp_replicate", "edp"), the
+        replicas outermost, so the experts' FSDP and gradient sums ("edp") stay inside a replica
+        (diloco_layout checks that ep does) and the outer step pairs equal expert shards."""
+        if not self.diloco:
+            return [("edp", edp)]
+        return [("dp_replicate", self.dp_replicate), ("edp", edp // self.dp_replicate)]
 
     def _build_expert_mesh_borrowing_tp(self, device_type: str):
         """parallel.etp=1 (torchtitan's etp = 1): ep borrows cp and tp as well. cp and tp are the
@@ -222,23 +241,32 @@ class ParallelDims:
         only where > 1; there is no "tp" dimension: the experts are whole."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        shape = [("pp", self.pp), ("edp", self.dp_size * self.cp * self.tp // self.ep), ("ep", self.ep)]
-        shape = [(n, d) for n, d in shape if d > 1 or n != "pp"]
+        shape = [("pp", self.pp), *self._expert_replicas(self.dp_size * self.cp * self.tp // self.ep), ("ep", self.ep)]
+        shape = [(n, d) for n, d in shape if d > 1 or n in ("edp", "ep")]
         ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
         return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
 
 
 def diloco_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: int,
                   world_size: int) -> tuple[int, int, str]:
-    """DiLoCo's replicas are the dp_replicate ranks (kiln/parallel/diloco.py). dp_mode auto/ddp:
-    every data-parallel rank is a whole replica (dp_replicate = all of them, no wrapper; tp may
-    split it). fsdp/zero2: dp_replicate replicas, FSDP2 over dp_shard inside each."""
+    """DiLoCo's replicas are the dp_replicate ranks (kiln/parallel/diloco.py); a replica is any
+    kiln layout of the rest (pp, cp, tp, ep). dp_mode auto/ddp: every data-parallel rank is a
+    replica (dp_replicate = all of them; cp ranks inside one replicate the model, DDP over cp).
+    fsdp/zero2: dp_replicate replicas, FSDP2 over dp_shard (x cp) inside each. Expert parallelism
+    is carved out of a replica's own ranks (dp_shard x cp, and tp with etp=1), never across two."""
     if mode in ("auto", "ddp"):
-        return dp_replicate * dp_shard, 1, "ddp"
-    if world_size > 1 and dp_replicate == 1:
+        dp_replicate, dp_shard, mode = dp_replicate * dp_shard, 1, "ddp"
+    elif world_size > 1 and dp_replicate == 1:
         raise ConfigError(f"parallel.diloco_inner_steps={cfg.diloco_inner_steps} with parallel.dp_mode="
                           f"{mode!r} takes its replicas from parallel.dp_replicate, which is 1 here (one "
                           f"replica); set parallel.dp_replicate to the number of replicas")
+    borrows_tp = cfg.tp > 1 and cfg.etp == 1
+    inside, names = dp_shard * cfg.cp * (cfg.tp if borrows_tp else 1), "dp_shard x cp" + (" x tp" if borrows_tp else "")
+    if cfg.ep > 1 and inside % cfg.ep:
+        raise ConfigError(f"parallel.ep={cfg.ep} with parallel.diloco_inner_steps={cfg.diloco_inner_steps} must "
+                          f"divide a replica's {names} = {inside} (dp_mode={mode!r}): expert parallelism runs "
+                          f"inside a replica, never across replicas; use dp_mode='fsdp' with dp_shard a multiple "
+                          f"of ep, or change parallel.ep")
     return dp_replicate, dp_shard, mode
 
 
@@ -276,8 +304,8 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
     `ZeroRedundancyExceptExperts`). With tp > 1 each expert is also sharded on its hidden units
     over tp (expert tensor parallel, etp = tp: ep never borrows tp), under any dp_mode: under
     ddp/zero1 the dense tp shards are kiln's replicas' (data_parallel.OverlappedReplicas), the
-    experts' gradients summed over "edp" by expert_parallel.py as without tp. DiLoCo with ep is refused by ParallelConfig.validate (its
-    replicas do not reduce gradients)."""
+    experts' gradients summed over "edp" by expert_parallel.py as without tp. Under DiLoCo
+    ep comes from inside a replica (diloco_layout), the expert mesh keeps the replicas apart."""
     if ep % cp:
         raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.cp={cp} (expert parallelism borrows "
                           f"all of cp, as in torchtitan); change parallel.ep or parallel.cp")

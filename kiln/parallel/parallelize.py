@@ -257,10 +257,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
 def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
     """Experts sharded over ep (dims.expert_mesh); over the other data-parallel (and cp) ranks
     FSDP-sharded (fsdp/zero2, in apply_fsdp) or replicated (ddp). Gradients are averaged over
-    dp x cp ranks, as the dense ones (grad_mesh_names)."""
+    dp x cp ranks (under DiLoCo a replica's own), as the dense ones (grad_mesh_names)."""
     from kiln.parallel.expert_parallel import apply_expert_parallel_training
 
-    apply_expert_parallel_training(model, dims.expert_mesh, dims.dp_size * dims.cp,
+    apply_expert_parallel_training(model, dims.expert_mesh, dims.grad_ranks,
                                    fsdp=dims.dp_mode in ("fsdp", "zero2"))
 
 
@@ -289,12 +289,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
         apply_compile(model, "blocks", experts_fsdp=experts_fsdp)
     # Context parallel needs no module change (its attention is swapped in per step, see
     # context_parallel.py), only the gradient average over cp, which data parallelism does.
-    # DiLoCo: each replica trains alone, FSDP over dp_shard inside it at most (never across
-    # replicas); the replicas meet in kiln/parallel/diloco.py.
-    if dims.world_size > 1 and dims.dp_size * dims.cp > 1 and not cfg.parallel.diloco_inner_steps:
+    # DiLoCo: each replica trains alone, data parallel over its own dp_shard x cp ranks at most
+    # (grad_mesh_names leaves dp_replicate out); the replicas meet in kiln/parallel/diloco.py.
+    if dims.grad_mesh_names:
         apply_data_parallel(model, dims, cfg, device)
-    elif cfg.parallel.diloco_inner_steps and dims.dp_shard > 1:
-        apply_data_parallel(model, dims, cfg, device, mesh_names=("dp_shard",))
     if cfg.train.compile and scope == "model":
         apply_compile(model, "model", cfg.train.cuda_graphs)
     return model

@@ -283,7 +283,7 @@ class Pipeline:
         # ddp/zero1 with a zero-bubble schedule: torch's weight pass bypasses DDP's hooks, so the
         # replicas average after the step instead (pipeline_train_step; data_parallel.py).
         self.replicas = None
-        if dims.dp_mode in ("ddp", "zero1") and dims.dp_size * dims.cp > 1:
+        if dims.dp_mode in ("ddp", "zero1") and dims.grad_mesh_names:  # (DiLoCo: inside a replica)
             from kiln.parallel.data_parallel import SplitBackwardReplicas, replicate_stage
 
             if cfg.parallel.pp_schedule in ZERO_BUBBLE:

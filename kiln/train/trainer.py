@@ -206,13 +206,14 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if scaler is not None:  # the loss scale and its growth count: an fp16 run resumes with its own
         stateful["scaler"] = ScalerState(scaler)
     diloco = None
-    if cfg.parallel.diloco_inner_steps:  # replicas = dp_replicate (FSDP/TP inside): kiln/parallel/diloco.py
+    diloco_layout = (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, dims.ep, dims.ep_borrows_tp)
+    if cfg.parallel.diloco_inner_steps:  # replicas = dp_replicate (any layout inside): kiln/parallel/diloco.py
         across = dims.mesh["dp_replicate"] if dims.dp_replicate > 1 else None
         diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
-                        cfg.parallel.diloco_outer_momentum, group=across.get_group() if across else None)
+                        cfg.parallel.diloco_outer_momentum, group=across.get_group() if across else None,
+                        by_name=dims.pp > 1)
         stateful["diloco"] = diloco
-        stateful[layout_key(dims.dp_replicate, dims.dp_shard, dims.tp)] = DiLoCoLayout(dims.dp_replicate,
-                                                                                      dims.dp_shard, dims.tp)
+        stateful[layout_key(*diloco_layout)] = DiLoCoLayout(*diloco_layout)
         # every replica saves its own model and moments
         stateful = replica_states(stateful, across.get_local_rank() if across else 0)
     recovery = None
@@ -221,7 +222,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     elif resume_step is not None:  # memory replica, else the newest checkpoint that verifies
         names = ckpt.saved_state_names(resume_step) if diloco is not None or scaler is not None else None
         if names is not None and diloco is not None:
-            check_diloco_resume(names, dims.dp_replicate, f"{ckpt.dir}/step-{resume_step}", dims.dp_shard, dims.tp)
+            check_diloco_resume(names, dims.dp_replicate, f"{ckpt.dir}/step-{resume_step}", *diloco_layout[1:3],
+                                pp=dims.pp, cp=dims.cp, ep=dims.ep, ep_borrows_tp=dims.ep_borrows_tp)
         # A checkpoint from before kiln saved the scaler: resume with a fresh scale (saved from now on).
         unsaved = {"scaler"} if names is not None and scaler is not None and "scaler" not in names else set()
         resume_step, recovered_from, recovery_s = ckpt.restore({k: v for k, v in stateful.items() if k not in unsaved})

@@ -307,7 +307,8 @@ def grad_norms(run_dir):
 
 
 @pytest.mark.parametrize("world, degrees, expected", [
-    (2, {"ep": 2, "diloco_inner_steps": 3}, "parallel.diloco_inner_steps=3 with parallel.ep=2 is not supported"),
+    (2, {"ep": 2, "diloco_inner_steps": 3}, "parallel.ep=2 with parallel.diloco_inner_steps=3 must divide a "
+                                       "replica's dp_shard x cp = 1"),
     (8, {"ep": 2, "cp": 4}, "parallel.ep=2 must be a multiple of parallel.cp=4"),
     (6, {"ep": 4, "cp": 2}, "parallel.ep=4 must divide dp_shard x cp = 3 x 2"),
     (12, {"ep": 4, "pp": 2, "dp_replicate": 2}, "parallel.ep=4 must divide dp_shard=3"),
