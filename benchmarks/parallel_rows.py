@@ -87,6 +87,8 @@ def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_st
         if dim % tp_heads == 0 and (dim // tp_heads) % 2 == 0:  # RoPE needs an even head size
             out.append(Row("tp", n, "mp", (f"parallel.tp={n}", "parallel.dp_mode='ddp'")
                            + ((f"model.n_heads={tp_heads}",) if tp_heads != heads else ())))
+        if n == 4 and heads % 2 == 0:  # 2 replicas (ddp or zero1) of a tp=2 model, each on its half
+            out += [Row(f"{m}_tp", n, "mp", ("parallel.tp=2", f"parallel.dp_mode='{m}'")) for m in ("ddp", "zero1")]
         if seq % (2 * n) == 0:
             out.append(Row("cp", n, "mp", (f"parallel.cp={n}", "parallel.dp_mode='ddp'")))
         out += [Row(f"pp_{s}", n, "mp", pipeline(s, n)) for s in ("gpipe", "1f1b") if n <= layers]

@@ -129,13 +129,14 @@ def run(args: argparse.Namespace) -> int:
     from kiln.plan.cluster import load_cluster
     from kiln.plan.interval import young_daly_interval
     from kiln.plan.memory import OPTIM_STATE_BYTES, ModelShape
-    from kiln.plan.search import kiln_refusal, model_for_params, plan_toml, search
+    from kiln.plan.search import check_plannable, kiln_refusal, model_for_params, plan_toml, search
     from kiln.train.memory import vocab_estimate
 
     cluster = load_cluster(args.cluster, args.nodes)
     if args.calibrate or args.time_collectives or args.collectives:
         return _calibrate(args, cluster)
     cfg = load_config(args.config, args.overrides)
+    check_plannable(cfg)
     world = cluster.world_size
     law = scaling.CHINCHILLA
     if args.fit_sweep:

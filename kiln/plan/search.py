@@ -11,13 +11,18 @@ dp_shard), micro-batch (powers of two dividing the per-rank batch) and activatio
 and, with tp > 1, whether ep borrows the tp ranks (parallel.etp = 1: whole experts) or each
 expert is sharded over tp too (etp = tp); the ep / dp mode / degree combinations are kept only
 where kiln's own layout checks pass (kiln/parallel/dims.py `check_ep_layout`,
-`check_ep_borrowing_tp_layout`, the ones `ParallelDims.from_config` runs).
+`check_ep_borrowing_tp_layout`, the ones `ParallelDims.from_config` runs). Every mesh (dp mode,
+dp_replicate x dp_shard x cp x tp x pp, ep, etp) is put to `ParallelDims.from_config` itself
+(`kiln_accepts`), so legality has one place: what kiln's dims accept (e.g. ddp/zero1 x tp x pp
+once lifted there) the search considers, what they refuse it never proposes. DiLoCo
+(parallel.diloco_inner_steps) is not modelled: `check_plannable` refuses such a config in one line.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -79,6 +84,35 @@ def expert_layouts(shape: ModelShape, mode: str, replicate: int, shard: int, cp:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def kiln_accepts(world: int, mode: str, replicate: int, shard: int, tp: int, pp: int, cp: int, ep: int = 1,
+                 etp: int = -1, seq_len: int | None = None) -> bool:
+    """Whether kiln's own mesh checks (`ParallelDims.from_config`, as `kiln train` calls it) accept
+    this mesh on `world` processes and resolve it to the same degrees and dp mode."""
+    from kiln.config import ParallelConfig
+    from kiln.errors import ConfigError
+    from kiln.parallel.dims import ParallelDims
+
+    cfg = ParallelConfig(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp_mode=mode)
+    try:
+        dims = ParallelDims.from_config(cfg, world_size=world, rank=0, local_rank=0, local_world_size=world,
+                                        seq_len=seq_len)
+    except ConfigError:
+        return False
+    return (dims.dp_replicate, dims.dp_shard, dims.dp_mode) == (replicate, shard, mode)
+
+
+def check_plannable(cfg: JobConfig) -> None:
+    """KilnError for a config whose training the planner's models do not describe: DiLoCo's
+    replicas step alone for diloco_inner_steps steps and sync every H, which no memory or time
+    term here models (kiln/parallel/diloco.py; its fsdp/tp-inside-replica layouts included)."""
+    h = cfg.parallel.diloco_inner_steps
+    if h:
+        raise KilnError(f"parallel.diloco_inner_steps={h}: kiln plan does not model DiLoCo (replicas that sync "
+                        f"every {h} steps); plan without it (parallel.diloco_inner_steps=0) and add DiLoCo's "
+                        f"outer loop to the chosen layout by hand")
+
+
 def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, replicas: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) `kiln train` runs for a pipeline of `pp` stages: gpipe and 1f1b;
     with 2 stages per rank (an even layer split) interleaved 1F1B and the zero-bubble ZB1P and ZBV
@@ -120,7 +154,8 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                     continue
                 per_rank = global_batch // dp
                 for mode, rep, shard in _dp_splits(dp):
-                    experts = expert_layouts(shape, mode, rep, shard, cp, tp, seq_len)
+                    experts = [(ep, etp) for ep, etp in expert_layouts(shape, mode, rep, shard, cp, tp, seq_len)
+                               if kiln_accepts(world, mode, rep, shard, tp, pp, cp, ep, etp, seq_len)]
                     for mb in _powers_of_two_dividing(per_rank):
                         ga = per_rank // mb
                         if pp > 1 and ga < pp:

@@ -2,11 +2,9 @@
 alpha-beta model of the cluster's links, pipeline bubbles per schedule, and overlap of
 communication with compute where the strategy allows it.
 
-Collective costs (n ranks, S bytes, alpha latency, B bandwidth per rank and direction), the
-textbook ring forms (Thakur et al. 2005; NCCL's docs use the same bus-bandwidth factors):
-  all-reduce 2(n-1)/n * S/B + 2(n-1) alpha  (in-network reduction: S/B + 2 alpha across nodes)
-  all-gather / reduce-scatter (n-1)/n * S/B + (n-1) alpha,  all-to-all (n-1)/n * S/B + (n-1) alpha,
-  broadcast S/B + (n-1) alpha (pipelined chain).
+Collective costs: kiln/plan/comm_cost.py (alpha-beta ring forms). Pipeline bubbles and
+stage-boundary sends: kiln/plan/pipeline_time.py.
+
 Every collective call pays its latency steps: a mode's traffic split over k calls costs k times
 the alpha term. The calls per step are counted on kiln's own layouts (torch.profiler around a
 step on 2 gloo processes; tests/plan/test_collective_counts.py keeps them equal to
@@ -64,9 +62,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kiln.plan.cluster import Cluster, LinkSpec
+from kiln.plan.cluster import Cluster
+# the communication and pipeline terms live beside this module; re-exported for callers of timing
+from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, rank_params,
                               recomputed_blocks, resharded_after_forward)
+from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
 # where counted from torch's code (see the module docstring); others: read and write the
@@ -102,128 +103,6 @@ class StepTime:
 
     def mfu(self, cluster: Cluster, precision: str, world: int) -> float:
         return self.flops / (self.total * world * cluster.device.peak_flops(precision))
-
-
-def _link(cluster: Cluster, group: int, stride: int) -> tuple[LinkSpec, bool]:
-    """The link a group of `group` ranks spaced `stride` apart uses, and whether it spans nodes."""
-    spans = group > 1 and group * stride > cluster.gpus_per_node
-    return (cluster.inter_node if spans else cluster.intra_node), spans
-
-
-def all_reduce(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
-    """`nbytes` in all, split over `calls` collectives (each pays the latency steps)."""
-    if n <= 1:
-        return 0.0
-    link, spans = _link(cluster, n, stride)
-    alpha, bw = link.latency_us * 1e-6, link.bandwidth_gbps * 1e9
-    if spans and link.in_network_reduction:
-        return nbytes / bw + 2 * alpha * calls
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha * calls
-
-
-def all_gather(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
-    """Also reduce-scatter: `nbytes` is the full (unsharded) size, in all, over `calls` collectives."""
-    if n <= 1:
-        return 0.0
-    link, _ = _link(cluster, n, stride)
-    return (n - 1) / n * nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6 * calls
-
-
-def reduce_scatter(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
-    """`nbytes` the full (unsharded) size, in all, over `calls` collectives: an all-gather's cost,
-    or on gloo an all-reduce's (ProcessGroupGloo reduces the whole tensor, then keeps a shard)."""
-    if cluster.backend == "gloo":
-        return all_reduce(cluster, n, nbytes, stride, calls)
-    return all_gather(cluster, n, nbytes, stride, calls)
-
-
-def broadcast(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
-    """`calls` broadcasts of `nbytes` in all from one root each: pipelined over a chain (NCCL's
-    ring broadcast, bus-bandwidth factor 1), S/B + (n-1) alpha per call."""
-    if n <= 1:
-        return 0.0
-    link, _ = _link(cluster, n, stride)
-    return nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6 * calls
-
-
-def all_to_all(cluster: Cluster, n: int, nbytes: float, stride: int = 1, calls: int = 1) -> float:
-    """`nbytes` each rank holds before the exchange, in all, over `calls` collectives."""
-    if n <= 1:
-        return 0.0
-    link, spans = _link(cluster, n, stride)
-    t = (n - 1) / n * nbytes / (link.bandwidth_gbps * 1e9) + (n - 1) * link.latency_us * 1e-6 * calls
-    if spans and link.topology == "rail_only":
-        t += all_gather(cluster, min(n, cluster.gpus_per_node), nbytes)  # the hop onto the right rail
-    return t
-
-
-def p2p(cluster: Cluster, nbytes: float, spans: bool) -> float:
-    link = cluster.inter_node if spans else cluster.intra_node
-    return nbytes / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6
-
-
-def pass_split(shape: ModelShape, layout: Layout, seq_len: int) -> tuple[float, float, float]:
-    """Shares (f, b, w) of a micro-batch's compute in the forward, the input-gradient backward and
-    the weight-gradient backward, by FLOPs per token: every matmul weight costs 2 per pass (forward
-    x W, grad x W^T for the input, grad^T x input for the weight); attention's score and value
-    products (4 * seq * dim per layer forward, the 12*L*dim*seq convention) have no weight, so
-    backward's 8 * seq * dim are all input gradient; a recomputed block's forward runs in the
-    input pass (the checkpoint's unpack hook fires on backward's first read). Always w <= f <= b."""
-    non_embed = shape.params - shape.embedding_params + shape.vocab * shape.dim
-    attention = 4 * shape.n_layers * shape.dim * seq_len
-    recompute = recomputed_blocks(layout.ac, shape.n_layers) * (2 * shape.layer_params + 4 * shape.dim * seq_len)
-    f, b, w = 2 * non_embed + attention, 2 * non_embed + 2 * attention + recompute, 2 * non_embed
-    return f / (f + b + w), b / (f + b + w), w / (f + b + w)
-
-
-def bubble_fraction(layout: Layout, split: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)) -> float:
-    """Idle time of a pipeline step relative to its compute, p = pp stages, m micro-batches, v
-    stages per rank, (f, b, w) the shares of forward, input-gradient and weight-gradient work
-    (`pass_split`; the zero-bubble paper's T_F = T_B = T_W by default):
-      gpipe, 1f1b          (p-1)/m                  (Narayanan et al. 2021, sec. 2.2)
-      interleaved_1f1b     (p-1)/(m v)
-      interleaved_zero_bubble  (p-1)(f + b - min(w, f))/(m v): ZB-H1 (Qi et al. 2023, sec. 3),
-                           whose weight passes fill all but T_F + T_B - T_W of each warm-up slot
-      zbv_zero_bubble (v=2)    (p-1) max(b, 2(b - w))/(2m) for m >= 2p - 1, else (p-1)(b + max(f, b))/(2m)
-    The two zero-bubble lines are torch's own orders (pipelining/schedules.py: ZB1P with one
-    warm-up forward per hop, the V with its fixed F/I/W pattern, padded to 2p - 1 micro-batches),
-    list-scheduled with these pass times: tests/plan/test_pipeline_schedules.py derives them from
-    torch's action lists. torch's ZBV is not the paper's ideal (zero at T_F = T_B = T_W): its
-    fixed order idles one input pass per hop. Checked for m a multiple of p (kiln's rule for
-    multi-stage schedules) and, for ZBV, w <= f <= b, which `pass_split` always gives; outside it
-    torch's order idles more."""
-    p, m = layout.pp, layout.grad_accum
-    if p == 1:
-        return 0.0
-    f, b, w = split
-    if layout.schedule == "interleaved_zero_bubble":
-        return (p - 1) * (f + b - min(w, f)) / (m * layout.virtual_stages)
-    if layout.schedule == "zbv_zero_bubble":
-        warm = max(b, 2 * (b - w)) if m >= 2 * p - 1 else b + max(f, b)
-        return (p - 1) * warm / (2 * m)
-    v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-    return (p - 1) / (m * v)
-
-
-def pipeline_p2p_per_microbatch(layout: Layout) -> float:
-    """Sends and receives a pipeline rank issues per micro-batch, on average over the pp ranks:
-    every stage boundary between two ranks costs a send and a receive forward and again backward
-    (4 ops), and there are p-1 such boundaries with one stage per rank, vp-1 with v looped stages,
-    2p-2 with ZBV's V (its tip, stages p-1 and p, is one rank's: handed over in memory); so 4(p-1)/p,
-    4v - 4/p and 8 - 8/p per rank. Counted in torch's action lists with communication
-    (`pipeline_order_with_comms`, tests/plan/test_pipeline_schedules.py). The average, not the
-    busiest rank (middle ranks issue 4, 4v, 8): at full speed the ranks wait for each other anyway,
-    and where ranks share cores their host work adds up."""
-    p = layout.pp
-    if p == 1:
-        return 0.0
-    if layout.schedule == "zbv_zero_bubble":
-        boundaries = 2 * p - 2
-    elif layout.schedule in ("gpipe", "1f1b"):
-        boundaries = p - 1
-    else:
-        boundaries = layout.virtual_stages * p - 1
-    return 4 * boundaries / p
 
 
 def ddp_buckets(grad_bytes: float) -> int:

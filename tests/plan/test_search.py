@@ -210,3 +210,52 @@ def test_moe_layouts_with_ep_and_etp_are_the_ones_kiln_train_runs():
     assert {l.dp_mode for l in ddp_tp} == {"ddp", "zero1"}
     why = kiln_refusal(cfg, ddp_tp[0], 8)
     assert why is None or "cannot combine with parallel.tp" in why
+
+
+def test_every_layout_the_search_proposes_passes_kilns_own_mesh_checks():
+    """Legality has one place (kiln/parallel/dims.py ParallelDims.from_config): every proposed
+    mesh, for a dense and a mixture-of-experts model on 4, 8 and 16 processes, passes it and
+    resolves to the layout's own degrees; and a mesh it refuses is never proposed."""
+    from kiln.config import JobConfig
+    from kiln.parallel.dims import ParallelDims
+
+    dense = ModelConfig(dim=256, n_layers=8, n_heads=8, vocab_size=1000, max_seq_len=512)
+    moe = ModelConfig(dim=256, n_layers=4, n_heads=4, vocab_size=1000, max_seq_len=512, moe_experts=4, moe_top_k=2)
+    seen = set()
+    for model, world in ((dense, 4), (dense, 8), (moe, 8), (dense, 16)):
+        cluster = load_cluster("h100", max(1, world // 8))
+        cluster.gpus_per_node = min(world, 8)
+        shape = ModelShape.from_config(model, 1000)
+        cfg = JobConfig()
+        cfg.model, cfg.data.seq_len = model, 512
+        meshes = {(l.dp_mode, l.dp_replicate, l.dp_shard, l.tp, l.pp, l.cp, l.ep, l.etp)
+                  for l in enumerate_layouts(shape, cluster, 512, 32, "bf16", ac_choices=("none",))}
+        for mode, rep, shard, tp, pp, cp, ep, etp in meshes:
+            p = cfg.parallel
+            p.dp_mode, p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.ep, p.etp = mode, rep, shard, tp, pp, cp, ep, etp
+            dims = ParallelDims.from_config(p, world_size=world, rank=0, local_rank=0, local_world_size=world,
+                                            seq_len=512)
+            assert (dims.dp_mode, dims.dp_replicate, dims.dp_shard) == (mode, rep, shard)
+            seen.add((mode in ("ddp", "zero1") and rep > 1, tp > 1, pp > 1))
+        # a mesh kiln refuses (dp 2 x tp 2 x pp 2 under ddp while kiln refuses it) follows kiln's answer
+        p = cfg.parallel
+        p.dp_mode, p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.ep, p.etp = "ddp", 1, 1, 2, 2, 1, 1, -1
+        try:
+            ParallelDims.from_config(p, world_size=8, rank=0, local_rank=0, local_world_size=8, seq_len=512)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        if world == 8 and model is dense:
+            assert (("ddp", 2, 1, 2, 2, 1, 1, -1) in meshes) == accepted
+    assert {(True, True, False), (False, True, True), (True, False, True)} <= seen  # the new mixes are searched
+
+
+def test_a_diloco_config_is_refused_in_one_line():
+    from kiln.config import JobConfig
+    from kiln.plan.search import check_plannable
+
+    cfg = JobConfig()
+    check_plannable(cfg)
+    cfg.parallel.diloco_inner_steps = 8
+    with pytest.raises(KilnError, match=r"parallel.diloco_inner_steps=8: kiln plan does not model DiLoCo"):
+        check_plannable(cfg)
