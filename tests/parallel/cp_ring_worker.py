@@ -1,7 +1,8 @@
 """Run under torchrun (gloo, CPU): ring attention on zig-zag slices equals full causal attention,
 forward and backward, and the comparison detects a wrong mask or a wrong chunk order.
 
-Exits non-zero (an AssertionError) on any mismatch; tests/parallel/test_context_parallel.py runs it.
+Exits non-zero (an AssertionError) on any mismatch; tests/parallel/test_context_parallel.py runs
+check_ring_attention in its 2-rank launch (ranks.run_ranks) instead of a torchrun launch of its own.
 """
 
 import torch
@@ -28,8 +29,9 @@ def full_and_ring(ring, n_heads, n_kv, seq_len, index, dtype=torch.float32):
     return ref[:, :, index], [t.grad[:, :, index] for t in full], out, [t.grad for t in local], full
 
 
-def main():
-    dist.init_process_group("gloo")
+def check_ring_attention():
+    """Every check below on this process group's ranks (one ring over all of them); raises
+    AssertionError on a mismatch, returns "rank <r>: ok"."""
     ring = Ring(dist.group.WORLD)
     cp, rank = ring.size, ring.rank
     seq_len = 8 * cp
@@ -57,8 +59,14 @@ def main():
     ref, _, out, grads, _ = full_and_ring(ring, 4, 2, seq_len, zigzag, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and grads[1].dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)
+    return f"rank {rank}: ok"
+
+
+def main():
+    dist.init_process_group("gloo")
+    result = check_ring_attention()
     dist.destroy_process_group()
-    print(f"rank {rank}: ok")
+    print(result)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,6 @@ Tolerances: attention fp32 atol 1e-5 (cp_ring_worker.py); per-step training loss
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +14,8 @@ from kiln.config import ParallelConfig
 from kiln.errors import ConfigError
 from kiln.parallel.context_parallel import check_cp_seq_len, zigzag_positions
 from kiln.parallel.dims import ParallelDims
-from test_data_parallel import GLOBAL_BATCH, STEPS, assert_same_losses, common, losses, run_kiln, sets
-
-WORKER = Path(__file__).with_name("cp_ring_worker.py")
+from ranks import run_ranks, train_runs
+from test_data_parallel import GLOBAL_BATCH, STEPS, assert_same_losses, common, losses, sets
 
 
 def test_zigzag_positions_cover_the_sequence_once_and_balance_causal_work():
@@ -41,15 +36,39 @@ def test_cp_not_dividing_seq_len_fails_naming_the_values():
     assert (dims.cp, dims.dp_size) == (2, 2)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("nproc", [2])
-def test_ring_attention_matches_full_attention_forward_and_backward(nproc):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        str(nproc), str(WORKER)], capture_output=True, text=True, timeout=150, env=env,
-                       start_new_session=True)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert all(f"rank {r}: ok" in p.stdout for r in range(nproc)), p.stdout
+# Gradients are averaged over dp x cp: by DDP (cp=2 alone), and by FSDP2 sharding over the
+# flattened dp_shard x cp mesh (torchtitan's dp_shard_cp) on 4 ranks.
+CP_RUNS = {"cp2-ddp": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train.batch_size": GLOBAL_BATCH}),
+           "fsdp2xcp2": (4, {"parallel.cp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH // 2})}
+
+
+def ring_check_then_train(rank, world, jobs):
+    """The 2-rank launch: cp_ring_worker's attention checks, then kiln's trainer on `jobs`."""
+    from cp_ring_worker import check_ring_attention
+
+    result = check_ring_attention()
+    train_runs(rank, world, jobs)
+    return result
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, text_file):
+    """(what check_ring_attention returned on each of 2 ranks, {name: run directory}): the
+    2-rank checks and cp2-ddp run in one launch, fsdp2xcp2 in a 4-rank one."""
+    root = tmp_path_factory.mktemp("cp")
+    runs = {name: root / name for name in CP_RUNS}
+    jobs = {n: [(runs[name], common(text_file, **extra)) for name, (world, extra) in CP_RUNS.items() if world == n]
+            for n in (2, 4)}
+    for n in (2, 4):
+        (root / f"ranks{n}").mkdir()
+    ring = run_ranks(ring_check_then_train, 2, root / "ranks2", jobs[2], timeout=400)
+    run_ranks(train_runs, 4, root / "ranks4", jobs[4], timeout=400)
+    return ring, runs
+
+
+@pytest.mark.timeout(600)
+def test_ring_attention_matches_full_attention_forward_and_backward(launches):
+    assert launches[0] == [f"rank {r}: ok" for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +76,13 @@ def reference(dp_reference):
     return dp_reference  # one process, the global batch: test_data_parallel's, once per session (conftest)
 
 
-# Gradients are averaged over dp x cp: by DDP (cp=2 alone), and by FSDP2 sharding over the
-# flattened dp_shard x cp mesh (torchtitan's dp_shard_cp) on 4 ranks.
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("nproc,extra", [
-    (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train.batch_size": GLOBAL_BATCH}),
-    (4, {"parallel.cp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH // 2}),
-], ids=["cp2-ddp", "fsdp2xcp2"])
-def test_context_parallel_run_matches_one_process(tmp_path, text_file, reference, nproc, extra):
-    run = tmp_path / "cp"
-    run_kiln(["train", "--run-dir", str(run), *sets(common(text_file, **extra))], nproc=nproc)
+@pytest.mark.parametrize("name", list(CP_RUNS))
+def test_context_parallel_run_matches_one_process(launches, reference, name):
+    nproc, run = CP_RUNS[name][0], launches[1][name]
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
     assert run_row["world_size"] == nproc and run_row["dp_replicate"] * run_row["dp_shard"] == nproc // 2
+    assert run_row["cp"] == 2
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
 
 

@@ -32,7 +32,7 @@ import shutil
 import pytest
 
 from conftest import tiny_overrides
-from ranks import run_ranks
+from ranks import patch_for_one_run, run_ranks
 from test_expert_pipeline_context import (SAVE_AT, STEPS, assert_matches_one_process, assert_same,
                                           jobs_with_mistakes, moe_job, rows)
 from test_expert_tensor_parallel import MOE, expert_chunks
@@ -59,33 +59,26 @@ def deliberate_mistake(kind):
     if kind == "experts_scaled_as_etp_tp":  # the hook is bound when the experts are parallelized
         from kiln.parallel import expert_parallel as xp
 
-        saved = xp._scaled_grad
-        xp._scaled_grad = lambda grad, factor: saved(grad, factor / 2)  # edp / D = 1 -> 1 / ep
-        return lambda: setattr(xp, "_scaled_grad", saved)
+        saved = xp._scaled_grad  # edp / D = 1 -> 1 / ep
+        return patch_for_one_run(xp, "_scaled_grad", lambda grad, factor: saved(grad, factor / 2))
     if kind == "router_grad_not_summed":  # MoE looks the helper up at call time
         from kiln.parallel import tensor_parallel as tp
 
-        saved = tp.sum_grad_over_tp
-        tp.sum_grad_over_tp = lambda t, mesh: t
-        return lambda: setattr(tp, "sum_grad_over_tp", saved)
+        return patch_for_one_run(tp, "sum_grad_over_tp", lambda t, mesh: t)
     if kind == "capacity_per_tp_shard":
         from kiln.model.moe import MoE
 
-        saved = MoE._sp_positions
-        MoE._sp_positions = lambda self, onehot: (onehot.cumsum(1) * onehot).sum(-1) - 1
-        return lambda: setattr(MoE, "_sp_positions", saved)
+        return patch_for_one_run(MoE, "_sp_positions", lambda self, onehot: (onehot.cumsum(1) * onehot).sum(-1) - 1)
     if kind == "cp_tp_capacity_without_cp_offset":  # the cp rank's half taken for the whole sequence
         from kiln.model.moe import MoE
 
-        saved = MoE._cp_sp_positions
-        MoE._cp_sp_positions = lambda self, onehot: self._sp_positions(onehot)
-        return lambda: setattr(MoE, "_cp_sp_positions", saved)
+        return patch_for_one_run(MoE, "_cp_sp_positions", lambda self, onehot: self._sp_positions(onehot))
     if kind == "cp_tp_pieces_not_zigzag":  # whole-sequence counts, but cp's chunks taken as contiguous
         from kiln.model import moe
 
         saved = moe.cp_sp_pieces
-        moe.cp_sp_pieces = lambda seq_len, cp, sp, r, t: saved(seq_len, 1, cp * sp, 0, r * sp + t)
-        return lambda: setattr(moe, "cp_sp_pieces", saved)
+        return patch_for_one_run(moe, "cp_sp_pieces",
+                                 lambda seq_len, cp, sp, r, t: saved(seq_len, 1, cp * sp, 0, r * sp + t))
     return lambda: None
 
 

@@ -28,7 +28,7 @@ import shutil
 import pytest
 
 from conftest import tiny_overrides
-from ranks import run_ranks
+from ranks import patch_for_one_run, run_ranks
 
 STEPS, SAVE_AT, GLOBAL_BATCH, REL = 5, 3, 4, 1e-5
 CLIP = 0.5
@@ -68,30 +68,23 @@ def deliberate_mistake(kind):
     if kind == "ep_grads_not_divided":
         from kiln.parallel import expert_parallel as ep
 
-        saved = ep._scaled_grad
-        ep._scaled_grad = lambda grad, factor: grad
-        return lambda: setattr(ep, "_scaled_grad", saved)
+        return patch_for_one_run(ep, "_scaled_grad", lambda grad, factor: grad)
     if kind == "aux_not_summed_over_cp":  # every cp rank takes its own half for the other's
         import torch
         import torch.distributed._functional_collectives as funcol
 
-        saved = funcol.all_gather_single_autograd
-        funcol.all_gather_single_autograd = lambda t, dim, group: torch.cat([t, t], dim)
-        return lambda: setattr(funcol, "all_gather_single_autograd", saved)
+        return patch_for_one_run(funcol, "all_gather_single_autograd", lambda t, dim, group: torch.cat([t, t], dim))
     if kind == "pp_aux_not_in_backward":  # what MoE under pp did before: stages drop the aux gradient
         import torch
 
         from kiln.parallel.pipeline import _AddToBackward
 
-        saved = _AddToBackward.backward
-        _AddToBackward.backward = staticmethod(lambda ctx, grad: (grad, torch.zeros_like(ctx.saved_tensors[0])))
-        return lambda: setattr(_AddToBackward, "backward", saved)
+        return patch_for_one_run(_AddToBackward, "backward",
+                                 staticmethod(lambda ctx, grad: (grad, torch.zeros_like(ctx.saved_tensors[0]))))
     if kind == "cp_capacity_local":  # queue slots counted within each cp rank's half only
         from kiln.model.moe import MoE
 
-        saved = MoE._cp_positions
-        MoE._cp_positions = lambda self, onehot: (onehot.cumsum(1) * onehot).sum(-1) - 1
-        return lambda: setattr(MoE, "_cp_positions", saved)
+        return patch_for_one_run(MoE, "_cp_positions", lambda self, onehot: (onehot.cumsum(1) * onehot).sum(-1) - 1)
     return lambda: None
 
 

@@ -49,7 +49,7 @@ import shutil
 
 import pytest
 
-from ranks import run_ranks
+from ranks import patch_for_one_run, run_ranks
 from test_expert_pipeline_context import (REL, SAVE_AT, STEPS, assert_matches_one_process, assert_same,
                                           jobs_with_mistakes, moe_job, rows)
 
@@ -86,21 +86,15 @@ def replicated_mistake(kind):
     if kind == "expert_grads_not_reduced":  # the hook is bound when the experts are parallelized
         from kiln.parallel import expert_parallel as xp
 
-        saved = xp._reduced_expert_grad
-        xp._reduced_expert_grad = lambda grad, dp_size, replica_group: grad
-        return lambda: setattr(xp, "_reduced_expert_grad", saved)
+        return patch_for_one_run(xp, "_reduced_expert_grad", lambda grad, dp_size, replica_group: grad)
     if kind == "split_replicas_not_averaged":  # the dense gradients of a zero-bubble step left per replica
         from kiln.parallel.data_parallel import SplitBackwardReplicas
 
-        saved = SplitBackwardReplicas.average
-        SplitBackwardReplicas.average = lambda self: None
-        return lambda: setattr(SplitBackwardReplicas, "average", saved)
+        return patch_for_one_run(SplitBackwardReplicas, "average", lambda self: None)
     if kind == "lr_not_handed_on":
         from kiln.parallel.data_parallel import ZeroRedundancyExceptExperts as Split
 
-        saved = Split._push_hyperparameters
-        Split._push_hyperparameters = lambda self: None
-        return lambda: setattr(Split, "_push_hyperparameters", saved)
+        return patch_for_one_run(Split, "_push_hyperparameters", lambda self: None)
     return lambda: None
 
 

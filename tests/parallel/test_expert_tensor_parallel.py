@@ -24,7 +24,7 @@ import shutil
 import pytest
 
 from conftest import tiny_overrides
-from ranks import run_ranks
+from ranks import patch_for_one_run, run_ranks
 from test_expert_pipeline_context import (REL, SAVE_AT, STEPS, assert_matches_one_process, assert_same,
                                           jobs_with_mistakes, moe_job, rows)
 
@@ -52,15 +52,12 @@ def deliberate_mistake(kind):
     if kind == "tp_input_grad_not_summed":  # MoE looks the helper up at call time
         from kiln.parallel import tensor_parallel as tp
 
-        saved = tp.sum_grad_over_tp
-        tp.sum_grad_over_tp = lambda t, mesh: t
-        return lambda: setattr(tp, "sum_grad_over_tp", saved)
+        return patch_for_one_run(tp, "sum_grad_over_tp", lambda t, mesh: t)
     if kind == "experts_divided_by_ep_x_tp":  # the hook is bound when the experts are parallelized
         from kiln.parallel import expert_parallel as xp
 
         saved = xp._scaled_grad
-        xp._scaled_grad = lambda grad, factor: saved(grad, factor / 2)
-        return lambda: setattr(xp, "_scaled_grad", saved)
+        return patch_for_one_run(xp, "_scaled_grad", lambda grad, factor: saved(grad, factor / 2))
     return lambda: None
 
 
