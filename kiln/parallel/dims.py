@@ -95,11 +95,6 @@ class ParallelDims:
             check_ep_borrowing_tp_layout(cfg, mode, dp_shard, seq_len)
         elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
-        if cfg.tp > 1 and cfg.pp > 1 and mode in ("ddp", "zero1") and dp_replicate * cfg.cp > 1:
-            # Without pp, kiln's replicas take tp's DTensors (data_parallel.OverlappedReplicas); the
-            # per-stage DDP under pp (replicate_stage) is torch's, which cannot.
-            raise ConfigError(f"parallel.dp_mode={mode!r} with parallel.tp={cfg.tp} and parallel.pp={cfg.pp} is "
-                              f"not supported; set parallel.dp_mode='fsdp' (or 'zero2') or parallel.pp=1")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size, etp=etp)
 
