@@ -14,6 +14,10 @@ Which torch API does what (nothing here is a hand-written collective):
            DDP's constructor makes), then one bucketed torch.distributed.all_reduce of the
            gradients after the schedule's step; under parallel.ep both leave the experts out, as
            the per-stage DDP does (`leave_experts_to_expert_parallel`)
+  ddp/zero1 under pp with parallel.tp (any schedule) -> `SplitBackwardReplicas` over all the
+           rank's stage chunks, on the local tp shards (torch's DDP cannot take the DTensors):
+           one all-reduce per step after the schedule, so it cannot fire per micro-batch, but
+           it does not overlap the backward either (zero1: ZeroRedundancyExceptExperts as below)
   ddp with parallel.tp (pp = 1) -> kiln's `OverlappedReplicas`, as torch's DDP swaps tp's DTensor
            parameters for local tensors outside forward: torch's start-of-training broadcast of
            the local shards over the dp (x cp) replicas, then per 25 MB bucket one
@@ -185,7 +189,8 @@ class Replicas:
 
 class SplitBackwardReplicas(Replicas):
     """Data-parallel replicas of a rank's stage chunks for the zero-bubble schedules, where DDP's
-    gradient all-reduce cannot run: built once the chunks are materialized, then `average()`
+    gradient all-reduce cannot run, and for every schedule under parallel.tp (the chunks' DTensor
+    parameters, on their local shards): built once the chunks are materialized, then `average()`
     once per step, after the schedule's step and before clipping.
 
     Why not DDP: its reducer all-reduces a bucket when the autograd hooks on the parameters'

@@ -286,7 +286,9 @@ class Pipeline:
         if dims.dp_mode in ("ddp", "zero1") and dims.grad_mesh_names:  # (DiLoCo: inside a replica)
             from kiln.parallel.data_parallel import SplitBackwardReplicas, replicate_stage
 
-            if cfg.parallel.pp_schedule in ZERO_BUBBLE:
+            # tp > 1: torch's DDP cannot take tp's DTensors (data_parallel.OverlappedReplicas), so
+            # kiln's replicas of the chunks' local shards average once after the step, as here.
+            if cfg.parallel.pp_schedule in ZERO_BUBBLE or dims.tp > 1:
                 self.replicas = SplitBackwardReplicas(model.chunks, dims)
             else:  # DDP per stage chunk
                 modules = [replicate_stage(chunk, dims) for chunk in model.chunks]
@@ -424,7 +426,7 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
             pipeline.schedule.step(target=y, return_outputs=False, **last)
         else:
             pipeline.schedule.step(return_outputs=False)
-    if pipeline.replicas is not None:  # ddp/zero1 under a zero-bubble schedule: once per step
+    if pipeline.replicas is not None:  # ddp/zero1 under a zero-bubble schedule or tp: once per step
         pipeline.replicas.average()
     if pipeline.tied is not None:  # before clipping: the tied weight's gradient is the sum of both copies'
         pipeline.tied.sum_grads()

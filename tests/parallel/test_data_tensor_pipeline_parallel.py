@@ -1,0 +1,107 @@
+"""Replicated data parallelism over tensor-parallel pipeline stages (dp2 x tp2 x pp2, 8 gloo
+ranks, Megatron's 3-D layout): ddp with 1F1B, zero1 with interleaved 1F1B and ddp with the ZBV
+zero-bubble schedule give the per-step losses and grad norms of one process on the same global
+batch (evaluation is off: its batches are per rank, not split from one process's), and the ddp
+run's checkpoint continues in one process on the global batch. The replicas are kiln's
+(`data_parallel.SplitBackwardReplicas` over every chunk of the rank: torch's DDP cannot take tp's
+DTensors), averaging the chunks' local shards once per step after the schedule.
+Negative control: replicas that are never averaged (each dp rank steps on its own half of the
+batch) do not match.
+
+Tolerance: fp32, relative 1e-5 per step (TP reorders the row-wise reductions, PP the micro-batch
+sums, DP the batch sum). AdamW with clipping active over 5 steps, so the optimizer state (sharded
+under zero1) matters. Tiny model: 8 processes share the suite's 2 cores.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from kiln.config import load_config
+from conftest import tiny_overrides
+from ranks import run_ranks
+from test_moe_tensor_parallel_layouts import rows, train_on_rank
+
+REL = 1e-5
+STEPS = 5
+BASE = {"model.dim": 32, "model.n_layers": 4, "model.n_heads": 2, "model.tie_embeddings": "false",
+        "data.seq_len": 16, "train.batch_size": 4, "train.grad_accum": 1, "train.steps": STEPS,
+        "train.eval_every": 0, "checkpoint.every": STEPS - 1,
+        "checkpoint.keep_last": 2, "optim.name": "adamw", "optim.lr": 0.01, "train.clip_grad_norm": 1.0,
+        "train.device": "cpu", "schedule.warmup_steps": 0,
+        "metrics.peak_flops": 1e12}  # a given peak: no matmul probe per run (seconds on a loaded core)
+DP_TP_PP = {"train.batch_size": 2, "parallel.dp_replicate": 2,  # 2 per replica: the global 4
+            "parallel.tp": 2, "parallel.pp": 2, "parallel.pp_microbatches": 2}
+CASES = {
+    "ddp_1f1b": {"parallel.dp_mode": "'ddp'", "parallel.pp_schedule": "'1f1b'"},
+    "zero1_interleaved": {"parallel.dp_mode": "'zero1'", "parallel.pp_schedule": "'interleaved_1f1b'",
+                          "parallel.pp_virtual_stages": 2},
+    "ddp_zbv": {"parallel.dp_mode": "'ddp'", "parallel.pp_schedule": "'zbv_zero_bubble'",
+                "parallel.pp_virtual_stages": 2},
+}
+
+
+def job(text_file, **extra):
+    return load_config(None, tiny_overrides(text_file, **{**BASE, **extra}))
+
+
+def _worker(rank, world, text_file, tmp):
+    from kiln.parallel import data_parallel
+
+    for name, extra in CASES.items():
+        train_on_rank(rank, world, job(text_file, **DP_TP_PP, **extra), tmp / name)
+    average = data_parallel.SplitBackwardReplicas.average
+    data_parallel.SplitBackwardReplicas.average = lambda self: None  # the dp replicas never meet
+    try:
+        train_on_rank(rank, world, job(text_file, **DP_TP_PP, **CASES["ddp_1f1b"]), tmp / "not_averaged")
+    finally:
+        data_parallel.SplitBackwardReplicas.average = average
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory, text_file):
+    tmp = tmp_path_factory.mktemp("dptppp")
+    run_ranks(_worker, 8, tmp, text_file, tmp, timeout=400)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, text_file):
+    from kiln.train.trainer import train
+
+    run = tmp_path_factory.mktemp("dptppp1") / "run"
+    train(job(text_file), run)
+    return rows(run)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("case", list(CASES))
+def test_dp2_tp2_pp2_matches_one_process(eight_ranks, one_process, case):
+    got = rows(eight_ranks / case)  # [loss, grad norm] per step
+    assert len(got) == 2 * STEPS
+    assert got == pytest.approx(one_process, rel=REL), (got, one_process)
+    assert one_process[2 * (STEPS - 1)] < one_process[0] and one_process[1] > 1.0  # trains, clips
+
+
+def test_replicas_that_are_not_averaged_do_not_match(eight_ranks, one_process):
+    got = rows(eight_ranks / "not_averaged")
+    assert got[1] != pytest.approx(one_process[1], rel=REL)  # the first step's grad norm already
+    assert got[2:2 * STEPS] != pytest.approx(one_process[2:2 * STEPS], rel=REL)
+
+
+@pytest.mark.timeout(300)
+def test_dp2_tp2_pp2_checkpoint_continues_in_one_process(eight_ranks, one_process, tmp_path):
+    from kiln.train.trainer import train
+
+    run = tmp_path / "resumed"
+    shutil.copytree(eight_ranks / "ddp_1f1b", run)
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}", ignore_errors=True)
+    cfg = load_config(run / "config.toml", ["parallel.pp=1", "parallel.tp=1", "parallel.dp_replicate=1",
+                                            "parallel.dp_mode='auto'", "train.batch_size=4"])
+    train(cfg, run, resume=True)  # weights, AdamW moments, the loader's position from step 4
+    got = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    step = [r for r in got if r["kind"] == "train"][-1]
+    assert step["step"] == STEPS and any(r["kind"] == "event" and r["message"].startswith(f"resumed step {STEPS - 1} ")
+                                         for r in got)
+    assert [step["loss"], step["grad_norm"]] == pytest.approx(one_process[-2:], rel=REL)
