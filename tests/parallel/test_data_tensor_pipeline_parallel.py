@@ -20,7 +20,7 @@ import pytest
 
 from kiln.config import load_config
 from conftest import tiny_overrides
-from ranks import run_ranks
+from ranks import patch_for_one_run, run_ranks
 from test_moe_tensor_parallel_layouts import rows, train_on_rank
 
 REL = 1e-5
@@ -51,12 +51,11 @@ def _worker(rank, world, text_file, tmp):
 
     for name, extra in CASES.items():
         train_on_rank(rank, world, job(text_file, **DP_TP_PP, **extra), tmp / name)
-    average = data_parallel.SplitBackwardReplicas.average
-    data_parallel.SplitBackwardReplicas.average = lambda self: None  # the dp replicas never meet
+    undo = patch_for_one_run(data_parallel.SplitBackwardReplicas, "average", lambda self: None)  # never meet
     try:
         train_on_rank(rank, world, job(text_file, **DP_TP_PP, **CASES["ddp_1f1b"]), tmp / "not_averaged")
     finally:
-        data_parallel.SplitBackwardReplicas.average = average
+        undo()
 
 
 @pytest.fixture(scope="module")
