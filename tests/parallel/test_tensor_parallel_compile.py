@@ -128,22 +128,25 @@ def runs(tmp_path_factory, text_file):
     return out
 
 
-@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("name", ["tp2_compiled", "tp2_eager"])
-def test_tp2_compiled_blocks_match_one_compiled_process(runs, name):
+def assert_matches_one_compiled_process(runs, name):
+    """Run `name` raised nothing and logged the single compiled process's rows (losses, grad
+    norms, aux / z-losses per step) within REL."""
     assert name not in runs["errors"], runs["errors"][name]
     expected, got = runs["single_compiled"], runs[name]
     assert len(got) == 4 * STEPS
-    assert got == pytest.approx(expected, rel=REL)  # losses, grad norms, aux / z-losses per step
+    assert got == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", ["tp2_compiled", "tp2_eager"])
+def test_tp2_compiled_blocks_match_one_compiled_process(runs, name):
+    assert_matches_one_compiled_process(runs, name)  # losses, grad norms, aux / z-losses per step
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("name", ["fsdp2_tp2_compiled", "fsdp2_tp2_ac_full_compiled"])
 def test_fsdp2_x_tp2_compiled_blocks_match_one_compiled_process(runs, name):
-    assert name not in runs["errors"], runs["errors"][name]
-    expected, got = runs["single_compiled"], runs[name]
-    assert len(got) == 4 * STEPS
-    assert got == pytest.approx(expected, rel=REL)
+    assert_matches_one_compiled_process(runs, name)
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
@@ -152,10 +155,7 @@ def test_tp2_whole_model_graph_matches_one_compiled_process(runs, name):
     # compile_scope='model': one graph over the blocks and the vocab-sharded head; the embedding
     # and the loss stay eager (graph breaks, parallelize.keep_tp_embedding_eager). Negative
     # control: test_without_the_input_wait_compiled_tp_fails_or_trains_wrongly (tp2_model_without_wait).
-    assert name not in runs["errors"], runs["errors"][name]
-    expected, got = runs["single_compiled"], runs[name]
-    assert len(got) == 4 * STEPS
-    assert got == pytest.approx(expected, rel=REL)
+    assert_matches_one_compiled_process(runs, name)
     breaks = " ".join(runs["errors"][f"breaks:{name}"])
     assert "tok_embeddings" in breaks  # the embedding is outside the graph, by design
 
@@ -165,10 +165,7 @@ def test_tp2_whole_model_graph_matches_one_compiled_process(runs, name):
 def test_tp2_checkpointed_compiled_blocks_match_one_compiled_process(runs, name):
     # Recomputing a block changes no value: one process without checkpointing is the reference.
     # every_k:2 checkpoints the dense block only, full also the MoE block.
-    assert name not in runs["errors"], runs["errors"][name]
-    expected, got = runs["single_compiled"], runs[name]
-    assert len(got) == 4 * STEPS
-    assert got == pytest.approx(expected, rel=REL)
+    assert_matches_one_compiled_process(runs, name)
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
