@@ -3,7 +3,8 @@ and the GPT-2 architecture and a mixture-of-experts model (expert tensor paralle
 load-balancing and z-losses), with the loss on the whole vocab-sharded logits or chunked
 (train.loss='chunked', kiln/model/loss.py's vocab-parallel chunks); a wrong plan or a log-sum-exp
 not combined over the ranks does not; bad layouts fail before any work; a TP=2 checkpoint
-continues in one process with the same losses.
+continues in one process with the same losses; fsdp dp_shard 2 x tp 2 through `kiln train` with a
+tied vocabulary FSDP shards unevenly gives one process's losses.
 
 Tolerance: fp32, relative 1e-5 per step (TP changes only the order of the sums in the row-wise
 reductions and the sharded softmax). The optimizer is SGD with momentum, so a gradient that is
@@ -406,7 +407,8 @@ def test_kiln_train_fsdp2_x_tp2_on_four_ranks_with_a_tied_uneven_vocab_matches(t
     run, single = tmp_path / "dp2tp2", tmp_path / "single"
     run_kiln(["train", "--run-dir", str(run), *sets(common(
         text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2, **uneven}))], nproc=4)
-    run_kiln(["train", "--run-dir", str(single), *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH, **uneven}))])
+    run_kiln(["train", "--run-dir", str(single),
+              *sets(common(text_file, **{"train.batch_size": GLOBAL_BATCH, **uneven}))])
     assert_same_losses(losses(single), losses(run), range(1, STEPS + 1))
 
 
