@@ -44,8 +44,8 @@ Under pipeline parallelism the plan covers one pipeline rank's modules (`tp_plan
 `PipelineModel`); the stages pass the sequence-sharded residual stream between them unchanged.
 
 Tied embeddings keep working: the embedding (row-wise) and the head (column-wise) both shard the
-shared (vocab, dim) weight on dim 0 over the same mesh, and `Transformer.to_empty` re-ties them
-after materialization, so the tie holds with identical placements.
+shared (vocab, dim) weight on dim 0 over the same mesh; `apply_tp` re-ties them into one DTensor
+parameter before FSDP sees them, and `Transformer.to_empty` re-ties them after materialization.
 """
 
 from __future__ import annotations
@@ -212,8 +212,29 @@ class MoELocalSequence(ParallelStyle):
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_experts: bool = True) -> None:
     """Shard `model` (on the meta device, before materialization) over `tp_mesh` in place; MoE
-    experts whole (for ep to split over tp, parallel.etp=1) unless `shard_experts`."""
+    experts whole (for ep to split over tp, parallel.etp=1) unless `shard_experts`.
+
+    Parameters shared by several modules (tied embeddings) stay one Parameter: each style
+    distributes its own module's weight, so `parallelize_module` leaves the embedding and the
+    head two DTensors, and FSDP2 applied next would then track two FSDPParams for what
+    `Transformer.to_empty` re-ties into one. With an uneven FSDP shard each of them pads its own
+    copy of the local shard and only one copy is what the optimizer updates (the other is
+    all-gathered stale from step 2 on). Re-tying here, before FSDP, gives FSDP one parameter with
+    its shared modules, as without tensor parallel."""
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
     parallelize_module(model, tp_mesh, tp_plan(model, shard_experts))
+    for first, *others in (names for names in shared.values() if len(names) > 1):
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            other = getattr(module, attr)
+            if isinstance(param, DTensor) != isinstance(other, DTensor) or (
+                    isinstance(param, DTensor) and param.placements != other.placements):
+                raise ValueError(f"tensor parallel shards the shared parameter {first} and {name} differently")
+            setattr(module, attr, param)
 
 
 class _LossParallel(torch.autograd.Function):
