@@ -169,10 +169,12 @@ def test_layouts_kiln_train_refuses_are_named_and_the_rest_accepted():
     assert kiln_refusal(cfg, Layout(dp_replicate=8, dp_mode="ddp"), 8) is None
     assert kiln_refusal(cfg, Layout(tp=2, pp=2, dp_shard=2, dp_mode="fsdp", grad_accum=4), 8) is None
     # pp x tp x cp together runs under fsdp (tests/parallel/test_pipeline_tensor_context_parallel.py;
-    # `auto` picks fsdp there), not under ddp (torch's per-stage DDP takes no tp DTensors), and pp
-    # with tied embeddings (tests/parallel/test_pipeline_tied.py); a bad one is refused in kiln's own words
+    # `auto` picks fsdp there) and under ddp (kiln's replicas of the stage chunks' tp shards,
+    # tests/parallel/test_data_tensor_pipeline_parallel.py), and pp with tied embeddings
+    # (tests/parallel/test_pipeline_tied.py); a bad one is refused in kiln's own words
     assert kiln_refusal(cfg, Layout(tp=2, pp=2, cp=2, grad_accum=4, dp_mode="fsdp"), 8) is None
-    assert "parallel.pp=1" in kiln_refusal(cfg, Layout(tp=2, pp=2, cp=2, grad_accum=4, dp_mode="ddp"), 8)
+    assert kiln_refusal(cfg, Layout(tp=2, pp=2, cp=2, grad_accum=4, dp_mode="ddp"), 8) is None
+    assert "parallel.tp=8 must divide model.n_heads" in kiln_refusal(cfg, Layout(tp=8, grad_accum=4), 8)
     tied = load_config(None, ["model.dim=64", "model.n_layers=4", "model.n_heads=4"])
     assert kiln_refusal(tied, Layout(pp=2, dp_shard=4, dp_mode="fsdp", grad_accum=4), 8) is None
     assert "parallel.pp=8" in kiln_refusal(tied, Layout(pp=8, grad_accum=8), 8)  # 8 stages, 4 layers
