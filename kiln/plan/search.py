@@ -60,27 +60,13 @@ def _dp_splits(dp: int) -> list[tuple[str, int, int]]:
     return out + [("fsdp", r, dp // r) for r in divisors(dp) if 1 < r < dp]  # HSDP
 
 
-def expert_layouts(shape: ModelShape, mode: str, replicate: int, shard: int, cp: int, tp: int,
-                   seq_len: int) -> list[tuple[int, int]]:
-    """(ep, etp) choices kiln runs for a layout: (1, -1) for a dense model, else every ep dividing
-    the expert count that passes kiln's own checks (kiln/parallel/dims.py, called as
-    ParallelDims.from_config calls them), with etp = -1 (tp) and, under tp > 1, etp = 1."""
-    from types import SimpleNamespace
-
-    from kiln.errors import ConfigError
-    from kiln.parallel.dims import check_ep_borrowing_tp_layout, check_ep_layout
-
+def expert_layouts(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
+    """(ep, etp) candidates for a layout: (1, -1) for a dense model, else every ep dividing the
+    expert count, with etp = -1 (tp) and, under tp > 1, etp = 1. Which of them kiln runs is
+    `kiln_accepts`' to say (ParallelDims.from_config's own ep checks), not repeated here."""
     out = [(1, -1)]
     for ep in divisors(shape.moe_experts)[1:] if shape.moe_layers else []:
-        for etp in ((-1, 1) if tp > 1 else (-1,)):
-            try:
-                if etp == 1:
-                    check_ep_borrowing_tp_layout(SimpleNamespace(ep=ep, tp=tp, cp=cp), mode, shard, seq_len)
-                else:
-                    check_ep_layout(ep, mode, replicate, shard, cp, tp)
-            except ConfigError:
-                continue
-            out.append((ep, etp))
+        out += [(ep, etp) for etp in ((-1, 1) if tp > 1 else (-1,))]
     return out
 
 
@@ -154,7 +140,7 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                     continue
                 per_rank = global_batch // dp
                 for mode, rep, shard in _dp_splits(dp):
-                    experts = [(ep, etp) for ep, etp in expert_layouts(shape, mode, rep, shard, cp, tp, seq_len)
+                    experts = [(ep, etp) for ep, etp in expert_layouts(shape, tp)
                                if kiln_accepts(world, mode, rep, shard, tp, pp, cp, ep, etp, seq_len)]
                     for mb in _powers_of_two_dividing(per_rank):
                         ga = per_rank // mb
