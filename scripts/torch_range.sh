@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run kiln's tests under another torch release of the declared range (torch>=2.6,<3), in its own
+# venv next to .venv: scripts/torch_range.sh 2.6.0 [pytest args]  ->  .venv-torch2.6.0/
+# Without pytest args it runs the whole suite (-q). PyPI's x86_64 wheels are CUDA builds (~3 GB
+# with their nvidia-* dependencies) that also run on a CPU; KILN_TORCH_INDEX names another index
+# (e.g. https://download.pytorch.org/whl/cpu) for the CPU build. Safe to rerun: an existing venv
+# with that torch is reused, and kiln's extras are installed under a pin, so they never move torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+V=${1:?usage: scripts/torch_range.sh TORCH_VERSION [pytest args...]}
+shift
+VENV=.venv-torch$V
+PY=$VENV/bin/python
+[ -x "$PY" ] || "${PYTHON:-python3}" -m venv "$VENV"
+PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+if ! "$PY" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$V')" 2>/dev/null; then
+  "${PIP[@]}" ${KILN_TORCH_INDEX:+--index-url "$KILN_TORCH_INDEX"} "torch==$V"
+fi
+echo "torch==$("$PY" -c "import torch; print(torch.__version__)")" > "$VENV/torch-pin.txt"
+"${PIP[@]}" -c "$VENV/torch-pin.txt" -e ".[all]"
+"$PY" -c "import torch; print('scripts/torch_range.sh: torch', torch.__version__)"
+if [ $# -eq 0 ]; then set -- -q; fi
+exec "$PY" -m pytest "$@"
