@@ -16,7 +16,8 @@ PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
 if ! "$PY" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$V')" 2>/dev/null; then
   "${PIP[@]}" ${KILN_TORCH_INDEX:+--index-url "$KILN_TORCH_INDEX"} "torch==$V"
 fi
-echo "torch==$("$PY" -c "import torch; print(torch.__version__)")" > "$VENV/torch-pin.txt"
+# the installed distribution's version (torch.__version__ may carry a local tag PyPI's metadata lacks)
+echo "torch==$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))")" > "$VENV/torch-pin.txt"
 "${PIP[@]}" -c "$VENV/torch-pin.txt" -e ".[all]"
 "$PY" -c "import torch; print('scripts/torch_range.sh: torch', torch.__version__)"
 if [ $# -eq 0 ]; then set -- -q; fi
