@@ -257,7 +257,7 @@ class Pipeline:
 
     def __init__(self, model: PipelineModel, cfg: JobConfig, dims, device: torch.device):
         import torch.distributed.pipelining as pipelining
-        from torch.distributed.pipelining import PipelineStage
+        from kiln.torch_compat import pipeline_stage_class
 
         self.model, self.device = model, device
         self.tp = dims.tp
@@ -292,7 +292,7 @@ class Pipeline:
                 self.replicas = SplitBackwardReplicas(model.chunks, dims)
             else:  # DDP per stage chunk
                 modules = [replicate_stage(chunk, dims) for chunk in model.chunks]
-        self.stages = [PipelineStage(module, s, self.n_stages, device, group=self.group)
+        self.stages = [pipeline_stage_class()(module, s, self.n_stages, device, group=self.group)
                        for s, module in zip(model.stage_ids, modules)]
         cls = getattr(pipelining, SCHEDULES[cfg.parallel.pp_schedule])
         self.microbatches = n_microbatches(cfg)
