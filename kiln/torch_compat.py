@@ -65,3 +65,13 @@ def weight_pass_takes_python_functions() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def all_gather_autograd(tensor, gather_dim: int, group):
+    """torch's differentiable all-gather (functional collectives, concatenated over `gather_dim`):
+    `all_gather_single_autograd` from 2.13, which deprecated `all_gather_tensor_autograd`, the
+    only name in 2.6-2.12. Looked up at each call, so a test can patch either."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(tensor, gather_dim, group)
