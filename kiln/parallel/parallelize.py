@@ -209,6 +209,12 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
     def compile_block(i: int, block: nn.Module) -> nn.Module:
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
         if experts_fsdp and any(isinstance(m, MoE) for m in inner.children()):
+            # torch.compile of a torch.nn module (a norm, dropout) runs through dynamo's wrap_inline,
+            # whose one `inner` frame every such piece shares: each module type, hook set and grad
+            # mode is one more entry in that frame's recompile cache, 7 here on torch 2.13 and past
+            # the default limit of 8 on 2.11 (its evaluation under no_grad adds entries), a hard
+            # failure under fullgraph. These are distinct graphs, not thrashing: allow more.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             for name, child in inner.named_children():
                 if isinstance(child, MoE):
                     compile_moe_steps(child)
