@@ -94,6 +94,9 @@ def check_float8_device(device: torch.device) -> None:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise ConfigError("train.float8=true needs torchao: pip install 'kiln-lm[float8]'") from None
+    except AttributeError as e:  # a torchao built for a newer torch (0.18 on torch 2.6)
+        raise ConfigError(f"train.float8=true: torchao does not import with torch {torch.__version__} ({e}); "
+                          f"install the torchao release made for this torch") from None
 
 
 def apply_float8(model: nn.Module, recipe: str, device: torch.device, emulate: bool = False) -> None:
