@@ -75,3 +75,12 @@ def all_gather_autograd(tensor, gather_dim: int, group):
 
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     return gather(tensor, gather_dim, group)
+
+
+def fsdp_runs_on_cpu() -> bool:
+    """Whether FSDP2 (`fully_shard`) can run on CPU tensors: it records events on the device's
+    streams, which torch 2.6's `torch.cpu.Stream` cannot (AttributeError 'record_event' at the
+    first all-gather); 2.11 and 2.13 can."""
+    import torch
+
+    return hasattr(torch.cpu.Stream, "record_event")

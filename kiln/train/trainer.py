@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kiln import torch_compat
 from kiln.checkpoint.interval import CheckpointInterval
 from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState, RNGState
 from kiln.checkpoint.spike import SpikeGuard
@@ -135,6 +136,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     check_pipeline_config(cfg)
     device = pick_device(cfg.train.device, dims)
     check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
+    fsdp = dims.grad_ranks > 1 and dims.dp_mode in ("fsdp", "zero2")  # what apply_data_parallel shards
+    if fsdp and device.type == "cpu" and not torch_compat.fsdp_runs_on_cpu():
+        raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU needs a torch whose FSDP2 runs there (this is "
+                        f"{torch.__version__}; 2.11 and 2.13 do); set parallel.dp_mode='ddp' or update torch")
     dims.build_mesh(device.type)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
