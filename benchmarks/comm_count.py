@@ -18,6 +18,7 @@ here as all_reduce (what it does, not what was asked).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -75,5 +76,9 @@ def counting_collectives():
     counts: dict = {}
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         yield counts
-    counts.update(summarize(prof.events()))
+    events = prof.events()
+    if events and not hasattr(events[0], "input_dtypes"):  # older torch (2.11): only the raw events carry dtypes
+        events = [SimpleNamespace(name=e.name(), input_shapes=e.shapes(), input_dtypes=e.dtypes())
+                  for e in prof.profiler.kineto_results.events()]
+    counts.update(summarize(events))
 

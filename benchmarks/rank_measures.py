@@ -11,6 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from kiln.torch_compat import all_gather_single, reduce_scatter_single
+
 
 def local_bytes(tensors) -> int:
     total = 0
@@ -66,8 +68,7 @@ def collective_times(rank: int, world: int, port: int, reps: int) -> list[dict]:
     """Median seconds of each gloo collective at each size (the slowest rank's)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch: the older name
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather, scatter = all_gather_single, reduce_scatter_single
     rows = []
     for nbytes in COLLECTIVE_SIZES:
         full = torch.ones(nbytes // 4)

@@ -206,8 +206,7 @@ class CheckpointManager:
             if self.async_save:
                 kwargs = {"storage_writer": StagingFileSystemWriter(str(tmp), self._staging),
                           "process_group": self._group}
-                if "no_dist" in inspect.signature(dcp.async_save).parameters:
-                    kwargs["no_dist"] = not _distributed()
+                kwargs.update(_no_dist(dcp.async_save))
                 dcp_future = dcp.async_save(states, **kwargs)
                 block_s = time.perf_counter() - t0
                 self._executor = self._executor or ThreadPoolExecutor(1, thread_name_prefix="kiln-ckpt")
@@ -215,7 +214,7 @@ class CheckpointManager:
                 self._pending = self._executor.submit(self._finish, step, tmp, final, extra_files, block_s,
                                                       dcp_future, note)
                 return self._take_finished()
-            dcp.save(states, checkpoint_id=str(tmp), no_dist=not _distributed())
+            dcp.save(states, checkpoint_id=str(tmp), **_no_dist(dcp.save))
         except (Exception, CheckpointException) as e:
             self._finished.append(self._failed(step, tmp, e, time.perf_counter() - t0))
             return self._take_finished()
@@ -361,7 +360,7 @@ class CheckpointManager:
                 # refusal (same allowlist) would come back wrapped in DCP's own errors.
                 load_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
                 dcp.load(states, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-                         no_dist=not _distributed())
+                         **_no_dist(dcp.load))
                 return candidate
             except UnsafeCheckpointError:
                 raise  # a tampered checkpoint is refused outright, never silently skipped
@@ -382,6 +381,12 @@ def _first_failure(e: CheckpointException) -> str:
             raise exc
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return "unknown DCP failure"
+
+
+def _no_dist(dcp_call) -> dict:
+    """DCP's `no_dist` (one process, no process group) where the call takes it; torch 2.6's
+    save/load have no such argument and infer it from whether a process group exists."""
+    return {"no_dist": not _distributed()} if "no_dist" in inspect.signature(dcp_call).parameters else {}
 
 
 def _distributed() -> bool:

@@ -99,7 +99,10 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's FileSystemReader with `.metadata` read through the allowlist unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        if hasattr(self, "_get_metadata_path"):
+            path = self._get_metadata_path(kwargs.get("rank"))
+        else:  # torch 2.6: one `.metadata` file, no per-rank name
+            path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as f:
             metadata = load_metadata(f.read(), str(path))
         if getattr(metadata, "storage_meta", None) is None:

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kiln.torch_compat import all_gather_single
+
 CHUNK_TOKENS = 4096
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets count in neither the sum nor the mean
 
@@ -52,7 +54,7 @@ def combine_over_vocab_shards(lse: torch.Tensor, target_logit: torch.Tensor,
     both = torch.stack([lse, target_logit])
     ranks = dist.get_world_size(group)
     gathered = both.new_empty((ranks * 2, *lse.shape))  # the concatenated form (gloo has no stacked one)
-    dist.all_gather_single(gathered, both, group=group)
+    all_gather_single(gathered, both, group=group)
     gathered = gathered.view(ranks, 2, *lse.shape)
     return torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(dim=0)
 

@@ -216,9 +216,9 @@ class MoE(nn.Module):
             # Context parallel: the sums over the whole sequence (torch's differentiable
             # all-gather, summed). Every cp rank then has the same aux loss; its backward sums the
             # ranks' gradients, which the gradient average over cp turns into the one-process one.
-            import torch.distributed._functional_collectives as funcol
+            from kiln import torch_compat
 
-            both = funcol.all_gather_single_autograd(torch.stack([f, p]), 0, self.cp_group)
+            both = torch_compat.all_gather_autograd(torch.stack([f, p]), 0, self.cp_group)
             f, p = both.view(cp, 2, *f.shape).sum(0).unbind(0)
         z = torch.logsumexp(logits, dim=-1).square().mean()
         if sp > 1:  # tp ranks of one loss: sums over the whole sequence, each rank's gradient its own part

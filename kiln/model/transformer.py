@@ -177,21 +177,24 @@ class Attention(nn.Module):
         if self.expand_kv and q.shape[1] != k.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        # from the config, not the shapes: compiled with dynamic shapes those compare to a SymBool,
+        # which torch 2.11's SDPA refuses for enable_gqa (tp divides both head counts alike)
+        gqa = self.n_heads != self.n_kv_heads and not self.expand_kv
         if mask is not None:
             if cache is not None or self.attention_fn is not None:
                 raise ValueError("a document mask works without a KV cache and without context parallelism")
             if isinstance(mask, torch.Tensor):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                      dropout_p=self.dropout if self.training else 0.0,
-                                                     enable_gqa=q.shape[1] != k.shape[1])
+                                                     enable_gqa=gqa)
             else:  # FlexAttention BlockMask (CUDA); it has no dropout
-                out = _flex()[0](q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+                out = _flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa)
         elif self.attention_fn is not None:
             out = self.attention_fn(q, k, v)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=q.shape[1] != k.shape[1],
+                enable_gqa=gqa,
             )
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 

@@ -176,10 +176,11 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
 # process group travels by name, resolved in the op by c10d's `_resolve_process_group` (private,
 # what torch's functional collectives use).
 # cudagraph_unsafe: inductor splits a CUDA graph (train.cuda_graphs) around them (P2P waited on the host).
-_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
+# torch 2.6 has neither the tag nor custom_op's `tags` (dims.check_model refuses cuda_graphs with cp there).
+_OP_TAGS = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 
 
-@torch.library.custom_op("kiln::ring_attention", mutates_args=(), tags=_OP_TAGS)
+@torch.library.custom_op("kiln::ring_attention", mutates_args=(), **_OP_TAGS)
 def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)))
@@ -192,7 +193,7 @@ def _(q, k, v, group_name):
     return out, out.new_empty(out.shape[:-1])
 
 
-@torch.library.custom_op("kiln::ring_attention_backward", mutates_args=(), tags=_OP_TAGS)
+@torch.library.custom_op("kiln::ring_attention_backward", mutates_args=(), **_OP_TAGS)
 def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor,
                                 group_name: str) -> tuple[torch.Tensor, torch.Tensor]:

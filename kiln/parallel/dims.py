@@ -121,6 +121,10 @@ class ParallelDims:
                               f"train.compile=true, parallel.ep={self.ep} and parallel.tp={self.tp} under "
                               f"parallel.dp_mode={self.dp_mode!r} is not supported yet; set "
                               f"train.activation_checkpointing='none' or train.compile=false")
+        if self.cp > 1 and cfg.train.cuda_graphs and not hasattr(torch.Tag, "cudagraph_unsafe"):
+            # ring attention's ops must stay outside the CUDA graph (context_parallel._OP_TAGS)
+            raise ConfigError(f"train.cuda_graphs=true with parallel.cp={self.cp} needs a torch with the "
+                              f"cudagraph_unsafe op tag (this is {torch.__version__}); set train.cuda_graphs=false")
         tp = self.tp
         if tp == 1:
             return

@@ -94,6 +94,9 @@ def check_float8_device(device: torch.device) -> None:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise ConfigError("train.float8=true needs torchao: pip install 'kiln-lm[float8]'") from None
+    except AttributeError as e:  # a torchao built for a newer torch (0.18 on torch 2.6)
+        raise ConfigError(f"train.float8=true: torchao does not import with torch {torch.__version__} ({e}); "
+                          f"install the torchao release made for this torch") from None
 
 
 def apply_float8(model: nn.Module, recipe: str, device: torch.device, emulate: bool = False) -> None:
@@ -209,6 +212,12 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
     def compile_block(i: int, block: nn.Module) -> nn.Module:
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
         if experts_fsdp and any(isinstance(m, MoE) for m in inner.children()):
+            # torch.compile of a torch.nn module (a norm, dropout) runs through dynamo's wrap_inline,
+            # whose one `inner` frame every such piece shares: each module type, hook set and grad
+            # mode is one more entry in that frame's recompile cache, 7 here on torch 2.13 and past
+            # the default limit of 8 on 2.11 (its evaluation under no_grad adds entries), a hard
+            # failure under fullgraph. These are distinct graphs, not thrashing: allow more.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             for name, child in inner.named_children():
                 if isinstance(child, MoE):
                     compile_moe_steps(child)

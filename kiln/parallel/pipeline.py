@@ -257,7 +257,7 @@ class Pipeline:
 
     def __init__(self, model: PipelineModel, cfg: JobConfig, dims, device: torch.device):
         import torch.distributed.pipelining as pipelining
-        from torch.distributed.pipelining import PipelineStage
+        from kiln.torch_compat import pipeline_stage_class
 
         self.model, self.device = model, device
         self.tp = dims.tp
@@ -292,7 +292,7 @@ class Pipeline:
                 self.replicas = SplitBackwardReplicas(model.chunks, dims)
             else:  # DDP per stage chunk
                 modules = [replicate_stage(chunk, dims) for chunk in model.chunks]
-        self.stages = [PipelineStage(module, s, self.n_stages, device, group=self.group)
+        self.stages = [pipeline_stage_class()(module, s, self.n_stages, device, group=self.group)
                        for s, module in zip(model.stage_ids, modules)]
         cls = getattr(pipelining, SCHEDULES[cfg.parallel.pp_schedule])
         self.microbatches = n_microbatches(cfg)
@@ -345,7 +345,9 @@ class Pipeline:
                 h = (h.full_tensor() if isinstance(h, DTensor) else h).float()  # tp: vocab-sharded logits
                 if s < self.n_stages - 1 and (s + 1) not in self.model.stage_ids:
                     dist.send(h.contiguous(), group=self.group, group_dst=self._owner_of(s + 1))
-        logits = h if self.has_last else torch.empty((*tokens.shape, cfg.vocab_size), device=self.device)
+        # contiguous: torch 2.11's full_tensor of an uneven vocab shard is a strided view, which
+        # gloo's broadcast would send as its raw storage (the other stages then score garbage)
+        logits = h.contiguous() if self.has_last else torch.empty((*tokens.shape, cfg.vocab_size), device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.group)
         return logits
 

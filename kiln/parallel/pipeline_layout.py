@@ -61,8 +61,22 @@ def check_pipeline_config(cfg: JobConfig) -> None:
         raise ConfigError(f"train.compile=true with parallel.pp_schedule={p.pp_schedule!r}: a compiled "
                           f"block's backward is one autograd node, so the zero-bubble weight pass would run "
                           f"it again (no input/weight split); set train.compile=false or use interleaved_1f1b")
+    if cfg.train.loss == "chunked" and not chunked_loss_fits_schedule(p.pp_schedule):
+        import torch
+
+        raise ConfigError(f"train.loss='chunked' with parallel.pp_schedule={p.pp_schedule!r} needs torch >= 2.13 "
+                          f"(this is {torch.__version__}: its zero-bubble weight pass cannot differentiate "
+                          f"through the chunked loss's autograd function); set train.loss='full' or use 1f1b")
     if p.pp_split_points:
         stage_layer_ranges(cfg.model.n_layers, stages, p.pp_split_points)
+
+
+def chunked_loss_fits_schedule(schedule: str) -> bool:
+    """The last stage's chunked head + loss is a custom autograd function, which the zero-bubble
+    schedules' weight pass differentiates only from torch 2.13 (kiln/torch_compat.py)."""
+    from kiln.torch_compat import weight_pass_takes_python_functions
+
+    return schedule not in ZERO_BUBBLE or weight_pass_takes_python_functions()
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int, split_points: list[int]) -> list[range]:

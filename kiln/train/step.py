@@ -84,6 +84,19 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
     return total, grad_norm, skipped
 
 
+def settle_grad_placements(params: list[torch.Tensor]) -> None:
+    """Every DTensor gradient in its parameter's placements, before clipping and the optimizer.
+    torch 2.11 leaves the gradient of a replicated parameter fed by sequence-sharded activations
+    (a norm weight under sequence parallelism) Partial, where 2.13 hands it over reduced: the
+    optimizer's updates then drift from one process's and its state holds Partial tensors (an SGD
+    momentum buffer cloned from the gradient), which DCP refuses to save. One redistribute (an
+    all-reduce over the mesh's partial dimensions) per such gradient; nothing where they match."""
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+            p.grad = grad.redistribute(p.device_mesh, p.placements)
+
+
 def clip_grad_norm(params: list[torch.Tensor], clip: float, norm_group=None) -> torch.Tensor:
     """torch's `clip_grad_norm_` (clip <= 0: the norm only), where the gradients may be DTensors
     on several meshes (expert parallelism keeps the experts on their own mesh, see
@@ -92,6 +105,7 @@ def clip_grad_norm(params: list[torch.Tensor], clip: float, norm_group=None) -> 
     `clip_grads_with_norm_`, as torchtitan does for its expert-parallel parameters.
     norm_group: ranks holding the other parts of the model (pipeline stages), whose squared norms
     are summed in (every rank of the group must call this)."""
+    settle_grad_placements(params)
     by_mesh: dict = {}
     for p in params:
         by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)

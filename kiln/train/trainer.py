@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kiln import torch_compat
 from kiln.checkpoint.interval import CheckpointInterval
 from kiln.checkpoint.manager import WEIGHTS_ONLY_MARKER, CheckpointManager, ModelOptimizerState, RNGState
 from kiln.checkpoint.spike import SpikeGuard
@@ -34,7 +35,7 @@ from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, w
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
 from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, pipeline_train_step
-from kiln.parallel.pipeline_layout import check_pipeline_config
+from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fits_schedule
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.memory import check_fits_memory
@@ -135,6 +136,10 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     check_pipeline_config(cfg)
     device = pick_device(cfg.train.device, dims)
     check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
+    fsdp = dims.grad_ranks > 1 and dims.dp_mode in ("fsdp", "zero2")  # what apply_data_parallel shards
+    if fsdp and device.type == "cpu" and not torch_compat.fsdp_runs_on_cpu():
+        raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU needs a torch whose FSDP2 runs there (this is "
+                        f"{torch.__version__}; 2.11 and 2.13 do); set parallel.dp_mode='ddp' or update torch")
     dims.build_mesh(device.type)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -191,6 +196,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     # graph fuses it as on one device. The Pipeline reads the result at each step.
     whole_model_compiled = cfg.train.compile and compile_scope(cfg, dims) == "model" and dims.pp == 1
     model.loss_impl = resolve_loss(cfg.train.loss, device, whole_model_compiled, tp=dims.tp)
+    if pipeline is not None and model.loss_impl == "chunked":  # from "auto": check_pipeline_config checked "chunked"
+        model.loss_impl = "chunked" if chunked_loss_fits_schedule(cfg.parallel.pp_schedule) else "full"
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
                                     cfg.train.batch_size, cfg.data.seq_len)
     context_parallel = ContextParallel(model, dims, cfg.data.seq_len, device)

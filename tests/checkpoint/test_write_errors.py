@@ -21,11 +21,12 @@ def _disk_full_at(monkeypatch, tmp_name: str):
     """Make DCP's writer fail like a full disk (after writing part of the item) for one save."""
     real = dcp_fs._write_item
 
-    def write_item(transforms, stream, *args, **kwargs):
+    def write_item(*args, **kwargs):  # (transforms, stream, ...) in torch 2.13, (stream, ...) in 2.6
+        stream = next(a for a in args if hasattr(a, "write"))
         if tmp_name in str(getattr(stream, "name", "")):
             stream.write(b"\0" * 100)
             raise OSError(errno.ENOSPC, "No space left on device", stream.name)
-        return real(transforms, stream, *args, **kwargs)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(dcp_fs, "_write_item", write_item)
 

@@ -71,9 +71,10 @@ def deliberate_mistake(kind):
         return patch_for_one_run(ep, "_scaled_grad", lambda grad, factor: grad)
     if kind == "aux_not_summed_over_cp":  # every cp rank takes its own half for the other's
         import torch
-        import torch.distributed._functional_collectives as funcol
 
-        return patch_for_one_run(funcol, "all_gather_single_autograd", lambda t, dim, group: torch.cat([t, t], dim))
+        from kiln import torch_compat
+
+        return patch_for_one_run(torch_compat, "all_gather_autograd", lambda t, dim, group: torch.cat([t, t], dim))
     if kind == "pp_aux_not_in_backward":  # what MoE under pp did before: stages drop the aux gradient
         import torch
 

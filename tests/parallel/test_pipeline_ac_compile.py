@@ -160,6 +160,12 @@ def test_zero_bubble_weight_pass_reruns_a_compiled_block_backward():
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+    from kiln.torch_compat import weight_pass_takes_python_functions
+
+    if not weight_pass_takes_python_functions():  # torch 2.11: AOTAutograd's node is one
+        pytest.skip(f"torch {torch.__version__}: the weight pass cannot differentiate a custom autograd node "
+                    f"at all (kiln/torch_compat.py), so the refusal holds all the more")
+
     runs = []
 
     def counting(gm, example_inputs):  # AOTAutograd without codegen, counting compiled backward runs

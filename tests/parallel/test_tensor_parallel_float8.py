@@ -42,7 +42,10 @@ from kiln.train.step import train_step
 sys.path.insert(0, str(Path(__file__).parent))
 from ranks import run_ranks  # noqa: E402
 
-pytest.importorskip("torchao.float8")
+try:
+    import torchao.float8  # noqa: F401
+except (ImportError, AttributeError) as e:  # AttributeError: a torchao made for a newer torch (0.18 on 2.6)
+    pytest.skip(f"torchao.float8 does not import here: {e}", allow_module_level=True)
 
 STEPS, REL, CLIP, LR = 5, 1e-5, 1.0, 0.05
 BATCH, SEQ = 2, 16

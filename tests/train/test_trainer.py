@@ -155,3 +155,22 @@ def test_shards_are_cached_and_foreign_dirs_left_alone(tmp_path, text_file):
     with pytest.raises(KilnError, match="not kiln shards"):
         train(cfg_for(text_file, **{"data.shards_dir": f"'{foreign}'"}), tmp_path / "r4")
     assert (foreign / "notes.txt").read_text() == "precious"
+
+
+def test_fsdp_on_cpu_with_a_torch_whose_fsdp2_cannot_run_there_is_one_line(tmp_path, text_file, monkeypatch, capsys):
+    """torch 2.6's FSDP2 fails at the first all-gather on CPU (its CPU streams record no events,
+    kiln/torch_compat.py); kiln says so before any work, naming the setting that runs instead."""
+    from kiln import torch_compat
+    from kiln.cli import main
+
+    monkeypatch.setattr(torch_compat, "fsdp_runs_on_cpu", lambda: False)
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    run = tmp_path / "fsdp"
+    args = ["train", "--run-dir", str(run)]
+    for o in tiny_overrides(text_file, **{"train.device": "'cpu'"}):
+        args += ["--set", o]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "parallel.dp_mode='fsdp' on CPU" in lines[0] and "'ddp'" in lines[0], lines
+    assert not run.exists()

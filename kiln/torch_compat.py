@@ -1,0 +1,86 @@
+"""The torch APIs kiln needs whose name or behaviour changed inside its declared range
+(torch>=2.6,<3): one place that picks what the running torch has. Each entry says which releases
+need which spelling; scripts/torch_range.sh runs the tests under another release."""
+
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+
+# torch 2.13 added `all_gather_single` / `reduce_scatter_single` and deprecated the older names
+# (a warning per call); 2.6-2.12 have only `all_gather_into_tensor` / `reduce_scatter_tensor`.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@functools.cache
+def pipeline_stage_class():
+    """torch.distributed.pipelining's PipelineStage, or on releases whose schedules open the
+    pipeline by exchanging a dummy tensor with every neighbouring stage
+    (`_get_init_p2p_neighbors_ops`, 2.6-2.12; 2.13 replaced it by a vote that skips this) a subclass
+    that leaves out the exchanges whose peer is this rank itself: a V-shaped schedule (ZBV) holds
+    two neighbouring stages on one rank, and gloo has no pair to itself ("Pair is not connected")."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    if hasattr(schedules.PipelineScheduleMulti, "_warmup_p2p"):
+        return PipelineStage
+
+    class NoSelfExchangeStage(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self):
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    return NoSelfExchangeStage
+
+
+@functools.cache
+def weight_pass_takes_python_functions() -> bool:
+    """Whether torch's zero-bubble weight pass (pipelining/_backward.py stage_backward_weight) can
+    differentiate from a custom autograd.Function's node: it keeps the nodes that consume a
+    stage's weights (found through `next_functions`) after the stage's output is gone and calls
+    autograd.grad on GradientEdges to them. 2.13 keeps such a node usable; on 2.11 it has expired
+    by then ("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase").
+    Probed, not read off the version: the same sequence on three-element CPU tensors."""
+    import torch
+    from torch.autograd.graph import GradientEdge
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return grad * w, grad * x
+
+    x, w = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    out = Product.apply(x, w) * 2
+    node = out.grad_fn.next_functions[0][0]
+    torch.autograd.grad(out.sum(), [x], retain_graph=True)  # the input pass
+    del out
+    try:
+        torch.autograd.grad([GradientEdge(node, 0)], [w], grad_outputs=[torch.ones(3)])
+    except RuntimeError:
+        return False
+    return True
+
+
+def all_gather_autograd(tensor, gather_dim: int, group):
+    """torch's differentiable all-gather (functional collectives, concatenated over `gather_dim`):
+    `all_gather_single_autograd` from 2.13, which deprecated `all_gather_tensor_autograd`, the
+    only name in 2.6-2.12. Looked up at each call, so a test can patch either."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(tensor, gather_dim, group)
+
+
+def fsdp_runs_on_cpu() -> bool:
+    """Whether FSDP2 (`fully_shard`) can run on CPU tensors: it records events on the device's
+    streams, which torch 2.6's `torch.cpu.Stream` cannot (AttributeError 'record_event' at the
+    first all-gather); 2.11 and 2.13 can."""
+    import torch
+
+    return hasattr(torch.cpu.Stream, "record_event")
