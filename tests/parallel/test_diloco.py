@@ -34,6 +34,7 @@ VOCAB = 42  # even: tensor parallelism shards the embedding and the head on the 
 # top-2, so every token reaches its experts whichever rank routes it).
 FIELDS = {"fsdp": {}, "tp": {}, "pp": {"n_layers": 2}, "cp": {"n_layers": 2},
           "ep": {"moe_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}}
+FIELDS.update(zero2={}, etp1=FIELDS["ep"], cp_ep={"n_layers": 2, **FIELDS["ep"]})
 
 
 def model_config(**fields):
@@ -300,7 +301,11 @@ def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
 # x pp 2, x cp 2, x ep 2 (MoE, FSDP over dp_shard 2 inside each replica))
 LAYOUTS = {"fsdp": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2}, "tp": {"tp": 2},
            "pp": {"pp": 2, "pp_schedule": "1f1b"}, "cp": {"cp": 2},
-           "ep": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2}}
+           "ep": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2},
+           # ZeRO-2 over dp_shard 2; experts whole with ep borrowing tp (etp 1); ep carved from cp under ddp
+           "zero2": {"dp_mode": "zero2", "dp_replicate": 2, "dp_shard": 2},
+           "etp1": {"dp_mode": "fsdp", "dp_replicate": 2, "tp": 2, "ep": 2, "etp": 1},
+           "cp_ep": {"cp": 2, "ep": 2}}
 
 
 def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wrong_group: str | None = None,
@@ -421,7 +426,7 @@ def test_replicas_split_inside_match_the_single_process_definition(split_replica
         assert all(torch.equal(a, b) for a, b in zip(anchor, peer[3]))  # the same anchor shard in both replicas
     n_local = [runs[layout][2] for runs in split_replicas]
     params = [runs[layout][4] for runs in split_replicas]
-    if layout in ("fsdp", "ep"):  # a replica's two ranks hold the whole model, each element once
+    if layout in ("fsdp", "ep", "zero2"):  # a replica's two ranks hold the whole model, each element once
         assert n_local[0] + n_local[1] == n_params  # (ep: dense FSDP over dp_shard, experts over ep)
     elif layout == "tp":  # some parameters (the norms) are replicated over the tp ranks, the rest split
         assert n_params < n_local[0] + n_local[1] < 2 * n_params
@@ -430,6 +435,8 @@ def test_replicas_split_inside_match_the_single_process_definition(split_replica
         assert n_local[0] + n_local[2] == n_params + head.numel() and not set(params[0]) & set(params[2])
         for first, last in ((0, 2), (1, 3)):  # after the outer steps the copy still equals the embedding
             assert torch.equal(params[first]["tok_embeddings.weight"], params[last]["output.weight"])
+    elif layout in ("etp1", "cp_ep"):  # experts split over ep, the rest replicated (cp_ep) or tp-split (etp1)
+        assert n_params < n_local[0] + n_local[1] < 2 * n_params
     else:  # cp: both cp ranks of a replica hold the whole model, equal to the last bit after the outer steps
         assert n_local[0] == n_params
         for a, b in ((0, 1), (2, 3)):
