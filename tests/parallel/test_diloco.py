@@ -10,8 +10,10 @@ the last bit; the old resume (rank 0's state on every rank) does not.
 
 Model parallelism inside each replica (one 4-rank launch): 2 replicas x fsdp dp_shard 2, x tp 2,
 x pp 2 (1F1B, tied embeddings), x cp 2 (DDP over cp) and x ep 2 (MoE, dropless top-2, FSDP over
-dp_shard 2) through kiln's ParallelDims, parallelize, Pipeline and ContextParallel give the same
-single-process definition's losses (relative 1e-5, 9 steps, 3 outer steps; observed ~1e-7), the
+dp_shard 2), x zero2 dp_shard 2, x tp 2 with ep 2 borrowing tp (etp 1, MoE, fsdp) and x cp 2
+with ep 2 = cp (MoE, ddp) through kiln's ParallelDims, parallelize, Pipeline and ContextParallel
+give the same single-process definition's losses (relative 1e-5, 9 steps, 3 outer steps;
+observed <= 1.3e-7), the
 same anchor shard in both replicas, and parameters that stay equal where a replica holds them twice
 (cp ranks; the pipeline's tied head copy and embedding), bit for bit. Negative controls: HSDP
 (gradients across replicas every step), and the outer step averaging over cp instead of the
