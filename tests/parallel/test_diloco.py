@@ -308,6 +308,7 @@ LAYOUTS = {"fsdp": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2}, "tp": 
            "zero2": {"dp_mode": "zero2", "dp_replicate": 2, "dp_shard": 2},
            "etp1": {"dp_mode": "fsdp", "dp_replicate": 2, "tp": 2, "ep": 2, "etp": 1},
            "cp_ep": {"cp": 2, "ep": 2}}
+FOUR_RANK_LAYOUTS = list(LAYOUTS)  # the 8-rank one (below) runs in its own launch
 
 
 def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wrong_group: str | None = None,
@@ -385,7 +386,7 @@ def split_replica_ranks(rank, world, root, sets, pp_sets):
     from kiln.config import load_config
     from ranks import continue_in_copy
 
-    runs = {name: split_replica_run(name, rank, STEPS) for name in LAYOUTS}
+    runs = {name: split_replica_run(name, rank, STEPS) for name in FOUR_RANK_LAYOUTS}
     runs["hsdp"] = split_replica_run("fsdp", rank, 4, hsdp=True)
     runs["cp_averaged_over_cp"] = split_replica_run("cp", rank, 4, wrong_group="cp")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -413,7 +414,7 @@ def split_replicas(split_root):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", FOUR_RANK_LAYOUTS)
 def test_replicas_split_inside_match_the_single_process_definition(split_replicas, layout):
     # Ranks: (replica, inside) = (r // 2, r % 2), but pp's mesh is (pp, dp_replicate): (r % 2, r // 2).
     expected = simulated(**FIELDS[layout])
@@ -518,3 +519,23 @@ def test_pipelined_replicas_resume_between_outer_syncs_exactly(split_root):
     # the first stage's embedding and the last stage's tied head copy, each with its own anchor
     assert {"diloco.anchor.tok_embeddings.weight", "diloco.anchor.output.weight",
             "diloco.momentum.layers.1.attention.wq.weight"} <= tensors
+
+
+# ---- pp, cp and ep in one replica (the one 8-rank launch): 2 replicas x pp 2 (1F1B) x cp 2 with
+# ep 2 carved from cp (MoE, dp_mode auto = ddp over cp)
+LAYOUTS["pp_cp_ep"] = {"pp": 2, "pp_schedule": "1f1b", "cp": 2, "ep": 2}
+FIELDS["pp_cp_ep"] = {"n_layers": 2, **FIELDS["ep"]}
+
+
+def pp_cp_ep_ranks(rank, world):
+    losses, sent, n_local, anchor, _ = split_replica_run("pp_cp_ep", rank, STEPS, world=world)
+    return losses, sent, n_local
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_context_and_expert_parallel_replicas_match_the_definition(tmp_path):
+    runs = run_ranks(pp_cp_ep_ranks, 8, tmp_path, timeout=240)
+    expected = simulated(**FIELDS["pp_cp_ep"])
+    for rank, (losses, sent, n_local) in enumerate(runs):
+        assert losses == pytest.approx(expected, rel=REL), (rank, losses, expected)
+        assert sent == [4 * n_local] * (STEPS // H)  # one all-reduce of its own shards per outer step
