@@ -19,6 +19,7 @@ same anchor shard in both replicas, and parameters that stay equal where a repli
 (gradients across replicas every step), and the outer step averaging over cp instead of the
 replicas (8e-4 relative at step 4). kiln's trainer with 2 replicas x fsdp 2 resumes between outer
 syncs bit for bit, and so does 2 replicas x pp 2 (the anchor keyed by parameter name).
+One 8-rank launch: 2 replicas x pp 2 x cp 2 with ep 2 = cp (MoE, ddp), same definition and tolerance.
 """
 
 import os
