@@ -10,13 +10,16 @@ the last bit; the old resume (rank 0's state on every rank) does not.
 
 Model parallelism inside each replica (one 4-rank launch): 2 replicas x fsdp dp_shard 2, x tp 2,
 x pp 2 (1F1B, tied embeddings), x cp 2 (DDP over cp) and x ep 2 (MoE, dropless top-2, FSDP over
-dp_shard 2) through kiln's ParallelDims, parallelize, Pipeline and ContextParallel give the same
-single-process definition's losses (relative 1e-5, 9 steps, 3 outer steps; observed ~1e-7), the
+dp_shard 2), x zero2 dp_shard 2, x tp 2 with ep 2 borrowing tp (etp 1, MoE, fsdp) and x cp 2
+with ep 2 = cp (MoE, ddp) through kiln's ParallelDims, parallelize, Pipeline and ContextParallel
+give the same single-process definition's losses (relative 1e-5, 9 steps, 3 outer steps;
+observed <= 1.3e-7), the
 same anchor shard in both replicas, and parameters that stay equal where a replica holds them twice
 (cp ranks; the pipeline's tied head copy and embedding), bit for bit. Negative controls: HSDP
 (gradients across replicas every step), and the outer step averaging over cp instead of the
 replicas (8e-4 relative at step 4). kiln's trainer with 2 replicas x fsdp 2 resumes between outer
 syncs bit for bit, and so does 2 replicas x pp 2 (the anchor keyed by parameter name).
+One 8-rank launch: 2 replicas x pp 2 x cp 2 with ep 2 = cp (MoE, ddp), same definition and tolerance.
 """
 
 import os
@@ -34,6 +37,7 @@ VOCAB = 42  # even: tensor parallelism shards the embedding and the head on the 
 # top-2, so every token reaches its experts whichever rank routes it).
 FIELDS = {"fsdp": {}, "tp": {}, "pp": {"n_layers": 2}, "cp": {"n_layers": 2},
           "ep": {"moe_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}}
+FIELDS.update(zero2={}, etp1=FIELDS["ep"], cp_ep={"n_layers": 2, **FIELDS["ep"]})
 
 
 def model_config(**fields):
@@ -300,7 +304,12 @@ def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
 # x pp 2, x cp 2, x ep 2 (MoE, FSDP over dp_shard 2 inside each replica))
 LAYOUTS = {"fsdp": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2}, "tp": {"tp": 2},
            "pp": {"pp": 2, "pp_schedule": "1f1b"}, "cp": {"cp": 2},
-           "ep": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2}}
+           "ep": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2, "ep": 2},
+           # ZeRO-2 over dp_shard 2; experts whole with ep borrowing tp (etp 1); ep carved from cp under ddp
+           "zero2": {"dp_mode": "zero2", "dp_replicate": 2, "dp_shard": 2},
+           "etp1": {"dp_mode": "fsdp", "dp_replicate": 2, "tp": 2, "ep": 2, "etp": 1},
+           "cp_ep": {"cp": 2, "ep": 2}}
+FOUR_RANK_LAYOUTS = list(LAYOUTS)  # the 8-rank one (below) runs in its own launch
 
 
 def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wrong_group: str | None = None,
@@ -378,7 +387,7 @@ def split_replica_ranks(rank, world, root, sets, pp_sets):
     from kiln.config import load_config
     from ranks import continue_in_copy
 
-    runs = {name: split_replica_run(name, rank, STEPS) for name in LAYOUTS}
+    runs = {name: split_replica_run(name, rank, STEPS) for name in FOUR_RANK_LAYOUTS}
     runs["hsdp"] = split_replica_run("fsdp", rank, 4, hsdp=True)
     runs["cp_averaged_over_cp"] = split_replica_run("cp", rank, 4, wrong_group="cp")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -406,7 +415,7 @@ def split_replicas(split_root):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", FOUR_RANK_LAYOUTS)
 def test_replicas_split_inside_match_the_single_process_definition(split_replicas, layout):
     # Ranks: (replica, inside) = (r // 2, r % 2), but pp's mesh is (pp, dp_replicate): (r % 2, r // 2).
     expected = simulated(**FIELDS[layout])
@@ -421,7 +430,7 @@ def test_replicas_split_inside_match_the_single_process_definition(split_replica
         assert all(torch.equal(a, b) for a, b in zip(anchor, peer[3]))  # the same anchor shard in both replicas
     n_local = [runs[layout][2] for runs in split_replicas]
     params = [runs[layout][4] for runs in split_replicas]
-    if layout in ("fsdp", "ep"):  # a replica's two ranks hold the whole model, each element once
+    if layout in ("fsdp", "ep", "zero2"):  # a replica's two ranks hold the whole model, each element once
         assert n_local[0] + n_local[1] == n_params  # (ep: dense FSDP over dp_shard, experts over ep)
     elif layout == "tp":  # some parameters (the norms) are replicated over the tp ranks, the rest split
         assert n_params < n_local[0] + n_local[1] < 2 * n_params
@@ -430,6 +439,8 @@ def test_replicas_split_inside_match_the_single_process_definition(split_replica
         assert n_local[0] + n_local[2] == n_params + head.numel() and not set(params[0]) & set(params[2])
         for first, last in ((0, 2), (1, 3)):  # after the outer steps the copy still equals the embedding
             assert torch.equal(params[first]["tok_embeddings.weight"], params[last]["output.weight"])
+    elif layout in ("etp1", "cp_ep"):  # experts split over ep, the rest replicated (cp_ep) or tp-split (etp1)
+        assert n_params < n_local[0] + n_local[1] < 2 * n_params
     else:  # cp: both cp ranks of a replica hold the whole model, equal to the last bit after the outer steps
         assert n_local[0] == n_params
         for a, b in ((0, 1), (2, 3)):
@@ -509,3 +520,23 @@ def test_pipelined_replicas_resume_between_outer_syncs_exactly(split_root):
     # the first stage's embedding and the last stage's tied head copy, each with its own anchor
     assert {"diloco.anchor.tok_embeddings.weight", "diloco.anchor.output.weight",
             "diloco.momentum.layers.1.attention.wq.weight"} <= tensors
+
+
+# ---- pp, cp and ep in one replica (the one 8-rank launch): 2 replicas x pp 2 (1F1B) x cp 2 with
+# ep 2 carved from cp (MoE, dp_mode auto = ddp over cp)
+LAYOUTS["pp_cp_ep"] = {"pp": 2, "pp_schedule": "1f1b", "cp": 2, "ep": 2}
+FIELDS["pp_cp_ep"] = {"n_layers": 2, **FIELDS["ep"]}
+
+
+def pp_cp_ep_ranks(rank, world):
+    losses, sent, n_local, anchor, _ = split_replica_run("pp_cp_ep", rank, STEPS, world=world)
+    return losses, sent, n_local
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_context_and_expert_parallel_replicas_match_the_definition(tmp_path):
+    runs = run_ranks(pp_cp_ep_ranks, 8, tmp_path, timeout=240)
+    expected = simulated(**FIELDS["pp_cp_ep"])
+    for rank, (losses, sent, n_local) in enumerate(runs):
+        assert losses == pytest.approx(expected, rel=REL), (rank, losses, expected)
+        assert sent == [4 * n_local] * (STEPS // H)  # one all-reduce of its own shards per outer step
