@@ -1,7 +1,8 @@
 """Replicated data parallelism over tensor-parallel pipeline stages (dp2 x tp2 x pp2, 8 gloo
 ranks, Megatron's 3-D layout): ddp with 1F1B, zero1 with interleaved 1F1B and ddp with the ZBV
 zero-bubble schedule give the per-step losses and grad norms of one process on the same global
-batch (evaluation is off: its batches are per rank, not split from one process's), and the ddp
+batch, and so do ddp 1F1B with cp2 in place of dp2 (the replicas' all-reduce spans dp x cp) and
+ddp 1F1B with tied embeddings (the last stage's head copy, against a tied one process) (evaluation is off: its batches are per rank, not split from one process's), and the ddp
 run's checkpoint continues in one process on the global batch. The replicas are kiln's
 (`data_parallel.SplitBackwardReplicas` over every chunk of the rank: torch's DDP cannot take tp's
 DTensors), averaging the chunks' local shards once per step after the schedule.
@@ -39,7 +40,14 @@ CASES = {
                           "parallel.pp_virtual_stages": 2},
     "ddp_zbv": {"parallel.dp_mode": "'ddp'", "parallel.pp_schedule": "'zbv_zero_bubble'",
                 "parallel.pp_virtual_stages": 2},
+    # cp2 in place of dp2: the replicas' all-reduce spans dp x cp (each cp rank holds half the sequence)
+    "ddp_cp_1f1b": {"parallel.dp_mode": "'ddp'", "parallel.pp_schedule": "'1f1b'",
+                    "parallel.dp_replicate": 1, "parallel.cp": 2, "train.batch_size": 4},
+    # tied embeddings: the last stage's head copy of the first stage's embedding (pipeline_tied)
+    "ddp_tied_1f1b": {"parallel.dp_mode": "'ddp'", "parallel.pp_schedule": "'1f1b'",
+                      "model.tie_embeddings": "true"},
 }
+REFERENCE = {"ddp_tied_1f1b": {"model.tie_embeddings": "true"}}  # the one process each case is held to
 
 
 def job(text_file, **extra):
@@ -50,7 +58,7 @@ def _worker(rank, world, text_file, tmp):
     from kiln.parallel import data_parallel
 
     for name, extra in CASES.items():
-        train_on_rank(rank, world, job(text_file, **DP_TP_PP, **extra), tmp / name)
+        train_on_rank(rank, world, job(text_file, **{**DP_TP_PP, **extra}), tmp / name)
     undo = patch_for_one_run(data_parallel.SplitBackwardReplicas, "average", lambda self: None)  # never meet
     try:
         train_on_rank(rank, world, job(text_file, **DP_TP_PP, **CASES["ddp_1f1b"]), tmp / "not_averaged")
@@ -69,22 +77,26 @@ def eight_ranks(tmp_path_factory, text_file):
 def one_process(tmp_path_factory, text_file):
     from kiln.train.trainer import train
 
-    run = tmp_path_factory.mktemp("dptppp1") / "run"
-    train(job(text_file), run)
-    return rows(run)
+    found = {}
+    for name, extra in [("untied", {}), *REFERENCE.items()]:
+        run = tmp_path_factory.mktemp("dptppp1") / name
+        train(job(text_file, **extra), run)
+        found[name] = rows(run)
+    return found
 
 
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("case", list(CASES))
 def test_dp2_tp2_pp2_matches_one_process(eight_ranks, one_process, case):
     got = rows(eight_ranks / case)  # [loss, grad norm] per step
+    want = one_process[case if case in REFERENCE else "untied"]
     assert len(got) == 2 * STEPS
-    assert got == pytest.approx(one_process, rel=REL), (got, one_process)
-    assert one_process[2 * (STEPS - 1)] < one_process[0] and one_process[1] > 1.0  # trains, clips
+    assert got == pytest.approx(want, rel=REL), (got, want)
+    assert want[2 * (STEPS - 1)] < want[0] and want[1] > 1.0  # trains, clips
 
 
 def test_replicas_that_are_not_averaged_do_not_match(eight_ranks, one_process):
-    got = rows(eight_ranks / "not_averaged")
+    got, one_process = rows(eight_ranks / "not_averaged"), one_process["untied"]
     assert got[1] != pytest.approx(one_process[1], rel=REL)  # the first step's grad norm already
     assert got[2:2 * STEPS] != pytest.approx(one_process[2:2 * STEPS], rel=REL)
 
@@ -103,4 +115,4 @@ def test_dp2_tp2_pp2_checkpoint_continues_in_one_process(eight_ranks, one_proces
     step = [r for r in got if r["kind"] == "train"][-1]
     assert step["step"] == STEPS and any(r["kind"] == "event" and r["message"].startswith(f"resumed step {STEPS - 1} ")
                                          for r in got)
-    assert [step["loss"], step["grad_norm"]] == pytest.approx(one_process[-2:], rel=REL)
+    assert [step["loss"], step["grad_norm"]] == pytest.approx(one_process["untied"][-2:], rel=REL)

@@ -78,7 +78,7 @@ def deliberate_mistake(kind):
     if kind == "pp_aux_not_in_backward":  # what MoE under pp did before: stages drop the aux gradient
         import torch
 
-        from kiln.parallel.pipeline import _AddToBackward
+        from kiln.parallel.pipeline_stages import _AddToBackward
 
         return patch_for_one_run(_AddToBackward, "backward",
                                  staticmethod(lambda ctx, grad: (grad, torch.zeros_like(ctx.saved_tensors[0]))))

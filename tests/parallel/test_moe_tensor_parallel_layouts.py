@@ -65,7 +65,7 @@ def rows(run_dir):
 
 
 def _worker(rank, world, text_file, tmp):
-    from kiln.parallel import context_parallel, pipeline
+    from kiln.parallel import context_parallel, pipeline_stages
 
     for name, extra in CASES.items():
         train_on_rank(rank, world, job(text_file, **extra), tmp / name)
@@ -77,13 +77,13 @@ def _worker(rank, world, text_file, tmp):
     finally:
         context_parallel._moe_modules = moe_modules
     # Stages whose MoE losses are in the reported loss but never reach their routers' gradients.
-    add_to_backward = pipeline._AddToBackward
-    pipeline._AddToBackward = type("NotBackpropagated", (), {"apply": staticmethod(lambda h, extra: h)})
+    add_to_backward = pipeline_stages._AddToBackward
+    pipeline_stages._AddToBackward = type("NotBackpropagated", (), {"apply": staticmethod(lambda h, extra: h)})
     try:
         train_on_rank(rank, world, job(text_file, **BROKEN["tp2_pp2_moe_loss_not_backpropagated"]),
                       tmp / "tp2_pp2_moe_loss_not_backpropagated")
     finally:
-        pipeline._AddToBackward = add_to_backward
+        pipeline_stages._AddToBackward = add_to_backward
 
 
 @pytest.fixture(scope="module")
