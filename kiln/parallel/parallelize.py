@@ -30,7 +30,7 @@ from kiln.parallel.tensor_parallel import apply_tp
 def replace_blocks(model: nn.Module, wrap) -> None:
     """Replace every block by wrap(layer index in the whole model, block). Under pp the rank's
     PipelineModel keys its layers by that index and its stage chunks get the same wrapper."""
-    if hasattr(model, "replace_layers"):  # kiln/parallel/pipeline.py PipelineModel
+    if hasattr(model, "replace_layers"):  # kiln/parallel/pipeline_stages.py PipelineModel
         model.replace_layers(wrap)
         return
     for i, block in enumerate(model.layers):
@@ -196,7 +196,7 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
     and MoE blocks under ddp, are compiled whole."""
     if scope == "model":
         # In place (nn.Module.compile), so parameter names and checkpoints stay the same. Under pp
-        # the schedule calls the rank's stage chunks (kiln/parallel/pipeline.py StageChunk), not the
+        # the schedule calls the rank's stage chunks (kiln/parallel/pipeline_stages.py StageChunk), not the
         # model: each chunk is one graph (embedding, its blocks, and on the last stage the head, with
         # train.loss = "chunked" the loss too; the schedule's full loss stays eager). Under tp the
         # graph holds the blocks and the vocab-sharded head; the embedding (keep_tp_embedding_eager)
@@ -274,8 +274,8 @@ def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
-    if dims.pp > 1:  # this rank keeps its stages' modules (kiln/parallel/pipeline.py)
-        from kiln.parallel.pipeline import split_model
+    if dims.pp > 1:  # this rank keeps its stages' modules (kiln/parallel/pipeline_stages.py)
+        from kiln.parallel.pipeline_stages import split_model
 
         model = split_model(model, cfg, dims.mesh["pp"].get_local_rank())
     if cfg.train.float8:  # before TP, which picks torchao's float8 styles for the float8 linears

@@ -41,7 +41,7 @@ from kiln.config import JobConfig
 from kiln.model.loss import lm_loss
 from kiln.parallel.pipeline_fp16 import ScaledLoss, agree_found_inf
 from kiln.parallel.pipeline_layout import SCHEDULES, SINGLE_STAGE, ZERO_BUBBLE, bubble_fraction, n_microbatches, stages_of_rank
-# split_model is re-exported: kiln/parallel/parallelize.py imports it from here
+# split_model is re-exported: the tests and benchmarks call it as pipeline.split_model
 from kiln.parallel.pipeline_stages import PipelineModel, split_model  # noqa: F401
 from kiln.parallel.pipeline_tied import TiedEmbeddings, clip_grad_norm_counting_once
 from kiln.train.step import clip_grad_norm, step_unless
