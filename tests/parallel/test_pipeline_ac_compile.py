@@ -35,6 +35,7 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import Transformer
 from kiln.parallel import pipeline as pl
+from kiln.parallel import pipeline_layout as layout
 from kiln.parallel.parallelize import apply_activation_checkpointing, apply_compile, convert_float8
 from ranks import run_ranks
 from test_data_parallel import assert_same_losses, losses
@@ -135,20 +136,20 @@ def test_names_stay_those_of_the_single_process_model():
 
 
 def test_cuda_graphs_with_pp_are_refused_naming_the_key():
-    pl.check_pipeline_config(job(compile=True, compile_scope="model"))  # one graph per stage chunk: runs
+    layout.check_pipeline_config(job(compile=True, compile_scope="model"))  # one graph per stage chunk: runs
     cfg = job(compile=True, cuda_graphs=True)
     cfg.train.compile_scope = "auto"
     with pytest.raises(ConfigError, match=r"train\.cuda_graphs=true with parallel\.pp > 1"):
-        pl.check_pipeline_config(cfg)
+        layout.check_pipeline_config(cfg)
     for train in ({"compile": True}, {"activation_checkpointing": "selective"}, {"float8": True}):
-        pl.check_pipeline_config(job(**train))  # accepted now (float8 still needs a GPU: apply_float8)
+        layout.check_pipeline_config(job(**train))  # accepted now (float8 still needs a GPU: apply_float8)
 
 
 @pytest.mark.parametrize("schedule", pl.ZERO_BUBBLE)
 def test_compile_with_zero_bubble_is_refused_naming_the_key(schedule):
     with pytest.raises(ConfigError, match=rf"train\.compile=true with parallel\.pp_schedule='{schedule}'"):
-        pl.check_pipeline_config(job(schedule=schedule, virtual=2, compile=True))
-    pl.check_pipeline_config(job(schedule=schedule, virtual=2, activation_checkpointing="full"))
+        layout.check_pipeline_config(job(schedule=schedule, virtual=2, compile=True))
+    layout.check_pipeline_config(job(schedule=schedule, virtual=2, activation_checkpointing="full"))
 
 
 def test_zero_bubble_weight_pass_reruns_a_compiled_block_backward():

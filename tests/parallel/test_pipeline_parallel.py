@@ -26,6 +26,8 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import Transformer
 from kiln.parallel import pipeline as pl
+from kiln.parallel import pipeline_layout as layout
+from kiln.parallel import pipeline_stages as stages
 from kiln.parallel.pipeline_layout import chunked_loss_fits_schedule
 from ranks import continue_in_copy, patch_for_one_run, run_ranks, train_runs
 from test_data_parallel import assert_same_losses, losses, sets
@@ -58,12 +60,12 @@ def job(pp=2, virtual=1, schedule="1f1b", microbatches=0, **model) -> JobConfig:
 
 
 def test_layer_split_even_and_explicit():
-    assert pl.stage_layer_ranges(5, 2, []) == [range(0, 3), range(3, 5)]
-    assert pl.stage_layer_ranges(4, 4, []) == [range(i, i + 1) for i in range(4)]
-    assert pl.stage_layer_ranges(6, 2, [1]) == [range(0, 1), range(1, 6)]
+    assert layout.stage_layer_ranges(5, 2, []) == [range(0, 3), range(3, 5)]
+    assert layout.stage_layer_ranges(4, 4, []) == [range(i, i + 1) for i in range(4)]
+    assert layout.stage_layer_ranges(6, 2, [1]) == [range(0, 1), range(1, 6)]
     for bad in ([0], [6], [3, 2], ["2"], [2, 3]):
         with pytest.raises(ConfigError, match=r"parallel.pp_split_points"):
-            pl.stage_layer_ranges(6, 2, bad)
+            layout.stage_layer_ranges(6, 2, bad)
 
 
 def test_stage_placement_and_bubble():
@@ -99,13 +101,13 @@ def test_bad_pipeline_config_names_the_key():
              (job(schedule="zbv_zero_bubble"), "pp_virtual_stages=2")]
     for cfg, needle in cases:
         with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("=", "=")):
-            pl.check_pipeline_config(cfg)
+            layout.check_pipeline_config(cfg)
     # The split itself checks too (a caller that skips the trainer's check, as a benchmark did).
     with torch.device("meta"):
         full = Transformer(job().model)
     with pytest.raises(ConfigError, match=r"parallel\.pp_microbatches=3"):
         pl.split_model(full, job(microbatches=3), 1)
-    pl.check_pipeline_config(job(tie_embeddings=True))  # tied embeddings: tests/parallel/test_pipeline_tied.py
+    layout.check_pipeline_config(job(tie_embeddings=True))  # tied embeddings: tests/parallel/test_pipeline_tied.py
 
 
 def test_chunked_loss_under_zero_bubble_on_an_older_torch_is_refused_in_one_line(monkeypatch):
@@ -117,15 +119,15 @@ def test_chunked_loss_under_zero_bubble_on_an_older_torch_is_refused_in_one_line
     cfg = job(schedule="zbv_zero_bubble", virtual=2)
     cfg.train.loss = "chunked"
     if compat.weight_pass_takes_python_functions():
-        pl.check_pipeline_config(cfg)  # this torch: accepted (and tested on two ranks below)
+        layout.check_pipeline_config(cfg)  # this torch: accepted (and tested on two ranks below)
     monkeypatch.setattr(compat, "weight_pass_takes_python_functions", lambda: False)
     with pytest.raises(ConfigError, match=r"train\.loss='chunked' with parallel\.pp_schedule='zbv_zero_bubble' "
                                           r"needs torch >= 2\.13") as caught:
-        pl.check_pipeline_config(cfg)
+        layout.check_pipeline_config(cfg)
     assert "\n" not in str(caught.value)
     cfg_1f1b = job(microbatches=4)
     cfg_1f1b.train.loss = "chunked"
-    pl.check_pipeline_config(cfg_1f1b)
+    layout.check_pipeline_config(cfg_1f1b)
     assert not chunked_loss_fits_schedule("interleaved_zero_bubble") and chunked_loss_fits_schedule("1f1b")
 
 
@@ -188,7 +190,7 @@ def _pp_worker(rank: int, port: int, results) -> None:
         # one from the last stage): train.loss must not fall back to the full loss silently.
         count = {"full": 0, "chunked": 0}
         pl.lm_loss = _counting(pl.lm_loss, count, "full")
-        pl.chunked_lm_loss = _counting(pl.chunked_lm_loss, count, "chunked")
+        stages.chunked_lm_loss = _counting(stages.chunked_lm_loss, count, "chunked")
         # the last entry: 1f1b with micro-batch gradients summed, not averaged (must fail the check)
         cases = [(s, v, m, "full", False, s) for s, v, m in SCHEDULES] + [("1f1b", 1, 4, "full", False, "1f1b_unscaled")]
         cases += [(s, v, m, "chunked", tied, name) for name, (s, v, m, tied) in CHUNKED.items()
@@ -200,7 +202,7 @@ def _pp_worker(rank: int, port: int, results) -> None:
             model = build_model(cfg, dims, torch.device("cpu"))
             undo = None
             if name == "chunked_head_untrained":  # deliberate mistake: no gradient reaches the head
-                undo = patch_for_one_run(pl, "chunked_head_loss", lambda h, w, t: pl.chunked_lm_loss(h, w.detach(), t))
+                undo = patch_for_one_run(stages, "chunked_head_loss", lambda h, w, t: stages.chunked_lm_loss(h, w.detach(), t))
             pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
             model.loss_impl = loss  # train.loss resolved after the Pipeline is built, as the trainer does
             pipe.schedule.scale_grads = name != "1f1b_unscaled"

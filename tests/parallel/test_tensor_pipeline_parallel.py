@@ -112,6 +112,7 @@ def _tp_pp_worker(rank, world):
     from kiln.parallel import pipeline as pl
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.pipeline_layout import check_pipeline_config
     from kiln.train.step import train_step
     from kiln.train.system import resolve_loss
     from kiln.train.trainer import build_model
@@ -127,7 +128,7 @@ def _tp_pp_worker(rank, world):
                   cp=cp, dp=dp)
         dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank, seq_len=SEQ)
         dims.check_model(cfg)
-        pl.check_pipeline_config(cfg)
+        check_pipeline_config(cfg)
         dims.build_mesh("cpu")
         assert dims.mesh.mesh_dim_names == tuple(n for n, size in [("pp", pp), ("dp_shard", dp), ("cp", cp), ("tp", tp)]
                                                  if size > 1)
