@@ -12,6 +12,7 @@ allocated sharded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -69,7 +70,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, keep_random_outp
     # that dynamo refuses inside a compiled checkpoint ("HOP: Unsafe side effect": train.compile
     # with AC and MoE failed at the first step). They are read once, right after forward, so the
     # recompute in backward need not replay it (torchtitan sets the same when compiling MoE).
-    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # not in torch 2.6
+    with contextlib.suppress(AttributeError):  # torch 2.6 has no such switch (an unknown key raises)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     kwargs = {"preserve_rng_state": True}
     if keep_random_outputs:

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from kiln import torch_compat
+
 
 FORCE_DEVICE_SKIP = "_kiln_force_device_skip"  # the optimizer attribute force_device_skip sets
 
@@ -86,11 +88,12 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
 
 def settle_grad_placements(params: list[torch.Tensor]) -> None:
     """Every DTensor gradient in its parameter's placements, before clipping and the optimizer.
-    torch 2.11 leaves the gradient of a replicated parameter fed by sequence-sharded activations
-    (a norm weight under sequence parallelism) Partial, where 2.13 hands it over reduced: the
-    optimizer's updates then drift from one process's and its state holds Partial tensors (an SGD
-    momentum buffer cloned from the gradient), which DCP refuses to save. One redistribute (an
-    all-reduce over the mesh's partial dimensions) per such gradient; nothing where they match."""
+    The gradient of a replicated parameter fed by sequence-sharded activations (a norm weight under
+    sequence parallelism) comes out of backward Partial. torch 2.13's optimizer ops reduce it
+    themselves (one process's results, savable state); 2.11's do not: the updates drifted from one
+    process's and the state held Partial tensors (an SGD momentum buffer cloned from the gradient),
+    which DCP refuses to save. So `clip_grad_norm` calls this where torch_compat says so: one
+    redistribute (an all-reduce over the partial mesh dimensions) per such gradient."""
     for p in params:
         grad = p.grad
         if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
@@ -105,7 +108,8 @@ def clip_grad_norm(params: list[torch.Tensor], clip: float, norm_group=None) -> 
     `clip_grads_with_norm_`, as torchtitan does for its expert-parallel parameters.
     norm_group: ranks holding the other parts of the model (pipeline stages), whose squared norms
     are summed in (every rank of the group must call this)."""
-    settle_grad_placements(params)
+    if torch_compat.optimizer_leaves_partial_grads():
+        settle_grad_placements(params)
     by_mesh: dict = {}
     for p in params:
         by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
