@@ -383,6 +383,12 @@ def run_all(device_name: str, quick: bool, budget_s: float, steps: int, corpus: 
          lambda: kiln_case(l_cfg, l.model, device, compile_model=True, loss="full")),
         ("kiln default compiled, ga 4, no AC", l_cfg_noac,
          lambda: kiln_case(l_cfg_noac, l.model, device, compile_model=True, loss="full")),
+        ("kiln default compiled, ga 4, no AC, fused projections", l_cfg_noac,
+         lambda: kiln_case(l_cfg_noac, replace(l.model, fused_projections=True), device, compile_model=True,
+                           loss="full")),
+        ("kiln gpt2-arch compiled, fused projections + CUDA graphs", g,
+         lambda: kiln_case(g, replace(gm, fused_projections=True), device, compile_model=True, loss="full",
+                           cuda_graphs=True)),
         ("kiln train loop", g, None),
         ("kiln default compiled", g, lambda: kiln_case(g, dm, device, compile_model=True, loss="full")),
         ("kiln gpt2-arch compiled, full AC", g_full_ac,
@@ -413,7 +419,8 @@ def run_all(device_name: str, quick: bool, budget_s: float, steps: int, corpus: 
     if device.type != "cuda":  # dry run: float8 and CUDA graphs refuse a CPU (that path is tested)
         plan = [p for p in plan if not p[0].startswith("kiln") or ("float8" not in p[0] and "CUDA" not in p[0])]
     if only:
-        plan = [p for p in plan if only in f"{p[0]} @ {p[1].name}"]
+        wanted = only.split("|")  # alternatives: "case A @ shape|case B @ shape"
+        plan = [p for p in plan if any(w in f"{p[0]} @ {p[1].name}" for w in wanted)]
     results: list[Result] = []
     t0 = time.perf_counter()
     for label, shape, build in plan:

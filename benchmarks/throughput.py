@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--target", type=float, default=1.8, help="validation loss to reach (bytes, nats)")
     gpu.add_argument("--target-steps", type=int, default=1200)
     gpu.add_argument("--json", help="also write the GPU results to this file after every case")
-    gpu.add_argument("--only", default="", help="run only the GPU cases whose 'case @ shape' contains this")
+    gpu.add_argument("--only", default="", help="run only the GPU cases whose 'case @ shape' contains this (alternatives: a|b)")
     ap.add_argument("--fused-ab", action="store_true", help="model.fused_projections on vs off (CPU, fp32)")
     ap.add_argument("--fused-compile", action="store_true", help="--fused-ab: torch.compile the models")
     ap.add_argument("--fused-block", action="store_true", help="--fused-ab: one block's forward + backward")
