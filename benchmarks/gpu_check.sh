@@ -21,7 +21,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 - <<'PY'
+[ "${SKIP_CHECK:-1}" = 1 ] && python3 - <<'PY'
 # The step skips a non-finite update on the device: parameters and optimizer state stay
 # bit-identical, and (sync debug mode "error") nothing in the step waits for the device, with fused
 # AdamW and with kiln's Lion/LAMB/Muon (found_inf, kiln/train/optimizers/skip.py).
@@ -81,6 +81,8 @@ fi
 TESTS=${TESTS-tests/parallel tests/train tests/model tests/checkpoint tests/plan tests/privacy tests/interop}
 if [ -n "$TESTS" ]; then
   # SIGINT at the limit: pytest still prints its summary of what failed so far
-  timeout -s INT "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-12}" -rfE \
+  # --dist loadfile: a module's launch fixture runs once, on the worker that takes the module
+  timeout -s INT "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-12}" \
+    --dist loadfile -rfE \
     $TESTS 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -40
 fi

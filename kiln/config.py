@@ -134,10 +134,9 @@ class ModelConfig:
     moe_every: int = ranged(1, ge=1)  # MoE in every moe_every-th block (1: all), dense FeedForward elsewhere
     # q/k/v (and a gated MLP's w1/w3) as one GEMM over their concatenated weights, parameters
     # kept separate (kiln/model/transformer.py: fused_linear); falls back to one GEMM each under
-    # tensor parallelism and for float8 linears. Off by default until a GPU measures it: on CPU it
-    # is neither faster nor slower, and the concatenated weight autograd keeps is a copy that
-    # outlives FSDP2's reshard after forward (benchmarks/README.md, "Fused input projections").
-    fused_projections: bool = False
+    # tensor parallelism and for float8 linears. auto: on a GPU unless FSDP shards the weights
+    # (kiln/train/system.py: resolve_fused_projections, from the figures in benchmarks/README.md).
+    fused_projections: bool | str = ranged("auto", choices=("auto",))
 
     def validate(self) -> None:
         check_fields(self, "model.")

@@ -92,16 +92,28 @@ class ModelOptimizerState(Stateful):
 
 
 class RNGState(Stateful):
+    """The CPU generator, and the GPU's when the run trains on one. Keyed to the run's device, not
+    to whether CUDA happens to be initialized (pinned memory initializes it in a CPU run on a GPU
+    machine), so every rank of a layout saves the same keys. A checkpoint without a GPU state (taken
+    on a CPU) continues on a GPU with the GPU generator as seeded: `load` clears `cuda_saved`."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.cuda_saved = True  # set by CheckpointManager.load from the checkpoint's metadata
+
+    def _with_cuda(self) -> bool:
+        return self.device.type == "cuda" and self.cuda_saved
+
     def state_dict(self) -> dict[str, Any]:
         state = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state()
+        if self._with_cuda():
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+        if self._with_cuda() and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
 
 
 @dataclass
@@ -358,7 +370,10 @@ class CheckpointManager:
                 manifest.verify(path)
                 # Refuse a hostile .metadata here, in one line: inside dcp.load the reader's
                 # refusal (same allowlist) would come back wrapped in DCP's own errors.
-                load_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
+                metadata = load_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
+                for name, value in states.items():  # a CPU checkpoint continuing on a GPU
+                    if isinstance(value, RNGState):
+                        value.cuda_saved = f"{name}.cuda" in metadata.state_dict_metadata
                 dcp.load(states, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
                          **_no_dist(dcp.load))
                 return candidate

@@ -3,8 +3,8 @@
 `dcp.async_save` asks its stager for a copy of the state that training can no longer change; the
 loop blocks only for that copy. DCP's stock stager allocates new host tensors on every save unless
 asked to cache them, and its cache is always pinned (which needs CUDA). `ReusedStaging` allocates
-the host copy once (`torch.distributed._state_dict_utils._create_cpu_state_dict`, pinned when CUDA
-is present so device-to-host copies are DMA) and copies into it on each save (`_copy_state_dict`);
+the host copy once (`torch.distributed._state_dict_utils._create_cpu_state_dict`, pinned when the
+state is on a GPU so device-to-host copies are DMA) and copies into it on each save (`_copy_state_dict`);
 it rebuilds the buffers when the state's structure changes (e.g. optimizer state appearing after
 the first step). The buffers are reused only after the previous save finished writing them: the
 manager keeps at most one save in flight. Cost: one copy of the state in host memory.
@@ -30,8 +30,24 @@ class ReusedStaging:
                 return self._copy(state_dict)
             except Exception:  # structure or shapes changed: allocate anew (CompanionMismatch, copy_ errors)
                 self._buffers = None
-        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._from_gpu(state_dict))
         return self._copy(state_dict)
+
+    @staticmethod
+    def _from_gpu(state_dict: dict[str, Any]) -> bool:
+        """Whether the state holds GPU tensors: only then pinned buffers and non-blocking copies pay
+        (pinning initializes CUDA, which a CPU run on a GPU machine must not do)."""
+        stack = [state_dict]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                stack.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+            elif isinstance(value, torch.Tensor):
+                if value.device.type == "cuda":
+                    return True
+        return False
 
     @property
     def last(self) -> dict[str, Any] | None:
@@ -45,8 +61,9 @@ class ReusedStaging:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            staged = _copy_state_dict(state_dict, self._buffers, non_blocking=torch.cuda.is_available())
-            if torch.cuda.is_available():
+            from_gpu = self._from_gpu(state_dict)
+            staged = _copy_state_dict(state_dict, self._buffers, non_blocking=from_gpu)
+            if from_gpu:
                 torch.cuda.synchronize()  # the copies must land before the loop changes the weights
         finally:
             torch.set_num_threads(threads)

@@ -147,7 +147,9 @@ class Attention(nn.Module):
         # Replaces SDPA (causal, no cache) when set: context parallel's ring attention
         # (kiln/parallel/context_parallel.py), only for the duration of a training step.
         self.attention_fn = None
-        self.fused_projections = cfg.fused_projections  # q, k, v in one GEMM where fusable(...)
+        # q, k, v in one GEMM where fusable(...); `auto` is resolved by the trainer's build_model and
+        # means separate GEMMs elsewhere (evaluation, export: the same function either way)
+        self.fused_projections = cfg.fused_projections is True
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
@@ -208,7 +210,7 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.w2 = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
         self.w3 = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if self.gated else None
-        self.fused_projections = cfg.fused_projections  # w1 and w3 in one GEMM where fusable(...)
+        self.fused_projections = cfg.fused_projections is True  # w1 and w3 in one GEMM, as in Attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:

@@ -23,8 +23,9 @@ from kiln.io import atomic_path, atomic_write_text
 
 CONFIG_FILE = "config.toml"
 
-# Settings a resumed run may change: they shape neither the weights nor the token stream.
-RESUMABLE = {"model.name", "model.dropout", "model.init", "model.init_std",
+# Settings a resumed run may change: they shape neither the weights nor the token stream
+# (fused_projections: the same parameters and function, saved resolved for the device it ran on).
+RESUMABLE = {"model.name", "model.dropout", "model.init", "model.init_std", "model.fused_projections",
              "data.seq_len", "data.prefetch", "data.shards_dir"}
 
 

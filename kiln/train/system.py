@@ -27,6 +27,18 @@ def compute_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
 
 
+def resolve_fused_projections(value: bool | str, device: torch.device, fsdp: bool) -> bool:
+    """`auto` -> q/k/v (and w1/w3) as one GEMM on CUDA unless FSDP shards the weights. Measured on
+    one H100 (benchmarks/README.md, "One GPU"): 1.13x the step at GPT-2 124M shapes with the
+    default (gated) architecture, 1.02x with GPT-2's, equal at Llama-1B, for 0.4-1.3 GiB more
+    peak memory. Under FSDP the concatenated weight autograd keeps for backward would outlive the
+    reshard after forward (a layer's unsharded input weights each, for the whole backward); on
+    CPU fused is neither faster nor slower and costs that copy too."""
+    if value != "auto":
+        return bool(value)
+    return device.type == "cuda" and not fsdp
+
+
 def resolve_loss(name: str, device: torch.device, whole_model_compiled: bool = False, tp: int = 1) -> str:
     """`auto` -> the chunked LM head + loss on CUDA unless the whole model (head and loss included)
     is compiled: there inductor fuses the cross-entropy itself and the plain loss measured 2%

@@ -45,7 +45,7 @@ from kiln.train.peak import peak_flops
 from kiln.train.run_files import check_resume_settings, write_run_files
 from kiln.train.schedule import LRSchedule
 from kiln.train.step import PendingSteps, skips_on_device, train_step
-from kiln.train.system import compute_dtype, memory_mb, resolve_dtype, resolve_loss
+from kiln.train.system import compute_dtype, memory_mb, resolve_dtype, resolve_fused_projections, resolve_loss
 
 
 @dataclass
@@ -117,6 +117,8 @@ def build_mixture(cfg: JobConfig, reference: ShardSet) -> MixtureWindows:
 
 
 def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Transformer:
+    cfg.model.fused_projections = resolve_fused_projections(  # saved resolved with the run's config
+        cfg.model.fused_projections, device, fsdp=dims.grad_ranks > 1 and dims.dp_mode in ("fsdp", "zero2"))
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = parallelize(model, dims, cfg, device)
@@ -208,7 +210,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     evaluator = Evaluator(PipelineEvalModel(pipeline) if pipeline else model, val_set, tokenizer, cfg, device)
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
-                "rng": RNGState(), "train": state}
+                "rng": RNGState(device), "train": state}
     scaler = torch.amp.GradScaler(device.type) if cfg.train.dtype == "fp16" else None
     if scaler is not None:  # the loss scale and its growth count: an fp16 run resumes with its own
         stateful["scaler"] = ScalerState(scaler)

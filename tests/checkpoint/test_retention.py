@@ -118,6 +118,33 @@ def test_grad_scaler_state_round_trips(tmp_path):
     assert "scaler" in mgr.saved_state_names(5)
 
 
+def test_rng_state_follows_the_run_device_and_a_cpu_checkpoint_continues_on_a_gpu(tmp_path, monkeypatch):
+    """Found on the GPU machine: a CPU run there saved the GPU generator on some ranks and not on
+    others (pinned staging had initialized CUDA), and its resume asked for `rng.cuda` that was not
+    saved. The GPU generator is saved iff the run trains on a GPU; a checkpoint without one (taken on
+    a CPU) continues on a GPU with the CPU generator restored and the GPU's as seeded."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: asked.append(device) or torch.zeros(8, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: asked.append(("set", device)))
+    with monkeypatch.context() as gpu_machine:  # CUDA present and initialized, the run on the CPU
+        gpu_machine.setattr(torch.cuda, "is_available", lambda: True)
+        gpu_machine.setattr(torch.cuda, "is_initialized", lambda: True)
+        assert set(manager_mod.RNGState("cpu").state_dict()) == {"cpu"}
+    mgr = CheckpointManager(tmp_path / "ck", async_save=False)
+    torch.manual_seed(3)
+    saved_cpu = torch.get_rng_state()
+    assert all(r.ok for r in mgr.save(4, {"rng": manager_mod.RNGState("cpu")}))
+    assert asked == []  # a CPU run never touches the GPU generator
+    torch.manual_seed(5)
+    on_gpu = manager_mod.RNGState(torch.device("cuda", 0))
+    assert mgr.load({"rng": on_gpu}) == 4  # before: Missing key in checkpoint state_dict: rng.cuda
+    assert torch.equal(torch.get_rng_state(), saved_cpu) and not on_gpu.cuda_saved and asked == []
+    gpu_run = manager_mod.RNGState(torch.device("cuda", 0))  # a GPU run saves and restores its generator
+    assert all(r.ok for r in mgr.save(8, {"rng": gpu_run}))
+    assert mgr.load({"rng": manager_mod.RNGState(torch.device("cuda", 0))}) == 8
+    assert asked == [torch.device("cuda", 0), torch.device("cuda", 0), ("set", torch.device("cuda", 0))]
+
+
 @pytest.mark.parametrize("key, bad", [("scale", -1.0), ("scale", float("nan")), ("scale", "big"),
                                       ("_growth_tracker", -3), ("growth_interval", 0)])
 def test_a_bad_scaler_value_is_one_line_and_an_older_checkpoint_is_used(tmp_path, key, bad):

@@ -11,6 +11,7 @@ hands the wrong slice to a projection misses these by orders of magnitude
 """
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from torch import nn
 from kiln.config import ModelConfig, load_config
 from kiln.model import transformer as tr
 from kiln.model.transformer import Transformer, fusable
+from kiln.train.system import resolve_fused_projections
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
 from ranks import run_ranks  # noqa: E402  (tests/parallel/ranks.py)
@@ -115,7 +117,28 @@ def test_the_config_key_reaches_every_block():
                              "model.n_heads=4", "model.n_layers=2"])
     model = Transformer(cfg.model)
     assert all(b.attention.fused_projections and b.feed_forward.fused_projections for b in model.layers)
-    assert ModelConfig().fused_projections is False  # the default, chosen in benchmarks/README.md
+    assert ModelConfig().fused_projections == "auto"  # the default, chosen in benchmarks/README.md
+    unresolved = Transformer(replace(cfg.model, fused_projections="auto"))  # evaluation, export
+    assert not any(b.attention.fused_projections for b in unresolved.layers)
+
+
+@pytest.mark.parametrize("value, device, fsdp, fused", [
+    ("auto", "cuda", False, True), ("auto", "cuda", True, False), ("auto", "cpu", False, False),
+    (True, "cpu", True, True), (False, "cuda", False, False)])
+def test_auto_fuses_on_a_gpu_unless_fsdp_shards_the_weights(value, device, fsdp, fused):
+    assert resolve_fused_projections(value, torch.device(device), fsdp) is fused
+
+
+def test_build_model_resolves_auto_and_a_resumed_run_may_differ(tmp_path):
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.run_files import RESUMABLE
+    from kiln.train.trainer import build_model
+
+    cfg = load_config(None, ["model.vocab_size=61", "model.dim=32", "model.n_heads=4", "model.n_layers=2"])
+    dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0)
+    model = build_model(cfg, dims, torch.device("cpu"))
+    assert cfg.model.fused_projections is False and not model.layers[0].attention.fused_projections
+    assert "model.fused_projections" in RESUMABLE  # a run started on a GPU (fused) continues on a CPU
 
 
 class StandInFloat8Linear(nn.Linear):

@@ -24,7 +24,12 @@ from conftest import tiny_overrides
 from ranks import patch_for_one_run, run_ranks
 from test_moe_tensor_parallel_layouts import rows, train_on_rank
 
-REL = 1e-5
+# fp32. On this project's AMD CPU the layouts come within 7e-7 of one process (torch 2.11 and
+# 2.13). On the GPU machine's Intel Xeon (torch 2.11, its own stdlib as the corpus) the four
+# layouts came 1.1e-5 to 2.0e-5 off one process, in the grad norms of steps 2-4. A likely cause,
+# not established: AdamW's normalized update amplifies the tp shards' different rounding of
+# near-zero gradients. Replicas that never average miss by far more (the control below).
+REL = 3e-5
 STEPS = 5
 BASE = {"model.dim": 32, "model.n_layers": 4, "model.n_heads": 2, "model.tie_embeddings": "false",
         "data.seq_len": 16, "train.batch_size": 4, "train.grad_accum": 1, "train.steps": STEPS,
