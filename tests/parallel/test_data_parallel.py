@@ -168,9 +168,12 @@ def test_impossible_layout_fails_before_any_work_naming_the_key(tmp_path, text_f
 def test_every_failing_rank_reports_with_its_rank(tmp_path, text_file):
     # An error every rank meets (here: ranks pinned to one GPU id) is one line per rank, each
     # naming its rank, and the launcher exits non-zero instead of hanging.
+    # The launcher stops the other ranks once one has failed (SIGTERM after its next poll, 0.1 s
+    # apart by default): on the one-GPU machine rank 1 failed first and rank 0 was stopped before
+    # its line. Polling every 2 s leaves each rank the time to fail on its own.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "kiln.cli", "train", "--run-dir", str(tmp_path / "run"),
+                        "--monitor-interval", "2", "-m", "kiln.cli", "train", "--run-dir", str(tmp_path / "run"),
                         *sets(common(text_file, **{"train.device": "'cuda:0'"}))],
                        capture_output=True, text=True, timeout=120, env=env, start_new_session=True)
     assert p.returncode != 0
