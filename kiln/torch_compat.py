@@ -95,3 +95,27 @@ def optimizer_leaves_partial_grads() -> bool:
     import torch
 
     return torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+
+
+def cudagraph_unsafe_tag():
+    """The op tag that makes inductor split a CUDA graph around an op (`torch.Tag.cudagraph_unsafe`,
+    which ring attention's custom ops carry), or None on releases without it (2.6)."""
+    import torch
+
+    return getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+def dcp_no_dist(dcp_call, distributed: bool) -> dict:
+    """DCP's `no_dist=True` (one process, no process group) where `dcp_call` (save, async_save,
+    load) takes it; torch 2.6's have no such argument and infer it from the process group."""
+    import inspect
+
+    return {"no_dist": not distributed} if "no_dist" in inspect.signature(dcp_call).parameters else {}
+
+
+def dcp_metadata_path(reader, rank: int | None):
+    """Where a DCP FileSystemReader's `.metadata` is: the reader's own per-rank name where it has
+    one (`_get_metadata_path`), else torch 2.6's single `.metadata` file."""
+    if hasattr(reader, "_get_metadata_path"):
+        return reader._get_metadata_path(rank)
+    return reader.fs.concat_path(reader.path, ".metadata")

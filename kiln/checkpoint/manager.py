@@ -16,7 +16,6 @@ replicas (replica.py). Retention: retention.py; staging buffers: staging.py; int
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 import sys
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from kiln import torch_compat
 from kiln.checkpoint import manifest, retention
 from kiln.checkpoint.errors import describe_write_error
 from kiln.checkpoint.manifest import CheckpointInvalid
@@ -399,9 +399,7 @@ def _first_failure(e: CheckpointException) -> str:
 
 
 def _no_dist(dcp_call) -> dict:
-    """DCP's `no_dist` (one process, no process group) where the call takes it; torch 2.6's
-    save/load have no such argument and infer it from whether a process group exists."""
-    return {"no_dist": not _distributed()} if "no_dist" in inspect.signature(dcp_call).parameters else {}
+    return torch_compat.dcp_no_dist(dcp_call, _distributed())
 
 
 def _distributed() -> bool:

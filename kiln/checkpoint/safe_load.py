@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
+from kiln import torch_compat
 from kiln.errors import KilnError
 
 
@@ -99,10 +100,7 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's FileSystemReader with `.metadata` read through the allowlist unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        if hasattr(self, "_get_metadata_path"):
-            path = self._get_metadata_path(kwargs.get("rank"))
-        else:  # torch 2.6: one `.metadata` file, no per-rank name
-            path = self.fs.concat_path(self.path, ".metadata")
+        path = torch_compat.dcp_metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = load_metadata(f.read(), str(path))
         if getattr(metadata, "storage_meta", None) is None:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from kiln import torch_compat
 from kiln.errors import ConfigError
 
 
@@ -177,7 +178,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
 # what torch's functional collectives use).
 # cudagraph_unsafe: inductor splits a CUDA graph (train.cuda_graphs) around them (P2P waited on the host).
 # torch 2.6 has neither the tag nor custom_op's `tags` (dims.check_model refuses cuda_graphs with cp there).
-_OP_TAGS = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+_OP_TAGS = {"tags": (torch_compat.cudagraph_unsafe_tag(),)} if torch_compat.cudagraph_unsafe_tag() else {}
 
 
 @torch.library.custom_op("kiln::ring_attention", mutates_args=(), **_OP_TAGS)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kiln import torch_compat
 from kiln.config import JobConfig, ParallelConfig
 from kiln.errors import rank_label  # noqa: F401  (re-exported)
 from kiln.errors import ConfigError
@@ -98,11 +99,6 @@ class ParallelDims:
             check_ep_borrowing_tp_layout(cfg, mode, dp_shard, seq_len)
         elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
-        if cfg.ep > 1 and cfg.tp > 1 and cfg.pp > 1 and mode in ("ddp", "zero1") and dp_replicate * cfg.cp > 1:
-            # dense ddp/zero1 x tp x pp runs (pipeline.py: kiln's replicas of the chunks' shards); with
-            # experts it has no equivalence test yet, so it stays off rather than untested.
-            raise ConfigError(f"parallel.ep={cfg.ep} with parallel.dp_mode={mode!r}, parallel.tp={cfg.tp} and "
-                              f"parallel.pp={cfg.pp} is not supported yet; set parallel.dp_mode='fsdp' or parallel.ep=1")
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps))
 
@@ -121,7 +117,7 @@ class ParallelDims:
                               f"train.compile=true, parallel.ep={self.ep} and parallel.tp={self.tp} under "
                               f"parallel.dp_mode={self.dp_mode!r} is not supported yet; set "
                               f"train.activation_checkpointing='none' or train.compile=false")
-        if self.cp > 1 and cfg.train.cuda_graphs and not hasattr(torch.Tag, "cudagraph_unsafe"):
+        if self.cp > 1 and cfg.train.cuda_graphs and torch_compat.cudagraph_unsafe_tag() is None:
             # ring attention's ops must stay outside the CUDA graph (context_parallel._OP_TAGS)
             raise ConfigError(f"train.cuda_graphs=true with parallel.cp={self.cp} needs a torch with the "
                               f"cudagraph_unsafe op tag (this is {torch.__version__}); set train.cuda_graphs=false")

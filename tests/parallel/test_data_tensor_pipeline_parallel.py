@@ -2,8 +2,10 @@
 ranks, Megatron's 3-D layout): ddp with 1F1B, zero1 with interleaved 1F1B and ddp with the ZBV
 zero-bubble schedule give the per-step losses and grad norms of one process on the same global
 batch, and so do ddp 1F1B with cp2 in place of dp2 (the replicas' all-reduce spans dp x cp) and
-ddp 1F1B with tied embeddings (the last stage's head copy, against a tied one process) (evaluation is off: its batches are per rank, not split from one process's), and the ddp
-run's checkpoint continues in one process on the global batch. The replicas are kiln's
+ddp 1F1B with tied embeddings (the last stage's head copy, against a tied one process), and a
+mixture of experts with ep2 (ddp 1F1B, zero1 interleaved 1F1B; SGD) (evaluation is off: its
+batches are per rank, not split from one process's); the ddp runs' checkpoints, dense and MoE,
+continue in one process on the global batch. The replicas are kiln's
 (`data_parallel.SplitBackwardReplicas` over every chunk of the rank: torch's DDP cannot take tp's
 DTensors), averaging the chunks' local shards once per step after the schedule.
 Negative control: replicas that are never averaged (each dp rank steps on its own half of the
@@ -52,7 +54,20 @@ CASES = {
     "ddp_tied_1f1b": {"parallel.dp_mode": "'ddp'", "parallel.pp_schedule": "'1f1b'",
                       "model.tie_embeddings": "true"},
 }
-REFERENCE = {"ddp_tied_1f1b": {"model.tie_embeddings": "true"}}  # the one process each case is held to
+# Mixture of experts, ep2 over the two replicas (each expert's hidden units over tp): the dense
+# shards are the replicas' (averaged over dp), the experts reduced over edp by expert parallelism.
+# SGD: with AdamW these layouts met one process within 3e-7 except one grad norm (step 4, 6e-6 to
+# 1e-5) while the losses stayed within 1e-7 (AdamW's normalized step; above); SGD shows the layout.
+MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_aux_loss_weight": 0.1,
+       "model.moe_z_loss_weight": 0.01, "optim.name": "'sgd'", "optim.lr": 0.1}
+CASES["moe_ep2_ddp_1f1b"] = {**MOE, "parallel.ep": 2, **CASES["ddp_1f1b"]}
+CASES["moe_ep2_zero1_interleaved"] = {**MOE, "parallel.ep": 2, **CASES["zero1_interleaved"]}
+# the one process each case is held to (else "untied")
+REFERENCE = {"ddp_tied_1f1b": {"model.tie_embeddings": "true"}, "moe": MOE}
+
+
+def reference(case: str) -> str:
+    return "moe" if case.startswith("moe") else case if case in REFERENCE else "untied"
 
 
 def job(text_file, **extra):
@@ -93,11 +108,12 @@ def one_process(tmp_path_factory, text_file):
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("case", list(CASES))
 def test_dp2_tp2_pp2_matches_one_process(eight_ranks, one_process, case):
-    got = rows(eight_ranks / case)  # [loss, grad norm] per step
-    want = one_process[case if case in REFERENCE else "untied"]
-    assert len(got) == 2 * STEPS
+    got = rows(eight_ranks / case)  # [loss, grad norm(, moe aux, moe z)] per step
+    want = one_process[reference(case)]
+    per_step = 4 if case.startswith("moe") else 2
+    assert len(got) == per_step * STEPS
     assert got == pytest.approx(want, rel=REL), (got, want)
-    assert want[2 * (STEPS - 1)] < want[0] and want[1] > 1.0  # trains, clips
+    assert want[per_step * (STEPS - 1)] < want[0] and want[1] > 1.0  # trains, clips
 
 
 def test_replicas_that_are_not_averaged_do_not_match(eight_ranks, one_process):
@@ -107,17 +123,20 @@ def test_replicas_that_are_not_averaged_do_not_match(eight_ranks, one_process):
 
 
 @pytest.mark.timeout(300)
-def test_dp2_tp2_pp2_checkpoint_continues_in_one_process(eight_ranks, one_process, tmp_path):
+@pytest.mark.parametrize("case", ["ddp_1f1b", "moe_ep2_ddp_1f1b"])
+def test_dp2_tp2_pp2_checkpoint_continues_in_one_process(eight_ranks, one_process, tmp_path, case):
     from kiln.train.trainer import train
 
     run = tmp_path / "resumed"
-    shutil.copytree(eight_ranks / "ddp_1f1b", run)
+    shutil.copytree(eight_ranks / case, run)
     shutil.rmtree(run / "checkpoints" / f"step-{STEPS}", ignore_errors=True)
     cfg = load_config(run / "config.toml", ["parallel.pp=1", "parallel.tp=1", "parallel.dp_replicate=1",
-                                            "parallel.dp_mode='auto'", "train.batch_size=4"])
-    train(cfg, run, resume=True)  # weights, AdamW moments, the loader's position from step 4
+                                            "parallel.ep=1", "parallel.dp_mode='auto'", "train.batch_size=4"])
+    train(cfg, run, resume=True)  # weights, optimizer state, the loader's position from step 4
     got = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     step = [r for r in got if r["kind"] == "train"][-1]
     assert step["step"] == STEPS and any(r["kind"] == "event" and r["message"].startswith(f"resumed step {STEPS - 1} ")
                                          for r in got)
-    assert [step["loss"], step["grad_norm"]] == pytest.approx(one_process["untied"][-2:], rel=REL)
+    want = one_process[reference(case)]
+    per_step = 4 if case.startswith("moe") else 2
+    assert [step["loss"], step["grad_norm"]] == pytest.approx(want[-per_step:][:2], rel=REL)

@@ -110,10 +110,8 @@ def test_replicating_modes_take_tensor_and_expert_tensor_parallelism(mode):
 def test_replicating_modes_take_tp_and_pp_together(mode):
     d = dims(8, dp_mode=mode, tp=2, pp=2)  # kiln's replicas of the stage chunks' local shards (pipeline.py)
     assert layout(d) + (d.tp, d.pp) == (mode, 2, 1, 2, 2)
-    with pytest.raises(ConfigError) as e:  # with experts: not yet
-        dims(8, dp_mode=mode, tp=2, pp=2, ep=2)
-    assert f"parallel.ep=2 with parallel.dp_mode={mode!r}, parallel.tp=2 and parallel.pp=2" in str(e.value)
-    assert "\n" not in str(e.value)
+    d = dims(8, dp_mode=mode, tp=2, pp=2, ep=2)  # experts over the 2 replicas, their hidden units over tp
+    assert layout(d) + (d.tp, d.pp, d.ep, d.etp) == (mode, 2, 1, 2, 2, 2, 2)
 
 
 def test_zero1_with_tp_refuses_an_optimizer_that_is_not_elementwise():
