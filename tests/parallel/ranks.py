@@ -79,9 +79,24 @@ def run_ranks(fn, n, tmp_path, *args, timeout=120):
     results = []
     for rank in range(n):
         result, error = pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes())
+        skip_without_fsdp_on_cpu(error)
         assert error is None, f"rank {rank} failed:\n{error}"
         results.append(result)
     return results
+
+
+def skip_without_fsdp_on_cpu(error: str | None) -> None:
+    """Skip the test where kiln refused FSDP2 on CPU because this torch cannot run it there (2.6:
+    kiln/torch_compat.py fsdp_runs_on_cpu), so an older torch reports what it cannot test rather
+    than failing; on a torch that can, the refusal would be a failure like any other."""
+    import pytest
+
+    from kiln import torch_compat
+
+    if error and "on CPU needs a torch whose FSDP2 runs there" in error and not torch_compat.fsdp_runs_on_cpu():
+        import torch
+
+        pytest.skip(f"FSDP2 does not run on CPU under torch {torch.__version__} (kiln refuses it there)")
 
 
 def patch_for_one_run(owner, name: str, replacement):
