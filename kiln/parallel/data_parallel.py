@@ -139,7 +139,9 @@ class Replicas:
         self.buckets: list[list[nn.Parameter]] = []
         self._inflight: dict[int, tuple] = {}
 
-    def _setup(self, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> None:
+    def _setup(self, params: list[nn.Parameter], buffers: list[torch.Tensor],
+               part_of: dict[int, int] | None = None) -> None:
+        """`part_of`: a bucket never spans two parts (id(parameter) -> part, e.g. stage chunks)."""
         from torch.distributed.utils import _sync_params_and_buffers, _verify_param_shape_across_processes
 
         self.size = dist.get_world_size(self.group)
@@ -151,15 +153,17 @@ class Replicas:
         cap, size, key = self.bucket_cap_mb * 1024 * 1024, 0.0, None
         for p in self.params:
             nbytes = _local(p).numel() * p.element_size()
-            if not self.buckets or (p.dtype, p.device) != key or size + nbytes > cap:
+            part = (part_of or {}).get(id(p))
+            if not self.buckets or (p.dtype, p.device, part) != key or size + nbytes > cap:
                 self.buckets.append([])
-                size, key = 0.0, (p.dtype, p.device)
+                size, key = 0.0, (p.dtype, p.device, part)
             self.buckets[-1].append(p)
             size += nbytes
 
-    def _launch(self, index: int) -> None:
-        """Start bucket `index`'s all-reduce. A parameter that got no gradient on this rank takes
-        part with zeros, so every replica sends the same buckets and ends with the same gradient."""
+    def _launch(self, index: int, scale: float = 1.0) -> None:
+        """Start bucket `index`'s all-reduce (of the gradients times `scale`). A parameter that got
+        no gradient on this rank takes part with zeros, so every replica sends the same buckets and
+        ends with the same gradient."""
         from torch._utils import _flatten_dense_tensors
 
         grads = []
@@ -168,6 +172,8 @@ class Replicas:
                 p.grad = torch.zeros_like(p)
             grads.append(_local(p.grad))
         flat = _flatten_dense_tensors(grads).div_(self.size)
+        if scale != 1.0:
+            flat.mul_(scale)
         self._inflight[index] = (grads, flat, dist.all_reduce(flat, group=self.group, async_op=True))
 
     def _wait_all(self) -> None:
@@ -212,13 +218,60 @@ class SplitBackwardReplicas(Replicas):
     def __init__(self, chunks: list[nn.Module], dims: ParallelDims, bucket_cap_mb: float = 25):
         super().__init__(grad_mesh(dims).get_group(), bucket_cap_mb)
         seen: set[int] = set()
-        params, buffers = [], []
-        for chunk in chunks:  # DDP's constructor, per chunk as replicate_stage's DDP would do it
+        params, buffers, part_of = [], [], {}
+        for index, chunk in enumerate(chunks):  # DDP's constructor, per chunk as replicate_stage's DDP would do it
             ignored = leave_experts_to_expert_parallel(chunk) if dims.ep > 1 else set()
             params += [p for name, p in chunk.named_parameters()
                        if name not in ignored and not (id(p) in seen or seen.add(id(p)))]
             buffers += [b for name, b in chunk.named_buffers() if name not in ignored]
-        self._setup(params, buffers)
+            part_of.update({id(p): index for p in chunk.parameters() if id(p) not in part_of})
+        # buckets per chunk, as DDP per chunk: torch's multi-stage schedules divide a chunk's
+        # gradients by the micro-batch count right after its own last backward, not at the step's end
+        self._setup(params, buffers, part_of)
+
+
+class OverlappedStageReplicas(SplitBackwardReplicas):
+    """ddp/zero1 replicas of a rank's stage chunks under tp for the schedules whose backward
+    accumulates gradients through autograd (every schedule but the zero-bubble ones, whose weight
+    pass bypasses AccumulateGrad): a bucket's all-reduce starts as soon as each of its parameters
+    has accumulated the step's last micro-batch gradient (a post-accumulate-grad hook counts them,
+    whichever order the schedule runs the micro-batches and chunks in), overlapping the backward
+    work still to come on the rank (other chunks, other micro-batches), as DDP's reducer does for
+    the last micro-batch. `average()` after the schedule's step waits for them and reduces the
+    buckets whose parameters got fewer gradients (unused in some micro-batch).
+
+    torch's schedule divides a chunk's gradients by the micro-batch count after that chunk's last
+    backward (`scale_grads`; the multi-stage schedules at the chunk's REDUCE_GRAD, the single-stage
+    ones at the step's end); a bucket (never spanning chunks) launched before that carries the
+    division (`after_backward_scale`, set per step by the pipeline), and its copy-back replaces the
+    divided local gradients."""
+
+    def __init__(self, chunks: list[nn.Module], dims: ParallelDims, microbatches: int, bucket_cap_mb: float = 25):
+        super().__init__(chunks, dims, bucket_cap_mb)
+        self.microbatches = microbatches
+        self.after_backward_scale = 1.0 / microbatches
+        self.launched_in_backward = 0  # buckets started inside the step's backward (tests read it)
+        self._counts: dict[int, int] = {}
+        self._waiting = [{id(p) for p in bucket} for bucket in self.buckets]
+        for index, bucket in enumerate(self.buckets):
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._hook(index))
+
+    def _hook(self, index: int):
+        def accumulated(p: torch.Tensor) -> None:
+            count = self._counts[id(p)] = self._counts.get(id(p), 0) + 1
+            if count < self.microbatches:
+                return
+            self._waiting[index].discard(id(p))
+            if not self._waiting[index] and index not in self._inflight:
+                self._launch(index, self.after_backward_scale)
+                self.launched_in_backward += 1
+        return accumulated
+
+    def average(self) -> None:
+        self._wait_all()
+        self._counts = {}
+        self._waiting = [{id(p) for p in bucket} for bucket in self.buckets]
 
 
 class OverlappedReplicas(Replicas):

@@ -95,12 +95,15 @@ class Pipeline:
         # replicas average after the step instead (pipeline_train_step; data_parallel.py).
         self.replicas = None
         if dims.dp_mode in ("ddp", "zero1") and dims.grad_mesh_names:  # (DiLoCo: inside a replica)
-            from kiln.parallel.data_parallel import SplitBackwardReplicas, replicate_stage
+            from kiln.parallel.data_parallel import OverlappedStageReplicas, SplitBackwardReplicas, replicate_stage
 
             # tp > 1: torch's DDP cannot take tp's DTensors (data_parallel.OverlappedReplicas), so
-            # kiln's replicas of the chunks' local shards average once after the step, as here.
-            if cfg.parallel.pp_schedule in ZERO_BUBBLE or dims.tp > 1:
+            # kiln's replicas of the chunks' local shards, all-reducing in the backward of each
+            # parameter's last micro-batch (after the step under a zero-bubble schedule).
+            if cfg.parallel.pp_schedule in ZERO_BUBBLE:
                 self.replicas = SplitBackwardReplicas(model.chunks, dims)
+            elif dims.tp > 1:
+                self.replicas = OverlappedStageReplicas(model.chunks, dims, n_microbatches(cfg))
             else:  # DDP per stage chunk
                 modules = [replicate_stage(chunk, dims) for chunk in model.chunks]
         self.stages = [pipeline_stage_class()(module, s, self.n_stages, device, group=self.group)
@@ -231,6 +234,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
         # train.loss = "chunked": the last stage takes the targets as a keyword (torch passes it to
         # every stage of this rank, split into micro-batches as the target; the others ignore it).
         last = {"targets": y} if pipeline.chunked_loss else {}
+        if hasattr(pipeline.replicas, "after_backward_scale"):  # what the schedule divides by after it
+            pipeline.replicas.after_backward_scale = 1.0 / pipeline.microbatches if pipeline.schedule.scale_grads else 1.0
         if pipeline.has_first and pipeline.has_last:
             pipeline.schedule.step(x, target=y, return_outputs=False, **last)
         elif pipeline.has_first:

@@ -106,7 +106,8 @@ def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, 
     the zero-bubble ones not under ddp/zero1 across `replicas` = dp_replicate x cp > 1: kiln runs
     them there, but averages the gradients after the schedule's step with nothing overlapping
     (kiln/parallel/data_parallel.py SplitBackwardReplicas, as torch's split weight pass bypasses
-    DDP's hooks), which the timing model's DDP overlap does not describe, so they are not proposed.
+    DDP's hooks), which the timing model's DDP overlap does not describe, so they are not proposed
+    (the other schedules overlap it, under tp too: OverlappedStageReplicas).
     Compiled runs are never pipelined here (search compiles only one device), so the refusal of
     compile with zero bubble does not arise."""
     if pp == 1:

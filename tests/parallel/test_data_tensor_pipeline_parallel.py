@@ -5,13 +5,16 @@ batch, and so do ddp 1F1B with cp2 in place of dp2 (the replicas' all-reduce spa
 ddp 1F1B with tied embeddings (the last stage's head copy, against a tied one process), and a
 mixture of experts with ep2 (ddp 1F1B, zero1 interleaved 1F1B; SGD) (evaluation is off: its
 batches are per rank, not split from one process's); the ddp runs' checkpoints, dense and MoE,
-continue in one process on the global batch. The replicas are kiln's
-(`data_parallel.SplitBackwardReplicas` over every chunk of the rank: torch's DDP cannot take tp's
-DTensors), averaging the chunks' local shards once per step after the schedule.
+continue in one process on the global batch. The replicas are kiln's (torch's DDP cannot take
+tp's DTensors), on the chunks' local shards, in buckets per chunk: under 1F1B and interleaved 1F1B
+each bucket's all-reduce starts in the backward of its parameters' last micro-batch
+(`data_parallel.OverlappedStageReplicas`; the per-chunk buckets matter under interleaved 1F1B,
+which divides each chunk's gradients right after that chunk's last backward), under ZBV once
+after the schedule (`SplitBackwardReplicas`).
 Negative control: replicas that are never averaged (each dp rank steps on its own half of the
 batch) do not match.
 
-Tolerance: fp32, relative 1e-5 per step (TP reorders the row-wise reductions, PP the micro-batch
+Tolerance: fp32, relative 3e-5 per step (below; TP reorders the row-wise reductions, PP the micro-batch
 sums, DP the batch sum). AdamW with clipping active over 5 steps, so the optimizer state (sharded
 under zero1) matters. Tiny model: 8 processes share the suite's 2 cores.
 """
@@ -77,9 +80,18 @@ def job(text_file, **extra):
 def _worker(rank, world, text_file, tmp):
     from kiln.parallel import data_parallel
 
+    made = []  # this rank's OverlappedStageReplicas, one per run
+    original_init = data_parallel.OverlappedStageReplicas.__init__
+    data_parallel.OverlappedStageReplicas.__init__ = lambda self, *a, **k: (original_init(self, *a, **k),
+                                                                             made.append(self))[0]
     for name, extra in CASES.items():
+        made.clear()
         train_on_rank(rank, world, job(text_file, **{**DP_TP_PP, **extra}), tmp / name)
-    undo = patch_for_one_run(data_parallel.SplitBackwardReplicas, "average", lambda self: None)  # never meet
+        # buckets whose all-reduce started inside the backward, summed over the run's steps
+        (tmp / name / f"overlapped-buckets-rank{rank}.txt").write_text(str(sum(r.launched_in_backward for r in made))
+                                                                       if made else "none")
+    data_parallel.OverlappedStageReplicas.__init__ = original_init
+    undo = patch_for_one_run(data_parallel.Replicas, "_launch", lambda self, index, scale=1.0: None)  # never meet
     try:
         train_on_rank(rank, world, job(text_file, **DP_TP_PP, **CASES["ddp_1f1b"]), tmp / "not_averaged")
     finally:
@@ -114,6 +126,18 @@ def test_dp2_tp2_pp2_matches_one_process(eight_ranks, one_process, case):
     assert len(got) == per_step * STEPS
     assert got == pytest.approx(want, rel=REL), (got, want)
     assert want[per_step * (STEPS - 1)] < want[0] and want[1] > 1.0  # trains, clips
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_replicas_all_reduce_inside_the_backward_except_under_zero_bubble(eight_ranks, case):
+    """1F1B and interleaved 1F1B accumulate gradients through autograd: each bucket's all-reduce
+    starts in the backward of its parameters' last micro-batch (data_parallel.OverlappedStageReplicas);
+    ZBV's weight pass bypasses the hooks, so its replicas average after the step."""
+    counts = {(eight_ranks / case / f"overlapped-buckets-rank{r}.txt").read_text() for r in range(8)}
+    if "zbv" in case:
+        assert counts == {"none"}
+    else:
+        assert "none" not in counts and min(int(c) for c in counts) >= STEPS  # every step, every rank
 
 
 def test_replicas_that_are_not_averaged_do_not_match(eight_ranks, one_process):
