@@ -193,10 +193,7 @@ def test_each_deliberate_mistake_fails_the_comparison(runs, name, step, key, ref
 
 
 @pytest.mark.parametrize("sets, expected", [
-    # ep x tp under ddp/zero1 (tests/parallel/test_data_tensor_parallel.py), but not with pp
-    # (dense ddp/zero1 x tp x pp runs: tests/parallel/test_data_tensor_pipeline_parallel.py)
-    ({"dp_mode": "ddp", "tp": 2, "pp": 2}, "parallel.ep=2 with parallel.dp_mode='ddp', parallel.tp=2 and parallel.pp=2"),
-    ({"dp_mode": "zero1", "tp": 2, "pp": 2}, "parallel.ep=2 with parallel.dp_mode='zero1', parallel.tp=2 and parallel.pp=2"),
+    # (ep x tp x pp under ddp/zero1 runs: tests/parallel/test_data_tensor_pipeline_parallel.py)
     # ep is carved out of the replicas under zero1 as under ddp
     ({"dp_mode": "zero1", "ep": 4, "pp": 4}, "parallel.ep=4 must divide dp_replicate=2"),
 ])

@@ -141,9 +141,7 @@ def test_each_deliberate_mistake_fails_the_comparison(runs, name):
 
 
 @pytest.mark.parametrize("world, sets, expected", [
-    # ep x tp under ddp/zero1 (tests/parallel/test_data_tensor_parallel.py), but not with pp
-    (8, {"parallel.pp": 2, "parallel.dp_mode": "'ddp'"},
-     "parallel.ep=2 with parallel.dp_mode='ddp', parallel.tp=2 and parallel.pp=2 is not supported"),
+    # (ep x tp runs under ddp/zero1, with pp too: tests/parallel/test_data_tensor_pipeline_parallel.py)
     # ep borrows data-parallel ranks (and cp), never tp: 4 ranks / tp 2 leave dp_shard=2 for ep=4
     (4, {"parallel.ep": 4}, "parallel.ep=4 must divide dp_shard=2"),
     # the experts must divide over ep, their hidden units over tp
