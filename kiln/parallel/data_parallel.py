@@ -249,6 +249,11 @@ class OverlappedStageReplicas(SplitBackwardReplicas):
     def __init__(self, chunks: list[nn.Module], dims: ParallelDims, microbatches: int, bucket_cap_mb: float = 25):
         super().__init__(chunks, dims, bucket_cap_mb)
         self.microbatches = microbatches
+        holders: dict[int, int] = {}  # a parameter two of the rank's chunks share accumulates in both
+        for chunk in chunks:
+            for p in chunk.parameters():
+                holders[id(p)] = holders.get(id(p), 0) + 1
+        self._expected = {id(p): microbatches * holders.get(id(p), 1) for p in self.params}
         self.after_backward_scale = 1.0 / microbatches
         self.launched_in_backward = 0  # buckets started inside the step's backward (tests read it)
         self._counts: dict[int, int] = {}
@@ -260,7 +265,7 @@ class OverlappedStageReplicas(SplitBackwardReplicas):
     def _hook(self, index: int):
         def accumulated(p: torch.Tensor) -> None:
             count = self._counts[id(p)] = self._counts.get(id(p), 0) + 1
-            if count < self.microbatches:
+            if count < self._expected[id(p)]:
                 return
             self._waiting[index].discard(id(p))
             if not self._waiting[index] and index not in self._inflight:
