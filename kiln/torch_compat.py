@@ -86,17 +86,6 @@ def fsdp_runs_on_cpu() -> bool:
     return hasattr(torch.cpu.Stream, "record_event")
 
 
-def optimizer_leaves_partial_grads() -> bool:
-    """Whether kiln must reduce Partial DTensor gradients (sequence-parallel norm weights) to their
-    parameters' placements before the optimizer (`train.step.settle_grad_placements`): 2.11's
-    optimizer ops do not, and drift and unsavable state follow; 2.13's do (its tp equivalence and
-    checkpoint tests pass without it). 2.12 was not run: settled there too, which is right either
-    way and costs one all-reduce per such gradient."""
-    import torch
-
-    return torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
-
-
 def cudagraph_unsafe_tag():
     """The op tag that makes inductor split a CUDA graph around an op (`torch.Tag.cudagraph_unsafe`,
     which ring attention's custom ops carry), or None on releases without it (2.6)."""

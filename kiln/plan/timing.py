@@ -14,8 +14,8 @@ FSDP2 one all-gather per unit (the blocks and the root) before forward, again be
 for every unit but the last block, one reduce-scatter per unit and one all-reduce of the
 gradient norm; TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
 block plus 2 and 2 at the embedding / head and 3 all-reduces of loss_parallel's per-token
-statistics, per step 2 (fused AdamW) or 4 (foreach) all-reduces of every norm weight's gradient
-and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
+statistics, per step one all-reduce of every norm weight's gradient (settled from Partial before
+the gradient norm) and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
 reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all_reduce under
 each reduce-scatter), so it costs one.
 Expert parallelism: 4 all-to-alls of the routed rows per MoE block and micro-batch (plus one of the
@@ -172,16 +172,17 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # Tensor (sequence) parallel (counted; see the module docstring): per micro-batch the block's
     # activations all-gathered and reduce-scattered 4 times each per block and twice at the
     # embedding / head, and loss_parallel's 3 per-token statistics all-reduced; per step each norm
-    # weight's gradient, a Partial DTensor that stays a pending sum, all-reduced by every op that
-    # reads it (the gradient norm, then AdamW: fused once, foreach 3 times: lerp_ and addcmul_'s
-    # two reads), and the stacked gradient norms once. All on the critical path.
+    # weight's gradient (a Partial DTensor after backward) all-reduced once, settled before the
+    # gradient norm (kiln/train/step.py settle_grad_placements; left Partial, torch 2.13's ops
+    # all-reduced it at every read: 2 or, foreach, 4 per step), and the stacked gradient norms
+    # once. All on the critical path.
     moe_stage_layers = shape.moe_layers / layout.pp if layout.ep > 1 else 0.0
     if layout.tp > 1:
         nbytes = act * tokens_rank_mb * shape.dim
         # ep borrowing tp leaves a MoE block's input sequence-sharded (MoELocalSequence): its MLP
         # has no all-gather / reduce-scatter pair forward and backward
         boundary = 4 * stage_layers + 2 - (2 * moe_stage_layers if layout.ep_borrows_tp else 0)
-        norm_reads = (2 * stage_layers + 1) * (1 + (3 if optimizer_impl in ("foreach", "single") else 1))
+        norm_reads = 2 * stage_layers + 1  # the norm weights' gradients, settled once
         t = all_gather(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
         t += reduce_scatter(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
         t += all_reduce(cluster, layout.tp, 4 * shape.dim * norm_reads, calls=norm_reads)

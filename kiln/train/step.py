@@ -89,11 +89,13 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
 def settle_grad_placements(params: list[torch.Tensor]) -> None:
     """Every DTensor gradient in its parameter's placements, before clipping and the optimizer.
     The gradient of a replicated parameter fed by sequence-sharded activations (a norm weight under
-    sequence parallelism) comes out of backward Partial. torch 2.13's optimizer ops reduce it
-    themselves (one process's results, savable state); 2.11's do not: the updates drifted from one
-    process's and the state held Partial tensors (an SGD momentum buffer cloned from the gradient),
-    which DCP refuses to save. So `clip_grad_norm` calls this where torch_compat says so: one
-    redistribute (an all-reduce over the partial mesh dimensions) per such gradient."""
+    sequence parallelism) comes out of backward Partial, a pending sum. Left so, what the optimizer
+    makes of it depends on the torch release: 2.13's ops all-reduce it at every read (the gradient
+    norm, then AdamW: once fused, three times foreach); 2.11's do not reduce it in the update (it
+    drifted from one process); on 2.11 and 2.14 an SGD momentum buffer cloned from it stays Partial,
+    which DCP refuses to save. Settled here once per step: one redistribute (an all-reduce over the
+    partial mesh dimensions) per such gradient, on every release, which is also fewer collectives
+    than 2.13's reads. `clip_grad_norm` calls it."""
     for p in params:
         grad = p.grad
         if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
@@ -108,8 +110,7 @@ def clip_grad_norm(params: list[torch.Tensor], clip: float, norm_group=None) -> 
     `clip_grads_with_norm_`, as torchtitan does for its expert-parallel parameters.
     norm_group: ranks holding the other parts of the model (pipeline stages), whose squared norms
     are summed in (every rank of the group must call this)."""
-    if torch_compat.optimizer_leaves_partial_grads():
-        settle_grad_placements(params)
+    settle_grad_placements(params)
     by_mesh: dict = {}
     for p in params:
         by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
