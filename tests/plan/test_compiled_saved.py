@@ -93,8 +93,14 @@ def test_compiled_saved_bytes_match_the_formula(activation, norm, positions, ac,
     block = 4 * shape.dim if ac == "full" else shape.act_bytes_per_token(2, compiled=True, float8=float8)
     outside = (0 if ac == "full" else 4 * shape.dim) + 2 * shape.dim + 2 * VOCAB + 4 * 4
     predicted = shape.n_layers * block + outside
-    # 2%: the norm statistics (layernorm keeps mean and rstd, rmsnorm rstd only) are an upper bound
-    assert measured == pytest.approx(predicted, rel=0.02), (measured, predicted)
+    # 2%: the norm statistics (layernorm keeps mean and rstd, rmsnorm rstd only) are an upper bound.
+    # torch 2.14's partitioner keeps a block's bf16 matmul output where 2.13's kept its fp32
+    # residual sum (2.6-3.4% fewer bytes at these sizes, swiglu): the formula, fitted to 2.13, is an
+    # upper bound there within 4%.
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 14):
+        assert predicted * 0.96 <= measured <= predicted * 1.02, (measured, predicted)
+    else:
+        assert measured == pytest.approx(predicted, rel=0.02), (measured, predicted)
     # the other count (eager; for float8 the bf16 compiled one) is further off: this measures the
     # graph it names, not whichever formula happens to be close
     other = shape.act_bytes_per_token(2, compiled=float8)
