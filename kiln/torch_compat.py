@@ -40,9 +40,14 @@ def weight_pass_takes_python_functions() -> bool:
     stage's weights (found through `next_functions`) after the stage's output is gone and calls
     autograd.grad on GradientEdges to them. 2.13 keeps such a node usable; on 2.11 it has expired
     by then ("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase").
-    Probed, not read off the version: the same sequence on three-element CPU tensors."""
+    Probed, not read off the version: the same sequence on three-element CPU tensors, from 2.11 on;
+    before 2.11 not probed and taken as no: on 2.6 the probe's call on the expired node crashed the
+    process (segmentation fault in autograd's _make_grads)."""
     import torch
     from torch.autograd.graph import GradientEdge
+
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 11):
+        return False
 
     class Product(torch.autograd.Function):
         @staticmethod
