@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from kiln import torch_compat
 
 
 FORCE_DEVICE_SKIP = "_kiln_force_device_skip"  # the optimizer attribute force_device_skip sets
