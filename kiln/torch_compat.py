@@ -113,3 +113,43 @@ def dcp_metadata_path(reader, rank: int | None):
     if hasattr(reader, "_get_metadata_path"):
         return reader._get_metadata_path(rank)
     return reader.fs.concat_path(reader.path, ".metadata")
+
+
+def distribute_tensor(tensor, mesh, placements, src_data_rank: int | None = 0):
+    """torch's `distribute_tensor`; `src_data_rank=None` (every rank slices its own full copy, no
+    scatter) from 2.7 on. torch 2.6 has no such argument and scatters from the mesh's first rank,
+    which gives the same shards where every rank holds the same full tensor (kiln's init and its
+    tp styles)."""
+    import inspect
+
+    from torch.distributed.tensor import distribute_tensor as distribute
+
+    if "src_data_rank" in inspect.signature(distribute).parameters:
+        return distribute(tensor, mesh, placements, src_data_rank=src_data_rank)
+    return distribute(tensor, mesh, placements)
+
+
+def schedule_scales_grads(schedule_class) -> bool:
+    """Whether torch's pipeline schedules take `scale_grads` (divide each stage's gradients by the
+    micro-batch count after its backward), from 2.7; 2.6's sum the micro-batches' gradients, so
+    the loss must carry the division (kiln/parallel/pipeline_fp16.py ScaledLoss.divide)."""
+    import inspect
+
+    return "scale_grads" in inspect.signature(schedule_class.__init__).parameters
+
+
+def schedule_step_returns_outputs(schedule) -> bool:
+    """Whether a pipeline schedule's `step` takes `return_outputs` (from 2.7); 2.6's passes unknown
+    keywords on to the stages' forward."""
+    import inspect
+
+    return "return_outputs" in inspect.signature(schedule.step).parameters
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """At least `limit` entries in dynamo's per-frame recompile cache: `recompile_limit`, which
+    2.6 calls `cache_size_limit`."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))

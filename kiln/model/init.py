@@ -24,8 +24,9 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from kiln import torch_compat
 from kiln.model.moe import MoE
 
 
@@ -41,7 +42,7 @@ def _fill(t: torch.Tensor, fill, gen: torch.Generator | None = None) -> None:
     elif isinstance(t, DTensor):
         full = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
         fill(full)
-        t.copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None))
+        t.copy_(torch_compat.distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None))
     else:
         fill(t)
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 
+from kiln import torch_compat
 from kiln.config import JobConfig
 from kiln.model.moe import MoE
 from kiln.parallel.data_parallel import apply_ddp
@@ -219,7 +220,7 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
             # mode is one more entry in that frame's recompile cache, 7 here on torch 2.13 and past
             # the default limit of 8 on 2.11 (its evaluation under no_grad adds entries), a hard
             # failure under fullgraph. These are distinct graphs, not thrashing: allow more.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            torch_compat.raise_recompile_limit(64)
             for name, child in inner.named_children():
                 if isinstance(child, MoE):
                     compile_moe_steps(child)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from kiln import torch_compat
 from kiln.config import JobConfig
 from kiln.model.loss import lm_loss
 from kiln.parallel.pipeline_fp16 import ScaledLoss, agree_found_inf
@@ -114,7 +115,11 @@ class Pipeline:
         # scale_grads: each micro-batch's mean loss is backpropagated, gradients divided by the
         # micro-batch count -> the gradient of the mean over the whole batch, as in one process.
         self.loss_fn = ScaledLoss(self._loss, self.microbatches)
-        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True)
+        if torch_compat.schedule_scales_grads(cls):
+            self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True)
+        else:  # torch 2.6: the schedule sums the micro-batches' gradients; the loss carries the division
+            self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn)
+            self.loss_fn.divide = True
         for chunk in model.chunks:  # MoE aux losses join the backward inside the stages, scaled alike
             chunk.__dict__["loss_scale"] = self.loss_fn.scale
         self.bubble = bubble_fraction(cfg.parallel.pp_schedule, self.pp, self.microbatches,
@@ -219,9 +224,11 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     with autocast, contextlib.ExitStack() as no_sync:
         if scaler is not None:  # for this step, however it ends: ScaledLoss scales and divides by
             # the micro-batch count, before the backward, instead of the schedule after it
-            no_sync.callback(setattr, pipeline.schedule, "scale_grads", pipeline.schedule.scale_grads)
+            if hasattr(pipeline.schedule, "scale_grads"):
+                no_sync.callback(setattr, pipeline.schedule, "scale_grads", pipeline.schedule.scale_grads)
+                pipeline.schedule.scale_grads = False
             no_sync.callback(setattr, pipeline.loss_fn, "scaler", None)
-            pipeline.schedule.scale_grads, pipeline.loss_fn.scaler = False, scaler
+            pipeline.loss_fn.scaler = scaler
         # DDP stages (kiln/parallel/data_parallel.py replicate_stage): torch's schedule runs each
         # forward and all but the last backward under no_sync and re-arms DDP's reducer for the
         # last; but on the first step its shape inference calls the stage outside no_sync, which
@@ -235,15 +242,19 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
         # every stage of this rank, split into micro-batches as the target; the others ignore it).
         last = {"targets": y} if pipeline.chunked_loss else {}
         if hasattr(pipeline.replicas, "after_backward_scale"):  # what the schedule divides by after it
-            pipeline.replicas.after_backward_scale = 1.0 / pipeline.microbatches if pipeline.schedule.scale_grads else 1.0
+            pipeline.replicas.after_backward_scale = (1.0 / pipeline.microbatches
+                                                      if getattr(pipeline.schedule, "scale_grads", False) else 1.0)
+        # return_outputs=False: the last stage keeps no merged outputs (torch 2.6's step has no such
+        # argument and would hand it to the stages' forward)
+        no_outputs = {"return_outputs": False} if torch_compat.schedule_step_returns_outputs(pipeline.schedule) else {}
         if pipeline.has_first and pipeline.has_last:
-            pipeline.schedule.step(x, target=y, return_outputs=False, **last)
+            pipeline.schedule.step(x, target=y, **no_outputs, **last)
         elif pipeline.has_first:
-            pipeline.schedule.step(x, return_outputs=False)
+            pipeline.schedule.step(x, **no_outputs)
         elif pipeline.has_last:
-            pipeline.schedule.step(target=y, return_outputs=False, **last)
+            pipeline.schedule.step(target=y, **no_outputs, **last)
         else:
-            pipeline.schedule.step(return_outputs=False)
+            pipeline.schedule.step(**no_outputs)
     if pipeline.replicas is not None:  # ddp/zero1 under a zero-bubble schedule or tp: once per step
         pipeline.replicas.average()
     if pipeline.tied is not None:  # before clipping: the tied weight's gradient is the sum of both copies'

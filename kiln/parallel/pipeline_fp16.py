@@ -20,6 +20,7 @@ class ScaledLoss:
 
     def __init__(self, loss_fn, microbatches: int):
         self.loss_fn, self.microbatches, self.scaler = loss_fn, microbatches, None
+        self.divide = False  # always divide by the micro-batch count (torch 2.6: no scale_grads)
         self.unscaled: list[torch.Tensor] = []
 
     def __call__(self, output, target):
@@ -29,7 +30,9 @@ class ScaledLoss:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """What the backward of a term of a micro-batch's loss starts from (MoE aux losses too)."""
-        return loss if self.scaler is None else self.scaler.scale(loss / self.microbatches)
+        if self.scaler is not None:
+            return self.scaler.scale(loss / self.microbatches)
+        return loss / self.microbatches if self.divide else loss
 
 
 def agree_found_inf(scaler, optimizer, device: torch.device) -> None:

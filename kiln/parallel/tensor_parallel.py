@@ -56,11 +56,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from kiln import torch_compat
 from kiln.model.loss import CHUNK_TOKENS, IGNORE_INDEX, chunked_lm_loss
 from kiln.model.moe import MoE
 
@@ -176,7 +177,7 @@ class MoETensorParallel(ParallelStyle):
         else:  # GroupedExperts: w1/w3 (E, dim, hidden), w2 (E, hidden, dim)
             layouts = {"w1": [Shard(2)], "w3": [Shard(2)], "w2": [Shard(1)]}
         for pname, param in list(module.named_parameters(recurse=False)):
-            dt = distribute_tensor(param, mesh, layouts[pname], src_data_rank=self.src_data_rank)
+            dt = torch_compat.distribute_tensor(param, mesh, layouts[pname], src_data_rank=getattr(self, "src_data_rank", 0))
             module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
     @staticmethod
@@ -205,8 +206,8 @@ class MoELocalSequence(ParallelStyle):
         # Not torch's distribute_module: it would replicate every parameter left plain (the experts).
         module.sp_mesh = device_mesh
         router = module.router
-        router.weight = nn.Parameter(distribute_tensor(router.weight, device_mesh, [Replicate()],
-                                                       src_data_rank=self.src_data_rank))
+        router.weight = nn.Parameter(torch_compat.distribute_tensor(router.weight, device_mesh, [Replicate()],
+                                                                    src_data_rank=getattr(self, "src_data_rank", 0)))
         return module
 
 

@@ -27,9 +27,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_step
 
+from kiln import torch_compat
 from kiln.train.optimizers.adam_state import adam_state_lists, fused_adam_supported
 from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
@@ -68,10 +69,8 @@ def orthogonalize_update(update: torch.Tensor) -> torch.Tensor:
     """
     if isinstance(update, DTensor):
         full = orthogonalize_update(update.full_tensor())
-        try:  # src_data_rank=None: slice locally instead of scattering from rank 0 (torch >= 2.7)
-            return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
-        except TypeError:
-            return distribute_tensor(full, update.device_mesh, update.placements)
+        # src_data_rank=None: slice locally instead of scattering from rank 0 (where torch has it)
+        return torch_compat.distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
     return orthogonalize(update.reshape(update.size(0), -1)).view_as(update)
 
 
