@@ -73,7 +73,8 @@ def check_value(key: str, value: Any, rules: dict[str, Any], source: str = "") -
         raise ConfigError(f"{where}{key}={value} must be a finite number")
     if isinstance(value, str):
         if "choices" in rules and value not in rules["choices"]:
-            raise ConfigError(f"{where}{key}={value!r} is not one of {', '.join(rules['choices'])}")
+            wanted = rules.get("expect") or f"one of {', '.join(rules['choices'])}"
+            raise ConfigError(f"{where}{key}={value!r} is not {wanted}")
         if "pattern" in rules and not re.fullmatch(rules["pattern"], value):
             raise ConfigError(f"{where}{key}={value!r} must be {rules.get('expect', 'like ' + rules['pattern'])}")
         return
@@ -136,7 +137,7 @@ class ModelConfig:
     # kept separate (kiln/model/transformer.py: fused_linear); falls back to one GEMM each under
     # tensor parallelism and for float8 linears. auto: on a GPU unless FSDP shards the weights
     # (kiln/train/system.py: resolve_fused_projections, from the figures in benchmarks/README.md).
-    fused_projections: bool | str = ranged("auto", choices=("auto",))
+    fused_projections: bool | str = ranged("auto", choices=("auto",), expect="true, false or 'auto'")
 
     def validate(self) -> None:
         check_fields(self, "model.")

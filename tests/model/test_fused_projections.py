@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kiln.config import ModelConfig, load_config
+from kiln.errors import ConfigError
 from kiln.model import transformer as tr
 from kiln.model.transformer import Transformer, fusable
 from kiln.train.system import resolve_fused_projections
@@ -265,3 +266,16 @@ def test_fsdp2_fuses_and_tp_falls_back_both_matching_one_process(tmp_path):
         tp_loss, tp_grads, tp_calls = got["tp"]
         assert tp_calls == 0  # DTensor weights and TP's hooks: the separate Linears run
         assert_same((tp_loss, tp_grads), expected, RANKS_RTOL, RANKS_ATOL, loss_rel=1e-5)
+
+
+@pytest.mark.parametrize("value, message", [
+    ('"yes"', "model.fused_projections='yes' is not true, false or 'auto'"),
+    ("2", "model.fused_projections=2 has the wrong type; expected bool | str"),
+    ('"True"', "model.fused_projections='True' is not true, false or 'auto'")])
+def test_a_bad_value_is_one_line_naming_the_key_and_what_it_takes(tmp_path, value, message):
+    job = tmp_path / "job.toml"
+    job.write_text(f"[model]\nfused_projections = {value}\n")
+    for attempt in (lambda: load_config(job), lambda: load_config(None, [f"model.fused_projections={value}"])):
+        with pytest.raises(ConfigError) as err:
+            attempt()
+        assert message in str(err.value) and "\n" not in str(err.value)
