@@ -14,23 +14,97 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _AllWorks:
+    """Every `dist.Work` of one `batch_isend_irecv`, waited on together; and the exchanges of this
+    rank with itself, which must have met their other half by then."""
+
+    def __init__(self, works, self_exchange):
+        self.works, self.self_exchange = works, self_exchange
+
+    def wait(self, *args):
+        for work in self.works:
+            work.wait(*args)
+        if self.self_exchange["recvs"]:
+            raise RuntimeError("pipeline schedule: a stage waited for a tensor from a stage on its own rank "
+                               "that was never sent (kiln/torch_compat.py wait_for_every_pipeline_p2p)")
+        return True
+
+
+@functools.cache
+def wait_for_every_pipeline_p2p() -> bool:
+    """Two gaps of torch's pipeline schedules before 2.8, both on gloo, both closed by replacing
+    the schedules' `_batch_p2p` there (returns whether it was replaced):
+    - It waited on one `Work` of each batched send/receive (`batch_isend_irecv(ops).pop()`): right
+      for NCCL, which coalesces a batch into one `Work`, but gloo returns one per op, and the ones
+      left unwaited deadlock 1F1B's fused send/receive phase (torch 2.6, 2 ranks: each waits in its
+      fused exchange forever; pytorch/pytorch#132644, fixed by #152938, which added
+      `_wait_batch_p2p`). Here the returned `Work` waits on all.
+    - The multi-stage runtime sends between two stages on one rank like between ranks (ZBV's V
+      holds stages r and 2pp-1-r, and its middle two are neighbours): a send to this rank itself,
+      which gloo has no pair for ("writev: Bad file descriptor"). Here such sends and receives are
+      matched in order, as gloo matches one peer's messages, and copied locally."""
+    import collections
+
+    import torch
+    from torch.distributed.pipelining import schedules
+
+    if hasattr(schedules, "_wait_batch_p2p") or not hasattr(schedules, "_batch_p2p"):
+        return False
+    self_exchange = {"sends": collections.deque(), "recvs": collections.deque()}
+
+    def batch_p2p(p2p_ops, desc=None):
+        if not p2p_ops:
+            return None
+        me, remote = dist.get_rank(), []
+        for op in p2p_ops:
+            if op.peer != me:
+                remote.append(op)
+            else:
+                self_exchange["sends" if op.op.__name__ == "isend" else "recvs"].append(op.tensor)
+        with torch.no_grad():
+            while self_exchange["sends"] and self_exchange["recvs"]:
+                self_exchange["recvs"].popleft().copy_(self_exchange["sends"].popleft())
+        return _AllWorks(dist.batch_isend_irecv(remote) if remote else [], self_exchange)
+
+    schedules._batch_p2p = batch_p2p
+    return True
+
+
 @functools.cache
 def pipeline_stage_class():
-    """torch.distributed.pipelining's PipelineStage, or on releases whose schedules open the
-    pipeline by exchanging a dummy tensor with every neighbouring stage
-    (`_get_init_p2p_neighbors_ops`, 2.6-2.12; 2.13 replaced it by a vote that skips this) a subclass
-    that leaves out the exchanges whose peer is this rank itself: a V-shaped schedule (ZBV) holds
-    two neighbouring stages on one rank, and gloo has no pair to itself ("Pair is not connected")."""
+    """torch.distributed.pipelining's PipelineStage, subclassed for two gaps of older releases:
+    - A stage infers the shapes it exchanges with one forward on its first step
+      (`_shape_inference`). Before 2.13 that forward ran under `no_grad` inside the caller's
+      autocast, whose cache then held the bf16 casts of the weights without autograd history;
+      every later forward of the step reused them, and no Linear weight got a gradient (torch 2.6:
+      "the tied embedding got no gradient", the norms' weights alone had one). The autocast cache is
+      cleared after that forward, on every release (one extra cast per weight, once).
+    - Schedules that open the pipeline by exchanging a dummy tensor with every neighbouring stage
+      (`_get_init_p2p_neighbors_ops`, 2.6-2.12; 2.13 replaced it by a vote that skips this): the
+      exchanges whose peer is this rank itself are left out. A V-shaped schedule (ZBV) holds two
+      neighbouring stages on one rank, and gloo has no pair to itself ("Pair is not connected")."""
+    import torch
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    if hasattr(schedules.PipelineScheduleMulti, "_warmup_p2p"):
-        return PipelineStage
+    wait_for_every_pipeline_p2p()  # every pipeline builds its stages here
+    exchanges_with_itself = not hasattr(schedules.PipelineScheduleMulti, "_warmup_p2p")
 
-    class NoSelfExchangeStage(PipelineStage):
+    class KilnPipelineStage(PipelineStage):
+        def _shape_inference(self, *args, **kwargs):
+            try:
+                return super()._shape_inference(*args, **kwargs)
+            finally:
+                torch.clear_autocast_cache()
+
         def _get_init_p2p_neighbors_ops(self):
-            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+            ops = super()._get_init_p2p_neighbors_ops()
+            return [op for op in ops if op.group_peer != self.group_rank] if exchanges_with_itself else ops
 
-    return NoSelfExchangeStage
+    if not hasattr(PipelineStage, "_shape_inference"):
+        del KilnPipelineStage._shape_inference
+    if not hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):
+        del KilnPipelineStage._get_init_p2p_neighbors_ops
+    return KilnPipelineStage
 
 
 @functools.cache
@@ -138,12 +212,31 @@ def schedule_scales_grads(schedule_class) -> bool:
     return "scale_grads" in inspect.signature(schedule_class.__init__).parameters
 
 
-def schedule_step_returns_outputs(schedule) -> bool:
-    """Whether a pipeline schedule's `step` takes `return_outputs` (from 2.7); 2.6's passes unknown
-    keywords on to the stages' forward."""
+def stage_placement_kwargs(schedule_class, stage_to_rank: dict[int, int]) -> dict:
+    """What to pass a multi-stage schedule so that it knows which pp rank holds which stage. 2.6's
+    ZBV takes `stage_index_to_group_rank` and, without it, assumes the looped placement (stage s
+    on rank s mod pp): a V's last stage then took its predecessor for a local one and skipped
+    receiving the shapes it infers from ("StageChunk.forward() missing 1 required positional
+    argument"). Later releases derive the V themselves and take no such argument."""
     import inspect
 
-    return "return_outputs" in inspect.signature(schedule.step).parameters
+    if "stage_index_to_group_rank" in inspect.signature(schedule_class.__init__).parameters:
+        return {"stage_index_to_group_rank": stage_to_rank}
+    return {}
+
+
+def step_without_outputs(schedule) -> dict:
+    """The keywords that make a pipeline schedule's `step` keep no merged outputs of the last
+    stage: `return_outputs=False` from 2.7. 2.6's `step` passes unknown keywords on to the stages'
+    forward and always concatenates the last stage's micro-batch outputs, which fails where they
+    are the chunked loss's scalars ("zero-dimensional tensor cannot be concatenated"): there the
+    schedule's merge is switched off on the instance instead."""
+    import inspect
+
+    if "return_outputs" in inspect.signature(schedule.step).parameters:
+        return {"return_outputs": False}
+    schedule._merge_outputs = lambda output_chunks: None
+    return {}
 
 
 def raise_recompile_limit(limit: int) -> None:

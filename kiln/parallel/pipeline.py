@@ -115,10 +115,14 @@ class Pipeline:
         # scale_grads: each micro-batch's mean loss is backpropagated, gradients divided by the
         # micro-batch count -> the gradient of the mean over the whole batch, as in one process.
         self.loss_fn = ScaledLoss(self._loss, self.microbatches)
+        placement = {} if cfg.parallel.pp_schedule in SINGLE_STAGE else torch_compat.stage_placement_kwargs(
+            cls, {s: r for r in range(self.pp) for s in stages_of_rank(
+                cfg.parallel.pp_schedule, self.pp, cfg.parallel.pp_virtual_stages, r)})
         if torch_compat.schedule_scales_grads(cls):
-            self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True)
+            self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True,
+                                **placement)
         else:  # torch 2.6: the schedule sums the micro-batches' gradients; the loss carries the division
-            self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn)
+            self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, **placement)
             self.loss_fn.divide = True
         for chunk in model.chunks:  # MoE aux losses join the backward inside the stages, scaled alike
             chunk.__dict__["loss_scale"] = self.loss_fn.scale
@@ -244,9 +248,8 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
         if hasattr(pipeline.replicas, "after_backward_scale"):  # what the schedule divides by after it
             pipeline.replicas.after_backward_scale = (1.0 / pipeline.microbatches
                                                       if getattr(pipeline.schedule, "scale_grads", False) else 1.0)
-        # return_outputs=False: the last stage keeps no merged outputs (torch 2.6's step has no such
-        # argument and would hand it to the stages' forward)
-        no_outputs = {"return_outputs": False} if torch_compat.schedule_step_returns_outputs(pipeline.schedule) else {}
+        # the last stage keeps no merged outputs (the losses are the loss_fn's)
+        no_outputs = torch_compat.step_without_outputs(pipeline.schedule)
         if pipeline.has_first and pipeline.has_last:
             pipeline.schedule.step(x, target=y, **no_outputs, **last)
         elif pipeline.has_first:

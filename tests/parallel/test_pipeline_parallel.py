@@ -206,6 +206,8 @@ def _pp_worker(rank: int, port: int, results) -> None:
             pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
             model.loss_impl = loss  # train.loss resolved after the Pipeline is built, as the trainer does
             pipe.schedule.scale_grads = name != "1f1b_unscaled"
+            if name == "1f1b_unscaled":  # torch 2.6: the loss carries the division (ScaledLoss.divide)
+                pipe.loss_fn.divide = False
             if schedule == "gpipe" or name == "chunked_interleaved_1f1b":  # evaluation through the pipeline
                 x, y = batches[0][0]  # (initial weights): the whole model's logits, also when the loss is chunked
                 got[f"eval {name}"] = float(torch.nn.functional.cross_entropy(
