@@ -203,6 +203,39 @@ def distribute_tensor(tensor, mesh, placements, src_data_rank: int | None = 0):
     return distribute(tensor, mesh, placements)
 
 
+@functools.cache
+def key_embedding_backward_by_vocab() -> bool:
+    """DTensor caches the sharding it propagates per op schema, and before 2.11 the schema of
+    `embedding_dense_backward` left its `num_weights` (the vocabulary) out of the cache key: under
+    tp, the backward of a second embedding of another size (GPT-2's positions, 64 rows, then its
+    65 tokens) reused the first one's sharding and shape ("EmbeddingBackward0 returned an invalid
+    gradient ... got [64, 32] but expected shape compatible with [65, 32]", torch 2.6;
+    pytorch/pytorch#174727). Where the op has no such key, it gets torch's own fix, the schema
+    info that hashes the arguments from `num_weights` on. Returns whether it was added."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.embedding_dense_backward.default
+    known = [getattr(propagator, name, {}).get(op) for name in
+             ("op_to_schema_info", "op_to_schema_info_for_single_dim_strategy")]  # the latter from 2.12
+    if any(info is not None and info.static_argnum <= 2 for info in known):
+        return False
+    propagator.op_to_schema_info[op] = RuntimeSchemaInfo(static_argnum=2)
+    return True
+
+
+def fused_adam_across_meshes() -> bool:
+    """Whether torch's multi-tensor Adam kernels step DTensors of several device meshes in one
+    call: fused from 2.9 (pytorch/pytorch#157682, which keeps each `state_steps` on its own mesh).
+    2.6's fused AdamW raises "DTensor does not support cross-mesh operation yet"; foreach before
+    2.9 is taken to fail alike (not run). kiln/train/optim.py then steps one tensor at a time."""
+    import torch
+
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
+
+
 def schedule_scales_grads(schedule_class) -> bool:
     """Whether torch's pipeline schedules take `scale_grads` (divide each stage's gradients by the
     micro-batch count after its backward), from 2.7; 2.6's sum the micro-batches' gradients, so

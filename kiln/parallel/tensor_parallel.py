@@ -225,6 +225,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_experts: bool = True) 
     shared: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(param), []).append(name)
+    torch_compat.key_embedding_backward_by_vocab()
     parallelize_module(model, tp_mesh, tp_plan(model, shard_experts))
     for first, *others in (names for names in shared.values() if len(names) > 1):
         param = model.get_parameter(first)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from kiln import torch_compat
 from kiln.config import OptimConfig
 from kiln.errors import ConfigError, KilnError
 from kiln.train.optimizers import Lamb, Lion, Muon
@@ -109,6 +110,15 @@ def adamw_implementation(cfg: OptimConfig, params: list[torch.Tensor], device_ty
         if cfg.implementation in ("fused", "foreach"):
             raise ConfigError(f"optim.implementation={cfg.implementation!r} cannot step DTensor and plain "
                               f"parameters together (parallel.ep with dp_mode='ddp'); use 'single' or 'auto'")
+        return "single"
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    if len(meshes) > 1 and not torch_compat.fused_adam_across_meshes():
+        # one group over two meshes (ep's experts, tp's shards): torch before 2.9 cannot step them in
+        # one kernel ("DTensor does not support cross-mesh operation yet"); one kernel per tensor
+        if cfg.implementation in ("fused", "foreach"):
+            raise ConfigError(f"optim.implementation={cfg.implementation!r} cannot step parameters on "
+                              f"{len(meshes)} device meshes together with torch {torch.__version__} (it "
+                              f"needs >= 2.9); use 'single' or 'auto'")
         return "single"
     if cfg.implementation == "fused":
         if not fused_adam_supported(params, device_type):

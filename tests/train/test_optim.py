@@ -322,3 +322,46 @@ def test_optimizers_on_fsdp2_sharded_params_with_checkpoint_resume(tmp_path):
 
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "ckpt"),
                                  ["lamb", "lion", "muon"]), nprocs=2, join=True)
+
+
+def test_adamw_over_two_meshes_steps_each_tensor_where_torch_cannot_fuse_them(tmp_path, monkeypatch):
+    """Parameters on two device meshes in one group (ep's experts and tp's shards): before torch
+    2.9 fused AdamW cannot take them in one call. There `auto` steps one tensor at a time (and
+    matches a plain run) and an explicit fused or foreach is one line; from 2.9 nothing changes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from kiln import torch_compat
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        plain, model = TinyLM(tie=False), TinyLM(tie=False)
+        model.load_state_dict(plain.state_dict())
+        meshes = [DeviceMesh("cpu", [0], mesh_dim_names=(name,)) for name in ("tp", "ep")]
+        names = [n for n, _ in model.named_parameters()]
+        for i, name in enumerate(names):  # alternate between two one-rank meshes, as ep and tp do
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            setattr(module, attr, nn.Parameter(distribute_tensor(getattr(module, attr).detach(), meshes[i % 2],
+                                                                 [Replicate()])))
+        monkeypatch.setattr(torch_compat, "fused_adam_across_meshes", lambda: False)
+        for impl in ("fused", "foreach"):
+            with pytest.raises(ConfigError, match=f"optim.implementation='{impl}' cannot step parameters on 2 device meshes"):
+                build_optimizer(model, OptimConfig(implementation=impl), "cpu")
+        opt = build_optimizer(model, OptimConfig(implementation="auto"), "cpu")
+        assert not opt.defaults["fused"] and not opt.defaults["foreach"]
+        ref = build_optimizer(plain, OptimConfig(implementation="auto"), "cpu")
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(2):  # the same gradients for both
+            for p, q in zip(model.parameters(), plain.parameters()):
+                q.grad = torch.randn(q.shape, generator=gen)
+                p.grad = distribute_tensor(q.grad.clone(), p.device_mesh, [Replicate()])
+            opt.step()
+            ref.step()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.full_tensor(), q, rtol=1e-6, atol=1e-7, msg=name)
+        monkeypatch.setattr(torch_compat, "fused_adam_across_meshes", lambda: True)
+        assert build_optimizer(model, OptimConfig(implementation="auto"), "cpu").defaults["fused"]
+    finally:
+        dist.destroy_process_group()
