@@ -226,6 +226,27 @@ def key_embedding_backward_by_vocab() -> bool:
     return True
 
 
+def dynamo_skips_checkpoint_side_effects() -> bool:
+    """Whether dynamo has `skip_fwd_side_effects_in_bwd_under_checkpoint`, which a compiled,
+    checkpointed MoE block needs (it stores its aux and z losses in forward: kiln/parallel/
+    parallelize.py sets the switch). 2.6 has none and refuses such a block ("HigherOrderOperator:
+    Mutating a variable not in the current scope"): kiln refuses that combination there."""
+    import torch._dynamo
+
+    return hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")
+
+
+def dynamo_traces_data_dependent_splits() -> bool:
+    """Whether dynamo compiles MoE's per-expert loop (kiln/model/moe.py `Experts.expert_loop`: a
+    split by sizes read from a tensor, then `new_zeros` of the rest): 2.11 and 2.13 do; 2.6 fails
+    on the unbacked sizes ("Failed running call_function split ... [u0, u1, u2, u3, -u0 - u1 -
+    u2 - u3 + 128]"), and 2.7-2.10 were not run and are taken alike. There the loop runs eagerly,
+    a graph break inside a compiled MoE block."""
+    import torch
+
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
+
+
 def fused_adam_across_meshes() -> bool:
     """Whether torch's multi-tensor Adam kernels step DTensors of several device meshes in one
     call: fused from 2.9 (pytorch/pytorch#157682, which keeps each `state_steps` on its own mesh).
