@@ -286,6 +286,6 @@ def parallel_chunked_lm_loss(hidden: torch.Tensor, weight: DTensor, targets: tor
                          f"{weight.placements} on {mesh}")
     full = (DTensor.from_local(hidden, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
             .to_local(grad_placements=[Partial()]))
-    _, offset = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(), mesh.get_local_rank())
+    _, offset = torch_compat.shard_size_and_offset(weight.shape[0], mesh.size(), mesh.get_local_rank())
     return chunked_lm_loss(full, weight.to_local(), targets, chunk, vocab_offset=offset, group=mesh.get_group(),
                            vocab_size=weight.shape[0])

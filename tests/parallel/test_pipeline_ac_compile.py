@@ -120,8 +120,19 @@ def test_checkpointed_stage_saves_fewer_tensors_for_backward():
     assert saved["full"] < saved["none"] / 2, saved  # the negative control: no AC saves every activation
 
 
-def test_names_stay_those_of_the_single_process_model():
+def test_names_stay_those_of_the_single_process_model(tmp_path):
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    # torch 2.6's get_model_state_dict needs a process group (later releases take none)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        _names_stay_those_of_the_single_process_model(get_model_state_dict)
+    finally:
+        dist.destroy_process_group()
+
+
+def _names_stay_those_of_the_single_process_model(get_model_state_dict):
 
     cfg = job()
     plain = {k for rank in range(2) for k in get_model_state_dict(split(cfg, rank)).keys()}
@@ -209,8 +220,10 @@ def test_kiln_train_refuses_compile_with_zero_bubble_in_one_line(tmp_path, text_
 
 
 def test_float8_converts_the_same_linears_on_the_stages():
-    pytest.importorskip("torchao")
-    from torchao.float8 import Float8LinearConfig
+    try:
+        from torchao.float8 import Float8LinearConfig
+    except (ImportError, AttributeError) as e:  # AttributeError: a torchao made for a newer torch (0.18 on 2.6)
+        pytest.skip(f"torchao.float8 does not import here: {e}")
     from torchao.float8.float8_linear import Float8Linear
 
     cfg = job(pp=1)

@@ -339,24 +339,33 @@ def runs(tmp_path_factory, text_file):
     (root / "ranks2").mkdir()
     run_ranks(train_runs, 2, root / "ranks2", [(out["pp2"], trainer_overrides(
         text_file, **{"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", "parallel.pp_microbatches": 4}))], timeout=400)
+    # one process from the step-3 checkpoints: weights, optimizer, loader position
+    out["pp2 resumed"] = root / "pp2-resumed"
+    continue_in_copy(out["pp2"], 3, out["pp2 resumed"], ["parallel.pp=1"])
+    (root / "ranks4").mkdir()
+    try:
+        _four_rank_runs(root, out, text_file)
+    except pytest.skip.Exception as skipped:  # torch 2.6: FSDP2 on CPU (dxp); the 2-rank runs still count
+        out["skipped"] = str(skipped)
+        return out
+    out["tp2pp2 resumed"] = root / "tp2pp2-resumed"
+    continue_in_copy(out["tp2pp2"], 3, out["tp2pp2 resumed"],
+                     ["parallel.tp=1", "parallel.pp=1", "parallel.pp_virtual_stages=1"])
+    return out
+
+
+def _four_rank_runs(root, out, text_file):
     # DP x PP: 2 pipelines of 2 stages, each stage FSDP-sharded over the 2 pipelines; the global
     # batch (2 ranks x 1 x grad_accum 2) is the single run's. With train.loss = "chunked": the last
     # stage's chunked head + loss inside its FSDP unit's forward (the single run's loss is full).
     # TP x PP: every tp rank runs its own pipeline of 2 (interleaved: 4) stages, each stage split
     # over the 2 tp ranks; no data parallelism, so the batch is the single run's.
-    (root / "ranks4").mkdir()
     run_ranks(train_runs, 4, root / "ranks4", [
         (out["dxp"], trainer_overrides(text_file, **{"train.batch_size": 1, "parallel.pp": 2,
                                                      "parallel.pp_schedule": "'gpipe'", "train.loss": "chunked"})),
         (out["tp2pp2"], trainer_overrides(text_file, **{"parallel.tp": 2, "parallel.pp": 2,
                                                         "parallel.pp_virtual_stages": 2,
                                                         "parallel.pp_schedule": "'interleaved_1f1b'"}))], timeout=400)
-    # one process from the step-3 checkpoints: weights, optimizer, loader position
-    out["pp2 resumed"], out["tp2pp2 resumed"] = root / "pp2-resumed", root / "tp2pp2-resumed"
-    continue_in_copy(out["pp2"], 3, out["pp2 resumed"], ["parallel.pp=1"])
-    continue_in_copy(out["tp2pp2"], 3, out["tp2pp2 resumed"],
-                     ["parallel.tp=1", "parallel.pp=1", "parallel.pp_virtual_stages=1"])
-    return out
 
 
 def eval_losses(run):
@@ -388,6 +397,8 @@ def test_trainer_pp2_matches_and_checkpoint_continues_in_one_process(runs):
 
 @pytest.mark.timeout(600)
 def test_fsdp_across_two_pipelines_on_four_ranks_matches_one_process(runs):
+    if "skipped" in runs:
+        pytest.skip(runs["skipped"])
     run = runs["dxp"]
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
     assert (run_row["pp"], run_row["dp_mode"], run_row["dp_shard"], run_row["loss_impl"]) == (2, "fsdp", 2, "chunked")
@@ -396,6 +407,8 @@ def test_fsdp_across_two_pipelines_on_four_ranks_matches_one_process(runs):
 
 @pytest.mark.timeout(600)
 def test_trainer_tp2_x_pp2_on_four_ranks_matches_and_checkpoint_continues_in_one_process(runs):
+    if "skipped" in runs:
+        pytest.skip(runs["skipped"])
     run = runs["tp2pp2"]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     run_row = next(r for r in rows if r["kind"] == "run")

@@ -63,6 +63,9 @@ def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_im
         if plan_edit:
             plan_edit(plan)
         from torch.distributed.tensor.parallel import parallelize_module
+
+        from kiln import torch_compat
+        torch_compat.key_embedding_backward_by_vocab()  # as kiln's apply_tp does (torch 2.6: 64 then 65 rows)
         parallelize_module(model, tp_mesh, plan)
     model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(0))
