@@ -237,24 +237,26 @@ def dynamo_skips_checkpoint_side_effects() -> bool:
 
 
 def dynamo_traces_data_dependent_splits() -> bool:
-    """Whether dynamo compiles MoE's per-expert loop (kiln/model/moe.py `Experts.expert_loop`: a
-    split by sizes read from a tensor, then `new_zeros` of the rest): 2.11 and 2.13 do; 2.6 fails
-    on the unbacked sizes ("Failed running call_function split ... [u0, u1, u2, u3, -u0 - u1 -
-    u2 - u3 + 128]"), and 2.7-2.10 were not run and are taken alike. There the loop runs eagerly,
-    a graph break inside a compiled MoE block."""
+    """Whether dynamo compiles MoE's per-expert loop (kiln/model/moe.py `GroupedExperts.compute`
+    where grouped_mm does not run: a split by sizes read from a tensor, then `new_zeros` of the
+    rest): 2.11 and 2.13 do; 2.6 fails on the unbacked sizes ("Failed running call_function split
+    ... [u0, u1, u2, u3, -u0 - u1 - u2 - u3 + 128]"; a graph break around it is refused too, kiln
+    compiles whole blocks), and 2.7-2.10 were not run and are taken alike. There train.compile with
+    model.moe_experts is refused in one line (kiln/parallel/dims.py)."""
     import torch
 
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
 
 
-def shard_size_and_offset(size: int, n_shards: int, index: int) -> tuple[int, int]:
-    """(rows, first row) of shard `index` of `size` rows split by DTensor's `Shard` over `n_shards`:
-    `Shard.local_shard_size_and_offset` from 2.7; 2.6 has only `_local_shard_size_on_dim`."""
-    from torch.distributed.tensor import Shard
+def dynamo_traces_ring_objects() -> bool:
+    """Whether dynamo compiles a block whose attention is cp's ring attention, given its `Ring`
+    (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.11 and 2.13
+    do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around it is
+    refused too, kiln compiles whole blocks), and 2.7-2.10 were not run and are taken alike. There
+    train.compile with parallel.cp > 1 is refused in one line (kiln/parallel/dims.py)."""
+    import torch
 
-    if hasattr(Shard, "local_shard_size_and_offset"):
-        return tuple(Shard.local_shard_size_and_offset(size, n_shards, index))
-    return tuple(Shard._local_shard_size_on_dim(size, n_shards, index, return_offset=True))
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
 
 
 def fused_adam_across_meshes() -> bool:

@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kiln import torch_compat
 from kiln.config import ModelConfig
 
 
@@ -101,11 +100,6 @@ class GroupedExperts(nn.Module):
             if w3 is not None:
                 h = h * F.grouped_mm(x, w3, offs=offs)
             return F.grouped_mm(h, w2, offs=offs)
-        loop = self.expert_loop if torch_compat.dynamo_traces_data_dependent_splits() else self.eager_expert_loop
-        return loop(x, counts, w1, w2, w3)
-
-    def expert_loop(self, x, counts, w1, w2, w3):
-        """One matmul chain per expert over its rows (where grouped_mm does not run)."""
         sizes = counts.tolist()  # host read: the loop needs its split sizes
         outs = []
         for e, chunk in enumerate(torch.split(x, [*sizes, x.shape[0] - sum(sizes)])[:len(sizes)]):
@@ -115,12 +109,6 @@ class GroupedExperts(nn.Module):
             outs.append(h @ w2[e])
         outs.append(x.new_zeros(x.shape[0] - sum(sizes), w2.shape[-1]))
         return torch.cat(outs)
-
-    @torch.compiler.disable
-    def eager_expert_loop(self, x, counts, w1, w2, w3):
-        """`expert_loop` outside any compiled graph (a graph break), for dynamo releases that
-        cannot trace its split by sizes read from a tensor (torch_compat)."""
-        return self.expert_loop(x, counts, w1, w2, w3)
 
 
 def _gather_over_sp(t: torch.Tensor, mesh) -> torch.Tensor:

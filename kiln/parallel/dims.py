@@ -117,6 +117,10 @@ class ParallelDims:
                               f"train.compile=true, parallel.ep={self.ep} and parallel.tp={self.tp} under "
                               f"parallel.dp_mode={self.dp_mode!r} is not supported yet; set "
                               f"train.activation_checkpointing='none' or train.compile=false")
+        if cfg.model.moe_experts and cfg.train.compile and not torch_compat.dynamo_traces_data_dependent_splits():
+            raise ConfigError(f"train.compile=true with model.moe_experts={cfg.model.moe_experts} needs a torch "
+                              f"whose dynamo compiles the per-expert loop (>= 2.11; this is {torch.__version__}); "
+                              f"set train.compile=false")
         if (cfg.model.moe_experts and cfg.train.compile and cfg.train.activation_checkpointing != "none"
                 and not torch_compat.dynamo_skips_checkpoint_side_effects()):
             # a MoE block stores its aux/z losses in forward, which a compiled checkpoint refuses there
@@ -124,6 +128,10 @@ class ParallelDims:
                               f"train.compile=true and model.moe_experts={cfg.model.moe_experts} needs a torch "
                               f"whose dynamo can skip forward side effects under checkpoint (this is "
                               f"{torch.__version__}); set train.activation_checkpointing='none' or train.compile=false")
+        if self.cp > 1 and cfg.train.compile and not torch_compat.dynamo_traces_ring_objects():
+            raise ConfigError(f"train.compile=true with parallel.cp={self.cp} needs a torch whose dynamo "
+                              f"compiles ring attention (>= 2.11; this is {torch.__version__}); set "
+                              f"train.compile=false")
         if self.cp > 1 and cfg.train.cuda_graphs and torch_compat.cudagraph_unsafe_tag() is None:
             # ring attention's ops must stay outside the CUDA graph (context_parallel._OP_TAGS)
             raise ConfigError(f"train.cuda_graphs=true with parallel.cp={self.cp} needs a torch with the "

@@ -35,10 +35,14 @@ import os
 
 import pytest
 
+from kiln import torch_compat
 from kiln.config import load_config
 from ranks import run_ranks
 from cp_ring_worker import ATOL
 from test_data_parallel import GLOBAL_BATCH, REL, STEPS, common, losses
+
+if not torch_compat.dynamo_traces_ring_objects():  # kiln refuses compile with cp there (test_dims.py)
+    pytest.skip("this torch's dynamo cannot compile ring attention", allow_module_level=True)
 
 BACKEND = os.environ.get("KILN_TEST_COMPILE_BACKEND", "aot_eager")
 LAUNCH_TIMEOUT = 300 if BACKEND == "aot_eager" else 1800  # seconds per launch of 2 or 4 ranks

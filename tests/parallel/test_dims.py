@@ -119,3 +119,31 @@ def test_zero1_with_tp_refuses_an_optimizer_that_is_not_elementwise():
     with pytest.raises(ConfigError, match="optim.name='lamb' with parallel.dp_mode='zero1' and parallel.tp=2"):
         dims(4, dp_mode="zero1", tp=2).check_model(cfg)
     dims(4, dp_mode="ddp", tp=2).check_model(cfg)  # ddp steps whole DTensors
+
+
+def test_compile_with_cp_is_refused_where_dynamo_cannot_compile_ring_attention(monkeypatch):
+    from kiln import torch_compat
+
+    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", "train.compile=true"])
+    monkeypatch.setattr(torch_compat, "dynamo_traces_ring_objects", lambda: False)
+    with pytest.raises(ConfigError, match=r"train.compile=true with parallel.cp=2 needs a torch whose dynamo "
+                                          r"compiles ring attention .*set train.compile=false"):
+        dims(2, dp_mode="ddp", cp=2).check_model(cfg)
+    dims(2, dp_mode="ddp", tp=2).check_model(cfg)  # compile without cp is not concerned
+    cfg.train.compile = False
+    dims(2, dp_mode="ddp", cp=2).check_model(cfg)
+    monkeypatch.setattr(torch_compat, "dynamo_traces_ring_objects", lambda: True)
+    cfg.train.compile = True
+    dims(2, dp_mode="ddp", cp=2).check_model(cfg)
+
+
+def test_compile_with_moe_is_refused_where_dynamo_cannot_compile_the_expert_loop(monkeypatch):
+    from kiln import torch_compat
+
+    cfg = load_config(None, ["model.moe_experts=4", "train.compile=true"])
+    monkeypatch.setattr(torch_compat, "dynamo_traces_data_dependent_splits", lambda: False)
+    with pytest.raises(ConfigError, match=r"train.compile=true with model.moe_experts=4 needs a torch whose "
+                                          r"dynamo compiles the per-expert loop .*set train.compile=false"):
+        dims(1).check_model(cfg)
+    cfg.train.compile = False
+    dims(1).check_model(cfg)

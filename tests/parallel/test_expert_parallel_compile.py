@@ -47,9 +47,13 @@ import os
 import pytest
 import torch
 
+from kiln import torch_compat
 from ranks import run_ranks
 from test_expert_pipeline_context import (MOE, REL, STEPS, assert_matches_one_process, assert_same, moe_job,
                                           rows, train_jobs)
+
+if not torch_compat.dynamo_traces_data_dependent_splits():  # kiln refuses compile with MoE there (test_dims.py)
+    pytest.skip("this torch's dynamo cannot compile MoE's per-expert loop", allow_module_level=True)
 
 BACKEND = os.environ.get("KILN_TEST_COMPILE_BACKEND", "aot_eager")
 EP2 = {"parallel.ep": 2, "train.compile": "true"}

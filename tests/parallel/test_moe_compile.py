@@ -51,8 +51,8 @@ def _losses(model, batch):
 
 @pytest.mark.timeout(300)
 def test_moe_with_checkpointed_compiled_blocks_trains_as_eager():
-    if not torch_compat.dynamo_skips_checkpoint_side_effects():
-        pytest.skip(f"torch {torch.__version__}: kiln refuses compiled, checkpointed MoE blocks (test below)")
+    if not (torch_compat.dynamo_skips_checkpoint_side_effects() and torch_compat.dynamo_traces_data_dependent_splits()):
+        pytest.skip(f"torch {torch.__version__}: kiln refuses compiled (checkpointed) MoE blocks (tests below, test_dims.py)")
     # as before the fix: dynamo's default, whatever an earlier test in this process set (config.patch,
     # not monkeypatch: monkeypatch's undo deletes the key from dynamo's config module, for every later test)
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
@@ -81,8 +81,9 @@ def _checkpointed_compiled_moe_trains_as_eager():
 def test_compiled_checkpointed_moe_is_refused_where_dynamo_cannot_skip_its_side_effects(monkeypatch):
     cfg = load_config(None, ["model.moe_experts=4", "train.compile=true", "train.activation_checkpointing=full"])
     dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0, local_world_size=1)
-    if torch_compat.dynamo_skips_checkpoint_side_effects():
+    if torch_compat.dynamo_skips_checkpoint_side_effects() and torch_compat.dynamo_traces_data_dependent_splits():
         dims.check_model(cfg)  # fine where dynamo has the switch
+    monkeypatch.setattr(torch_compat, "dynamo_traces_data_dependent_splits", lambda: True)  # its own refusal
     monkeypatch.setattr(torch_compat, "dynamo_skips_checkpoint_side_effects", lambda: False)
     with pytest.raises(ConfigError, match=r"train.activation_checkpointing='full' with train.compile=true and "
                                           r"model.moe_experts=4 needs a torch whose dynamo can skip"):
@@ -96,8 +97,8 @@ def test_compile_with_ep_tp_and_checkpointing_under_fsdp_is_refused_in_one_line_
         text_file, tmp_path, monkeypatch, capsys, mode):
     from kiln.cli import main
 
-    if not torch_compat.dynamo_skips_checkpoint_side_effects():
-        pytest.skip(f"torch {torch.__version__} refuses compiled, checkpointed MoE blocks in any layout (test above)")
+    if not (torch_compat.dynamo_skips_checkpoint_side_effects() and torch_compat.dynamo_traces_data_dependent_splits()):
+        pytest.skip(f"torch {torch.__version__} refuses compiled (checkpointed) MoE blocks in any layout (tests above)")
 
     for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)

@@ -133,12 +133,12 @@ def test_names_stay_those_of_the_single_process_model(tmp_path):
 
 
 def _names_stay_those_of_the_single_process_model(get_model_state_dict):
-
     cfg = job()
-    plain = {k for rank in range(2) for k in get_model_state_dict(split(cfg, rank)).keys()}
+    # materialized: torch 2.6's get_model_state_dict takes a meta model's state dict for empty
+    plain = {k for rank in range(2) for k in get_model_state_dict(split(cfg, rank).to_empty(device="cpu")).keys()}
     both = set()
     for rank in range(2):
-        part = split(cfg, rank)
+        part = split(cfg, rank).to_empty(device="cpu")
         apply_activation_checkpointing(part, "full")
         apply_compile(part, "blocks")
         assert all(type(layer).__name__ == "OptimizedModule" for chunk in part.chunks for layer in chunk.layers)

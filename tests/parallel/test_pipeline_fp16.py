@@ -57,7 +57,14 @@ from unittest import mock
 import pytest
 import torch
 
+from kiln import torch_compat
 from ranks import run_ranks
+
+try:  # torch 2.6 with the newest torchao (0.18): float8 does not import, its cases are left out
+    import torchao.float8  # noqa: F401
+    FLOAT8 = True
+except (ImportError, AttributeError):
+    FLOAT8 = False
 
 STEPS, POISON, CLIP = 12, 9, 1.0
 GLOBAL_BATCH, MICRO = 8, 4
@@ -192,8 +199,9 @@ def two_rank_jobs(rank, world):
     got["moe unscaled"] = pipelined(rank, world, job(pp=2, moe=True), STEPS_MOE, scale_moe_losses=False)
     with mock.patch.object(pl, "agree_found_inf", lambda *args: None):  # the negative control
         got["unagreed"] = pipelined(rank, world, job(pp=2))
-    got["float8"] = pipelined(rank, world, job(pp=2, float8=True), STEPS_F8)
-    got["float8 tp2"] = tensor_parallel_only(rank, world)
+    if FLOAT8:
+        got["float8"] = pipelined(rank, world, job(pp=2, float8=True), STEPS_F8)
+        got["float8 tp2"] = tensor_parallel_only(rank, world)
     return got
 
 
@@ -280,6 +288,8 @@ def test_fp16_pipeline_matches_one_process_and_skips_together(two_ranks):
     assert rows0[POISON - 1][3] != rows1[POISON - 1][3]  # the scales part
     assert not weights_match(weights1, ref_weights)
     assert not rows_match(rows1, ref_rows)
+    if not FLOAT8:
+        pytest.skip("torchao.float8 does not import here: the fp16 cases passed, float8's were not run")
     # float8 (emulated) under pp2: one process taking the batch as the same MICRO micro-batches
     # (float8 scales each forward's activations by their own amax), not as one batch
     f8_rows, f8_weights = reference("float8")
@@ -304,6 +314,10 @@ LAYOUTS = {"pp2 x tp2": (dict(tp=2), "dense", "dense"),
            # MoE: ep borrows dp_shard (2 ranks per stage split the experts); routing per rank's share
            "moe pp2 x ep2": (dict(ep=2), "moe", "moe per dp rank"),
            "float8 pp2 x tp2": (dict(tp=2), "float8", "float8 tp2")}
+if not FLOAT8:
+    LAYOUTS = {k: v for k, v in LAYOUTS.items() if v[1] != "float8"}
+if not torch_compat.fsdp_runs_on_cpu():  # torch 2.6: kiln refuses FSDP2 on CPU
+    LAYOUTS = {k: v for k, v in LAYOUTS.items() if v[0].get("dp_mode") != "fsdp"}
 REL_4 = 5e-3  # tp's sharded fp16 matmuls and FSDP's reduce-scatter add rounding: grad norm 1.3e-3 off, measured
 
 

@@ -26,9 +26,13 @@ import os
 import pytest
 import torch
 
+from kiln import torch_compat
 from kiln.config import load_config
 from conftest import tiny_overrides
 from ranks import run_ranks
+
+if not torch_compat.dynamo_traces_data_dependent_splits():  # kiln refuses compile with MoE there (test_dims.py)
+    pytest.skip("this torch's dynamo cannot compile MoE's per-expert loop", allow_module_level=True)
 
 REL = 1e-5
 STEPS = 5
