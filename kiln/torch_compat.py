@@ -259,6 +259,16 @@ def dynamo_traces_ring_objects() -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
 
 
+def shard_size_and_offset(size: int, n_shards: int, index: int) -> tuple[int, int]:
+    """(rows, first row) of shard `index` of `size` rows split by DTensor's `Shard` over `n_shards`:
+    `Shard.local_shard_size_and_offset` from 2.7; 2.6 has only `_local_shard_size_on_dim`."""
+    from torch.distributed.tensor import Shard
+
+    if hasattr(Shard, "local_shard_size_and_offset"):
+        return tuple(Shard.local_shard_size_and_offset(size, n_shards, index))
+    return tuple(Shard._local_shard_size_on_dim(size, n_shards, index, return_offset=True))
+
+
 def fused_adam_across_meshes() -> bool:
     """Whether torch's multi-tensor Adam kernels step DTensors of several device meshes in one
     call: fused from 2.9 (pytorch/pytorch#157682, which keeps each `state_steps` on its own mesh).
