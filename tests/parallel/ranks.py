@@ -56,21 +56,32 @@ def _worker(rank, n, store, out_dir, env, payload):
         error = None
     except BaseException:  # noqa: BLE001 - reported to the parent as text
         result, error = None, traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    with open(path + ".part", "wb") as f:
         pickle.dump((result, error), f)
+    os.replace(path + ".part", path)  # whole, or not there (the parent reads it once every rank's is)
     dist.destroy_process_group()
 
 
 def run_ranks(fn, n, tmp_path, *args, timeout=120):
     out_dir = tmp_path / "ranks"
     out_dir.mkdir(exist_ok=True)
+    for old in out_dir.glob("rank*.pkl"):  # an earlier launch's in the same directory
+        old.unlink()
     multiprocessing.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver first starts
     payload = pickle.dumps((fn, args))
     ctx = mp.start_processes(_worker, args=(n, str(tmp_path / "store"), str(out_dir), dict(os.environ), payload),
                              nprocs=n, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
+    written = None  # when every rank's result was there
     try:
         while not ctx.join(timeout=1):
+            # torch 2.6's gloo sometimes never returns from destroy_process_group (seen in about 1 of
+            # 5 2-rank launches): once every rank has written its result, the stragglers are killed
+            if written is None and all((out_dir / f"rank{r}.pkl").exists() for r in range(n)):
+                written = time.monotonic()
+            if written is not None and time.monotonic() - written > 10:
+                break
             assert time.monotonic() < deadline, f"ranks still running after {timeout} s"
     finally:
         for p in ctx.processes:
