@@ -205,13 +205,14 @@ def distribute_tensor(tensor, mesh, placements, src_data_rank: int | None = 0):
 
 @functools.cache
 def key_embedding_backward_by_vocab() -> bool:
-    """DTensor caches the sharding it propagates per op schema, and before 2.11 the schema of
-    `embedding_dense_backward` left its `num_weights` (the vocabulary) out of the cache key: under
-    tp, the backward of a second embedding of another size (GPT-2's positions, 64 rows, then its
-    65 tokens) reused the first one's sharding and shape ("EmbeddingBackward0 returned an invalid
-    gradient ... got [64, 32] but expected shape compatible with [65, 32]", torch 2.6;
-    pytorch/pytorch#174727). Where the op has no such key, it gets torch's own fix, the schema
-    info that hashes the arguments from `num_weights` on. Returns whether it was added."""
+    """DTensor caches the sharding it propagates per op schema, and until pytorch/pytorch#174727
+    (2.11 passes, 2.6 fails; 2.7-2.10 not run) the schema of `embedding_dense_backward` left its
+    `num_weights` (the rows) out of the cache key: under tp, the backward of a second embedding of
+    another size in the process (a 64-token model, then a 65-token one; in one GPT-2 model, its
+    positions and its tokens) reused the first one's shape ("EmbeddingBackward0 returned an
+    invalid gradient ... got [64, 32] but expected shape compatible with [65, 32]"). Where the op
+    has no such key, it gets torch's own fix, the schema info that hashes the arguments from
+    `num_weights` on. Returns whether it was added."""
     import torch
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
