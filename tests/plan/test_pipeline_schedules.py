@@ -39,6 +39,13 @@ class _Stage:
         self.stage_index_to_group_rank = {}
 
 
+def letter(action) -> str:
+    """An action's letter ("F", "I", "W", "B", "SEND_F", ...): the enum's value from 2.7, its str
+    on torch 2.6 (whose values are ints)."""
+    value = action.computation_type.value
+    return value if isinstance(value, str) else str(action.computation_type)
+
+
 def torch_schedule(name: str, pp: int, m: int):
     n = 2 * pp  # two stages per rank
     ids = [0, n - 1] if name == "zbv_zero_bubble" else [0, pp]  # rank 0's: the V, or looped
@@ -49,7 +56,7 @@ def list_schedule(order: dict, f: float, b: float, w: float, v: int = 2):
     """(makespan, busy time of a rank, peak in-flight stage micro-batches per rank) of torch's
     per-rank action lists with pass times f, b, w per stage (a chunk takes 1/v of them)."""
     time = {"F": f / v, "I": b / v, "W": w / v, "B": (b + w) / v}
-    lists = {r: [a for a in ops if a is not None and a.computation_type.value in time] for r, ops in order.items()}
+    lists = {r: [a for a in ops if a is not None and letter(a) in time] for r, ops in order.items()}
     last = max(a.stage_index for ops in lists.values() for a in ops)
     done, clock, nxt = {}, dict.fromkeys(lists, 0.0), dict.fromkeys(lists, 0)
     busy, live, peak = dict.fromkeys(lists, 0.0), dict.fromkeys(lists, 0), dict.fromkeys(lists, 0)
@@ -57,7 +64,7 @@ def list_schedule(order: dict, f: float, b: float, w: float, v: int = 2):
         moved = False
         for r, ops in lists.items():
             while nxt[r] < len(ops):
-                stage, kind, mb = ops[nxt[r]].stage_index, ops[nxt[r]].computation_type.value, ops[nxt[r]].microbatch_index
+                stage, kind, mb = ops[nxt[r]].stage_index, letter(ops[nxt[r]]), ops[nxt[r]].microbatch_index
                 if kind == "F":
                     needs = [] if stage == 0 else [(stage - 1, "F", mb)]
                 elif kind in "IB":
@@ -106,8 +113,11 @@ def test_bubble_and_in_flight_match_torchs_orders(name, pp, m):
 @pytest.mark.parametrize("name", list(CLASSES))
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 8)])
 def test_pipeline_sends_and_receives_are_torchs(name, pp, m):
-    comms = torch_schedule(name, pp, m).pipeline_order_with_comms
-    per_rank = [sum(a is not None and a.computation_type.value in COMMS for a in ops) / m for ops in comms.values()]
+    schedule = torch_schedule(name, pp, m)
+    if not hasattr(schedule, "pipeline_order_with_comms"):
+        pytest.skip(f"torch {torch.__version__}'s schedules build no order with their sends and receives")
+    comms = schedule.pipeline_order_with_comms
+    per_rank = [sum(a is not None and letter(a) in COMMS for a in ops) / m for ops in comms.values()]
     assert pipeline_p2p_per_microbatch(Layout(pp=pp, grad_accum=m, schedule=name, virtual_stages=2)) == \
         pytest.approx(sum(per_rank) / pp)
 
