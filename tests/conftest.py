@@ -23,6 +23,24 @@ TINY = [
 ]
 
 
+def float8_import_error() -> str | None:
+    """Why torchao.float8 does not import here, or None. AttributeError too: a torchao made for a
+    newer torch (0.18 on torch 2.6) fails inside its own import."""
+    try:
+        import torchao.float8  # noqa: F401
+    except (ImportError, AttributeError) as e:
+        return f"torchao.float8 does not import here: {e}"
+    return None
+
+
+def require_fsdp2_on_cpu() -> None:
+    """Skip a test that runs FSDP2 on CPU where this torch cannot (2.6; kiln refuses it there)."""
+    from kiln import torch_compat
+
+    if not torch_compat.fsdp_runs_on_cpu():
+        pytest.skip(f"FSDP2 does not run on CPU under torch {torch.__version__} (kiln refuses it there)")
+
+
 def tiny_overrides(source: Path, **extra) -> list[str]:
     out = [TINY[i + 1] for i in range(0, len(TINY), 2)] + [f"data.source={str(source)!r}"]
     out += [f"{k}={v}" for k, v in extra.items()]

@@ -16,7 +16,7 @@ from kiln.config import load_config
 from kiln.train.trainer import train
 
 from ckpt_testlib import RUN, rows
-from conftest import tiny_overrides
+from conftest import require_fsdp2_on_cpu, tiny_overrides
 
 
 def _events(run, text):
@@ -74,10 +74,7 @@ def test_torchrun_restart_recovers_from_peer_memory(tmp_path, text_file):
     """FSDP on 2 gloo ranks under torchrun --max-restarts 1: rank 1 is killed (and its host copy
     lost) after the step-8 replica; torchrun's elastic agent restarts both workers, which take rank
     1's state from rank 0's peer copy and finish with the losses of an uninterrupted run."""
-    from kiln import torch_compat
-
-    if not torch_compat.fsdp_runs_on_cpu():  # torch 2.6: the workers stop at kiln's one-line refusal
-        pytest.skip(f"FSDP2 does not run on CPU under torch {torch.__version__} (kiln refuses it there)")
+    require_fsdp2_on_cpu()  # torch 2.6: the workers would stop at kiln's one-line refusal
     shm = tmp_path / "shm"
     run = tmp_path / "run"
     overrides = tiny_overrides(text_file, **{

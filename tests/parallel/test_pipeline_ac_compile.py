@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from conftest import tiny_overrides
+from conftest import float8_import_error, tiny_overrides
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import Transformer
@@ -220,10 +220,9 @@ def test_kiln_train_refuses_compile_with_zero_bubble_in_one_line(tmp_path, text_
 
 
 def test_float8_converts_the_same_linears_on_the_stages():
-    try:
-        from torchao.float8 import Float8LinearConfig
-    except (ImportError, AttributeError) as e:  # AttributeError: a torchao made for a newer torch (0.18 on 2.6)
-        pytest.skip(f"torchao.float8 does not import here: {e}")
+    if (why := float8_import_error()) is not None:
+        pytest.skip(why)
+    from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
     cfg = job(pp=1)

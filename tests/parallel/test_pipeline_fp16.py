@@ -57,14 +57,11 @@ from unittest import mock
 import pytest
 import torch
 
+from conftest import float8_import_error
 from kiln import torch_compat
 from ranks import run_ranks
 
-try:  # torch 2.6 with the newest torchao (0.18): float8 does not import, its cases are left out
-    import torchao.float8  # noqa: F401
-    FLOAT8 = True
-except (ImportError, AttributeError):
-    FLOAT8 = False
+FLOAT8 = float8_import_error() is None  # torch 2.6 with the newest torchao (0.18): its cases are left out
 
 STEPS, POISON, CLIP = 12, 9, 1.0
 GLOBAL_BATCH, MICRO = 8, 4

@@ -41,11 +41,10 @@ from kiln.train.step import train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ranks import run_ranks  # noqa: E402
+from conftest import float8_import_error  # noqa: E402
 
-try:
-    import torchao.float8  # noqa: F401
-except (ImportError, AttributeError) as e:  # AttributeError: a torchao made for a newer torch (0.18 on 2.6)
-    pytest.skip(f"torchao.float8 does not import here: {e}", allow_module_level=True)
+if (_why := float8_import_error()) is not None:
+    pytest.skip(_why, allow_module_level=True)
 
 STEPS, REL, CLIP, LR = 5, 1e-5, 1.0, 0.05
 BATCH, SEQ = 2, 16

@@ -9,6 +9,7 @@ from kiln.config import OptimConfig, ScheduleConfig
 from kiln.errors import ConfigError, KilnError
 from kiln.train.optim import build_optimizer, param_groups
 from kiln.train.schedule import LRSchedule
+from conftest import require_fsdp2_on_cpu
 
 ALL = ["adamw", "adafactor", "lamb", "lion", "muon", "sgd"]
 
@@ -320,10 +321,7 @@ def test_optimizers_on_fsdp2_sharded_params_with_checkpoint_resume(tmp_path):
     muon's Newton-Schulz sees whole matrices, and a DCP save/load mid-run resumes exactly."""
     import torch.multiprocessing as mp
 
-    from kiln import torch_compat
-
-    if not torch_compat.fsdp_runs_on_cpu():  # torch 2.6 (kiln refuses FSDP2 on CPU there)
-        pytest.skip(f"FSDP2 does not run on CPU under torch {torch.__version__}")
+    require_fsdp2_on_cpu()
 
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "ckpt"),
                                  ["lamb", "lion", "muon"]), nprocs=2, join=True)
