@@ -76,10 +76,14 @@ DEFAULTS = {"dim": 384, "layers": 6, "heads": 6, "vocab": 4096, "seq": 128, "bat
 TIME_TARGET = 0.25  # the issue's step-time target: within 25%
 
 
-def layout_for(mode: str, world: int, batch: int) -> Layout:
+def layout_for(mode: str, world: int, batch: int, diloco_inner_steps: int = 0) -> Layout:
     """The planner's Layout of a parallel_memory.py run (its MODEL_PARALLEL layouts: no data
-    parallelism, the whole batch on every rank; pipelines with 2 x pp micro-batches)."""
+    parallelism, the whole batch on every rank; pipelines with 2 x pp micro-batches; DiLoCo: every
+    ddp rank a replica)."""
     per_rank = batch // world
+    if mode == "diloco":
+        return Layout(dp_replicate=world, dp_shard=1, dp_mode="ddp", micro_batch=per_rank, precision="fp32",
+                      diloco_inner_steps=diloco_inner_steps)
     if mode == "tp":
         return Layout(tp=world, micro_batch=batch, precision="fp32")
     if mode == "cp":
@@ -130,8 +134,8 @@ def main() -> None:
     untied = ModelShape.from_config(dataclasses.replace(model, tie_embeddings=False), run_args["vocab"])
     # The "deep" rows (parallel_rows.py: the same model with more layers, untied, for pipelines of
     # more stages than the benchmark model has layers) are timed with their own shape and compared
-    # only with each other; the mixture-of-experts rows (another model) and DiLoCo (no planner
-    # model) are not validated here.
+    # only with each other; the mixture-of-experts rows (another model) are not validated here.
+    # DiLoCo's row is (kiln/plan/diloco.py), with its own inner steps (parallel_memory.py's --diloco-inner-steps).
     family_shape = {"dense": shape}
     for r in data["runs"]:
         if r.get("family") == "deep":
@@ -139,7 +143,7 @@ def main() -> None:
             family_shape["deep"] = ModelShape.from_config(dataclasses.replace(
                 model, tie_embeddings=False, n_layers=layers[0] if layers else model.n_layers), run_args["vocab"])
     other = [f"{r['mode']} x{r['world']}" for r in data["runs"]
-             if r.get("family", "dense") not in family_shape or r.get("kind") == "diloco"]
+             if r.get("family", "dense") not in family_shape]
     if other:
         print(f"not validated (another model, or a strategy the planner does not model): {', '.join(other)}\n")
     runs = [("single", 1, [data["single"]], data["single"])] + [(r["mode"], r["world"], r["per_rank"], r)
@@ -165,7 +169,9 @@ def main() -> None:
         # pipeline runs untie the embeddings (parallel_memory.py MODEL_PARALLEL): their own shape
         case_shape = untied if m.startswith("pp_") and family == "dense" else family_shape[family]
         # parallel_memory.py runs optim.implementation='foreach'
-        cases.append(Measurement(f"{m} x{w}", case_shape, layout_for(m, w, batch), seq, step_s, "adamw", "foreach"))
+        inner_steps = int(ranks[0].get("sync_every", run_args.get("diloco_inner_steps", 8))) if m == "diloco" else 0
+        cases.append(Measurement(f"{m} x{w}", case_shape, layout_for(m, w, batch, inner_steps), seq, step_s, "adamw",
+                                 "foreach"))
         spreads[cases[-1].name] = run.get("step_s_spread", 0.0)
         families[cases[-1].name] = family
     links = [CollectiveSample(c["op"], c["ranks"], c["bytes"], c["seconds"]) for c in data.get("collectives", [])]
@@ -192,7 +198,8 @@ def main() -> None:
         if "params_after_forward" not in ranks[0] or layout.dp != world or families[case.name] != "dense":
             continue  # model-parallel runs: time only (parallel_memory.py splits memory for the DP modes)
         mem = rank_memory(shape, layout, seq, "adamw")
-        pred_mem = mem.parameters + mem.gradients + mem.optimizer  # state at rest, exact tensor bytes
+        # state at rest, exact tensor bytes (parallel_memory.py counts DiLoCo's anchor and momentum as optimizer)
+        pred_mem = mem.parameters + mem.gradients + mem.optimizer + mem.outer_state
         measured_mem = max(p["params"] + p["grads"] + p["optimizer"] for p in ranks)
         # Peak with activations: the state, the parameters held from forward to backward (zero2
         # keeps them gathered) and what autograd saves; predicted: rank_memory less the comm
@@ -257,7 +264,7 @@ def best_plan_check(shape, cases, spreads, fitted, seq, batch, families) -> tupl
         best = search(shape, c, seq, batch, precision="fp32", max_tp=1, max_pp=1, max_cp=1)[0].layout
         same_world = [m for m in cases if m.layout.world_size == world and families[m.name] == "dense"]
         measured = {(m.layout.dp_mode, m.layout.dp_replicate, m.layout.dp_shard, m.layout.micro_batch): m
-                    for m in same_world if m.layout.dp == world}
+                    for m in same_world if m.layout.dp == world and not m.layout.diloco_inner_steps}
         same = measured.get((best.dp_mode, best.dp_replicate, best.dp_shard, best.micro_batch))
         same = same if same is not None and best.ac == "none" and best.grad_accum == 1 else None
         top = min(measured.values(), key=lambda m: m.step_s)

@@ -280,13 +280,39 @@ def fused_adam_across_meshes() -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
 
 
-def schedule_scales_grads(schedule_class) -> bool:
-    """Whether torch's pipeline schedules take `scale_grads` (divide each stage's gradients by the
-    micro-batch count after its backward), from 2.7; 2.6's sum the micro-batches' gradients, so
-    the loss must carry the division (kiln/parallel/pipeline_fp16.py ScaledLoss.divide)."""
+def schedule_scales_grads(schedule_class, params=()) -> bool:
+    """Whether torch's pipeline schedules can divide each stage's gradients by the micro-batch
+    count after its backward (`scale_grads`, from 2.7; 2.6's sum the micro-batches' gradients), so
+    that otherwise the loss carries the division (kiln/parallel/pipeline_fp16.py ScaledLoss.divide).
+    The schedule divides in place (`grad.div_`), and under tp a norm weight's gradient is a
+    Partial(sum) DTensor until kiln settles it after the step: 2.10's DTensor refuses that ("in-place
+    operations that require placement changes are not supported ... Partial(sum) to Replicate"),
+    2.13's keeps it Partial. Probed when `params` hold a DTensor, on its mesh: a local tensor
+    wrapped as Partial and divided in place, which no release communicates for (it either stays
+    Partial or is refused before any redistribution)."""
     import inspect
 
-    return "scale_grads" in inspect.signature(schedule_class.__init__).parameters
+    if "scale_grads" not in inspect.signature(schedule_class.__init__).parameters:
+        return False
+    return dtensor_divides_partial_in_place(params)
+
+
+def dtensor_divides_partial_in_place(params) -> bool:
+    """Whether `grad.div_(n)` works on a Partial(sum) DTensor on the mesh of the first DTensor
+    in `params` (True when there is none). See `schedule_scales_grads`."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+    if mesh is None:
+        return True
+    probe = DTensor.from_local(torch.ones(1, device=mesh.device_type), mesh, [Partial()] * mesh.ndim,
+                               run_check=False)
+    try:
+        probe.div_(2.0)
+    except RuntimeError:
+        return False
+    return True
 
 
 def stage_placement_kwargs(schedule_class, stage_to_rank: dict[int, int]) -> dict:

@@ -1,10 +1,11 @@
-"""kiln plan [CONFIG] --cluster NAME|FILE [--nodes N] [--budget-flops C | --gpu-hours H] [--out PLAN.toml]
+"""kiln plan [CONFIG] --cluster NAME|FILE [--nodes N] [--islands N] [--budget-flops C | --gpu-hours H] [--out PLAN.toml]
    kiln plan --cluster NAME|FILE --calibrate RUN_DIR... [--calibrated-out FILE]
    kiln plan --cluster NAME|FILE [--calibrate RUN_DIR...] (--time-collectives 2,4 | --collectives FILE.json)
 
 What to train (compute-optimal model and tokens for a budget) and how (the fastest layout that
 fits), with the checkpoint interval, wall time and cost; the best plan is written as a config
-that `kiln train` runs as is.
+that `kiln train` runs as is. A config with DiLoCo (parallel.diloco_inner_steps) is planned on a
+cluster of islands, one replica per island (kiln/plan/diloco.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a config key; repeatable")
     p.add_argument("--cluster", default="h100", help="preset (a100, h100, h200, cpu-local) or cluster TOML path")
     p.add_argument("--nodes", type=int, help="number of nodes (default: the cluster file's)")
+    p.add_argument("--islands", type=int, help="groups of nodes joined by the cluster's slow island link, one "
+                                               "DiLoCo replica each (default: the cluster file's, 1)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--budget-flops", type=float, metavar="C", help="compute budget in FLOPs: plan the model too")
     budget.add_argument("--gpu-hours", type=float, metavar="H", help="budget as GPU-hours at --mfu of peak")
@@ -129,14 +132,16 @@ def run(args: argparse.Namespace) -> int:
     from kiln.plan.cluster import load_cluster
     from kiln.plan.interval import young_daly_interval
     from kiln.plan.memory import OPTIM_STATE_BYTES, ModelShape
-    from kiln.plan.search import check_plannable, kiln_refusal, model_for_params, plan_toml, search
+    from kiln.plan.diloco import check_islands
+    from kiln.plan.search import kiln_refusal, model_for_params, plan_toml, search
     from kiln.train.memory import vocab_estimate
 
-    cluster = load_cluster(args.cluster, args.nodes)
+    cluster = load_cluster(args.cluster, args.nodes, args.islands)
     if args.calibrate or args.time_collectives or args.collectives:
         return _calibrate(args, cluster)
     cfg = load_config(args.config, args.overrides)
-    check_plannable(cfg)
+    inner_steps = cfg.parallel.diloco_inner_steps
+    replicas = check_islands(cluster, inner_steps)
     world = cluster.world_size
     law = scaling.CHINCHILLA
     if args.fit_sweep:
@@ -183,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     plans = search(shape, cluster, seq, global_batch, optimizer=cfg.optim.name, precision=args.precision,
                    loss="chunked" if cfg.train.loss == "chunked" else "full",
                    compiled=cfg.train.compile and cfg.train.compile_scope in ("auto", "model"),
+                   diloco_inner_steps=inner_steps,
                    **{f"max_{d}": getattr(args, f"max_{d}") for d in ("tp", "pp", "cp") if getattr(args, f"max_{d}")})
     # The search's model knows no kiln rules: keep only the layouts `kiln train` runs as is.
     refusals = [kiln_refusal(cfg, plan.layout, world) for plan in plans]
@@ -202,9 +208,16 @@ def run(args: argparse.Namespace) -> int:
               f"{t.mfu(cluster, args.precision, world):>6.0%}{_gib(p.memory.total):>8}")
     best = plans[0]
     print("  best plan, per rank: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in best.memory.as_dict().items()))
+    if inner_steps:
+        shard = best.memory.parameters
+        print(f"  DiLoCo: {replicas} replicas, one per island of {cluster.nodes_per_island} nodes; every {inner_steps} "
+              f"steps each rank all-reduces {_gib(shard)} GiB of fp32 parameters with the other replicas, the "
+              f"island link ({cluster.island_link_gbps:g} GB/s) {_gib(shard * best.layout.replica.world_size)} GiB: "
+              f"{best.time.outer_sync * inner_steps:.4g} s, {best.time.outer_sync:.4g} s per step")
 
     steps = max(1, math.ceil(tokens / (global_batch * seq)))
-    ckpt_bytes = shape.params * (4 + OPTIM_STATE_BYTES.get(cfg.optim.name, 8))
+    # DiLoCo: every replica's own model and inner optimizer state, and the anchor and outer momentum once
+    ckpt_bytes = shape.params * ((4 + OPTIM_STATE_BYTES.get(cfg.optim.name, 8)) * replicas + (8 if inner_steps else 0))
     save_s = ckpt_bytes / (cluster.nodes * cluster.storage_write_gbps * 1e9)
     mtbf_s = cluster.mtbf_hours * 3600
     interval_s = young_daly_interval(save_s, mtbf_s)

@@ -52,6 +52,9 @@ def measured_run(run_dir: str | Path) -> Measurement:
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml")
+    if cfg.parallel.diloco_inner_steps:  # its step time holds outer syncs the fit would read as link time
+        raise KilnError(f"{run_dir}: a DiLoCo run (parallel.diloco_inner_steps={cfg.parallel.diloco_inner_steps}) "
+                        f"cannot calibrate the cluster; calibrate on runs without DiLoCo")
     metrics = read_metrics(run_dir / "metrics.jsonl")
     runs = metrics.of("run")
     tps = summarize(metrics)["tokens_per_s_median"]

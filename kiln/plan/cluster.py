@@ -3,7 +3,8 @@ one config engine (kiln/config.py: typed fields, `ranged` rules, one-line errors
 
 A cluster is nodes x devices with an alpha-beta link inside a node (NVLink/NVSwitch) and one
 between nodes (InfiniBand/RoCE; fat-tree or rail-only; optionally with in-network reduction such
-as SHARP), the process-group backend (nccl, or gloo for CPU processes), a device efficiency
+as SHARP), optionally `islands`: groups of nodes joined by a slower link still (one DiLoCo
+replica per island, kiln/plan/diloco.py), the process-group backend (nccl, or gloo for CPU processes), a device efficiency
 curve eff(w) = max_efficiency * w / (w + half_efficiency_work)
 for w = tokens * dim of one matmul pass, and a node MTBF for checkpoint intervals.
 """
@@ -69,6 +70,13 @@ class Cluster:
     cores_per_node: float = ranged(0.0, ge=0.0)
     # The process-group backend: gloo runs a reduce-scatter as an all-reduce (kiln/plan/timing.py).
     backend: str = ranged("nccl", choices=("nccl", "gloo"))
+    # Islands (kiln/plan/diloco.py): the nodes split into `islands` equal groups, each joined to the
+    # others by one link its devices share: `island_link_gbps` GB/s one direction for the whole
+    # island (a WAN or a datacenter interconnect; not per device, unlike the links below) and
+    # `island_link_latency_ms` per message step. kiln plan lays out one DiLoCo replica per island.
+    islands: int = ranged(1, gt=0, le=1_000_000)
+    island_link_gbps: float = ranged(1.25, gt=0.0)  # 10 Gb/s
+    island_link_latency_ms: float = ranged(10.0, ge=0.0)
     device: DeviceSpec = field(default_factory=DeviceSpec)
     intra_node: LinkSpec = field(default_factory=LinkSpec)
     inter_node: LinkSpec = field(default_factory=LinkSpec)
@@ -86,7 +94,14 @@ class Cluster:
         check_fields(self, "", source)
         for name in ("device", "intra_node", "inter_node"):
             check_fields(getattr(self, name), f"{name}.", source)
+        if self.nodes % self.islands:
+            raise ConfigError(f"{source + ': ' if source else ''}islands={self.islands} must divide nodes="
+                              f"{self.nodes} (an island is a group of whole nodes)")
         return self
+
+    @property
+    def nodes_per_island(self) -> int:
+        return self.nodes // self.islands
 
 
 SECTIONS = {"device": DeviceSpec, "intra_node": LinkSpec, "inter_node": LinkSpec}
@@ -108,8 +123,8 @@ def cluster_from_dict(raw: dict, source: str) -> Cluster:
     return cluster.validate(source)
 
 
-def load_cluster(spec: str, nodes: int | None = None) -> Cluster:
-    """A preset name (h100, a100, ...) or a TOML path; `nodes` overrides the file's node count."""
+def load_cluster(spec: str, nodes: int | None = None, islands: int | None = None) -> Cluster:
+    """A preset name (h100, a100, ...) or a TOML path; `nodes` and `islands` override the file's."""
     if spec.endswith(".toml") or "/" in spec:
         path = Path(spec)
         cluster = cluster_from_dict(read_toml(path, "cluster file"), str(path))
@@ -123,4 +138,10 @@ def load_cluster(spec: str, nodes: int | None = None) -> Cluster:
         if nodes < 1:
             raise ConfigError(f"--nodes {nodes} must be >= 1")
         cluster.nodes = nodes
+    if islands is not None:
+        if islands < 1:
+            raise ConfigError(f"--islands {islands} must be >= 1")
+        cluster.islands = islands
+    if nodes is not None or islands is not None:
+        cluster.validate(f"{spec} with --nodes/--islands")
     return cluster

@@ -53,6 +53,7 @@ recomputed activations), since backward frees each block's activations as its gr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kiln.config import ModelConfig
@@ -88,6 +89,9 @@ class Layout:
     precision: str = "bf16"
     loss: str = "full"
     compiled: bool = False  # torch.compile of the whole model (activations saved, see the docstring)
+    # DiLoCo (kiln/plan/diloco.py): inner steps H between outer syncs; the replicas are dp_replicate
+    # (under ddp every data-parallel rank), which then never reduce gradients with each other.
+    diloco_inner_steps: int = 0
 
     @property
     def dp(self) -> int:
@@ -96,6 +100,14 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replica(self) -> "Layout":
+        """One DiLoCo replica of this layout: the same split on dp_shard x tp x pp x cp (x ep), no
+        replicas, no outer loop (itself without DiLoCo); kiln/plan/diloco.py costs it."""
+        if not self.diloco_inner_steps:
+            return self
+        return dataclasses.replace(self, dp_replicate=1, diloco_inner_steps=0)
 
     @property
     def ep_borrows_tp(self) -> bool:
@@ -116,6 +128,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"dp={self.dp_replicate}x{self.dp_shard}({self.dp_mode})"]
+        if self.diloco_inner_steps:
+            parts = [f"diloco={self.dp_replicate}x{self.dp_shard}({self.dp_mode}) H={self.diloco_inner_steps}"]
         parts += [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1]
         if self.ep_borrows_tp:
             parts.append("etp=1")
@@ -214,15 +228,17 @@ class MemoryBreakdown:
     activations: float = 0.0
     temporary: float = 0.0
     comm_buffers: float = 0.0
+    outer_state: float = 0.0  # DiLoCo's anchor and outer momentum (kiln/plan/diloco.py)
     notes: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.temporary + self.comm_buffers
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.temporary
+                + self.comm_buffers + self.outer_state)
 
     def as_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("parameters", "gradients", "optimizer", "activations", "temporary",
-                                               "comm_buffers", "total")}
+        keys = ("parameters", "gradients", "optimizer", "activations", "temporary", "comm_buffers")
+        return {k: getattr(self, k) for k in keys + (("outer_state",) if self.outer_state else ()) + ("total",)}
 
 
 def in_flight_microbatches(layout: Layout) -> float:
@@ -303,6 +319,10 @@ def holds_head(layout: Layout, last: bool) -> bool:
 def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str = "adamw") -> MemoryBreakdown:
     """Peak training bytes of the fullest rank for `layout`: under pp the larger of the first
     stage's rank (embedding, the most micro-batches in flight) and the last's (head, logits)."""
+    if layout.diloco_inner_steps:  # a replica's peak, and DiLoCo's outer state (kiln/plan/diloco.py)
+        mem = rank_memory(shape, layout.replica, seq_len, optimizer)
+        mem.outer_state = 2 * mem.parameters
+        return mem
     first = _end_rank_memory(shape, layout, seq_len, optimizer, last=False)
     if layout.pp == 1:
         return first

@@ -14,8 +14,14 @@ where kiln's own layout checks pass (kiln/parallel/dims.py `check_ep_layout`,
 `check_ep_borrowing_tp_layout`, the ones `ParallelDims.from_config` runs). Every mesh (dp mode,
 dp_replicate x dp_shard x cp x tp x pp, ep, etp) is put to `ParallelDims.from_config` itself
 (`kiln_accepts`), so legality has one place: what kiln's dims accept (e.g. ddp/zero1 x tp x pp
-once lifted there) the search considers, what they refuse it never proposes. DiLoCo
-(parallel.diloco_inner_steps) is not modelled: `check_plannable` refuses such a config in one line.
+once lifted there) the search considers, what they refuse it never proposes.
+
+DiLoCo (parallel.diloco_inner_steps = H): on a cluster of islands one replica per island
+(kiln/plan/diloco.py `check_islands`); the search runs over one island's devices with the
+replica's share of the global batch and the data-parallel modes kiln runs inside a replica (ddp
+only without data parallelism inside it, where every data-parallel rank is a replica; fsdp and
+zero2 over dp_shard), each layout put to `ParallelDims.from_config` whole (replicas included);
+the memory and time models add the outer state and the outer step's share of each step.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from kiln.config import JobConfig, ModelConfig, to_toml
 from kiln.errors import KilnError
 from kiln.plan.ac import plan_activation_checkpointing
 from kiln.plan.cluster import Cluster
+from kiln.plan.diloco import check_islands
 from kiln.plan.memory import Layout, MemoryBreakdown, ModelShape, rank_memory
 from kiln.plan.timing import StepTime, step_time
 
@@ -52,10 +59,13 @@ def _powers_of_two_dividing(n: int) -> list[int]:
     return [1 << k for k in range(0, n.bit_length()) if n % (1 << k) == 0]
 
 
-def _dp_splits(dp: int) -> list[tuple[str, int, int]]:
-    """(dp_mode, dp_replicate, dp_shard) for `dp` data-parallel ranks."""
+def _dp_splits(dp: int, diloco: bool = False) -> list[tuple[str, int, int]]:
+    """(dp_mode, dp_replicate, dp_shard) for `dp` data-parallel ranks (of one DiLoCo replica:
+    FSDP2 over dp_shard only, kiln/parallel/dims.py diloco_layout)."""
     if dp == 1:
         return [("ddp", 1, 1)]
+    if diloco:
+        return [("zero2", 1, dp), ("fsdp", 1, dp)]
     out = [("ddp", dp, 1), ("zero1", dp, 1), ("zero2", 1, dp), ("fsdp", 1, dp)]
     return out + [("fsdp", r, dp // r) for r in divisors(dp) if 1 < r < dp]  # HSDP
 
@@ -72,31 +82,21 @@ def expert_layouts(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
 
 @functools.lru_cache(maxsize=4096)
 def kiln_accepts(world: int, mode: str, replicate: int, shard: int, tp: int, pp: int, cp: int, ep: int = 1,
-                 etp: int = -1, seq_len: int | None = None) -> bool:
+                 etp: int = -1, seq_len: int | None = None, diloco_inner_steps: int = 0) -> bool:
     """Whether kiln's own mesh checks (`ParallelDims.from_config`, as `kiln train` calls it) accept
     this mesh on `world` processes and resolve it to the same degrees and dp mode."""
     from kiln.config import ParallelConfig
     from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
 
-    cfg = ParallelConfig(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp_mode=mode)
+    cfg = ParallelConfig(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp_mode=mode,
+                         diloco_inner_steps=diloco_inner_steps)
     try:
         dims = ParallelDims.from_config(cfg, world_size=world, rank=0, local_rank=0, local_world_size=world,
                                         seq_len=seq_len)
     except ConfigError:
         return False
     return (dims.dp_replicate, dims.dp_shard, dims.dp_mode) == (replicate, shard, mode)
-
-
-def check_plannable(cfg: JobConfig) -> None:
-    """KilnError for a config whose training the planner's models do not describe: DiLoCo's
-    replicas step alone for diloco_inner_steps steps and sync every H, which no memory or time
-    term here models (kiln/parallel/diloco.py; its fsdp/tp-inside-replica layouts included)."""
-    h = cfg.parallel.diloco_inner_steps
-    if h:
-        raise KilnError(f"parallel.diloco_inner_steps={h}: kiln plan does not model DiLoCo (replicas that sync "
-                        f"every {h} steps); plan without it (parallel.diloco_inner_steps=0) and add DiLoCo's "
-                        f"outer loop to the chosen layout by hand")
 
 
 def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, replicas: int) -> list[tuple[str, int]]:
@@ -123,8 +123,14 @@ def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, 
 
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                       precision: str, loss: str = "full", ac_choices: tuple[str, ...] = AC_CHOICES,
-                      max_tp: int = 1024, max_pp: int = 64, max_cp: int = 8):
-    world = cluster.world_size
+                      max_tp: int = 1024, max_pp: int = 64, max_cp: int = 8, diloco_inner_steps: int = 0):
+    """Every layout of `global_batch` sequences on `cluster` kiln's dims accept; with DiLoCo
+    (H = diloco_inner_steps) the layouts of one replica per island (module docstring)."""
+    replicas = check_islands(cluster, diloco_inner_steps)
+    if global_batch % replicas:
+        return
+    global_batch //= replicas  # one replica's share; world below is one replica's devices
+    world = cluster.world_size // replicas
     head = shape.dim // shape.n_heads
     kv_heads = shape.kv_dim // head
     for tp in divisors(cluster.gpus_per_node):
@@ -140,9 +146,11 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                 if global_batch % dp:
                     continue
                 per_rank = global_batch // dp
-                for mode, rep, shard in _dp_splits(dp):
+                for mode, rep, shard in _dp_splits(dp, diloco=replicas > 1):
+                    rep *= replicas
                     experts = [(ep, etp) for ep, etp in expert_layouts(shape, tp)
-                               if kiln_accepts(world, mode, rep, shard, tp, pp, cp, ep, etp, seq_len)]
+                               if kiln_accepts(world * replicas, mode, rep, shard, tp, pp, cp, ep, etp, seq_len,
+                                               diloco_inner_steps)]
                     for mb in _powers_of_two_dividing(per_rank):
                         ga = per_rank // mb
                         if pp > 1 and ga < pp:
@@ -151,22 +159,25 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                             for (ep, etp), ac in itertools.product(experts, ac_choices):
                                 yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                              etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,
-                                             schedule=sched, virtual_stages=v, precision=precision, loss=loss)
+                                             schedule=sched, virtual_stages=v, precision=precision, loss=loss,
+                                             diloco_inner_steps=diloco_inner_steps)
 
 
 def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
            precision: str = "bf16", loss: str = "full", top: int | None = None, max_tp: int = 1024,
-           max_pp: int = 64, max_cp: int = 8, compiled: bool = False) -> list[Plan]:
+           max_pp: int = 64, max_cp: int = 8, compiled: bool = False, diloco_inner_steps: int = 0) -> list[Plan]:
     """Every layout that fits, fastest first; a KilnError saying what would fit when none does.
     max_tp/max_pp/max_cp limit the degrees (1: layouts `kiln train` runs before TP/PP/CP land).
     compiled: train.compile with a whole-model scope, which kiln applies on one device (sharded
-    layouts compile per block, which the compiled memory and time terms do not describe)."""
+    layouts compile per block, which the compiled memory and time terms do not describe).
+    diloco_inner_steps: DiLoCo with H inner steps, one replica per island of `cluster`."""
+    replicas = check_islands(cluster, diloco_inner_steps)
     if precision == "float8" and cluster.device.peak_tflops_fp8 == 0:
         raise KilnError(f"{cluster.device.name} has no float8 tensor cores; use --precision bf16")
     budget = cluster.device.usable_bytes
     fits, smallest, count = [], None, 0
     for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ("none",),
-                                    max_tp, max_pp, max_cp):
+                                    max_tp, max_pp, max_cp, diloco_inner_steps):
         count += 1
         if compiled and layout.world_size == 1:
             layout = dataclasses.replace(layout, compiled=True)
@@ -181,6 +192,9 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
         if mem.total <= budget:
             fits.append(Plan(layout, mem, step_time(shape, layout, seq_len, cluster, optimizer)))
     if not count:
+        if global_batch % replicas:
+            raise KilnError(f"no valid layout: global batch {global_batch} sequences cannot be split over "
+                            f"{replicas} DiLoCo replicas (one per island); use a multiple of {replicas}")
         raise KilnError(f"no valid layout: global batch {global_batch} sequences cannot be split over "
                         f"{cluster.world_size} GPUs; use a multiple of {cluster.world_size // math.gcd(cluster.world_size, global_batch) * global_batch}")
     if not fits:

@@ -92,6 +92,7 @@ class StepTime:
     host: float = 0.0  # collective launches and communication-buffer copies
     memory_bound: float = 0.0  # compiled runs: elementwise kernels, fused loss, gradient clipping, float8 casts
     calls: dict = field(default_factory=dict)  # collective calls one rank issues per step, by op
+    outer_sync: float = 0.0  # DiLoCo: the outer step every H steps, per step (kiln/plan/diloco.py)
 
     @property
     def collectives(self) -> int:
@@ -99,7 +100,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm_exposed + self.bubble + self.optimizer + self.host + self.memory_bound
+        return (self.compute + self.comm_exposed + self.bubble + self.optimizer + self.host + self.memory_bound
+                + self.outer_sync)
 
     def mfu(self, cluster: Cluster, precision: str, world: int) -> float:
         return self.flops / (self.total * world * cluster.device.peak_flops(precision))
@@ -129,6 +131,10 @@ def compute_share(cluster: Cluster, layout: Layout) -> float:
 def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster, optimizer: str = "adamw",
               optimizer_impl: str = "fused") -> StepTime:
     """Predicted wall time of one optimizer step (grad_accum micro-batches) on every rank."""
+    if layout.diloco_inner_steps:  # one replica's step and the outer step's share (kiln/plan/diloco.py)
+        from kiln.plan.diloco import diloco_step_time
+
+        return diloco_step_time(shape, layout, seq_len, cluster, optimizer, optimizer_impl)
     dev = cluster.device
     tokens_rank_mb = layout.micro_batch * seq_len / layout.cp  # tokens one rank computes per micro-batch
     # the LM head matmul counts; a MoE block's token passes through its top-k experts only

@@ -57,7 +57,8 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
                   dp_mode=d.dp_mode if d else "ddp", micro_batch=micro_batch,
                   grad_accum=grad_accum, ac=cfg.train.activation_checkpointing,
                   precision="float8" if cfg.train.float8 else dtype,
-                  loss="chunked" if cfg.train.loss == "chunked" else "full", **pipeline)
+                  loss="chunked" if cfg.train.loss == "chunked" else "full",
+                  diloco_inner_steps=cfg.parallel.diloco_inner_steps, **pipeline)
 
 
 def estimate_train_bytes(cfg: JobConfig, dims: ParallelDims | None = None) -> int:

@@ -21,7 +21,9 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.pipelining import Schedule1F1B
 
+from kiln import torch_compat
 from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import Transformer
@@ -193,6 +195,8 @@ def _pp_worker(rank: int, port: int, results) -> None:
         stages.chunked_lm_loss = _counting(stages.chunked_lm_loss, count, "chunked")
         # the last entry: 1f1b with micro-batch gradients summed, not averaged (must fail the check)
         cases = [(s, v, m, "full", False, s) for s, v, m in SCHEDULES] + [("1f1b", 1, 4, "full", False, "1f1b_unscaled")]
+        # where the schedule cannot divide the gradients in place (torch 2.10's DTensor under tp), the loss does
+        cases.append(("1f1b", 1, 4, "full", False, "1f1b_loss_divides"))
         cases += [(s, v, m, "chunked", tied, name) for name, (s, v, m, tied) in CHUNKED.items()
                   if chunked_loss_fits_schedule(s)]  # torch < 2.13: not under zero-bubble schedules
         for schedule, virtual, micro, loss, tied, name in cases:
@@ -203,10 +207,13 @@ def _pp_worker(rank: int, port: int, results) -> None:
             undo = None
             if name == "chunked_head_untrained":  # deliberate mistake: no gradient reaches the head
                 undo = patch_for_one_run(stages, "chunked_head_loss", lambda h, w, t: stages.chunked_lm_loss(h, w.detach(), t))
+            if name == "1f1b_loss_divides":
+                undo = patch_for_one_run(torch_compat, "dtensor_divides_partial_in_place", lambda params: False)
             pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
             model.loss_impl = loss  # train.loss resolved after the Pipeline is built, as the trainer does
-            pipe.schedule.scale_grads = name != "1f1b_unscaled"
-            if name == "1f1b_unscaled":  # torch 2.6: the loss carries the division (ScaledLoss.divide)
+            got[f"loss divides {name}"] = (pipe.loss_fn.divide, getattr(pipe.schedule, "scale_grads", False))
+            if name == "1f1b_unscaled":  # neither the schedule nor the loss divides
+                pipe.schedule.scale_grads = False
                 pipe.loss_fn.divide = False
             if schedule == "gpipe" or name == "chunked_interleaved_1f1b":  # evaluation through the pipeline
                 x, y = batches[0][0]  # (initial weights): the whole model's logits, also when the loss is chunked
@@ -304,6 +311,17 @@ def test_tolerance_catches_a_chunked_loss_that_does_not_train_the_head(two_ranks
     with pytest.raises(AssertionError):  # and the next losses move
         assert_same_losses({i: r[0] for i, r in enumerate(ref)}, {i: r[0] for i, r in enumerate(got)},
                            range(STEPS))
+
+
+def test_the_loss_divides_where_the_schedule_cannot_and_matches_one_process(two_ranks):
+    ref = two_ranks[0]["reference"]
+    for rank in range(2):
+        assert two_ranks[rank]["loss divides 1f1b_loss_divides"] == (True, False)
+        scales = torch_compat.schedule_scales_grads(Schedule1F1B)  # no DTensor here: the schedule divides from 2.7
+        assert two_ranks[rank]["loss divides 1f1b"] == (not scales, scales)
+        for step, ((loss, norm, _), (rl, rn, _)) in enumerate(zip(two_ranks[rank]["1f1b_loss_divides"], ref)):
+            assert loss == pytest.approx(rl, rel=REL), f"rank {rank} step {step + 1}"
+            assert norm == pytest.approx(rn, rel=REL), f"rank {rank} step {step + 1} grad norm"
 
 
 def test_tolerance_catches_unscaled_microbatch_gradients(two_ranks):

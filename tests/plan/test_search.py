@@ -251,13 +251,3 @@ def test_every_layout_the_search_proposes_passes_kilns_own_mesh_checks():
             assert (("ddp", 2, 1, 2, 2, 1, 1, -1) in meshes) == accepted
     assert {(True, True, False), (False, True, True), (True, False, True)} <= seen  # the new mixes are searched
 
-
-def test_a_diloco_config_is_refused_in_one_line():
-    from kiln.config import JobConfig
-    from kiln.plan.search import check_plannable
-
-    cfg = JobConfig()
-    check_plannable(cfg)
-    cfg.parallel.diloco_inner_steps = 8
-    with pytest.raises(KilnError, match=r"parallel.diloco_inner_steps=8: kiln plan does not model DiLoCo"):
-        check_plannable(cfg)

@@ -1,0 +1,98 @@
+"""DiLoCo in the planner's models: what kiln/parallel/diloco.py adds to a layout's memory and step
+time, and where its replicas go on a cluster.
+
+kiln's DiLoCo replicas are the `dp_replicate` ranks (under ddp every data-parallel rank); inside a
+replica the layout is any kiln layout of the rest (`kiln/parallel/dims.py diloco_layout`), and no
+gradient crosses replicas. So a DiLoCo layout costs what one replica's layout costs on the ranks
+of one replica (`Layout.replica`: dp_replicate 1, the same dp_shard, tp, pp, cp, ep), plus:
+
+memory: the outer state, fp32 and sharded like the parameters (the anchor and the Nesterov
+  momentum): twice the parameters term (kiln keeps fp32 parameters). The outer step's flat fp32
+  buffer, one more parameters term, lives only after the optimizer step, when the step has set
+  the gradients (fp32, the same shards) to None (kiln/train/step.py), so it adds nothing to the
+  peak;
+time: every H = `diloco_inner_steps` steps one all-reduce over the R replicas of every rank's
+  parameter shards in fp32 (what `DiLoCo.outer_step` sends), which blocks the loop, plus the outer
+  step's memory traffic, 48 bytes per parameter of the shard (flatten: read 4, write 4; the delta:
+  read 8, write 4; torch's Nesterov SGD: read 12, write 8; the reset: read 4, write 4), both
+  divided by H for the per-step figure.
+
+Where the replicas are: on a cluster of `islands` (kiln/plan/cluster.py; groups of nodes joined by
+a slow link, the setting DiLoCo is for) one replica per island, and every rank's ring all-reduce
+runs at once, so an island's link carries its whole replica: 2(R-1)/R of the replica's bytes per
+outer step through `island_link_gbps` (or each device's inter-node link, whichever is slower),
+with 2(R-1) steps of `island_link_latency_ms`; without islands, replicas are consecutive ranks and
+the all-reduce runs over the link its group spans (kiln/plan/comm_cost.py). Hand-written model
+(no torch API predicts it); the replica's own terms are kiln/plan/memory.py and timing.py's.
+The replica's ranks are taken as equally full (the fullest rank's shard for all of them, an upper
+bound under pp, whose middle stages hold no embedding or head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kiln.errors import KilnError
+from kiln.plan.cluster import Cluster
+from kiln.plan.comm_cost import all_reduce
+from kiln.plan.memory import Layout, ModelShape, rank_memory
+
+OUTER_STEP_BYTES = 48  # memory traffic of the outer step per fp32 parameter of the shard (docstring)
+
+
+def check_islands(cluster: Cluster, diloco_inner_steps: int) -> int:
+    """The DiLoCo replicas kiln plan lays out on `cluster` (one per island; 1 without DiLoCo), or
+    a KilnError when the cluster and the config disagree: DiLoCo needs islands to put replicas
+    on, and a cluster of islands is modelled only as DiLoCo's (the other layouts' time model
+    knows no island link, so a gradient all-reduce across islands would be mispredicted)."""
+    if diloco_inner_steps and cluster.islands == 1:
+        raise KilnError(f"parallel.diloco_inner_steps={diloco_inner_steps}: kiln plan puts one DiLoCo replica on "
+                        f"each island of the cluster, and {cluster.name} has one island; set `islands` in the "
+                        f"cluster file or pass --islands N (N replicas, N dividing the nodes)")
+    if not diloco_inner_steps and cluster.islands > 1:
+        raise KilnError(f"cluster {cluster.name} has islands={cluster.islands}: kiln plan models training across "
+                        f"islands only as DiLoCo replicas, one per island; set parallel.diloco_inner_steps, or plan "
+                        f"one island (--islands 1 --nodes {cluster.nodes_per_island})")
+    return cluster.islands if diloco_inner_steps else 1
+
+
+def replica_cluster(cluster: Cluster, layout: Layout) -> Cluster:
+    """The part of `cluster` one replica of `layout` runs on: one island, or without islands the
+    nodes its consecutive ranks fill."""
+    replicas = layout.dp_replicate
+    if cluster.islands > 1:
+        if replicas != cluster.islands:
+            raise KilnError(f"a DiLoCo layout of {replicas} replicas on {cluster.islands} islands: kiln plan puts "
+                            f"one replica on each island")
+        return dataclasses.replace(cluster, nodes=cluster.nodes_per_island, islands=1)
+    ranks = layout.replica.world_size
+    return dataclasses.replace(cluster, nodes=max(1, math.ceil(ranks / cluster.gpus_per_node)))
+
+
+def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float) -> float:
+    """One outer step of `layout` on `cluster`: the all-reduce of every rank's `shard_bytes` (fp32
+    parameters) over the replicas and the step's memory traffic; not divided by H."""
+    replicas, ranks = layout.dp_replicate, layout.replica.world_size
+    if cluster.islands > 1:
+        link_s = max(shard_bytes / (cluster.inter_node.bandwidth_gbps * 1e9),
+                     shard_bytes * ranks / (cluster.island_link_gbps * 1e9))
+        sync = 2 * (replicas - 1) / replicas * link_s + 2 * (replicas - 1) * cluster.island_link_latency_ms * 1e-3
+    else:
+        sync = all_reduce(cluster, replicas, shard_bytes, stride=ranks)
+    step = OUTER_STEP_BYTES * shard_bytes / 4 / (cluster.device.memory_bandwidth_gbps * 1e9)
+    return sync + step
+
+
+def diloco_step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster, optimizer: str,
+                     optimizer_impl: str):
+    """kiln/plan/timing.py `step_time` of a DiLoCo layout: one replica's step on its part of the
+    cluster, plus the outer step every H steps; FLOPs over all replicas (for MFU)."""
+    from kiln.plan.timing import step_time
+
+    replica = layout.replica
+    t = step_time(shape, replica, seq_len, replica_cluster(cluster, layout), optimizer, optimizer_impl)
+    shard_bytes = rank_memory(shape, replica, seq_len, optimizer).parameters
+    t.outer_sync = outer_sync_seconds(cluster, layout, shard_bytes) / layout.diloco_inner_steps
+    t.flops *= layout.dp_replicate
+    return t

@@ -1,0 +1,181 @@
+"""kiln plan with DiLoCo (kiln/plan/diloco.py): one replica per island, a replica's own layout
+costed as any layout, plus the outer state and the outer step's share of each step."""
+
+import dataclasses
+
+import pytest
+
+from kiln.cli import main
+from kiln.config import JobConfig, load_config
+from kiln.errors import ConfigError, KilnError
+from kiln.plan.cluster import load_cluster
+from kiln.plan.diloco import OUTER_STEP_BYTES, check_islands, outer_sync_seconds, replica_cluster
+from kiln.plan.memory import Layout, ModelShape, rank_memory
+from kiln.plan.timing import step_time
+
+SHAPE = ModelShape(dim=1024, n_layers=8, n_heads=16, kv_dim=1024, ffn=2816, gated=True, vocab=32000, tied=False)
+
+
+def _islands(islands=2, nodes=4, **kw):
+    cluster = load_cluster("h100", nodes=nodes, islands=islands)
+    return dataclasses.replace(cluster, **kw)
+
+
+def test_a_diloco_layout_costs_one_replica_plus_the_outer_state_and_the_outer_step_share():
+    cluster = _islands()  # 2 islands of 2 nodes x 8 GPUs
+    layout = Layout(dp_replicate=2, dp_shard=8, pp=2, dp_mode="fsdp", micro_batch=4, grad_accum=4,
+                    diloco_inner_steps=10)
+    replica = layout.replica
+    assert (replica.dp_replicate, replica.dp_shard, replica.pp, replica.world_size) == (1, 8, 2, 16)
+
+    mem, alone = rank_memory(SHAPE, layout, 2048), rank_memory(SHAPE, replica, 2048)
+    assert mem.outer_state == 2 * alone.parameters > 0  # the fp32 anchor and momentum, sharded like the weights
+    assert mem.total == pytest.approx(alone.total + mem.outer_state)
+
+    t = step_time(SHAPE, layout, 2048, cluster)
+    island = dataclasses.replace(cluster, nodes=2, islands=1)
+    inner = step_time(SHAPE, replica, 2048, island)
+    shard = alone.parameters
+    by_hand = (2 * (2 - 1) / 2 * max(shard / 50e9, shard * 16 / 1.25e9) + 2 * (2 - 1) * 10e-3
+               + OUTER_STEP_BYTES * shard / 4 / 3350e9)
+    assert t.outer_sync == pytest.approx(by_hand / 10)
+    assert t.total == pytest.approx(inner.total + by_hand / 10)
+    assert t.flops == pytest.approx(2 * inner.flops)  # both replicas' work, for MFU over all GPUs
+
+
+def test_the_outer_share_falls_with_h_and_rises_with_a_slower_island_link():
+    layout = Layout(dp_replicate=2, dp_shard=16, dp_mode="fsdp", micro_batch=4, diloco_inner_steps=10)
+    base = step_time(SHAPE, layout, 2048, _islands()).outer_sync
+    rarer = step_time(SHAPE, dataclasses.replace(layout, diloco_inner_steps=100), 2048, _islands()).outer_sync
+    slower = step_time(SHAPE, layout, 2048, _islands(island_link_gbps=0.125)).outer_sync
+    assert rarer == pytest.approx(base / 10)
+    assert slower > 5 * base
+    # four islands: each moves 2 (R-1)/R = 1.5 of its replica's bytes instead of 1
+    four = _islands(islands=4, nodes=4)
+    wide = Layout(dp_replicate=4, dp_shard=8, dp_mode="fsdp", micro_batch=4, diloco_inner_steps=10)
+    assert step_time(SHAPE, wide, 2048, four).outer_sync > base
+
+
+def test_without_islands_the_replicas_sync_over_the_link_their_group_spans():
+    cluster = load_cluster("h100", nodes=2)
+    layout = Layout(dp_replicate=2, dp_shard=8, dp_mode="fsdp", micro_batch=4, diloco_inner_steps=4)
+    assert replica_cluster(cluster, layout).nodes == 1  # a replica fills one node
+    shard = rank_memory(SHAPE, layout, 2048).parameters
+    step = OUTER_STEP_BYTES * shard / 4 / 3350e9
+    # replicas of 8 ranks: each rank's pair is a node apart (InfiniBand); of 4 ranks: in one node (NVLink)
+    assert outer_sync_seconds(cluster, layout, shard) == pytest.approx(shard / 50e9 + 2 * 8e-6 + step)
+    in_one_node = dataclasses.replace(layout, dp_shard=4)
+    assert outer_sync_seconds(cluster, in_one_node, shard) == pytest.approx(shard / 450e9 + 2 * 3e-6 + step)
+    with pytest.raises(KilnError, match="one replica on each island"):
+        replica_cluster(_islands(), dataclasses.replace(layout, dp_replicate=4, dp_shard=4))
+
+
+def test_the_outer_state_is_what_kilns_diloco_keeps():
+    import torch
+
+    from kiln.model.transformer import Transformer
+    from kiln.parallel.diloco import DiLoCo
+
+    cfg = JobConfig()
+    cfg.model.vocab_size, cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads = 64, 32, 2, 2
+    model = Transformer(cfg.model)
+    diloco = DiLoCo(model, inner_steps=3)
+    kept = sum(a.numel() * a.element_size() for a in diloco.anchor)
+    kept += sum(diloco.outer.state[a]["momentum_buffer"].numel() * 4 for a in diloco.anchor)
+    layout = Layout(micro_batch=1, precision="fp32", diloco_inner_steps=3)
+    assert rank_memory(ModelShape.from_config(cfg.model, 64), layout, 16).outer_state == kept
+    assert all(a.dtype == torch.float32 for a in diloco.anchor)
+
+
+def test_search_lays_out_one_replica_per_island_as_kiln_runs_it():
+    from kiln.parallel.dims import ParallelDims
+    from kiln.plan.search import config_for_plan, kiln_refusal, search
+
+    cluster = _islands(nodes=2, gpus_per_node=4)  # 2 islands of 1 node x 4 GPUs
+    plans = search(SHAPE, cluster, 2048, 64, diloco_inner_steps=16, max_cp=1)
+    assert plans
+    cfg = JobConfig()
+    cfg.parallel.diloco_inner_steps = 16
+    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.vocab_size = 1024, 8, 16, 32000
+    cfg.model.ffn_hidden, cfg.data.seq_len, cfg.model.max_seq_len = 2816, 2048, 2048
+    for plan in plans:
+        lay = plan.layout
+        assert lay.diloco_inner_steps == 16 and lay.dp_replicate == 2 and lay.world_size == 8
+        assert lay.dp_mode in ("zero2", "fsdp") or (lay.dp_mode, lay.dp_shard) == ("ddp", 1)
+        assert plan.memory.outer_state > 0 and plan.time.outer_sync > 0
+        assert lay.micro_batch * lay.grad_accum * lay.replica.dp * 2 == 64  # the global batch over both replicas
+    best = plans[0].layout
+    assert kiln_refusal(cfg, best, 8) is None
+    run = config_for_plan(cfg, best)
+    dims = ParallelDims.from_config(run.parallel, world_size=8, rank=0, local_rank=0, local_world_size=4,
+                                    seq_len=2048)
+    assert dims.diloco and (dims.dp_replicate, dims.dp_shard) == (2, best.dp_shard)
+    with pytest.raises(KilnError, match="cannot be split over 2 DiLoCo replicas"):
+        search(SHAPE, cluster, 2048, 63, diloco_inner_steps=16)
+
+
+def test_islands_and_diloco_go_together_or_are_refused_in_one_line():
+    assert check_islands(load_cluster("h100"), 0) == 1 and check_islands(_islands(), 8) == 2
+    with pytest.raises(KilnError, match=r"parallel.diloco_inner_steps=8: kiln plan puts one DiLoCo replica on each "
+                                        r"island .* has one island; set `islands`"):
+        check_islands(load_cluster("h100"), 8)
+    with pytest.raises(KilnError, match=r"islands=2: kiln plan models training across islands only as DiLoCo"):
+        check_islands(_islands(), 0)
+    with pytest.raises(ConfigError, match=r"islands=3 must divide nodes=4"):
+        load_cluster("h100", nodes=4, islands=3)
+    with pytest.raises(ConfigError, match=r"--islands 0 must be >= 1"):
+        load_cluster("h100", islands=0)
+
+
+def test_a_cluster_file_with_a_bad_island_key_names_it(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("nodes = 4\nislands = 2\nisland_link_gbps = -1.0\n")
+    with pytest.raises(ConfigError, match=r"c.toml: island_link_gbps=-1.0 must be > 0"):
+        load_cluster(str(path))
+    path.write_text("nodes = 3\nislands = 2\n")
+    with pytest.raises(ConfigError, match=r"c.toml: islands=2 must divide nodes=3"):
+        load_cluster(str(path))
+
+
+def test_kiln_train_counts_the_outer_state_in_its_memory_check():
+    from kiln.train.memory import estimate_train_bytes, layout_of
+
+    cfg = JobConfig()
+    plain = estimate_train_bytes(cfg)
+    cfg.parallel.diloco_inner_steps = 4
+    assert layout_of(cfg).diloco_inner_steps == 4
+    params = rank_memory(ModelShape.from_config(cfg.model, cfg.data.vocab_size), layout_of(cfg), cfg.data.seq_len)
+    assert estimate_train_bytes(cfg) == pytest.approx(plain + params.outer_state, abs=1)
+
+
+def test_plan_command_writes_a_diloco_config_kiln_train_reads(tmp_path, capsys):
+    cluster = tmp_path / "islands.toml"
+    cluster.write_text('name = "two-sites"\nnodes = 2\ngpus_per_node = 4\nislands = 2\nisland_link_gbps = 2.5\n')
+    out = tmp_path / "plan.toml"
+    rc = main(["plan", "--cluster", str(cluster), "--set", "parallel.diloco_inner_steps=50", "--global-batch", "32",
+               "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "DiLoCo: 2 replicas, one per island of 1 nodes; every 50 steps" in text
+    cfg = load_config(out)
+    assert cfg.parallel.diloco_inner_steps == 50 and cfg.parallel.dp_replicate == 2
+    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    assert world == 8
+
+    rc = main(["plan", "--cluster", str(cluster), "--islands", "1", "--set", "parallel.diloco_inner_steps=50",
+               "--out", str(tmp_path / "p.toml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "has one island" in err[0] and not (tmp_path / "p.toml").exists()
+    rc = main(["plan", "--cluster", str(cluster), "--out", str(tmp_path / "p.toml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "only as DiLoCo replicas" in err[0]
+
+
+def test_calibrating_on_a_diloco_run_is_refused_in_one_line(tmp_path):
+    from kiln.config import to_toml
+    from kiln.plan.calibrate import measured_run
+
+    cfg = JobConfig()
+    cfg.parallel.diloco_inner_steps = 4
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    with pytest.raises(KilnError, match=r"a DiLoCo run \(parallel.diloco_inner_steps=4\) cannot calibrate"):
+        measured_run(tmp_path)
