@@ -115,12 +115,12 @@ def weight_pass_takes_python_functions() -> bool:
     autograd.grad on GradientEdges to them. 2.13 keeps such a node usable; on 2.11 it has expired
     by then ("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase").
     Probed, not read off the version: the same sequence on three-element CPU tensors, from 2.11 on;
-    before 2.11 not probed and taken as no: on 2.6 the probe's call on the expired node crashed the
-    process (segmentation fault in autograd's _make_grads)."""
+    2.10 raises there too; before 2.10 not probed and taken as no: on 2.6 the probe's call on the
+    expired node crashed the process (segmentation fault in autograd's _make_grads)."""
     import torch
     from torch.autograd.graph import GradientEdge
 
-    if torch.torch_version.TorchVersion(torch.__version__) < (2, 11):
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 10):
         return False
 
     class Product(torch.autograd.Function):
@@ -240,24 +240,47 @@ def dynamo_skips_checkpoint_side_effects() -> bool:
 def dynamo_traces_data_dependent_splits() -> bool:
     """Whether dynamo compiles MoE's per-expert loop (kiln/model/moe.py `GroupedExperts.compute`
     where grouped_mm does not run: a split by sizes read from a tensor, then `new_zeros` of the
-    rest): 2.11 and 2.13 do; 2.6 fails on the unbacked sizes ("Failed running call_function split
-    ... [u0, u1, u2, u3, -u0 - u1 - u2 - u3 + 128]"; a graph break around it is refused too, kiln
-    compiles whole blocks), and 2.7-2.10 were not run and are taken alike. There train.compile with
-    model.moe_experts is refused in one line (kiln/parallel/dims.py)."""
+    rest): 2.10, 2.11 and 2.13 do; 2.6 fails on the unbacked sizes ("Failed running call_function
+    split ... [u0, u1, u2, u3, -u0 - u1 - u2 - u3 + 128]"; a graph break around it is refused too,
+    kiln compiles whole blocks), and 2.7-2.9 were not run and are taken alike. There train.compile
+    with model.moe_experts is refused in one line (kiln/parallel/dims.py)."""
     import torch
 
-    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)
 
 
 def dynamo_traces_ring_objects() -> bool:
     """Whether dynamo compiles a block whose attention is cp's ring attention, given its `Ring`
-    (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.11 and 2.13
-    do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around it is
-    refused too, kiln compiles whole blocks), and 2.7-2.10 were not run and are taken alike. There
+    (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.10, 2.11 and
+    2.13 do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around it
+    is refused too, kiln compiles whole blocks), and 2.7-2.9 were not run and are taken alike. There
     train.compile with parallel.cp > 1 is refused in one line (kiln/parallel/dims.py)."""
     import torch
 
-    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)
+
+
+@functools.cache
+def dynamo_traces_intermediate_hooks() -> bool:
+    """Whether dynamo compiles (fullgraph) a `register_hook` on an intermediate tensor, as kiln's
+    MoE does under expert parallelism (kiln/model/moe.py `GroupedExperts._local`: the hook on the
+    local slice of each expert weight that reduces its gradient): 2.13 and 2.14 do; 2.6 and 2.10
+    raise "Compilation of intermediate hooks requires compiled autograd". Probed: the same call on
+    a two-element CPU tensor, traced by dynamo with the eager backend (about a second, once per
+    process, only for a compiled run with ep > 1). There train.compile with parallel.ep > 1 is
+    refused in one line (kiln/parallel/dims.py)."""
+    import torch
+
+    def hooked(x):
+        y = x * 2
+        y.register_hook(lambda grad: grad)
+        return y.sum()
+
+    try:
+        torch.compile(hooked, fullgraph=True, backend="eager")(torch.ones(2, requires_grad=True))
+    except Exception:  # dynamo's Unsupported (and whatever a release raises instead)
+        return False
+    return True
 
 
 def shard_size_and_offset(size: int, n_shards: int, index: int) -> tuple[int, int]:

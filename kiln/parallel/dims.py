@@ -119,8 +119,12 @@ class ParallelDims:
                               f"train.activation_checkpointing='none' or train.compile=false")
         if cfg.model.moe_experts and cfg.train.compile and not torch_compat.dynamo_traces_data_dependent_splits():
             raise ConfigError(f"train.compile=true with model.moe_experts={cfg.model.moe_experts} needs a torch "
-                              f"whose dynamo compiles the per-expert loop (>= 2.11; this is {torch.__version__}); "
+                              f"whose dynamo compiles the per-expert loop (>= 2.10; this is {torch.__version__}); "
                               f"set train.compile=false")
+        if self.ep > 1 and cfg.train.compile and not torch_compat.dynamo_traces_intermediate_hooks():
+            raise ConfigError(f"train.compile=true with parallel.ep={self.ep} needs a torch whose dynamo compiles a "
+                              f"gradient hook on an intermediate tensor (the experts' local weights; 2.13 does, "
+                              f"this is {torch.__version__}); set train.compile=false or parallel.ep=1")
         if (cfg.model.moe_experts and cfg.train.compile and cfg.train.activation_checkpointing != "none"
                 and not torch_compat.dynamo_skips_checkpoint_side_effects()):
             # a MoE block stores its aux/z losses in forward, which a compiled checkpoint refuses there
@@ -130,7 +134,7 @@ class ParallelDims:
                               f"{torch.__version__}); set train.activation_checkpointing='none' or train.compile=false")
         if self.cp > 1 and cfg.train.compile and not torch_compat.dynamo_traces_ring_objects():
             raise ConfigError(f"train.compile=true with parallel.cp={self.cp} needs a torch whose dynamo "
-                              f"compiles ring attention (>= 2.11; this is {torch.__version__}); set "
+                              f"compiles ring attention (>= 2.10; this is {torch.__version__}); set "
                               f"train.compile=false")
         if self.cp > 1 and cfg.train.cuda_graphs and torch_compat.cudagraph_unsafe_tag() is None:
             # ring attention's ops must stay outside the CUDA graph (context_parallel._OP_TAGS)

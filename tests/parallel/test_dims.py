@@ -137,6 +137,44 @@ def test_compile_with_cp_is_refused_where_dynamo_cannot_compile_ring_attention(m
     dims(2, dp_mode="ddp", cp=2).check_model(cfg)
 
 
+def test_compile_with_ep_is_refused_where_dynamo_cannot_compile_the_experts_gradient_hook(monkeypatch):
+    from kiln import torch_compat
+
+    cfg = load_config(None, ["model.moe_experts=4", "train.compile=true"])
+    monkeypatch.setattr(torch_compat, "dynamo_traces_data_dependent_splits", lambda: True)
+    monkeypatch.setattr(torch_compat, "dynamo_traces_intermediate_hooks", lambda: False)
+    with pytest.raises(ConfigError, match=r"train.compile=true with parallel.ep=2 needs a torch whose dynamo compiles "
+                                          r"a gradient hook .*set train.compile=false or parallel.ep=1"):
+        dims(2, dp_mode="ddp", ep=2).check_model(cfg)
+    dims(2, dp_mode="ddp").check_model(cfg)  # compiled MoE without ep is not concerned
+    cfg.train.compile = False
+    dims(2, dp_mode="ddp", ep=2).check_model(cfg)
+    monkeypatch.setattr(torch_compat, "dynamo_traces_intermediate_hooks", lambda: True)
+    cfg.train.compile = True
+    dims(2, dp_mode="ddp", ep=2).check_model(cfg)
+
+
+def test_the_hook_probe_says_what_dynamo_does():
+    """kiln's MoE registers its gradient hook inside the compiled block under ep (moe.py `_local`):
+    where the probe says dynamo can, compiling such a hook works; where not, it is refused."""
+    import torch
+
+    from kiln import torch_compat
+
+    def hooked(w):
+        local = w * 1
+        local.register_hook(lambda grad: grad * 3)
+        return (local * 2).sum()
+
+    w = torch.ones(3, requires_grad=True)
+    if torch_compat.dynamo_traces_intermediate_hooks():
+        torch.compile(hooked, fullgraph=True, backend="eager")(w).backward()
+        assert w.grad.tolist() == [6.0] * 3  # the hook ran on the intermediate's gradient
+    else:
+        with pytest.raises(Exception, match="intermediate hooks"):
+            torch.compile(hooked, fullgraph=True, backend="eager")(w)
+
+
 def test_compile_with_moe_is_refused_where_dynamo_cannot_compile_the_expert_loop(monkeypatch):
     from kiln import torch_compat
 
