@@ -201,11 +201,13 @@ def run(args: argparse.Namespace) -> int:
     plans = runnable
     print(f"\n{len(plans)} layouts fit {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name} "
           f"({_gib(cluster.device.usable_bytes)} GiB usable); global batch {global_batch} x {seq} tokens. Fastest:")
-    print(f"  {'layout':<58}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{'MFU':>6}{'GiB':>8}")
+    outer = f"{'outer':>8}" if inner_steps else ""  # DiLoCo: the outer step's share of each step
+    print(f"  {'layout':<58}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{outer}{'MFU':>6}{'GiB':>8}")
     for p in plans[:args.top]:
         t = p.time
+        outer = f"{t.outer_sync:>8.2g}" if inner_steps else ""
         print(f"  {p.layout.describe():<58}{t.total:>9.4g}{t.compute:>9.3g}{t.comm_exposed:>8.2g}{t.bubble:>8.2g}"
-              f"{t.mfu(cluster, args.precision, world):>6.0%}{_gib(p.memory.total):>8}")
+              f"{outer}{t.mfu(cluster, args.precision, world):>6.0%}{_gib(p.memory.total):>8}")
     best = plans[0]
     print("  best plan, per rank: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in best.memory.as_dict().items()))
     if inner_steps:

@@ -156,6 +156,7 @@ def test_plan_command_writes_a_diloco_config_kiln_train_reads(tmp_path, capsys):
                "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "DiLoCo: 2 replicas, one per island of 1 nodes; every 50 steps" in text
+    assert "bubble   outer" in text  # the outer step's share of each step has its own column
     cfg = load_config(out)
     assert cfg.parallel.diloco_inner_steps == 50 and cfg.parallel.dp_replicate == 2
     world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
