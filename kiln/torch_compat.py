@@ -32,29 +32,34 @@ class _AllWorks:
 
 @functools.cache
 def wait_for_every_pipeline_p2p() -> bool:
-    """Two gaps of torch's pipeline schedules before 2.8, both on gloo, both closed by replacing
-    the schedules' `_batch_p2p` there (returns whether it was replaced):
-    - It waited on one `Work` of each batched send/receive (`batch_isend_irecv(ops).pop()`): right
-      for NCCL, which coalesces a batch into one `Work`, but gloo returns one per op, and the ones
-      left unwaited deadlock 1F1B's fused send/receive phase (torch 2.6, 2 ranks: each waits in its
-      fused exchange forever; pytorch/pytorch#132644, fixed by #152938, which added
-      `_wait_batch_p2p`). Here the returned `Work` waits on all.
-    - The multi-stage runtime sends between two stages on one rank like between ranks (ZBV's V
-      holds stages r and 2pp-1-r, and its middle two are neighbours): a send to this rank itself,
-      which gloo has no pair for ("writev: Bad file descriptor"). Here such sends and receives are
-      matched in order, as gloo matches one peer's messages, and copied locally."""
+    """Two gaps of torch's pipeline schedules on gloo, closed by replacing the schedules'
+    `_batch_p2p` where they are (returns whether it was replaced):
+    - Before 2.7 it waited on one `Work` of each batched send/receive (`batch_isend_irecv(ops)
+      .pop()`): right for NCCL, which coalesces a batch into one `Work`, but gloo returns one per
+      op, and the ones left unwaited deadlock 1F1B's fused send/receive phase (torch 2.6, 2 ranks:
+      each waits in its fused exchange forever; pytorch/pytorch#132644, fixed by #152938, which
+      added `_wait_batch_p2p`). Here the returned `Work` waits on all.
+    - Before 2.10 the multi-stage runtime sends between two stages on one rank like between ranks
+      (ZBV's V holds stages r and 2pp-1-r, and its middle two are neighbours): a send to this rank
+      itself, which gloo has no pair for (2.6: "writev: Bad file descriptor"; 2.8: "Pair is not
+      connected"; 2.10 and later do not send it; 2.7 and 2.9 not run, taken like 2.8). Here such
+      sends and receives are matched in order, as gloo matches one peer's messages, and copied
+      locally. Where `_wait_batch_p2p` exists (2.8) the replacement returns a list, as it expects."""
     import collections
 
     import torch
     from torch.distributed.pipelining import schedules
 
-    if hasattr(schedules, "_wait_batch_p2p") or not hasattr(schedules, "_batch_p2p"):
+    if not hasattr(schedules, "_batch_p2p"):
+        return False
+    listed = hasattr(schedules, "_wait_batch_p2p")  # 2.7+: callers wait on a list of Works
+    if listed and torch.torch_version.TorchVersion(torch.__version__) >= (2, 10):
         return False
     self_exchange = {"sends": collections.deque(), "recvs": collections.deque()}
 
     def batch_p2p(p2p_ops, desc=None):
         if not p2p_ops:
-            return None
+            return [] if listed else None
         me, remote = dist.get_rank(), []
         for op in p2p_ops:
             if op.peer != me:
@@ -64,7 +69,8 @@ def wait_for_every_pipeline_p2p() -> bool:
         with torch.no_grad():
             while self_exchange["sends"] and self_exchange["recvs"]:
                 self_exchange["recvs"].popleft().copy_(self_exchange["sends"].popleft())
-        return _AllWorks(dist.batch_isend_irecv(remote) if remote else [], self_exchange)
+        works = _AllWorks(dist.batch_isend_irecv(remote) if remote else [], self_exchange)
+        return [works] if listed else works
 
     schedules._batch_p2p = batch_p2p
     return True
@@ -163,6 +169,74 @@ def fsdp_runs_on_cpu() -> bool:
     import torch
 
     return hasattr(torch.cpu.Stream, "record_event")
+
+
+_GLOO_REDUCE_SCATTER_AVERAGES: list[bool] = []  # the probe's answer, once per process
+
+
+def gloo_reduce_scatter_averages() -> bool:
+    """Whether gloo's `reduce_scatter_tensor` with `ReduceOp.AVG` averages. torch 2.8's sums
+    without a word ([1, 1] and [2, 2] over two ranks give [3] each; its all_reduce does average,
+    pytorch/pytorch#149781), 2.10 and 2.13 average. FSDP2 reduce-scatters fp32 and bf16 gradients
+    with AVG, so on 2.8 FSDP on CPU trained on the sum of the data-parallel ranks' gradients (the
+    2-rank fsdp test's step 2 loss 5.408 against one process's 5.474). Where it sums, kiln makes
+    FSDP reduce with SUM and divide after (`force_sum_for_gloo`). Probed once per process: one
+    reduce-scatter of world-size elements on the default group, so every rank must call this at
+    the same point (ParallelDims.build_mesh does, for CPU meshes, before any FSDP)."""
+    import torch
+
+    if not _GLOO_REDUCE_SCATTER_AVERAGES:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            return True  # nothing to average; not cached, a later process group is probed then
+        out = torch.empty(1)
+        dist.reduce_scatter_tensor(out, torch.full((world,), float(dist.get_rank())), op=dist.ReduceOp.AVG)
+        _GLOO_REDUCE_SCATTER_AVERAGES.append(abs(float(out) - (world - 1) / 2) < 1e-6)
+    return _GLOO_REDUCE_SCATTER_AVERAGES[0]
+
+
+def force_sum_for_gloo(model) -> None:
+    """Every FSDP2 unit in `model` reduces its gradients with SUM and divides by the data-parallel
+    size after (FSDP's own `set_force_sum_reduction_for_comms`, from 2.8), where gloo's AVG
+    reduce-scatter sums (`gloo_reduce_scatter_averages`); elsewhere nothing changes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if gloo_reduce_scatter_averages():
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def same_layout(a, b) -> bool:
+    """Whether two DTensors have one mesh and one placement per dimension, type included: a
+    `_StridedShard` compares equal to the `Shard` of its dim, yet places other rows."""
+    return a.device_mesh == b.device_mesh and all(type(x) is type(y) and x == y for x, y in zip(a.placements, b.placements))
+
+
+def optimizer_state_like_parameters(optim_state: dict, model_state: dict) -> list[str]:
+    """Give each DTensor optimizer state of a parameter's shape the parameter's own DTensor layout
+    (same local tensor, no copy), in a `get_state_dict` pair; returns the keys it changed. torch
+    2.8's FSDP2 leaves the optimizer state of experts sharded by FSDP over edp on top of ep's
+    Shard(0) (a strided shard) with another layout than the parameter's, so DCP wrote their chunks
+    at other experts' offsets: on 4 ranks (ep 2, edp 2) the experts' momentum was saved in the
+    order 0, 2, 1, 3, and a checkpoint continued in another layout stepped with another expert's
+    momentum (the same layout read it back the same wrong way, so it went unseen). Where the layouts
+    already agree (2.10, 2.13) nothing changes."""
+    from torch.distributed.tensor import DTensor
+
+    changed = []
+    for name, state in optim_state.get("state", {}).items():
+        param = model_state.get(name)
+        if not isinstance(param, DTensor) or not isinstance(state, dict):
+            continue
+        for key, value in state.items():
+            if (isinstance(value, DTensor) and value.shape == param.shape
+                    and not same_layout(value, param) and value.to_local().shape == param.to_local().shape):
+                state[key] = DTensor.from_local(value.to_local(), param.device_mesh, param.placements,
+                                                run_check=False, shape=param.shape, stride=param.stride())
+                changed.append(f"{name}.{key}")
+    return changed
 
 
 def cudagraph_unsafe_tag():
@@ -283,13 +357,26 @@ def dynamo_traces_intermediate_hooks() -> bool:
     return True
 
 
+def fsdp_shards_2d_dtensors() -> bool:
+    """Whether FSDP2 shards a parameter that is already a DTensor of two placements, as MoE experts
+    are under ep x tp with etp = tp (Shard over ep, Shard over tp): 2.10 does ("2D EP+TP"); 2.8's
+    FSDP takes 1-D TP only ("FSDP only supports 1D TP, not (Shard(dim=0), Shard(dim=2))"), and 2.9
+    was not run and is taken alike. There fsdp/zero2 with ep x tp (etp = tp) is refused in one line
+    (kiln/parallel/dims.py check_ep_layout); etp = 1 keeps the experts 1-D."""
+    import torch
+
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)
+
+
 def shard_size_and_offset(size: int, n_shards: int, index: int) -> tuple[int, int]:
     """(rows, first row) of shard `index` of `size` rows split by DTensor's `Shard` over `n_shards`:
-    `Shard.local_shard_size_and_offset` from 2.7; 2.6 has only `_local_shard_size_on_dim`."""
+    `Shard.local_shard_size_and_offset` in 2.10 and later, `_local_shard_size_and_offset` in 2.8,
+    `_local_shard_size_on_dim` in 2.6."""
     from torch.distributed.tensor import Shard
 
-    if hasattr(Shard, "local_shard_size_and_offset"):
-        return tuple(Shard.local_shard_size_and_offset(size, n_shards, index))
+    for name in ("local_shard_size_and_offset", "_local_shard_size_and_offset"):
+        if hasattr(Shard, name):
+            return tuple(getattr(Shard, name)(size, n_shards, index))
     return tuple(Shard._local_shard_size_on_dim(size, n_shards, index, return_offset=True))
 
 
@@ -308,11 +395,11 @@ def schedule_scales_grads(schedule_class, params=()) -> bool:
     count after its backward (`scale_grads`, from 2.7; 2.6's sum the micro-batches' gradients), so
     that otherwise the loss carries the division (kiln/parallel/pipeline_fp16.py ScaledLoss.divide).
     The schedule divides in place (`grad.div_`), and under tp a norm weight's gradient is a
-    Partial(sum) DTensor until kiln settles it after the step: 2.10's DTensor refuses that ("in-place
-    operations that require placement changes are not supported ... Partial(sum) to Replicate"),
-    2.13's keeps it Partial. Probed when `params` hold a DTensor, on its mesh: a local tensor
-    wrapped as Partial and divided in place, which no release communicates for (it either stays
-    Partial or is refused before any redistribution)."""
+    Partial(sum) DTensor until kiln settles it after the step: 2.13's DTensor keeps it Partial and
+    divides each rank's part; 2.10's refuses ("in-place operations that require placement changes
+    are not supported ... Partial(sum) to Replicate"); 2.8's reduces it, divides, and keeps the
+    Partial placement, so the gradient it leaves is the tp degree times too large, silently.
+    Probed when `params` hold a DTensor, on its mesh (`dtensor_divides_partial_in_place`)."""
     import inspect
 
     if "scale_grads" not in inspect.signature(schedule_class.__init__).parameters:
@@ -321,8 +408,11 @@ def schedule_scales_grads(schedule_class, params=()) -> bool:
 
 
 def dtensor_divides_partial_in_place(params) -> bool:
-    """Whether `grad.div_(n)` works on a Partial(sum) DTensor on the mesh of the first DTensor
-    in `params` (True when there is none). See `schedule_scales_grads`."""
+    """Whether `grad.div_(n)` divides a Partial(sum) DTensor right, on the mesh of the first
+    DTensor in `params` (True when there is none). See `schedule_scales_grads`. Every rank of that
+    mesh must call this at the same point: the probe (a local 1 on each rank wrapped as Partial,
+    divided by 2 in place) is refused before any communication, or its full value (the mesh size
+    / 2 when right) is read with a collective."""
     import torch
     from torch.distributed.tensor import DTensor, Partial
 
@@ -335,7 +425,7 @@ def dtensor_divides_partial_in_place(params) -> bool:
         probe.div_(2.0)
     except RuntimeError:
         return False
-    return True
+    return abs(float(probe.full_tensor()) - mesh.size() / 2) < 1e-6
 
 
 def stage_placement_kwargs(schedule_class, stage_to_rank: dict[int, int]) -> dict:

@@ -64,6 +64,7 @@ class ModelOptimizerState(Stateful):
         if self.optimizer is None:
             return {"model": get_state_dict(self.model, [])[0]}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        torch_compat.optimizer_state_like_parameters(optim_sd, model_sd)  # torch 2.8's FSDP'd experts
         return {"model": model_sd, "optim": optimizer_state_for_save(optim_sd, self._aliases())}
 
     def _aliases(self) -> dict[str, str]:

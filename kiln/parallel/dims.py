@@ -154,6 +154,13 @@ class ParallelDims:
         for key, value in sizes:
             if value % tp:
                 raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")
+        # after the sizes: a layout that cannot divide is refused for that on every release
+        if (self.ep > 1 and not self.ep_borrows_tp and self.dp_mode in ("fsdp", "zero2")
+                and not torch_compat.fsdp_shards_2d_dtensors()):
+            raise ConfigError(f"parallel.ep={self.ep} with parallel.tp={tp} under parallel.dp_mode={self.dp_mode!r} "
+                              f"shards each expert over ep and tp, which this torch's FSDP2 cannot shard again "
+                              f"({torch.__version__}; 2.10 can); set parallel.etp=1 (whole experts, ep borrowing the "
+                              f"tp ranks) or dp_mode='ddp'")
         # train.float8 (both recipes) runs under tp: tensor_parallel._styles picks the TP styles.
         # train.compile_scope='model' runs under tp (one graph over the blocks and the vocab-sharded head;
         # the TP embedding and the loss stay eager; tests/parallel/test_tensor_parallel_compile.py).
@@ -219,6 +226,8 @@ class ParallelDims:
         if not dims:
             dims = [("dp_shard", 1)]
         self.mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        if device_type == "cpu":  # every rank here, before any FSDP asks gloo to average (torch_compat)
+            torch_compat.gloo_reduce_scatter_averages()
         if self.ep > 1:
             self.expert_mesh = self._build_expert_mesh(device_type)
 

@@ -79,6 +79,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from kiln import torch_compat
 from kiln.model.moe import MoE
 
 
@@ -169,6 +170,8 @@ def fully_shard_experts(module: nn.Module, expert_mesh, **fsdp_kwargs) -> None:
     for m in module.modules():
         if isinstance(m, MoE):
             fully_shard(m.experts, mesh=expert_mesh["edp"], **fsdp_kwargs)
+    if expert_mesh.device_type == "cpu":  # torch 2.8's gloo sums where FSDP asks it to average
+        torch_compat.force_sum_for_gloo(module)
 
 
 def compile_moe_steps(moe: MoE) -> None:

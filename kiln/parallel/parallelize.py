@@ -264,6 +264,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
                                 **{k: v for k, v in kwargs.items() if k != "mesh"})
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    if mesh.device_type == "cpu":  # torch 2.8's gloo sums where FSDP asks it to average
+        torch_compat.force_sum_for_gloo(model)
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims) -> None:

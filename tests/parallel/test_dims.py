@@ -185,3 +185,20 @@ def test_compile_with_moe_is_refused_where_dynamo_cannot_compile_the_expert_loop
         dims(1).check_model(cfg)
     cfg.train.compile = False
     dims(1).check_model(cfg)
+
+
+def test_fsdp_over_experts_split_on_ep_and_tp_is_refused_where_fsdp2_takes_1d_dtensors_only(monkeypatch):
+    from kiln import torch_compat
+
+    cfg = load_config(None, ["model.moe_experts=4", "model.n_heads=4"])
+    monkeypatch.setattr(torch_compat, "fsdp_shards_2d_dtensors", lambda: False)
+    for mode in ("fsdp", "zero2"):
+        with pytest.raises(ConfigError, match=rf"parallel.ep=2 with parallel.tp=2 under parallel.dp_mode='{mode}' "
+                                              r"shards each expert over ep and tp, which this torch's FSDP2 cannot "
+                                              r"shard again .*set parallel.etp=1"):
+            dims(4, dp_mode=mode, ep=2, tp=2).check_model(cfg)
+    dims(4, dp_mode="fsdp", ep=2, tp=2, etp=1).check_model(cfg)  # whole experts, ep borrowing tp: 1-D
+    dims(4, dp_mode="ddp", ep=2, tp=2).check_model(cfg)  # no FSDP over the experts
+    dims(4, dp_mode="fsdp", ep=2).check_model(cfg)  # no tp
+    monkeypatch.setattr(torch_compat, "fsdp_shards_2d_dtensors", lambda: True)
+    dims(4, dp_mode="fsdp", ep=2, tp=2).check_model(cfg)
