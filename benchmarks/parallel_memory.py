@@ -120,9 +120,15 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, r
     from kiln.train.optim import build_optimizer
     from kiln.train.trainer import build_model
 
+    from kiln import torch_compat
+
+    # foreach AdamW everywhere (the planner's timing of these rows assumes it), but per tensor where
+    # this torch cannot step the experts' and the dense meshes together (before 2.9: kiln refuses)
+    multi_mesh = any(o.startswith("parallel.ep=") and o != "parallel.ep=1" for o in row.overrides)
+    impl = "single" if multi_mesh and not torch_compat.fused_adam_across_meshes() else "foreach"
     cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
                              f"model.vocab_size={args.vocab}", f"data.seq_len={args.seq}", f"model.max_seq_len={args.seq}",
-                             "train.dtype=fp32", "optim.implementation='foreach'", f"train.batch_size={args.batch}"]
+                             "train.dtype=fp32", f"optim.implementation={impl!r}", f"train.batch_size={args.batch}"]
                       + list(row.overrides))
     dims = ParallelDims.from_config(cfg.parallel, seq_len=cfg.data.seq_len)
     dims.check_model(cfg)

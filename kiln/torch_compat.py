@@ -175,9 +175,9 @@ _GLOO_REDUCE_SCATTER_AVERAGES: list[bool] = []  # the probe's answer, once per p
 
 
 def gloo_reduce_scatter_averages() -> bool:
-    """Whether gloo's `reduce_scatter_tensor` with `ReduceOp.AVG` averages. torch 2.8's sums
-    without a word ([1, 1] and [2, 2] over two ranks give [3] each; its all_reduce does average,
-    pytorch/pytorch#149781), 2.10 and 2.13 average. FSDP2 reduce-scatters fp32 and bf16 gradients
+    """Whether gloo's `reduce_scatter_tensor` with `ReduceOp.AVG` averages. torch 2.6's and 2.8's sum
+    without a word ([1, 1] and [2, 2] over two ranks give [3] each; 2.8's all_reduce does average,
+    pytorch/pytorch#149781, 2.6's refuses AVG), 2.10 and 2.13 average. FSDP2 reduce-scatters fp32 and bf16 gradients
     with AVG, so on 2.8 FSDP on CPU trained on the sum of the data-parallel ranks' gradients (the
     2-rank fsdp test's step 2 loss 5.408 against one process's 5.474). Where it sums, kiln makes
     FSDP reduce with SUM and divide after (`force_sum_for_gloo`). Probed once per process: one
@@ -190,8 +190,12 @@ def gloo_reduce_scatter_averages() -> bool:
         if world == 1:
             return True  # nothing to average; not cached, a later process group is probed then
         out = torch.empty(1)
-        dist.reduce_scatter_tensor(out, torch.full((world,), float(dist.get_rank())), op=dist.ReduceOp.AVG)
-        _GLOO_REDUCE_SCATTER_AVERAGES.append(abs(float(out) - (world - 1) / 2) < 1e-6)
+        try:  # a release that refuses AVG does so before communicating (2.6's all_reduce does)
+            dist.reduce_scatter_tensor(out, torch.full((world,), float(dist.get_rank())), op=dist.ReduceOp.AVG)
+        except RuntimeError:
+            _GLOO_REDUCE_SCATTER_AVERAGES.append(False)
+        else:
+            _GLOO_REDUCE_SCATTER_AVERAGES.append(abs(float(out) - (world - 1) / 2) < 1e-6)
     return _GLOO_REDUCE_SCATTER_AVERAGES[0]
 
 

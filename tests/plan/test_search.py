@@ -200,8 +200,13 @@ def test_moe_layouts_with_ep_and_etp_are_the_ones_kiln_train_runs():
     borrowing = [l for l in experts.values() if l.ep_borrows_tp]
     assert borrowing and all(l.dp_mode in ("fsdp", "zero2") and l.ep % l.tp == 0 for l in borrowing)
     assert any(l.tp > 1 and not l.ep_borrows_tp for l in experts.values())  # etp = tp as well
+    from kiln import torch_compat
+
     for lay in experts.values():
-        assert kiln_refusal(cfg, lay, 8) is None, lay.describe()
+        why = kiln_refusal(cfg, lay, 8)
+        if why and "which this torch's FSDP2 cannot shard again" in why and not torch_compat.fsdp_shards_2d_dtensors():
+            continue  # torch 2.8 cannot run this layout; the cluster's torch may (kiln train says so there)
+        assert why is None, lay.describe()
     lay = next(l for l in borrowing if l.tp == 2 and l.ep == 4)
     assert "etp=1" in lay.describe() and config_for_plan(cfg, lay).parallel.etp == 1
     # ddp / zero1 over tp: proposed by the search; kiln train refuses them only while
