@@ -203,12 +203,20 @@ def force_sum_for_gloo(model) -> None:
     """Every FSDP2 unit in `model` reduces its gradients with SUM and divides by the data-parallel
     size after (FSDP's own `set_force_sum_reduction_for_comms`, from 2.8), where gloo's AVG
     reduce-scatter sums (`gloo_reduce_scatter_averages`); elsewhere nothing changes."""
+    import torch
     from torch.distributed.fsdp import FSDPModule
 
-    if gloo_reduce_scatter_averages():
+    from kiln.errors import KilnError
+
+    # FSDP2 that cannot run on CPU at all (2.6) fails at its first all-gather: kiln's trainer refuses it
+    if gloo_reduce_scatter_averages() or not fsdp_runs_on_cpu():
         return
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            if not hasattr(module, "set_force_sum_reduction_for_comms"):
+                raise KilnError(f"FSDP2 on CPU under torch {torch.__version__}: gloo sums the gradients where FSDP "
+                                f"asks it to average, and this FSDP2 cannot be told to sum instead; set "
+                                f"parallel.dp_mode='ddp' or use torch >= 2.8")
             module.set_force_sum_reduction_for_comms(True)
 
 
