@@ -175,11 +175,12 @@ _GLOO_REDUCE_SCATTER_AVERAGES: list[bool] = []  # the probe's answer, once per p
 
 
 def gloo_reduce_scatter_averages() -> bool:
-    """Whether gloo's `reduce_scatter_tensor` with `ReduceOp.AVG` averages. torch 2.6's and 2.8's sum
-    without a word ([1, 1] and [2, 2] over two ranks give [3] each; 2.8's all_reduce does average,
-    pytorch/pytorch#149781, 2.6's refuses AVG), 2.10 and 2.13 average. FSDP2 reduce-scatters fp32 and bf16 gradients
-    with AVG, so on 2.8 FSDP on CPU trained on the sum of the data-parallel ranks' gradients (the
-    2-rank fsdp test's step 2 loss 5.408 against one process's 5.474). Where it sums, kiln makes
+    """Whether gloo's `reduce_scatter_tensor` with `ReduceOp.AVG` averages. torch 2.6's and 2.8's
+    sum without a word ([1, 1] and [2, 2] over two ranks give [3] each; 2.8's all_reduce does
+    average, pytorch/pytorch#149781; 2.6's refuses AVG), 2.10's and 2.13's average. FSDP2
+    reduce-scatters fp32 and bf16 gradients with AVG, so on 2.8 FSDP on CPU trained on the sum of
+    the data-parallel ranks' gradients (the 2-rank fsdp test's step 2 loss 5.408 against one
+    process's 5.474). Where it sums, kiln makes
     FSDP reduce with SUM and divide after (`force_sum_for_gloo`). Probed once per process: one
     reduce-scatter of world-size elements on the default group, so every rank must call this at
     the same point (ParallelDims.build_mesh does, for CPU meshes, before any FSDP)."""
@@ -223,7 +224,8 @@ def force_sum_for_gloo(model) -> None:
 def same_layout(a, b) -> bool:
     """Whether two DTensors have one mesh and one placement per dimension, type included: a
     `_StridedShard` compares equal to the `Shard` of its dim, yet places other rows."""
-    return a.device_mesh == b.device_mesh and all(type(x) is type(y) and x == y for x, y in zip(a.placements, b.placements))
+    pairs = zip(a.placements, b.placements)
+    return a.device_mesh == b.device_mesh and all(type(x) is type(y) and x == y for x, y in pairs)
 
 
 def optimizer_state_like_parameters(optim_state: dict, model_state: dict) -> list[str]:
@@ -374,7 +376,7 @@ def fsdp_shards_2d_dtensors() -> bool:
     are under ep x tp with etp = tp (Shard over ep, Shard over tp): 2.10 does ("2D EP+TP"); 2.8's
     FSDP takes 1-D TP only ("FSDP only supports 1D TP, not (Shard(dim=0), Shard(dim=2))"), and 2.9
     was not run and is taken alike. There fsdp/zero2 with ep x tp (etp = tp) is refused in one line
-    (kiln/parallel/dims.py check_ep_layout); etp = 1 keeps the experts 1-D."""
+    (kiln/parallel/dims.py `ParallelDims.check_model`); etp = 1 keeps the experts 1-D."""
     import torch
 
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)

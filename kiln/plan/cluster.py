@@ -4,8 +4,8 @@ one config engine (kiln/config.py: typed fields, `ranged` rules, one-line errors
 A cluster is nodes x devices with an alpha-beta link inside a node (NVLink/NVSwitch) and one
 between nodes (InfiniBand/RoCE; fat-tree or rail-only; optionally with in-network reduction such
 as SHARP), optionally `islands`: groups of nodes joined by a slower link still (one DiLoCo
-replica per island, kiln/plan/diloco.py), the process-group backend (nccl, or gloo for CPU processes), a device efficiency
-curve eff(w) = max_efficiency * w / (w + half_efficiency_work)
+replica per island, kiln/plan/diloco.py), the process-group backend (nccl, or gloo for CPU
+processes), a device efficiency curve eff(w) = max_efficiency * w / (w + half_efficiency_work)
 for w = tokens * dim of one matmul pass, and a node MTBF for checkpoint intervals.
 """
 
