@@ -404,10 +404,12 @@ def fused_adam_across_meshes() -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
 
 
-def schedule_scales_grads(schedule_class, params=()) -> bool:
-    """Whether torch's pipeline schedules can divide each stage's gradients by the micro-batch
-    count after its backward (`scale_grads`, from 2.7; 2.6's sum the micro-batches' gradients), so
-    that otherwise the loss carries the division (kiln/parallel/pipeline_fp16.py ScaledLoss.divide).
+def schedule_grad_scaling(schedule_class, params=()) -> dict:
+    """The `scale_grads` keyword for a pipeline schedule: {"scale_grads": True} where the schedule
+    can divide each stage's gradients by the micro-batch count after its backward; else the
+    schedule sums them ({"scale_grads": False}, or {} on 2.6, whose schedules take no such
+    keyword and always sum) and the loss must carry the division (kiln/parallel/pipeline_fp16.py
+    ScaledLoss.divide).
     The schedule divides in place (`grad.div_`), and under tp a norm weight's gradient is a
     Partial(sum) DTensor until kiln settles it after the step: 2.13's DTensor keeps it Partial and
     divides each rank's part; 2.10's refuses ("in-place operations that require placement changes
@@ -417,13 +419,13 @@ def schedule_scales_grads(schedule_class, params=()) -> bool:
     import inspect
 
     if "scale_grads" not in inspect.signature(schedule_class.__init__).parameters:
-        return False
-    return dtensor_divides_partial_in_place(params)
+        return {}
+    return {"scale_grads": dtensor_divides_partial_in_place(params)}
 
 
 def dtensor_divides_partial_in_place(params) -> bool:
     """Whether `grad.div_(n)` divides a Partial(sum) DTensor right, on the mesh of the first
-    DTensor in `params` (True when there is none). See `schedule_scales_grads`. Every rank of that
+    DTensor in `params` (True when there is none). See `schedule_grad_scaling`. Every rank of that
     mesh must call this at the same point: the probe (a local 1 on each rank wrapped as Partial,
     divided by 2 in place) is refused before any communication, or its full value (the mesh size
     / 2 when right) is read with a collective."""

@@ -32,7 +32,6 @@ evaluation forward are here.
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -119,14 +118,10 @@ class Pipeline:
         placement = {} if cfg.parallel.pp_schedule in SINGLE_STAGE else torch_compat.stage_placement_kwargs(
             cls, {s: r for r in range(self.pp) for s in stages_of_rank(
                 cfg.parallel.pp_schedule, self.pp, cfg.parallel.pp_virtual_stages, r)})
-        params = [p for stage in self.stages for p in stage.submod.parameters()]
-        if torch_compat.schedule_scales_grads(cls, params):
-            self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True,
-                                **placement)
-        else:  # the schedule sums the micro-batches' gradients (torch 2.6; 2.10 under tp); the loss divides
-            off = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
-            self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, **off, **placement)
-            self.loss_fn.divide = True
+        # where the schedule sums the micro-batches' gradients (torch 2.6; 2.8 and 2.10 under tp), the loss divides
+        scaling = torch_compat.schedule_grad_scaling(cls, [p for st in self.stages for p in st.submod.parameters()])
+        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self.loss_fn, **scaling, **placement)
+        self.loss_fn.divide = not scaling.get("scale_grads", False)
         for chunk in model.chunks:  # MoE aux losses join the backward inside the stages, scaled alike
             chunk.__dict__["loss_scale"] = self.loss_fn.scale
         self.bubble = bubble_fraction(cfg.parallel.pp_schedule, self.pp, self.microbatches,

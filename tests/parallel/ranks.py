@@ -90,43 +90,37 @@ def run_ranks(fn, n, tmp_path, *args, timeout=120):
     results = []
     for rank in range(n):
         result, error = pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes())
-        skip_without_fsdp_on_cpu(error)
-        skip_without_fsdp_of_2d_experts(error)
+        skip_where_this_torch_cannot(error)
         assert error is None, f"rank {rank} failed:\n{error}"
         results.append(result)
     return results
 
 
-def skip_without_fsdp_of_2d_experts(error: str | None) -> None:
-    """Skip the test where kiln refused FSDP over experts sharded on ep and tp because this torch's
-    FSDP2 cannot shard a 2-D DTensor (2.8: kiln/torch_compat.py fsdp_shards_2d_dtensors); on a
-    torch that can, the refusal would be a failure like any other."""
+# What kiln refuses on an older torch, by the signs of the refusal (or of torch's own failure) in a
+# rank's error: (signs, the kiln/torch_compat.py probe that says this torch can, what is skipped).
+OLDER_TORCH_REFUSALS = [
+    # 2.6: FSDP2 records events on a CPU stream, which has none (kiln's refusal, or a test's own fully_shard)
+    (("on CPU needs a torch whose FSDP2 runs there", "'Stream' object has no attribute 'record_event'"),
+     "fsdp_runs_on_cpu", "FSDP2 does not run on CPU"),
+    # before 2.10: FSDP2 cannot shard experts already split over ep and tp (2-D DTensors)
+    (("which this torch's FSDP2 cannot shard again",), "fsdp_shards_2d_dtensors",
+     "FSDP2 cannot shard experts split over ep and tp"),
+]
+
+
+def skip_where_this_torch_cannot(error: str | None) -> None:
+    """Skip the test where a rank's error is one of OLDER_TORCH_REFUSALS and this torch cannot do
+    it, so an older torch reports what it cannot test rather than failing; on a torch that can,
+    the same error is a failure like any other."""
     import pytest
 
     from kiln import torch_compat
 
-    if error and "which this torch's FSDP2 cannot shard again" in error and not torch_compat.fsdp_shards_2d_dtensors():
-        import torch
+    for signs, probe, what in OLDER_TORCH_REFUSALS:
+        if error and any(sign in error for sign in signs) and not getattr(torch_compat, probe)():
+            import torch
 
-        pytest.skip(f"FSDP2 under torch {torch.__version__} cannot shard experts split over ep and tp (kiln "
-                    f"refuses it there)")
-
-
-def skip_without_fsdp_on_cpu(error: str | None) -> None:
-    """Skip the test where kiln refused FSDP2 on CPU because this torch cannot run it there (2.6:
-    kiln/torch_compat.py fsdp_runs_on_cpu), or where a test's own `fully_shard` met what kiln
-    refuses (2.6's FSDP2 records events on a CPU stream, which has none), so an older torch reports
-    what it cannot test rather than failing; on a torch that can, either would be a failure like
-    any other."""
-    import pytest
-
-    from kiln import torch_compat
-
-    signs = ("on CPU needs a torch whose FSDP2 runs there", "'Stream' object has no attribute 'record_event'")
-    if error and any(sign in error for sign in signs) and not torch_compat.fsdp_runs_on_cpu():
-        import torch
-
-        pytest.skip(f"FSDP2 does not run on CPU under torch {torch.__version__} (kiln refuses it there)")
+            pytest.skip(f"{what} under torch {torch.__version__} (kiln refuses it there)")
 
 
 def patch_for_one_run(owner, name: str, replacement):
