@@ -42,9 +42,9 @@ def wait_for_every_pipeline_p2p() -> bool:
     - Before 2.10 the multi-stage runtime sends between two stages on one rank like between ranks
       (ZBV's V holds stages r and 2pp-1-r, and its middle two are neighbours): a send to this rank
       itself, which gloo has no pair for (2.6: "writev: Bad file descriptor"; 2.8: "Pair is not
-      connected"; 2.10 and later do not send it; 2.7 and 2.9 not run, taken like 2.8). Here such
-      sends and receives are matched in order, as gloo matches one peer's messages, and copied
-      locally. Where `_wait_batch_p2p` exists (2.8) the replacement returns a list, as it expects."""
+      connected"; 2.10 and later do not send it; 2.9 is taken like 2.8 and its ZBV tests pass so;
+      2.7 not run). Here such sends and receives are matched in order, as gloo matches one peer's
+      messages, and copied locally. Where `_wait_batch_p2p` exists (2.8) the replacement returns a list, as it expects."""
     import collections
 
     import torch
@@ -88,7 +88,11 @@ def pipeline_stage_class():
     - Schedules that open the pipeline by exchanging a dummy tensor with every neighbouring stage
       (`_get_init_p2p_neighbors_ops`, 2.6-2.12; 2.13 replaced it by a vote that skips this): the
       exchanges whose peer is this rank itself are left out. A V-shaped schedule (ZBV) holds two
-      neighbouring stages on one rank, and gloo has no pair to itself ("Pair is not connected")."""
+      neighbouring stages on one rank, and gloo has no pair to itself ("Pair is not connected").
+      And 2.9 sends `torch.tensor(stage_index)` (int64, 8 bytes) into the neighbour's float32
+      receive of one element (4 bytes): gloo aborts the process ("op.preamble.length <= op.nbytes.
+      8 vs 4"), so every pipeline on CPU died at its first step (2.10 sends float32). The value is
+      never read: each such send is given the receive's dtype and shape."""
     import torch
     from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -104,7 +108,11 @@ def pipeline_stage_class():
 
         def _get_init_p2p_neighbors_ops(self):
             ops = super()._get_init_p2p_neighbors_ops()
-            return [op for op in ops if op.group_peer != self.group_rank] if exchanges_with_itself else ops
+            if exchanges_with_itself:
+                ops = [op for op in ops if op.group_peer != self.group_rank]
+            return [op if op.tensor.dtype == torch.float32 else
+                    dist.P2POp(op.op, op.tensor.float().reshape(1), group=op.group, group_peer=op.group_peer)
+                    for op in ops]
 
     if not hasattr(PipelineStage, "_shape_inference"):
         del KilnPipelineStage._shape_inference
@@ -192,7 +200,7 @@ def gloo_reduce_scatter_averages() -> bool:
             return True  # nothing to average; not cached, a later process group is probed then
         out = torch.empty(1)
         try:  # a release that refuses AVG does so before communicating (2.6's all_reduce does)
-            dist.reduce_scatter_tensor(out, torch.full((world,), float(dist.get_rank())), op=dist.ReduceOp.AVG)
+            reduce_scatter_single(out, torch.full((world,), float(dist.get_rank())), op=dist.ReduceOp.AVG)
         except RuntimeError:
             _GLOO_REDUCE_SCATTER_AVERAGES.append(False)
         else:
@@ -330,8 +338,9 @@ def dynamo_traces_data_dependent_splits() -> bool:
     where grouped_mm does not run: a split by sizes read from a tensor, then `new_zeros` of the
     rest): 2.10, 2.11 and 2.13 do; 2.6 fails on the unbacked sizes ("Failed running call_function
     split ... [u0, u1, u2, u3, -u0 - u1 - u2 - u3 + 128]"; a graph break around it is refused too,
-    kiln compiles whole blocks), and 2.7-2.9 were not run and are taken alike. There train.compile
-    with model.moe_experts is refused in one line (kiln/parallel/dims.py)."""
+    kiln compiles whole blocks), 2.9 on the host read of the sizes ("DataDependentOutputException:
+    aten._local_scalar_dense.default"), and 2.7-2.8 were not run and are taken alike. There
+    train.compile with model.moe_experts is refused in one line (kiln/parallel/dims.py)."""
     import torch
 
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)
@@ -339,13 +348,13 @@ def dynamo_traces_data_dependent_splits() -> bool:
 
 def dynamo_traces_ring_objects() -> bool:
     """Whether dynamo compiles a block whose attention is cp's ring attention, given its `Ring`
-    (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.10, 2.11 and
-    2.13 do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around it
-    is refused too, kiln compiles whole blocks), and 2.7-2.9 were not run and are taken alike. There
-    train.compile with parallel.cp > 1 is refused in one line (kiln/parallel/dims.py)."""
+    (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.9, 2.10, 2.11
+    and 2.13 do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around
+    it is refused too, kiln compiles whole blocks), and 2.7-2.8 were not run and are taken alike.
+    There train.compile with parallel.cp > 1 is refused in one line (kiln/parallel/dims.py)."""
     import torch
 
-    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
 
 
 @functools.cache
@@ -373,13 +382,14 @@ def dynamo_traces_intermediate_hooks() -> bool:
 
 def fsdp_shards_2d_dtensors() -> bool:
     """Whether FSDP2 shards a parameter that is already a DTensor of two placements, as MoE experts
-    are under ep x tp with etp = tp (Shard over ep, Shard over tp): 2.10 does ("2D EP+TP"); 2.8's
-    FSDP takes 1-D TP only ("FSDP only supports 1D TP, not (Shard(dim=0), Shard(dim=2))"), and 2.9
-    was not run and is taken alike. There fsdp/zero2 with ep x tp (etp = tp) is refused in one line
-    (kiln/parallel/dims.py `ParallelDims.check_model`); etp = 1 keeps the experts 1-D."""
+    are under ep x tp with etp = tp (Shard over ep, Shard over tp): 2.9 and 2.10 do ("2D EP+TP",
+    the ep x tp equivalence tests pass); 2.8's FSDP takes 1-D TP only ("FSDP only supports 1D TP,
+    not (Shard(dim=0), Shard(dim=2))"), and 2.7 was not run and is taken alike. There fsdp/zero2
+    with ep x tp (etp = tp) is refused in one line (kiln/parallel/dims.py
+    `ParallelDims.check_model`); etp = 1 keeps the experts 1-D."""
     import torch
 
-    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
 
 
 def shard_size_and_offset(size: int, n_shards: int, index: int) -> tuple[int, int]:

@@ -35,6 +35,8 @@ def _worker(rank: int, ranks: int, backend: str, store: str, out_dir: str, sizes
     import torch
     import torch.distributed as dist
 
+    from kiln.torch_compat import all_gather_single, reduce_scatter_single
+
     error = None
     try:
         torch.set_num_threads(1)
@@ -48,8 +50,8 @@ def _worker(rank: int, ranks: int, backend: str, store: str, out_dir: str, sizes
             shard = torch.ones(nbytes // 4 // ranks, device=device)
             target = torch.empty_like(full)
             calls = {"all_reduce": lambda: dist.all_reduce(full),
-                     "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-                     "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+                     "all_gather": lambda: all_gather_single(full, shard),
+                     "reduce_scatter": lambda: reduce_scatter_single(shard, full),
                      "broadcast": lambda: dist.broadcast(full, src=0),
                      "copy": lambda: target.copy_(full)}
             for op, call in calls.items():

@@ -9,7 +9,8 @@ Closed form (no module is built). Terms, per rank:
   the last stage's own copy) and the fuller kept; MoE experts split over ep x tp (etp = tp) or
   over ep alone (etp = 1: ep borrows the tp ranks, experts whole), then FSDP over "edp";
 - gradients: fp32, split like parameters;
-- optimizer state: bytes per parameter by optimizer, split by dp for zero1/zero2/fsdp;
+- optimizer state: bytes per parameter by optimizer, split by dp for zero2/fsdp; zero1 the fullest
+  rank's partition of whole tensors over dp x cp (`zero1_fullest_share`, largest first);
 - activations kept for backward, per layer and token (counted tensor by tensor for kiln's
   pre-norm block: two fp32 norm inputs, normed inputs, q/k/v, attention output, and the MLP's
   2 (gelu) or 4 (gated) hidden-sized tensors; SDPA/flash keeps no s x s matrix), times the
@@ -54,6 +55,8 @@ recomputed activations), since backward frees each block's activations as its gr
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 from dataclasses import dataclass, field
 
 from kiln.config import ModelConfig
@@ -281,32 +284,77 @@ def recomputed_blocks(ac: str, n_layers: int) -> int:
     raise ValueError(f"unknown activation checkpointing {ac!r}")
 
 
-def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[float, float, int]:
-    """(dense, expert, blocks) of one rank of the pipeline's first (or, `last`, last) stage before
-    any data-parallel sharding: dense weights split over tp (the final norm replicated), each MoE
-    block's experts over ep x `expert_tp` (1 when ep borrows tp: whole experts; the router is dense).
-    pp = 1: the whole model. pp > 1: kiln's split (pipeline_layout.py stage_layer_ranges, earlier
-    stages take the remainder): the first rank holds ceil(L/pp) blocks and the embedding, the last
-    L//pp blocks, the final norm and the head, which for tied embeddings is the last stage's own
-    copy of the embedding (kiln/parallel/pipeline_tied.py, Megatron-LM's): weight, gradient and
-    optimizer state on both ends. ZBV's V puts the first and the last stage on rank 0 (both ends
-    there; `last` is then a middle rank)."""
+def stage_contents(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[int, bool, bool, bool]:
+    """(blocks, embedding, head, final norm) of one rank of the pipeline's first (or, `last`, last)
+    stage; head is a tensor of its own (an untied head, or under pp a tied model's copy of the
+    embedding). pp = 1: the whole model. pp > 1: kiln's split (pipeline_layout.py
+    stage_layer_ranges, earlier stages take the remainder): the first rank holds ceil(L/pp) blocks
+    and the embedding, the last L//pp blocks, the final norm and the head, which for tied
+    embeddings is the last stage's own copy of the embedding (kiln/parallel/pipeline_tied.py,
+    Megatron-LM's): weight, gradient and optimizer state on both ends. ZBV's V puts the first and
+    the last stage on rank 0 (both ends there; `last` is then a middle rank)."""
     p, n_layers = layout.pp, shape.n_layers
-    head = shape.vocab * shape.dim
-    embedding = head + shape.learned_positions_len * shape.dim
     zbv = p > 1 and layout.schedule == "zbv_zero_bubble"
     if p == 1:
-        blocks, ends, norm = n_layers, shape.embedding_params, shape.dim
-    elif not last:
-        blocks, ends, norm = -(-n_layers // p), embedding + (head if zbv else 0), shape.dim if zbv else 0
-    else:
-        blocks, ends, norm = n_layers // p, 0 if zbv else head, 0 if zbv else shape.dim
-    moe_blocks = blocks * shape.moe_layers / n_layers
+        return n_layers, True, not shape.tied, True
+    if not last:
+        return -(-n_layers // p), True, zbv, zbv
+    return n_layers // p, False, not zbv, not zbv
+
+
+def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[float, float, int]:
+    """(dense, expert, blocks) of one rank of the pipeline's first (or, `last`, last) stage
+    (`stage_contents`) before any data-parallel sharding: dense matrices and embeddings split over
+    tp, the norms and MoE routers replicated (tensor_parallel.py), each MoE block's experts over ep x
+    `expert_tp` (1 when ep borrows tp: whole experts)."""
+    blocks, embedding, head, norm = stage_contents(shape, layout, last)
+    ends = (shape.vocab * shape.dim + shape.learned_positions_len * shape.dim if embedding else 0) + \
+        (shape.vocab * shape.dim if head else 0)
+    moe_blocks = blocks * shape.moe_layers / shape.n_layers
+    norms = 2 * shape.dim  # a block's two norm weights, in layer_params
     # a MoE block's MLP is its experts, plus a router of E x dim
-    moe_dense = moe_blocks * (shape.moe_experts * shape.dim - shape.ffn_params)
-    dense = (blocks * shape.layer_params + moe_dense + ends) / layout.tp + norm
+    sharded = blocks * (shape.layer_params - norms) - moe_blocks * shape.ffn_params + ends
+    replicated = blocks * norms + moe_blocks * shape.moe_experts * shape.dim + (shape.dim if norm else 0)
+    dense = sharded / layout.tp + replicated
     experts = moe_blocks * shape.moe_experts * shape.ffn_params / (layout.ep * layout.expert_tp)
     return dense, experts, blocks
+
+
+def zero1_fullest_share(shape: ModelShape, layout: Layout, last: bool = False) -> float:
+    """The fullest rank's share of a stage rank's dense parameters under ZeRO-1 (its optimizer
+    state, and the part of the step it runs). kiln's ZeRO-1 (kiln/parallel/zero1.py
+    `ZeroRedundancyState`) gives whole tensors to the data-parallel x cp ranks (data_parallel.py
+    grad_mesh), largest first, each to the rank holding the fewest elements so far. So a large
+    tensor leaves one rank above 1/n: at 64 ranks configs/llama-7b.toml's 32000 x 4096 embedding
+    alone is 1.24 x a rank's even share. Tensors are the local ones (tp's shards; norms and MoE routers
+    replicated over tp). MoE experts are in the partition (each block's stacked w1/w2/w3) only
+    without ep; parallel.ep's are stepped on every rank (data_parallel.py
+    ZeroRedundancyExceptExperts). The share is of the dense parameters, plus the experts when ep = 1."""
+    ranks = layout.dp * layout.cp
+    if ranks == 1:
+        return 1.0
+    return _zero1_share(shape, layout.tp, stage_contents(shape, layout, last), ranks, layout.ep == 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool], ranks: int,
+                 with_experts: bool) -> float:
+    blocks, embedding, head, norm = stage
+    d, kv, ffn = shape.dim, shape.kv_dim, shape.ffn
+    moe_blocks = round(blocks * shape.moe_layers / shape.n_layers)
+    matrices = 3 if shape.gated else 2
+    experts = [shape.moe_experts * d * ffn / tp] * matrices if with_experts else []
+    sizes = [d * d / tp, kv * d / tp, kv * d / tp, d * d / tp] * blocks + [d * ffn / tp] * matrices * (blocks - moe_blocks)
+    sizes += ([shape.moe_experts * d] + experts) * moe_blocks + [float(d)] * (2 * blocks + (1 if norm else 0))
+    if embedding:
+        sizes += [shape.vocab * d / tp] + ([shape.learned_positions_len * d / tp] if shape.learned_positions_len else [])
+    if head:
+        sizes.append(shape.vocab * d / tp)
+    held = [(0.0, r) for r in range(ranks)]  # (elements so far, rank)
+    for size in sorted(sizes, reverse=True):
+        total, rank = heapq.heappop(held)
+        heapq.heappush(held, (total + size, rank))
+    return max(total for total, _ in held) / sum(sizes)
 
 
 def holds_head(layout: Layout, last: bool) -> bool:
@@ -340,9 +388,13 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     expert_shard = layout.expert_dp if sharded else 1  # experts FSDP over "edp"; ddp/zero1 replicate them
     out.parameters = 4 * (dense / shard + experts / expert_shard)
     out.gradients = out.parameters
-    # zero1 shards the dense optimizer state only (data_parallel.py ZeroRedundancyExceptExperts)
-    optim_split = layout.dp if full_mode == "zero1" else shard
-    out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * (dense / optim_split + experts / expert_shard)
+    # zero1: the fullest rank's whole tensors, ep's experts outside them (zero1_fullest_share)
+    if full_mode == "zero1":
+        partitioned = dense + (experts if layout.ep == 1 else 0.0)
+        stepped = partitioned * zero1_fullest_share(shape, layout, last) + (experts if layout.ep > 1 else 0.0)
+    else:
+        stepped = dense / shard + experts / expert_shard
+    out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * stepped
 
     act = ACT_BYTES[layout.precision]
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch

@@ -66,7 +66,7 @@ from kiln.plan.cluster import Cluster
 # the communication and pipeline terms live beside this module; re-exported for callers of timing
 from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, rank_params,
-                              recomputed_blocks, resharded_after_forward)
+                              recomputed_blocks, resharded_after_forward, zero1_fullest_share)
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
@@ -161,8 +161,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     param_bytes = 4 if layout.precision == "fp32" else 2
     # the fuller end of the pipeline (rank_params: the embedding on the first stage, the head - for
     # tied embeddings a copy - on the last); the data-parallel reduction waits for it
-    ends = [rank_params(shape, layout, last) for last in ((False, True) if layout.pp > 1 else (False,))]
-    dense, experts, _ = max(ends, key=lambda e: e[0] + e[1])
+    ends = [(rank_params(shape, layout, last), last) for last in ((False, True) if layout.pp > 1 else (False,))]
+    (dense, experts, _), fuller_last = max(ends, key=lambda e: e[0][0] + e[0][1])
     exposed, total = 0.0, 0.0
     calls: dict[str, float] = {}  # collective calls by op
     launched, copied = 0.0, 0.0  # calls waited on in turn (each pays the launch cost); bytes copied
@@ -302,10 +302,15 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     idle = bubble_fraction(layout, pass_split(shape, layout, seq_len))
     bubble = max(0.0, compute * share * (1 + idle) - compute) if share < 1 else compute * idle
     # The optimizer step reads and writes weights, gradients and state: memory-bandwidth bound.
-    # Each rank steps its partition: zero1 over the replicas, zero2/fsdp over the shards.
-    shard = {"zero1": replicas, "zero2": shards, "fsdp": shards}.get(layout.dp_mode, 1)
-    expert_shard = layout.expert_dp if layout.dp_mode in ("zero2", "fsdp") else 1  # zero1: dense state only
-    stepped = dense / shard + experts / expert_shard
+    # Each rank steps its partition: zero2/fsdp over the shards, zero1 the fullest rank's whole
+    # tensors (memory.py zero1_fullest_share; the others wait for its broadcasts).
+    shard = {"zero2": shards, "fsdp": shards}.get(layout.dp_mode, 1)
+    expert_shard = layout.expert_dp if layout.dp_mode in ("zero2", "fsdp") else 1
+    if layout.dp_mode == "zero1":
+        partitioned = dense + (experts if layout.ep == 1 else 0.0)
+        stepped = partitioned * zero1_fullest_share(shape, layout, fuller_last) + (experts if layout.ep > 1 else 0.0)
+    else:
+        stepped = dense / shard + experts / expert_shard
     opt_bytes = stepped * optimizer_step_bytes(optimizer, optimizer_impl)
     mem_bw = dev.memory_bandwidth_gbps * 1e9
     optimizer_s = opt_bytes / mem_bw / share

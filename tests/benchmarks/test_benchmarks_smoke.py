@@ -49,3 +49,17 @@ def test_time_to_loss_rejects_missing_corpus(tmp_path):
 
     with pytest.raises(KilnError, match="not found"):
         _load("time_to_loss").main([str(tmp_path / "nope.txt"), "--quick"])
+
+
+@pytest.mark.timeout(60)
+def test_zero1_partition_measures_both_partitions_and_the_prediction(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("needs this process free of another process group")
+    out = tmp_path / "zero1.json"
+    assert _load("zero1_partition").main(["--configs", "configs/llama-1b.toml", "--ranks", "2,3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [2, 3]
+    for r in rows:  # multiples of the even share: never below it, kiln never fuller than torch
+        assert r["predicted"] == pytest.approx(r["kiln"]) and 1 <= r["kiln"] <= r["torch"]

@@ -19,7 +19,7 @@ def fsdp_gradient_on_two_ranks(rank, world):
 
     averages = torch_compat.gloo_reduce_scatter_averages()
     out = torch.empty(1)
-    dist.reduce_scatter_tensor(out, torch.full((world,), float(rank)), op=dist.ReduceOp.AVG)
+    torch_compat.reduce_scatter_single(out, torch.full((world,), float(rank)), op=dist.ReduceOp.AVG)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     grads = {}
     for case in ("fsdp alone", "kiln", "forced"):

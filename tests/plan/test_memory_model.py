@@ -1,9 +1,10 @@
 """The one memory model against exact byte counts of a real tiny model, and its layout rules."""
 
+import pytest
 import torch
 
 from kiln.config import load_config
-from kiln.plan.memory import Layout, ModelShape, in_flight_microbatches, rank_memory
+from kiln.plan.memory import Layout, ModelShape, in_flight_microbatches, rank_memory, zero1_fullest_share
 from kiln.train.memory import estimate_train_bytes, layout_of
 
 
@@ -38,13 +39,15 @@ def test_sharding_rules_per_mode():
     zero2 = rank_memory(shape, Layout(dp_shard=4, dp_mode="zero2", **base), 32)
     fsdp = rank_memory(shape, Layout(dp_shard=4, dp_mode="fsdp", **base), 32)
     hsdp = rank_memory(shape, Layout(dp_replicate=2, dp_shard=2, dp_mode="fsdp", **base), 32)
-    assert zero1.optimizer == ddp.optimizer / 4 and zero1.parameters == ddp.parameters
+    # ZeRO-1 splits whole tensors (zero1_fullest_share): the fullest rank holds at least 1/4
+    assert ddp.optimizer / 4 < zero1.optimizer < ddp.optimizer and zero1.parameters == ddp.parameters
     assert zero2.gradients == fsdp.gradients == ddp.gradients / 4
     assert fsdp.parameters == ddp.parameters / 4 and hsdp.parameters == ddp.parameters / 2
     assert zero2.temporary > fsdp.temporary  # zero2 keeps every parameter gathered through backward
     tp = rank_memory(shape, Layout(tp=2, **base), 32)
     one = rank_memory(shape, Layout(**base), 32)
-    assert tp.parameters == 4 * ((shape.params - shape.dim) / 2 + shape.dim)  # the final norm is replicated
+    norms = (2 * shape.n_layers + 1) * shape.dim  # two per block and the final one
+    assert tp.parameters == 4 * ((shape.params - norms) / 2 + norms)  # every norm is replicated
     assert tp.activations == one.activations / 2
 
 
@@ -111,14 +114,17 @@ def test_tied_head_copy_costs_the_last_stage_like_an_untied_head():
 
 def test_data_parallel_over_tensor_parallel_shards():
     """ddp / zero1 x tp: each rank holds its tp shard; ddp keeps its whole optimizer state, zero1
-    splits it over dp; DDP's buckets hold the local gradients."""
+    splits its tensors over dp (the fullest rank's share); DDP's buckets hold the local gradients."""
     _, shape = _shape(["model.vocab_size=300"])
     base = dict(tp=2, micro_batch=1, precision="fp32")
     tp = rank_memory(shape, Layout(**base), 32)
     ddp = rank_memory(shape, Layout(dp_replicate=4, dp_mode="ddp", **base), 32)
     zero1 = rank_memory(shape, Layout(dp_replicate=4, dp_mode="zero1", **base), 32)
-    assert ddp.parameters == ddp.gradients == tp.parameters == 4 * ((shape.params - shape.dim) / 2 + shape.dim)
-    assert ddp.optimizer == tp.optimizer and zero1.optimizer == tp.optimizer / 4
+    norms = (2 * shape.n_layers + 1) * shape.dim  # two per block and the final one
+    assert ddp.parameters == ddp.gradients == tp.parameters == 4 * ((shape.params - norms) / 2 + norms)
+    share = zero1_fullest_share(shape, Layout(dp_replicate=4, dp_mode="zero1", **base))
+    assert ddp.optimizer == tp.optimizer and zero1.optimizer == pytest.approx(tp.optimizer * share)
+    assert 1 / 4 < share < 1 / 2
     assert ddp.comm_buffers == tp.gradients  # the local gradients (under 2 x 25 MiB) in buckets
 
 
@@ -142,7 +148,9 @@ def test_experts_counted_and_split_over_ep_and_etp():
     assert (etp_tp.expert_dp, borrow.expert_dp) == (1, 2)
     assert rank_params(shape, etp_tp)[1] == experts / 4 and rank_params(shape, borrow)[1] == experts / 2
     dense = rank_params(shape, borrow)[0]
-    assert dense == rank_params(shape, etp_tp)[0] == (shape.params - experts - shape.dim) / 2 + shape.dim
+    # tp shards the matrices and embedding; the norms and the routers (E x dim) are replicated
+    replicated = (2 * shape.n_layers + 1) * shape.dim + shape.moe_layers * shape.moe_experts * shape.dim
+    assert dense == rank_params(shape, etp_tp)[0] == (shape.params - experts - replicated) / 2 + replicated
     assert rank_memory(shape, borrow, 32).parameters == 4 * (dense / 2 + experts / 4)
     whole = rank_memory(shape, Layout(ep=4, etp=1, **fsdp), 32)  # ep over dp_shard x tp: edp = 1
     assert whole.parameters == 4 * (dense / 2 + experts / 4)
