@@ -222,11 +222,22 @@ def force_sum_for_gloo(model) -> None:
         return
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            if not hasattr(module, "set_force_sum_reduction_for_comms"):
+            if not fsdp_can_force_sum():
                 raise KilnError(f"FSDP2 on CPU under torch {torch.__version__}: gloo sums the gradients where FSDP "
                                 f"asks it to average, and this FSDP2 cannot be told to sum instead; set "
                                 f"parallel.dp_mode='ddp' or use torch >= 2.8")
             module.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_can_force_sum() -> bool:
+    """Whether FSDP2 can be told to reduce gradients with SUM and divide after
+    (`FSDPModule.set_force_sum_reduction_for_comms`, from 2.8): kiln's way round gloo's summing AVG
+    reduce-scatter (`force_sum_for_gloo`). 2.7's FSDP2 runs on CPU, and its gloo sums too, but it
+    lacks the switch (its `set_reduce_scatter_divide_factor` is NCCL's PreMulSum): there FSDP on
+    CPU is refused in one line rather than training on the sum."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_force_sum_reduction_for_comms")
 
 
 def same_layout(a, b) -> bool:

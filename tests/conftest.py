@@ -33,12 +33,27 @@ def float8_import_error() -> str | None:
     return None
 
 
+def float8_cpu_matmul_error() -> str | None:
+    """Why float8 GEMMs (torch._scaled_mm) cannot run on CPU here, or None: torch 2.7 has no CPU
+    kernel ("Could not run 'aten::_scaled_mm' with arguments from the 'CPU' backend"); 2.8 and later do."""
+    one = torch.tensor(1.0)
+    x = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(x, x.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (NotImplementedError, RuntimeError) as e:
+        return f"torch {torch.__version__} has no float8 GEMM on CPU: {str(e)[:80]}"
+    return None
+
+
 def require_fsdp2_on_cpu() -> None:
-    """Skip a test that runs FSDP2 on CPU where this torch cannot (2.6; kiln refuses it there)."""
+    """Skip a test that runs FSDP2 on CPU where this torch cannot or kiln refuses it: 2.6's FSDP2
+    does not run on CPU; 2.7's runs, but gloo sums its averages and it cannot be told to sum."""
     from kiln import torch_compat
 
     if not torch_compat.fsdp_runs_on_cpu():
         pytest.skip(f"FSDP2 does not run on CPU under torch {torch.__version__} (kiln refuses it there)")
+    if not torch_compat.fsdp_can_force_sum():
+        pytest.skip(f"FSDP2 cannot average over gloo under torch {torch.__version__} (kiln refuses it there)")
 
 
 def tiny_overrides(source: Path, **extra) -> list[str]:

@@ -142,7 +142,12 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if fsdp and device.type == "cpu" and not torch_compat.fsdp_runs_on_cpu():
         raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU needs a torch whose FSDP2 runs there (this is "
                         f"{torch.__version__}; 2.11 and 2.13 do); set parallel.dp_mode='ddp' or update torch")
-    dims.build_mesh(device.type)
+    dims.build_mesh(device.type)  # probes gloo's AVG reduce-scatter (torch_compat.gloo_reduce_scatter_averages)
+    if fsdp and device.type == "cpu" and not (torch_compat.gloo_reduce_scatter_averages()
+                                              or torch_compat.fsdp_can_force_sum()):
+        raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU under torch {torch.__version__}: gloo sums the "
+                        f"gradients where FSDP asks it to average, and this FSDP2 cannot be told to sum instead; "
+                        f"set parallel.dp_mode='ddp' or use torch >= 2.8")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     cfg.train.dtype = resolve_dtype(cfg.train.dtype, device)

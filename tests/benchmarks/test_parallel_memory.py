@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))  # the
 from comm_count import event_bytes, scaled, summarize  # noqa: E402
 from parallel_rows import rows, select, unsupported  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+from conftest import require_fsdp2_on_cpu  # noqa: E402
 
 
 def _counted(rank, n):
@@ -134,6 +135,7 @@ def test_partial_run_merges_into_results():
 
 @pytest.mark.timeout(240)
 def test_quick_run_of_expert_parallel_and_diloco(tmp_path):
+    require_fsdp2_on_cpu()  # moe_ep is ep=2 carved out of fsdp's dp_shard
     out = tmp_path / "pm.json"  # an earlier run of the same (--quick) model: the new rows merge into it
     single = {"n_params": 1, "params": 4, "params_after_forward": 4, "grads": 4, "optimizer": 8, "step_s_median": 1.0}
     earlier = _run("tp", 2, 0.5)

@@ -102,7 +102,9 @@ OLDER_TORCH_REFUSALS = [
     # 2.6: FSDP2 records events on a CPU stream, which has none (kiln's refusal, or a test's own fully_shard)
     (("on CPU needs a torch whose FSDP2 runs there", "'Stream' object has no attribute 'record_event'"),
      "fsdp_runs_on_cpu", "FSDP2 does not run on CPU"),
-    # before 2.10: FSDP2 cannot shard experts already split over ep and tp (2-D DTensors)
+    # 2.7: FSDP2 runs on CPU but gloo sums its averages and it cannot be told to sum (kiln's refusal)
+    (("this FSDP2 cannot be told to sum instead",), "fsdp_can_force_sum", "FSDP2 cannot average over gloo"),
+    # before 2.9: FSDP2 cannot shard experts already split over ep and tp (2-D DTensors)
     (("which this torch's FSDP2 cannot shard again",), "fsdp_shards_2d_dtensors",
      "FSDP2 cannot shard experts split over ep and tp"),
 ]

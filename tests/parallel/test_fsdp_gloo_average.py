@@ -2,10 +2,12 @@
 gloo reduce-scatter sums where FSDP asks for AVG (kiln/torch_compat.py gloo_reduce_scatter_averages),
 so kiln makes FSDP sum and divide after there (`force_sum_for_gloo`). On 2 gloo ranks: the probe
 says what gloo does, and FSDP's gradient with the workaround forced on equals the two ranks' mean
-(checked on every release, also where gloo averages and the workaround is not needed)."""
+(checked on every release, also where gloo averages and the workaround is not needed). Where FSDP
+cannot be told to sum (2.7) and gloo sums, kiln refuses FSDP in one line instead."""
 
 import torch
 
+from kiln import torch_compat
 from conftest import require_fsdp2_on_cpu
 from ranks import run_ranks
 
@@ -16,6 +18,7 @@ def fsdp_gradient_on_two_ranks(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     from kiln import torch_compat
+    from kiln.errors import KilnError
 
     averages = torch_compat.gloo_reduce_scatter_averages()
     out = torch.empty(1)
@@ -28,11 +31,15 @@ def fsdp_gradient_on_two_ranks(rank, world):
         fully_shard(model, mesh=mesh)
         if case == "forced":  # as where gloo sums, on every release: FSDP sums and divides after
             torch_compat._GLOO_REDUCE_SCATTER_AVERAGES[:] = [False]
-        if case != "fsdp alone":
-            torch_compat.force_sum_for_gloo(model)
-        x = torch.full((2, 4), float(rank + 1))  # rank 0's input 1, rank 1's 2
-        model(x).sum().backward()
-        grads[case] = model[0].weight.grad.full_tensor().tolist()
+        try:
+            if case != "fsdp alone":
+                torch_compat.force_sum_for_gloo(model)
+        except KilnError as e:
+            grads[case] = str(e)
+        else:
+            x = torch.full((2, 4), float(rank + 1))  # rank 0's input 1, rank 1's 2
+            model(x).sum().backward()
+            grads[case] = model[0].weight.grad.full_tensor().tolist()
         torch_compat._GLOO_REDUCE_SCATTER_AVERAGES[:] = [averages]
     return {"probed": averages, "avg_result": float(out), "grads": grads}
 
@@ -42,6 +49,10 @@ def test_fsdp_gradients_are_the_ranks_mean_with_or_without_the_gloo_workaround(t
     for got in run_ranks(fsdp_gradient_on_two_ranks, 2, tmp_path):
         assert got["probed"] == (got["avg_result"] == 0.5)  # ranks 0 and 1 average to 0.5, sum to 1
         # d(sum(W x))/dW = sum over the 2 rows of x: 2 * (rank + 1) per entry, mean over the ranks 3
-        assert got["grads"]["kiln"] == got["grads"]["forced"] == [[3.0] * 4] * 4
+        if not torch_compat.fsdp_can_force_sum():  # 2.7: refused in one line wherever gloo sums
+            assert "cannot be told to sum" in got["grads"]["forced"]
+            assert got["grads"]["kiln"] == ([[3.0] * 4] * 4 if got["probed"] else got["grads"]["forced"])
+        else:
+            assert got["grads"]["kiln"] == got["grads"]["forced"] == [[3.0] * 4] * 4
         # FSDP alone: the mean where gloo averages, the sum (twice the mean) where it does not (2.8)
         assert got["grads"]["fsdp alone"] == [[3.0 if got["probed"] else 6.0] * 4] * 4

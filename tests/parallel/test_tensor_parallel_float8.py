@@ -128,7 +128,10 @@ def _gloo_all_gathers_float8_as_bytes():
     """torchao's float8 all-gather (its Float8TrainingTensor gathers the raw float8 data) with the
     data viewed as uint8, which gloo can move; the result is viewed back as float8."""
     from torchao.float8 import float8_ops
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+    try:
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+    except ImportError:  # torchao before 0.12 (0.11, next to torch 2.7) names it Float8Tensor
+        from torchao.float8.float8_tensor import Float8Tensor as Float8TrainingTensor
 
     def all_gather(op, args, kwargs=None):
         x = args[0]
@@ -168,6 +171,9 @@ CASES = {"llama": (LLAMA, "tensorwise", None), "gpt2": (GPT2, "tensorwise", None
          "gpt2_float8_styles": (GPT2, "tensorwise", _is_float8_linear)}
 
 
+CONTROLS = ("tensorwise_plain_styles", "rowwise_float8_styles", "gpt2_float8_styles")
+
+
 def _worker(rank, world):
     _gloo_all_gathers_float8_as_bytes()
     results = {}
@@ -179,8 +185,14 @@ def _worker(rank, world):
         dims.check_model(cfg)  # the layout check kiln train runs first
         dims.build_mesh("cpu")
         gathers = AllGathers()
-        with _float8_styles_for(styles) if styles else contextlib.nullcontext():
-            losses = run_steps(overrides, recipe, dims, gathers)
+        try:
+            with _float8_styles_for(styles) if styles else contextlib.nullcontext():
+                losses = run_steps(overrides, recipe, dims, gathers)
+        except NotImplementedError as e:  # a control's wrong styles may fail outright in an older torchao
+            if name not in CONTROLS:
+                raise
+            results[name] = (None, f"raised: {e}")
+            continue
         results[name] = (losses, gathers.dtypes)
     return results
 
@@ -246,8 +258,11 @@ def test_plain_styles_on_tensorwise_linears_still_match(tp2):
 def test_torchao_float8_styles_on_rowwise_linears_train_differently(tp2):
     # torchao's styles check only the scaling type: on rowwise linears they cast the gathered input
     # with one scale per tensor, and nothing fails. kiln's plan gives rowwise linears torch's styles.
+    got, note = tp2["rowwise_float8_styles"]
+    if got is None:  # torch 2.7 with torchao 0.12: its rowwise backward refuses the gathered DTensor
+        assert "not supported" in note, note
+        return
     expected = run_steps(LLAMA, "rowwise")
-    got = tp2["rowwise_float8_styles"][0]
     rel = [abs(g - e) / abs(e) for g, e in zip(got, expected)]
     assert max(rel) > 20 * REL and sum(r > 10 * REL for r in rel) >= 5, rel
 

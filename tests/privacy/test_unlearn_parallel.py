@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import require_fsdp2_on_cpu
 from kiln.cli import main
 from kiln.config import load_config
 
@@ -51,6 +52,7 @@ def _unlearn_rank(rank, n, run_dir, outs):
 def run_dir(tmp_path_factory):
     from kiln.train.trainer import train
 
+    require_fsdp2_on_cpu()  # the run's default 2-rank layout is fsdp
     root = tmp_path_factory.mktemp("unlearn-fsdp")
     (root / "corpus.txt").write_text(CORPUS)
     # One canary row each (exposure: candidates scored by the rank that holds the row, so the

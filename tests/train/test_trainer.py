@@ -159,6 +159,31 @@ def test_shards_are_cached_and_foreign_dirs_left_alone(tmp_path, text_file):
     assert (foreign / "notes.txt").read_text() == "precious"
 
 
+def test_fsdp_on_cpu_where_gloo_sums_and_fsdp2_cannot_sum_instead_is_one_line(tmp_path, text_file, monkeypatch,
+                                                                                capsys):
+    """torch 2.7: FSDP2 runs on CPU, gloo's AVG reduce-scatter sums, and FSDP2 has no switch to sum
+    and divide (kiln/torch_compat.py fsdp_can_force_sum): training would run on the sum of the
+    ranks' gradients, so kiln says so once the mesh is built (its probe), before any work."""
+    from kiln import torch_compat
+    from kiln.cli import main
+    from kiln.parallel.dims import ParallelDims
+
+    monkeypatch.setattr(torch_compat, "fsdp_runs_on_cpu", lambda: True)
+    monkeypatch.setattr(torch_compat, "gloo_reduce_scatter_averages", lambda: False)
+    monkeypatch.setattr(torch_compat, "fsdp_can_force_sum", lambda: False)
+    monkeypatch.setattr(ParallelDims, "build_mesh", lambda self, device_type: None)  # one process: no group
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    run = tmp_path / "fsdp"
+    args = ["train", "--run-dir", str(run)]
+    for o in tiny_overrides(text_file, **{"train.device": "'cpu'", "parallel.dp_mode": "'zero2'"}):
+        args += ["--set", o]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "parallel.dp_mode='zero2' on CPU" in lines[0] and "gloo sums" in lines[0], lines
+    assert "'ddp'" in lines[0] and not run.exists()
+
+
 def test_fsdp_on_cpu_with_a_torch_whose_fsdp2_cannot_run_there_is_one_line(tmp_path, text_file, monkeypatch, capsys):
     """torch 2.6's FSDP2 fails at the first all-gather on CPU (its CPU streams record no events,
     kiln/torch_compat.py); kiln says so before any work, naming the setting that runs instead."""
