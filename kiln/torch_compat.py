@@ -42,9 +42,10 @@ def wait_for_every_pipeline_p2p() -> bool:
     - Before 2.10 the multi-stage runtime sends between two stages on one rank like between ranks
       (ZBV's V holds stages r and 2pp-1-r, and its middle two are neighbours): a send to this rank
       itself, which gloo has no pair for (2.6: "writev: Bad file descriptor"; 2.8: "Pair is not
-      connected"; 2.10 and later do not send it; 2.9 is taken like 2.8 and its ZBV tests pass so;
-      2.7 not run). Here such sends and receives are matched in order, as gloo matches one peer's
-      messages, and copied locally. Where `_wait_batch_p2p` exists (2.8) the replacement returns a list, as it expects."""
+      connected"; 2.10 and later do not send it; 2.7 and 2.9 are taken like 2.8 and their ZBV tests
+      pass so). Here such sends and receives are matched in order, as gloo matches one peer's
+      messages, and copied locally. Where `_wait_batch_p2p` exists (2.7+) the replacement returns a
+      list, as it expects."""
     import collections
 
     import torch
@@ -313,7 +314,7 @@ def distribute_tensor(tensor, mesh, placements, src_data_rank: int | None = 0):
 @functools.cache
 def key_embedding_backward_by_vocab() -> bool:
     """DTensor caches the sharding it propagates per op schema, and until pytorch/pytorch#174727
-    (2.11 passes, 2.6 fails; 2.7-2.10 not run) the schema of `embedding_dense_backward` left its
+    (2.11 passes, 2.6 fails; 2.7-2.10 pass their tp tests with this) the schema of `embedding_dense_backward` left its
     `num_weights` (the rows) out of the cache key: under tp, the backward of a second embedding of
     another size in the process (a 64-token model, then a 65-token one; in one GPT-2 model, its
     positions and its tokens) reused the first one's shape ("EmbeddingBackward0 returned an
@@ -350,7 +351,7 @@ def dynamo_traces_data_dependent_splits() -> bool:
     rest): 2.10, 2.11 and 2.13 do; 2.6 fails on the unbacked sizes ("Failed running call_function
     split ... [u0, u1, u2, u3, -u0 - u1 - u2 - u3 + 128]"; a graph break around it is refused too,
     kiln compiles whole blocks), 2.9 on the host read of the sizes ("DataDependentOutputException:
-    aten._local_scalar_dense.default"), and 2.7-2.8 were not run and are taken alike. There
+    aten._local_scalar_dense.default"), and 2.7-2.8 are taken alike (not run with the gate lowered). There
     train.compile with model.moe_experts is refused in one line (kiln/parallel/dims.py)."""
     import torch
 
@@ -361,7 +362,8 @@ def dynamo_traces_ring_objects() -> bool:
     """Whether dynamo compiles a block whose attention is cp's ring attention, given its `Ring`
     (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.9, 2.10, 2.11
     and 2.13 do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around
-    it is refused too, kiln compiles whole blocks), and 2.7-2.8 were not run and are taken alike.
+    it is refused too, kiln compiles whole blocks), and 2.7-2.8 are taken alike (not run with the gate
+    lowered).
     There train.compile with parallel.cp > 1 is refused in one line (kiln/parallel/dims.py)."""
     import torch
 
@@ -395,9 +397,9 @@ def fsdp_shards_2d_dtensors() -> bool:
     """Whether FSDP2 shards a parameter that is already a DTensor of two placements, as MoE experts
     are under ep x tp with etp = tp (Shard over ep, Shard over tp): 2.9 and 2.10 do ("2D EP+TP",
     the ep x tp equivalence tests pass); 2.8's FSDP takes 1-D TP only ("FSDP only supports 1D TP,
-    not (Shard(dim=0), Shard(dim=2))"), and 2.7 was not run and is taken alike. There fsdp/zero2
-    with ep x tp (etp = tp) is refused in one line (kiln/parallel/dims.py
-    `ParallelDims.check_model`); etp = 1 keeps the experts 1-D."""
+    not (Shard(dim=0), Shard(dim=2))"), and 2.7 is taken alike (its FSDP on CPU is refused anyway,
+    `fsdp_can_force_sum`). There fsdp/zero2 with ep x tp (etp = tp) is refused in one line
+    (kiln/parallel/dims.py `ParallelDims.check_model`); etp = 1 keeps the experts 1-D."""
     import torch
 
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)

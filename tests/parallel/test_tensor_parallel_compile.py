@@ -50,12 +50,12 @@ MODEL = {"model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_h
          "metrics.peak_flops": 1e12}  # a given peak: no matmul probe per run (seconds on a loaded core)
 GLOBAL_BATCH = 4
 BACKEND = os.environ.get("KILN_TEST_COMPILE_BACKEND", "aot_eager")
-# The two torch bugs kiln works around here are in torch 2.13 and not in 2.11 (scripts/torch_range.sh
-# 2.11.0: both repros pass and nothing fails without the workarounds); 2.14.1 has the collective one
-# and not the RNG one (its repro passes); 2.12 was not run.
+# The two torch bugs kiln works around here are in torch 2.12 and 2.13 and not in 2.11
+# (scripts/torch_range.sh 2.11.0: both repros pass and nothing fails without the workarounds);
+# 2.14.1 has the collective one and not the RNG one (its repro passes). 2.12.1: both repros fail.
 _TORCH = torch.torch_version.TorchVersion(torch.__version__)
-TORCH_HAS_THE_COLLECTIVE_BUG = _TORCH >= (2, 13)
-TORCH_HAS_THE_RNG_BUG = (2, 13) <= _TORCH < (2, 14)
+TORCH_HAS_THE_COLLECTIVE_BUG = _TORCH >= (2, 12)
+TORCH_HAS_THE_RNG_BUG = (2, 12) <= _TORCH < (2, 14)
 WITHOUT_THE_BUGS = f"torch {torch.__version__} has not the bug this workaround is for"
 LAUNCH_TIMEOUT = 300 if BACKEND == "aot_eager" else 1800  # seconds per launch of 1, 2, 4 ranks
 
@@ -233,7 +233,7 @@ def _act_into_compiled_region(world):
     return type(h).__name__, bool(torch.allclose(grads[0], grads[1], rtol=1e-6, atol=0))
 
 
-@pytest.mark.xfail(TORCH_HAS_THE_COLLECTIVE_BUG, strict=True, reason="torch 2.13.0 and 2.14.1 (CPU): AOTAutograd unwraps an AsyncCollectiveTensor input "
+@pytest.mark.xfail(TORCH_HAS_THE_COLLECTIVE_BUG, strict=True, reason="torch 2.12.1, 2.13.0 and 2.14.1 (CPU): AOTAutograd unwraps an AsyncCollectiveTensor input "
                    "with trigger_wait() and drops its requires_grad (pytorch/pytorch#179849; fix proposed in "
                    "#191113); when this passes, wait_collective_inputs in kiln/parallel/parallelize.py can go")
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
@@ -272,7 +272,7 @@ def _checkpointed_random_op(world):
 
 
 @pytest.mark.xfail(TORCH_HAS_THE_RNG_BUG, strict=True, raises=AssertionError,
-                   reason="torch 2.13.0 (CPU): a recomputed random op's RNG state is returned after the opaque "
+                   reason="torch 2.12.1 and 2.13.0 (CPU): a recomputed random op's RNG state is returned after the opaque "
                    "DeviceMesh saved for backward and taken for it (functionalize_rng_ops); when this passes, "
                    "keep_random_op_outputs in kiln/parallel/parallelize.py can go")
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
