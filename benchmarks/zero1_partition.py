@@ -36,6 +36,8 @@ from kiln.train.optim import param_groups  # noqa: E402
 
 
 def fullest_share(model: torch.nn.Module, cfg, ranks: int, zero_class) -> float:
+    """The fullest rank's elements / all elements, as `zero_class` partitions kiln's param groups of
+    `model` over `ranks` (tests/plan/test_zero1_partition.py checks kiln plan's rule with it)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     held = []
@@ -46,6 +48,7 @@ def fullest_share(model: torch.nn.Module, cfg, ranks: int, zero_class) -> float:
             held.append(sum(p.numel() for g in zero.optim.param_groups for p in g["params"]))
         finally:
             dist.destroy_process_group()
+    assert sum(held) == sum(p.numel() for p in model.parameters())  # every tensor on exactly one rank
     return max(held) / sum(held)
 
 

@@ -4,14 +4,19 @@ process group of n ranks faked in this process (torch's testing "fake" backend: 
 no-ops, so each rank's local optimizer holds exactly what the partition assigned it). And kiln's
 partition (largest first across the groups) against torch's own (group by group)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from zero1_partition import fullest_share  # noqa: E402
+
 from kiln.config import load_config
 from kiln.model.transformer import Transformer
 from kiln.plan.memory import Layout, ModelShape, rank_memory, zero1_fullest_share
-from kiln.train.optim import param_groups
 
 BASE = ["model.dim=64", "model.n_layers=3", "model.n_heads=4", "model.vocab_size=300", "data.seq_len=32",
         "model.max_seq_len=32"]
@@ -26,24 +31,11 @@ SHAPES = {
 
 def _fullest_share(cfg, ranks: int, zero_class=None) -> float:
     """Elements in the fullest rank's partition / all elements, as `zero_class` (kiln's
-    ZeroRedundancyState unless given) partitions kiln's param groups."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    ZeroRedundancyState unless given) partitions kiln's param groups (the benchmark's measurement)."""
     from kiln.parallel.zero1 import ZeroRedundancyState
 
-    zero_class = zero_class or ZeroRedundancyState
     torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    held = []
-    for rank in range(ranks):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
-        try:
-            zero = zero_class(param_groups(model, cfg.optim), optimizer_class=torch.optim.AdamW, lr=1e-3)
-            held.append(sum(p.numel() for g in zero.optim.param_groups for p in g["params"]))
-        finally:
-            dist.destroy_process_group()
-    assert sum(held) == sum(p.numel() for p in model.parameters())  # every tensor on exactly one rank
-    return max(held) / sum(held)
+    return fullest_share(Transformer(cfg.model), cfg, ranks, zero_class or ZeroRedundancyState)
 
 
 FREE = pytest.mark.skipif(dist.is_initialized(), reason="needs this process free of another process group")
