@@ -11,7 +11,8 @@ as a multiple of the even share (1 / ranks) and writes results/zero1_partition.j
 prediction is exact for kiln's bias-free default blocks; with biases (configs/gpt2-124m.toml) it
 leaves them out (at 64 ranks 19.87 x predicted against 19.85 x).
 
-    python benchmarks/zero1_partition.py [--configs configs/llama-1b.toml,configs/llama-7b.toml] [--ranks 8,64] [--out FILE]
+    python benchmarks/zero1_partition.py [--configs configs/llama-1b.toml,configs/llama-7b.toml]
+        [--ranks 8,64] [--out FILE]
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.configs.split(","):
         cfg = load_config(path, [])
         if not cfg.model.vocab_size:
-            sys.exit(f"zero1_partition: error: {path}: model.vocab_size is not set (a run takes it from the tokenizer); "
-                     "give a config that sets it")
+            sys.exit(f"zero1_partition: error: {path}: model.vocab_size is not set (a run takes it from "
+                     "the tokenizer); give a config that sets it")
         with torch.device("meta"):
             model = Transformer(cfg.model)
         n = sum(p.numel() for p in model.parameters())

@@ -314,8 +314,8 @@ def distribute_tensor(tensor, mesh, placements, src_data_rank: int | None = 0):
 @functools.cache
 def key_embedding_backward_by_vocab() -> bool:
     """DTensor caches the sharding it propagates per op schema, and until pytorch/pytorch#174727
-    (2.11 passes, 2.6 fails; 2.7-2.10 pass their tp tests with this) the schema of `embedding_dense_backward` left its
-    `num_weights` (the rows) out of the cache key: under tp, the backward of a second embedding of
+    (2.11 passes, 2.6 fails; 2.7-2.10 pass their tp tests with this) the schema of
+    `embedding_dense_backward` left its `num_weights` (the rows) out of the cache key: under tp, the backward of a second embedding of
     another size in the process (a 64-token model, then a 65-token one; in one GPT-2 model, its
     positions and its tokens) reused the first one's shape ("EmbeddingBackward0 returned an
     invalid gradient ... got [64, 32] but expected shape compatible with [65, 32]"). Where the op
@@ -351,8 +351,9 @@ def dynamo_traces_data_dependent_splits() -> bool:
     rest): 2.10, 2.11 and 2.13 do; 2.6 fails on the unbacked sizes ("Failed running call_function
     split ... [u0, u1, u2, u3, -u0 - u1 - u2 - u3 + 128]"; a graph break around it is refused too,
     kiln compiles whole blocks), 2.9 on the host read of the sizes ("DataDependentOutputException:
-    aten._local_scalar_dense.default"), and 2.7-2.8 are taken alike (not run with the gate lowered). There
-    train.compile with model.moe_experts is refused in one line (kiln/parallel/dims.py)."""
+    aten._local_scalar_dense.default"), and 2.7-2.8 are taken alike (not run with the gate
+    lowered). There train.compile with model.moe_experts is refused in one line
+    (kiln/parallel/dims.py)."""
     import torch
 
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)
@@ -362,9 +363,9 @@ def dynamo_traces_ring_objects() -> bool:
     """Whether dynamo compiles a block whose attention is cp's ring attention, given its `Ring`
     (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.9, 2.10, 2.11
     and 2.13 do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around
-    it is refused too, kiln compiles whole blocks), and 2.7-2.8 are taken alike (not run with the gate
-    lowered).
-    There train.compile with parallel.cp > 1 is refused in one line (kiln/parallel/dims.py)."""
+    it is refused too, kiln compiles whole blocks), and 2.7-2.8 are taken alike (not run with the
+    gate lowered). There train.compile with parallel.cp > 1 is refused in one line
+    (kiln/parallel/dims.py)."""
     import torch
 
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)

@@ -40,8 +40,8 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
     the state on that rank). Here the same greedy runs once over every group's tensors together,
     largest first (the embedding first, the matrices then fill the other ranks): 1.70 x there, the
     embedding alone, which no split into whole tensors can beat. Which rank steps which tensor
-    changes nothing else (the step is per tensor);
-    kiln/plan/memory.py `zero1_fullest_share` predicts the fullest rank from the same rule.
+    changes nothing else (the step is per tensor); kiln/plan/memory.py `zero1_fullest_share`
+    predicts the fullest rank from the same rule.
     """
 
     def _partition_parameters(self, params_per_rank=None):

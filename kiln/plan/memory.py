@@ -326,10 +326,12 @@ def zero1_fullest_share(shape: ModelShape, layout: Layout, last: bool = False) -
     `ZeroRedundancyState`) gives whole tensors to the data-parallel x cp ranks (data_parallel.py
     grad_mesh), largest first, each to the rank holding the fewest elements so far. So a large
     tensor leaves one rank above 1/n: at 64 ranks configs/llama-7b.toml's 32000 x 4096 embedding
-    alone is 1.24 x a rank's even share. Tensors are the local ones (tp's shards; norms and MoE routers
-    replicated over tp). MoE experts are in the partition (each block's stacked w1/w2/w3) only
-    without ep; parallel.ep's are stepped on every rank (data_parallel.py
-    ZeroRedundancyExceptExperts). The share is of the dense parameters, plus the experts when ep = 1."""
+    alone is 1.24 x a rank's even share. Tensors are the local ones (tp's shards; norms and MoE
+    routers replicated over tp). MoE experts are in the partition (each block's stacked w1/w2/w3)
+    only without ep; parallel.ep's are stepped on every rank (data_parallel.py
+    ZeroRedundancyExceptExperts). The share is of the dense parameters, plus the experts when
+    ep = 1. benchmarks/zero1_partition.py and tests/plan/test_zero1_partition.py check it against
+    the real partition."""
     ranks = layout.dp * layout.cp
     if ranks == 1:
         return 1.0
@@ -344,10 +346,13 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
     moe_blocks = round(blocks * shape.moe_layers / shape.n_layers)
     matrices = 3 if shape.gated else 2
     experts = [shape.moe_experts * d * ffn / tp] * matrices if with_experts else []
-    sizes = [d * d / tp, kv * d / tp, kv * d / tp, d * d / tp] * blocks + [d * ffn / tp] * matrices * (blocks - moe_blocks)
-    sizes += ([shape.moe_experts * d] + experts) * moe_blocks + [float(d)] * (2 * blocks + (1 if norm else 0))
+    sizes = [d * d / tp, kv * d / tp, kv * d / tp, d * d / tp] * blocks
+    sizes += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs
+    sizes += ([shape.moe_experts * d] + experts) * moe_blocks  # MoE: router (replicated) and experts
+    sizes += [float(d)] * (2 * blocks + (1 if norm else 0))  # norms (replicated)
     if embedding:
-        sizes += [shape.vocab * d / tp] + ([shape.learned_positions_len * d / tp] if shape.learned_positions_len else [])
+        sizes.append(shape.vocab * d / tp)
+        sizes += [shape.learned_positions_len * d / tp] if shape.learned_positions_len else []
     if head:
         sizes.append(shape.vocab * d / tp)
     held = [(0.0, r) for r in range(ranks)]  # (elements so far, rank)
