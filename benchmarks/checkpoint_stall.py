@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from common import RESULTS_DIR, machine_info, median  # noqa: E402
 
 from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState, RNGState  # noqa: E402

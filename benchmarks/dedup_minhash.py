@@ -25,12 +25,14 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from kiln.data.corpus import stdlib_files
 from kiln.prep.dedup.components import component_labels, components_keep_lowest
 from kiln.prep.dedup.lsh_params import format_s_curve

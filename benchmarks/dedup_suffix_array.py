@@ -21,12 +21,13 @@ import os
 import pickle
 import platform
 import resource
+import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from kiln.data.corpus import stdlib_files
 
 RESULTS = Path(__file__).parent / "results" / "dedup_suffix_array.json"

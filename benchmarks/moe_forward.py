@@ -21,6 +21,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from common import median, print_table, timed, write_results  # noqa: E402
 
 from kiln.config import ModelConfig  # noqa: E402

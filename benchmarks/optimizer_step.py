@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils.benchmark import Timer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 import kiln.train.optim
 from kiln.config import OptimConfig
 from kiln.train.optim import FUSED_ADAMW_FASTER, adamw_implementation, build_optimizer

@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from comm_count import counting_collectives, scaled  # noqa: E402
 from common import RESULTS_DIR, machine_info  # noqa: E402
 from parallel_results import add_counts, merge, render_table  # noqa: E402

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from kiln.data.corpus import stdlib_files
 from kiln.prep.base import Doc, StepContext
 from kiln.prep.executor import run_prep

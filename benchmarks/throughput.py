@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from common import matmul_peak, median, print_table, timed, write_results  # noqa: E402
 
 from kiln.config import ModelConfig, OptimConfig  # noqa: E402

@@ -35,6 +35,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from common import print_table, train_in_child, write_results  # noqa: E402
 
 from kiln.config import JobConfig, load_config  # noqa: E402

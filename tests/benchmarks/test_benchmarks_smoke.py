@@ -63,3 +63,22 @@ def test_zero1_partition_measures_both_partitions_and_the_prediction(tmp_path):
     assert [r["ranks"] for r in rows] == [2, 3]
     for r in rows:  # multiples of the even share: never below it, kiln never fuller than torch
         assert r["predicted"] == pytest.approx(r["kiln"]) and 1 <= r["kiln"] <= r["torch"]
+
+
+def test_every_benchmark_measures_its_own_checkouts_kiln():
+    """A benchmark run from a worktree (an old commit against a new one) must import that
+    worktree's kiln: running a script puts only benchmarks/ on sys.path, and an editable install
+    then resolves `kiln` to whichever checkout was installed, so both sides measured one code. Every
+    entry point that imports kiln puts its repository root first, before its first kiln import."""
+    import re
+
+    root_first = re.compile(r"^sys\.path\.insert\(0, str\((Path\(__file__\)\.resolve\(\)\.(parents\[1\]|parent\.parent)|REPO)\)\)",
+                            re.M)
+    for script in sorted(BENCHMARKS.glob("*.py")):
+        text = script.read_text()
+        if '__name__ == "__main__"' not in text or not re.search(r"^\s*(from|import) kiln", text, re.M):
+            continue
+        inserted = root_first.search(text)
+        first_import = re.search(r"^(from|import) kiln", text, re.M)
+        assert inserted, f"{script.name}: does not put its repository root on sys.path"
+        assert first_import is None or inserted.start() < first_import.start(), f"{script.name}: kiln imported first"
