@@ -62,10 +62,8 @@ def tiny_overrides(source: Path, **extra) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="session")
-def text_file(tmp_path_factory) -> Path:
-    """~200 KB of real text (standard-library sources) in one file."""
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+def write_stdlib_corpus(path: Path) -> Path:
+    """~200 KB of real text (standard-library sources) in one file at `path`."""
     parts, size = [], 0
     for f in stdlib_files():
         text = f.read_text(encoding="utf-8", errors="replace")
@@ -75,6 +73,12 @@ def text_file(tmp_path_factory) -> Path:
             break
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """~200 KB of real text (standard-library sources) in one file."""
+    return write_stdlib_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parents[1])]  # tests/, tests/parallel/, the repository
-from conftest import stdlib_files  # noqa: E402
+from conftest import write_stdlib_corpus  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 from test_data_tensor_pipeline_parallel import CASES, MOE, REL, job  # noqa: E402
 from test_moe_tensor_parallel_layouts import rows, train_on_rank  # noqa: E402
@@ -32,14 +32,7 @@ def main() -> int:
     from kiln.train.trainer import train
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sixteen"))
-    text = tmp / "corpus.txt"  # as conftest's text_file: ~200 KB of the standard library's sources
-    parts, size = [], 0
-    for f in stdlib_files():
-        parts.append(f.read_text(encoding="utf-8", errors="replace"))
-        size += len(parts[-1])
-        if size > 200_000:
-            break
-    text.write_text("\n".join(parts), encoding="utf-8")
+    text = write_stdlib_corpus(tmp / "corpus.txt")  # conftest's text_file
     ref = tmp / "one"
     train(job(text, **{**MOE, "train.batch_size": 8}), ref)
     want = rows(ref)
