@@ -370,8 +370,9 @@ class ParallelConfig:
     pp_split_points: list[int] = field(default_factory=list)
     # DiLoCo (Douillard et al. 2023, kiln/parallel/diloco.py): 0 = off; H > 0 = every replica takes
     # H local optimizer steps, then one outer Nesterov step on the replica-averaged parameter delta.
-    # Replicas: every data-parallel rank (dp_mode auto/ddp), or dp_replicate of them with FSDP over
-    # dp_shard inside each (dp_mode fsdp/zero2); tp, pp, cp and ep (from inside a replica: dims.py
+    # Replicas: every data-parallel rank (dp_mode auto, or ddp/zero1 with dp_replicate 1), or
+    # dp_replicate of them with FSDP (fsdp/zero2) or DDP / ZeRO-1 (ddp/zero1) over the other
+    # data-parallel ranks inside each; tp, pp, cp and ep (from inside a replica: dims.py
     # diloco_layout) split each replica further.
     diloco_inner_steps: int = ranged(0, ge=0)
     diloco_outer_lr: float = ranged(0.7, gt=0.0)
@@ -384,11 +385,6 @@ class ParallelConfig:
         if self.dp_mode in ("ddp", "zero1") and self.dp_shard not in (-1, 1):
             raise ConfigError(f"parallel.dp_mode={self.dp_mode!r} replicates the model on every data-parallel "
                               f"rank; set parallel.dp_shard=1 (or -1), or use dp_mode='fsdp' for HSDP")
-        if self.diloco_inner_steps and self.dp_mode == "zero1":
-            raise ConfigError(f"parallel.diloco_inner_steps={self.diloco_inner_steps} with parallel.dp_mode='zero1' "
-                              f"is not supported (its optimizer shards span every replica); set parallel.dp_mode="
-                              f"'auto' (every data-parallel rank a whole replica) or 'fsdp' (dp_replicate replicas, "
-                              f"FSDP over dp_shard inside each)")
         if self.etp not in (-1, 1, self.tp):
             raise ConfigError(f"parallel.etp={self.etp} must be 1 (experts whole, ep borrows tp) or "
                               f"parallel.tp={self.tp} (experts sharded over tp); -1 means tp")

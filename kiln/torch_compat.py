@@ -211,8 +211,12 @@ def gloo_reduce_scatter_averages() -> bool:
 
 def force_sum_for_gloo(model) -> None:
     """Every FSDP2 unit in `model` reduces its gradients with SUM and divides by the data-parallel
-    size after (FSDP's own `set_force_sum_reduction_for_comms`, from 2.8), where gloo's AVG
-    reduce-scatter sums (`gloo_reduce_scatter_averages`); elsewhere nothing changes."""
+    size after, where gloo's AVG reduce-scatter sums (`gloo_reduce_scatter_averages`); elsewhere
+    nothing changes. From 2.8 FSDP's own `set_force_sum_reduction_for_comms`; on 2.7, which lacks
+    it, the param group's reduce op is set to SUM (the attribute 2.7's own
+    `set_reduce_scatter_divide_factor` sets, there to NCCL's PreMulSum) and `set_all_reduce_hook`
+    (which runs on the reduce-scatter output of 1-D FSDP) divides by the group's size. 2.7's HSDP
+    all-reduces with AVG, which its gloo refuses: refused in one line (`fsdp_can_force_sum`)."""
     import torch
     from torch.distributed.fsdp import FSDPModule
 
@@ -222,23 +226,62 @@ def force_sum_for_gloo(model) -> None:
     if gloo_reduce_scatter_averages() or not fsdp_runs_on_cpu():
         return
     for module in model.modules():
-        if isinstance(module, FSDPModule):
-            if not fsdp_can_force_sum():
-                raise KilnError(f"FSDP2 on CPU under torch {torch.__version__}: gloo sums the gradients where FSDP "
-                                f"asks it to average, and this FSDP2 cannot be told to sum instead; set "
-                                f"parallel.dp_mode='ddp' or use torch >= 2.8")
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        hsdp = group is not None and group._is_hsdp
+        if not fsdp_can_force_sum(hsdp=hsdp):
+            over, instead = (" over dp_replicate (HSDP)", " or parallel.dp_replicate=1") if hsdp else ("", "")
+            raise KilnError(f"FSDP2 on CPU under torch {torch.__version__}: gloo sums the gradients where FSDP "
+                            f"asks it to average, and this FSDP2 cannot be told to sum instead{over}; set "
+                            f"parallel.dp_mode='ddp'{instead} or use torch >= 2.8")
+        if hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)
+        elif group is not None:
+            group.reduce_scatter_reduce_op = dist.ReduceOp.SUM
+            size = group._reduce_scatter_process_group.size()
+            module.set_all_reduce_hook(lambda reduce_output, size=size: reduce_output.div_(size))
 
 
-def fsdp_can_force_sum() -> bool:
-    """Whether FSDP2 can be told to reduce gradients with SUM and divide after
-    (`FSDPModule.set_force_sum_reduction_for_comms`, from 2.8): kiln's way round gloo's summing AVG
-    reduce-scatter (`force_sum_for_gloo`). 2.7's FSDP2 runs on CPU, and its gloo sums too, but it
-    lacks the switch (its `set_reduce_scatter_divide_factor` is NCCL's PreMulSum): there FSDP on
-    CPU is refused in one line rather than training on the sum."""
+def fsdp_can_force_sum(hsdp: bool = False) -> bool:
+    """Whether FSDP2 can be told to reduce gradients with SUM and divide after: kiln's way round
+    gloo's summing AVG reduce-scatter (`force_sum_for_gloo`). From 2.8 FSDP's own
+    `FSDPModule.set_force_sum_reduction_for_comms`; 2.7 through its reduce-scatter op and
+    `set_all_reduce_hook`, for 1-D FSDP only (`hsdp` False): its HSDP all-reduce asks gloo for
+    AVG, which 2.7's gloo refuses ("Cannot use ReduceOp.AVG with Gloo"). 2.6 has no all-reduce
+    hook (and its FSDP2 does not run on CPU)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return hasattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    if hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        return True
+    return not hsdp and hasattr(FSDPModule, "set_all_reduce_hook")
+
+
+def fsdp_set_reshard_after_forward(module, reshard: bool, recurse: bool = True) -> None:
+    """`FSDPModule.set_reshard_after_forward(reshard, recurse)` (from 2.8) on `module`; on 2.7,
+    which lacks it, what that method sets: each param group's post-forward mesh info, None for no
+    reshard, as `fully_shard(reshard_after_forward=...)` computes it. (2.7's lazy init at the first
+    forward sets an FSDP root's to None whatever was set: a root is never resharded after forward.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    if hasattr(FSDPModule, "set_reshard_after_forward"):
+        module.set_reshard_after_forward(reshard, recurse=recurse)
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+
+    for m in module.modules() if recurse else [module]:
+        if isinstance(m, FSDPModule) and (group := m._get_fsdp_state()._fsdp_param_group) is not None:
+            group.post_forward_mesh_info = _get_post_forward_mesh_info(reshard, group.mesh_info)
+
+
+def fsdp_shards_tp_unevenly() -> bool:
+    """Whether FSDP2 shards a tensor parallel DTensor whose first dimension does not split evenly
+    over the FSDP ranks (2.8 on; 2.7: NotImplementedError "FSDP+TP sharding does not support
+    uneven sharding", e.g. a 262-row vocabulary over tp 2 x fsdp 2). Where it cannot, kiln's
+    `apply_fsdp` turns that error into one line."""
+    import torch
+
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
 
 
 def same_layout(a, b) -> bool:

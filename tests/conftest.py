@@ -45,15 +45,17 @@ def float8_cpu_matmul_error() -> str | None:
     return None
 
 
-def require_fsdp2_on_cpu() -> None:
-    """Skip a test that runs FSDP2 on CPU where this torch cannot or kiln refuses it: 2.6's FSDP2
-    does not run on CPU; 2.7's runs, but gloo sums its averages and it cannot be told to sum."""
+def require_fsdp2_on_cpu(hsdp: bool = False) -> None:
+    """Skip a test that runs FSDP2 (`hsdp`: over dp_replicate x dp_shard) on CPU where this torch
+    cannot or kiln refuses it: 2.6's FSDP2 does not run on CPU; 2.7's runs and gloo sums its
+    averages, so kiln makes it sum and divide, which its HSDP all-reduce cannot."""
     from kiln import torch_compat
 
     if not torch_compat.fsdp_runs_on_cpu():
         pytest.skip(f"FSDP2 does not run on CPU under torch {torch.__version__} (kiln refuses it there)")
-    if not torch_compat.fsdp_can_force_sum():
-        pytest.skip(f"FSDP2 cannot average over gloo under torch {torch.__version__} (kiln refuses it there)")
+    if not torch_compat.fsdp_can_force_sum(hsdp=hsdp):
+        what = "HSDP" if hsdp else "FSDP2"
+        pytest.skip(f"{what} cannot average over gloo under torch {torch.__version__} (kiln refuses it there)")
 
 
 def tiny_overrides(source: Path, **extra) -> list[str]:

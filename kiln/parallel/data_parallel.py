@@ -347,7 +347,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) 
     """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state
     partitioned over the data-parallel ranks (under parallel.ep the dense parameters' state only,
     `ZeroRedundancyExceptExperts`). Returns `optimizer` itself unless dp_mode is zero1."""
-    if dims.dp_mode != "zero1" or dims.dp_size * dims.cp == 1:
+    if dims.dp_mode != "zero1" or dims.grad_ranks == 1:  # (DiLoCo: the ranks inside a replica)
         return optimizer
     group = grad_mesh(dims).get_group()  # under pp: this stage's replicas, over its parameters
     groups = [dict(g) for g in optimizer.param_groups]

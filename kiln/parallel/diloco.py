@@ -64,10 +64,13 @@ def replica_key(replica: int) -> str:
 
 
 def layout_key(replicas: int, shards: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1,
-               ep_borrows_tp: bool = False) -> str:
-    """A layout without pp, cp and ep keeps the key kiln wrote before those ran under DiLoCo."""
+               ep_borrows_tp: bool = False, replicated: bool = False) -> str:
+    """A layout without pp, cp and ep keeps the key kiln wrote before those ran under DiLoCo.
+    `replicated`: the `shards` ranks of a replica run DDP or ZeRO-1 (whole parameters) rather than
+    FSDP (`_ddp`)."""
     extra = "".join(f"_{name}{size}" for name, size in zip(SPLITS, (pp, cp, ep)) if size > 1)
-    return f"{LAYOUT_PREFIX}{replicas}x{shards}x{tp}{extra}{'_etp1' if ep_borrows_tp else ''}"
+    return (f"{LAYOUT_PREFIX}{replicas}x{shards}x{tp}{extra}{'_etp1' if ep_borrows_tp else ''}"
+            f"{'_ddp' if replicated else ''}")
 
 
 def describe_layout(key: str) -> str:
@@ -78,6 +81,9 @@ def describe_layout(key: str) -> str:
         return key
     parts = [f"dp_shard={split[1]}", f"tp={split[2]}"]
     for extra in body[1:]:
+        if extra == "ddp":
+            parts[0] += " (ddp/zero1)"
+            continue
         name = next((n for n in (*SPLITS, "etp") if extra.startswith(n) and extra[len(n):].isdigit()), None)
         if name is None:
             return key
@@ -95,7 +101,7 @@ def check_resume(saved_names: set[str], replicas: int, where: str, shards: int =
                  **split) -> None:
     """One line unless the checkpoint (its top-level state names) holds DiLoCo state for exactly
     `replicas` replicas, each split dp_shard=`shards` x tp=`tp` x `split` (layout_key's pp, cp, ep,
-    ep_borrows_tp; a checkpoint without a layout entry was saved by whole replicas)."""
+    ep_borrows_tp, replicated; a checkpoint without a layout entry was saved by whole replicas)."""
     if "diloco" not in saved_names:
         raise KilnError(f"{where} was saved without DiLoCo; a DiLoCo run (parallel.diloco_inner_steps > 0) "
                         f"continues only a DiLoCo checkpoint: set parallel.diloco_inner_steps=0 or start a "
@@ -114,7 +120,7 @@ def check_resume(saved_names: set[str], replicas: int, where: str, shards: int =
     if layouts[1:] or saved_layout != mine:
         raise KilnError(f"{where} holds DiLoCo replicas split {describe_layout(saved_layout)}, this run's are "
                         f"{describe_layout(mine)}; DiLoCo resumes each replica's shards on the same layout: set "
-                        f"parallel.dp_shard, tp, pp, cp, ep and etp as saved (or continue without DiLoCo from "
+                        f"parallel.dp_mode, dp_shard, tp, pp, cp, ep and etp as saved (or continue without DiLoCo from "
                         f"replica 0's state: parallel.diloco_inner_steps=0)")
 
 
@@ -123,16 +129,19 @@ class Layout:
     the checkpoint's names before anything loads (the tensor double-checks it at load)."""
 
     def __init__(self, replicas: int, shards: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1,
-                 ep_borrows_tp: bool = False):
+                 ep_borrows_tp: bool = False, replicated: bool = False):
         self.value = torch.tensor([replicas, shards, tp])
         # Only where a replica has more in it: the checkpoints of kiln before pp/cp/ep keep loading.
         more = [pp, cp, ep, int(ep_borrows_tp)]
         self.split = torch.tensor(more) if more != [1, 1, 1, 0] else None
+        self.replicated = torch.tensor([1]) if replicated else None  # DDP / ZeRO-1 over the shards
 
     def state_dict(self) -> dict:
         state = {"replicas_shards_tp": self.value}
         if self.split is not None:
             state["pp_cp_ep_etp1"] = self.split
+        if self.replicated is not None:
+            state["ddp_inside"] = self.replicated
         return state
 
     def load_state_dict(self, state: dict) -> None:

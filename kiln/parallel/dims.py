@@ -73,7 +73,14 @@ class ParallelDims:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.cp*tp*pp={others}; "
                               f"change those degrees or the number of processes")
         dp_replicate, dp_shard, mode = cfg.dp_replicate, cfg.dp_shard, cfg.dp_mode
-        if mode in ("ddp", "zero1"):
+        if mode in ("ddp", "zero1") and cfg.diloco_inner_steps and dp_replicate > 1:
+            # DiLoCo's dp_replicate replicas, DDP / ZeRO-1 over the rest inside each (diloco_layout)
+            if world_size % (dp_replicate * others):
+                raise ConfigError(f"world size {world_size} is not divisible by parallel.dp_replicate*cp*tp*pp="
+                                  f"{dp_replicate * others} (DiLoCo's replicas); change parallel.dp_replicate "
+                                  f"or the number of processes")
+            dp_shard = world_size // (dp_replicate * others)
+        elif mode in ("ddp", "zero1"):
             # Replication only: every data-parallel rank is a replica (dp_replicate=1 means "all of them").
             dp_shard = 1
             if dp_replicate == 1:
@@ -143,7 +150,7 @@ class ParallelDims:
         tp = self.tp
         if tp == 1:
             return
-        if self.dp_mode == "zero1" and self.dp_size * self.cp > 1 and cfg.optim.name not in ("adamw", "lion", "sgd"):
+        if self.dp_mode == "zero1" and self.grad_ranks > 1 and cfg.optim.name not in ("adamw", "lion", "sgd"):
             # ZeRO-1 steps each tp shard alone (data_parallel.ZeroRedundancyExceptExperts, which checks too)
             raise ConfigError(f"optim.name={cfg.optim.name!r} with parallel.dp_mode='zero1' and parallel.tp={tp} "
                               f"is not supported (its update is not elementwise); use optim.name='adamw', 'lion' "
@@ -278,12 +285,19 @@ class ParallelDims:
 def diloco_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: int,
                   world_size: int) -> tuple[int, int, str]:
     """DiLoCo's replicas are the dp_replicate ranks (kiln/parallel/diloco.py); a replica is any
-    kiln layout of the rest (pp, cp, tp, ep). dp_mode auto/ddp: every data-parallel rank is a
-    replica (dp_replicate = all of them; cp ranks inside one replicate the model, DDP over cp).
-    fsdp/zero2: dp_replicate replicas, FSDP2 over dp_shard (x cp) inside each. Expert parallelism
-    is carved out of a replica's own ranks (dp_shard x cp, and tp with etp=1), never across two."""
-    if mode in ("auto", "ddp"):
-        dp_replicate, dp_shard, mode = dp_replicate * dp_shard, 1, "ddp"
+    kiln layout of the rest (pp, cp, tp, ep). dp_mode auto, or ddp/zero1 with dp_replicate 1: every
+    data-parallel rank is a replica (dp_replicate = all of them; cp ranks inside one replicate the
+    model, DDP over cp). ddp/zero1 with dp_replicate R > 1: R replicas, DDP or ZeRO-1 over the
+    other data-parallel ranks inside each (here dp_shard: ranks that replicate the model and split
+    the batch, ZeRO-1 its optimizer state). fsdp/zero2: dp_replicate replicas, FSDP2 over dp_shard
+    (x cp) inside each. Expert parallelism is carved out of a replica's own ranks (dp_shard x cp,
+    and tp with etp=1), never across two; not with DDP / ZeRO-1 inside a replica of several ranks."""
+    if mode == "auto" or (mode in ("ddp", "zero1") and dp_shard == 1):
+        dp_replicate, dp_shard, mode = dp_replicate * dp_shard, 1, "ddp" if mode == "auto" else mode
+    elif mode in ("ddp", "zero1") and cfg.ep > 1:
+        raise ConfigError(f"parallel.ep={cfg.ep} with parallel.diloco_inner_steps={cfg.diloco_inner_steps} and "
+                          f"dp_mode={mode!r} over {dp_shard} ranks inside each replica is not supported; use "
+                          f"dp_mode='fsdp' inside the replicas, or parallel.dp_replicate=1 (every rank a replica)")
     elif world_size > 1 and dp_replicate == 1:
         raise ConfigError(f"parallel.diloco_inner_steps={cfg.diloco_inner_steps} with parallel.dp_mode="
                           f"{mode!r} takes its replicas from parallel.dp_replicate, which is 1 here (one "

@@ -22,6 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from kiln import torch_compat
 from kiln.config import JobConfig
+from kiln.errors import ConfigError
 from kiln.model.moe import MoE
 from kiln.parallel.data_parallel import apply_ddp
 from kiln.parallel.dims import ParallelDims
@@ -256,14 +257,22 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:  # gloo cannot all-gather pinned CPU tensors; pin_memory=False is required on CPU
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
-    for i, block in enumerate(model.layers):
-        # The last block is not resharded after forward: backward needs it first.
-        reshard = reshard_after_forward and i < len(model.layers) - 1
-        if dims.ep > 1:  # the experts: their own FSDP unit over edp (kiln/parallel/expert_parallel.py)
-            fully_shard_experts(block, dims.expert_mesh, reshard_after_forward=reshard,
-                                **{k: v for k, v in kwargs.items() if k != "mesh"})
-        fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    try:
+        for i, block in enumerate(model.layers):
+            # The last block is not resharded after forward: backward needs it first.
+            reshard = reshard_after_forward and i < len(model.layers) - 1
+            if dims.ep > 1:  # the experts: their own FSDP unit over edp (kiln/parallel/expert_parallel.py)
+                fully_shard_experts(block, dims.expert_mesh, reshard_after_forward=reshard,
+                                    **{k: v for k, v in kwargs.items() if k != "mesh"})
+            fully_shard(block, reshard_after_forward=reshard, **kwargs)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    except NotImplementedError as e:  # torch 2.7: a tp shard that does not split evenly over FSDP's ranks
+        if torch_compat.fsdp_shards_tp_unevenly() or "uneven sharding" not in str(e):
+            raise
+        raise ConfigError(f"parallel.dp_mode={dims.dp_mode!r} with parallel.tp={dims.tp} under torch "
+                          f"{torch.__version__}: this FSDP2 cannot shard a tensor parallel shard unevenly ({e}); "
+                          f"make the model's sizes divisible by tp x the FSDP ranks, set parallel.dp_mode='ddp', "
+                          f"or use torch >= 2.8") from None
     if mesh.device_type == "cpu":  # torch 2.8's gloo sums where FSDP asks it to average
         torch_compat.force_sum_for_gloo(model)
 

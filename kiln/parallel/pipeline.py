@@ -61,7 +61,7 @@ def keep_gathered_until_backward(chunks) -> None:
 
     for chunk in chunks:
         if isinstance(chunk, FSDPModule):
-            chunk.set_reshard_after_forward(False)
+            torch_compat.fsdp_set_reshard_after_forward(chunk, False)
 
 
 class Pipeline:

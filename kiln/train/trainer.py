@@ -143,11 +143,13 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU needs a torch whose FSDP2 runs there (this is "
                         f"{torch.__version__}; 2.11 and 2.13 do); set parallel.dp_mode='ddp' or update torch")
     dims.build_mesh(device.type)  # probes gloo's AVG reduce-scatter (torch_compat.gloo_reduce_scatter_averages)
+    hsdp = fsdp and dims.dp_replicate > 1 and not dims.diloco  # FSDP's own all-reduce over dp_replicate
     if fsdp and device.type == "cpu" and not (torch_compat.gloo_reduce_scatter_averages()
-                                              or torch_compat.fsdp_can_force_sum()):
+                                              or torch_compat.fsdp_can_force_sum(hsdp=hsdp)):
         raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU under torch {torch.__version__}: gloo sums the "
-                        f"gradients where FSDP asks it to average, and this FSDP2 cannot be told to sum instead; "
-                        f"set parallel.dp_mode='ddp' or use torch >= 2.8")
+                        f"gradients where FSDP asks it to average, and this FSDP2 cannot be told to sum instead"
+                        f"{' over dp_replicate (HSDP)' if hsdp else ''}; set parallel.dp_mode='ddp'"
+                        f"{' or parallel.dp_replicate=1' if hsdp else ''} or use torch >= 2.8")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     cfg.train.dtype = resolve_dtype(cfg.train.dtype, device)
@@ -220,7 +222,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if scaler is not None:  # the loss scale and its growth count: an fp16 run resumes with its own
         stateful["scaler"] = ScalerState(scaler)
     diloco = None
-    diloco_layout = (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, dims.ep, dims.ep_borrows_tp)
+    diloco_layout = (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, dims.ep, dims.ep_borrows_tp,
+                     dims.dp_mode in ("ddp", "zero1") and dims.dp_shard > 1)  # DDP / ZeRO-1 inside a replica
     if cfg.parallel.diloco_inner_steps:  # replicas = dp_replicate (any layout inside): kiln/parallel/diloco.py
         across = dims.mesh["dp_replicate"] if dims.dp_replicate > 1 else None
         diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
@@ -237,7 +240,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         names = ckpt.saved_state_names(resume_step) if diloco is not None or scaler is not None else None
         if names is not None and diloco is not None:
             check_diloco_resume(names, dims.dp_replicate, f"{ckpt.dir}/step-{resume_step}", *diloco_layout[1:3],
-                                pp=dims.pp, cp=dims.cp, ep=dims.ep, ep_borrows_tp=dims.ep_borrows_tp)
+                                pp=dims.pp, cp=dims.cp, ep=dims.ep, ep_borrows_tp=dims.ep_borrows_tp,
+                                replicated=diloco_layout[-1])
         # A checkpoint from before kiln saved the scaler: resume with a fresh scale (saved from now on).
         unsaved = {"scaler"} if names is not None and scaler is not None and "scaler" not in names else set()
         resume_step, recovered_from, recovery_s = ckpt.restore({k: v for k, v in stateful.items() if k not in unsaved})

@@ -97,15 +97,21 @@ def run_ranks(fn, n, tmp_path, *args, timeout=120):
 
 
 # What kiln refuses on an older torch, by the signs of the refusal (or of torch's own failure) in a
-# rank's error: (signs, the kiln/torch_compat.py probe that says this torch can, what is skipped).
+# rank's error: (signs, the kiln/torch_compat.py probe that says this torch can (called with the
+# keywords given), what is skipped). The first entry whose signs match decides.
 OLDER_TORCH_REFUSALS = [
     # 2.6: FSDP2 records events on a CPU stream, which has none (kiln's refusal, or a test's own fully_shard)
     (("on CPU needs a torch whose FSDP2 runs there", "'Stream' object has no attribute 'record_event'"),
-     "fsdp_runs_on_cpu", "FSDP2 does not run on CPU"),
-    # 2.7: FSDP2 runs on CPU but gloo sums its averages and it cannot be told to sum (kiln's refusal)
-    (("this FSDP2 cannot be told to sum instead",), "fsdp_can_force_sum", "FSDP2 cannot average over gloo"),
+     ("fsdp_runs_on_cpu", {}), "FSDP2 does not run on CPU"),
+    # 2.7: gloo sums FSDP2's averages; FSDP2 is made to sum and divide, but not HSDP (kiln's refusal)
+    (("cannot be told to sum instead over dp_replicate",), ("fsdp_can_force_sum", {"hsdp": True}),
+     "HSDP cannot average over gloo"),
+    (("this FSDP2 cannot be told to sum instead",), ("fsdp_can_force_sum", {}), "FSDP2 cannot average over gloo"),
+    # 2.7: FSDP2 cannot shard a tp shard whose first dimension does not split over its ranks
+    (("this FSDP2 cannot shard a tensor parallel shard unevenly",), ("fsdp_shards_tp_unevenly", {}),
+     "FSDP2 cannot shard tensor parallel shards unevenly"),
     # before 2.9: FSDP2 cannot shard experts already split over ep and tp (2-D DTensors)
-    (("which this torch's FSDP2 cannot shard again",), "fsdp_shards_2d_dtensors",
+    (("which this torch's FSDP2 cannot shard again",), ("fsdp_shards_2d_dtensors", {}),
      "FSDP2 cannot shard experts split over ep and tp"),
 ]
 
@@ -118,11 +124,13 @@ def skip_where_this_torch_cannot(error: str | None) -> None:
 
     from kiln import torch_compat
 
-    for signs, probe, what in OLDER_TORCH_REFUSALS:
-        if error and any(sign in error for sign in signs) and not getattr(torch_compat, probe)():
-            import torch
+    for signs, (probe, keywords), what in OLDER_TORCH_REFUSALS:
+        if error and any(sign in error for sign in signs):
+            if not getattr(torch_compat, probe)(**keywords):
+                import torch
 
-            pytest.skip(f"{what} under torch {torch.__version__} (kiln refuses it there)")
+                pytest.skip(f"{what} under torch {torch.__version__} (kiln refuses it there)")
+            return
 
 
 def patch_for_one_run(owner, name: str, replacement):

@@ -109,6 +109,7 @@ def single_process(overrides):
 def _tp_pp_worker(rank, world):
     import torch.distributed as dist
 
+    from kiln import torch_compat
     from kiln.parallel import pipeline as pl
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.dims import ParallelDims
@@ -157,7 +158,7 @@ def _tp_pp_worker(rank, world):
         pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
         if name == "llama_cp_zero_bubble_resharded":  # undo keep_gathered_until_backward
             for chunk in model.chunks:
-                chunk.set_reshard_after_forward(True, recurse=False)  # the roots, as apply_fsdp left them
+                torch_compat.fsdp_set_reshard_after_forward(chunk, True, recurse=False)  # the roots, as apply_fsdp left them
         # evaluation through the pipeline (the trainer's evaluator): full logits on every rank
         got[name] = sgd_steps(step_fn, pipe, model.parameters(), pl.PipelineEvalModel(pipe))
         got[f"{name} chunked"] = pipe.chunked_loss
@@ -244,6 +245,11 @@ def test_cp_stages_ignoring_the_slice_positions_change_the_losses(four_ranks, re
 
 
 def test_zero_bubble_over_fsdp_units_resharded_after_forward_changes_the_gradients(four_ranks, reference):
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_reshard_after_forward"):  # 2.7: the control cannot be built
+        pytest.skip(f"torch {torch.__version__}: FSDP2's lazy init keeps every root gathered after forward "
+                    f"whatever was set before, so a root resharded after forward cannot be made")
     expected, got = reference["llama"], four_ranks["llama_cp_zero_bubble_resharded"]
     assert got[0] == pytest.approx(expected[0], rel=REL)  # same forward,
     assert got[1] != pytest.approx(expected[1], rel=REL)  # the last stage's norm and head lose their grads

@@ -159,29 +159,36 @@ def test_shards_are_cached_and_foreign_dirs_left_alone(tmp_path, text_file):
     assert (foreign / "notes.txt").read_text() == "precious"
 
 
+@pytest.mark.parametrize("case", ["cannot sum", "hsdp"])
 def test_fsdp_on_cpu_where_gloo_sums_and_fsdp2_cannot_sum_instead_is_one_line(tmp_path, text_file, monkeypatch,
-                                                                                capsys):
-    """torch 2.7: FSDP2 runs on CPU, gloo's AVG reduce-scatter sums, and FSDP2 has no switch to sum
-    and divide (kiln/torch_compat.py fsdp_can_force_sum): training would run on the sum of the
-    ranks' gradients, so kiln says so once the mesh is built (its probe), before any work."""
+                                                                                capsys, case):
+    """Where gloo's AVG reduce-scatter sums and FSDP2 cannot be told to sum and divide (kiln/
+    torch_compat.py fsdp_can_force_sum): 2.6-like, none; 2.7, not for HSDP, whose all-reduce asks
+    gloo for AVG. Training would run on the sum of the ranks' gradients (or fail at the first
+    all-reduce), so kiln says so once the mesh is built (its probe), before any work."""
     from kiln import torch_compat
     from kiln.cli import main
     from kiln.parallel.dims import ParallelDims
 
     monkeypatch.setattr(torch_compat, "fsdp_runs_on_cpu", lambda: True)
     monkeypatch.setattr(torch_compat, "gloo_reduce_scatter_averages", lambda: False)
-    monkeypatch.setattr(torch_compat, "fsdp_can_force_sum", lambda: False)
+    monkeypatch.setattr(torch_compat, "fsdp_can_force_sum", lambda hsdp=False: case == "hsdp" and not hsdp)
     monkeypatch.setattr(ParallelDims, "build_mesh", lambda self, device_type: None)  # one process: no group
-    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+    world = 4 if case == "hsdp" else 2
+    for key, value in {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     run = tmp_path / "fsdp"
     args = ["train", "--run-dir", str(run)]
-    for o in tiny_overrides(text_file, **{"train.device": "'cpu'", "parallel.dp_mode": "'zero2'"}):
+    layout = ({"parallel.dp_mode": "'fsdp'", "parallel.dp_replicate": "2", "parallel.dp_shard": "2"}
+              if case == "hsdp" else {"parallel.dp_mode": "'zero2'"})
+    for o in tiny_overrides(text_file, **{"train.device": "'cpu'", **layout}):
         args += ["--set", o]
     assert main(args) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "parallel.dp_mode='zero2' on CPU" in lines[0] and "gloo sums" in lines[0], lines
+    mode = "fsdp" if case == "hsdp" else "zero2"
+    assert len(lines) == 1 and f"parallel.dp_mode='{mode}' on CPU" in lines[0] and "gloo sums" in lines[0], lines
     assert "'ddp'" in lines[0] and not run.exists()
+    assert ("parallel.dp_replicate=1" in lines[0]) == (case == "hsdp")
 
 
 def test_fsdp_on_cpu_with_a_torch_whose_fsdp2_cannot_run_there_is_one_line(tmp_path, text_file, monkeypatch, capsys):
