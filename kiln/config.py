@@ -382,7 +382,8 @@ class ParallelConfig:
         check_fields(self, "parallel.")
         if self.dp_shard == 0:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be -1 (auto) or >= 1")
-        if self.dp_mode in ("ddp", "zero1") and self.dp_shard not in (-1, 1):
+        if self.dp_mode in ("ddp", "zero1") and self.dp_shard not in (-1, 1) and not (
+                self.diloco_inner_steps and self.dp_replicate > 1):  # DiLoCo: DDP over dp_shard in a replica
             raise ConfigError(f"parallel.dp_mode={self.dp_mode!r} replicates the model on every data-parallel "
                               f"rank; set parallel.dp_shard=1 (or -1), or use dp_mode='fsdp' for HSDP")
         if self.etp not in (-1, 1, self.tp):

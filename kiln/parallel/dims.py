@@ -74,12 +74,12 @@ class ParallelDims:
                               f"change those degrees or the number of processes")
         dp_replicate, dp_shard, mode = cfg.dp_replicate, cfg.dp_shard, cfg.dp_mode
         if mode in ("ddp", "zero1") and cfg.diloco_inner_steps and dp_replicate > 1:
-            # DiLoCo's dp_replicate replicas, DDP / ZeRO-1 over the rest inside each (diloco_layout)
-            if world_size % (dp_replicate * others):
+            # DiLoCo's dp_replicate replicas, DDP / ZeRO-1 over dp_shard (-1: the rest) inside each
+            if dp_shard == -1 and world_size % (dp_replicate * others):
                 raise ConfigError(f"world size {world_size} is not divisible by parallel.dp_replicate*cp*tp*pp="
                                   f"{dp_replicate * others} (DiLoCo's replicas); change parallel.dp_replicate "
                                   f"or the number of processes")
-            dp_shard = world_size // (dp_replicate * others)
+            dp_shard = world_size // (dp_replicate * others) if dp_shard == -1 else dp_shard
         elif mode in ("ddp", "zero1"):
             # Replication only: every data-parallel rank is a replica (dp_replicate=1 means "all of them").
             dp_shard = 1

@@ -60,12 +60,12 @@ def _powers_of_two_dividing(n: int) -> list[int]:
 
 
 def _dp_splits(dp: int, diloco: bool = False) -> list[tuple[str, int, int]]:
-    """(dp_mode, dp_replicate, dp_shard) for `dp` data-parallel ranks (of one DiLoCo replica:
-    FSDP2 over dp_shard only, kiln/parallel/dims.py diloco_layout)."""
+    """(dp_mode, dp_replicate, dp_shard) for `dp` data-parallel ranks (of one DiLoCo replica: DDP,
+    ZeRO-1 or FSDP2 over its dp_shard ranks, never HSDP; kiln/parallel/dims.py diloco_layout)."""
     if dp == 1:
         return [("ddp", 1, 1)]
     if diloco:
-        return [("zero2", 1, dp), ("fsdp", 1, dp)]
+        return [("ddp", 1, dp), ("zero1", 1, dp), ("zero2", 1, dp), ("fsdp", 1, dp)]
     out = [("ddp", dp, 1), ("zero1", dp, 1), ("zero2", 1, dp), ("fsdp", 1, dp)]
     return out + [("fsdp", r, dp // r) for r in divisors(dp) if 1 < r < dp]  # HSDP
 
@@ -155,7 +155,8 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                         ga = per_rank // mb
                         if pp > 1 and ga < pp:
                             continue
-                        for sched, v in pipeline_schedules(shape.n_layers, pp, ga, mode, rep * cp):
+                        ddp_ranks = (rep if replicas == 1 else shard) * cp  # DiLoCo: inside a replica
+                        for sched, v in pipeline_schedules(shape.n_layers, pp, ga, mode, ddp_ranks):
                             for (ep, etp), ac in itertools.product(experts, ac_choices):
                                 yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                              etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,

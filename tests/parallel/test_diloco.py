@@ -309,6 +309,15 @@ def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
                                           r"\(DiLoCo's replicas\)"):
         ParallelDims.from_config(ParallelConfig(diloco_inner_steps=2, dp_mode="ddp", dp_replicate=4), world_size=6,
                                  rank=0)
+    explicit = ParallelConfig(diloco_inner_steps=2, dp_mode="zero1", dp_replicate=2, dp_shard=2)  # as kiln plan writes
+    explicit.validate()
+    dims = ParallelDims.from_config(explicit, world_size=4, rank=0)
+    assert (dims.dp_replicate, dims.dp_shard, dims.grad_ranks) == (2, 2, 2)
+    with pytest.raises(ConfigError, match=r"parallel degrees dp_replicate=2 x dp_shard=2 x cp=1 x tp=1 x pp=1 = 4, "
+                                          r"but the world size is 8"):
+        ParallelDims.from_config(explicit, world_size=8, rank=0)
+    with pytest.raises(ConfigError, match=r"dp_mode='ddp' replicates the model on every data-parallel rank"):
+        ParallelConfig(dp_mode="ddp", dp_replicate=2, dp_shard=2).validate()  # without DiLoCo: that is HSDP
     with pytest.raises(ConfigError, match=r"parallel degrees dp_replicate=2 x dp_shard=1"):  # not without DiLoCo
         ParallelDims.from_config(ParallelConfig(dp_mode="ddp", dp_replicate=2), world_size=4, rank=0)
     with pytest.raises(ConfigError, match=r"takes its replicas from parallel\.dp_replicate, which is 1 here"):

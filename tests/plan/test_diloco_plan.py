@@ -101,7 +101,7 @@ def test_search_lays_out_one_replica_per_island_as_kiln_runs_it():
     for plan in plans:
         lay = plan.layout
         assert lay.diloco_inner_steps == 16 and lay.dp_replicate == 2 and lay.world_size == 8
-        assert lay.dp_mode in ("zero2", "fsdp") or (lay.dp_mode, lay.dp_shard) == ("ddp", 1)
+        assert lay.dp_mode in ("ddp", "zero1", "zero2", "fsdp")  # inside a replica: never HSDP
         assert plan.memory.outer_state > 0 and plan.time.outer_sync > 0
         assert lay.micro_batch * lay.grad_accum * lay.replica.dp * 2 == 64  # the global batch over both replicas
     best = plans[0].layout
@@ -180,3 +180,26 @@ def test_calibrating_on_a_diloco_run_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.toml").write_text(to_toml(cfg))
     with pytest.raises(KilnError, match=r"a DiLoCo run \(parallel.diloco_inner_steps=4\) cannot calibrate"):
         measured_run(tmp_path)
+
+
+def test_replicas_of_ddp_or_zero1_inside_are_searched_and_kiln_runs_their_configs():
+    # A replica may be DDP or ZeRO-1 over its data-parallel ranks as well as FSDP (dims.diloco_layout);
+    # every layout the search proposes is one kiln's dims resolve to the same degrees.
+    from kiln.config import ParallelConfig
+    from kiln.parallel.dims import ParallelDims
+    from kiln.plan.search import enumerate_layouts
+
+    cluster = _islands(islands=2, nodes=2)
+    layouts = list(enumerate_layouts(SHAPE, cluster, 1024, 64, "bf16", ac_choices=("none",), diloco_inner_steps=8))
+    inside = {(lay.dp_mode, lay.dp_shard) for lay in layouts if lay.tp == lay.pp == lay.cp == 1}
+    assert {("ddp", 8), ("zero1", 8), ("zero2", 8), ("fsdp", 8)} <= inside
+    for lay in layouts:
+        assert lay.dp_replicate == 2 and lay.diloco_inner_steps == 8
+        cfg = ParallelConfig(dp_mode=lay.dp_mode, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp,
+                             pp=lay.pp, cp=lay.cp, diloco_inner_steps=8)
+        cfg.validate()
+        dims = ParallelDims.from_config(cfg, world_size=cluster.world_size, rank=0)
+        assert (dims.dp_replicate, dims.dp_shard, dims.dp_mode) == (2, lay.dp_shard, lay.dp_mode)
+    # zero-bubble schedules are proposed under FSDP replicas only, not DDP / ZeRO-1 over several ranks
+    assert not [lay for lay in layouts if lay.dp_mode in ("ddp", "zero1") and lay.dp_shard * lay.cp > 1
+                and "zero_bubble" in lay.schedule]
