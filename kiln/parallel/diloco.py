@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from kiln import torch_compat
 from kiln.errors import KilnError
 
 APP_KEY = "app"  # the model + optimizer entry of kiln's checkpoint (kiln/train/trainer.py)
@@ -156,14 +157,29 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def replicated_group(dims):
+    """The ranks inside one replica that hold the very same parameters (DDP or ZeRO-1 over its
+    dp_shard x cp ranks, without ep, whose experts differ between them), which split the outer
+    average between them (`DiLoCo`'s `inside`); None where each rank of a replica holds its own."""
+    if dims.dp_mode not in ("ddp", "zero1") or dims.grad_ranks == 1 or dims.ep > 1:
+        return None
+    from kiln.parallel.data_parallel import grad_mesh
+
+    return grad_mesh(dims).get_group()
+
+
 class DiLoCo:
     """`group`: the ranks holding the same shard in the other replicas (the dp_replicate group);
-    None = the default group when one is initialized (every rank a whole replica). `by_name`: the
-    checkpoint keys the anchor by parameter name, not position (pp: each stage's ranks hold other
-    parameters, so position i names another tensor on every stage)."""
+    None = the default group when one is initialized (every rank a whole replica). `inside`: the
+    ranks of this rank's replica holding the very same parameters (`replicated_group`), or None:
+    each of them averages 1/S of the flat buffer across the replicas and they all-gather the
+    result inside the replica (fast links), so the slow link between replicas carries each
+    parameter once per replica, as under FSDP, not S times. `by_name`: the checkpoint keys the
+    anchor by parameter name, not position (pp: each stage's ranks hold other parameters, so
+    position i names another tensor on every stage)."""
 
     def __init__(self, model: nn.Module, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 group=None, by_name: bool = False):
+                 group=None, by_name: bool = False, inside=None):
         if inner_steps < 1:
             raise ValueError(f"DiLoCo needs inner_steps >= 1, got {inner_steps}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -172,7 +188,7 @@ class DiLoCo:
         # checkpointing and per-block compile put around blocks (as DCP's get_state_dict drops them).
         self.keys = [n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") if by_name else str(i)
                      for i, (n, _) in enumerate(named)]
-        self.inner_steps, self.group = inner_steps, group
+        self.inner_steps, self.group, self.inside = inner_steps, group, inside
         # The anchor is fp32 whatever the parameters' dtype (the outer step adds small deltas to it)
         # and holds this rank's shards only.
         with torch.no_grad():
@@ -191,14 +207,27 @@ class DiLoCo:
     @torch.no_grad()
     def outer_step(self) -> int:
         """Average the replicas (this rank's shards), take the outer Nesterov step, reset every
-        replica to the result. Returns the bytes this rank contributed to the all-reduce."""
+        replica to the result. Returns the bytes this rank contributed to the all-reduce across
+        the replicas (with `inside`, its 1/S slice; the all-gather inside the replica not counted)."""
         flat = torch.cat([local(p).detach().float().reshape(-1) for p in self.params])
-        world = 1
+        world, n = 1, flat.numel()
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size(self.group)
-            if world > 1:
-                dist.all_reduce(flat, group=self.group)  # gloo has no AVG: sum, then divide
-        flat.div_(world)
+        if world == 1:
+            mine = flat
+        elif self.inside is not None and dist.get_world_size(self.inside) > 1:
+            split = dist.get_world_size(self.inside)
+            padded = torch.zeros(-(-n // split) * split)
+            padded[:n] = flat
+            mine = padded.view(split, -1)[dist.get_rank(self.inside)].clone()
+            dist.all_reduce(mine, group=self.group)  # gloo has no AVG: sum, then divide
+            mine.div_(world)
+            torch_compat.all_gather_single(padded, mine, group=self.inside)
+            flat = padded[:n]
+        else:
+            mine = flat
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(world)
         offset = 0
         for anchor in self.anchor:
             n = anchor.numel()
@@ -209,7 +238,7 @@ class DiLoCo:
         for anchor, p in zip(self.anchor, self.params):
             local(p).copy_(anchor)
         self.outer_steps += 1
-        return flat.numel() * flat.element_size() if world > 1 else 0
+        return mine.numel() * mine.element_size() if world > 1 else 0
 
     def _like_param(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`t` (this rank's shard) as a DTensor sharded like parameter `p`, sharing its storage, so

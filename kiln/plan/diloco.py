@@ -12,7 +12,9 @@ memory: the outer state, fp32 and sharded like the parameters (the anchor and th
   the gradients (fp32, the same shards) to None (kiln/train/step.py), so it adds nothing to the
   peak;
 time: every H = `diloco_inner_steps` steps one all-reduce over the R replicas of every rank's
-  parameter shards in fp32 (what `DiLoCo.outer_step` sends), which blocks the loop, plus the outer
+  parameter shards in fp32 (what `DiLoCo.outer_step` sends; where S ranks of a replica hold the
+  same parameters, ddp/zero1, each sends 1/S and they all-gather the result inside the replica),
+  which blocks the loop, plus the outer
   step's memory traffic, 48 bytes per parameter of the shard (flatten: read 4, write 4; the delta:
   read 8, write 4; torch's Nesterov SGD: read 12, write 8; the reset: read 4, write 4), both
   divided by H for the per-step figure.
@@ -35,7 +37,7 @@ import math
 
 from kiln.errors import KilnError
 from kiln.plan.cluster import Cluster
-from kiln.plan.comm_cost import all_reduce
+from kiln.plan.comm_cost import all_gather, all_reduce
 from kiln.plan.memory import Layout, ModelShape, rank_memory
 
 OUTER_STEP_BYTES = 48  # memory traffic of the outer step per fp32 parameter of the shard (docstring)
@@ -70,16 +72,29 @@ def replica_cluster(cluster: Cluster, layout: Layout) -> Cluster:
     return dataclasses.replace(cluster, nodes=max(1, math.ceil(ranks / cluster.gpus_per_node)))
 
 
+def replicated_ranks(layout: Layout) -> int:
+    """The ranks of one replica holding the very same parameters, which split the outer average
+    (kiln/parallel/diloco.py `replicated_group`): dp x cp under ddp/zero1 without ep, else 1."""
+    replica = layout.replica
+    return replica.dp * replica.cp if replica.dp_mode in ("ddp", "zero1") and replica.ep == 1 else 1
+
+
 def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float) -> float:
-    """One outer step of `layout` on `cluster`: the all-reduce of every rank's `shard_bytes` (fp32
-    parameters) over the replicas and the step's memory traffic; not divided by H."""
+    """One outer step of `layout` on `cluster`: the all-reduce over the replicas of every rank's
+    part of its `shard_bytes` (fp32 parameters; 1/S where S ranks of a replica hold the same ones,
+    `replicated_ranks`, which then all-gather the result inside the replica), and the step's
+    memory traffic over the whole shard; not divided by H."""
     replicas, ranks = layout.dp_replicate, layout.replica.world_size
+    split = replicated_ranks(layout)
+    sent = shard_bytes / split
     if cluster.islands > 1:
-        link_s = max(shard_bytes / (cluster.inter_node.bandwidth_gbps * 1e9),
-                     shard_bytes * ranks / (cluster.island_link_gbps * 1e9))
+        link_s = max(sent / (cluster.inter_node.bandwidth_gbps * 1e9),
+                     sent * ranks / (cluster.island_link_gbps * 1e9))
         sync = 2 * (replicas - 1) / replicas * link_s + 2 * (replicas - 1) * cluster.island_link_latency_ms * 1e-3
     else:
-        sync = all_reduce(cluster, replicas, shard_bytes, stride=ranks)
+        sync = all_reduce(cluster, replicas, sent, stride=ranks)
+    if split > 1:  # the averaged slices gathered inside the replica (its data-parallel ranks, tp apart)
+        sync += all_gather(cluster, split, shard_bytes, stride=layout.tp)
     step = OUTER_STEP_BYTES * shard_bytes / 4 / (cluster.device.memory_bandwidth_gbps * 1e9)
     return sync + step
 

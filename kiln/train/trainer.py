@@ -28,7 +28,7 @@ from kiln.data.storage import open_store
 from kiln.errors import ConfigError, KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
-from kiln.parallel.diloco import DiLoCo, layout_key, replica_states
+from kiln.parallel.diloco import DiLoCo, layout_key, replica_states, replicated_group
 from kiln.parallel.diloco import Layout as DiLoCoLayout
 from kiln.parallel.diloco import check_resume as check_diloco_resume
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
@@ -228,7 +228,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
         across = dims.mesh["dp_replicate"] if dims.dp_replicate > 1 else None
         diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
                         cfg.parallel.diloco_outer_momentum, group=across.get_group() if across else None,
-                        by_name=dims.pp > 1)
+                        by_name=dims.pp > 1, inside=replicated_group(dims))
         stateful["diloco"] = diloco
         stateful[layout_key(*diloco_layout)] = DiLoCoLayout(*diloco_layout)
         # every replica saves its own model and moments

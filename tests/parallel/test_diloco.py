@@ -15,7 +15,8 @@ with ep 2 = cp (MoE, ddp), and x DDP / ZeRO-1 over 2 ranks (whole parameters) th
 give the same single-process definition's losses (relative 1e-5, 9 steps, 3 outer steps;
 observed <= 1.3e-7), the
 same anchor shard in both replicas, and parameters that stay equal where a replica holds them twice
-(cp ranks; the pipeline's tied head copy and embedding), bit for bit. Negative controls: HSDP
+(cp ranks; the pipeline's tied head copy and embedding), bit for bit; where both ranks of a
+replica hold the same parameters (ddp, zero1, cp under ddp) each sends half of them across. Negative controls: HSDP
 (gradients across replicas every step), and the outer step averaging over cp instead of the
 replicas (8e-4 relative at step 4). kiln's trainer with 2 replicas x fsdp 2 resumes between outer
 syncs bit for bit, and so do 2 replicas x pp 2 (the anchor keyed by parameter name) and 2
@@ -361,7 +362,7 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     from kiln.config import JobConfig, ParallelConfig
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.data_parallel import shard_optimizer_state
-    from kiln.parallel.diloco import DiLoCo, local
+    from kiln.parallel.diloco import DiLoCo, local, replicated_group
     from kiln.parallel.dims import ParallelDims
     from kiln.parallel.parallelize import apply_data_parallel, parallelize
     from kiln.parallel.pipeline import Pipeline, pipeline_train_step
@@ -385,7 +386,7 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     context_parallel = ContextParallel(model, dims, 12, cpu)
     opt = shard_optimizer_state(adamw(model), dims)  # zero1: partitioned over the replica's ranks
     diloco = DiLoCo(model, H, OUTER_LR, MOMENTUM, group=dims.mesh[wrong_group or "dp_replicate"].get_group(),
-                    by_name=dims.pp > 1)
+                    by_name=dims.pp > 1, inside=None if wrong_group else replicated_group(dims))
     rows = 4 // dims.dp_size  # a replica's two rows, split over its dp_shard ranks
     _, data = model_and_data()
     losses, sent = [], []
@@ -467,8 +468,10 @@ def test_replicas_split_inside_match_the_single_process_definition(split_replica
     for rank, runs in enumerate(split_replicas):
         losses, sent, n_local, anchor, _ = runs[layout]
         assert losses == pytest.approx(expected, rel=REL), (rank, losses, expected)
-        # Each rank all-reduces its own shards (fp32) with its peer in the other replica, once per H steps.
-        assert sent == [4 * n_local] * (STEPS // H)
+        # Each rank all-reduces its own shards (fp32) with its peer in the other replica, once per H
+        # steps; where both ranks of a replica hold the same parameters (ddp, zero1; cp under ddp), half of them.
+        split = 2 if layout in ("cp", "ddp", "zero1") else 1
+        assert sent == [4 * -(-n_local // split)] * (STEPS // H)
         peer = split_replicas[peer_of(rank)][layout]
         assert all(torch.equal(a, b) for a, b in zip(anchor, peer[3]))  # the same anchor shard in both replicas
     n_local = [runs[layout][2] for runs in split_replicas]

@@ -203,3 +203,25 @@ def test_replicas_of_ddp_or_zero1_inside_are_searched_and_kiln_runs_their_config
     # zero-bubble schedules are proposed under FSDP replicas only, not DDP / ZeRO-1 over several ranks
     assert not [lay for lay in layouts if lay.dp_mode in ("ddp", "zero1") and lay.dp_shard * lay.cp > 1
                 and "zero_bubble" in lay.schedule]
+
+
+def test_replicas_holding_the_same_parameters_split_the_outer_all_reduce():
+    # ddp/zero1 inside a replica: its 8 ranks each send 1/8 across the islands, then all-gather the
+    # average inside the island (kiln/parallel/diloco.py replicated_group); fsdp's shards are 1/8 already.
+    from kiln.plan.comm_cost import all_gather
+    from kiln.plan.diloco import replicated_ranks
+
+    cluster = _islands(islands=2, nodes=2)  # 2 islands of 1 node x 8 GPUs
+    ddp = Layout(dp_replicate=2, dp_shard=8, dp_mode="ddp", micro_batch=4, diloco_inner_steps=10)
+    fsdp = dataclasses.replace(ddp, dp_mode="fsdp")
+    assert replicated_ranks(ddp) == replicated_ranks(dataclasses.replace(ddp, dp_mode="zero1")) == 8
+    assert replicated_ranks(fsdp) == replicated_ranks(dataclasses.replace(ddp, ep=2)) == 1
+    whole = rank_memory(SHAPE, ddp.replica, 2048).parameters
+    step = OUTER_STEP_BYTES * whole / 4 / 3350e9
+    sent = whole / 8
+    by_hand = (2 * (2 - 1) / 2 * max(sent / 50e9, sent * 8 / 1.25e9) + 2 * (2 - 1) * 10e-3
+               + all_gather(cluster, 8, whole) + step)
+    assert outer_sync_seconds(cluster, ddp, whole) == pytest.approx(by_hand)
+    # across the island link the same bytes as fsdp's replica (each rank 1/8 of the parameters)
+    fsdp_shard = rank_memory(SHAPE, fsdp.replica, 2048).parameters
+    assert fsdp_shard == pytest.approx(sent)
