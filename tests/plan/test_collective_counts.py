@@ -80,4 +80,10 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
     impl = "foreach" if mode == "tp_foreach" else "fused"  # kiln's default on cpu: fused
     predicted = {op: round(n) for op, n in step_time(shape, layout, 32, load_cluster("cpu-local"), "adamw", impl).calls.items()
                  if n}
+    from torch.distributed.fsdp import FSDPModule
+
+    if mode == "fsdp" and not hasattr(FSDPModule, "set_reshard_after_forward"):
+        # torch 2.7: FSDP2's lazy init keeps the root gathered after forward whatever kiln passed
+        # (2.8 on honours reshard_after_forward=True there), so no root all-gather before backward
+        predicted["all_gather"] -= 1
     assert predicted == counted[mode]
