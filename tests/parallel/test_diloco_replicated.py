@@ -1,0 +1,45 @@
+"""DiLoCo with DDP or ZeRO-1 inside each replica, combined with tp, pp and cp (one 8-rank gloo
+launch: 2 replicas x 2 DDP / ZeRO-1 ranks x tp 2, pp 2 or cp 2), against test_diloco.py's
+one-process definition at its tolerance (relative 1e-5 per step over 9 steps, 3 outer steps). The
+ranks of a replica that hold the same parameters (its dp_shard x cp ranks) split the outer
+all-reduce: each sends 1/S of its parameters across the replicas (S = 2, with cp 4). ddp and
+zero1 inside alone run in test_diloco.py's 4-rank launch, with the trainer's resume."""
+import pytest
+
+import test_diloco as diloco
+from ranks import run_ranks
+
+# 8 ranks give each rank one of the step's 4 rows: the pipelines run one micro-batch (GPipe)
+PIPELINE = {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 1}
+CASES = {  # name: ([parallel] keys, model fields, the ranks of a replica holding the same parameters)
+    "zero1_tp": ({"dp_mode": "zero1", "dp_replicate": 2, "tp": 2}, {}, 2),
+    "ddp_pp": ({"dp_mode": "ddp", "dp_replicate": 2, **PIPELINE}, {"n_layers": 2}, 2),
+    "zero1_pp": ({"dp_mode": "zero1", "dp_replicate": 2, **PIPELINE}, {"n_layers": 2}, 2),
+    "ddp_cp": ({"dp_mode": "ddp", "dp_replicate": 2, "cp": 2}, {"n_layers": 2}, 4)}
+
+
+def _register() -> None:
+    for name, (layout, fields, _) in CASES.items():
+        diloco.LAYOUTS[name], diloco.FIELDS[name] = layout, fields
+
+
+def _replicated_ranks(rank, world):
+    _register()
+    return {name: diloco.split_replica_run(name, rank, diloco.STEPS, world=world)[:3] for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory):
+    return run_ranks(_replicated_ranks, 8, tmp_path_factory.mktemp("diloco8"), timeout=300)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", CASES)
+def test_replicas_of_ddp_or_zero1_with_tp_pp_or_cp_match_the_definition(eight_ranks, name):
+    _register()
+    expected = diloco.simulated(**diloco.FIELDS[name])
+    split = CASES[name][2]
+    for rank, runs in enumerate(eight_ranks):
+        losses, sent, n_local = runs[name]
+        assert losses == pytest.approx(expected, rel=diloco.REL), (rank, losses, expected)
+        assert sent == [4 * -(-n_local // split)] * (diloco.STEPS // diloco.H)  # its 1/S across the replicas
