@@ -291,13 +291,9 @@ def diloco_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: i
     other data-parallel ranks inside each (here dp_shard: ranks that replicate the model and split
     the batch, ZeRO-1 its optimizer state). fsdp/zero2: dp_replicate replicas, FSDP2 over dp_shard
     (x cp) inside each. Expert parallelism is carved out of a replica's own ranks (dp_shard x cp,
-    and tp with etp=1), never across two; not with DDP / ZeRO-1 inside a replica of several ranks."""
+    and tp with etp=1), never across two."""
     if mode == "auto" or (mode in ("ddp", "zero1") and dp_shard == 1):
         dp_replicate, dp_shard, mode = dp_replicate * dp_shard, 1, "ddp" if mode == "auto" else mode
-    elif mode in ("ddp", "zero1") and cfg.ep > 1:
-        raise ConfigError(f"parallel.ep={cfg.ep} with parallel.diloco_inner_steps={cfg.diloco_inner_steps} and "
-                          f"dp_mode={mode!r} over {dp_shard} ranks inside each replica is not supported; use "
-                          f"dp_mode='fsdp' inside the replicas, or parallel.dp_replicate=1 (every rank a replica)")
     elif world_size > 1 and dp_replicate == 1:
         raise ConfigError(f"parallel.diloco_inner_steps={cfg.diloco_inner_steps} with parallel.dp_mode="
                           f"{mode!r} takes its replicas from parallel.dp_replicate, which is 1 here (one "
@@ -351,7 +347,8 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
     if ep % cp:
         raise ConfigError(f"parallel.ep={ep} must be a multiple of parallel.cp={cp} (expert parallelism borrows "
                           f"all of cp, as in torchtitan); change parallel.ep or parallel.cp")
-    name, size = ("dp_replicate", dp_replicate) if mode in ("ddp", "zero1") else ("dp_shard", dp_shard)
+    # ddp/zero1: the replicas (dp_shard 1), or under DiLoCo with DDP inside a replica its dp_shard ranks
+    name, size = ("dp_replicate", dp_replicate) if mode in ("ddp", "zero1") and dp_shard == 1 else ("dp_shard", dp_shard)
     if size * cp % ep:
         where = f"{name}={size}" if cp == 1 else f"{name} x cp = {size} x {cp}"
         raise ConfigError(f"parallel.ep={ep} must divide {where} (ep is carved out of {name}"

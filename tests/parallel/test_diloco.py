@@ -302,9 +302,13 @@ def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
         dims = ParallelDims.from_config(ParallelConfig(diloco_inner_steps=2, dp_mode=mode, dp_replicate=2, tp=2),
                                         world_size=8, rank=0)
         assert (dims.dp_replicate, dims.dp_shard, dims.dp_mode, dims.grad_ranks) == (2, 2, mode, 2)
-    with pytest.raises(ConfigError, match=r"^parallel\.ep=2 with parallel\.diloco_inner_steps=2 and dp_mode='zero1' "
-                                          r"over 2 ranks inside each replica is not supported; use dp_mode='fsdp'"):
-        ParallelDims.from_config(ParallelConfig(diloco_inner_steps=2, dp_mode="zero1", dp_replicate=2, ep=2),
+    # ep carved from the DDP / ZeRO-1 ranks inside a replica, never across replicas
+    dims = ParallelDims.from_config(ParallelConfig(diloco_inner_steps=2, dp_mode="zero1", dp_replicate=2, ep=2),
+                                    world_size=4, rank=0)
+    assert (dims.dp_replicate, dims.dp_shard, dims.ep) == (2, 2, 2)
+    with pytest.raises(ConfigError, match=r"^parallel\.ep=4 with parallel\.diloco_inner_steps=2 must divide a "
+                                          r"replica's dp_shard x cp = 2 \(dp_mode='ddp'\)"):
+        ParallelDims.from_config(ParallelConfig(diloco_inner_steps=2, dp_mode="ddp", dp_replicate=2, ep=4),
                                  world_size=4, rank=0)
     with pytest.raises(ConfigError, match=r"^world size 6 is not divisible by parallel\.dp_replicate\*cp\*tp\*pp=4 "
                                           r"\(DiLoCo's replicas\)"):

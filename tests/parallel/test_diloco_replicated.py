@@ -1,8 +1,9 @@
-"""DiLoCo with DDP or ZeRO-1 inside each replica, combined with tp, pp and cp (one 8-rank gloo
-launch: 2 replicas x 2 DDP / ZeRO-1 ranks x tp 2, pp 2 or cp 2), against test_diloco.py's
+"""DiLoCo with DDP or ZeRO-1 inside each replica, combined with tp, pp, cp and ep (one 8-rank gloo
+launch: 2 replicas x 2 DDP / ZeRO-1 ranks x tp 2, pp 2 or cp 2, and x cp 2 with ep 2 (MoE)), against test_diloco.py's
 one-process definition at its tolerance (relative 1e-5 per step over 9 steps, 3 outer steps). The
 ranks of a replica that hold the same parameters (its dp_shard x cp ranks) split the outer
-all-reduce: each sends 1/S of its parameters across the replicas (S = 2, with cp 4). ddp and
+all-reduce: each sends 1/S of its parameters across the replicas (S = 2, with cp 4; with ep,
+whose experts differ between them, 1). ddp and
 zero1 inside alone run in test_diloco.py's 4-rank launch, with the trainer's resume."""
 import pytest
 
@@ -15,7 +16,11 @@ CASES = {  # name: ([parallel] keys, model fields, the ranks of a replica holdin
     "zero1_tp": ({"dp_mode": "zero1", "dp_replicate": 2, "tp": 2}, {}, 2),
     "ddp_pp": ({"dp_mode": "ddp", "dp_replicate": 2, **PIPELINE}, {"n_layers": 2}, 2),
     "zero1_pp": ({"dp_mode": "zero1", "dp_replicate": 2, **PIPELINE}, {"n_layers": 2}, 2),
-    "ddp_cp": ({"dp_mode": "ddp", "dp_replicate": 2, "cp": 2}, {"n_layers": 2}, 4)}
+    "ddp_cp": ({"dp_mode": "ddp", "dp_replicate": 2, "cp": 2}, {"n_layers": 2}, 4),
+    # MoE, ep 2 carved from a replica's dp_shard x cp = 4 ranks (experts replicated over the other 2);
+    # the experts differ between a replica's ranks, so each sends all of its parameters
+    "zero1_cp_ep": ({"dp_mode": "zero1", "dp_replicate": 2, "cp": 2, "ep": 2},
+                    {"n_layers": 2, **diloco.FIELDS["ep"]}, 1)}
 
 
 def _register() -> None:
