@@ -4,7 +4,7 @@ Low-Communication Training of Language Models", algorithm 1).
 The replicas are the `dp_replicate` ranks of the mesh. Each replica trains alone with its own inner
 optimizer (kiln's configured one, AdamW in the paper) on its own slice of the data; inside a
 replica the model may be split any way kiln splits one: FSDP2 over `dp_shard` (dp_mode
-fsdp/zero2), tensor parallelism over `tp`, pipeline stages over `pp`, context parallelism over
+fsdp/zero2) or DDP / ZeRO-1 over them (ddp/zero1), tensor parallelism over `tp`, pipeline stages over `pp`, context parallelism over
 `cp` and expert parallelism carved out of the replica's own ranks (dims.py `diloco_layout`).
 Gradients are reduced inside a replica only (`ParallelDims.grad_mesh_names` leaves dp_replicate
 out: never HSDP; the expert mesh keeps the replicas apart as well). Every H =
@@ -18,7 +18,9 @@ where `anchor` holds the parameters of the last sync. Every rank works on its ow
 DTensor local tensors): it averages them with the ranks holding the same shard in the other
 replicas (the dp_replicate group) and steps its shard of the anchor, so the anchor and the outer
 momentum are sharded like the parameters, and nothing crosses replicas between outer steps (the
-torchft `DiLoCo` layout: one replica per island, FSDP/TP inside). Under pp a rank holds its
+torchft `DiLoCo` layout: one replica per island, FSDP/TP inside). Where several ranks of a
+replica hold the very same parameters (DDP / ZeRO-1 over its dp_shard x cp ranks, `inside`),
+each averages only its slice of them across the replicas and they all-gather the result. Under pp a rank holds its
 stages' parameters only, and averages those with the same stage's ranks in the other replicas;
 a tied head copy (pipeline_tied.py) is averaged like the embedding it copies, from equal values in
 every replica, so the two stay equal. Parameters replicated inside a replica (over cp, or dense
@@ -217,7 +219,7 @@ class DiLoCo:
             mine = flat
         elif self.inside is not None and dist.get_world_size(self.inside) > 1:
             split = dist.get_world_size(self.inside)
-            padded = torch.zeros(-(-n // split) * split)
+            padded = flat.new_zeros(-(-n // split) * split)
             padded[:n] = flat
             mine = padded.view(split, -1)[dist.get_rank(self.inside)].clone()
             dist.all_reduce(mine, group=self.group)  # gloo has no AVG: sum, then divide
