@@ -284,6 +284,15 @@ def fsdp_shards_tp_unevenly() -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
 
 
+def gpipe_takes_fewer_microbatches() -> bool:
+    """Whether torch's `ScheduleGPipe` runs fewer micro-batches than pipeline stages (2.8 on; 2.7
+    refuses it in every single-stage schedule, 2.8 on only in 1F1B): kiln's pipeline check
+    (`pipeline_layout.check_pipeline_config`) says so in one line where torch would raise."""
+    import torch
+
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
+
+
 def same_layout(a, b) -> bool:
     """Whether two DTensors have one mesh and one placement per dimension, type included: a
     `_StridedShard` compares equal to the `Shard` of its dim, yet places other rows."""

@@ -6,6 +6,7 @@ planner (kiln/plan/) and the memory estimate use it without building a pipeline
 
 from __future__ import annotations
 
+from kiln import torch_compat
 from kiln.config import JobConfig
 from kiln.errors import ConfigError
 
@@ -43,6 +44,13 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if batch % m:
         raise ConfigError(f"parallel.pp_microbatches={m} must divide train.batch_size x grad_accum = {batch} "
                           f"(each micro-batch must be the same size)")
+    if m < p.pp and (p.pp_schedule == "1f1b" or not torch_compat.gpipe_takes_fewer_microbatches()):
+        import torch
+
+        raise ConfigError(f"parallel.pp_microbatches={m} is fewer than the parallel.pp={p.pp} stages, which "
+                          f"torch {torch.__version__}'s {p.pp_schedule!r} schedule refuses; set "
+                          f"parallel.pp_microbatches to at least {p.pp} (0: one per stage), dividing "
+                          f"train.batch_size x grad_accum = {batch}")
     if p.pp_schedule not in SINGLE_STAGE and m % p.pp:
         raise ConfigError(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p.pp} for "
                           f"{p.pp_schedule!r}")

@@ -6,6 +6,7 @@ all-reduce: each sends 1/S of its parameters across the replicas (S = 2, with cp
 whose experts differ between them, 1). ddp and
 zero1 inside alone run in test_diloco.py's 4-rank launch, with the trainer's resume."""
 import pytest
+import torch
 
 import test_diloco as diloco
 from ranks import run_ranks
@@ -28,9 +29,17 @@ def _register() -> None:
         diloco.LAYOUTS[name], diloco.FIELDS[name] = layout, fields
 
 
+def _runs_here(name: str) -> bool:
+    from kiln import torch_compat
+
+    # one micro-batch through 2 stages: GPipe takes it from torch 2.8 on (kiln refuses it before)
+    return "pp" not in CASES[name][0] or torch_compat.gpipe_takes_fewer_microbatches()
+
+
 def _replicated_ranks(rank, world):
     _register()
-    return {name: diloco.split_replica_run(name, rank, diloco.STEPS, world=world)[:3] for name in CASES}
+    return {name: diloco.split_replica_run(name, rank, diloco.STEPS, world=world)[:3] if _runs_here(name) else None
+            for name in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +50,8 @@ def eight_ranks(tmp_path_factory):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", CASES)
 def test_replicas_of_ddp_or_zero1_with_tp_pp_or_cp_match_the_definition(eight_ranks, name):
+    if not _runs_here(name):
+        pytest.skip(f"torch {torch.__version__}: GPipe refuses fewer micro-batches than stages (kiln refuses it)")
     _register()
     expected = diloco.simulated(**diloco.FIELDS[name])
     split = CASES[name][2]

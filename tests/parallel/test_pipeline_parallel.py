@@ -112,6 +112,23 @@ def test_bad_pipeline_config_names_the_key():
     layout.check_pipeline_config(job(tie_embeddings=True))  # tied embeddings: tests/parallel/test_pipeline_tied.py
 
 
+def test_fewer_microbatches_than_stages_where_torch_refuses_them_is_one_line(monkeypatch):
+    """torch's 1F1B refuses fewer micro-batches than stages (a ValueError at the schedule's
+    construction), and on 2.7 so does GPipe: kiln's check says so first, naming the key."""
+    import kiln.torch_compat as compat
+
+    with pytest.raises(ConfigError, match=r"^parallel\.pp_microbatches=1 is fewer than the parallel\.pp=2 stages, "
+                                          r"which torch .*'s '1f1b' schedule refuses; set parallel\.pp_microbatches "
+                                          r"to at least 2 \(0: one per stage\), dividing train\.batch_size x "
+                                          r"grad_accum = 4$"):
+        layout.check_pipeline_config(job(microbatches=1))
+    monkeypatch.setattr(compat, "gpipe_takes_fewer_microbatches", lambda: True)
+    layout.check_pipeline_config(job(microbatches=1, schedule="gpipe"))  # GPipe fills and drains any count
+    monkeypatch.setattr(compat, "gpipe_takes_fewer_microbatches", lambda: False)  # 2.7
+    with pytest.raises(ConfigError, match=r"'gpipe' schedule refuses"):
+        layout.check_pipeline_config(job(microbatches=1, schedule="gpipe"))
+
+
 def test_chunked_loss_under_zero_bubble_on_an_older_torch_is_refused_in_one_line(monkeypatch):
     """torch 2.11's weight pass cannot differentiate the chunked loss's autograd function (probed
     in kiln/torch_compat.py); on such a torch an explicit train.loss='chunked' with a zero-bubble
