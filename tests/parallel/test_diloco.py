@@ -556,16 +556,10 @@ def test_pipelined_replicas_resume_between_outer_syncs_exactly(split_root):
     # each replica's moments: the losses after the outer sync at step 4 equal the uninterrupted run's.
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from kiln.checkpoint.manager import CheckpointManager
     from kiln.checkpoint.safe_load import load_metadata
 
     root = split_root[0]
-    whole, resumed = train_losses(root / "pp_whole"), train_losses(root / "pp_resumed")
-    assert sorted(resumed) == list(range(1, RESUME_STEPS + 1))
-    assert [resumed[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
-    names = CheckpointManager(root / "pp_whole" / "checkpoints").saved_state_names(RESUME_AT)
-    assert {n for n in names if n.startswith("diloco") or n == "app"} == \
-        {"app", "diloco_rank1", "diloco", "diloco_layout_2x1x1_pp2"}
+    continued_exactly(root, "pp", "diloco_layout_2x1x1_pp2")
     path = root / "pp_whole" / "checkpoints" / f"step-{RESUME_AT}" / ".metadata"
     tensors = {fqn for fqn, m in load_metadata(path.read_bytes(), str(path)).state_dict_metadata.items()
                if isinstance(m, TensorStorageMetadata)}
@@ -577,15 +571,20 @@ def test_pipelined_replicas_resume_between_outer_syncs_exactly(split_root):
 def test_zero1_replicas_resume_between_outer_syncs_exactly(split_root):
     # 2 replicas x ZeRO-1 over 2 ranks each through kiln's trainer: each replica saves its own
     # (consolidated) inner moments, the step-3 checkpoint continues them bit for bit.
+    continued_exactly(split_root[0], "zero1", "diloco_layout_2x2x1_ddp")
+
+
+def continued_exactly(root, run: str, layout: str) -> None:
+    """`run`'s copy continued from its step-3 checkpoint (between outer syncs) has the losses of
+    the uninterrupted run bit for bit, and the checkpoint holds replica 0 (`app`), replica 1, the
+    anchor once and the layout entry `layout`."""
     from kiln.checkpoint.manager import CheckpointManager
 
-    root = split_root[0]
-    whole, resumed = train_losses(root / "zero1_whole"), train_losses(root / "zero1_resumed")
+    whole, resumed = train_losses(root / f"{run}_whole"), train_losses(root / f"{run}_resumed")
     assert sorted(resumed) == list(range(1, RESUME_STEPS + 1))
     assert [resumed[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
-    names = CheckpointManager(root / "zero1_whole" / "checkpoints").saved_state_names(RESUME_AT)
-    assert {n for n in names if n.startswith("diloco") or n == "app"} == \
-        {"app", "diloco_rank1", "diloco", "diloco_layout_2x2x1_ddp"}
+    names = CheckpointManager(root / f"{run}_whole" / "checkpoints").saved_state_names(RESUME_AT)
+    assert {n for n in names if n.startswith("diloco") or n == "app"} == {"app", "diloco_rank1", "diloco", layout}
 
 
 # ---- pp, cp and ep in one replica (the one 8-rank launch): 2 replicas x pp 2 (1F1B) x cp 2 with
