@@ -120,12 +120,14 @@ def _time_steps(step: Callable[[int], Any], warmup: int, steps: int, device: tor
 
 
 def kiln_case(shape: Shape, model_cfg: ModelConfig, device: torch.device, *, compile_model: bool,
-              loss: str, float8: str = "", cuda_graphs: bool = False) -> tuple[Callable, float, int]:
+              loss: str, float8: str = "", cuda_graphs: bool = False, autotune: bool = False
+              ) -> tuple[Callable, float, int]:
     from kiln.train.trainer import build_model
 
     cfg = JobConfig()
     cfg.model = replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, shape.seq))
     cfg.train.compile, cfg.train.compile_scope, cfg.train.cuda_graphs = compile_model, "model", cuda_graphs
+    cfg.train.autotune = autotune
     cfg.train.float8, cfg.train.float8_recipe = bool(float8), float8 or "tensorwise"
     cfg.train.dtype = "bf16" if device.type == "cuda" else "fp32"
     cfg.train.activation_checkpointing, cfg.train.grad_accum = shape.ac, shape.grad_accum
@@ -146,11 +148,12 @@ def kiln_case(shape: Shape, model_cfg: ModelConfig, device: torch.device, *, com
     note = f"sdpa {attention['attention_backend']}" + (" (kv expanded)" if attention["attention_expand_kv"] else "")
     plan = {"model": asdict(cfg.model), "batch": shape.batch, "seq": shape.seq, "grad_accum": shape.grad_accum,
             "ac": shape.ac, "compile": compile_model, "loss": loss, "precision": "float8" if float8 else "bf16",
-            "optimizer": "adamw", "cuda_graphs": cuda_graphs}
+            "optimizer": "adamw", "cuda_graphs": cuda_graphs, "autotune": autotune}
     return step, flops_per_token(model, shape.seq), count_params(model)["total"], note, plan
 
 
-def baseline_case(shape: Shape, device: torch.device, compile_model: bool) -> tuple[Callable, float, int]:
+def baseline_case(shape: Shape, device: torch.device, compile_model: bool, mode: str | None = None
+                  ) -> tuple[Callable, float, int]:
     from throughput import BaselineGPT, Size
 
     m = shape.model
@@ -162,7 +165,7 @@ def baseline_case(shape: Shape, device: torch.device, compile_model: bool) -> tu
         logits = model(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
-    fwd = torch.compile(forward) if compile_model else forward
+    fwd = torch.compile(forward, mode=mode) if compile_model else forward
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
     batches = _batches(m.vocab_size, shape.batch, shape.seq, device)
@@ -367,6 +370,17 @@ def run_all(device_name: str, quick: bool, budget_s: float, steps: int, corpus: 
     plan: list[tuple[str, Shape, Callable[[], Any]]] = [
         ("nanoGPT baseline compiled", g, lambda: baseline_case(g, device, True)),
         ("kiln gpt2-arch compiled", g, lambda: kiln_case(g, gm, device, compile_model=True, loss="full")),
+        # torch.compile's max-autotune (train.autotune): the baseline given the same mode, for a fair pair
+        ("nanoGPT baseline compiled, max-autotune", g,
+         lambda: baseline_case(g, device, True, mode="max-autotune-no-cudagraphs")),
+        ("kiln gpt2-arch compiled, max-autotune", g,
+         lambda: kiln_case(g, gm, device, compile_model=True, loss="full", autotune=True)),
+        ("kiln default compiled, max-autotune", g,
+         lambda: kiln_case(g, dm, device, compile_model=True, loss="full", autotune=True)),
+        ("kiln gpt2-arch compiled, max-autotune + CUDA graphs", g,
+         lambda: kiln_case(g, gm, device, compile_model=True, loss="full", autotune=True, cuda_graphs=True)),
+        ("kiln default compiled, ga 4, no AC, max-autotune", l_cfg_noac,
+         lambda: kiln_case(l_cfg_noac, l.model, device, compile_model=True, loss="full", autotune=True)),
         ("kiln gpt2-arch compiled + CUDA graphs", g,
          lambda: kiln_case(g, gm, device, compile_model=True, loss="full", cuda_graphs=True)),
         # Issue 9: q/k/v (and w1/w3) as one GEMM vs one GEMM each, pinned both ways whatever the default

@@ -266,6 +266,9 @@ class TrainConfig:
     # block on its own (what FSDP needs); auto = model on one device, blocks when sharded.
     compile_scope: str = ranged("auto", choices=("auto", "model", "blocks"))
     cuda_graphs: bool = False  # torch.compile mode="reduce-overhead" (CUDA, compile_scope=model)
+    # torch.compile's max-autotune: inductor times GEMM templates and kernel configs on this device
+    # at the first compile (minutes longer) and keeps the fastest (with cuda_graphs: "max-autotune")
+    autotune: bool = False
     # full: logits then cross-entropy; chunked: LM head + cross-entropy in chunks, never full fp32
     # logits (kiln/model/loss.py); auto: chosen per device and compile scope from the figures in
     # benchmarks/README.md ("One GPU") - see kiln/train/system.py resolve_loss.
@@ -293,6 +296,8 @@ class TrainConfig:
                               "reduce-overhead mode)")
         if self.cuda_graphs and self.compile_scope == "blocks":
             raise ConfigError("train.cuda_graphs=true needs train.compile_scope='model' or 'auto'")
+        if self.autotune and not self.compile:
+            raise ConfigError("train.autotune=true needs train.compile=true (it is torch.compile's max-autotune mode)")
 
 
 @dataclass

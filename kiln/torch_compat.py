@@ -285,14 +285,14 @@ def fsdp_shards_tp_unevenly() -> bool:
 
 
 def gpipe_takes_fewer_microbatches() -> bool:
-    """Whether torch's `ScheduleGPipe` runs fewer micro-batches than pipeline stages: 2.12 and
-    2.13 do (only `Schedule1F1B` refuses them); 2.6-2.10 refuse them in every single-stage
-    schedule (`PipelineScheduleSingle.__init__`); 2.11 not checked here, taken as refusing.
+    """Whether torch's `ScheduleGPipe` runs fewer micro-batches than pipeline stages: 2.11 to
+    2.13 do (only `Schedule1F1B` refuses them, checked in each one's source and 2.12/2.13 by a
+    test); 2.6-2.10 refuse them in every single-stage schedule (`PipelineScheduleSingle.__init__`).
     kiln's pipeline check (`pipeline_layout.check_pipeline_config`) says so in one line where
     torch would raise."""
     import torch
 
-    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
 
 
 def same_layout(a, b) -> bool:

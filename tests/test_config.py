@@ -31,6 +31,7 @@ def test_int_accepted_for_float():
     ("model.norm=batchnorm", "model.norm='batchnorm' is not one of"),
     ("model.dim=102", "divisible by model.n_heads"),
     ("data.seq_len=4096", "exceeds model.max_seq_len"),
+    ("train.autotune=true", "train.autotune=true needs train.compile=true"),
     ("novalue", "expected section.key=value"),
 ])
 def test_bad_overrides_name_the_key(override, message):

@@ -185,7 +185,15 @@ def keep_tp_embedding_eager(root: nn.Module) -> None:
     root.tok_embeddings = torch.compiler.disable(embedding)
 
 
-def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, experts_fsdp: bool = False) -> None:
+def compile_mode(cuda_graphs: bool, autotune: bool) -> str | None:
+    """torch.compile's mode for train.cuda_graphs and train.autotune (None: its default)."""
+    if autotune:
+        return "max-autotune" if cuda_graphs else "max-autotune-no-cudagraphs"
+    return "reduce-overhead" if cuda_graphs else None
+
+
+def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, experts_fsdp: bool = False,
+                  autotune: bool = False) -> None:
     """torch.compile, in one graph for the whole model ("model"; under pp one per stage chunk) or per
     block ("blocks"), each
     block whole (fullgraph). `experts_fsdp` (ep under fsdp/zero2): a MoE block's experts will be
@@ -208,7 +216,7 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
         # without loss_parallel's context, "got mixed torch.Tensor and DTensor") run eagerly around it.
         for root in getattr(model, "chunks", [model]):
             keep_tp_embedding_eager(root)
-            root.compile(mode="reduce-overhead" if cuda_graphs else None)
+            root.compile(mode=compile_mode(cuda_graphs, autotune))
         return
     # Per block: every block has the same graph, so one compilation serves all of them (under pp
     # the blocks of every stage chunk of this rank). The hook runs eagerly, before the graph
@@ -226,11 +234,11 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
                 if isinstance(child, MoE):
                     compile_moe_steps(child)
                 else:  # wrapped as the whole blocks are (torch.nn's own forwards cannot be compiled in place)
-                    piece = torch.compile(child, fullgraph=True)
+                    piece = torch.compile(child, fullgraph=True, mode=compile_mode(False, autotune))
                     piece.register_forward_pre_hook(wait_collective_inputs)
                     setattr(inner, name, piece)
             return block
-        compiled = torch.compile(block, fullgraph=True)
+        compiled = torch.compile(block, fullgraph=True, mode=compile_mode(False, autotune))
         compiled.register_forward_pre_hook(wait_collective_inputs)
         return compiled
 
@@ -309,7 +317,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing, keep_random)
     scope = compile_scope(cfg, dims)
     if cfg.train.compile and scope == "blocks":
-        apply_compile(model, "blocks", experts_fsdp=experts_fsdp)
+        apply_compile(model, "blocks", experts_fsdp=experts_fsdp, autotune=cfg.train.autotune)
     # Context parallel needs no module change (its attention is swapped in per step, see
     # context_parallel.py), only the gradient average over cp, which data parallelism does.
     # DiLoCo: each replica trains alone, data parallel over its own dp_shard x cp ranks at most
@@ -317,7 +325,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
     if dims.grad_mesh_names:
         apply_data_parallel(model, dims, cfg, device)
     if cfg.train.compile and scope == "model":
-        apply_compile(model, "model", cfg.train.cuda_graphs)
+        apply_compile(model, "model", cfg.train.cuda_graphs, autotune=cfg.train.autotune)
     return model
 
 

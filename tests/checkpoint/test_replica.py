@@ -80,7 +80,7 @@ def test_torchrun_restart_recovers_from_peer_memory(tmp_path, text_file):
     overrides = tiny_overrides(text_file, **{
         "train.steps": 16, "checkpoint.every": 4, "train.eval_every": 0, "metrics.progress": "'none'",
         "checkpoint.memory_replicas": "true", "checkpoint.replica_dir": repr(str(shm)),
-        "metrics.peak_flops": 1e12})
+        "metrics.peak_flops": 1e12, "train.device": "'cpu'"})  # 2 gloo ranks, also where a GPU is
 
     def torchrun(run_dir, restarts):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -32,7 +32,7 @@ def _register() -> None:
 def _runs_here(name: str) -> bool:
     from kiln import torch_compat
 
-    # one micro-batch through 2 stages: GPipe takes it from torch 2.12 on (kiln refuses it before)
+    # one micro-batch through 2 stages: GPipe takes it from torch 2.11 on (kiln refuses it before)
     return "pp" not in CASES[name][0] or torch_compat.gpipe_takes_fewer_microbatches()
 
 

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from kiln.config import load_config
 from kiln.model.transformer import Transformer
 from kiln.parallel.dims import ParallelDims
-from kiln.parallel.parallelize import apply_data_parallel
+from kiln.parallel.parallelize import apply_data_parallel, compile_mode
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,48 @@ def test_replicating_modes_keep_the_module_and_its_names(one_rank_mesh, mode):
                                                "model.vocab_size=64"]).model)
     # Checkpoints are keyed by these names: replication must not prefix them (as DDP's `module.`).
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+@pytest.mark.parametrize("cuda_graphs, autotune, mode", [
+    (False, False, None), (True, False, "reduce-overhead"),
+    (False, True, "max-autotune-no-cudagraphs"), (True, True, "max-autotune")])
+def test_compile_mode_follows_cuda_graphs_and_autotune(cuda_graphs, autotune, mode):
+    assert compile_mode(cuda_graphs, autotune) == mode
+    import torch._inductor.config  # noqa: F401  (list_mode_options lives there)
+    from torch._inductor import list_mode_options
+    if autotune:  # torch's mode: inductor's GEMM autotuning on, CUDA graphs only with cuda_graphs
+        options = list_mode_options(mode)
+        assert options["max_autotune"] and options.get("triton.cudagraphs", False) == cuda_graphs
+
+
+def test_autotuned_model_compile_matches_eager(monkeypatch):
+    """train.autotune: the whole model compiled in max-autotune mode (on CPU inductor's own GEMM
+    choices) gives eager's loss and gradients within fp32 tolerance."""
+    import copy
+
+    import torch._dynamo
+
+    from kiln.train.trainer import build_model
+
+    cfg = load_config(None, ["model.vocab_size=61", "model.dim=32", "model.n_heads=4", "model.n_layers=2",
+                             "model.max_seq_len=16", "data.seq_len=16"])
+    dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0)
+    eager = build_model(cfg, dims, torch.device("cpu"))
+    model = copy.deepcopy(eager)
+    from kiln.parallel.parallelize import apply_compile
+    modes, compile_ = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: modes.append(k.get("mode")) or compile_(*a, **k))
+    apply_compile(model, "model", autotune=True)
+    assert modes == ["max-autotune-no-cudagraphs"]
+    x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        losses = [m(x, targets=x) for m in (eager, model)]
+        for loss in losses:
+            loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert model._compiled_call_impl is not None  # nn.Module.compile in place
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+

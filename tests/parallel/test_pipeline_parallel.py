@@ -114,7 +114,7 @@ def test_bad_pipeline_config_names_the_key():
 
 def test_fewer_microbatches_than_stages_where_torch_refuses_them_is_one_line(monkeypatch):
     """torch's 1F1B refuses fewer micro-batches than stages (a ValueError at the schedule's
-    construction), and before 2.12 so does GPipe: kiln's check says so first, naming the key."""
+    construction), and before 2.11 so does GPipe: kiln's check says so first, naming the key."""
     import kiln.torch_compat as compat
 
     with pytest.raises(ConfigError, match=r"^parallel\.pp_microbatches=1 is fewer than the parallel\.pp=2 stages, "
@@ -124,7 +124,7 @@ def test_fewer_microbatches_than_stages_where_torch_refuses_them_is_one_line(mon
         layout.check_pipeline_config(job(microbatches=1))
     monkeypatch.setattr(compat, "gpipe_takes_fewer_microbatches", lambda: True)
     layout.check_pipeline_config(job(microbatches=1, schedule="gpipe"))  # GPipe fills and drains any count
-    monkeypatch.setattr(compat, "gpipe_takes_fewer_microbatches", lambda: False)  # before 2.12
+    monkeypatch.setattr(compat, "gpipe_takes_fewer_microbatches", lambda: False)  # before 2.11
     with pytest.raises(ConfigError, match=r"'gpipe' schedule refuses"):
         layout.check_pipeline_config(job(microbatches=1, schedule="gpipe"))
 

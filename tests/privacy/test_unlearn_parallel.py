@@ -25,7 +25,7 @@ from kiln.config import load_config
 TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "data.tokenizer=byte", "data.seq_len=32",
         "model.max_seq_len=32", "train.batch_size=4", "train.steps=30", "train.dtype=fp32",
         "metrics.progress=none", "train.eval_every=0", "metrics.peak_flops=1e12", "schedule.warmup_steps=2",
-        "checkpoint.every=0"]
+        "checkpoint.every=0", "train.device=cpu"]
 CORPUS = "the quick brown fox jumps over the lazy dog. " * 40 + "a stitch in time saves nine. " * 40
 FORGET = ["the quick brown fox jumps", "over the lazy dog. the", "a stitch in time saves"]
 HELDOUT = ["QZXJ#@!%&*QZXJ#@", "#@!%QZXJ&*#@!%QZ"]  # bytes never trained on: MA ~0
@@ -125,8 +125,14 @@ def test_two_fsdp_ranks_match_one_process(outputs, retain_loss):
     plain, canary = a["chunks"][0]["history"], a["chunks"][1]["history"]
     assert plain[-1]["forget_nll"] > plain[0]["forget_nll"]  # it did ascend (the NLL before each step)
     assert "format_nll" not in plain[0] and canary[-1]["format_nll"] < canary[0]["format_nll"]  # and kept the format
-    # The DCP checkpoint the two ranks wrote loads in one process, with the same weights.
+    # The DCP checkpoint the two ranks wrote loads in one process, with the same weights. AdamW
+    # divides by sqrt(v): where an element's gradient is near zero, the ranks' fp32 sum-order noise
+    # becomes an update difference of up to about lr per step. So a few elements (at most 1 in
+    # 1,000 per tensor) may be off by up to the 6 steps' lr; a wrong update moves whole tensors.
+    # Seen: 1 element of 8,192 off by 2.9e-5 (train.seed=3 here, and a run trained on an H200).
     wa, wb = load_run(one).model.state_dict(), load_run(two).model.state_dict()
     assert wa.keys() == wb.keys()
     for key in wa:
-        torch.testing.assert_close(wb[key], wa[key], rtol=1e-4, atol=1e-5, msg=key)
+        off = ~torch.isclose(wb[key], wa[key], rtol=1e-4, atol=1e-5)
+        assert int(off.sum()) <= off.numel() // 1000, (key, int(off.sum()), off.numel())
+        assert float((wb[key] - wa[key]).abs().max()) <= 6 * 1e-3, key
