@@ -20,7 +20,8 @@ replicas (the dp_replicate group) and steps its shard of the anchor, so the anch
 momentum are sharded like the parameters, and nothing crosses replicas between outer steps (the
 torchft `DiLoCo` layout: one replica per island, FSDP/TP inside). Where several ranks of a
 replica hold the very same parameters (DDP / ZeRO-1 over its dp_shard x cp ranks, `inside`),
-each averages only its slice of them across the replicas and they all-gather the result. Under pp a rank holds its
+each keeps only its 1/S slice of the anchor and outer momentum (8/S bytes per parameter, not 8),
+averages that slice across the replicas and steps it, and they all-gather the new anchor. Under pp a rank holds its
 stages' parameters only, and averages those with the same stage's ranks in the other replicas;
 a tied head copy (pipeline_tied.py) is averaged like the embedding it copies, from equal values in
 every replica, so the two stay equal. Parameters replicated inside a replica (over cp, or dense
@@ -38,7 +39,8 @@ generate and export read, and what a non-DiLoCo run continues from), replica r >
 `diloco_rank<r>` (`replica_states`). The ranks of one replica save their shards under that key
 (DCP writes each shard once), so this is one DCP checkpoint with one manifest, loaded through the
 same safe reader. The anchor and the outer momentum (`diloco`) are equal across replicas, DTensors
-sharded like the parameters, and stored once; under pp they are keyed by parameter name (every
+sharded like the parameters (split `inside` a replica: gathered whole to save, sliced at load),
+and stored once; under pp they are keyed by parameter name (every
 stage holds other parameters), else by position. A `diloco_layout_<R>x<S>x<T>[_pp<P>][_cp<C>]
 [_ep<E>][_etp1]` entry records the replica count and the split inside each (dp_shard x tp, and
 pp, cp, ep where > 1, etp1 where ep borrows tp); a DiLoCo run continues only a checkpoint of the
@@ -174,9 +176,10 @@ class DiLoCo:
     """`group`: the ranks holding the same shard in the other replicas (the dp_replicate group);
     None = the default group when one is initialized (every rank a whole replica). `inside`: the
     ranks of this rank's replica holding the very same parameters (`replicated_group`), or None:
-    each of them averages 1/S of the flat buffer across the replicas and they all-gather the
-    result inside the replica (fast links), so the slow link between replicas carries each
-    parameter once per replica, as under FSDP, not S times. `by_name`: the checkpoint keys the
+    each of them keeps, averages (across the replicas) and steps 1/S of the flat anchor, and they
+    all-gather the new anchor inside the replica (fast links), so the slow link between replicas
+    carries each parameter once per replica, as under FSDP, not S times, and the outer state is
+    split like ZeRO-1's. `by_name`: the checkpoint keys the
     anchor by parameter name, not position (pp: each stage's ranks hold other parameters, so
     position i names another tensor on every stage)."""
 
@@ -190,17 +193,40 @@ class DiLoCo:
         # checkpointing and per-block compile put around blocks (as DCP's get_state_dict drops them).
         self.keys = [n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") if by_name else str(i)
                      for i, (n, _) in enumerate(named)]
-        self.inner_steps, self.group, self.inside = inner_steps, group, inside
-        # The anchor is fp32 whatever the parameters' dtype (the outer step adds small deltas to it)
-        # and holds this rank's shards only.
+        self.inner_steps, self.group = inner_steps, group
+        self.inside = inside if inside is not None and dist.get_world_size(inside) > 1 else None
+        self.numel = sum(local(p).numel() for p in self.params)
+        # The anchor is fp32 whatever the parameters' dtype (the outer step adds small deltas to it).
+        # It holds this rank's shards only, and with `inside` only this rank's 1/S slice of their
+        # flat concatenation (padded to S equal slices), as does the outer momentum.
         with torch.no_grad():
-            self.anchor = [local(p).detach().clone().float() for p in self.params]
+            if self.inside is None:
+                self.anchor = [local(p).detach().clone().float() for p in self.params]
+            else:
+                split = dist.get_world_size(self.inside)
+                self.slice = -(-self.numel // split)
+                self.anchor = [self._flat().view(split, -1)[dist.get_rank(self.inside)].clone()]
         self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum, nesterov=True)
         # A zero momentum buffer steps exactly like torch's lazily created one (buf = g at the first
         # step) and exists before the first sync, so a checkpoint can load into it.
         for a in self.anchor:
             self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
         self.outer_steps = 0
+
+    def _flat(self) -> torch.Tensor:
+        """This rank's parameter shards as one fp32 vector, zero-padded to S equal slices with `inside`."""
+        flat = torch.cat([local(p).detach().float().reshape(-1) for p in self.params])
+        if self.inside is None:
+            return flat
+        padded = flat.new_zeros(self.slice * dist.get_world_size(self.inside))
+        padded[:self.numel] = flat
+        return padded
+
+    def _gather(self, piece: torch.Tensor) -> torch.Tensor:
+        """The whole flat vector from every rank's slice `piece` (all-gather inside the replica)."""
+        whole = piece.new_empty(self.slice * dist.get_world_size(self.inside))
+        torch_compat.all_gather_single(whole, piece.contiguous(), group=self.inside)
+        return whole[:self.numel]
 
     def due(self, step: int) -> bool:
         """True after inner step `step` (1-based) when an outer step follows."""
@@ -209,38 +235,45 @@ class DiLoCo:
     @torch.no_grad()
     def outer_step(self) -> int:
         """Average the replicas (this rank's shards), take the outer Nesterov step, reset every
-        replica to the result. Returns the bytes this rank contributed to the all-reduce across
-        the replicas (with `inside`, its 1/S slice; the all-gather inside the replica not counted)."""
-        flat = torch.cat([local(p).detach().float().reshape(-1) for p in self.params])
-        world, n = 1, flat.numel()
+        replica to the result. With `inside`, each rank averages and steps its 1/S slice, and the
+        replica's ranks all-gather the new anchor. Returns the bytes this rank contributed to the
+        all-reduce across the replicas (the all-gather inside the replica not counted)."""
+        flat = self._flat()
+        world = 1
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size(self.group)
-        if world == 1:
-            mine = flat
-        elif self.inside is not None and dist.get_world_size(self.inside) > 1:
-            split = dist.get_world_size(self.inside)
-            padded = flat.new_zeros(-(-n // split) * split)
-            padded[:n] = flat
-            mine = padded.view(split, -1)[dist.get_rank(self.inside)].clone()
+        mine = flat if self.inside is None else flat.view(dist.get_world_size(self.inside), -1)[
+            dist.get_rank(self.inside)].clone()
+        if world > 1:
             dist.all_reduce(mine, group=self.group)  # gloo has no AVG: sum, then divide
             mine.div_(world)
-            torch_compat.all_gather_single(padded, mine, group=self.inside)
-            flat = padded[:n]
-        else:
-            mine = flat
-            dist.all_reduce(flat, group=self.group)
-            flat.div_(world)
         offset = 0
-        for anchor in self.anchor:
+        for anchor in self.anchor:  # with `inside` one slice, its padding 0 on both sides
             n = anchor.numel()
-            anchor.grad = anchor - flat[offset:offset + n].view_as(anchor)
+            anchor.grad = anchor - mine[offset:offset + n].view_as(anchor)
             offset += n
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        for anchor, p in zip(self.anchor, self.params):
-            local(p).copy_(anchor)
+        self._reset_params()
         self.outer_steps += 1
         return mine.numel() * mine.element_size() if world > 1 else 0
+
+    def _reset_params(self) -> None:
+        whole = self._full(self.anchor)
+        for anchor, p in zip(whole, self.params):
+            local(p).copy_(anchor)
+
+    def _full(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-parameter tensors (this rank's shards) of the anchor or momentum `tensors`: themselves,
+        or with `inside` views of the slices all-gathered inside the replica."""
+        if self.inside is None:
+            return tensors
+        whole, offset, out = self._gather(tensors[0]), 0, []
+        for p in self.params:
+            n = local(p).numel()
+            out.append(whole[offset:offset + n].view_as(local(p)))
+            offset += n
+        return out
 
     def _like_param(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`t` (this rank's shard) as a DTensor sharded like parameter `p`, sharing its storage, so
@@ -251,16 +284,27 @@ class DiLoCo:
 
     # Stateful, for the checkpoint: the anchor and the outer momentum (equal across replicas,
     # sharded like the parameters), as a flat dict of tensors that DCP saves and loads in place.
+    # With `inside` the ranks of a replica gather their slices into whole tensors first (what a
+    # checkpoint holds whatever the split; a collective, as every rank saves and loads).
     def state_dict(self) -> dict:
-        state = {f"anchor.{k}": self._like_param(a, p) for k, a, p in zip(self.keys, self.anchor, self.params)}
-        state.update({f"momentum.{k}": self._like_param(self.outer.state[a]["momentum_buffer"], p)
-                      for k, a, p in zip(self.keys, self.anchor, self.params)})
+        anchor = self._full(self.anchor)
+        momentum = self._full([self.outer.state[a]["momentum_buffer"] for a in self.anchor])
+        state = {f"anchor.{k}": self._like_param(a, p) for k, a, p in zip(self.keys, anchor, self.params)}
+        state.update({f"momentum.{k}": self._like_param(m, p) for k, m, p in zip(self.keys, momentum, self.params)})
         state["outer_steps"] = torch.tensor(self.outer_steps)
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        for k, a in zip(self.keys, self.anchor):
-            a.copy_(local(state[f"anchor.{k}"]))
-            self.outer.state[a]["momentum_buffer"].copy_(local(state[f"momentum.{k}"]))
+        for name, mine in (("anchor", self.anchor), ("momentum", [self.outer.state[a]["momentum_buffer"]
+                                                                  for a in self.anchor])):
+            loaded = [local(state[f"{name}.{k}"]) for k in self.keys]
+            if self.inside is None:
+                for dst, src in zip(mine, loaded):
+                    dst.copy_(src)
+                continue
+            split, rank = dist.get_world_size(self.inside), dist.get_rank(self.inside)
+            padded = mine[0].new_zeros(self.slice * split)
+            padded[:self.numel] = torch.cat([t.float().reshape(-1) for t in loaded])
+            mine[0].copy_(padded.view(split, -1)[rank])
         self.outer_steps = int(state["outer_steps"])

@@ -7,7 +7,8 @@ gradient crosses replicas. So a DiLoCo layout costs what one replica's layout co
 of one replica (`Layout.replica`: dp_replicate 1, the same dp_shard, tp, pp, cp, ep), plus:
 
 memory: the outer state, fp32 and sharded like the parameters (the anchor and the Nesterov
-  momentum): twice the parameters term (kiln keeps fp32 parameters). The outer step's flat fp32
+  momentum): twice the parameters term (kiln keeps fp32 parameters), divided by S where S ranks
+  of a replica hold the same parameters (ddp/zero1: each keeps 1/S of it, `replicated_ranks`). The outer step's flat fp32
   buffer, one more parameters term, lives only after the optimizer step, when the step has set
   the gradients (fp32, the same shards) to None (kiln/train/step.py), so it adds nothing to the
   peak;
@@ -16,8 +17,9 @@ time: every H = `diloco_inner_steps` steps one all-reduce over the R replicas of
   same parameters, ddp/zero1, each sends 1/S and they all-gather the result inside the replica),
   which blocks the loop, plus the outer
   step's memory traffic, 48 bytes per parameter of the shard (flatten: read 4, write 4; the delta:
-  read 8, write 4; torch's Nesterov SGD: read 12, write 8; the reset: read 4, write 4), both
-  divided by H for the per-step figure.
+  read 8, write 4; torch's Nesterov SGD: read 12, write 8; the reset: read 4, write 4), where
+  the delta and the SGD step (32 of them) cover 1/S of it, both divided by H for the per-step
+  figure.
 
 Where the replicas are: on a cluster of `islands` (kiln/plan/cluster.py; groups of nodes joined by
 a slow link, the setting DiLoCo is for) one replica per island, and every rank's ring all-reduce
@@ -41,6 +43,7 @@ from kiln.plan.comm_cost import all_gather, all_reduce
 from kiln.plan.memory import Layout, ModelShape, rank_memory
 
 OUTER_STEP_BYTES = 48  # memory traffic of the outer step per fp32 parameter of the shard (docstring)
+OUTER_STEP_SLICE_BYTES = 32  # of which the delta and the SGD step, on 1/S of it where S ranks split it
 
 
 def check_islands(cluster: Cluster, diloco_inner_steps: int) -> int:
@@ -95,7 +98,8 @@ def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float) -> 
         sync = all_reduce(cluster, replicas, sent, stride=ranks)
     if split > 1:  # the averaged slices gathered inside the replica (its data-parallel ranks, tp apart)
         sync += all_gather(cluster, split, shard_bytes, stride=layout.tp)
-    step = OUTER_STEP_BYTES * shard_bytes / 4 / (cluster.device.memory_bandwidth_gbps * 1e9)
+    per_param = OUTER_STEP_BYTES - OUTER_STEP_SLICE_BYTES + OUTER_STEP_SLICE_BYTES / split
+    step = per_param * shard_bytes / 4 / (cluster.device.memory_bandwidth_gbps * 1e9)
     return sync + step
 
 

@@ -373,8 +373,10 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
     """Peak training bytes of the fullest rank for `layout`: under pp the larger of the first
     stage's rank (embedding, the most micro-batches in flight) and the last's (head, logits)."""
     if layout.diloco_inner_steps:  # a replica's peak, and DiLoCo's outer state (kiln/plan/diloco.py)
+        from kiln.plan.diloco import replicated_ranks
+
         mem = rank_memory(shape, layout.replica, seq_len, optimizer)
-        mem.outer_state = 2 * mem.parameters
+        mem.outer_state = 2 * mem.parameters / replicated_ranks(layout)
         return mem
     first = _end_rank_memory(shape, layout, seq_len, optimizer, last=False)
     if layout.pp == 1:

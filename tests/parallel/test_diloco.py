@@ -476,6 +476,8 @@ def test_replicas_split_inside_match_the_single_process_definition(split_replica
         # steps; where both ranks of a replica hold the same parameters (ddp, zero1; cp under ddp), half of them.
         split = 2 if layout in ("cp", "ddp", "zero1") else 1
         assert sent == [4 * -(-n_local // split)] * (STEPS // H)
+        # and keeps that part of the anchor (and of the outer momentum, the same shape) only
+        assert sum(a.numel() for a in anchor) == -(-n_local // split)
         peer = split_replicas[peer_of(rank)][layout]
         assert all(torch.equal(a, b) for a, b in zip(anchor, peer[3]))  # the same anchor shard in both replicas
     n_local = [runs[layout][2] for runs in split_replicas]

@@ -3,7 +3,7 @@ launch: 2 replicas x 2 DDP / ZeRO-1 ranks x tp 2, pp 2 or cp 2, and x cp 2 with 
 one-process definition at its tolerance (relative 1e-5 per step over 9 steps, 3 outer steps). The
 ranks of a replica that hold the same parameters (its dp_shard x cp ranks) split the outer
 all-reduce: each sends 1/S of its parameters across the replicas (S = 2, with cp 4; with ep,
-whose experts differ between them, 1). ddp and
+whose experts differ between them, 1), and keeps 1/S of the anchor and outer momentum. ddp and
 zero1 inside alone run in test_diloco.py's 4-rank launch, with the trainer's resume."""
 import pytest
 import torch
@@ -38,8 +38,9 @@ def _runs_here(name: str) -> bool:
 
 def _replicated_ranks(rank, world):
     _register()
-    return {name: diloco.split_replica_run(name, rank, diloco.STEPS, world=world)[:3] if _runs_here(name) else None
-            for name in CASES}
+    runs = {name: diloco.split_replica_run(name, rank, diloco.STEPS, world=world) if _runs_here(name) else None
+            for name in CASES}  # (losses, bytes sent, local parameters, the size of its anchor)
+    return {name: run and (*run[:3], sum(a.numel() for a in run[3])) for name, run in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def test_replicas_of_ddp_or_zero1_with_tp_pp_or_cp_match_the_definition(eight_ra
     expected = diloco.simulated(**diloco.FIELDS[name])
     split = CASES[name][2]
     for rank, runs in enumerate(eight_ranks):
-        losses, sent, n_local = runs[name]
+        losses, sent, n_local, anchor = runs[name]
         assert losses == pytest.approx(expected, rel=diloco.REL), (rank, losses, expected)
         assert sent == [4 * -(-n_local // split)] * (diloco.STEPS // diloco.H)  # its 1/S across the replicas
+        assert anchor == -(-n_local // split)  # and keeps 1/S of the anchor and outer momentum

@@ -217,7 +217,11 @@ def test_replicas_holding_the_same_parameters_split_the_outer_all_reduce():
     assert replicated_ranks(ddp) == replicated_ranks(dataclasses.replace(ddp, dp_mode="zero1")) == 8
     assert replicated_ranks(fsdp) == replicated_ranks(dataclasses.replace(ddp, ep=2)) == 1
     whole = rank_memory(SHAPE, ddp.replica, 2048).parameters
-    step = OUTER_STEP_BYTES * whole / 4 / 3350e9
+    step = (16 + 32 / 8) * whole / 4 / 3350e9  # flatten and reset the whole; delta and SGD step on 1/8
+    # each rank keeps 1/8 of the anchor and momentum (fsdp: of its 1/8 shard, all of it)
+    assert rank_memory(SHAPE, ddp, 2048).outer_state == pytest.approx(2 * whole / 8)
+    assert rank_memory(SHAPE, fsdp, 2048).outer_state == pytest.approx(2 * rank_memory(SHAPE, fsdp.replica,
+                                                                                       2048).parameters)
     sent = whole / 8
     by_hand = (2 * (2 - 1) / 2 * max(sent / 50e9, sent * 8 / 1.25e9) + 2 * (2 - 1) * 10e-3
                + all_gather(cluster, 8, whole) + step)
