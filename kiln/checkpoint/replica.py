@@ -181,11 +181,13 @@ class MemoryReplicas:
         if self.world > 1 and any(need_from_peer):
             mine = self._return_copies(step, need_from_peer, mine)
         filled = None
+        # On every rank, before anything that may fail on one: a state_dict may be a collective
+        # (DiLoCo's split outer state gathers its slices inside the replica).
+        live = _stateful_to_state_dict(states)
         try:  # into the live state dicts' tensors; load_state_dict only once every rank succeeded
             if mine is None or mine[0] != step:
                 raise ValueError("replica vanished or corrupted")
             saved = torch.load(io.BytesIO(mine[1]), weights_only=True)
-            live = _stateful_to_state_dict(states)
             filled = {key: _fill(value, saved[key]) for key, value in live.items()}
         except Exception:
             filled = None

@@ -18,6 +18,9 @@ from kiln.train.trainer import train
 from ckpt_testlib import RUN, rows
 from conftest import require_fsdp2_on_cpu, tiny_overrides
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+from ranks import run_ranks  # noqa: E402  (tests/parallel/ranks.py)
+
 
 def _events(run, text):
     return [r["message"] for r in rows(run, "event") if text in r["message"]]
@@ -142,3 +145,53 @@ def test_replica_dir_must_be_private(tmp_path):
     replicas.dir.chmod(0o777)
     assert replicas._step_of("own-0") == -1 and replicas._read("own-0") is None
     assert replicas.restore({"w": torch.zeros(4)}, storage_step=None) is None
+
+
+class GatheringState:
+    """A Stateful whose state_dict is a collective, as DiLoCo's split outer state is (its ranks
+    all-gather their slices): every rank must call it, or the others wait."""
+
+    def __init__(self, rank: int):
+        self.slice = torch.full((2,), float(rank))
+
+    def state_dict(self) -> dict:
+        import torch.distributed as dist
+
+        whole = [torch.zeros(2) for _ in range(dist.get_world_size())]
+        dist.all_gather(whole, self.slice)
+        return {"whole": torch.cat(whole)}
+
+    def load_state_dict(self, state: dict) -> None:
+        import torch.distributed as dist
+
+        self.slice.copy_(state["whole"].view(-1, 2)[dist.get_rank()])
+
+
+def _restore_with_one_copy_damaged(rank, world, shm, damage):
+    import torch.distributed as dist
+
+    from kiln.checkpoint.replica import MemoryReplicas
+
+    replicas = MemoryReplicas(Path(shm) / "run", shm, rank=rank, world=world)
+    state = {"outer": GatheringState(rank)}
+    replicas.publish(4, {"outer": state["outer"].state_dict()})
+    dist.barrier()
+    if damage and rank == 1:  # its own copy no longer matches its checksum (the step still reads 4)
+        (replicas.dir / "own-1.pt").write_bytes(b"garbage")
+    dist.barrier()
+    state["outer"].slice.zero_()
+    got = replicas.restore(state, storage_step=None)
+    return got and got[:2], state["outer"].slice.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_restore_calls_every_state_dict_on_every_rank(tmp_path):
+    """A replica one rank cannot read must not leave the other alone inside a collective state_dict:
+    both fall back to storage (None) together; undamaged, both restore their slice."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ok = run_ranks(_restore_with_one_copy_damaged, 2, tmp_path / "a", str(tmp_path / "shm-a"), False, timeout=60)
+    assert ok == [((4, "own memory"), [0.0, 0.0]), ((4, "own memory"), [1.0, 1.0])]
+    damaged = run_ranks(_restore_with_one_copy_damaged, 2, tmp_path / "b", str(tmp_path / "shm-b"), True,
+                        timeout=60)
+    assert damaged == [(None, [0.0, 0.0]), (None, [0.0, 0.0])]
