@@ -263,15 +263,20 @@ class DiLoCo:
         for anchor, p in zip(whole, self.params):
             local(p).copy_(anchor)
 
-    def _full(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _full(self, tensors: list[torch.Tensor], own_storage: bool = False) -> list[torch.Tensor]:
         """Per-parameter tensors (this rank's shards) of the anchor or momentum `tensors`: themselves,
-        or with `inside` views of the slices all-gathered inside the replica."""
+        or with `inside` the slices all-gathered inside the replica, as views of one buffer or
+        (`own_storage`, for a checkpoint) each in its own: the async save's staging
+        (`torch.distributed._state_dict_utils._create_cpu_state_dict`, torch 2.13) deep-copies a
+        DTensor, which fails for one whose local tensor starts inside a larger buffer ("Attempted
+        to call copy_() on an invalid python storage"; under tp)."""
         if self.inside is None:
             return tensors
         whole, offset, out = self._gather(tensors[0]), 0, []
         for p in self.params:
             n = local(p).numel()
-            out.append(whole[offset:offset + n].view_as(local(p)))
+            piece = whole[offset:offset + n].view_as(local(p))
+            out.append(piece.clone() if own_storage else piece)
             offset += n
         return out
 
@@ -287,8 +292,8 @@ class DiLoCo:
     # With `inside` the ranks of a replica gather their slices into whole tensors first (what a
     # checkpoint holds whatever the split; a collective, as every rank saves and loads).
     def state_dict(self) -> dict:
-        anchor = self._full(self.anchor)
-        momentum = self._full([self.outer.state[a]["momentum_buffer"] for a in self.anchor])
+        anchor = self._full(self.anchor, own_storage=True)
+        momentum = self._full([self.outer.state[a]["momentum_buffer"] for a in self.anchor], own_storage=True)
         state = {f"anchor.{k}": self._like_param(a, p) for k, a, p in zip(self.keys, anchor, self.params)}
         state.update({f"momentum.{k}": self._like_param(m, p) for k, m, p in zip(self.keys, momentum, self.params)})
         state["outer_steps"] = torch.tensor(self.outer_steps)

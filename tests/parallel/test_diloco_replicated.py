@@ -4,7 +4,8 @@ one-process definition at its tolerance (relative 1e-5 per step over 9 steps, 3 
 ranks of a replica that hold the same parameters (its dp_shard x cp ranks) split the outer
 all-reduce: each sends 1/S of its parameters across the replicas (S = 2, with cp 4; with ep,
 whose experts differ between them, 1), and keeps 1/S of the anchor and outer momentum. ddp and
-zero1 inside alone run in test_diloco.py's 4-rank launch, with the trainer's resume."""
+zero1 inside alone run in test_diloco.py's 4-rank launch, with the trainer's resume; here the
+trainer's zero1 x tp replicas resume too."""
 import pytest
 import torch
 
@@ -36,16 +37,44 @@ def _runs_here(name: str) -> bool:
     return "pp" not in CASES[name][0] or torch_compat.gpipe_takes_fewer_microbatches()
 
 
-def _replicated_ranks(rank, world):
+def _replicated_ranks(rank, world, root, sets):
+    """The cases against the definition, then kiln's trainer with 2 replicas x zero1 2 x tp 2:
+    uninterrupted, and its step-3 checkpoint (between outer syncs) continued in a copy."""
+    import os
+    from pathlib import Path
+
+    import kiln.train.trainer as trainer
+    from kiln.config import load_config
+    from ranks import continue_in_copy
+
     _register()
     runs = {name: diloco.split_replica_run(name, rank, diloco.STEPS, world=world) if _runs_here(name) else None
             for name in CASES}  # (losses, bytes sent, local parameters, the size of its anchor)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    trainer.train(load_config(None, sets), Path(root) / "zero1_tp_whole")
+    continue_in_copy(Path(root) / "zero1_tp_whole", diloco.RESUME_AT, Path(root) / "zero1_tp_resumed", sets)
     return {name: run and (*run[:3], sum(a.numel() for a in run[3])) for name, run in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def eight_ranks(tmp_path_factory):
-    return run_ranks(_replicated_ranks, 8, tmp_path_factory.mktemp("diloco8"), timeout=300)
+def eight_root(tmp_path_factory, text_file):
+    root = tmp_path_factory.mktemp("diloco8")
+    (root / "work").mkdir()
+    sets = diloco.resume_overrides(text_file, root / "shards") + [
+        "parallel.dp_mode='zero1'", "parallel.dp_replicate=2", "parallel.tp=2"]
+    return root, run_ranks(_replicated_ranks, 8, root / "work", str(root), sets, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(eight_root):
+    return eight_root[1]
+
+
+@pytest.mark.timeout(400)
+def test_zero1_tp_replicas_resume_between_outer_syncs_exactly(eight_root):
+    # Each rank's 1/2 of the anchor and momentum (tp-sharded), gathered whole into the checkpoint
+    # and sliced again at load: the continued run equals the uninterrupted one bit for bit.
+    diloco.continued_exactly(eight_root[0], "zero1_tp", "diloco_layout_2x2x2_ddp")
 
 
 @pytest.mark.timeout(400)
