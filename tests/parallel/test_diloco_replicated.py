@@ -1,5 +1,6 @@
 """DiLoCo with DDP or ZeRO-1 inside each replica, combined with tp, pp, cp and ep (one 8-rank gloo
-launch: 2 replicas x 2 DDP / ZeRO-1 ranks x tp 2, pp 2 or cp 2, and x cp 2 with ep 2 (MoE)), against test_diloco.py's
+launch: 2 replicas x 2 DDP / ZeRO-1 ranks x tp 2, pp 2 or cp 2, and x cp 2 with ep 2 (MoE); and 2
+replicas x FSDP 2 x pp 2 with the experts over ep 2, pp, fsdp and ep in one replica), against test_diloco.py's
 one-process definition at its tolerance (relative 1e-5 per step over 9 steps, 3 outer steps). The
 ranks of a replica that hold the same parameters (its dp_shard x cp ranks) split the outer
 all-reduce: each sends 1/S of its parameters across the replicas (S = 2, with cp 4; with ep,
@@ -22,7 +23,10 @@ CASES = {  # name: ([parallel] keys, model fields, the ranks of a replica holdin
     # MoE, ep 2 carved from a replica's dp_shard x cp = 4 ranks (experts replicated over the other 2);
     # the experts differ between a replica's ranks, so each sends all of its parameters
     "zero1_cp_ep": ({"dp_mode": "zero1", "dp_replicate": 2, "cp": 2, "ep": 2},
-                    {"n_layers": 2, **diloco.FIELDS["ep"]}, 1)}
+                    {"n_layers": 2, **diloco.FIELDS["ep"]}, 1),
+    # and FSDP inside, with pp and the experts over ep = the replica's dp_shard 2 (each rank its own shard)
+    "fsdp_pp_ep": ({"dp_mode": "fsdp", "dp_replicate": 2, "ep": 2, **PIPELINE},
+                   {"n_layers": 2, **diloco.FIELDS["ep"]}, 1)}
 
 
 def _register() -> None:
