@@ -191,8 +191,8 @@ class Attention(nn.Module):
                                                      enable_gqa=gqa)
             else:  # FlexAttention BlockMask (CUDA); it has no dropout
                 out = _flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa)
-        elif self.attention_fn is not None:
-            out = self.attention_fn(q, k, v)
+        elif self.attention_fn is not None:  # context parallel's ring attention
+            out = self.attention_fn(q, k, v, self.dropout if self.training else 0.0)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,

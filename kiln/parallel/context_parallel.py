@@ -19,7 +19,15 @@ Choice of block kernel: a plain fp32 matmul block attention written here (scores
 because it yields the log-sum-exp on every device and backend; SDPA's LSE-returning ops are
 private aten ops whose signatures differ between CPU and CUDA builds. Torch's own
 `torch.distributed.tensor.experimental.context_parallel` (CUDA only) is not wired in: see
-docs/parallel.md. Attention dropout is not supported under cp > 1 (refused at startup).
+docs/parallel.md.
+
+Attention dropout (`model.dropout` while training) is applied to each block's probabilities,
+never to the normalizer, as FlashAttention does: out = sum_j (P_j * M_j) V_j with P the global
+softmax and M_j the block's keep mask scaled by 1/(1-p), so the result is attention dropout over
+the whole row. The mask of the block (query chunk a, key chunk b) comes from a generator seeded
+by (the call's seed, a, b) (`block_keep`): the rank holding chunk a draws it in the forward and
+again in the backward, whatever the order the ring brings the blocks in. The seed is drawn per
+call from torch's default generator (restored by activation checkpointing's recompute).
 
 Under train.compile the ring is two opaque ops (`torch.library.custom_op`: forward, and backward
 via `register_autograd`, each with a fake implementation for shapes), the pattern torch's own
@@ -86,11 +94,22 @@ class Ring:
 
 
 def _chunk_pairs(my_chunks, src_chunks, size):
-    """(query slice, key slice, causal) for every pair of chunks that is not entirely masked."""
+    """(query slice, key slice, (query chunk, key chunk)) for every pair of chunks that is not
+    entirely masked; causal where the two are the same chunk."""
     for i, a in enumerate(my_chunks):
         for j, b in enumerate(src_chunks):
             if b <= a:
-                yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), b == a
+                yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), (a, b)
+
+
+def block_keep(seed: int, chunks: tuple[int, int], shape, dropout_p: float, device) -> torch.Tensor:
+    """The dropout multiplier of one block of attention probabilities: 0 where dropped, 1/(1-p)
+    where kept, the same for the same (seed, query chunk, key chunk) on every call and rank."""
+    a, b = chunks
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + a * 65_537 + b) % (2**63))
+    keep = torch.rand(shape, generator=g, device=device) >= dropout_p
+    return keep.float() / (1.0 - dropout_p)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -102,17 +121,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return s
 
 
-def _merge_block(acc, l, m, s, vb):
+def _merge_block(acc, l, m, s, vb, keep=None):
     """Online softmax: one block's scores `s` and values `vb` folded into its rows' running
-    (output sum `acc`, normalizer `l`, max `m`); earlier partials are rescaled to the new max."""
+    (output sum `acc`, normalizer `l`, max `m`); earlier partials are rescaled to the new max.
+    `keep`: the block's dropout multiplier, on the probabilities that weigh `vb` only."""
     # Every kept row has an unmasked score (full blocks, or a causal diagonal), so m stays finite.
     m_new = torch.maximum(m, s.amax(-1))
     p = torch.exp(s - m_new.unsqueeze(-1))
     alpha = torch.exp(m - m_new)
-    return acc * alpha.unsqueeze(-1) + p @ vb.unsqueeze(2), l * alpha + p.sum(-1), m_new
+    weights = p if keep is None else p * keep
+    return acc * alpha.unsqueeze(-1) + weights @ vb.unsqueeze(2), l * alpha + p.sum(-1), m_new
 
 
-def _ring_forward(q, k, v, ring: Ring):
+def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0):
     """The ring's forward: out (B, Hkv, rep, T, D) and its log-sum-exp (B, Hkv, rep, T), fp32."""
     bsz, n_heads, seqlen, head_dim = q.shape
     n_kv = k.shape[1]
@@ -128,10 +149,11 @@ def _ring_forward(q, k, v, ring: Ring):
     for step in range(ring.size):
         pending = ring.start_shift(kv) if step < ring.size - 1 else None
         src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
-        for qs, ks, causal in _chunk_pairs(mine, src, size):
-            s = _scores(q5[..., qs, :], kv[0][..., ks, :], causal, scale)
+        for qs, ks, chunks in _chunk_pairs(mine, src, size):
+            s = _scores(q5[..., qs, :], kv[0][..., ks, :], chunks[0] == chunks[1], scale)
+            keep = block_keep(seed, chunks, s.shape, dropout_p, s.device) if dropout_p > 0 else None
             acc[..., qs, :], l[..., qs], m[..., qs] = _merge_block(acc[..., qs, :], l[..., qs], m[..., qs], s,
-                                                                   kv[1][..., ks, :])
+                                                                   kv[1][..., ks, :], keep)
         if pending is not None:
             kv, works = pending
             for w in works:
@@ -139,8 +161,10 @@ def _ring_forward(q, k, v, ring: Ring):
     return acc / l.unsqueeze(-1), m + torch.log(l)
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
-    """The ring's backward: dq (q's shape and dtype) and dK/dV stacked (2, B, Hkv, T, D) in fp32."""
+def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0.0, seed: int = 0):
+    """The ring's backward: dq (q's shape and dtype) and dK/dV stacked (2, B, Hkv, T, D) in fp32.
+    With dropout (M the block's multiplier): dV = (P M)^T dO, dP = (dO V^T) M, and the softmax
+    correction rowsum(dO * O) is unchanged (O already holds the dropped weights)."""
     bsz, n_heads, seqlen, head_dim = q.shape
     size = seqlen // 2
     scale = 1.0 / math.sqrt(head_dim)
@@ -154,12 +178,14 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
     for step in range(ring.size):
         pending = ring.start_shift(kv) if step < ring.size - 1 else None
         src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
-        for qs, ks, causal in _chunk_pairs(mine, src, size):
+        for qs, ks, chunks in _chunk_pairs(mine, src, size):
             kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
-            p = torch.exp(_scores(q5[..., qs, :], kb, causal, scale) - lse[..., qs].unsqueeze(-1))
+            p = torch.exp(_scores(q5[..., qs, :], kb, chunks[0] == chunks[1], scale) - lse[..., qs].unsqueeze(-1))
             do = dout[..., qs, :]
-            dkv[1][..., ks, :] += (p.transpose(-1, -2) @ do).sum(2)
-            ds = p * (do @ vb.unsqueeze(2).transpose(-1, -2) - delta[..., qs].unsqueeze(-1))
+            keep = block_keep(seed, chunks, p.shape, dropout_p, p.device) if dropout_p > 0 else None
+            dkv[1][..., ks, :] += ((p if keep is None else p * keep).transpose(-1, -2) @ do).sum(2)
+            dp = do @ vb.unsqueeze(2).transpose(-1, -2)
+            ds = p * ((dp if keep is None else dp * keep) - delta[..., qs].unsqueeze(-1))
             dq[..., qs, :] += (ds @ kb.unsqueeze(2)) * scale
             dkv[0][..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2) * scale
         if pending is not None:
@@ -181,14 +207,15 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring):
 _OP_TAGS = {"tags": (torch_compat.cudagraph_unsafe_tag(),)} if torch_compat.cudagraph_unsafe_tag() else {}
 
 
+# `seed`: a one-element int64 CPU tensor (drawn per call, so a compiled graph does not bake it in).
 @torch.library.custom_op("kiln::ring_attention", mutates_args=(), **_OP_TAGS)
-def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)))
+def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, dropout_p: float,
+                       seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)), dropout_p, int(seed))
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, group_name):
+def _(q, k, v, group_name, dropout_p, seed):
     bsz, n_heads, seqlen, head_dim = q.shape
     out = q.new_empty((bsz, k.shape[1], n_heads // k.shape[1], seqlen, head_dim), dtype=torch.float32)
     return out, out.new_empty(out.shape[:-1])
@@ -196,38 +223,43 @@ def _(q, k, v, group_name):
 
 @torch.library.custom_op("kiln::ring_attention_backward", mutates_args=(), **_OP_TAGS)
 def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                out: torch.Tensor, lse: torch.Tensor,
-                                group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_backward(grad_out, q, k, v, out, lse, Ring(_resolve_process_group(group_name)))
+                                out: torch.Tensor, lse: torch.Tensor, group_name: str, dropout_p: float,
+                                seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_backward(grad_out, q, k, v, out, lse, Ring(_resolve_process_group(group_name)), dropout_p,
+                          int(seed))
 
 
 @_ring_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, group_name):
+def _(grad_out, q, k, v, out, lse, group_name, dropout_p, seed):
     # Contiguous, as the real op returns them (empty_like would copy q's strides).
     return q.new_empty(q.shape), k.new_empty((2, *k.shape), dtype=torch.float32)
 
 
 def _save_for_ring_backward(ctx, inputs, output):
-    q, k, v, ctx.group_name = inputs
+    q, k, v, ctx.group_name, ctx.dropout_p, seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, seed)
 
 
 def _ring_attention_grad(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dkv = _ring_attention_backward_op(grad_out, q, k, v, out, lse, ctx.group_name)
-    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+    q, k, v, out, lse, seed = ctx.saved_tensors
+    dq, dkv = _ring_attention_backward_op(grad_out, q, k, v, out, lse, ctx.group_name, ctx.dropout_p, seed)
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 _ring_attention_op.register_autograd(_ring_attention_grad, setup_context=_save_for_ring_backward)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, dropout_p: float = 0.0,
+                   seed: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's zig-zag slice: q (B, H, T, D), k/v (B, Hkv, T, D) with
-    H a multiple of Hkv (GQA); T = 2 chunks. Equals the matching rows of full causal attention."""
+    H a multiple of Hkv (GQA); T = 2 chunks. Equals the matching rows of full causal attention
+    (with dropout_p > 0: attention dropout with `block_keep`'s masks for `seed`, drawn when None)."""
+    if seed is None:
+        seed = (torch.randint(0, 2**62, (1,)) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64))
     with torch.autocast(q.device.type, enabled=False):  # the blocks run in fp32 (see module doc)
-        out, _ = _ring_attention_op(q, k, v, ring.group_name)
+        out, _ = _ring_attention_op(q, k, v, ring.group_name, float(dropout_p), seed)
         return out.view(q.shape).to(q.dtype)
 
 
@@ -240,9 +272,6 @@ class ContextParallel:
         if self.cp == 1:
             return
         check_cp_seq_len(self.cp, seq_len)
-        if model.cfg.dropout > 0:
-            raise ConfigError(f"model.dropout={model.cfg.dropout} is not supported with parallel.cp="
-                              f"{self.cp} (ring attention has no attention dropout); set model.dropout=0")
         self.ring = Ring(dims.mesh["cp"].get_group())
         self.index = zigzag_positions(seq_len, self.cp, self.ring.rank, device=device)
 
@@ -251,8 +280,8 @@ class ContextParallel:
             return x, y
         return x.index_select(1, self.index), y.index_select(1, self.index)
 
-    def attention(self, q, k, v):
-        return ring_attention(q, k, v, self.ring)
+    def attention(self, q, k, v, dropout_p: float = 0.0):
+        return ring_attention(q, k, v, self.ring, dropout_p)
 
     def __enter__(self):
         if self.cp > 1:

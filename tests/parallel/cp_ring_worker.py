@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
+from kiln.parallel.context_parallel import Ring, block_keep, ring_attention, zigzag_positions
 
 ATOL = 1e-5  # fp32; observed < 1e-6
 
@@ -59,7 +59,56 @@ def check_ring_attention():
     ref, _, out, grads, _ = full_and_ring(ring, 4, 2, seq_len, zigzag, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and grads[1].dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)
+    check_ring_dropout(ring, zigzag, seq_len)
     return f"rank {rank}: ok"
+
+
+def dropout_reference(q, k, v, seed, dropout_p, cp, wrong_seed=False):
+    """Full causal attention with attention dropout whose mask on every (query chunk, key chunk)
+    block is `block_keep`'s for `seed` (the chunks of the whole sequence, 2*cp of them): what the
+    ring must compute, by plain softmax over whole rows (no ring, no online merge)."""
+    bsz, n_heads, seq_len, head_dim = q.shape
+    n_kv, size = k.shape[1], seq_len // (2 * cp)
+    q5 = q.reshape(bsz, n_kv, n_heads // n_kv, seq_len, head_dim)
+    s = (q5 @ k.unsqueeze(2).transpose(-1, -2)) / head_dim ** 0.5
+    s = s.masked_fill(torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), float("-inf"))
+    keep = torch.ones_like(s)
+    for a in range(2 * cp):
+        for b in range(a + 1):
+            block = block_keep(seed + int(wrong_seed), (a, b), (*s.shape[:3], size, size), dropout_p, "cpu")
+            keep[..., a * size:(a + 1) * size, b * size:(b + 1) * size] = block
+    out = (torch.softmax(s, -1) * keep) @ v.unsqueeze(2)
+    return out.reshape(q.shape)
+
+
+def check_ring_dropout(ring, index, seq_len, dropout_p=0.3, seed=1234):
+    """Attention dropout in the ring: forward and backward equal the reference with the same block
+    masks; the masks are really applied, and a backward with another seed's masks is wrong."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, seq_len, 16, generator=g)
+    k, v = (torch.randn(2, 2, seq_len, 16, generator=g) for _ in range(2))
+    dout = torch.randn(2, 4, seq_len, 16, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = dropout_reference(*full, seed, dropout_p, ring.size)
+    ref.backward(dout)
+    local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, ring, dropout_p, torch.tensor([seed]))
+    out.backward(dout[:, :, index])
+    torch.testing.assert_close(out, ref[:, :, index], atol=ATOL, rtol=0)
+    for name, got, want in zip("qkv", [t.grad for t in local], [t.grad[:, :, index] for t in full]):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, n=name: f"dropout d{n}: {m}")
+    plain = ring_attention(*[t.detach() for t in local], ring)
+    assert not torch.allclose(out, plain, atol=ATOL, rtol=0), "attention dropout changed nothing"
+    other = dropout_reference(q, k, v, seed, dropout_p, ring.size, wrong_seed=True)[:, :, index]
+    assert not torch.allclose(out, other, atol=ATOL, rtol=0), "the comparison cannot tell the masks apart"
+    # the backward with another seed's masks (forward's output and lse kept) gives other gradients
+    from kiln.parallel.context_parallel import _ring_attention_backward_op, _ring_attention_op
+
+    args = [t.detach() for t in local]
+    o, lse = _ring_attention_op(*args, ring.group_name, dropout_p, torch.tensor([seed]))
+    dq, _ = _ring_attention_backward_op(dout[:, :, index], *args, o, lse, ring.group_name, dropout_p,
+                                        torch.tensor([seed + 1]))
+    assert not torch.allclose(dq, local[0].grad, atol=ATOL, rtol=0), "the backward ignores the masks"
 
 
 def main():

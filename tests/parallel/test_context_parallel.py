@@ -6,6 +6,7 @@ Tolerances: attention fp32 atol 1e-5 (cp_ring_worker.py); per-step training loss
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -59,6 +60,8 @@ def launches(tmp_path_factory, text_file):
     runs = {name: root / name for name in CP_RUNS}
     jobs = {n: [(runs[name], common(text_file, **extra)) for name, (world, extra) in CP_RUNS.items() if world == n]
             for n in (2, 4)}
+    runs["cp2-dropout"] = root / "cp2-dropout"  # attention (ring), residual and embedding dropout
+    jobs[2].append((runs["cp2-dropout"], common(text_file, **{**CP_RUNS["cp2-ddp"][1], "model.dropout": 0.1})))
     for n in (2, 4):
         (root / f"ranks{n}").mkdir()
     ring = run_ranks(ring_check_then_train, 2, root / "ranks2", jobs[2], timeout=400)
@@ -84,6 +87,18 @@ def test_context_parallel_run_matches_one_process(launches, reference, name):
     assert run_row["world_size"] == nproc and run_row["dp_replicate"] * run_row["dp_shard"] == nproc // 2
     assert run_row["cp"] == 2
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+
+
+@pytest.mark.timeout(600)
+def test_context_parallel_trains_with_dropout(launches):
+    # model.dropout under cp: attention dropout in the ring (its masks checked against a reference in
+    # cp_ring_worker.check_ring_dropout), the rest per token. Random, so not one process's losses:
+    # every step finite, the first within 5% of the run without dropout, and none equal to it.
+    plain, dropped = losses(launches[1]["cp2-ddp"]), losses(launches[1]["cp2-dropout"])
+    assert sorted(dropped) == sorted(plain) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(x) for x in dropped.values())
+    assert dropped[1] == pytest.approx(plain[1], rel=0.05)
+    assert all(dropped[s] != plain[s] for s in plain), (dropped, plain)
 
 
 def test_train_with_cp_not_dividing_seq_len_fails_before_any_work(tmp_path, text_file, monkeypatch, capsys):

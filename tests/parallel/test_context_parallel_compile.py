@@ -61,7 +61,7 @@ LAUNCHES = {  # world -> runs of that launch (name -> settings)
 }
 
 
-def _merge_forgetting_earlier_blocks(acc, l, m, s, vb):
+def _merge_forgetting_earlier_blocks(acc, l, m, s, vb, keep=None):
     """A wrong ring merge: the output sum keeps only the newest block (the normalizer is right)."""
     import torch
 
@@ -105,10 +105,12 @@ def _opcheck_ring_ops():
     g = torch.Generator().manual_seed(dist.get_rank())
     q = torch.randn(2, 16, 4, 8, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(2, 2, 16, 8, generator=g).requires_grad_() for _ in range(2))
-    forward = torch.library.opcheck(context_parallel._ring_attention_op, (q, k, v, group))
-    out, lse = context_parallel._ring_attention_op(q.detach(), k.detach(), v.detach(), group)
+    dropout = (0.25, torch.tensor([7]))  # attention dropout on: its masks are a function of the seed
+    forward = torch.library.opcheck(context_parallel._ring_attention_op, (q, k, v, group, *dropout))
+    out, lse = context_parallel._ring_attention_op(q.detach(), k.detach(), v.detach(), group, *dropout)
     backward = torch.library.opcheck(context_parallel._ring_attention_backward_op,
-                                     (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, group))
+                                     (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, group,
+                                      *dropout))
     return {"forward": forward, "backward": backward}
 
 
