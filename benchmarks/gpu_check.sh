@@ -16,8 +16,12 @@ cd "$(dirname "$0")/.."
 RESULTS=${OUT:-benchmarks/results}
 mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" >/dev/null; then
+  # One wheel pip cannot take (another Python's, e.g. a cp311 build on the image's 3.12) stops the
+  # whole install; everything after would fail for want of tomli-w, so stop here, saying which.
+  # Fetch them for the image: pip download --no-deps --only-binary=:all: --python-version 3.12 ...
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kiln-site .whl/*.whl \
-    && export PYTHONPATH=/tmp/kiln-site:${PYTHONPATH:-}
+    || { echo "gpu_check.sh: the wheels in .whl/ did not install (pip's reason above); fetch them for this Python ($(python3 -V))" >&2; exit 1; }
+  export PYTHONPATH=/tmp/kiln-site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
