@@ -155,6 +155,9 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     cfg.train.dtype = resolve_dtype(cfg.train.dtype, device)
     if cfg.train.dtype == "fp16" and device.type != "cuda":
         raise KilnError("train.dtype='fp16' needs a CUDA device (use bf16 or fp32 on CPU)")
+    if cfg.train.autotune and not torch_compat.max_autotune_trains_exactly():
+        raise KilnError(f"train.autotune=true under torch {torch.__version__}: its max-autotune compile gives a wrong "
+                        f"gradient for tied embeddings (2.7 and later do not); set train.autotune=false or update torch")
     if cfg.train.cuda_graphs and device.type != "cuda":
         raise KilnError(f"train.cuda_graphs=true needs a CUDA device; this run is on {device.type}")
     if cfg.train.float8:

@@ -86,6 +86,11 @@ def test_autotuned_model_compile_matches_eager(monkeypatch):
     choices) gives eager's loss and gradients within fp32 tolerance."""
     import copy
 
+    from kiln import torch_compat
+
+    if not torch_compat.max_autotune_trains_exactly():
+        pytest.skip(f"torch {torch.__version__}: max-autotune's tied-embedding gradient is wrong (kiln refuses it)")
+
     import torch._dynamo
 
     from kiln.train.trainer import build_model
@@ -112,3 +117,17 @@ def test_autotuned_model_compile_matches_eager(monkeypatch):
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
+
+
+def test_autotune_is_refused_where_torch_gets_it_wrong(tmp_path, text_file, monkeypatch):
+    from kiln import torch_compat
+    from kiln.errors import KilnError
+    from kiln.train.trainer import train
+
+    from conftest import tiny_overrides
+
+    monkeypatch.setattr(torch_compat, "max_autotune_trains_exactly", lambda: False)  # torch 2.6
+    cfg = load_config(None, tiny_overrides(text_file, **{"train.compile": "true", "train.autotune": "true"}))
+    with pytest.raises(KilnError, match=r"^train\.autotune=true under torch .*set train\.autotune=false"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
