@@ -86,13 +86,12 @@ def test_autotuned_model_compile_matches_eager(monkeypatch):
     choices) gives eager's loss and gradients within fp32 tolerance."""
     import copy
 
+    from torch import _dynamo
+
     from kiln import torch_compat
 
     if not torch_compat.max_autotune_trains_exactly():
         pytest.skip(f"torch {torch.__version__}: max-autotune's tied-embedding gradient is wrong (kiln refuses it)")
-
-    import torch._dynamo
-
     from kiln.train.trainer import build_model
 
     cfg = load_config(None, ["model.vocab_size=61", "model.dim=32", "model.n_heads=4", "model.n_layers=2",
@@ -111,7 +110,7 @@ def test_autotuned_model_compile_matches_eager(monkeypatch):
         for loss in losses:
             loss.backward()
     finally:
-        torch._dynamo.reset()
+        _dynamo.reset()
     assert model._compiled_call_impl is not None  # nn.Module.compile in place
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
