@@ -17,7 +17,8 @@ Closed form (no module is built). Terms, per rank:
   micro-batches a pipeline schedule keeps in flight (gpipe: all; 1f1b: pp; interleaved:
   pp*(1 + (pp-1)/(pp*v)), Korthikanti et al. 2022 sec. 4.2.3; the zero-bubble schedules, which hold
   activations until the weight pass: pp, `in_flight_microbatches`), split by tp (sequence
-  parallel) and cp (each rank keeps its 1/cp of the sequence); activation checkpointing keeps
+  parallel; but the two normed block inputs, all-gathered for the column-parallel linears, are
+  saved whole: `gathered_bytes_per_token`) and cp (each rank keeps its 1/cp of the sequence); activation checkpointing keeps
   only block inputs for the recomputed blocks plus one block's activations during recompute.
   Compiled (`Layout.compiled`, torch.compile of the whole model): what AOTAutograd's min-cut
   partitioner (inductor's decompositions) saves, measured on CPU by
@@ -206,6 +207,14 @@ class ModelShape:
         plus the embedding, the final norm and an untied head."""
         block = 4 + (3 if self.gated else 2) + 2
         return -(-self.n_layers // pp) * block + 2 + (0 if self.tied else 1) + (1 if self.learned_positions_len else 0)
+
+    def gathered_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
+        """Of `act_bytes_per_token`, what tensor parallelism does not divide: the normed inputs of
+        attention and the MLP, which sequence parallelism all-gathers and DTensor's linears then
+        save whole (Megatron keeps them sharded and gathers again in backward; kiln does not).
+        Measured by tests/plan/test_tp_activations.py. Compiled with float8 the normed inputs are
+        recomputed (not saved), so nothing."""
+        return 0.0 if compiled and float8 else 2 * act * self.dim
 
     def act_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
         """Bytes one block keeps for backward per token (see the module docstring)."""
@@ -407,6 +416,8 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
     float8 = layout.precision == "float8"
     per_block = shape.act_bytes_per_token(act, layout.compiled, float8) * tokens / layout.tp
+    if layout.tp > 1:  # the all-gathered normed inputs of attention and MLP: whole, not 1/tp
+        per_block += (1 - 1 / layout.tp) * shape.gathered_bytes_per_token(act, layout.compiled, float8) * tokens
     n_ac = recomputed_blocks(layout.ac, layers)
     block_input = 4 * shape.dim * tokens / layout.tp
     per_microbatch = (layers - n_ac) * per_block + n_ac * block_input
