@@ -31,6 +31,7 @@ registered backward, without inductor's codegen: slow on the shared 2-core machi
 
 import functools
 import json
+import math
 import os
 
 import pytest
@@ -88,7 +89,26 @@ def _train(rank, world, runs, recompile_job=None):
     if recompile_job is None:
         return None
     return {"opcheck": _opcheck_ring_ops(), "attention": _compiled_ring_errors(rank, world),
+            "dropout_calls_differ": _compiled_dropout_draws_afresh(world),
             "graphs": {strict: _graphs_per_step(rank, world, recompile_job, strict) for strict in (1, 0)}}
+
+
+def _compiled_dropout_draws_afresh(world):
+    """Whether two calls of the compiled ring with attention dropout drop differently: the seed is
+    drawn inside the graph, not traced as a constant."""
+    import torch
+    import torch.distributed as dist
+
+    from kiln.parallel import context_parallel
+
+    ring = context_parallel.Ring(dist.group.WORLD)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v = (torch.randn(1, 2, 8 * world, 4, generator=g) for _ in range(3))
+    attend = torch.compile(lambda q, k, v: context_parallel.ring_attention(q, k, v, ring, 0.5), fullgraph=True)
+    try:
+        return not torch.equal(attend(q, k, v), attend(q, k, v))
+    finally:
+        torch._dynamo.reset()
 
 
 def _opcheck_ring_ops():
@@ -198,6 +218,9 @@ def runs(tmp_path_factory, text_file):
     for world, layouts in LAUNCHES.items():
         specs = [(name, load_config(None, common(text_file, **extra)), tmp / name) for name, extra in layouts.items()]
         recompile_job = load_config(None, common(text_file, **CP2)) if world == 2 else None
+        if world == 2:  # attention dropout in the compiled ring (random: not one process's losses)
+            specs.append(("cp2_compiled_dropout", load_config(None, common(text_file, **CP2, **{"model.dropout": 0.1})),
+                          tmp / "cp2_compiled_dropout"))
         (tmp / f"world{world}").mkdir()
         result = run_ranks(_train, world, tmp / f"world{world}", specs, recompile_job,
                            timeout=LAUNCH_TIMEOUT * len(specs))
@@ -208,6 +231,8 @@ def runs(tmp_path_factory, text_file):
             assert run_row["compile"] == "blocks" and run_row["cp"] == 2 and run_row["world_size"] == world
             assert (run_row["tp"], run_row["pp"]) == (extra.get("parallel.tp", 1), extra.get("parallel.pp", 1))
             out[name] = losses(tmp / name)
+        if world == 2:
+            out["cp2_compiled_dropout"] = losses(tmp / "cp2_compiled_dropout")
     return out
 
 
@@ -218,6 +243,18 @@ def test_compiled_blocks_with_context_parallel_match_one_eager_process(runs, dp_
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(dp_reference[step], rel=REL), f"step {step}: {got[step]}"
+
+
+@pytest.mark.timeout(5 * LAUNCH_TIMEOUT)
+def test_compiled_ring_trains_with_attention_dropout(runs):
+    # The seed is drawn in the graph each call (two calls of the compiled ring drop differently),
+    # and the trainer's run differs from the one without dropout, the first step within 5%.
+    assert all(checks["dropout_calls_differ"] for checks in runs["checks"])
+    plain, dropped = runs["cp2_compiled"], runs["cp2_compiled_dropout"]
+    assert sorted(dropped) == sorted(plain) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(x) for x in dropped.values())
+    assert dropped[1] == pytest.approx(plain[1], rel=0.05)
+    assert all(dropped[s] != plain[s] for s in plain), (dropped, plain)
 
 
 @pytest.mark.timeout(5 * LAUNCH_TIMEOUT)
