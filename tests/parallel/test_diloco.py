@@ -419,10 +419,10 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
             params)
 
 
-def split_replica_ranks(rank, world, root, sets, pp_sets, zero1_sets):
+def split_replica_ranks(rank, world, root, sets, pp_sets, zero1_sets, zero2_sets):
     """The runs above, then kiln's trainer with 2 replicas x fsdp dp_shard 2: uninterrupted,
-    and paused after step 3 (between outer syncs) and resumed; with 2 replicas x pp 2 and with 2
-    replicas x zero1 over 2: uninterrupted, and the step-3 checkpoint continued in a copy."""
+    and paused after step 3 (between outer syncs) and resumed; with 2 replicas x pp 2, x zero1
+    over 2 and x zero2 over 2: uninterrupted, and the step-3 checkpoint continued in a copy."""
     from pathlib import Path
 
     import kiln.train.trainer as trainer
@@ -444,6 +444,8 @@ def split_replica_ranks(rank, world, root, sets, pp_sets, zero1_sets):
     continue_in_copy(Path(root) / "pp_whole", RESUME_AT, Path(root) / "pp_resumed", pp_sets)
     trainer.train(load_config(None, zero1_sets), Path(root) / "zero1_whole")
     continue_in_copy(Path(root) / "zero1_whole", RESUME_AT, Path(root) / "zero1_resumed", zero1_sets)
+    trainer.train(load_config(None, zero2_sets), Path(root) / "zero2_whole")
+    continue_in_copy(Path(root) / "zero2_whole", RESUME_AT, Path(root) / "zero2_resumed", zero2_sets)
     return runs
 
 
@@ -454,7 +456,8 @@ def split_root(tmp_path_factory, text_file):
     sets = resume_overrides(text_file, root / "shards")
     return root, run_ranks(split_replica_ranks, 4, root / "work", str(root),
                            sets + ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2"], sets + ["parallel.pp=2"],
-                           sets + ["parallel.dp_mode='zero1'", "parallel.dp_replicate=2"], timeout=300)
+                           sets + ["parallel.dp_mode='zero1'", "parallel.dp_replicate=2"],
+                           sets + ["parallel.dp_mode='zero2'", "parallel.dp_replicate=2"], timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -574,6 +577,12 @@ def test_zero1_replicas_resume_between_outer_syncs_exactly(split_root):
     # 2 replicas x ZeRO-1 over 2 ranks each through kiln's trainer: each replica saves its own
     # (consolidated) inner moments, the step-3 checkpoint continues them bit for bit.
     continued_exactly(split_root[0], "zero1", "diloco_layout_2x2x1_ddp")
+
+
+def test_zero2_replicas_resume_between_outer_syncs_exactly(split_root):
+    # 2 replicas x ZeRO-2 (FSDP, parameters kept gathered through backward) over 2 ranks each:
+    # FSDP's layout key, each replica's shards and moments continued bit for bit.
+    continued_exactly(split_root[0], "zero2", "diloco_layout_2x2x1")
 
 
 def continued_exactly(root, run: str, layout: str) -> None:
