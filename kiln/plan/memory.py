@@ -12,7 +12,8 @@ Closed form (no module is built). Terms, per rank:
 - optimizer state: bytes per parameter by optimizer, split by dp for zero2/fsdp; zero1 the fullest
   rank's partition of whole tensors over dp x cp (`zero1_fullest_share`, largest first);
 - activations kept for backward, per layer and token (counted tensor by tensor for kiln's
-  pre-norm block: two fp32 norm inputs, normed inputs, q/k/v, attention output, and the MLP's
+  pre-norm block: two fp32 norm inputs, normed inputs, q/k/v, attention output and its contiguous
+  (b, s, h*d) copy (the output projection's input), and the MLP's
   2 (gelu) or 4 (gated) hidden-sized tensors; SDPA/flash keeps no s x s matrix), times the
   micro-batches a pipeline schedule keeps in flight (gpipe: all; 1f1b: pp; interleaved:
   pp*(1 + (pp-1)/(pp*v)), Korthikanti et al. 2022 sec. 4.2.3; the zero-bubble schedules, which hold
@@ -227,7 +228,8 @@ class ModelShape:
             mlp = (3 if self.gated else 2) * self.ffn
             attn_out = (2 if self.rope else 1) * self.dim
             return kept + act * (2 * self.dim + (self.dim + 2 * self.kv_dim) + attn_out + mlp) + stats
-        kept += act * (self.dim + (self.dim + 2 * self.kv_dim) + self.dim + self.dim)  # normed, q/k/v, attn out, normed
+        # normed, q/k/v, SDPA's output and its contiguous (b, s, h*d) copy that the output projection saves, normed
+        kept += act * (self.dim + (self.dim + 2 * self.kv_dim) + 2 * self.dim + self.dim)
         kept += act * (4 if self.gated else 2) * self.ffn
         return kept
 

@@ -5,8 +5,8 @@ Measured: the bytes of every tensor autograd saves in one training forward (torc
 saved_tensors_hooks; each storage once; DTensors by their local tensor; parameters and their views
 excluded), for 2 and 4 blocks: the difference / 2 is one block, free of the embedding, head and
 loss. The check is memory.py's tp rule on what one process saves (measured, so the eager
-formula's own CPU shortfall, nn.RMSNorm's decomposed normalized input and the output projection's
-contiguous input, 13% of a block here, stays out of it): 1/tp of it, but the normed inputs of
+formula's own CPU shortfall, nn.RMSNorm's decomposed normalized input, 10% of a block here, stays
+out of it): 1/tp of it, but the normed inputs of
 attention and the MLP (`gathered_bytes_per_token`) whole. Seen: tp 2 exact, tp 4 3.4% below the
 rule; the rule it replaced (all of it / tp) was 8% and 18% under the measured bytes.
 """
