@@ -31,10 +31,12 @@ def optimizer_state(optimizer) -> list[torch.Tensor]:
 class SavedBytes:
     """Bytes of the tensors autograd saves for backward during a forward (torch's
     saved_tensors_hooks; each storage counted once, parameters - leaves that require grad and their
-    views, gathered FSDP ones included - excluded): the activations."""
+    views, gathered FSDP ones included - excluded): the activations. A DTensor counts its local
+    tensor (tensor parallelism), unless it is a parameter or its local storage is in `exclude`
+    (the parameters' local storages: a transposed weight DTensor is no leaf, yet no activation)."""
 
-    def __init__(self):
-        self.seen: set[int] = set()
+    def __init__(self, exclude: set[int] | None = None):
+        self.seen: set[int] = set(exclude or ())
         self.total = 0
 
     def pack(self, t):
@@ -42,13 +44,17 @@ class SavedBytes:
         return t
 
     def count(self, t) -> None:
-        if hasattr(t, "__tensor_flatten__") and not hasattr(t, "to_local"):
+        if hasattr(t, "to_local"):  # DTensor
+            if not (t.is_leaf and t.requires_grad):
+                self.count(t._local_tensor)
+            return
+        if hasattr(t, "__tensor_flatten__"):
             # A wrapper tensor without storage of its own (the functional collectives'
             # AsyncCollectiveTensor, e.g. expert parallelism's all-to-all output): its inner tensors.
             for name in t.__tensor_flatten__()[0]:
                 self.count(getattr(t, name))
             return
-        if not t.is_nested and t.device.type == "cpu" and not hasattr(t, "to_local"):
+        if not t.is_nested and t.device.type == "cpu":
             ptr = t.untyped_storage().data_ptr()
             base = t._base if t._base is not None else t  # weight.t() views save the parameter itself
             if not (base.is_leaf and base.requires_grad) and ptr not in self.seen:

@@ -1,8 +1,8 @@
 """What a block saves for backward under tensor parallelism (DTensor TP + sequence parallel, gloo,
 fp32), measured per rank, against kiln/plan/memory.py's activation term.
 
-Measured: the bytes of every tensor autograd saves in one training forward (torch's
-saved_tensors_hooks; each storage once; DTensors by their local tensor; parameters and their views
+Measured: the bytes of every tensor autograd saves in one training forward (benchmarks/rank_measures.py
+`SavedBytes`: each storage once; DTensors by their local tensor; parameters and their views
 excluded), for 2 and 4 blocks: the difference / 2 is one block, free of the embedding, head and
 loss. The check is memory.py's tp rule on what one process saves (measured, so the eager
 formula's own CPU shortfall, nn.RMSNorm's decomposed normalized input, 10% of a block here, stays
@@ -18,7 +18,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from ranks import run_ranks  # noqa: E402  (tests/parallel/ranks.py)
+from rank_measures import SavedBytes  # noqa: E402  (benchmarks/rank_measures.py, parallel_memory.py's count)
 
 SEQ, BATCH = 32, 2
 MODEL = ["model.dim=64", "model.n_heads=4", "model.vocab_size=256", f"data.seq_len={SEQ}",
@@ -38,25 +40,13 @@ def saved_bytes(rank, world, tp, layers):
     if world > 1:
         dims.build_mesh("cpu")
     model = build_model(cfg, dims, torch.device("cpu"))
-    params = {(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-              for p in model.parameters()}
-    seen, total = set(), [0]
-
-    def pack(saved):
-        t = saved._local_tensor if isinstance(saved, DTensor) else saved
-        while hasattr(t, "__tensor_flatten__"):  # a functional collective's wrapper: its inner tensor
-            t = getattr(t, t.__tensor_flatten__()[0][0])
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
-        return saved
-
+    saved = SavedBytes(exclude={(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                                for p in model.parameters()})
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
-    return total[0]
+    return saved.total
 
 
 def per_block(tp, root):
