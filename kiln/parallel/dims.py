@@ -115,15 +115,6 @@ class ParallelDims:
         attention heads, KV heads and FFN hidden units over the tp ranks, the sequence between blocks
         (sequence parallel), and computes the loss on vocab-sharded logits (train.loss='chunked': in
         chunks of tokens, kiln/parallel/tensor_parallel.py parallel_chunked_lm_loss)."""
-        if (self.ep > 1 and self.tp > 1 and cfg.train.compile and cfg.train.activation_checkpointing != "none"
-                and self.dp_mode in ("fsdp", "zero2")):
-            # Fails off CUDA (seen with ep2 x tp2, aot_eager): tp's checkpointed pieces need a selective
-            # checkpoint (parallelize.keep_random_op_outputs), which cannot hold the experts' FSDP unit
-            # ("_record_function_enter_new ... not found in storage" at the first backward).
-            raise ConfigError(f"train.activation_checkpointing={cfg.train.activation_checkpointing!r} with "
-                              f"train.compile=true, parallel.ep={self.ep} and parallel.tp={self.tp} under "
-                              f"parallel.dp_mode={self.dp_mode!r} is not supported yet; set "
-                              f"train.activation_checkpointing='none' or train.compile=false")
         if cfg.model.moe_experts and cfg.train.compile and not torch_compat.dynamo_traces_data_dependent_splits():
             raise ConfigError(f"train.compile=true with model.moe_experts={cfg.model.moe_experts} needs a torch "
                               f"whose dynamo compiles the per-expert loop (>= 2.10; this is {torch.__version__}); "

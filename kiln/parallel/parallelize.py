@@ -60,6 +60,23 @@ def keep_random_op_outputs(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if random else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def ignore_profiler_ops_in_selective_checkpoints() -> None:
+    """Let torch's selective checkpoint pass the profiler's record-function markers through
+    instead of replaying them by count (its `SAC_IGNORED_OPS`, which holds ops of that kind).
+
+    Why: an FSDP unit inside a checkpointed block (the experts of ep under fsdp/zero2) opens more
+    record-function ranges in the recompute than in the forward (its backward hooks), so the
+    selective checkpoint `keep_random_op_outputs` needs under ep x tp stopped at the first
+    backward ("profiler._record_function_enter_new.default invocation index 2 ... not found in
+    storage", torch 2.13, 4 ranks on gloo). The markers compute nothing a block uses; a pending
+    torch change does the same (pytorch/pytorch#196862). Idempotent: a set update."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    profiler = torch.ops.profiler
+    SAC_IGNORED_OPS.update({profiler._record_function_enter_new.default, profiler._record_function_exit.default,
+                            profiler._record_function_exit._RecordFunction})
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, keep_random_outputs: bool = False) -> None:
     """Recompute block activations in backward: every block (full), every other (selective) or
     every K-th (every_k:K, the setting kiln plan's activation-checkpoint planner writes). The
@@ -78,6 +95,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, keep_random_outp
     if keep_random_outputs:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+        ignore_profiler_ops_in_selective_checkpoints()
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_random_op_outputs)
     replace_blocks(model, lambda i, block: checkpoint_wrapper(block, **kwargs) if i % k == 0 else block)
 
@@ -310,8 +328,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: to
     if cfg.train.activation_checkpointing != "none":
         # Where torch 2.13 cannot replay a random op next to a saved DeviceMesh (keep_random_op_outputs).
         # Not for ep alone under fsdp/zero2: no piece's graph holds a DTensor (the experts' math takes
-        # local weights), and a selective checkpoint cannot hold the experts' FSDP hooks (their
-        # profiler ops run more often in the recompute: "not found in storage" in the first backward).
+        # local weights). Under ep x tp the experts' FSDP unit sits inside the selective checkpoint
+        # (ignore_profiler_ops_in_selective_checkpoints).
         mesh_saved = dims.tp > 1 or (dims.ep > 1 and not experts_fsdp)
         keep_random = cfg.train.compile and device.type != "cuda" and mesh_saved
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing, keep_random)

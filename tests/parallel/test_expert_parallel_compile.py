@@ -17,7 +17,10 @@ With tp or pp (4 ranks, one launch): compile + ep2 x tp2 under fsdp (etp = tp: e
 units sharded over tp, the MoE's input all-gathered over tp), ep2 x tp2 with parallel.etp=1 under zero2 (ep borrows tp),
 ep2 x pp2 (1f1b) under fsdp, and ep2 x tp2 x pp2 with etp=1 (1f1b; each stage's tp pair is its ep
 group). parallel.etp=1 without compile rides the same launch: ep2 x tp2 x pp2 (1f1b) and ep2 x tp2
-under fsdp with full activation checkpointing (compile + AC + ep x tp is refused, dims.check_model).
+under fsdp with full activation checkpointing. Compile with activation checkpointing: ep2 x tp2
+under fsdp (full) and ep2 x tp2 with etp=1 under zero2 (selective); tp's selective checkpoint holds
+the experts' FSDP unit there (parallelize.ignore_profiler_ops_in_selective_checkpoints, whose
+negative control is in tests/parallel/test_parallelize.py).
 Under tp the first block's first piece (its attention norm)
 receives the embedding's in-flight reduce-scatter, so the pieces wait for their inputs first, as
 whole blocks do (parallelize.wait_collective_inputs); negative control: ep2 x tp2 with the pieces
@@ -86,6 +89,11 @@ LAYOUTS_4 = {
                                    "parallel.pp_schedule": "'1f1b'"}),
     "ep2_tp2_etp1_ac_eager": (4, {"parallel.ep": 2, "parallel.tp": 2, "parallel.etp": 1,
                                   "train.activation_checkpointing": "'full'"}),
+    # compile + AC: the experts' FSDP unit inside tp's selective checkpoint
+    # (parallelize.ignore_profiler_ops_in_selective_checkpoints)
+    "ep2_tp2_ac": (4, {**EP2, "parallel.tp": 2, "train.activation_checkpointing": "'full'"}),
+    "ep2_tp2_etp1_ac_zero2": (4, {**EP2, "parallel.tp": 2, "parallel.etp": 1, "parallel.dp_mode": "'zero2'",
+                                  "train.activation_checkpointing": "'selective'"}),
 }
 
 

@@ -12,8 +12,8 @@ count in the loss (weights 0.5 and 0.1 here, so a lost or doubled aux term moves
 
 2. compile + expert parallel under fsdp/zero2: each compiled block held the experts' own FSDP
 unit, whose hooks dynamo does not trace; every rank failed at the first step (4 ranks, dp_shard 4,
-ep 2, by hand). Such blocks are now compiled piecewise (tested in test_expert_parallel_compile.py);
-with tp or pp as well that is untested, and refused in one line before any work.
+ep 2, by hand). Such blocks are now compiled piecewise (tested in test_expert_parallel_compile.py,
+with tp or pp as well, and with tp and activation checkpointing).
 
 3. compile + context parallel: dynamo refused the ring attention's P2POp inside a compiled block;
 every rank failed at the first step. Now the ring is an opaque op in the compiled block:
@@ -26,7 +26,6 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from conftest import tiny_overrides
 from kiln import torch_compat
 from kiln.config import load_config
 from kiln.errors import ConfigError
@@ -90,34 +89,3 @@ def test_compiled_checkpointed_moe_is_refused_where_dynamo_cannot_skip_its_side_
         dims.check_model(cfg)
     cfg.train.activation_checkpointing = "none"
     dims.check_model(cfg)
-
-
-@pytest.mark.parametrize("mode", ["fsdp", "zero2"])
-def test_compile_with_ep_tp_and_checkpointing_under_fsdp_is_refused_in_one_line_before_any_work(
-        text_file, tmp_path, monkeypatch, capsys, mode):
-    from kiln.cli import main
-
-    if not (torch_compat.dynamo_skips_checkpoint_side_effects() and torch_compat.dynamo_traces_data_dependent_splits()
-            and torch_compat.dynamo_traces_intermediate_hooks()):
-        pytest.skip(f"torch {torch.__version__} refuses compiled (checkpointed) MoE blocks, or compile with ep, in any "
-                    f"layout (tests above, test_dims.py)")
-
-    for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(key, value)
-    run = tmp_path / "run"
-    sets = {"model.moe_experts": 4, "parallel.ep": 2, "parallel.dp_mode": f"'{mode}'", "train.compile": "true"}
-    ac = {"train.activation_checkpointing": "'full'", "parallel.tp": 2}
-    assert main(["train", "--run-dir", str(run), *[x for o in tiny_overrides(text_file, **sets, **ac)
-                                                   for x in ("--set", o)]]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and ("train.activation_checkpointing='full' with train.compile=true, parallel.ep=2 and "
-                                f"parallel.tp=2 under parallel.dp_mode='{mode}' is not supported yet") in lines[0]
-    assert not run.exists()
-    # compile with ep and tp (etp = tp or 1) or pp under fsdp/zero2 (tests/parallel/
-    # test_expert_parallel_compile.py), with AC but not tp, and without compile pass the check
-    for extra in (["parallel.tp=2"], ["parallel.tp=2", "parallel.etp=1"], ["parallel.pp=2"],
-                  ["train.activation_checkpointing='full'"], ["parallel.tp=2", "train.activation_checkpointing='full'",
-                                                              "train.compile=false"]):
-        cfg = load_config(None, [*tiny_overrides(text_file, **sets), *extra])
-        ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0).check_model(cfg)
-

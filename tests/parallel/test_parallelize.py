@@ -130,3 +130,57 @@ def test_autotune_is_refused_where_torch_gets_it_wrong(tmp_path, text_file, monk
     with pytest.raises(KilnError, match=r"^train\.autotune=true under torch .*set train\.autotune=false"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+class _UnevenMarkers(torch.nn.Module):
+    """A block that opens one more record-function range in each call than the last (as an FSDP
+    unit inside a checkpointed block does in the recompute), with a random mask the selective
+    checkpoint keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = torch.nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        for _ in range(self.calls):  # one in the forward, two in the recompute
+            with torch.profiler.record_function("marker"):
+                pass
+        h = self.linear(x)
+        return h * (torch.rand_like(h) > 0.5)  # a random op kept from the forward
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_selective_checkpoint_lets_uneven_profiler_markers_through(monkeypatch, fixed):
+    """parallelize.ignore_profiler_ops_in_selective_checkpoints: a block whose recompute opens more
+    record-function ranges than its forward (the experts' FSDP unit under ep x tp) backpropagates
+    under kiln's selective checkpoint, with the forward's random mask. Negative control: without
+    it, torch's checkpoint stops in backward."""
+    import torch.utils.checkpoint as checkpoint
+
+    from kiln.parallel import parallelize
+
+    markers = {torch.ops.profiler._record_function_enter_new.default, torch.ops.profiler._record_function_exit.default,
+               torch.ops.profiler._record_function_exit._RecordFunction}
+    monkeypatch.setattr(checkpoint, "SAC_IGNORED_OPS", set(checkpoint.SAC_IGNORED_OPS) - markers)
+    if not fixed:
+        monkeypatch.setattr(parallelize, "ignore_profiler_ops_in_selective_checkpoints", lambda: None)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([_UnevenMarkers()])
+    parallelize.apply_activation_checkpointing(model, "full", keep_random_outputs=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(0)
+    out = model.layers[0](x)
+    if not fixed:
+        with pytest.raises(RuntimeError, match="not found in storage"):
+            out.sum().backward()
+        return
+    out.sum().backward()
+    block = model.layers[0]._checkpoint_wrapped_module
+    assert block.calls == 2  # the forward and its recompute
+    reference, x_ref = _UnevenMarkers(), x.detach().clone().requires_grad_()
+    reference.load_state_dict(block.state_dict())
+    torch.manual_seed(0)
+    reference(x_ref).sum().backward()  # the forward's mask (same seed)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(block.linear.weight.grad, reference.linear.weight.grad)
