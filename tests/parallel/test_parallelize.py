@@ -155,7 +155,8 @@ def test_selective_checkpoint_lets_uneven_profiler_markers_through(monkeypatch, 
     """parallelize.ignore_profiler_ops_in_selective_checkpoints: a block whose recompute opens more
     record-function ranges than its forward (the experts' FSDP unit under ep x tp) backpropagates
     under kiln's selective checkpoint, with the forward's random mask. Negative control: without
-    it, torch's checkpoint stops in backward."""
+    it, torch's checkpoint stops in backward (2.13 on: its checkpoint looks up every op of the
+    recompute by count; earlier ones looked up only the kept ones, so the markers never mismatched)."""
     import torch.utils.checkpoint as checkpoint
 
     from kiln.parallel import parallelize
@@ -164,6 +165,8 @@ def test_selective_checkpoint_lets_uneven_profiler_markers_through(monkeypatch, 
                torch.ops.profiler._record_function_exit._RecordFunction}
     monkeypatch.setattr(checkpoint, "SAC_IGNORED_OPS", set(checkpoint.SAC_IGNORED_OPS) - markers)
     if not fixed:
+        if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+            pytest.skip(f"torch {torch.__version__}'s selective checkpoint does not count recomputed ops")
         monkeypatch.setattr(parallelize, "ignore_profiler_ops_in_selective_checkpoints", lambda: None)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([_UnevenMarkers()])
