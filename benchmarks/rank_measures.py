@@ -1,6 +1,7 @@
 """What benchmarks/parallel_memory.py measures inside each rank: exact tensor bytes (local shards
 of DTensors), the bytes autograd saves for backward, bytes written to sockets, and the timed gloo
-collectives that kiln/plan/calibrate.py fits the link to."""
+collectives that kiln/plan/calibrate.py fits the link to; and the peak tensor bytes of a profiled
+region (benchmarks/tp_chunked_loss.py, activation_checkpointing.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ def local_bytes(tensors) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         total += t.numel() * t.element_size()
     return total
+
+
+def profiled_peak_bytes(prof) -> int:
+    """Most tensor bytes live at once above the start of a `torch.profiler.profile(profile_memory=
+    True)` region, from its allocator events (all on the CPU: no accelerator is used)."""
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def optimizer_state(optimizer) -> list[torch.Tensor]:

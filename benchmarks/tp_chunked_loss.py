@@ -39,18 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import print_table, write_results  # noqa: E402
-
-
-def loss_peak_bytes(prof) -> int:
-    """Most tensor bytes live at once above the start, from the profiler's allocator events (all
-    on the CPU here: no accelerator is used)."""
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+from rank_measures import profiled_peak_bytes  # noqa: E402
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
@@ -93,7 +82,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
             dist.barrier()
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 result[v]["loss"] = run(v)
-            result[v]["peak_bytes"] = loss_peak_bytes(prof)
+            result[v]["peak_bytes"] = profiled_peak_bytes(prof)
         for _ in range(args.rounds):
             for v in variants:
                 dist.barrier()

@@ -278,8 +278,9 @@ class TrainConfig:
     float8: bool = False  # float8 matmuls via torchao (GPUs with float8 tensor cores, e.g. H100)
     float8_recipe: str = ranged("tensorwise", choices=("tensorwise", "rowwise"))
     # none | full (every block) | selective (every other) | every_k:K (blocks 0, K, 2K, ...; kiln plan picks K)
-    activation_checkpointing: str = ranged("none", pattern=r"none|full|selective|every_k:[1-9][0-9]{0,5}",
-                                           expect="none, full, selective or every_k:K with K >= 1")
+    # | op (every block, keeping its matmul and attention outputs: only cheap ops are recomputed)
+    activation_checkpointing: str = ranged("none", pattern=r"none|full|selective|op|every_k:[1-9][0-9]{0,5}",
+                                           expect="none, full, selective, op or every_k:K with K >= 1")
     clip_grad_norm: float = ranged(1.0, ge=0.0)  # 0 disables clipping
     max_nonfinite_steps: int = ranged(5, gt=0)  # stop after this many non-finite steps in a row
     eval_every: int = ranged(100, ge=0)  # 0 disables periodic evaluation
@@ -424,6 +425,13 @@ class JobConfig:
         if ep > 1 and self.model.moe_experts % ep:
             raise ConfigError(f"parallel.ep={ep} must divide model.moe_experts={self.model.moe_experts}; "
                               f"change parallel.ep or model.moe_experts")
+        if self.train.activation_checkpointing == "op" and self.model.dropout > 0:
+            # Where a checkpointed block runs eagerly (no compile; a whole-model graph that breaks at a
+            # MoE block), a kept random op draws nothing in the recompute, so the masks drawn after it
+            # would shift, and torch refuses CPU dropout's in-place mask as a kept output (seen, 2.13)
+            raise ConfigError(f"train.activation_checkpointing='op' with model.dropout={self.model.dropout} is not "
+                              f"supported; set model.dropout=0 or another train.activation_checkpointing "
+                              f"('full', 'selective', 'every_k:K')")
         return self
 
     def to_dict(self) -> dict[str, Any]:

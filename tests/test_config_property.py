@@ -154,7 +154,7 @@ SPACE = {
     "train.seed": _values(["0", "7"], BAD_INT),
     "train.device": _values(["cpu", "auto"], BAD_STR),
     "train.dtype": _values(["fp32", "bf16", "auto"], BAD_STR + ["fp16"]),
-    "train.activation_checkpointing": _values(["none", "full", "selective", "every_k:2"], BAD_STR + ["'every_k:0'"]),
+    "train.activation_checkpointing": _values(["none", "full", "selective", "op", "every_k:2"], BAD_STR + ["'every_k:0'"]),
     "train.clip_grad_norm": _values(["0.0", "1.0"], BAD_FLOAT),
     "train.max_nonfinite_steps": _values(["1", "5"], BAD_INT),
     "train.eval_sets": _values(["[]"], ["['missing.txt']", "'x.txt'", "[1]"]),

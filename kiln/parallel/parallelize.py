@@ -60,6 +60,50 @@ def keep_random_op_outputs(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if random else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@functools.cache
+def compute_ops_kept() -> tuple[frozenset, frozenset]:
+    """(matmuls, others) whose outputs `train.activation_checkpointing = "op"` keeps: the matmuls
+    (torchao's float8 `_scaled_mm` and MoE's grouped GEMM where this torch has them), every SDPA
+    kernel, and the collectives whose results backward would otherwise fetch again (tp's
+    reduce-scatter, ep's all-to-all). torchtitan's op-level list, with every matmul kept."""
+    aten, funcol = torch.ops.aten, torch.ops._c10d_functional
+
+    def ops(namespace, *names):
+        return {getattr(namespace, n).default for n in names if hasattr(namespace, n)}
+
+    matmuls = ops(aten, "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
+    others = ops(aten, "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+                 "_efficient_attention_forward")
+    others |= ops(funcol, "reduce_scatter_tensor", "all_to_all_single")
+    return frozenset(matmuls), frozenset(others)
+
+
+def keep_compute_op_outputs(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy of `train.activation_checkpointing = "op"` (torch's
+    `create_selective_checkpoint_contexts`): keep the outputs of matmuls, attention and tp/ep's
+    reduce-scatter and all-to-all (`compute_ops_kept`) and of random ops (`keep_random_op_outputs`),
+    recompute everything else in backward: norms, activations, RoPE, casts, elementwise ops, and
+    tp's all-gathers, so a block keeps its normed inputs sequence-sharded and gathers them again in
+    backward (what Megatron-LM's sequence parallelism does) instead of saving them whole.
+    A row-parallel matmul (its input sharded on the contraction dimension, so its output is
+    partial sums over the whole sequence) is recomputed: its reduce-scatter's output, 1/tp of
+    it, is what is kept."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        return CheckpointPolicy.MUST_SAVE
+    matmuls, others = compute_ops_kept()
+    if op in matmuls:
+        a = args[1] if op in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) else args[0]
+        if isinstance(a, DTensor) and any(p.is_shard(a.ndim - 1) for p in a.placements):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_SAVE if op in others else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def ignore_profiler_ops_in_selective_checkpoints() -> None:
     """Let torch's selective checkpoint pass the profiler's record-function markers through
     instead of replaying them by count (its `SAC_IGNORED_OPS`, which holds ops of that kind).
@@ -82,9 +126,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, keep_random_outp
     every K-th (every_k:K, the setting kiln plan's activation-checkpoint planner writes). The
     rule is on the global layer index (blocks 0, K, 2K, ... of the whole model), so a pipeline
     rank checkpoints exactly the layers that one process would (torch's checkpoint_wrapper).
+    "op": every block, keeping its matmul and attention outputs (`keep_compute_op_outputs`,
+    torchtitan's op-level selective checkpointing): the cheap ops are recomputed, no matmul is.
     `keep_random_outputs`: compiled blocks keep their random ops' outputs instead of recomputing
-    them (`keep_random_op_outputs`, a torch 2.13 workaround that parallelize applies off CUDA)."""
-    k = {"full": 1, "selective": 2}.get(mode) or int(mode.removeprefix("every_k:"))
+    them (`keep_random_op_outputs`, a torch 2.13 workaround that parallelize applies off CUDA;
+    "op" keeps them anyway)."""
+    k = {"full": 1, "selective": 2, "op": 1}.get(mode) or int(mode.removeprefix("every_k:"))
     # A MoE block sets its aux/z losses as attributes in forward (kiln/model/moe.py), a side effect
     # that dynamo refuses inside a compiled checkpoint ("HOP: Unsafe side effect": train.compile
     # with AC and MoE failed at the first step). They are read once, right after forward, so the
@@ -92,11 +139,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, keep_random_outp
     with contextlib.suppress(AttributeError):  # torch 2.6 has no such switch (an unknown key raises)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     kwargs = {"preserve_rng_state": True}
-    if keep_random_outputs:
+    if keep_random_outputs or mode == "op":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         ignore_profiler_ops_in_selective_checkpoints()
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_random_op_outputs)
+        policy = keep_compute_op_outputs if mode == "op" else keep_random_op_outputs
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     replace_blocks(model, lambda i, block: checkpoint_wrapper(block, **kwargs) if i % k == 0 else block)
 
 

@@ -69,6 +69,14 @@ def check_pipeline_config(cfg: JobConfig) -> None:
         raise ConfigError(f"train.compile=true with parallel.pp_schedule={p.pp_schedule!r}: a compiled "
                           f"block's backward is one autograd node, so the zero-bubble weight pass would run "
                           f"it again (no input/weight split); set train.compile=false or use interleaved_1f1b")
+    if cfg.train.activation_checkpointing == "op" and p.pp_schedule in ZERO_BUBBLE:
+        # torch's split backward differentiates each block twice (input pass, then weight pass,
+        # retain_graph), recomputing it each time; a selective checkpoint hands out its kept outputs
+        # once ("Trying to backward an extra time", torch 2.13, seen with both schedules)
+        raise ConfigError(f"train.activation_checkpointing='op' with parallel.pp_schedule={p.pp_schedule!r}: "
+                          f"the zero-bubble weight pass runs each block's backward a second time, which a "
+                          f"selective checkpoint allows once; set train.activation_checkpointing='full' or "
+                          f"'every_k:K', or use interleaved_1f1b")
     if cfg.train.loss == "chunked" and not chunked_loss_fits_schedule(p.pp_schedule):
         import torch
 

@@ -20,7 +20,9 @@ Closed form (no module is built). Terms, per rank:
   activations until the weight pass: pp, `in_flight_microbatches`), split by tp (sequence
   parallel; but the two normed block inputs, all-gathered for the column-parallel linears, are
   saved whole: `gathered_bytes_per_token`) and cp (each rank keeps its 1/cp of the sequence); activation checkpointing keeps
-  only block inputs for the recomputed blocks plus one block's activations during recompute.
+  only block inputs for the recomputed blocks plus one block's activations during recompute;
+  "op" checkpointing keeps each block's input and its matmul and attention outputs
+  (`op_kept_bytes_per_token`, all split by tp, the gathered inputs included);
   Compiled (`Layout.compiled`, torch.compile of the whole model): what AOTAutograd's min-cut
   partitioner (inductor's decompositions) saves, measured on CPU by
   tests/plan/test_compiled_saved.py (the partition is made before any device code): per block
@@ -217,6 +219,19 @@ class ModelShape:
         recomputed (not saved), so nothing."""
         return 0.0 if compiled and float8 else 2 * act * self.dim
 
+    def op_kept_bytes_per_token(self, act: int, compiled: bool = False) -> float:
+        """What `train.activation_checkpointing = "op"` keeps of a block per token besides its fp32
+        input (kiln/parallel/parallelize.py keep_compute_op_outputs): q/k/v, SDPA's output and
+        fp32 logsumexp, the output projection's and the MLP's matmul outputs (under tp: the
+        reduce-scatter outputs of the row-parallel ones), all divided by tp. Compiled, the
+        partitioner drops the MLP's last matmul output (nothing in backward reads it). Measured
+        exactly: eager at fp32 and bf16, tp 1, 2 and 4 (tests/plan/test_op_checkpoint_memory.py);
+        compiled whole model, bf16 (tests/plan/test_compiled_saved.py). float8 keeps the same bf16
+        matmul outputs (not measured)."""
+        mlp = (2 if self.gated else 1) * self.ffn
+        last = 0 if compiled else self.dim
+        return act * ((self.dim + 2 * self.kv_dim) + self.dim + self.dim + mlp + last) + 4 * self.n_heads
+
     def act_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
         """Bytes one block keeps for backward per token (see the module docstring)."""
         kept = 2 * self.dim * 4  # the two norm inputs: the fp32 residual stream
@@ -282,10 +297,11 @@ def resharded_after_forward(layout: Layout) -> bool:
 
 
 def recomputed_blocks(ac: str, n_layers: int) -> int:
-    """How many of `n_layers` blocks activation checkpointing recomputes."""
+    """How many of `n_layers` blocks activation checkpointing recomputes ("op": every block, its
+    cheap ops only; `recomputed_matmul_blocks`)."""
     if ac == "none":
         return 0
-    if ac == "full":
+    if ac in ("full", "op"):
         return n_layers
     if ac == "selective":
         return (n_layers + 1) // 2  # blocks 0, 2, 4, ... (parallelize.apply_activation_checkpointing)
@@ -293,6 +309,12 @@ def recomputed_blocks(ac: str, n_layers: int) -> int:
         k = int(ac.split(":", 1)[1])
         return (n_layers + k - 1) // k
     raise ValueError(f"unknown activation checkpointing {ac!r}")
+
+
+def recomputed_matmul_blocks(ac: str, n_layers: int) -> int:
+    """How many blocks run their matmuls again in backward: none under "op", which keeps every
+    matmul's output (kiln/parallel/parallelize.py keep_compute_op_outputs)."""
+    return 0 if ac == "op" else recomputed_blocks(ac, n_layers)
 
 
 def stage_contents(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[int, bool, bool, bool]:
@@ -422,6 +444,8 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
         per_block += (1 - 1 / layout.tp) * shape.gathered_bytes_per_token(act, layout.compiled, float8) * tokens
     n_ac = recomputed_blocks(layout.ac, layers)
     block_input = 4 * shape.dim * tokens / layout.tp
+    if layout.ac == "op":  # the selective checkpoint's kept outputs, all split by tp
+        block_input += shape.op_kept_bytes_per_token(act, layout.compiled) * tokens / layout.tp
     per_microbatch = (layers - n_ac) * per_block + n_ac * block_input
     in_flight = in_flight_microbatches(layout)
     if last and layout.pp > 1 and layout.schedule == "1f1b":

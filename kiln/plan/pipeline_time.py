@@ -5,7 +5,7 @@ torch's own schedule action lists in tests/plan/test_pipeline_schedules.py."""
 
 from __future__ import annotations
 
-from kiln.plan.memory import Layout, ModelShape, recomputed_blocks
+from kiln.plan.memory import Layout, ModelShape, recomputed_matmul_blocks
 
 
 def pass_split(shape: ModelShape, layout: Layout, seq_len: int) -> tuple[float, float, float]:
@@ -17,7 +17,7 @@ def pass_split(shape: ModelShape, layout: Layout, seq_len: int) -> tuple[float, 
     input pass (the checkpoint's unpack hook fires on backward's first read). Always w <= f <= b."""
     non_embed = shape.params - shape.embedding_params + shape.vocab * shape.dim
     attention = 4 * shape.n_layers * shape.dim * seq_len
-    recompute = recomputed_blocks(layout.ac, shape.n_layers) * (2 * shape.layer_params + 4 * shape.dim * seq_len)
+    recompute = recomputed_matmul_blocks(layout.ac, shape.n_layers) * (2 * shape.layer_params + 4 * shape.dim * seq_len)
     f, b, w = 2 * non_embed + attention, 2 * non_embed + 2 * attention + recompute, 2 * non_embed
     return f / (f + b + w), b / (f + b + w), w / (f + b + w)
 

@@ -183,7 +183,10 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
         if compiled and layout.world_size == 1:
             layout = dataclasses.replace(layout, compiled=True)
         try:  # the least recompute that fits (kiln/plan/ac.py); recompute only ever costs time
-            ac, mem = plan_activation_checkpointing(shape, layout, seq_len, budget, optimizer)
+            ac, mem = plan_activation_checkpointing(
+                shape, layout, seq_len, budget, optimizer,
+                lambda ac, layout=layout: step_time(shape, dataclasses.replace(layout, ac=ac), seq_len, cluster,
+                                                    optimizer).total)
         except KilnError:
             ac = "full"
             mem = rank_memory(shape, dataclasses.replace(layout, ac=ac), seq_len, optimizer)

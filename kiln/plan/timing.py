@@ -66,7 +66,8 @@ from kiln.plan.cluster import Cluster
 # the communication and pipeline terms live beside this module; re-exported for callers of timing
 from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, rank_params,
-                              recomputed_blocks, resharded_after_forward, zero1_fullest_share)
+                              recomputed_blocks, recomputed_matmul_blocks, resharded_after_forward,
+                              zero1_fullest_share)
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
@@ -143,7 +144,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     global_tokens = layout.micro_batch * seq_len * layout.grad_accum * layout.dp
     model_flops = flops_token * global_tokens
     # Recompute adds one forward (a third of 6N) of the recomputed blocks.
-    recompute = recomputed_blocks(layout.ac, shape.n_layers) / shape.n_layers
+    recompute = recomputed_matmul_blocks(layout.ac, shape.n_layers) / shape.n_layers
     layer_flops_token = 6 * shape.layer_params + 12 * shape.dim * seq_len
     rank_flops_mb = (flops_token + recompute * layer_flops_token * shape.n_layers / 3) * tokens_rank_mb
     rank_flops_mb /= layout.tp * layout.pp
@@ -322,6 +323,9 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         if layout.precision == "float8":  # the fp32 weights per micro-batch: amax (4), cast (4 + 1), transpose (2)
             per_mb += 11 * shape.n_layers * shape.layer_params / (layout.tp * layout.pp)
         memory_bound = (per_mb * ga + 12 * stepped) / mem_bw / share
+    elif layout.ac == "op":  # eager: every block's cheap ops run again in backward, at least their fused bytes
+        per_mb = shape.n_layers * block_elementwise_forward_bytes(shape, layout) * tokens_rank_mb
+        memory_bound = per_mb * ga / (layout.tp * layout.pp) / mem_bw / share
     return StepTime(compute=compute, comm_exposed=exposed, comm_total=total, bubble=bubble,
                     optimizer=optimizer_s, flops=model_flops, host=host, calls=calls, memory_bound=memory_bound)
 
@@ -349,6 +353,19 @@ def _expert_reduction(cluster: Cluster, shape: ModelShape, layout: Layout, exper
             + reduce_scatter(cluster, edp, 4 * experts, stride, calls=calls))
 
 
+def block_elementwise_forward_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Bytes per token one block's forward moves in its memory-bound kernels, compiled (the
+    fused kernels of `elementwise_bytes`' docstring)."""
+    a = {"fp32": 4}.get(layout.precision, 2)
+    d, kv, f = shape.dim, shape.kv_dim, shape.ffn
+    norms = 2 * (4 + a) * d
+    adds = 2 * (4 + a + 4) * d
+    rope = 2 * a * (d + kv) * 2 if shape.rope else 0
+    copy = 2 * a * d if shape.rope else 0
+    act = ((3 if shape.gated else 2) * a) * f
+    return norms + adds + rope + copy + act
+
+
 def elementwise_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:
     """Bytes per token that a compiled step's memory-bound kernels move over the whole model, one
     micro-batch, forward and backward (see the module docstring). Forward per block: each norm
@@ -359,12 +376,7 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:
     one; backward moves twice that. A recomputed block runs its forward again."""
     a = {"fp32": 4}.get(layout.precision, 2)
     d, kv, f = shape.dim, shape.kv_dim, shape.ffn
-    norms = 2 * (4 + a) * d
-    adds = 2 * (4 + a + 4) * d
-    rope = 2 * a * (d + kv) * 2 if shape.rope else 0
-    copy = 2 * a * d if shape.rope else 0
-    act = ((3 if shape.gated else 2) * a) * f
-    forward = norms + adds + rope + copy + act
+    forward = block_elementwise_forward_bytes(shape, layout)
     recompute = recomputed_blocks(layout.ac, shape.n_layers) / shape.n_layers
     blocks = shape.n_layers * forward * (3 + recompute)
     loss = 3 * a * shape.vocab  # the fused loss: logits read forward, read + gradient written backward

@@ -2,6 +2,8 @@
 runs in this process): ZeRO-2 never reshards after forward, FSDP reshards every block but the
 last, reduce_dtype reaches FSDP2's mixed-precision policy, ddp/zero1 replicate in place."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -187,3 +189,45 @@ def test_selective_checkpoint_lets_uneven_profiler_markers_through(monkeypatch, 
     reference(x_ref).sum().backward()  # the forward's mask (same seed)
     torch.testing.assert_close(x.grad, x_ref.grad)
     torch.testing.assert_close(block.linear.weight.grad, reference.linear.weight.grad)
+
+
+@pytest.mark.parametrize("scope", ["eager", "blocks", "model"])
+def test_op_checkpointing_matches_no_checkpointing(scope):
+    """train.activation_checkpointing = "op" (kiln/parallel/parallelize.py keep_compute_op_outputs)
+    changes no value: a dense and a MoE block, eager or compiled per block / whole model (aot_eager),
+    against the same model without checkpointing: loss and every gradient. (With dropout it is
+    refused, tests/train/test_trainer.py.)"""
+    import copy
+
+    from torch import _dynamo
+
+    from kiln import torch_compat
+    from kiln.parallel.parallelize import apply_activation_checkpointing, apply_compile
+    from kiln.train.trainer import build_model
+
+    if scope != "eager" and not torch_compat.dynamo_traces_data_dependent_splits():
+        pytest.skip(f"torch {torch.__version__}: kiln refuses compile with MoE (test_dims.py)")
+    cfg = load_config(None, ["model.vocab_size=61", "model.dim=32", "model.n_heads=4", "model.n_layers=2",
+                             "model.max_seq_len=16", "data.seq_len=16", "model.moe_experts=4", "model.moe_every=2"])
+    dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0)
+    reference = build_model(cfg, dims, torch.device("cpu"))
+    model = copy.deepcopy(reference)
+    apply_activation_checkpointing(model, "op")
+    if scope != "eager":
+        compile_ = torch.compile
+        torch.compile = functools.partial(compile_, backend="aot_eager")
+        try:
+            apply_compile(model, scope)
+        finally:
+            torch.compile = compile_
+    x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        losses = []
+        for m in (reference, model):
+            losses.append(m(x, targets=x))
+            losses[-1].backward()
+    finally:
+        _dynamo.reset()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)

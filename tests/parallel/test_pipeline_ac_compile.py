@@ -24,6 +24,7 @@ wrapped and compiled on each stage, and the saved activations.
 """
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -52,7 +53,9 @@ VARIANTS = {"ac": ({"activation_checkpointing": "every_k:3"}, ALL),
             "compile": ({"compile": True}, ["1f1b", "interleaved_1f1b"]),
             # compile_scope='model': each stage chunk one graph (reference: the whole model one graph)
             "compile_model": ({"compile": True, "compile_scope": "model"}, ["1f1b", "interleaved_1f1b"]),
-            "ac+compile": ({"activation_checkpointing": "full", "compile": True}, ["gpipe", "interleaved_1f1b"])}
+            "ac+compile": ({"activation_checkpointing": "full", "compile": True}, ["gpipe", "interleaved_1f1b"]),
+            "op": ({"activation_checkpointing": "op"}, ["gpipe", "1f1b", "interleaved_1f1b"]),
+            "op+compile": ({"activation_checkpointing": "op", "compile": True}, ["interleaved_1f1b"])}
 CASES = [(v, s) for v, (_, schedules) in VARIANTS.items() for s in schedules]
 
 
@@ -202,6 +205,36 @@ def test_zero_bubble_weight_pass_reruns_a_compiled_block_backward():
             assert (after_input, len(runs)) == (1, 2), runs  # the weight pass ran the whole backward again
     assert nodes == {"eager": ["AddmmBackward0", "AddmmBackward0"], "compiled": ["CompiledFunctionBackward"]}
     assert all(torch.equal(a, b) for a, b in zip(grads["eager"], grads["compiled"]))
+
+
+@pytest.mark.parametrize("schedule", pl.ZERO_BUBBLE)
+def test_op_checkpointing_with_zero_bubble_is_refused_naming_the_key(schedule):
+    with pytest.raises(ConfigError, match=rf"train\.activation_checkpointing='op' with parallel\.pp_schedule="
+                                          rf"'{schedule}'"):
+        layout.check_pipeline_config(job(schedule=schedule, virtual=2, activation_checkpointing="op"))
+
+
+def test_zero_bubble_weight_pass_cannot_reuse_a_selective_checkpoint():
+    """Why "op" checkpointing is refused with the zero-bubble schedules, on torch's own split
+    backward: the weight pass differentiates the checkpointed block a second time, and torch's
+    selective checkpoint hands out its kept outputs once. If torch ever allows it, this fails and
+    the refusal can be revisited."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from kiln.parallel.parallelize import keep_compute_op_outputs
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    wrapped = checkpoint_wrapper(block, context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                                     keep_compute_op_outputs))
+    x = torch.randn(4, 8, requires_grad=True)
+    out = wrapped(x)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+    assert x.grad is not None  # the input pass works
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        stage_backward_weight(block.parameters(), groups)
 
 
 def test_kiln_train_refuses_compile_with_zero_bubble_in_one_line(tmp_path, text_file, monkeypatch, capsys):

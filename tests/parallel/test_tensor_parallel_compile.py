@@ -118,16 +118,17 @@ def runs(tmp_path_factory, text_file):
     fsdp_tp = {**tp2, "train.batch_size": GLOBAL_BATCH // 2}  # per data-parallel rank
     first_step = {"train.steps": 1}  # the negative controls differ at step 1
     model = {"train.compile_scope": "model"}  # one graph: TP embedding, blocks, vocab-sharded head
-    full, every2 = ({"train.activation_checkpointing": ac} for ac in ("full", "every_k:2"))
+    full, every2, op = ({"train.activation_checkpointing": ac} for ac in ("full", "every_k:2", "op"))
     launches = {1: {"single_compiled": one},
                 2: {"tp2_compiled": tp2, "tp2_eager": {**tp2, "train.compile": "false"},
                     "tp2_without_wait": {**tp2, **first_step},
                     "tp2_ac_full_compiled": {**tp2, **full}, "tp2_ac_every2_compiled": {**tp2, **every2},
+                    "tp2_ac_op_compiled": {**tp2, **op}, "tp2_ac_op_eager": {**tp2, **op, "train.compile": "false"},
                     "tp2_ac_full_without_keep": {**tp2, **full, **first_step},
                     "tp2_model_compiled": {**tp2, **model}, "tp2_ac_full_model_compiled": {**tp2, **full, **model},
                     "tp2_model_without_wait": {**tp2, **model, **first_step}},
                 4: {"fsdp2_tp2_compiled": fsdp_tp, "fsdp2_tp2_without_wait": {**fsdp_tp, **first_step},
-                    "fsdp2_tp2_ac_full_compiled": {**fsdp_tp, **full}}}
+                    "fsdp2_tp2_ac_full_compiled": {**fsdp_tp, **full}, "fsdp2_tp2_ac_op_compiled": {**fsdp_tp, **op}}}
     out, errors = {}, {}
     for world, cases in launches.items():
         specs = [(name, job(text_file, **extra), tmp / name) for name, extra in cases.items()]
@@ -156,7 +157,7 @@ def test_tp2_compiled_blocks_match_one_compiled_process(runs, name):
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("name", ["fsdp2_tp2_compiled", "fsdp2_tp2_ac_full_compiled"])
+@pytest.mark.parametrize("name", ["fsdp2_tp2_compiled", "fsdp2_tp2_ac_full_compiled", "fsdp2_tp2_ac_op_compiled"])
 def test_fsdp2_x_tp2_compiled_blocks_match_one_compiled_process(runs, name):
     assert_matches_one_compiled_process(runs, name)
 
@@ -173,10 +174,12 @@ def test_tp2_whole_model_graph_matches_one_compiled_process(runs, name):
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("name", ["tp2_ac_full_compiled", "tp2_ac_every2_compiled"])
+@pytest.mark.parametrize("name", ["tp2_ac_full_compiled", "tp2_ac_every2_compiled", "tp2_ac_op_compiled",
+                                  "tp2_ac_op_eager"])
 def test_tp2_checkpointed_compiled_blocks_match_one_compiled_process(runs, name):
     # Recomputing a block changes no value: one process without checkpointing is the reference.
-    # every_k:2 checkpoints the dense block only, full also the MoE block.
+    # every_k:2 checkpoints the dense block only, full also the MoE block; op keeps every block's
+    # matmul, attention, reduce-scatter and all-to-all outputs and gathers the normed inputs again.
     assert_matches_one_compiled_process(runs, name)
 
 

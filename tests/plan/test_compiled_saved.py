@@ -107,3 +107,20 @@ def test_compiled_saved_bytes_match_the_formula(activation, norm, positions, ac,
     # graph it names, not whichever formula happens to be close
     other = shape.act_bytes_per_token(2, compiled=float8)
     assert ac == "full" or abs(measured - predicted) < abs(measured - (shape.n_layers * other + outside))
+
+
+@pytest.mark.parametrize("activation,norm,positions", [("swiglu", "rmsnorm", "rope"), ("gelu", "layernorm", "learned")])
+def test_compiled_op_checkpointing_saves_the_formula_per_block(activation, norm, positions):
+    """train.activation_checkpointing = "op" compiled: per block (the difference of 4 and 2
+    blocks), the fp32 block input and `op_kept_bytes_per_token(compiled=True)`: the partitioner
+    keeps the policy's matmul and attention outputs that backward reads (not the MLP's last one)."""
+    measured = {}
+    for layers in (2, 4):
+        cfg = ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=64, n_layers=layers, n_heads=4,
+                          activation=activation, norm=norm, positions=positions)
+        measured[layers] = saved_token_bytes(cfg, "op")
+    shape = ModelShape.from_config(cfg, VOCAB)
+    block = (measured[4] - measured[2]) / 2
+    assert block == pytest.approx(4 * shape.dim + shape.op_kept_bytes_per_token(2, compiled=True), rel=0.01)
+    # what eager keeps (the MLP's last matmul output too) is further off: the check can tell them apart
+    assert abs(block - 4 * shape.dim - shape.op_kept_bytes_per_token(2)) > 0.05 * block

@@ -116,6 +116,37 @@ def test_ac_planner_picks_the_least_recompute_that_fits():
         plan_activation_checkpointing(shape, lay, 8192, full / 2)
 
 
+def test_ac_planner_takes_op_checkpointing_where_it_fits_and_is_predicted_faster():
+    """"op" (every block keeps its matmul and attention outputs) against the least every_k that
+    fits, by the step-time model; never without one, or where it does not fit."""
+    import dataclasses
+
+    from kiln.plan.ac import plan_activation_checkpointing
+    from kiln.plan.cluster import Cluster
+    from kiln.plan.memory import rank_memory
+    from kiln.plan.timing import step_time
+
+    shape = ModelShape.from_config(LLAMA3_8B, 128256)
+    lay = Layout(dp_shard=8, dp_mode="fsdp", micro_batch=2, precision="bf16")
+
+    def seconds(ac):
+        return step_time(shape, dataclasses.replace(lay, ac=ac), 8192, Cluster()).total
+
+    def memory(ac):
+        return rank_memory(shape, dataclasses.replace(lay, ac=ac), 8192).total
+
+    assert memory("full") < memory("op") < memory("every_k:4") < memory("none")
+    assert seconds("none") < seconds("op") < seconds("every_k:4") < seconds("full")  # cheap ops only, again
+    budget = memory("every_k:4") * 1.01
+    assert plan_activation_checkpointing(shape, lay, 8192, budget, step_seconds=seconds)[0] == "op"
+    assert plan_activation_checkpointing(shape, lay, 8192, budget)[0].startswith("every_k:")  # no time model
+    slower = plan_activation_checkpointing(shape, lay, 8192, budget, step_seconds=lambda ac: 2.0 if ac == "op" else 1.0)
+    assert slower[0].startswith("every_k:")
+    tight = memory("op") * 0.99  # op does not fit; recomputing more blocks does
+    ac, mem = plan_activation_checkpointing(shape, lay, 8192, tight, step_seconds=seconds)
+    assert ac != "op" and mem.total <= tight
+
+
 def test_collective_counts_follow_what_each_mode_issues():
     """DDP: one all-reduce per 25 MiB bucket (kiln sets bucket_cap_mb, so torch's 1 MiB first
     bucket does not apply); ZeRO-1: those plus a broadcast per parameter tensor; FSDP2: per block

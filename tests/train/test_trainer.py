@@ -132,15 +132,31 @@ def test_seq_len_larger_than_data(tmp_path):
         train(cfg_for(p), tmp_path / "r")
 
 
-@pytest.mark.parametrize("mode", ["full", "selective", "every_k:3"])
+@pytest.mark.parametrize("mode", ["full", "selective", "every_k:3", "op"])
 def test_activation_checkpointing_matches_plain(tmp_path, text_file, mode):
-    base = {"train.steps": 3, "train.eval_every": 0, "model.dropout": 0.1, "model.n_layers": 3}
+    # "op" with dropout is refused (test_op_checkpointing_with_dropout_is_one_line)
+    base = {"train.steps": 3, "train.eval_every": 0, "model.dropout": 0.0 if mode == "op" else 0.1,
+            "model.n_layers": 3}
     plain = train(cfg_for(text_file, **base), tmp_path / "plain")
     ac = train(cfg_for(text_file, **base, **{"train.activation_checkpointing": mode}), tmp_path / mode)
     a = [r["loss"] for r in rows(tmp_path / "plain", "train")]
     b = [r["loss"] for r in rows(tmp_path / mode, "train")]
     assert b == pytest.approx(a, rel=1e-5)
     assert ac.steps_done == plain.steps_done == 3
+
+
+def test_op_checkpointing_with_dropout_is_one_line(tmp_path, text_file, capsys):
+    from kiln.cli import main
+
+    run = tmp_path / "run"
+    sets = {"model.dropout": 0.1, "train.activation_checkpointing": "'op'"}
+    args = [x for o in tiny_overrides(text_file, **sets) for x in ("--set", o)]
+    assert main(["train", "--run-dir", str(run), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert "train.activation_checkpointing='op' with model.dropout=0.1 is not supported" in lines[0]
+    assert not run.exists()
+    load_config(None, tiny_overrides(text_file, **{**sets, "model.dropout": 0.0}))
 
 
 def test_shards_are_cached_and_foreign_dirs_left_alone(tmp_path, text_file):
