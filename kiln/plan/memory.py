@@ -444,15 +444,17 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
         per_block += (1 - 1 / layout.tp) * shape.gathered_bytes_per_token(act, layout.compiled, float8) * tokens
     n_ac = recomputed_blocks(layout.ac, layers)
     block_input = 4 * shape.dim * tokens / layout.tp
-    if layout.ac == "op":  # the selective checkpoint's kept outputs, all split by tp
-        block_input += shape.op_kept_bytes_per_token(act, layout.compiled) * tokens / layout.tp
+    recomputing = per_block  # held while a recomputed block's backward runs
+    if layout.ac == "op":  # the selective checkpoint's kept outputs, all split by tp; the rest is recomputed
+        kept = shape.op_kept_bytes_per_token(act, layout.compiled) * tokens / layout.tp
+        block_input, recomputing = block_input + kept, max(0.0, per_block - kept)
     per_microbatch = (layers - n_ac) * per_block + n_ac * block_input
     in_flight = in_flight_microbatches(layout)
     if last and layout.pp > 1 and layout.schedule == "1f1b":
         in_flight = 1.0  # torch's 1F1B: the last rank runs each backward right after its forward
     out.activations = per_microbatch * in_flight
     if n_ac and not layout.compiled:
-        out.activations += per_block  # the one block being recomputed
+        out.activations += recomputing  # the one block being recomputed
 
     param_bytes = 4 if layout.precision == "fp32" else 2
     head = holds_head(layout, last)
@@ -482,7 +484,7 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
     if layout.compiled:
-        recomputing = block_input + per_block if n_ac else 0.0  # the first block's input and activations
+        recomputing = block_input + recomputing if n_ac else 0.0  # the first block's input and activations
         _compiled_peak_phase(out, layout, logits + casts_forward, casts_backward + recomputing)
     return out
 
