@@ -79,7 +79,7 @@ ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # kiln/parallel/pi
 @dataclass(frozen=True)
 class Layout:
     """One parallel layout and step shape. dp_mode is ddp | zero1 | zero2 | fsdp (fsdp with
-    dp_replicate > 1 is HSDP); ac is none | full | selective | every_k:K."""
+    dp_replicate > 1 is HSDP); ac is none | full | selective | op | every_k:K."""
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
