@@ -64,8 +64,11 @@ def keep_random_op_outputs(ctx, op, *args, **kwargs):
 def compute_ops_kept() -> tuple[frozenset, frozenset]:
     """(matmuls, others) whose outputs `train.activation_checkpointing = "op"` keeps: the matmuls
     (torchao's float8 `_scaled_mm` and MoE's grouped GEMM where this torch has them), every SDPA
-    kernel, and the collectives whose results backward would otherwise fetch again (tp's
-    reduce-scatter, ep's all-to-all). torchtitan's op-level list, with every matmul kept."""
+    kernel and cp's ring attention, and the collectives whose results backward would otherwise
+    fetch again (tp's reduce-scatter, ep's all-to-all). torchtitan's op-level list, with every
+    matmul kept."""
+    import kiln.parallel.context_parallel  # noqa: F401  (registers kiln::ring_attention)
+
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
 
     def ops(namespace, *names):
@@ -76,7 +79,7 @@ def compute_ops_kept() -> tuple[frozenset, frozenset]:
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                  "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                  "_efficient_attention_forward")
-    others |= ops(funcol, "reduce_scatter_tensor", "all_to_all_single")
+    others |= ops(funcol, "reduce_scatter_tensor", "all_to_all_single") | ops(torch.ops.kiln, "ring_attention")
     return frozenset(matmuls), frozenset(others)
 
 

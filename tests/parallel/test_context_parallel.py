@@ -40,7 +40,10 @@ def test_cp_not_dividing_seq_len_fails_naming_the_values():
 # Gradients are averaged over dp x cp: by DDP (cp=2 alone), and by FSDP2 sharding over the
 # flattened dp_shard x cp mesh (torchtitan's dp_shard_cp) on 4 ranks.
 CP_RUNS = {"cp2-ddp": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train.batch_size": GLOBAL_BATCH}),
-           "fsdp2xcp2": (4, {"parallel.cp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH // 2})}
+           "fsdp2xcp2": (4, {"parallel.cp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH // 2}),
+           # op checkpointing keeps the ring's output (parallelize.compute_ops_kept): no second ring in backward
+           "cp2-op": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train.batch_size": GLOBAL_BATCH,
+                          "train.activation_checkpointing": "'op'"})}
 
 
 def ring_check_then_train(rank, world, jobs):

@@ -231,3 +231,29 @@ def test_op_checkpointing_matches_no_checkpointing(scope):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_op_checkpointing_keeps_the_heavy_ops_and_recomputes_the_rest(one_rank_mesh):
+    """keep_compute_op_outputs' choices by op: matmuls, attention (SDPA, cp's ring), tp's
+    reduce-scatter, ep's all-to-all and random ops kept; norms, activations, casts and tp's
+    all-gathers recomputed; a row-parallel matmul (input sharded on the contraction dim) recomputed."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+    from kiln.parallel.parallelize import keep_compute_op_outputs
+
+    ctx, aten, funcol = SelectiveCheckpointContext(is_recompute=False), torch.ops.aten, torch.ops._c10d_functional
+    a, b = torch.randn(4, 6), torch.randn(6, 8)
+    kept = [aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default, torch.ops.kiln.ring_attention.default,
+            funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, aten.native_dropout.default]
+    recomputed = [aten.rsqrt.default, aten.silu.default, aten.mul.Tensor, aten._to_copy.default,
+                  funcol.all_gather_into_tensor.default, funcol.wait_tensor.default]
+    for op in kept:
+        assert keep_compute_op_outputs(ctx, op, a, b) == CheckpointPolicy.MUST_SAVE, op
+    for op in recomputed:
+        assert keep_compute_op_outputs(ctx, op, a, b) == CheckpointPolicy.PREFER_RECOMPUTE, op
+    mesh = one_rank_mesh
+    column = distribute_tensor(a, mesh, [Replicate()])  # a column-parallel input: whole rows
+    row = distribute_tensor(a, mesh, [Shard(1)])  # a row-parallel input: sharded on the contraction dim
+    assert keep_compute_op_outputs(ctx, aten.mm.default, column, b) == CheckpointPolicy.MUST_SAVE
+    assert keep_compute_op_outputs(ctx, aten.mm.default, row, b) == CheckpointPolicy.PREFER_RECOMPUTE
