@@ -257,3 +257,37 @@ def test_op_checkpointing_keeps_the_heavy_ops_and_recomputes_the_rest(one_rank_m
     row = distribute_tensor(a, mesh, [Shard(1)])  # a row-parallel input: sharded on the contraction dim
     assert keep_compute_op_outputs(ctx, aten.mm.default, column, b) == CheckpointPolicy.MUST_SAVE
     assert keep_compute_op_outputs(ctx, aten.mm.default, row, b) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_op_checkpointing_with_float8_linears_matches_no_checkpointing():
+    """float8 (torchao tensorwise, its real float8 GEMMs on the CPU) under "op" checkpointing: the
+    float8 linears' matmuls are kept (they reach the policy as aten.mm on torchao's tensors), the
+    casts recomputed; loss and gradients equal the same model without checkpointing, bf16 autocast."""
+    import copy
+
+    from conftest import float8_cpu_matmul_error, float8_import_error
+
+    if (why := float8_import_error() or float8_cpu_matmul_error()) is not None:
+        pytest.skip(why)
+    from torchao.float8 import Float8LinearConfig
+
+    from kiln.parallel.parallelize import apply_activation_checkpointing, convert_float8
+    from kiln.train.trainer import build_model
+
+    cfg = load_config(None, ["model.vocab_size=64", "model.dim=64", "model.n_heads=4", "model.n_layers=2",
+                             "model.max_seq_len=32", "data.seq_len=32"])
+    dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0)
+    reference = build_model(cfg, dims, torch.device("cpu"))
+    convert_float8(reference, Float8LinearConfig.from_recipe_name("tensorwise"))
+    assert type(reference.layers[0].attention.wq).__name__ == "Float8Linear"
+    model = copy.deepcopy(reference)
+    apply_activation_checkpointing(model, "op")
+    x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (reference, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(m(x, targets=x))
+        losses[-1].backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=0, msg=name)
