@@ -19,8 +19,9 @@ same anchor shard in both replicas, and parameters that stay equal where a repli
 replica hold the same parameters (ddp, zero1, cp under ddp) each sends half of them across. Negative controls: HSDP
 (gradients across replicas every step), and the outer step averaging over cp instead of the
 replicas (8e-4 relative at step 4). kiln's trainer with 2 replicas x fsdp 2 resumes between outer
-syncs bit for bit, and so do 2 replicas x pp 2 (the anchor keyed by parameter name) and 2
-replicas x ZeRO-1 over 2 (each replica's consolidated moments).
+syncs bit for bit, and so do 2 replicas x pp 2 (the anchor keyed by parameter name), 2
+replicas x ZeRO-1 over 2 (each replica's consolidated moments), x ZeRO-2 over 2, x tp 2 with ep 2
+borrowing tp (etp 1, MoE) and x cp 2 with ep 2 = cp (MoE).
 One 8-rank launch: 2 replicas x pp 2 x cp 2 with ep 2 = cp (MoE, ddp), same definition and tolerance.
 """
 
@@ -419,10 +420,11 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
             params)
 
 
-def split_replica_ranks(rank, world, root, sets, pp_sets, zero1_sets, zero2_sets):
+def split_replica_ranks(rank, world, root, sets, pp_sets, zero1_sets, zero2_sets, etp1_sets, cp_ep_sets):
     """The runs above, then kiln's trainer with 2 replicas x fsdp dp_shard 2: uninterrupted,
     and paused after step 3 (between outer syncs) and resumed; with 2 replicas x pp 2, x zero1
-    over 2 and x zero2 over 2: uninterrupted, and the step-3 checkpoint continued in a copy."""
+    over 2, x zero2 over 2, x tp 2 with ep 2 borrowing tp (etp 1, MoE) and x cp 2 with ep 2 carved
+    from cp (MoE): uninterrupted, and the step-3 checkpoint continued in a copy."""
     from pathlib import Path
 
     import kiln.train.trainer as trainer
@@ -446,6 +448,9 @@ def split_replica_ranks(rank, world, root, sets, pp_sets, zero1_sets, zero2_sets
     continue_in_copy(Path(root) / "zero1_whole", RESUME_AT, Path(root) / "zero1_resumed", zero1_sets)
     trainer.train(load_config(None, zero2_sets), Path(root) / "zero2_whole")
     continue_in_copy(Path(root) / "zero2_whole", RESUME_AT, Path(root) / "zero2_resumed", zero2_sets)
+    for name, layout_sets in (("etp1", etp1_sets), ("cp_ep", cp_ep_sets)):
+        trainer.train(load_config(None, layout_sets), Path(root) / f"{name}_whole")
+        continue_in_copy(Path(root) / f"{name}_whole", RESUME_AT, Path(root) / f"{name}_resumed", layout_sets)
     return runs
 
 
@@ -454,10 +459,14 @@ def split_root(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("diloco-split")
     (root / "work").mkdir()
     sets = resume_overrides(text_file, root / "shards")
+    moe = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=0.0"]  # dropless, as FIELDS["ep"]
     return root, run_ranks(split_replica_ranks, 4, root / "work", str(root),
                            sets + ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2"], sets + ["parallel.pp=2"],
                            sets + ["parallel.dp_mode='zero1'", "parallel.dp_replicate=2"],
-                           sets + ["parallel.dp_mode='zero2'", "parallel.dp_replicate=2"], timeout=300)
+                           sets + ["parallel.dp_mode='zero2'", "parallel.dp_replicate=2"],
+                           sets + moe + ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2", "parallel.tp=2",
+                                         "parallel.ep=2", "parallel.etp=1"],
+                           sets + moe + ["parallel.cp=2", "parallel.ep=2"], timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -583,6 +592,14 @@ def test_zero2_replicas_resume_between_outer_syncs_exactly(split_root):
     # 2 replicas x ZeRO-2 (FSDP, parameters kept gathered through backward) over 2 ranks each:
     # FSDP's layout key, each replica's shards and moments continued bit for bit.
     continued_exactly(split_root[0], "zero2", "diloco_layout_2x2x1")
+
+
+def test_expert_parallel_replicas_resume_between_outer_syncs_exactly(split_root):
+    # 2 replicas x tp 2 with ep 2 borrowing tp (etp 1; experts whole on their ep rank) and 2 replicas
+    # x cp 2 with ep 2 carved from cp (ddp over cp), MoE, through kiln's trainer: each layout's key
+    # (ep and etp named) and the step-3 checkpoint continued bit for bit past the outer sync.
+    continued_exactly(split_root[0], "etp1", "diloco_layout_2x1x2_ep2_etp1")
+    continued_exactly(split_root[0], "cp_ep", "diloco_layout_2x1x1_cp2_ep2")
 
 
 def continued_exactly(root, run: str, layout: str) -> None:
