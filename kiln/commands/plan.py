@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     plans = search(shape, cluster, seq, global_batch, optimizer=cfg.optim.name, precision=args.precision,
                    loss="chunked" if cfg.train.loss == "chunked" else "full",
                    compiled=cfg.train.compile and cfg.train.compile_scope in ("auto", "model"),
-                   diloco_inner_steps=inner_steps,
+                   diloco_inner_steps=inner_steps, op_checkpointing=cfg.model.dropout == 0,
                    **{f"max_{d}": getattr(args, f"max_{d}") for d in ("tp", "pp", "cp") if getattr(args, f"max_{d}")})
     # The search's model knows no kiln rules: keep only the layouts `kiln train` runs as is.
     refusals = [kiln_refusal(cfg, plan.layout, world) for plan in plans]

@@ -166,12 +166,15 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
 
 def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
            precision: str = "bf16", loss: str = "full", top: int | None = None, max_tp: int = 1024,
-           max_pp: int = 64, max_cp: int = 8, compiled: bool = False, diloco_inner_steps: int = 0) -> list[Plan]:
+           max_pp: int = 64, max_cp: int = 8, compiled: bool = False, diloco_inner_steps: int = 0,
+           op_checkpointing: bool = True) -> list[Plan]:
     """Every layout that fits, fastest first; a KilnError saying what would fit when none does.
     max_tp/max_pp/max_cp limit the degrees (1: layouts `kiln train` runs before TP/PP/CP land).
     compiled: train.compile with a whole-model scope, which kiln applies on one device (sharded
     layouts compile per block, which the compiled memory and time terms do not describe).
-    diloco_inner_steps: DiLoCo with H inner steps, one replica per island of `cluster`."""
+    diloco_inner_steps: DiLoCo with H inner steps, one replica per island of `cluster`.
+    op_checkpointing: whether "op" activation checkpointing may be weighed (kiln refuses it with
+    dropout)."""
     replicas = check_islands(cluster, diloco_inner_steps)
     if precision == "float8" and cluster.device.peak_tflops_fp8 == 0:
         raise KilnError(f"{cluster.device.name} has no float8 tensor cores; use --precision bf16")
@@ -185,8 +188,8 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
         try:  # the least recompute that fits (kiln/plan/ac.py); recompute only ever costs time
             ac, mem = plan_activation_checkpointing(
                 shape, layout, seq_len, budget, optimizer,
-                lambda ac, layout=layout: step_time(shape, dataclasses.replace(layout, ac=ac), seq_len, cluster,
-                                                    optimizer).total)
+                (lambda ac, layout=layout: step_time(shape, dataclasses.replace(layout, ac=ac), seq_len, cluster,
+                                                     optimizer).total) if op_checkpointing else None)
         except KilnError:
             ac = "full"
             mem = rank_memory(shape, dataclasses.replace(layout, ac=ac), seq_len, optimizer)

@@ -147,6 +147,16 @@ def test_ac_planner_takes_op_checkpointing_where_it_fits_and_is_predicted_faster
     assert ac != "op" and mem.total <= tight
 
 
+def test_search_weighs_op_checkpointing_only_where_allowed():
+    """kiln plan passes op_checkpointing=False for a model with dropout (kiln refuses op there):
+    the same search then writes every_k instead; allowed, some layouts take op."""
+    shape = ModelShape.from_config(LLAMA3_8B, 128256)
+    cluster = load_cluster("h100")
+    allowed = {p.layout.ac for p in search(shape, cluster, 8192, 64)}
+    refused = {p.layout.ac for p in search(shape, cluster, 8192, 64, op_checkpointing=False)}
+    assert "op" in allowed and "op" not in refused
+
+
 def test_collective_counts_follow_what_each_mode_issues():
     """DDP: one all-reduce per 25 MiB bucket (kiln sets bucket_cap_mb, so torch's 1 MiB first
     bucket does not apply); ZeRO-1: those plus a broadcast per parameter tensor; FSDP2: per block
