@@ -177,8 +177,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     ga = layout.grad_accum
 
     # Tensor (sequence) parallel (counted; see the module docstring): per micro-batch the block's
-    # activations all-gathered and reduce-scattered 4 times each per block and twice at the
-    # embedding / head, and loss_parallel's 3 per-token statistics all-reduced; per step each norm
+    # activations all-gathered and reduce-scattered 4 times each per block (a recomputed block's
+    # forward ones again) and twice at the embedding / head, and loss_parallel's 3 per-token statistics all-reduced; per step each norm
     # weight's gradient (a Partial DTensor after backward) all-reduced once, settled before the
     # gradient norm (kiln/train/step.py settle_grad_placements; left Partial, torch 2.13's ops
     # all-reduced it at every read: 2 or, foreach, 4 per step), and the stacked gradient norms
@@ -189,14 +189,20 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         # ep borrowing tp leaves a MoE block's input sequence-sharded (MoELocalSequence): its MLP
         # has no all-gather / reduce-scatter pair forward and backward
         boundary = 4 * stage_layers + 2 - (2 * moe_stage_layers if layout.ep_borrows_tp else 0)
+        # a recomputed block runs its forward's all-gathers again in backward, and its
+        # reduce-scatters unless "op" keeps their outputs
+        recomputed = recomputed_blocks(layout.ac, shape.n_layers) / shape.n_layers
+        forward = 2 * stage_layers - (moe_stage_layers if layout.ep_borrows_tp else 0)
+        gathers = boundary + recomputed * forward
+        scatters = boundary + (0.0 if layout.ac == "op" else recomputed * forward)
         norm_reads = 2 * stage_layers + 1  # the norm weights' gradients, settled once
-        t = all_gather(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
-        t += reduce_scatter(cluster, layout.tp, nbytes * boundary * ga, calls=boundary * ga)
+        t = all_gather(cluster, layout.tp, nbytes * gathers * ga, calls=gathers * ga)
+        t += reduce_scatter(cluster, layout.tp, nbytes * scatters * ga, calls=scatters * ga)
         t += all_reduce(cluster, layout.tp, 4 * shape.dim * norm_reads, calls=norm_reads)
         t += all_reduce(cluster, layout.tp, 3 * 4 * tokens_rank_mb * ga, calls=3 * ga)
         t += all_reduce(cluster, layout.tp, 4 * shape.param_tensors(layout.pp), calls=1)
-        count("all_gather", boundary * ga)
-        count("reduce_scatter", boundary * ga)
+        count("all_gather", gathers * ga)
+        count("reduce_scatter", scatters * ga)
         count("all_reduce", norm_reads + 3 * ga + 1)
         exposed += t
         total += t
