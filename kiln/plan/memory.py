@@ -214,7 +214,8 @@ class ModelShape:
     def gathered_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
         """Of `act_bytes_per_token`, what tensor parallelism does not divide: the normed inputs of
         attention and the MLP, which sequence parallelism all-gathers and DTensor's linears then
-        save whole (Megatron keeps them sharded and gathers again in backward; kiln does not).
+        save whole (Megatron keeps them sharded and gathers again in backward; kiln does under "op"
+        checkpointing, `op_kept_bytes_per_token`).
         Measured by tests/plan/test_tp_activations.py. Compiled with float8 the normed inputs are
         recomputed (not saved), so nothing."""
         return 0.0 if compiled and float8 else 2 * act * self.dim

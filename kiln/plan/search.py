@@ -7,9 +7,10 @@ layers; schedules gpipe, 1f1b and, with 2 virtual stages, interleaved_1f1b, inte
 and zbv_zero_bubble where kiln runs them: `pipeline_schedules`), cp (powers of two that split the
 sequence into 2*cp chunks), data parallel as ddp, zero1, zero2, fsdp and hsdp (dp_replicate x
 dp_shard), micro-batch (powers of two dividing the per-rank batch) and activation checkpointing
-(kiln/plan/ac.py: the least recompute that fits, none, every_k:K or full, or op where faster). For a mixture-of-experts model also ep (divisors of the expert count)
-and, with tp > 1, whether ep borrows the tp ranks (parallel.etp = 1: whole experts) or each
-expert is sharded over tp too (etp = tp); the ep / dp mode / degree combinations are kept only
+(kiln/plan/ac.py: the least recompute that fits, none, every_k:K or full, or op where faster).
+For a mixture-of-experts model also ep (divisors of the expert count) and, with tp > 1, whether
+ep borrows the tp ranks (parallel.etp = 1: whole experts) or each expert is sharded over tp too
+(etp = tp); the ep / dp mode / degree combinations are kept only
 where kiln's own layout checks pass (kiln/parallel/dims.py `check_ep_layout`,
 `check_ep_borrowing_tp_layout`, the ones `ParallelDims.from_config` runs). Every mesh (dp mode,
 dp_replicate x dp_shard x cp x tp x pp, ep, etp) is put to `ParallelDims.from_config` itself

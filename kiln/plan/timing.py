@@ -178,8 +178,9 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
 
     # Tensor (sequence) parallel (counted; see the module docstring): per micro-batch the block's
     # activations all-gathered and reduce-scattered 4 times each per block (a recomputed block's
-    # forward ones again) and twice at the embedding / head, and loss_parallel's 3 per-token statistics all-reduced; per step each norm
-    # weight's gradient (a Partial DTensor after backward) all-reduced once, settled before the
+    # forward ones again) and twice at the embedding / head, and loss_parallel's 3 per-token
+    # statistics all-reduced; per step each norm weight's gradient (a Partial DTensor after
+    # backward) all-reduced once, settled before the
     # gradient norm (kiln/train/step.py settle_grad_placements; left Partial, torch 2.13's ops
     # all-reduced it at every read: 2 or, foreach, 4 per step), and the stacked gradient norms
     # once. All on the critical path.
