@@ -233,7 +233,8 @@ def test_zero_bubble_weight_pass_cannot_reuse_a_selective_checkpoint():
     out = wrapped(x)
     _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
     assert x.grad is not None  # the input pass works
-    with pytest.raises(RuntimeError, match="backward an extra time"):
+    # 2.13: "Trying to backward an extra time"; before: the second recompute gets other tensors
+    with pytest.raises(RuntimeError, match="backward an extra time|different metadata"):
         stage_backward_weight(block.parameters(), groups)
 
 
