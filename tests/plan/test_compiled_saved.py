@@ -116,9 +116,10 @@ def test_compiled_op_checkpointing_saves_the_formula_per_block(activation, norm,
     keeps the policy's matmul and attention outputs that backward reads (not the MLP's last one)."""
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
         # 2.12: this harness's AOTAutograd trace of the selective checkpoint stops ("invalid python
-        # storage" at the first linear); torch.compile with inductor of the same model and
-        # checkpointing runs there (checked by hand), so the partition is measured on 2.13
-        pytest.skip(f"torch {torch.__version__}: this harness cannot trace the op policy's selective checkpoint")
+        # storage" at the first linear; torch.compile with inductor of the same model and
+        # checkpointing runs there, checked by hand); 2.6's partitioner keeps more (1936 bytes per
+        # token and block here against 1680). The formula is 2.13's, as the other compiled terms.
+        pytest.skip(f"torch {torch.__version__}: the op policy's compiled partition is measured on 2.13")
     measured = {}
     for layers in (2, 4):
         cfg = ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=64, n_layers=layers, n_heads=4,
