@@ -364,6 +364,8 @@ def run_all(device_name: str, quick: bool, budget_s: float, steps: int, corpus: 
     l_cfg = replace(l, name="llama-1b-cfg", batch=l.batch * 2, grad_accum=4, ac="selective", steps=6)
     l_cfg_noac = replace(l_cfg, ac="none")
     l_full_ac, g_full_ac = replace(l, ac="full"), replace(g, ac="full")
+    # op checkpointing (matmul and attention outputs kept): against no AC and full AC at both sizes
+    l_op, l_cfg_op = replace(l, ac="op"), replace(l_cfg, ac="op")
     g_mb4 = replace(g, name="gpt2-124m-ga3", batch=4, grad_accum=3)
     # In priority order: the headline comparison first, what is nice to have last. Under a
     # whole-model compile kiln's `train.loss=auto` takes the plain loss (kiln/train/system.py).
@@ -397,6 +399,9 @@ def run_all(device_name: str, quick: bool, budget_s: float, steps: int, corpus: 
          lambda: kiln_case(l_cfg, l.model, device, compile_model=True, loss="full")),
         ("kiln default compiled, ga 4, no AC", l_cfg_noac,
          lambda: kiln_case(l_cfg_noac, l.model, device, compile_model=True, loss="full")),
+        ("kiln default compiled, op AC", l_op, lambda: kiln_case(l_op, l.model, device, compile_model=True, loss="full")),
+        ("kiln default compiled, ga 4, op AC", l_cfg_op,
+         lambda: kiln_case(l_cfg_op, l.model, device, compile_model=True, loss="full")),
         ("kiln default compiled, ga 4, no AC, fused projections", l_cfg_noac,
          lambda: kiln_case(l_cfg_noac, replace(l.model, fused_projections=True), device, compile_model=True,
                            loss="full")),
