@@ -64,9 +64,10 @@ def keep_random_op_outputs(ctx, op, *args, **kwargs):
 def compute_ops_kept() -> tuple[frozenset, frozenset]:
     """(matmuls, others) whose outputs `train.activation_checkpointing = "op"` keeps: the matmuls
     (torchao's float8 `_scaled_mm` and MoE's grouped GEMM where this torch has them), every SDPA
-    kernel and cp's ring attention, and the collectives whose results backward would otherwise
-    fetch again (tp's reduce-scatter, ep's all-to-all). torchtitan's op-level list, with every
-    matmul kept."""
+    kernel, FlexAttention and cp's ring attention, the collectives whose results backward would
+    otherwise fetch again (tp's reduce-scatter, ep's all-to-all), and whole-tensor max (float8's
+    amax, a scalar whose recompute would read the tensor again and, under tp, all-reduce).
+    torchtitan's op-level list, with every matmul kept."""
     import kiln.parallel.context_parallel  # noqa: F401  (registers kiln::ring_attention)
 
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
@@ -80,7 +81,9 @@ def compute_ops_kept() -> tuple[frozenset, frozenset]:
                  "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                  "_efficient_attention_forward")
     others |= ops(funcol, "reduce_scatter_tensor", "all_to_all_single") | ops(torch.ops.kiln, "ring_attention")
-    return frozenset(matmuls), frozenset(others)
+    others |= {aten.max.default}
+    flex = getattr(torch._higher_order_ops, "flex_attention", None)  # a higher-order op, not an OpOverload
+    return frozenset(matmuls), frozenset(others | ({flex} if flex is not None else set()))
 
 
 def keep_compute_op_outputs(ctx, op, *args, **kwargs):

@@ -245,7 +245,8 @@ def test_op_checkpointing_keeps_the_heavy_ops_and_recomputes_the_rest(one_rank_m
     ctx, aten, funcol = SelectiveCheckpointContext(is_recompute=False), torch.ops.aten, torch.ops._c10d_functional
     a, b = torch.randn(4, 6), torch.randn(6, 8)
     kept = [aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default, torch.ops.kiln.ring_attention.default,
-            funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, aten.native_dropout.default]
+            funcol.reduce_scatter_tensor.default, funcol.all_to_all_single.default, aten.native_dropout.default,
+            aten.max.default]
     recomputed = [aten.rsqrt.default, aten.silu.default, aten.mul.Tensor, aten._to_copy.default,
                   funcol.all_gather_into_tensor.default, funcol.wait_tensor.default]
     for op in kept:
