@@ -35,10 +35,7 @@ def kept_bytes(rank, world, keep_gathers=False):
     from torch.distributed.tensor import DTensor
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from kiln.config import load_config
     from kiln.parallel import parallelize
-    from kiln.parallel.dims import ParallelDims
-    from kiln.train.trainer import build_model
 
     policy, gathers = parallelize.keep_compute_op_outputs, {torch.ops._c10d_functional.wait_tensor.default}
     seen, total = set(), [0]
@@ -63,6 +60,17 @@ def kept_bytes(rank, world, keep_gathers=False):
         return kept
 
     parallelize.keep_compute_op_outputs = measuring
+    try:
+        return _measure(rank, world, seen, total)
+    finally:  # tp 1 runs in the test's own process: later tests get kiln's policy back
+        parallelize.keep_compute_op_outputs = policy
+
+
+def _measure(rank, world, seen, total):
+    from kiln.config import load_config
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.trainer import build_model
+
     out = {}
     for dtype in ("fp32", "bf16"):
         for layers in (2, 4):
