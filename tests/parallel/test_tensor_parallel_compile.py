@@ -126,6 +126,7 @@ def runs(tmp_path_factory, text_file):
                     "tp2_ac_op_compiled": {**tp2, **op}, "tp2_ac_op_eager": {**tp2, **op, "train.compile": "false"},
                     "tp2_ac_full_without_keep": {**tp2, **full, **first_step},
                     "tp2_model_compiled": {**tp2, **model}, "tp2_ac_full_model_compiled": {**tp2, **full, **model},
+                    "tp2_ac_op_model_compiled": {**tp2, **op, **model},
                     "tp2_model_without_wait": {**tp2, **model, **first_step}},
                 4: {"fsdp2_tp2_compiled": fsdp_tp, "fsdp2_tp2_without_wait": {**fsdp_tp, **first_step},
                     "fsdp2_tp2_ac_full_compiled": {**fsdp_tp, **full}, "fsdp2_tp2_ac_op_compiled": {**fsdp_tp, **op}}}
@@ -163,7 +164,7 @@ def test_fsdp2_x_tp2_compiled_blocks_match_one_compiled_process(runs, name):
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("name", ["tp2_model_compiled", "tp2_ac_full_model_compiled"])
+@pytest.mark.parametrize("name", ["tp2_model_compiled", "tp2_ac_full_model_compiled", "tp2_ac_op_model_compiled"])
 def test_tp2_whole_model_graph_matches_one_compiled_process(runs, name):
     # compile_scope='model': one graph over the blocks and the vocab-sharded head; the embedding
     # and the loss stay eager (graph breaks, parallelize.keep_tp_embedding_eager). Negative
