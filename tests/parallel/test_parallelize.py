@@ -1,6 +1,9 @@
-"""The final data-parallel stage applies what `[parallel]` names (on a one-rank gloo mesh, so it
-runs in this process): ZeRO-2 never reshards after forward, FSDP reshards every block but the
-last, reduce_dtype reaches FSDP2's mixed-precision policy, ddp/zero1 replicate in place."""
+"""`parallelize`'s stages in one process. The final data-parallel stage applies what `[parallel]`
+names (on a one-rank gloo mesh): ZeRO-2 never reshards after forward, FSDP reshards every block
+but the last, reduce_dtype reaches FSDP2's mixed-precision policy, ddp/zero1 replicate in place.
+Compile: the mode from train.cuda_graphs / train.autotune. Activation checkpointing: the selective
+checkpoint passes uneven profiler markers through, and "op" (keep_compute_op_outputs) keeps what
+it names and changes no value, eager, compiled and with float8 linears."""
 
 import functools
 
