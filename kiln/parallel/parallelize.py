@@ -99,7 +99,7 @@ def keep_compute_op_outputs(ctx, op, *args, **kwargs):
     from torch.distributed.tensor import DTensor
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+    if keep_random_op_outputs(ctx, op) == CheckpointPolicy.MUST_SAVE:  # the one random-op rule
         return CheckpointPolicy.MUST_SAVE
     matmuls, others = compute_ops_kept()
     if op in matmuls:
