@@ -383,6 +383,11 @@ class ParallelConfig:
     diloco_inner_steps: int = ranged(0, ge=0)
     diloco_outer_lr: float = ranged(0.7, gt=0.0)
     diloco_outer_momentum: float = ranged(0.9, ge=0.0, lt=1.0)
+    # Seconds a rank waits in one collective before it fails instead of hanging (kiln/parallel/
+    # timeouts.py): init = until the first step is done on every rank (rank 0's tokenization, the
+    # checkpoint load, the first compile) and for checkpoint saves; train = every later collective.
+    init_timeout_s: float = ranged(1800.0, gt=0.0, le=7 * 86400.0)
+    train_timeout_s: float = ranged(300.0, gt=0.0, le=7 * 86400.0)
 
     def validate(self) -> None:
         check_fields(self, "parallel.")

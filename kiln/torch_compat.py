@@ -566,3 +566,21 @@ def raise_recompile_limit(limit: int) -> None:
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+
+
+def process_groups() -> list:
+    """Every process group this rank belongs to (torch keeps them in the private `_world.pg_map`,
+    the same name in 2.6-2.13; the groups DeviceMesh and `new_group` create included)."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
+def set_group_timeout(group, seconds: float) -> None:
+    """How long `group`'s collectives wait from now on (torch's private `_set_pg_timeout`, 2.6-2.13:
+    gloo's and NCCL's backends; torch warns and leaves any other backend as it was)."""
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)

@@ -166,13 +166,19 @@ class CheckpointManager:
         self._saved_step: int | None = None
         self._finished: list[SaveResult] = []
         self._staging = ReusedStaging()
-        # Async saves run DCP's collectives from a background thread; they get their own gloo
-        # group so they never interleave with the training loop's collectives.
-        self._group = dist.new_group(backend="gloo") if async_save and _distributed() else None
+        # Saves and loads run DCP's collectives and their barriers on a gloo group of their own:
+        # async ones from a background thread never interleave with the loop's collectives, and
+        # the group keeps the long init bound while rank 0 hashes the manifest and the others
+        # wait (kiln/parallel/timeouts.py; the loop's groups get the shorter train bound).
+        self.group = dist.new_group(backend="gloo") if _distributed() else None
         self.replicas = None  # in-memory replicas need the async path's staged snapshot
         if replica_dir and async_save:
             rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-            self.replicas = MemoryReplicas(self.dir, replica_dir, rank, world, self._group)
+            self.replicas = MemoryReplicas(self.dir, replica_dir, rank, world, self.group)
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
 
     # ---- state of the directory
     def latest_step(self) -> int | None:
@@ -215,10 +221,10 @@ class CheckpointManager:
                 freed = self._make_room(step)
                 if freed:
                     note = "; ".join(filter(None, [note, freed]))
-            _barrier()
+            self._barrier()
             if self.async_save:
                 kwargs = {"storage_writer": StagingFileSystemWriter(str(tmp), self._staging),
-                          "process_group": self._group}
+                          "process_group": self.group}
                 kwargs.update(_no_dist(dcp.async_save))
                 dcp_future = dcp.async_save(states, **kwargs)
                 block_s = time.perf_counter() - t0
@@ -227,12 +233,12 @@ class CheckpointManager:
                 self._pending = self._executor.submit(self._finish, step, tmp, final, extra_files, block_s,
                                                       dcp_future, note)
                 return self._take_finished()
-            dcp.save(states, checkpoint_id=str(tmp), **_no_dist(dcp.save))
+            dcp.save(states, checkpoint_id=str(tmp), process_group=self.group, **_no_dist(dcp.save))
         except (Exception, CheckpointException) as e:
             self._finished.append(self._failed(step, tmp, e, time.perf_counter() - t0))
             return self._take_finished()
         self._finished.append(self._finish(step, tmp, final, extra_files, time.perf_counter() - t0, None, note))
-        _barrier()  # the other ranks see step-N only once rank 0 has renamed it
+        self._barrier()  # the other ranks see step-N only once rank 0 has renamed it
         return self._take_finished()
 
     def wait(self) -> list[SaveResult]:
@@ -376,7 +382,7 @@ class CheckpointManager:
                     if isinstance(value, RNGState):
                         value.cuda_saved = f"{name}.cuda" in metadata.state_dict_metadata
                 dcp.load(states, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-                         **_no_dist(dcp.load))
+                         process_group=self.group, **_no_dist(dcp.load))
                 return candidate
             except UnsafeCheckpointError:
                 raise  # a tampered checkpoint is refused outright, never silently skipped
@@ -405,8 +411,3 @@ def _no_dist(dcp_call) -> dict:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()

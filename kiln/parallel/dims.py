@@ -201,16 +201,22 @@ class ParallelDims:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def build_mesh(self, device_type: str) -> None:
+    def build_mesh(self, device_type: str, init_timeout_s: float | None = None) -> None:
+        """Join the process group (unless joined) and build the mesh. init_timeout_s bounds the
+        world group's collectives and its store (kiln/parallel/timeouts.py sets every other group);
+        None: torch's default."""
         if self.world_size == 1:
             return
+        import datetime
+
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
             backend = "nccl" if device_type == "cuda" else "gloo"
+            timeout = {} if init_timeout_s is None else {"timeout": datetime.timedelta(seconds=init_timeout_s)}
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             if restart is None:
-                dist.init_process_group(backend=backend)
+                dist.init_process_group(backend=backend, **timeout)
             else:
                 # torchrun's agent hands every attempt the same TCPStore (static and c10d rendezvous
                 # both share theirs with the workers) with no per-attempt prefix, so restarted workers
@@ -219,7 +225,7 @@ class ParallelDims:
                 # own key space; the store itself comes from torch's env:// rendezvous.
                 store, rank, world = next(dist.rendezvous("env://"))
                 dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                        store=dist.PrefixStore(f"kiln/attempt-{restart}", store))
+                                        store=dist.PrefixStore(f"kiln/attempt-{restart}", store), **timeout)
         dims = [(n, getattr(self, n)) for n in MESH_ORDER if getattr(self, n) > 1]
         if not dims:
             dims = [("dp_shard", 1)]

@@ -36,6 +36,7 @@ from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
 from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, pipeline_train_step
 from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fits_schedule
+from kiln.parallel.timeouts import CollectiveTimeouts
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.memory import check_fits_memory
@@ -131,8 +132,19 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
           stop_at: int | None = None) -> TrainResult:
     """Train per `cfg` in `run_dir`. resume: None = continue from the latest checkpoint if there is
     one, True = must resume, False = start fresh. stop_at: leave (with a checkpoint) after that
-    step, as a time-limited job would; the schedule still spans train.steps."""
-    run_dir = Path(run_dir)
+    step, as a time-limited job would; the schedule still spans train.steps. A collective that
+    waits past its bound (kiln/parallel/timeouts.py) raises one line, CollectiveTimeout."""
+    timeouts = CollectiveTimeouts(cfg.parallel.init_timeout_s, cfg.parallel.train_timeout_s)
+    try:
+        return _train(cfg, Path(run_dir), timeouts, resume, stop_at)
+    except RuntimeError as e:
+        if (line := timeouts.explain(e)) is not None:
+            raise line from e
+        raise
+
+
+def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: bool | None,
+           stop_at: int | None) -> TrainResult:
     dims = ParallelDims.from_config(cfg.parallel, seq_len=cfg.data.seq_len)
     dims.check_model(cfg)
     check_pipeline_config(cfg)
@@ -142,7 +154,8 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
     if fsdp and device.type == "cpu" and not torch_compat.fsdp_runs_on_cpu():
         raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU needs a torch whose FSDP2 runs there (this is "
                         f"{torch.__version__}; 2.11 and 2.13 do); set parallel.dp_mode='ddp' or update torch")
-    dims.build_mesh(device.type)  # probes gloo's AVG reduce-scatter (torch_compat.gloo_reduce_scatter_averages)
+    # probes gloo's AVG reduce-scatter (torch_compat.gloo_reduce_scatter_averages)
+    dims.build_mesh(device.type, init_timeout_s=cfg.parallel.init_timeout_s)
     hsdp = fsdp and dims.dp_replicate > 1 and not dims.diloco  # FSDP's own all-reduce over dp_replicate
     if fsdp and device.type == "cpu" and not (torch_compat.gloo_reduce_scatter_averages()
                                               or torch_compat.fsdp_can_force_sum(hsdp=hsdp)):
@@ -166,6 +179,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                              keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save,
                              make_room=cfg.checkpoint.make_room, stop_on_error=cfg.checkpoint.on_error == "stop",
                              replica_dir=cfg.checkpoint.replica_dir if cfg.checkpoint.memory_replicas else None)
+    timeouts.start(keep_init=[ckpt.group])
     if resume is not False:
         ckpt.clean_stray()
     resume_step = ckpt.latest_step()
@@ -383,6 +397,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
                                                    scaler=scaler, clip=cfg.train.clip_grad_norm)
             state.step += 1
             state.tokens += tokens_per_step
+            timeouts.step_done(state.step)
             # MoE (last micro-batch): the unweighted load-balancing and z-losses, fetched with the loss.
             moe_losses = getattr(model, "moe_losses", None)  # under pp: the step's micro-batch mean, all stages
             extras = None if moe_losses is None else {"moe_aux_loss": moe_losses[0], "moe_z_loss": moe_losses[1]}

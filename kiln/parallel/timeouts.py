@@ -1,0 +1,93 @@
+"""How long a rank waits in one collective before it fails instead of hanging.
+
+A rank that stops (a stuck loader, a dead host, a deadlock) leaves every other rank waiting in its
+next collective, and the job holds its whole allocation until something gives. torch bounds each
+wait per process group, set when the group is created: 30 minutes on gloo, 10 on NCCL, and the
+groups DeviceMesh and `new_group` create get torch's default, not the world group's.
+
+kiln sets two bounds on every group, torchtitan's pair (`comm.init_timeout_seconds` /
+`train_timeout_seconds`):
+- `parallel.init_timeout_s` (default 1800) until the first training step is done on every rank.
+  It covers rank 0 tokenizing the corpus while the others wait for the shards, the checkpoint
+  load and the first step's compile.
+- `parallel.train_timeout_s` (default 300) from then on, for every group the loop uses; a group
+  created later (e.g. a mesh dimension flattened on first use) gets it when the step that made it
+  ends.
+- Checkpoint saves and loads wait on the checkpoint manager's own gloo group
+  (kiln/checkpoint/manager.py), which keeps the init bound: rank 0 writes the manifest (it hashes
+  every file) while the other ranks wait for it.
+
+On gloo the waiting ranks' collective raises; `train` turns that into one line naming the bound and
+the last finished step (`CollectiveTimeout`). On NCCL torch's watchdog aborts the process
+("Watchdog caught collective operation timeout") and torchrun's summary names the rank. Either way
+torchrun can restart the job, which resumes from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.distributed as dist
+
+from kiln import torch_compat
+from kiln.errors import KilnError
+
+# what a timed-out collective says: gloo ("Timed out waiting 5000ms for recv operation to
+# complete"), NCCL ("Watchdog caught collective operation timeout: WorkNCCL(...) ran for 300000
+# milliseconds before timing out", also raised in the rank under TORCH_NCCL_BLOCKING_WAIT)
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|collective operation timeout|milliseconds before timing out")
+
+
+class CollectiveTimeout(KilnError):
+    """A collective waited longer than its bound: another rank is stuck or gone."""
+
+
+class CollectiveTimeouts:
+    def __init__(self, init_s: float, train_s: float):
+        self.init_s, self.train_s = init_s, train_s
+        self.training = False  # the train bound applies (the first step is done on every rank)
+        self.last_step: int | None = None
+        self._kept: set[int] = set()  # ids of groups that keep the init bound
+        self._set: set[int] = set()  # ids of groups already at the train bound
+
+    def start(self, keep_init=()) -> None:
+        """Every group this rank is in waits `init_s`; the groups in `keep_init` keep it after the
+        first step too."""
+        if not _distributed():
+            return
+        self._kept.update(id(g) for g in keep_init if g is not None)
+        for group in torch_compat.process_groups():
+            torch_compat.set_group_timeout(group, self.init_s)
+
+    def step_done(self, step: int) -> None:
+        """After each training step. The first time, once every rank has finished it, the loop's
+        groups drop to `train_s`; later, only groups created since (a dictionary walk per step)."""
+        self.last_step = step
+        if not _distributed():
+            return
+        fresh = [g for g in torch_compat.process_groups() if id(g) not in self._kept and id(g) not in self._set]
+        if not fresh:
+            return
+        if not self.training:
+            # A rank that set the short bound while another is still in its first step (compile,
+            # a slow first batch) would time out waiting for it.
+            dist.barrier()
+            self.training = True
+        for group in fresh:
+            torch_compat.set_group_timeout(group, self.train_s)
+            self._set.add(id(group))
+
+    def explain(self, error: BaseException) -> CollectiveTimeout | None:
+        """The one-line error for a collective's timeout, or None when `error` is something else."""
+        if not _TIMED_OUT.search(str(error)):
+            return None
+        key, seconds = ("train_timeout_s", self.train_s) if self.training else ("init_timeout_s", self.init_s)
+        where = f"after step {self.last_step}" if self.last_step is not None else "before the first step"
+        return CollectiveTimeout(
+            f"a collective {where} waited longer than parallel.{key}={seconds:g} s: another rank is stuck or "
+            f"gone (the launcher's summary and that rank's log name it); raise parallel.{key} if the ranks "
+            f"can legitimately drift that far apart")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
