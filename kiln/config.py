@@ -338,6 +338,10 @@ class MetricsConfig:
     wandb: bool = False  # Weights & Biases, offline (wandb sync later); pip install 'kiln-lm[wandb]'
     # per-device peak FLOP/s for MFU; 0: known GPU table, or a CPU matmul probe
     peak_flops: float = ranged(0.0, ge=0.0)
+    # torch.profiler trace of every N-th step (the step before it is warm-up) into runs/NAME/profile/
+    # on every rank, and a `profile` row in metrics.jsonl (kiln/train/profiling.py); 0: off
+    profile_every: int = ranged(0, ge=0)
+    profile_memory: bool = False  # the allocator's events in those traces too
 
     def validate(self) -> None:
         check_fields(self, "metrics.")

@@ -39,6 +39,7 @@ from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fi
 from kiln.parallel.timeouts import CollectiveTimeouts
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
+from kiln.train.profiling import StepProfiler
 from kiln.train.memory import check_fits_memory
 from kiln.train.metrics import MetricsLogger
 from kiln.train.optim import build_optimizer
@@ -385,6 +386,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
         return "ok"
 
     diverged = False
+    profiler = StepProfiler(cfg.metrics.profile_every, cfg.metrics.profile_memory, run_dir, state.step, dims.rank,
+                            device, metrics.log)
     try:
         while state.step < cfg.train.steps:
             loader.wait_s = 0.0
@@ -445,6 +448,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                 if ckpt.latest_step() != state.step:
                     save(state.step)
                 break
+            profiler.step_done(state.step)
         else:
             if cfg.checkpoint.save_final and ckpt.latest_step() != state.step:
                 save(state.step)
@@ -452,6 +456,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     finally:
         ckpt.close()
         loader.close()
+        profiler.close(state.step)
         metrics.close()
     if ckpt.replicas is not None and not (diverged or stop_reason.startswith("paused")):
         ckpt.replicas.discard()  # finished: free the tmpfs copies (a paused run keeps them for its resume)

@@ -189,7 +189,7 @@ def test_fsdp_on_cpu_where_gloo_sums_and_fsdp2_cannot_sum_instead_is_one_line(tm
     monkeypatch.setattr(torch_compat, "fsdp_runs_on_cpu", lambda: True)
     monkeypatch.setattr(torch_compat, "gloo_reduce_scatter_averages", lambda: False)
     monkeypatch.setattr(torch_compat, "fsdp_can_force_sum", lambda hsdp=False: case == "hsdp" and not hsdp)
-    monkeypatch.setattr(ParallelDims, "build_mesh", lambda self, device_type: None)  # one process: no group
+    monkeypatch.setattr(ParallelDims, "build_mesh", lambda self, device_type, **kwargs: None)  # one process: no group
     world = 4 if case == "hsdp" else 2
     for key, value in {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
