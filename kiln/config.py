@@ -392,6 +392,9 @@ class ParallelConfig:
     # checkpoint load, the first compile) and for checkpoint saves; train = every later collective.
     init_timeout_s: float = ranged(1800.0, gt=0.0, le=7 * 86400.0)
     train_timeout_s: float = ranged(300.0, gt=0.0, le=7 * 86400.0)
+    # NCCL's flight recorder: the last N collectives of each rank, dumped to runs/NAME/comm_traces/
+    # when one times out (read them with torch's `torchfrtrace`); 0: off
+    nccl_trace_entries: int = ranged(20000, ge=0)
 
     def validate(self) -> None:
         check_fields(self, "parallel.")

@@ -19,13 +19,17 @@ kiln sets two bounds on every group, torchtitan's pair (`comm.init_timeout_secon
 
 On gloo the waiting ranks' collective raises; `train` turns that into one line naming the bound and
 the last finished step (`CollectiveTimeout`). On NCCL torch's watchdog aborts the process
-("Watchdog caught collective operation timeout") and torchrun's summary names the rank. Either way
-torchrun can restart the job, which resumes from its newest checkpoint.
+("Watchdog caught collective operation timeout") and torchrun's summary names the rank; NCCL's
+flight recorder (`record_nccl_collectives`) has each rank dump its last collectives first, which
+say which rank never joined which collective. Either way torchrun can restart the job, which
+resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -87,6 +91,22 @@ class CollectiveTimeouts:
             f"a collective {where} waited longer than parallel.{key}={seconds:g} s: another rank is stuck or "
             f"gone (the launcher's summary and that rank's log name it); raise parallel.{key} if the ranks "
             f"can legitimately drift that far apart")
+
+
+def record_nccl_collectives(folder: Path, entries: int) -> None:
+    """NCCL's flight recorder (torchtitan's `comm.trace_buf_size`): each rank keeps its last
+    `entries` collectives and dumps them to `folder/rank_R` when one times out; torch's
+    `torchfrtrace FOLDER` lines them up across ranks. Set before the first NCCL group is made;
+    what the user exported wins (torch reads the TORCH_FR_* names from 2.13, TORCH_NCCL_* before)."""
+    if not entries:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(entries),
+                ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): f"{folder}/rank_",
+                ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1"}
+    for names, value in settings.items():
+        if not any(name in os.environ for name in names):
+            os.environ.update(dict.fromkeys(names, value))
 
 
 def _distributed() -> bool:

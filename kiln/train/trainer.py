@@ -36,7 +36,7 @@ from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
 from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, pipeline_train_step
 from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fits_schedule
-from kiln.parallel.timeouts import CollectiveTimeouts
+from kiln.parallel.timeouts import CollectiveTimeouts, record_nccl_collectives
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.profiling import StepProfiler
@@ -155,6 +155,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     if fsdp and device.type == "cpu" and not torch_compat.fsdp_runs_on_cpu():
         raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU needs a torch whose FSDP2 runs there (this is "
                         f"{torch.__version__}; 2.11 and 2.13 do); set parallel.dp_mode='ddp' or update torch")
+    if device.type == "cuda" and dims.world_size > 1:
+        record_nccl_collectives(run_dir / "comm_traces", cfg.parallel.nccl_trace_entries)
     # probes gloo's AVG reduce-scatter (torch_compat.gloo_reduce_scatter_averages)
     dims.build_mesh(device.type, init_timeout_s=cfg.parallel.init_timeout_s)
     hsdp = fsdp and dims.dp_replicate > 1 and not dims.diloco  # FSDP's own all-reduce over dp_replicate

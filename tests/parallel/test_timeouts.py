@@ -124,3 +124,23 @@ def test_the_world_group_joins_with_the_init_bound(monkeypatch):
     with pytest.raises(Joined):
         dims.build_mesh("cpu", init_timeout_s=42)
     assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=42)}
+
+
+def test_nccl_flight_recorder_settings_leave_what_the_user_exported(tmp_path, monkeypatch):
+    import os
+
+    from kiln.parallel.timeouts import record_nccl_collectives
+
+    names = ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    record_nccl_collectives(tmp_path / "off", 0)
+    assert not (tmp_path / "off").exists() and not any(name in os.environ for name in names)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "7")  # the user's, under the older name
+    record_nccl_collectives(tmp_path / "traces", 2000)
+    assert (tmp_path / "traces").is_dir()
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "7"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == \
+        f"{tmp_path / 'traces'}/rank_"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
