@@ -35,7 +35,8 @@ Closed form (no module is built). Terms, per rank:
   linears) the partitioner recomputes the normed inputs, act*w3 and every weight cast from their
   fp32 sources and the saved scales, and keeps q/k/v, SDPA's output, the MLP matmul outputs and a
   float8 (1 byte) transposed copy of the output projection's input;
-- temporary: logits (fp32, x2 with their gradient) for the full loss, or one chunk for chunked;
+- temporary: the eager loss's fp32 logits-sized tensors at its backward (`eager_loss_logits`: 3,
+  5 under loss parallel; 2 of one chunk for chunked);
   compiled: the loss is fused, the graph saves the low-precision logits (with per-token max and
   log-sum-exp) and backward writes their gradient into the same buffer (AOTAutograd's donated
   buffers), so one low-precision logits tensor;
@@ -49,7 +50,10 @@ Closed form (no module is built). Terms, per rank:
   until backward: `resharded_after_forward`);
 - communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
 
-Eager runs add every term (an upper bound). Compiled runs take the larger of two phases, the peak
+Eager runs take the larger of two phases (`_eager_peak_phase`): the loss's backward (saved
+activations and the loss's tensors, no gradients yet with grad_accum 1) and the blocks' backward
+(all gradients, under checkpointing the block being recomputed; an upper bound there). Compiled
+runs take the larger of two phases, the peak
 torch.cuda.max_memory_allocated sees: the end of forward (saved activations and the logits; no
 gradients yet with grad_accum 1, since kiln zeroes gradients to None) and the end of backward
 (all gradients, one block's weight casts; under checkpointing the first block's input and its
@@ -454,8 +458,6 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     if last and layout.pp > 1 and layout.schedule == "1f1b":
         in_flight = 1.0  # torch's 1F1B: the last rank runs each backward right after its forward
     out.activations = per_microbatch * in_flight
-    if n_ac and not layout.compiled:
-        out.activations += recomputing  # the one block being recomputed
 
     param_bytes = 4 if layout.precision == "fp32" else 2
     head = holds_head(layout, last)
@@ -463,8 +465,8 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     logits = 0.0
     if head and layout.compiled:  # fused loss: the saved low-precision logits, their gradient written in place
         logits = act * loss_tokens * shape.vocab / layout.tp
-    elif head:
-        out.temporary += 2 * 4 * loss_tokens * shape.vocab / layout.tp  # fp32 logits and their gradient
+    elif head:  # fp32 logits-sized tensors live at once in the loss's backward (eager_loss_logits)
+        logits = eager_loss_logits(layout) * 4 * loss_tokens * shape.vocab / layout.tp
     if resharded_after_forward(layout) and layout.dp_shard > 1:
         out.temporary += 2 * param_bytes * shape.layer_params / layout.tp  # current + prefetched unit
         out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
@@ -487,7 +489,38 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     if layout.compiled:
         recomputing = block_input + recomputing if n_ac else 0.0  # the first block's input and activations
         _compiled_peak_phase(out, layout, logits + casts_forward, casts_backward + recomputing)
+    else:
+        _eager_peak_phase(out, layout, logits, recomputing if n_ac else 0.0)
     return out
+
+
+def eager_loss_logits(layout: Layout) -> int:
+    """fp32 logits-sized tensors (per chunk for the chunked loss) live at once in an eager full
+    loss's backward, its peak: log_softmax's saved output, the nll gradient and log_softmax's
+    gradient (3); under tp, loss parallel (torch's DTensor log_softmax/nll_loss) also keeps the
+    logits themselves and its backward allocates exp(output) (5). Counted by allocation at that
+    moment (benchmarks/activation_checkpointing.py's peaks, torch's MemTracker); the chunked loss
+    (kiln/model/loss.py) holds one chunk's logits and their gradient (2)."""
+    if layout.loss != "full":
+        return 2
+    return 5 if layout.tp > 1 else 3
+
+
+def _eager_peak_phase(out: MemoryBreakdown, layout: Layout, loss_temp: float, recomputing: float) -> None:
+    """Keep the larger phase of an eager step: the loss's backward (every saved activation, the
+    loss's logits-sized tensors, eager_loss_logits; gradients only when earlier micro-batches left
+    them) or the blocks' backward (all gradients and, under checkpointing, the block being
+    recomputed; the loss's tensors are freed by then). Gradients appear as backward frees the
+    blocks' activations, so counting all of both at once is an upper bound there."""
+    grads_at_loss = out.gradients if layout.grad_accum > 1 or layout.pp > 1 else 0.0
+    at_loss = grads_at_loss + loss_temp
+    in_blocks = out.gradients + recomputing
+    if at_loss >= in_blocks:
+        out.gradients, out.temporary = grads_at_loss, out.temporary + loss_temp
+        out.notes.append("eager peak in the loss's backward")
+    else:
+        out.activations += recomputing  # the one block being recomputed
+        out.notes.append("eager peak in the blocks' backward")
 
 
 def _compiled_peak_phase(out: MemoryBreakdown, layout: Layout, forward_temp: float, backward_temp: float) -> None:

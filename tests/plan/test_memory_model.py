@@ -28,7 +28,28 @@ def test_weights_grads_and_adamw_state_match_a_real_step():
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim() > 0)
     mem = rank_memory(shape, Layout(precision="fp32", micro_batch=2), 32, "adamw")
+    assert mem.notes == ["eager peak in the blocks' backward"]  # the phase that holds every gradient
     assert mem.parameters == params and mem.gradients == grads and mem.optimizer == state
+
+
+def test_eager_peak_is_the_larger_phase():
+    """The loss's backward (saved activations and 3 fp32 logits-sized tensors, 5 under loss
+    parallel; no gradients with grad_accum 1) or the blocks' backward (every gradient, the block
+    being recomputed), whichever is larger; never their sum."""
+    _, shape = _shape(["model.n_layers=8"])
+    logits = 4 * 32 * 32 * shape.vocab  # fp32, micro-batch 32 x 32 tokens
+    at_loss = rank_memory(shape, Layout(micro_batch=32, precision="fp32", loss="full"), 32)
+    assert at_loss.notes == ["eager peak in the loss's backward"] and at_loss.gradients == 0
+    assert at_loss.temporary == pytest.approx(3 * logits)
+    tp = rank_memory(shape, Layout(tp=2, micro_batch=32, precision="fp32", loss="full"), 32)
+    assert tp.temporary == pytest.approx(5 * logits / 2)
+    accumulated = rank_memory(shape, Layout(micro_batch=32, grad_accum=2, precision="fp32", loss="full"), 32)
+    assert accumulated.gradients == accumulated.parameters  # the earlier micro-batch's, held through the loss
+    assert accumulated.total == pytest.approx(at_loss.total + accumulated.parameters)
+    # full recompute of one short sequence: the blocks' backward is larger
+    full = rank_memory(shape, Layout(micro_batch=1, precision="fp32", ac="full", loss="full"), 8)
+    assert full.notes == ["eager peak in the blocks' backward"] and full.gradients == full.parameters
+    assert full.temporary == 0 and full.activations > 8 * 4 * shape.dim * 8  # block inputs + one recomputed block
 
 
 def test_sharding_rules_per_mode():

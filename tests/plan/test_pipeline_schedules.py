@@ -182,9 +182,11 @@ def test_fsdp_stays_gathered_under_zero_bubble():
 
 def test_context_parallel_divides_activations_per_rank():
     shape = _shape()
-    one = rank_memory(shape, Layout(micro_batch=2, precision="fp32"), 1024)  # fp32: no weight casts
+    # fp32: no weight casts; 8 sequences: every rank's eager peak is in the loss's backward
+    one = rank_memory(shape, Layout(micro_batch=8, precision="fp32"), 1024)
     for cp in (2, 4):
-        split = rank_memory(shape, Layout(micro_batch=2, cp=cp, precision="fp32"), 1024)
+        split = rank_memory(shape, Layout(micro_batch=8, cp=cp, precision="fp32"), 1024)
+        assert split.notes == one.notes == ["eager peak in the loss's backward"]
         assert split.activations == pytest.approx(one.activations / cp)
         assert split.temporary == pytest.approx(one.temporary / cp)  # the logits of the rank's tokens
         assert split.parameters == one.parameters  # cp ranks hold the whole model

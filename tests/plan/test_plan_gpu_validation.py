@@ -69,7 +69,7 @@ def test_compiled_peak_is_the_larger_phase():
     # end of forward: no gradients yet (zeroed to None); the fused loss keeps one bf16 logits tensor
     assert compiled.notes == ["compiled peak at the end of forward"] and compiled.gradients == 0
     assert compiled.temporary == pytest.approx(2 * tokens * shape.vocab + casts)
-    assert eager.temporary == pytest.approx(8 * tokens * shape.vocab + casts)
+    assert eager.temporary == pytest.approx(12 * tokens * shape.vocab + casts)  # 3 fp32 logits (eager_loss_logits)
     assert compiled.activations == pytest.approx(12 * shape.act_bytes_per_token(2, True) * tokens)
     # grad_accum > 1: the earlier micro-batches' gradients are resident during forward
     ga = rank_memory(shape, Layout(micro_batch=8, grad_accum=2, compiled=True), 1024)

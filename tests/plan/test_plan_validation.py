@@ -88,3 +88,16 @@ def test_the_tp_replica_rows_are_validated():
     for name in ("ddp_tp x4", "zero1_tp x4"):
         assert rows[name]["predicted_step_s"] > 0 and rows[name]["measured_step_s"] > 0
     assert abs(rows["ddp_tp x4"]["time_error"]) <= 0.25
+
+
+def test_recorded_checkpointing_peaks_within_target_and_in_measured_order():
+    """Every activation-checkpointing setting at tp 1 and 2 (benchmarks/activation_checkpointing.py's
+    exact peaks): the planner's eager peak within 15%, and every pair of settings whose measured
+    peaks are more than 10% apart predicted in that order."""
+    ac = _data()["checkpointing"]
+    assert {(r["tp"], r["ac"]) for r in ac["rows"]} == {(tp, s) for tp in (1, 2) for s in ("none", "full", "selective", "op")}
+    for r in ac["rows"]:
+        assert abs(r["error"]) <= ac["target"] == 0.15, f"{r['case']}: peak off by {r['error']:+.1%}"
+    assert len(ac["ordering"]) >= 8 and all(o["measured_gap"] > ac["order_gap"] for o in ac["ordering"])
+    wrong = [f"{o['larger']} > {o['smaller']}: predicted {o['predicted_gap']:+.0%}" for o in ac["ordering"] if not o["ok"]]
+    assert not wrong, wrong
