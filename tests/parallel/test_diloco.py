@@ -40,7 +40,8 @@ VOCAB = 42  # even: tensor parallelism shards the embedding and the head on the 
 # top-2, so every token reaches its experts whichever rank routes it).
 FIELDS = {"fsdp": {}, "tp": {}, "pp": {"n_layers": 2}, "cp": {"n_layers": 2},
           "ep": {"moe_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}}
-FIELDS.update(zero2={}, etp1=FIELDS["ep"], cp_ep={"n_layers": 2, **FIELDS["ep"]}, ddp={}, zero1={})
+FIELDS.update(zero2={}, etp1=FIELDS["ep"], cp_ep={"n_layers": 2, **FIELDS["ep"]}, ddp={}, zero1={},
+              pp_interleaved={"n_layers": 4}, pp_zbv={"n_layers": 4})  # a layer per stage
 
 
 def model_config(**fields):
@@ -347,7 +348,10 @@ LAYOUTS = {"fsdp": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2}, "tp": 
            "etp1": {"dp_mode": "fsdp", "dp_replicate": 2, "tp": 2, "ep": 2, "etp": 1},
            "cp_ep": {"cp": 2, "ep": 2},
            # DDP and ZeRO-1 over the 2 ranks inside each replica (whole parameters on both)
-           "ddp": {"dp_mode": "ddp", "dp_replicate": 2}, "zero1": {"dp_mode": "zero1", "dp_replicate": 2}}
+           "ddp": {"dp_mode": "ddp", "dp_replicate": 2}, "zero1": {"dp_mode": "zero1", "dp_replicate": 2},
+           # the looped schedules: two stages per pp rank (interleaved 1F1B: stages 0, 2 | 1, 3; ZBV: 0, 3 | 1, 2)
+           "pp_interleaved": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 2},
+           "pp_zbv": {"pp": 2, "pp_schedule": "zbv_zero_bubble", "pp_virtual_stages": 2, "pp_microbatches": 2}}
 FOUR_RANK_LAYOUTS = list(LAYOUTS)  # the 8-rank one (below) runs in its own launch
 
 
@@ -480,7 +484,7 @@ def test_replicas_split_inside_match_the_single_process_definition(split_replica
     # Ranks: (replica, inside) = (r // 2, r % 2), but pp's mesh is (pp, dp_replicate): (r % 2, r // 2).
     expected = simulated(**FIELDS[layout])
     n_params = sum(p.numel() for p in model_and_data(**FIELDS[layout])[0].parameters())
-    peer_of = (lambda r: r ^ 1) if layout == "pp" else (lambda r: (r + 2) % 4)
+    peer_of = (lambda r: r ^ 1) if layout.startswith("pp") else (lambda r: (r + 2) % 4)
     for rank, runs in enumerate(split_replicas):
         losses, sent, n_local, anchor, _ = runs[layout]
         assert losses == pytest.approx(expected, rel=REL), (rank, losses, expected)
@@ -498,11 +502,13 @@ def test_replicas_split_inside_match_the_single_process_definition(split_replica
         assert n_local[0] + n_local[1] == n_params  # (ep: dense FSDP over dp_shard, experts over ep)
     elif layout == "tp":  # some parameters (the norms) are replicated over the tp ranks, the rest split
         assert n_params < n_local[0] + n_local[1] < 2 * n_params
-    elif layout == "pp":  # stage 0 on ranks 0, 1 and stage 1 on ranks 2, 3; the tied head is the last stage's copy
-        head = params[2]["output.weight"]
+    elif layout.startswith("pp"):  # pp coordinate 0 on ranks 0, 1 and 1 on ranks 2, 3; the tied head is the
+        # last stage's copy (pp: stage 1, interleaved: stage 3 on coordinate 1; zbv: stage 3 on coordinate 0)
+        last = 0 if layout == "pp_zbv" else 2
+        head = params[last]["output.weight"]
         assert n_local[0] + n_local[2] == n_params + head.numel() and not set(params[0]) & set(params[2])
-        for first, last in ((0, 2), (1, 3)):  # after the outer steps the copy still equals the embedding
-            assert torch.equal(params[first]["tok_embeddings.weight"], params[last]["output.weight"])
+        for first, copy in ((0, last), (1, last + 1)):  # after the outer steps the copy still equals the embedding
+            assert torch.equal(params[first]["tok_embeddings.weight"], params[copy]["output.weight"])
     elif layout in ("etp1", "cp_ep"):  # experts split over ep, the rest replicated (cp_ep) or tp-split (etp1)
         assert n_params < n_local[0] + n_local[1] < 2 * n_params
     else:  # cp, ddp, zero1: both ranks of a replica hold the whole model, equal to the last bit after the outer steps
