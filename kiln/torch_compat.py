@@ -576,11 +576,23 @@ def process_groups() -> list:
     return list(distributed_c10d._world.pg_map)
 
 
-def set_group_timeout(group, seconds: float) -> None:
-    """How long `group`'s collectives wait from now on (torch's private `_set_pg_timeout`, 2.6-2.13:
-    gloo's and NCCL's backends; torch warns and leaves any other backend as it was)."""
+def set_group_timeout(group, seconds: float) -> bool:
+    """How long `group`'s collectives wait from now on (torch's private `_set_pg_timeout`, 2.6-2.13).
+    False where that cannot change it: gloo before torch 2.9 takes the new value and goes on waiting
+    by the one its transport was created with (2.6, 2.7 and 2.8, measured: a 3 s bound set on a
+    group still waited the 8 s its peer was late); NCCL's and 2.9's gloo's apply it."""
     import datetime
 
     from torch.distributed import distributed_c10d
 
+    if "nccl" not in str(dist.get_backend(group)) and not gloo_timeouts_change():
+        return False
     distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+    return True
+
+
+def gloo_timeouts_change() -> bool:
+    """Whether a gloo group's timeout can change after its creation (`set_group_timeout`): 2.9 on."""
+    import torch
+
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)

@@ -31,6 +31,7 @@ import os
 import re
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from kiln import torch_compat
@@ -53,6 +54,8 @@ class CollectiveTimeouts:
         self.last_step: int | None = None
         self._kept: set[int] = set()  # ids of groups that keep the init bound
         self._set: set[int] = set()  # ids of groups already at the train bound
+        self.fixed = False  # some group's bound cannot change here (gloo before torch 2.9)
+        self._told = False
 
     def start(self, keep_init=()) -> None:
         """Every group this rank is in waits `init_s`; the groups in `keep_init` keep it after the
@@ -61,25 +64,32 @@ class CollectiveTimeouts:
             return
         self._kept.update(id(g) for g in keep_init if g is not None)
         for group in torch_compat.process_groups():
-            torch_compat.set_group_timeout(group, self.init_s)
+            self.fixed |= not torch_compat.set_group_timeout(group, self.init_s)
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int) -> str | None:
         """After each training step. The first time, once every rank has finished it, the loop's
-        groups drop to `train_s`; later, only groups created since (a dictionary walk per step)."""
+        groups drop to `train_s`; later, only groups created since (a dictionary walk per step).
+        Returns a line to log the first time a group's bound cannot change here."""
         self.last_step = step
         if not _distributed():
-            return
+            return None
         fresh = [g for g in torch_compat.process_groups() if id(g) not in self._kept and id(g) not in self._set]
         if not fresh:
-            return
+            return None
         if not self.training:
             # A rank that set the short bound while another is still in its first step (compile,
             # a slow first batch) would time out waiting for it.
             dist.barrier()
             self.training = True
         for group in fresh:
-            torch_compat.set_group_timeout(group, self.train_s)
+            self.fixed |= not torch_compat.set_group_timeout(group, self.train_s)
             self._set.add(id(group))
+        if self.fixed and not self._told:
+            self._told = True
+            return (f"parallel.train_timeout_s={self.train_s:g} is not applied: gloo under torch "
+                    f"{torch.__version__} keeps each group's bound from its creation (torch's 30 minutes; "
+                    f"parallel.init_timeout_s for the world group); torch >= 2.9 applies it")
+        return None
 
     def explain(self, error: BaseException) -> CollectiveTimeout | None:
         """The one-line error for a collective's timeout, or None when `error` is something else."""
@@ -87,6 +97,11 @@ class CollectiveTimeouts:
             return None
         key, seconds = ("train_timeout_s", self.train_s) if self.training else ("init_timeout_s", self.init_s)
         where = f"after step {self.last_step}" if self.last_step is not None else "before the first step"
+        if self.fixed:  # gloo before 2.9: the bound the group was created with
+            return CollectiveTimeout(
+                f"a collective {where} waited longer than its group's bound (torch {torch.__version__}'s gloo keeps "
+                f"the one it was created with: parallel.init_timeout_s for the world group, torch's default for "
+                f"the others): another rank is stuck or gone (the launcher's summary and that rank's log name it)")
         return CollectiveTimeout(
             f"a collective {where} waited longer than parallel.{key}={seconds:g} s: another rank is stuck or "
             f"gone (the launcher's summary and that rank's log name it); raise parallel.{key} if the ranks "

@@ -402,7 +402,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                                                    scaler=scaler, clip=cfg.train.clip_grad_norm)
             state.step += 1
             state.tokens += tokens_per_step
-            timeouts.step_done(state.step)
+            if note := timeouts.step_done(state.step):
+                metrics.log({"kind": "event", "step": state.step, "message": note})
             # MoE (last micro-batch): the unweighted load-balancing and z-losses, fetched with the loss.
             moe_losses = getattr(model, "moe_losses", None)  # under pp: the step's micro-batch mean, all stages
             extras = None if moe_losses is None else {"moe_aux_loss": moe_losses[0], "moe_z_loss": moe_losses[1]}

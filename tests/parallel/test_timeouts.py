@@ -71,6 +71,15 @@ def test_a_stuck_rank_fails_the_others_after_the_train_bound_not_before(tmp_path
     results = run_ranks(_stuck_rank, 2, tmp_path / "launch", tmp_path / "run", overrides,
                         str(tmp_path / "rank0-failed"), timeout=240)
     (kind, line, raised_at, _), (_, _, _, stuck_at) = results
+    from kiln import torch_compat
+
+    if not torch_compat.gloo_timeouts_change():  # 2.6-2.8: the bound cannot drop; the run says so once
+        import json
+
+        rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        said = [r["message"] for r in rows if r["kind"] == "event" and "is not applied" in r.get("message", "")]
+        assert kind is None and len(said) == 1 and "train_timeout_s=2 is not applied" in said[0], (kind, line, said)
+        return
     assert kind == "CollectiveTimeout", (kind, line)
     # The slow step 1 and the slow manifest were waited for; the stuck step 5 was not.
     assert line.startswith("a collective after step 4 waited longer than parallel.train_timeout_s=2 s"), line
