@@ -39,11 +39,11 @@ from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fi
 from kiln.parallel.timeouts import CollectiveTimeouts, record_nccl_collectives
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
-from kiln.train.profiling import StepProfiler
 from kiln.train.memory import check_fits_memory
 from kiln.train.metrics import MetricsLogger
 from kiln.train.optim import build_optimizer
 from kiln.train.peak import peak_flops
+from kiln.train.profiling import StepProfiler
 from kiln.train.run_files import check_resume_settings, write_run_files
 from kiln.train.schedule import LRSchedule
 from kiln.train.step import PendingSteps, skips_on_device, train_step
