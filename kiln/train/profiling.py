@@ -37,6 +37,7 @@ class StepProfiler:
         self.every, self.run_dir, self.rank, self.log = every, Path(run_dir), rank, log
         self.device_time = device.type == "cuda"
         self._next = start_step + 1  # the step the profiler's schedule is asked about
+        self._discard = False
         self._prof = None
         if not every:
             return
@@ -63,13 +64,18 @@ class StepProfiler:
             self._prof.step()
 
     def close(self, step: int) -> None:
-        """After the loop; `step` is the last step run (saved if it was a recorded one)."""
+        """After the loop; `step` is the last step run. Its trace is saved if it was a recorded
+        step the loop left without `step_done` (a pause, an early stop, an error); the window the
+        profiler opened for the step after it, which never ran, is dropped."""
         if self._prof is not None:
+            self._discard = self._next != step
             self._recorded = step
             self._prof.stop()
             self._prof = None
 
     def _save(self, prof) -> None:
+        if self._discard:
+            return
         try:
             self._write(prof, self._recorded)
         except OSError as e:  # a full disk costs the trace, never the run

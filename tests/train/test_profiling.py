@@ -44,6 +44,19 @@ def test_every_nth_step_is_traced_on_the_training_step_count_across_a_resume(tmp
         assert not any(name.startswith("ProfilerStep") for name, _ in r["top"])
 
 
+def test_every_step_traced_and_the_window_after_the_last_step_dropped(tmp_path, text_file):
+    """profile_every = 1: the profiler opens a window for the step after the last one, which never
+    runs; closing must not save it over the last step's trace."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(text_file, **{"train.steps": 3, "train.eval_every": 0,
+                                                         "checkpoint.every": 0, "metrics.profile_every": 1})), run)
+    assert [r["step"] for r in rows(run, "profile")] == [1, 2, 3]
+    assert "aten::mm" in trace_names(run / "profile" / "step-3" / "rank-0.trace.json.gz")
+
+
 def test_two_ranks_each_write_a_trace_and_the_collectives_are_counted(tmp_path, text_file):
     run = tmp_path / "run"
     overrides = tiny_overrides(text_file, **{"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 0,
