@@ -341,7 +341,7 @@ class MetricsConfig:
     # torch.profiler trace of every N-th step (the step before it is warm-up) into runs/NAME/profile/
     # on every rank, and a `profile` row in metrics.jsonl (kiln/train/profiling.py); 0: off
     profile_every: int = ranged(0, ge=0)
-    profile_memory: bool = False  # the allocator's events in those traces too
+    profile_memory: bool = False  # the allocator's events in those traces; on a GPU also a memory snapshot
 
     def validate(self) -> None:
         check_fields(self, "metrics.")

@@ -6,6 +6,10 @@ Each recorded step S writes, per rank R, into the run directory:
   chrome://tracing); with `metrics.profile_memory = true` it carries the allocator's events too;
 - `profile/step-S/rank-R.top.txt`: torch's table of the ops that took the most self time
   (device time on a GPU, CPU time otherwise);
+- on a GPU with `metrics.profile_memory = true`, `profile/step-S/rank-R.memory.pickle`: the CUDA
+  caching allocator's snapshot with the history of its last 100 000 allocations and their stacks
+  (torch.cuda.memory's `_record_memory_history` / `_dump_snapshot`; open it in
+  pytorch.org/memory_viz), torchtitan's `enable_memory_snapshot`;
 and rank 0 logs a `profile` row to metrics.jsonl: the step's wall time as the profiler saw it
 (`step_ms`), the time collectives were in flight, overlapped with compute or not (`collective_ms`:
 NCCL's kernels on a GPU; on the CPU gloo's ranges from enqueue to done, which include waiting for
@@ -26,9 +30,10 @@ from typing import Callable
 
 import torch
 
-from kiln.io import atomic_file
+from kiln.io import atomic_file, atomic_path
 
 TOP_OPS = 25  # rows of the per-rank table
+SNAPSHOT_ENTRIES = 100_000  # allocations a CUDA memory snapshot keeps the history of (torchtitan's default)
 
 
 class StepProfiler:
@@ -44,6 +49,9 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device_time else [])
+        self.snapshots = memory and self.device_time
+        if self.snapshots:  # from now on, so the first recorded step's snapshot holds its allocations
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
         self._prof = profile(activities=activities, schedule=self._action, on_trace_ready=self._save,
                              profile_memory=memory)
         self._prof.start()
@@ -72,6 +80,8 @@ class StepProfiler:
             self._recorded = step
             self._prof.stop()
             self._prof = None
+            if self.snapshots:
+                torch.cuda.memory._record_memory_history(enabled=None)
 
     def _save(self, prof) -> None:
         if self._discard:
@@ -95,6 +105,9 @@ class StepProfiler:
         by = "self_device_time_total" if self.device_time else "self_cpu_time_total"
         with atomic_file(folder / f"rank-{self.rank}.top.txt", fsync=False) as f:
             f.write(ops.table(sort_by=by, row_limit=TOP_OPS) + "\n")
+        if self.snapshots:
+            with atomic_path(folder / f"rank-{self.rank}.memory.pickle", fsync=False) as snapshot:
+                torch.cuda.memory._dump_snapshot(str(snapshot))
         self_ms = {op.key: getattr(op, by) / 1e3 for op in ops if not op.key.startswith("ProfilerStep")}
         step_ms = sum(op.cpu_time_total for op in ops if op.key.startswith("ProfilerStep")) / 1e3
         top = sorted(self_ms.items(), key=lambda kv: -kv[1])[:5]

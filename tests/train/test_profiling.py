@@ -82,3 +82,25 @@ def test_off_by_default_nothing_is_profiled(tmp_path):
     profiler.step_done(1)
     profiler.close(1)
     assert profiler._prof is None and not (tmp_path / "profile").exists()
+
+
+def test_memory_snapshots_on_a_gpu_are_recorded_and_written_beside_the_trace(tmp_path, monkeypatch):
+    """CUDA's allocator history (metrics.profile_memory on a GPU): started with the profiler, dumped
+    with each recorded step, stopped at the end. torch.cuda.memory's calls are stood in for here (no
+    GPU); what they write on a GPU is torch's."""
+    import torch
+
+    from kiln.train.profiling import SNAPSHOT_ENTRIES, StepProfiler
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(("record", a, k)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_bytes(b"snapshot"))
+    profiler = StepProfiler(2, True, tmp_path, 0, 3, torch.device("cuda"), lambda row: calls.append(row["kind"]))
+    for step in (1, 2, 3):
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        profiler.step_done(step)
+    profiler.close(3)
+    assert calls[0] == ("record", (), {"max_entries": SNAPSHOT_ENTRIES}) and calls[-1] == ("record", (), {"enabled": None})
+    assert "profile" in calls  # the step-2 row
+    assert (tmp_path / "profile" / "step-2" / "rank-3.memory.pickle").read_bytes() == b"snapshot"
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step-2"]
