@@ -38,7 +38,11 @@ def count_params_closed_form(m: ModelConfig, vocab: int) -> int:
 def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
     """The planner's Layout for a job config (and its resolved ParallelDims, if any). Under pp the
     accumulated batch is one schedule step split into the schedule's micro-batches (the inverse of
-    kiln/plan/search.py config_for_plan), so the schedule decides the activations held in flight."""
+    kiln/plan/search.py config_for_plan), so the schedule decides the activations held in flight.
+    A run compiled as one graph (train.compile on one device, compile_scope auto or model) is
+    counted with the compiled model, as `kiln plan` counts it: the eager count's fp32 logits and
+    saved tensors are up to 2.8x a compiled run's measured peak (docs/plan.md), which refused runs
+    that fit; per-block compile keeps the eager count."""
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else "fp32"  # auto may be fp32: the larger
     d = dims
     micro_batch, grad_accum, pipeline = cfg.train.batch_size, cfg.train.grad_accum, {}
@@ -58,6 +62,7 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
                   grad_accum=grad_accum, ac=cfg.train.activation_checkpointing,
                   precision="float8" if cfg.train.float8 else dtype,
                   loss="chunked" if cfg.train.loss == "chunked" else "full",
+                  compiled=cfg.train.compile and (d is None or d.world_size == 1) and cfg.train.compile_scope != "blocks",
                   diloco_inner_steps=cfg.parallel.diloco_inner_steps, **pipeline)
 
 

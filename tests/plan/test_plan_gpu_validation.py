@@ -152,8 +152,9 @@ def test_float8_speeds_up_only_the_block_linears_and_pays_for_casts():
     ("swiglu", "rope", "none", 1), ("gelu", "learned", "none", 1), ("swiglu", "rope", "full", 1),
     ("gelu", "learned", "selective", 4)])
 def test_eager_count_bounds_the_compiled_one(activation, positions, ac, ga):
-    """kiln train's refusal plans the eager layout (kiln/train/memory.py): it must not count less
-    than a compiled run of the same model needs."""
+    """Per-block compile (every sharded run) is counted with the eager model, by kiln plan and by
+    kiln train's refusal (kiln/train/memory.py layout_of): it must not count less than a compiled
+    run of the same model needs."""
     model = ModelConfig(dim=1024, n_layers=8, n_heads=16, vocab_size=32000, activation=activation, positions=positions)
     shape = ModelShape.from_config(model, 32000)
     eager, compiled = (rank_memory(shape, Layout(micro_batch=4, grad_accum=ga, ac=ac, compiled=c), 1024).total
