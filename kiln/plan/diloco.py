@@ -27,7 +27,8 @@ runs at once, so an island's link carries its whole replica: 2(R-1)/R of the rep
 outer step through `island_link_gbps` (or each device's inter-node link, whichever is slower),
 with 2(R-1) steps of `island_link_latency_ms`; without islands, replicas are consecutive ranks and
 the all-reduce runs over the link its group spans (kiln/plan/comm_cost.py). Hand-written model
-(no torch API predicts it); the replica's own terms are kiln/plan/memory.py and timing.py's.
+(no torch API predicts it); the replica's own terms are kiln/plan/memory.py and timing.py's, which
+call this module for a DiLoCo layout (it imports neither's step, so the two stay one-way).
 The replica's ranks are taken as equally full (the fullest rank's shard for all of them, an upper
 bound under pp, whose middle stages hold no embedding or head).
 """
@@ -40,7 +41,7 @@ import math
 from kiln.errors import KilnError
 from kiln.plan.cluster import Cluster
 from kiln.plan.comm_cost import all_gather, all_reduce
-from kiln.plan.memory import Layout, ModelShape, rank_memory
+from kiln.plan.memory import Layout, replicated_ranks  # noqa: F401 (replicated_ranks: re-exported)
 
 OUTER_STEP_BYTES = 48  # memory traffic of the outer step per fp32 parameter of the shard (docstring)
 OUTER_STEP_SLICE_BYTES = 32  # of which the delta and the SGD step, on 1/S of it where S ranks split it
@@ -75,13 +76,6 @@ def replica_cluster(cluster: Cluster, layout: Layout) -> Cluster:
     return dataclasses.replace(cluster, nodes=max(1, math.ceil(ranks / cluster.gpus_per_node)))
 
 
-def replicated_ranks(layout: Layout) -> int:
-    """The ranks of one replica holding the very same parameters, which split the outer average
-    (kiln/parallel/diloco.py `replicated_group`): dp x cp under ddp/zero1 without ep, else 1."""
-    replica = layout.replica
-    return replica.dp * replica.cp if replica.dp_mode in ("ddp", "zero1") and replica.ep == 1 else 1
-
-
 def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float) -> float:
     """One outer step of `layout` on `cluster`: the all-reduce over the replicas of every rank's
     part of its `shard_bytes` (fp32 parameters; 1/S where S ranks of a replica hold the same ones,
@@ -101,17 +95,3 @@ def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float) -> 
     per_param = OUTER_STEP_BYTES - OUTER_STEP_SLICE_BYTES + OUTER_STEP_SLICE_BYTES / split
     step = per_param * shard_bytes / 4 / (cluster.device.memory_bandwidth_gbps * 1e9)
     return sync + step
-
-
-def diloco_step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster, optimizer: str,
-                     optimizer_impl: str):
-    """kiln/plan/timing.py `step_time` of a DiLoCo layout: one replica's step on its part of the
-    cluster, plus the outer step every H steps; FLOPs over all replicas (for MFU)."""
-    from kiln.plan.timing import step_time
-
-    replica = layout.replica
-    t = step_time(shape, replica, seq_len, replica_cluster(cluster, layout), optimizer, optimizer_impl)
-    shard_bytes = rank_memory(shape, replica, seq_len, optimizer).parameters
-    t.outer_sync = outer_sync_seconds(cluster, layout, shard_bytes) / layout.diloco_inner_steps
-    t.flops *= layout.dp_replicate
-    return t

@@ -407,12 +407,18 @@ def holds_head(layout: Layout, last: bool) -> bool:
     return (not last) if layout.schedule == "zbv_zero_bubble" else last
 
 
+def replicated_ranks(layout: Layout) -> int:
+    """The ranks of one DiLoCo replica holding the very same parameters, which split the outer
+    average and state (kiln/parallel/diloco.py `replicated_group`): dp x cp under ddp/zero1
+    without ep, else 1."""
+    replica = layout.replica
+    return replica.dp * replica.cp if replica.dp_mode in ("ddp", "zero1") and replica.ep == 1 else 1
+
+
 def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str = "adamw") -> MemoryBreakdown:
     """Peak training bytes of the fullest rank for `layout`: under pp the larger of the first
     stage's rank (embedding, the most micro-batches in flight) and the last's (head, logits)."""
     if layout.diloco_inner_steps:  # a replica's peak, and DiLoCo's outer state (kiln/plan/diloco.py)
-        from kiln.plan.diloco import replicated_ranks
-
         mem = rank_memory(shape, layout.replica, seq_len, optimizer)
         mem.outer_state = 2 * mem.parameters / replicated_ranks(layout)
         return mem

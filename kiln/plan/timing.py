@@ -65,7 +65,8 @@ from dataclasses import dataclass, field
 from kiln.plan.cluster import Cluster
 # the communication and pipeline terms live beside this module; re-exported for callers of timing
 from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
-from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, rank_params,
+from kiln.plan.diloco import outer_sync_seconds, replica_cluster
+from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, rank_memory, rank_params,
                               recomputed_blocks, recomputed_matmul_blocks, resharded_after_forward,
                               zero1_fullest_share)
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
@@ -132,10 +133,14 @@ def compute_share(cluster: Cluster, layout: Layout) -> float:
 def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster, optimizer: str = "adamw",
               optimizer_impl: str = "fused") -> StepTime:
     """Predicted wall time of one optimizer step (grad_accum micro-batches) on every rank."""
-    if layout.diloco_inner_steps:  # one replica's step and the outer step's share (kiln/plan/diloco.py)
-        from kiln.plan.diloco import diloco_step_time
-
-        return diloco_step_time(shape, layout, seq_len, cluster, optimizer, optimizer_impl)
+    if layout.diloco_inner_steps:  # one replica's step on its part of the cluster, plus the outer
+        # step every H steps (kiln/plan/diloco.py); FLOPs over all replicas (for MFU)
+        replica = layout.replica
+        t = step_time(shape, replica, seq_len, replica_cluster(cluster, layout), optimizer, optimizer_impl)
+        shard_bytes = rank_memory(shape, replica, seq_len, optimizer).parameters
+        t.outer_sync = outer_sync_seconds(cluster, layout, shard_bytes) / layout.diloco_inner_steps
+        t.flops *= layout.dp_replicate
+        return t
     dev = cluster.device
     tokens_rank_mb = layout.micro_batch * seq_len / layout.cp  # tokens one rank computes per micro-batch
     # the LM head matmul counts; a MoE block's token passes through its top-k experts only
