@@ -92,20 +92,57 @@ class CollectiveTimeouts:
         return None
 
     def explain(self, error: BaseException) -> CollectiveTimeout | None:
-        """The one-line error for a collective's timeout, or None when `error` is something else."""
+        """The one-line error for a collective's timeout, or None when `error` is something else.
+        It names the ranks that did not time out too (`ranks_not_waiting`)."""
         if not _TIMED_OUT.search(str(error)):
             return None
         key, seconds = ("train_timeout_s", self.train_s) if self.training else ("init_timeout_s", self.init_s)
         where = f"after step {self.last_step}" if self.last_step is not None else "before the first step"
         if self.fixed:  # gloo before 2.9: the bound the group was created with
-            return CollectiveTimeout(
-                f"a collective {where} waited longer than its group's bound (torch {torch.__version__}'s gloo keeps "
-                f"the one it was created with: parallel.init_timeout_s for the world group, torch's default for "
-                f"the others): another rank is stuck or gone (the launcher's summary and that rank's log name it)")
-        return CollectiveTimeout(
-            f"a collective {where} waited longer than parallel.{key}={seconds:g} s: another rank is stuck or "
-            f"gone (the launcher's summary and that rank's log name it); raise parallel.{key} if the ranks "
-            f"can legitimately drift that far apart")
+            bound = (f"its group's bound (torch {torch.__version__}'s gloo keeps the one it was created with: "
+                     f"parallel.init_timeout_s for the world group, torch's default for the others)")
+        else:
+            bound = f"parallel.{key}={seconds:g} s"
+        missing = ranks_not_waiting(min(seconds, GRACE_S))
+        if missing is None:  # the store did not answer (its host rank may be the one gone)
+            who = "another rank is stuck or gone (the launcher's summary and that rank's log name it)"
+        elif missing:
+            who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not time out with "
+                   f"the others: stuck before the collective, or gone (its log has the cause)")
+        else:
+            who = ("every rank timed out waiting: they wait in different collectives (a rank took another "
+                   "code path), or the bound is shorter than a collective legitimately takes")
+        advice = "" if self.fixed else (f"; raise parallel.{key} if the ranks can legitimately drift that far "
+                                        f"apart")
+        return CollectiveTimeout(f"a collective {where} waited longer than {bound}: {who}{advice}")
+
+
+GRACE_S = 30.0  # at most this long, a timed-out rank waits for the others' timeouts to name the missing ranks
+
+
+def ranks_not_waiting(grace_s: float) -> list[int] | None:
+    """After this rank's collective timed out: every rank that times out says so in the process
+    group's store (torch's rendezvous store; one key each, nothing while training runs), and the
+    ranks that have not within `grace_s` (the others enter their wait up to that much later) are
+    returned: the stuck or gone ones. None where the store does not answer."""
+    import datetime
+    import time
+
+    from torch.distributed import distributed_c10d
+
+    try:
+        store = distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=max(1.0, grace_s)))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"kiln/timed_out/{rank}", "1")
+        deadline = time.monotonic() + grace_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"kiln/timed_out/{r}"])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.2)
+    except (RuntimeError, ValueError, OSError):
+        return None
 
 
 def record_nccl_collectives(folder: Path, entries: int) -> None:
