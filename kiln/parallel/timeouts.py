@@ -17,8 +17,9 @@ kiln sets two bounds on every group, torchtitan's pair (`comm.init_timeout_secon
   (kiln/checkpoint/manager.py), which keeps the init bound: rank 0 writes the manifest (it hashes
   every file) while the other ranks wait for it.
 
-On gloo the waiting ranks' collective raises; `train` turns that into one line naming the bound and
-the last finished step (`CollectiveTimeout`). On NCCL torch's watchdog aborts the process
+On gloo the waiting ranks' collective raises; `train` turns that into one line naming the bound, the
+last finished step and the ranks that did not time out with the others (`CollectiveTimeout`,
+`ranks_not_waiting`). On NCCL torch's watchdog aborts the process
 ("Watchdog caught collective operation timeout") and torchrun's summary names the rank; NCCL's
 flight recorder (`record_nccl_collectives`) has each rank dump its last collectives first, which
 say which rank never joined which collective. Either way torchrun can restart the job, which
