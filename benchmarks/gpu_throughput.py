@@ -154,7 +154,7 @@ def kiln_case(shape: Shape, model_cfg: ModelConfig, device: torch.device, *, com
 
 def baseline_case(shape: Shape, device: torch.device, compile_model: bool, mode: str | None = None
                   ) -> tuple[Callable, float, int]:
-    from throughput import BaselineGPT, Size
+    from baseline_gpt import BaselineGPT, Size
 
     m = shape.model
     s = Size(shape.name, vocab=m.vocab_size, dim=m.dim, layers=m.n_layers, heads=m.n_heads, seq=shape.seq,

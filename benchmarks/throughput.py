@@ -2,8 +2,8 @@
 
 One step = forward + backward + clip + optimizer step, through `kiln.train.trainer.train_step`
 (the function the trainer calls) with kiln's optimizer builder. The baseline is a minimal
-nanoGPT-style model written below (fused qkv Linear, LayerNorm, GeLU MLP, learned positions,
-tied head, SDPA) trained with torch AdamW, same shapes and token counts. Cases are timed in
+nanoGPT-style model (benchmarks/baseline_gpt.py: fused qkv Linear, LayerNorm, GeLU MLP, learned
+positions, tied head, SDPA) trained with torch AdamW, same shapes and token counts. Cases are timed in
 interleaved rounds (so load from other processes hits them alike); figures are medians over
 rounds, with process CPU-seconds beside wall time. MFU = model FLOPs/token x tokens/s over the
 best matmul FLOP/s this machine reaches, probed in the same run (several sizes, best kept).
@@ -33,10 +33,10 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
+from baseline_gpt import BaselineGPT, Size  # noqa: E402
 from common import matmul_peak, median, print_table, timed, write_results  # noqa: E402
 
 from kiln.config import ModelConfig, OptimConfig  # noqa: E402
@@ -46,17 +46,6 @@ from kiln.train.optim import build_optimizer  # noqa: E402
 from kiln.train.step import train_step  # noqa: E402
 
 
-@dataclass
-class Size:
-    name: str
-    vocab: int
-    dim: int
-    layers: int
-    heads: int
-    seq: int
-    batch: int
-
-
 SIZES = {
     "debug": Size("debug", vocab=4096, dim=128, layers=2, heads=4, seq=256, batch=8),
     "tiny": Size("tiny", vocab=512, dim=64, layers=1, heads=2, seq=64, batch=2),  # --quick only
@@ -64,52 +53,6 @@ SIZES = {
     # GPT-2 124M's model (--fused-ab only), with 512 tokens a step: seconds per step on a CPU
     "124m": Size("124m", vocab=50304, dim=768, layers=12, heads=12, seq=256, batch=2),
 }
-
-
-# ---------------------------------------------------------------------------- baseline GPT
-
-
-class BaselineBlock(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(dim, bias=False), nn.LayerNorm(dim, bias=False)
-        self.c_attn = nn.Linear(dim, 3 * dim, bias=False)
-        self.c_proj = nn.Linear(dim, dim, bias=False)
-        self.c_fc = nn.Linear(dim, 4 * dim, bias=False)
-        self.mlp_proj = nn.Linear(4 * dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
-
-
-class BaselineGPT(nn.Module):
-    def __init__(self, s: Size):
-        super().__init__()
-        self.seq = s.seq
-        self.wte, self.wpe = nn.Embedding(s.vocab, s.dim), nn.Embedding(s.seq, s.dim)
-        self.blocks = nn.ModuleList(BaselineBlock(s.dim, s.heads) for _ in range(s.layers))
-        self.ln_f = nn.LayerNorm(s.dim, bias=False)
-        self.lm_head = nn.Linear(s.dim, s.vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            h = block(h)
-        return self.lm_head(self.ln_f(h))
-
-    def flops_per_token(self) -> float:  # same accounting as kiln.model.transformer.flops_per_token
-        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6.0 * matmul + 12.0 * len(self.blocks) * self.seq * self.wte.embedding_dim
 
 
 # ---------------------------------------------------------------------------- cases
