@@ -41,7 +41,8 @@ VOCAB = 42  # even: tensor parallelism shards the embedding and the head on the 
 FIELDS = {"fsdp": {}, "tp": {}, "pp": {"n_layers": 2}, "cp": {"n_layers": 2},
           "ep": {"moe_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}}
 FIELDS.update(zero2={}, etp1=FIELDS["ep"], cp_ep={"n_layers": 2, **FIELDS["ep"]}, ddp={}, zero1={},
-              pp_interleaved={"n_layers": 4}, pp_zbv={"n_layers": 4})  # a layer per stage
+              pp_interleaved={"n_layers": 4}, pp_zbv={"n_layers": 4}, pp_izb={"n_layers": 4},
+              pp_bfs={"n_layers": 4})  # a layer per stage
 
 
 def model_config(**fields):
@@ -349,9 +350,12 @@ LAYOUTS = {"fsdp": {"dp_mode": "fsdp", "dp_replicate": 2, "dp_shard": 2}, "tp": 
            "cp_ep": {"cp": 2, "ep": 2},
            # DDP and ZeRO-1 over the 2 ranks inside each replica (whole parameters on both)
            "ddp": {"dp_mode": "ddp", "dp_replicate": 2}, "zero1": {"dp_mode": "zero1", "dp_replicate": 2},
-           # the looped schedules: two stages per pp rank (interleaved 1F1B: stages 0, 2 | 1, 3; ZBV: 0, 3 | 1, 2)
+           # the looped schedules: two stages per pp rank (interleaved 1F1B, interleaved zero bubble and looped
+           # BFS: stages 0, 2 | 1, 3; ZBV: 0, 3 | 1, 2)
            "pp_interleaved": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 2},
-           "pp_zbv": {"pp": 2, "pp_schedule": "zbv_zero_bubble", "pp_virtual_stages": 2, "pp_microbatches": 2}}
+           "pp_zbv": {"pp": 2, "pp_schedule": "zbv_zero_bubble", "pp_virtual_stages": 2, "pp_microbatches": 2},
+           "pp_izb": {"pp": 2, "pp_schedule": "interleaved_zero_bubble", "pp_virtual_stages": 2, "pp_microbatches": 2},
+           "pp_bfs": {"pp": 2, "pp_schedule": "looped_bfs", "pp_virtual_stages": 2, "pp_microbatches": 2}}
 FOUR_RANK_LAYOUTS = list(LAYOUTS)  # the 8-rank one (below) runs in its own launch
 
 
