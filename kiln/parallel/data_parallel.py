@@ -17,7 +17,7 @@ Which torch API does what (nothing here is a hand-written collective):
   ddp/zero1 under pp with parallel.tp (any schedule) -> `SplitBackwardReplicas` over all the
            rank's stage chunks, on the local tp shards (torch's DDP cannot take the DTensors):
            one all-reduce per step after the schedule, so it cannot fire per micro-batch, but
-           it does not overlap the backward either (zero1: ZeroRedundancyExceptExperts as below)
+           it does not overlap the backward either (zero1: Zero1Optimizer as below)
   ddp with parallel.tp (pp = 1) -> kiln's `OverlappedReplicas`, as torch's DDP swaps tp's DTensor
            parameters for local tensors outside forward: torch's start-of-training broadcast of
            the local shards over the dp (x cp) replicas, then per 25 MB bucket one
@@ -27,10 +27,11 @@ Which torch API does what (nothing here is a hand-written collective):
            (`Replicas`). Under parallel.ep the experts are left to expert parallelism as above
   zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
            optimizer state of its partition of the parameters, then broadcasts the new values)
-  zero1 with parallel.ep and/or parallel.tp -> ZeroRedundancyOptimizer over the dense parameters
-           (a tp DTensor through a plain parameter aliasing its local shard: torch's ZeRO cannot
-           broadcast DTensors) and a plain optimizer of the same class over the experts
-           (`ZeroRedundancyExceptExperts`, kiln's split; its state_dict holds DTensors)
+           over kiln's partition: an even share of the elements per rank, tensors cut into runs
+           where the update is elementwise (kiln/parallel/zero1.py `partition`); under parallel.tp
+           a DTensor through a plain parameter aliasing its local shard (torch's ZeRO cannot
+           broadcast DTensors); under parallel.ep a plain optimizer of the same class over the
+           experts (`Zero1Optimizer`: its state_dict is a plain optimizer's, with DTensors)
   zero2 / fsdp / hsdp -> FSDP2 `fully_shard` in kiln/parallel/parallelize.py
 """
 
@@ -43,8 +44,8 @@ from torch.distributed.tensor import DTensor
 
 from kiln.model.moe import MoE
 from kiln.parallel.dims import ParallelDims
-from kiln.parallel.zero1 import (ZeroRedundancyExceptExperts, ZeroRedundancyState,  # noqa: F401 (re-exported)
-                                 _check_elementwise, _constructor_kwargs, _is_expert)
+from kiln.parallel.zero1 import (Zero1Optimizer, ZeroRedundancyState,  # noqa: F401 (re-exported)
+                                 _check_elementwise, _is_expert)
 
 
 def grad_mesh(dims: ParallelDims):
@@ -345,18 +346,13 @@ class OverlappedReplicas(Replicas):
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
     """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state
-    partitioned over the data-parallel ranks (under parallel.ep the dense parameters' state only,
-    `ZeroRedundancyExceptExperts`). Returns `optimizer` itself unless dp_mode is zero1."""
+    partitioned over the data-parallel ranks (under parallel.ep the dense parameters' state only),
+    `Zero1Optimizer`. Returns `optimizer` itself unless dp_mode is zero1."""
     if dims.dp_mode != "zero1" or dims.grad_ranks == 1:  # (DiLoCo: the ranks inside a replica)
         return optimizer
-    group = grad_mesh(dims).get_group()  # under pp: this stage's replicas, over its parameters
-    groups = [dict(g) for g in optimizer.param_groups]
-    if any(isinstance(p, DTensor) and not _is_expert(p) for g in groups for p in g["params"]):
+    if any(isinstance(p, DTensor) and not _is_expert(p) for g in optimizer.param_groups for p in g["params"]):
         _check_elementwise(optimizer)
-    if any(isinstance(p, DTensor) for g in groups for p in g["params"]):  # parallel.ep's experts, tp's shards
-        return ZeroRedundancyExceptExperts(optimizer, group)
-    return ZeroRedundancyState(groups, optimizer_class=type(optimizer), process_group=group,
-                               **_constructor_kwargs(optimizer))
+    return Zero1Optimizer(optimizer, grad_mesh(dims).get_group())  # under pp: this stage's replicas
 
 
 def window_stats_over_ranks(window_s: float, memory_mb: float, device: torch.device) -> dict[str, float]:

@@ -142,7 +142,7 @@ class ParallelDims:
         if tp == 1:
             return
         if self.dp_mode == "zero1" and self.grad_ranks > 1 and cfg.optim.name not in ("adamw", "lion", "sgd"):
-            # ZeRO-1 steps each tp shard alone (data_parallel.ZeroRedundancyExceptExperts, which checks too)
+            # ZeRO-1 steps each tp shard alone (data_parallel.Zero1Optimizer, which checks too)
             raise ConfigError(f"optim.name={cfg.optim.name!r} with parallel.dp_mode='zero1' and parallel.tp={tp} "
                               f"is not supported (its update is not elementwise); use optim.name='adamw', 'lion' "
                               f"or 'sgd', or parallel.dp_mode='ddp' or 'fsdp'")
@@ -336,7 +336,7 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
     divides ep, ep divides dp_shard * cp), dp_shard under fsdp/zero2 (dense parameters stay FSDP
     over dp_shard x cp, the experts FSDP over the rest) or the replicas under ddp/zero1 (experts
     replicated; zero1 shards the dense parameters' optimizer state only, data_parallel.py
-    `ZeroRedundancyExceptExperts`). With tp > 1 each expert is also sharded on its hidden units
+    `Zero1Optimizer`). With tp > 1 each expert is also sharded on its hidden units
     over tp (expert tensor parallel, etp = tp: ep never borrows tp), under any dp_mode: under
     ddp/zero1 the dense tp shards are kiln's replicas' (data_parallel.OverlappedReplicas), the
     experts' gradients summed over "edp" by expert_parallel.py as without tp. Under DiLoCo

@@ -31,7 +31,7 @@ another layout, and the grad norm of a DTensor counts each expert once.
   replicate's ignored_modules; under pp the per-stage DDP class, data_parallel.py
   `leave_experts_to_expert_parallel`), and the hook sums the gradients over edp and divides by D
   (`reduce_expert_grads`' arithmetic). zero1 shards the dense parameters' optimizer state only
-  (data_parallel.py `ZeroRedundancyExceptExperts`).
+  (data_parallel.py `Zero1Optimizer`).
 Hooks act per backward pass and are linear, so gradient accumulation is unchanged.
 
 Expert tensor parallel (parallel.ep > 1 with parallel.tp > 1; torchtitan's ExpertTensorParallel

@@ -1,19 +1,30 @@
 """ZeRO-1 (`parallel.dp_mode = "zero1"`): the optimizer state partitioned over the data-parallel
 replicas, in the forms kiln's trainer and DCP checkpoints need. kiln/parallel/data_parallel.py
-`shard_optimizer_state` picks one (and re-exports these names).
+`shard_optimizer_state` builds it (and re-exports these names).
 
 torch's: torch.distributed.optim.ZeroRedundancyOptimizer (the per-rank step, the broadcasts of
-the new values, state consolidation). kiln's: the partition of whole tensors over the ranks, largest
-first across every param group (`ZeroRedundancyState._partition_parameters`), a state_dict every
-rank can give DCP (`ZeroRedundancyState`) and the split for DTensor parameters
-(`ZeroRedundancyExceptExperts`: parallel.ep's experts stepped plainly, tensor parallel's shards
-through plain aliases).
+the new values, state consolidation). kiln's:
+- the partition (`partition`): each rank an even share of the elements, not of whole tensors.
+  torch's ZeRO gives whole tensors to ranks, largest first, so a tensor larger than a rank's even
+  share (the embedding) leaves its rank above it however the others are filled: at 8 ranks
+  configs/llama-1b.toml's embedding alone is 1.70 x the even share, at 64 ranks
+  configs/llama-7b.toml's 1.24 x (benchmarks/zero1_partition.py). Where the update is elementwise
+  (AdamW, SGD, Lion; Muon's AdamW groups) the step of a run of elements is that run of the
+  step, so kiln cuts the parameters' concatenation into equal runs, as Megatron-LM's distributed
+  optimizer does, and hands ZeRO one 1-D parameter aliasing each run. Updates that read a whole
+  tensor (Muon's matrices, LAMB's trust ratio, Adafactor's factors) keep their tensors whole,
+  placed first, largest first; the cut runs then fill the ranks to one level.
+- a state_dict in the plain optimizer's format, per parameter (`Zero1Optimizer`), which DCP saves
+  and reshards like any optimizer's, so a checkpoint resumes in any layout;
+- the split for DTensor parameters: parallel.ep's experts stepped plainly, tensor parallel's
+  shards through plain aliases.
 """
 
 from __future__ import annotations
 
 import heapq
 import inspect
+import math
 
 import torch
 import torch.distributed as dist
@@ -24,36 +35,90 @@ from torch.distributed.tensor import DTensor
 from kiln.errors import ConfigError
 
 
-class ZeroRedundancyState(ZeroRedundancyOptimizer):
-    """ZeroRedundancyOptimizer whose `state_dict()` works wherever a plain optimizer's does.
+def partition(sizes: list[int], cuttable: list[bool], ranks: int) -> list[list[tuple[int, int, int]]]:
+    """Each tensor's runs `(start, end, rank)` over its flat elements. The tensors that are not
+    `cuttable` go whole, largest first, each to the rank holding the fewest elements so far (ties
+    to the lowest rank); the cuttable ones, in their order, are one flat sequence cut to bring the
+    emptiest ranks up to one level (rank order). With every tensor cuttable rank r holds elements
+    [r T / n, (r + 1) T / n) of the concatenation (within one element). kiln/plan/memory.py
+    `zero1_fullest_share` predicts the fullest rank from the same rule."""
+    out: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
+    held = [0] * ranks
+    heap = [(0, rank) for rank in range(ranks)]
+    for i in sorted((i for i, c in enumerate(cuttable) if not c), key=lambda i: -sizes[i]):  # stable
+        elements, rank = heapq.heappop(heap)
+        heapq.heappush(heap, (elements + sizes[i], rank))
+        held[rank] += sizes[i]
+        out[i] = [(0, sizes[i], rank)]
+    rest = [i for i, c in enumerate(cuttable) if c]
+    room = _room_to_level(held, sum(sizes[i] for i in rest))
+    rank = 0
+    for i in rest:
+        start = 0
+        while start < sizes[i]:
+            while room[rank] == 0:
+                rank += 1
+            take = min(room[rank], sizes[i] - start)
+            out[i].append((start, start + take, rank))
+            room[rank] -= take
+            start += take
+        if sizes[i] == 0:
+            out[i] = [(0, 0, 0)]
+    return out
 
-    torch's version returns the full state only on the rank it was consolidated to; DCP's
-    `get_state_dict` asks every rank for the same full, FQN-keyed dict (it saves replicated
+
+def _room_to_level(held: list[int], total: int) -> list[int]:
+    """Elements per rank, `total` in all, that bring the ranks holding fewest up to one level
+    (water filling); the remainder of an uneven division goes one each to the lowest ranks."""
+    if total == 0:
+        return [0] * len(held)
+    order = sorted(held)
+    for k in range(1, len(order) + 1):  # the k emptiest ranks are filled, up to `level`
+        level = (total + sum(order[:k])) / k
+        if k == len(order) or level <= order[k]:
+            break
+    room = [max(0, math.floor(level) - h) for h in held]
+    short = total - sum(room)
+    for rank, h in enumerate(held):
+        if short and h < level:
+            room[rank] += 1
+            short -= 1
+    return room
+
+
+class ZeroRedundancyState(ZeroRedundancyOptimizer):
+    """ZeroRedundancyOptimizer whose partition is kiln's and whose `state_dict()` works wherever a
+    plain optimizer's does.
+
+    The partition: `owner` maps id(param) -> rank (`Zero1Optimizer` passes the cut runs');
+    without it, whole tensors largest first across every param group together (`partition` with
+    nothing cut). torch's own goes group by group, so kiln's no-decay group (embeddings and norms)
+    comes after the matrices are spread evenly and its embedding lands on top of a rank's even
+    share (llama-1b at 8 ranks: 2.49 x the even share there, 1.70 x largest first).
+
+    The state: torch's version returns the full state only on the rank it was consolidated to;
+    DCP's `get_state_dict` asks every rank for the same full, FQN-keyed dict (it saves replicated
     tensors once and reshards on load). So the full state is consolidated to each rank in turn at
     save time (a transient full copy: ZeRO-1 saves memory in the step, not in the checkpoint).
     Loading takes the full dict DCP gives back; torch's own loader keeps this rank's partition.
-
-    The partition is kiln's: torch assigns each param group's tensors largest first to the rank
-    holding the fewest elements so far, group by group, so kiln's no-decay group (embeddings and
-    norms) comes after the matrices are spread evenly and its embedding lands on top of a rank's
-    even share (configs/llama-1b.toml, Llama 3.2 1B's shape, at 8 ranks: 2.49 x the even share of
-    the state on that rank). Here the same greedy runs once over every group's tensors together,
-    largest first (the embedding first, the matrices then fill the other ranks): 1.70 x there, the
-    embedding alone, which no split into whole tensors can beat. Which rank steps which tensor
-    changes nothing else (the step is per tensor); kiln/plan/memory.py `zero1_fullest_share`
-    predicts the fullest rank from the same rule.
     """
+
+    def __init__(self, params, owner: dict[int, int] | None = None, **kwargs):
+        self._owner = owner  # read by _partition_parameters, which ZeroRedundancyOptimizer's init calls
+        super().__init__(params, **kwargs)
 
     def _partition_parameters(self, params_per_rank=None):
         if params_per_rank is not None or self._partition_parameters_cache:
             return super()._partition_parameters(params_per_rank)
-        held = [(0, rank) for rank in range(self.world_size)]  # (elements, rank): ties to the lowest rank
+        owner = self._owner
+        if owner is None:
+            tensors = [p for group in self.param_groups for p in group["params"]]
+            runs = partition([p.numel() for p in tensors], [False] * len(tensors), self.world_size)
+            owner = {id(p): run[0][2] for p, run in zip(tensors, runs)}
         per_group = [[[] for _ in range(self.world_size)] for _ in self.param_groups]
-        tensors = [(p.numel(), g, p) for g, group in enumerate(self.param_groups) for p in group["params"]]
-        for numel, g, p in sorted(tensors, key=lambda t: -t[0]):  # stable: equal sizes keep their order
-            elements, rank = heapq.heappop(held)
-            heapq.heappush(held, (elements + numel, rank))
-            per_group[g][rank].append(p)
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                per_group[g][owner[id(p)]].append(p)
         self._partition_parameters_cache = [[] for _ in range(self.world_size)]
         for group, params_per_rank_of_group in zip(self.param_groups, per_group):
             self._partition_param_group(group, params_per_rank_of_group)
@@ -91,18 +156,29 @@ def _is_expert(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor) and tuple(p.device_mesh.mesh_dim_names or ()) != ("tp",)
 
 
-class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
-    """ZeRO-1 where some parameters are DTensors: `optimizer`'s param groups, hyper-parameters and
-    class, with the dense parameters' state partitioned over `group` (`ZeroRedundancyState`) and
-    the experts (parallel.ep's DTensors, `_is_expert`) stepped by a plain optimizer of the same
-    class on every rank.
+def cuts_elementwise(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether `optimizer` updates `group`'s parameters element by element (so ZeRO-1 may cut them
+    into runs): AdamW, Adam, SGD, Lion, and Muon's AdamW groups; not Muon's orthogonalized
+    matrices, LAMB (a trust ratio per tensor) or Adafactor (row and column factors)."""
+    from kiln.train.optimizers import Lion, Muon
 
-    Dense tensor-parallel DTensors: torch's ZeRO broadcasts `param.data`, and c10d collectives have
-    no DTensor sharding rule ("c10d.broadcast_.default does not have a sharding strategy", torch
-    2.13), so ZeRO steps a plain parameter aliasing each one's local shard (`_LocalShard`), with the
-    local shard of its gradient: every rank of `group` holds the same shard (the replicas of one tp
-    coordinate), and the optimizers kiln runs are elementwise (AdamW, SGD, Lion: the step of the
-    shards is the shards of the step; Muon/LAMB take whole-matrix norms and are not elementwise).
+    if isinstance(optimizer, Muon):
+        return not group.get("use_muon", True)
+    return isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, Lion))
+
+
+class Zero1Optimizer(torch.optim.Optimizer):
+    """kiln's ZeRO-1: `optimizer`'s param groups, hyper-parameters and class, with the dense
+    parameters' state partitioned over `group` (`ZeroRedundancyState`, by `partition`) and
+    parallel.ep's experts (`_is_expert`) stepped by a plain optimizer of the same class on every
+    rank.
+
+    What ZeRO steps (`_DenseParam`): a plain parameter as it is; a tensor-parallel DTensor's local
+    shard through a plain parameter aliasing it (torch's ZeRO broadcasts `param.data`, and c10d
+    collectives have no DTensor sharding rule: "c10d.broadcast_.default does not have a sharding
+    strategy", torch 2.13); a tensor the partition cuts, one 1-D parameter per run aliasing its
+    elements. Every rank of `group` holds the same tensors (the replicas of one tp coordinate), and
+    only elementwise updates are cut or stepped by shard (`_check_elementwise`).
 
     Why not ZeRO for the experts too: ZeRO steps each parameter on one rank of `group` and
     broadcasts it, but the ranks of `group` hold different experts (the ep ranks). The experts'
@@ -112,39 +188,50 @@ class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
     To the trainer, the LR schedule and DCP this is one optimizer over the original groups (in
     the original order): the schedule sets each group's lr here and `step` hands the
     hyper-parameters to both parts; `state_dict` is the plain optimizer's format (positions in these
-    groups; the dense state consolidated as ZeroRedundancyState does, a tp shard's state as a
-    DTensor like its parameter's, the experts' as DTensors), so a checkpoint resumes in any layout
-    and a plain optimizer's resumes here. The split is kiln's; the partitioning, stepping and
-    broadcasting are torch's."""
+    groups; the dense state consolidated as ZeroRedundancyState does, a cut tensor's runs joined,
+    a tp shard's state as a DTensor like its parameter's, the experts' as DTensors), so a
+    checkpoint resumes in any layout and a plain optimizer's resumes here. The split and the
+    partition are kiln's; the stepping and broadcasting are torch's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group):
         kwargs, cls = _constructor_kwargs(optimizer), type(optimizer)
         groups = [dict(g) for g in optimizer.param_groups]
+        dense = [(p, cuts_elementwise(optimizer, g)) for g in groups for p in g["params"] if not _is_expert(p)]
+        runs = partition([_local(p).numel() for p, _ in dense],
+                         [cut and _local(p).is_contiguous() for p, cut in dense], dist.get_world_size(group))
+        self._rank = dist.get_rank(group)
+        self._dense = [_DenseParam(p, r) for (p, _), r in zip(dense, runs)]
+        owner = {id(piece): rank for d in self._dense for piece, (_, _, rank) in zip(d.pieces, d.runs)}
         dense_groups, expert_groups = [], []
         # Per group: its index in the dense and/or the expert optimizer (absent: no such parameters);
-        # per parameter in group order: ("dense" | "experts", its position in that optimizer).
+        # per parameter in group order: ("dense", index in self._dense) or ("experts", position).
         self._group_index, self._where = [], []
-        self._shards: list[_LocalShard | None] = []  # per dense position: its DTensor's local shard
-        counts = {"dense": 0, "experts": 0}
+        self._positions: list[list[int]] = []  # per dense parameter: its pieces' positions in ZeRO's groups
+        records = iter(self._dense)
+        pieces_so_far, experts_so_far = 0, 0
         for g in groups:
-            parts = {"dense": [p for p in g["params"] if not _is_expert(p)],
-                     "experts": [p for p in g["params"] if _is_expert(p)]}
-            shards = [_LocalShard(p) if isinstance(p, DTensor) else None for p in parts["dense"]]
-            self._shards += shards
-            parts["dense"] = [p if s is None else s.local for p, s in zip(parts["dense"], shards)]
-            index = {}
-            for name, out in (("dense", dense_groups), ("experts", expert_groups)):
-                if parts[name]:
-                    index[name] = len(out)
-                    out.append({**g, "params": parts[name]})
-            self._group_index.append(index)
+            pieces, experts = [], []
             for p in g["params"]:
-                name = "experts" if _is_expert(p) else "dense"
-                self._where.append((name, counts[name]))
-                counts[name] += 1
+                if _is_expert(p):
+                    self._where.append(("experts", experts_so_far))
+                    experts.append(p)
+                    experts_so_far += 1
+                    continue
+                record = next(records)
+                self._where.append(("dense", len(self._positions)))
+                self._positions.append(list(range(pieces_so_far, pieces_so_far + len(record.pieces))))
+                pieces += record.pieces
+                pieces_so_far += len(record.pieces)
+            index = {}
+            for name, params, out in (("dense", pieces, dense_groups), ("experts", experts, expert_groups)):
+                if params:
+                    index[name] = len(out)
+                    out.append({**g, "params": params})
+            self._group_index.append(index)
         self._parts = {}
         if dense_groups:
-            self._parts["dense"] = ZeroRedundancyState(dense_groups, optimizer_class=cls, process_group=group, **kwargs)
+            self._parts["dense"] = ZeroRedundancyState(dense_groups, owner=owner, optimizer_class=cls,
+                                                       process_group=group, **kwargs)
         if expert_groups:
             self._parts["experts"] = cls(expert_groups, **kwargs)
         super().__init__(groups, optimizer.defaults)
@@ -169,24 +256,27 @@ class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("ZeroRedundancyExceptExperts.step takes no closure")
+            raise ValueError("Zero1Optimizer.step takes no closure")
         self._push_hyperparameters()
-        for shard in self._shards:
-            if shard is not None:
-                shard.take_grad()
+        for record in self._dense:
+            record.take_grad()
         for opt in self._parts.values():
             opt.step()
-        for shard in self._shards:
-            if shard is not None:
-                shard.local.grad = None
+        for record in self._dense:
+            record.drop_grads()
         self._refresh_state()
 
     def state_dict(self) -> dict:
         parts = {name: opt.state_dict()["state"] for name, opt in self._parts.items()}
-        if "dense" in parts:  # a tp shard's state tensors as DTensors placed like its parameter
-            parts["dense"] = {i: v if self._shards[i] is None else self._shards[i].to_dtensors(v)
-                              for i, v in parts["dense"].items()}
-        state = {k: parts[name][i] for k, (name, i) in enumerate(self._where) if i in parts[name]}
+        state = {}
+        for k, (name, i) in enumerate(self._where):
+            if name == "experts":
+                if i in parts["experts"]:
+                    state[k] = parts["experts"][i]
+                continue
+            pieces = [parts["dense"].get(position) for position in self._positions[i]]
+            if any(s is not None for s in pieces):
+                state[k] = self._dense[i].joined(pieces)
         return {"state": state, "param_groups": _numbered(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -199,11 +289,14 @@ class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
         keys = [key for g in loaded for key in g["params"]]
         parts = {name: {"state": {}, "param_groups": _numbered(opt.param_groups)} for name, opt in self._parts.items()}
         for key, (name, i) in zip(keys, self._where):
-            if key in state_dict["state"]:
-                value = state_dict["state"][key]
-                if name == "dense" and self._shards[i] is not None:
-                    value = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in value.items()}
-                parts[name]["state"][i] = value
+            if key not in state_dict["state"]:
+                continue
+            value = state_dict["state"][key]
+            if name == "experts":
+                parts["experts"]["state"][i] = value
+                continue
+            for position, piece_state in zip(self._positions[i], self._dense[i].split(value, self._rank)):
+                parts["dense"]["state"][position] = piece_state
         for mine, saved, index in zip(self.param_groups, loaded, self._group_index):
             values = {k: v for k, v in saved.items() if k != "params"}
             mine.update(values)
@@ -214,32 +307,96 @@ class ZeroRedundancyExceptExperts(torch.optim.Optimizer):
         self._refresh_state()
 
 
-class _LocalShard:
-    """A plain parameter sharing the storage of a DTensor parameter's local shard, for torch's
-    ZeroRedundancyOptimizer (see ZeroRedundancyExceptExperts)."""
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
-    def __init__(self, param: DTensor):
-        self.param = param
+
+class _DenseParam:
+    """One dense parameter as ZeRO steps it (see Zero1Optimizer): `pieces`, one per run of
+    `runs` ((start, end, rank) over its local flat elements): the parameter itself when it is
+    plain and whole; else plain parameters aliasing its local tensor (a tp DTensor's shard), or,
+    when cut, 1-D runs of it. The aliases are renewed every step (a checkpoint load may have
+    replaced the local tensor) and take the same view of its gradient."""
+
+    def __init__(self, param: torch.Tensor, runs: list[tuple[int, int, int]]):
+        self.param, self.runs = param, runs
         with torch.no_grad():
-            self.local = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
+            local = _local(param)
+            self.shape = local.shape
+            if len(runs) == 1 and not isinstance(param, DTensor):
+                self.pieces = [param]
+            elif len(runs) == 1:
+                self.pieces = [nn.Parameter(local, requires_grad=param.requires_grad)]
+            else:
+                flat = local.view(-1)
+                self.pieces = [nn.Parameter(flat[a:b], requires_grad=param.requires_grad) for a, b, _ in runs]
+
+    @property
+    def cut(self) -> bool:
+        return len(self.pieces) > 1
 
     def take_grad(self) -> None:
-        # Re-aliased every step: a load into the parameter may have replaced its local tensor.
+        if self.pieces[0] is self.param:
+            return
         with torch.no_grad():
-            self.local.data = self.param.to_local()
-        grad = self.param.grad
-        if grad is not None and tuple(grad.placements) != tuple(self.param.placements):
-            # e.g. a vocab-sharded embedding's gradient comes back replicated; a plain optimizer
-            # would redistribute it inside its DTensor arithmetic (a local slice, no collective).
-            grad = grad.redistribute(self.param.device_mesh, self.param.placements)
-        self.local.grad = None if grad is None else grad.to_local()
+            grad = self.param.grad
+            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(self.param.placements):
+                # e.g. a vocab-sharded embedding's gradient comes back replicated; a plain optimizer
+                # would redistribute it inside its DTensor arithmetic (a local slice, no collective).
+                grad = grad.redistribute(self.param.device_mesh, self.param.placements)
+            local, grad = _local(self.param.data), None if grad is None else _local(grad)
+            if not self.cut:
+                self.pieces[0].data, self.pieces[0].grad = local, grad
+                return
+            flat, flat_grad = local.view(-1), None if grad is None else grad.reshape(-1)
+            for piece, (a, b, _) in zip(self.pieces, self.runs):
+                piece.data = flat[a:b]
+                piece.grad = None if flat_grad is None else flat_grad[a:b]
 
-    def to_dtensors(self, state: dict) -> dict:
-        shape = self.local.shape
-        return {k: DTensor.from_local(v, self.param.device_mesh, self.param.placements, run_check=False,
-                                      shape=self.param.shape, stride=self.param.stride())
-                if isinstance(v, torch.Tensor) and v.shape == shape and v.dim() > 0 else v
-                for k, v in state.items()}
+    def drop_grads(self) -> None:
+        if self.pieces[0] is not self.param:
+            for piece in self.pieces:
+                piece.grad = None
+
+    def joined(self, states: list[dict | None]) -> dict:
+        """The parameter's state from its pieces' (a tp shard's as DTensors placed like it)."""
+        if any(s is None for s in states):
+            raise ValueError(f"ZeRO-1 state of a parameter of shape {tuple(self.param.shape)} is missing "
+                             f"for {sum(s is None for s in states)} of its {len(states)} runs")
+        state = dict(states[0])
+        if self.cut:
+            for k, v in states[0].items():
+                if _is_run_state(v):
+                    state[k] = torch.cat([s[k] for s in states]).view(self.shape)
+        if isinstance(self.param, DTensor):
+            state = {k: DTensor.from_local(v, self.param.device_mesh, self.param.placements, run_check=False,
+                                           shape=self.param.shape, stride=self.param.stride())
+                     if isinstance(v, torch.Tensor) and v.shape == self.shape and v.dim() > 0 else v
+                     for k, v in state.items()}
+        return state
+
+    def split(self, state: dict, rank: int) -> list[dict]:
+        """A saved state of the parameter as its pieces' (the runs this rank steps copied out of it,
+        scalar tensors such as Adam's step copied per piece: each piece steps its own)."""
+        state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+        if not self.cut:
+            return [state]
+        out = []
+        for a, b, owner in self.runs:
+            piece = {}
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == self.shape:
+                    v = v.reshape(-1)[a:b]
+                    piece[k] = v.clone() if owner == rank else v
+                else:
+                    piece[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            out.append(piece)
+        return out
+
+
+def _is_run_state(v) -> bool:
+    """A cut piece's per-element state (1-D like the piece), not a scalar such as Adam's step."""
+    return isinstance(v, torch.Tensor) and v.dim() == 1
 
 
 def _numbered(groups: list[dict]) -> list[dict]:
@@ -254,15 +411,15 @@ def _numbered(groups: list[dict]) -> list[dict]:
 
 
 def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """ZeRO-1 steps a tp-sharded parameter's local shard (ZeroRedundancyExceptExperts), which is
-    the shard of the whole step only for elementwise updates; LAMB's trust ratio and Muon's
-    orthogonalization take whole-matrix norms, Adafactor row and column statistics."""
-    from kiln.train.optimizers import Lion
-
-    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, Lion)):
-        raise ConfigError(f"parallel.dp_mode='zero1' with parallel.tp > 1 steps each rank's tensor-parallel "
-                          f"shard alone, which {type(optimizer).__name__} cannot (not elementwise); use "
-                          f"optim.name='adamw', 'lion' or 'sgd', or parallel.dp_mode='ddp' or 'fsdp'")
+    """ZeRO-1 steps a tp-sharded parameter's local shard (Zero1Optimizer), which is the shard of
+    the whole step only for elementwise updates; LAMB's trust ratio and Muon's orthogonalization
+    take whole-matrix norms, Adafactor row and column statistics."""
+    for group in optimizer.param_groups:
+        sharded = any(isinstance(p, DTensor) and not _is_expert(p) for p in group["params"])
+        if sharded and not cuts_elementwise(optimizer, group):
+            raise ConfigError(f"parallel.dp_mode='zero1' with parallel.tp > 1 steps each rank's tensor-parallel "
+                              f"shard alone, which {type(optimizer).__name__} cannot (not elementwise); use "
+                              f"optim.name='adamw', 'lion' or 'sgd', or parallel.dp_mode='ddp' or 'fsdp'")
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:

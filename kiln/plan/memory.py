@@ -10,7 +10,7 @@ Closed form (no module is built). Terms, per rank:
   over ep alone (etp = 1: ep borrows the tp ranks, experts whole), then FSDP over "edp";
 - gradients: fp32, split like parameters;
 - optimizer state: bytes per parameter by optimizer, split by dp for zero2/fsdp; zero1 the fullest
-  rank's partition of whole tensors over dp x cp (`zero1_fullest_share`, largest first);
+  rank's partition over dp x cp (`zero1_fullest_share`: even, or whole tensors largest first);
 - activations kept for backward, per layer and token (counted tensor by tensor for kiln's
   pre-norm block: two fp32 norm inputs, normed inputs, q/k/v, attention output and its contiguous
   (b, s, h*d) copy (the output projection's input), and the MLP's
@@ -358,46 +358,61 @@ def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[
     return dense, experts, blocks
 
 
-def zero1_fullest_share(shape: ModelShape, layout: Layout, last: bool = False) -> float:
+# What kiln's ZeRO-1 cuts into runs (kiln/parallel/zero1.py `cuts_elementwise`): every tensor where
+# the update is elementwise, Muon's AdamW tensors (embeddings, head, norms), nothing for LAMB and
+# Adafactor, whose updates read whole tensors.
+ZERO1_CUTS = {"adamw": "all", "lion": "all", "sgd": "all", "muon": "adamw_groups"}
+
+
+def zero1_fullest_share(shape: ModelShape, layout: Layout, last: bool = False, optimizer: str = "adamw") -> float:
     """The fullest rank's share of a stage rank's dense parameters under ZeRO-1 (its optimizer
-    state, and the part of the step it runs). kiln's ZeRO-1 (kiln/parallel/zero1.py
-    `ZeroRedundancyState`) gives whole tensors to the data-parallel x cp ranks (data_parallel.py
-    grad_mesh), largest first, each to the rank holding the fewest elements so far. So a large
-    tensor leaves one rank above 1/n: at 64 ranks configs/llama-7b.toml's 32000 x 4096 embedding
-    alone is 1.24 x a rank's even share. Tensors are the local ones (tp's shards; norms and MoE
-    routers replicated over tp). MoE experts are in the partition (each block's stacked w1/w2/w3)
-    only without ep; parallel.ep's are stepped on every rank (data_parallel.py
-    ZeroRedundancyExceptExperts). The share is of the dense parameters, plus the experts when
-    ep = 1. benchmarks/zero1_partition.py and tests/plan/test_zero1_partition.py check it against
-    the real partition."""
+    state, and the part of the step it runs), over the data-parallel x cp ranks (data_parallel.py
+    grad_mesh), by kiln's partition (kiln/parallel/zero1.py `partition`): the tensors whose update
+    reads them whole (`ZERO1_CUTS`) go first, largest first, each to the rank holding the fewest
+    elements so far; the rest are cut to fill the ranks to one level. So with AdamW, Lion or SGD
+    each rank holds 1/n; with LAMB a large tensor can leave one rank above it (at 64 ranks
+    configs/llama-7b.toml's 32000 x 4096 embedding alone is 1.24 x a rank's even share). Tensors
+    are the local ones (tp's shards; norms and MoE routers replicated over tp). MoE experts are in
+    the partition (each block's stacked w1/w2/w3) only without ep; parallel.ep's are stepped on
+    every rank (data_parallel.py Zero1Optimizer). The share is of the dense parameters, plus the
+    experts when ep = 1. benchmarks/zero1_partition.py and tests/plan/test_zero1_partition.py
+    check it against the real partition."""
     ranks = layout.dp * layout.cp
     if ranks == 1:
         return 1.0
-    return _zero1_share(shape, layout.tp, stage_contents(shape, layout, last), ranks, layout.ep == 1)
+    return _zero1_share(shape, layout.tp, stage_contents(shape, layout, last), ranks, layout.ep == 1,
+                        ZERO1_CUTS.get(optimizer, "none"))
 
 
 @functools.lru_cache(maxsize=4096)
 def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool], ranks: int,
-                 with_experts: bool) -> float:
+                 with_experts: bool, cuts: str) -> float:
     blocks, embedding, head, norm = stage
     d, kv, ffn = shape.dim, shape.kv_dim, shape.ffn
     moe_blocks = round(blocks * shape.moe_layers / shape.n_layers)
     matrices = 3 if shape.gated else 2
     experts = [shape.moe_experts * d * ffn / tp] * matrices if with_experts else []
-    sizes = [d * d / tp, kv * d / tp, kv * d / tp, d * d / tp] * blocks
-    sizes += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs
-    sizes += ([shape.moe_experts * d] + experts) * moe_blocks  # MoE: router (replicated) and experts
-    sizes += [float(d)] * (2 * blocks + (1 if norm else 0))  # norms (replicated)
+    hidden = [d * d / tp, kv * d / tp, kv * d / tp, d * d / tp] * blocks  # Muon's orthogonalized tensors
+    hidden += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs
+    hidden += ([shape.moe_experts * d] + experts) * moe_blocks  # MoE: router (replicated) and experts
+    other = [float(d)] * (2 * blocks + (1 if norm else 0))  # norms (replicated)
     if embedding:
-        sizes.append(shape.vocab * d / tp)
-        sizes += [shape.learned_positions_len * d / tp] if shape.learned_positions_len else []
+        other.append(shape.vocab * d / tp)
+        other += [shape.learned_positions_len * d / tp] if shape.learned_positions_len else []
     if head:
-        sizes.append(shape.vocab * d / tp)
+        other.append(shape.vocab * d / tp)
+    whole = {"all": [], "adamw_groups": hidden}.get(cuts, hidden + other)
+    cut = sum(hidden + other) - sum(whole)
     held = [(0.0, r) for r in range(ranks)]  # (elements so far, rank)
-    for size in sorted(sizes, reverse=True):
+    for size in sorted(whole, reverse=True):
         total, rank = heapq.heappop(held)
         heapq.heappush(held, (total + size, rank))
-    return max(total for total, _ in held) / sum(sizes)
+    loads = sorted(total for total, _ in held)
+    for k in range(1, ranks + 1):  # the cut runs fill the k emptiest ranks to one level
+        level = (cut + sum(loads[:k])) / k
+        if k == ranks or level <= loads[k]:
+            break
+    return max(level, loads[-1]) / (cut + sum(whole))
 
 
 def holds_head(layout: Layout, last: bool) -> bool:
@@ -439,10 +454,11 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     expert_shard = layout.expert_dp if sharded else 1  # experts FSDP over "edp"; ddp/zero1 replicate them
     out.parameters = 4 * (dense / shard + experts / expert_shard)
     out.gradients = out.parameters
-    # zero1: the fullest rank's whole tensors, ep's experts outside them (zero1_fullest_share)
+    # zero1: the fullest rank's partition, ep's experts outside it (zero1_fullest_share)
     if full_mode == "zero1":
         partitioned = dense + (experts if layout.ep == 1 else 0.0)
-        stepped = partitioned * zero1_fullest_share(shape, layout, last) + (experts if layout.ep > 1 else 0.0)
+        stepped = (partitioned * zero1_fullest_share(shape, layout, last, optimizer)
+                   + (experts if layout.ep > 1 else 0.0))
     else:
         stepped = dense / shard + experts / expert_shard
     out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * stepped

@@ -9,7 +9,8 @@ Every collective call pays its latency steps: a mode's traffic split over k call
 the alpha term. The calls per step are counted on kiln's own layouts (torch.profiler around a
 step on 2 gloo processes; tests/plan/test_collective_counts.py keeps them equal to
 `StepTime.calls`), not guessed: DDP one all-reduce per 25 MiB bucket; ZeRO-1 those plus one
-broadcast per parameter tensor (torch's ZeroRedundancyOptimizer, parameters_as_bucket_view off);
+broadcast per parameter tensor and per run cut off one (torch's ZeroRedundancyOptimizer,
+parameters_as_bucket_view off, over kiln's partition);
 FSDP2 one all-gather per unit (the blocks and the root) before forward, again before backward
 for every unit but the last block, one reduce-scatter per unit and one all-reduce of the
 gradient norm; TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
@@ -66,8 +67,8 @@ from kiln.plan.cluster import Cluster
 # the communication and pipeline terms live beside this module; re-exported for callers of timing
 from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
 from kiln.plan.diloco import outer_sync_seconds, replica_cluster
-from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, Layout, ModelShape, rank_memory, rank_params,
-                              recomputed_blocks, recomputed_matmul_blocks, resharded_after_forward,
+from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, ZERO1_CUTS, Layout, ModelShape, rank_memory,
+                              rank_params, recomputed_blocks, recomputed_matmul_blocks, resharded_after_forward,
                               zero1_fullest_share)
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
@@ -262,7 +263,10 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             copied += 2 * grad_bytes  # gradients into the buckets and back
             overlappable = compute * 2 / 3 / ga  # only the last micro-batch's backward
             if layout.dp_mode == "zero1":  # a broadcast of each updated parameter, after the step
-                tensors = shape.param_tensors(layout.pp)
+                # ... and of each run kiln's partition cuts (each of the n - 1 boundaries between
+                # ranks' even shares cuts one tensor in two: memory.py zero1_fullest_share)
+                cuts = replicas - 1 if ZERO1_CUTS.get(optimizer, "none") != "none" else 0
+                tensors = shape.param_tensors(layout.pp) + cuts
                 t_b = broadcast(cluster, replicas, 4 * dense, dp_stride, calls=tensors)
                 count("broadcast", tensors, waited=False)
                 exposed += t_b
@@ -315,13 +319,14 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     idle = bubble_fraction(layout, pass_split(shape, layout, seq_len))
     bubble = max(0.0, compute * share * (1 + idle) - compute) if share < 1 else compute * idle
     # The optimizer step reads and writes weights, gradients and state: memory-bandwidth bound.
-    # Each rank steps its partition: zero2/fsdp over the shards, zero1 the fullest rank's whole
-    # tensors (memory.py zero1_fullest_share; the others wait for its broadcasts).
+    # Each rank steps its partition: zero2/fsdp over the shards, zero1 the fullest rank's
+    # (memory.py zero1_fullest_share; the others wait for its broadcasts).
     shard = {"zero2": shards, "fsdp": shards}.get(layout.dp_mode, 1)
     expert_shard = layout.expert_dp if layout.dp_mode in ("zero2", "fsdp") else 1
     if layout.dp_mode == "zero1":
         partitioned = dense + (experts if layout.ep == 1 else 0.0)
-        stepped = partitioned * zero1_fullest_share(shape, layout, fuller_last) + (experts if layout.ep > 1 else 0.0)
+        stepped = (partitioned * zero1_fullest_share(shape, layout, fuller_last, optimizer)
+                   + (experts if layout.ep > 1 else 0.0))
     else:
         stepped = dense / shard + experts / expert_shard
     opt_bytes = stepped * optimizer_step_bytes(optimizer, optimizer_impl)

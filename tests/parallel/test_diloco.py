@@ -422,7 +422,7 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
         losses.append(mean.item() / world)
     params = {n: local(p).detach().clone() for n, p in model.named_parameters()}
     if name == "zero1":  # the partition: each rank of a replica steps part of the tensors
-        assert 0 < sum(p.numel() for g in opt.optim.param_groups for p in g["params"]) < sum(
+        assert 0 < sum(p.numel() for g in opt.dense.optim.param_groups for p in g["params"]) < sum(
             p.numel() for p in model.parameters())
     return (losses, sent, sum(local(p).numel() for p in model.parameters()), [a.clone() for a in diloco.anchor],
             params)

@@ -9,7 +9,7 @@ reference run; tests/parallel/test_expert_pipeline_context.py's MoE settings and
   gradients are divided by the 2 data-parallel ranks in backward (expert_parallel.py). 1F1B.
 - ep2_zero1: 4 replicas, ep = 2, so each expert is replicated on 2 ranks ("edp"), its gradient
   summed there; ZeRO-1 over the dense parameters, a plain AdamW over the experts
-  (data_parallel.py `ZeroRedundancyExceptExperts`).
+  (data_parallel.py `Zero1Optimizer`).
 - ep2_pp2_zero1: 2 stages x 2 replicas under zero1 (GPipe): both of the above in each stage.
 - The zero-bubble schedules (torch's split backward: every stage but the first computes its weight
   gradients in a separate `autograd.grad` pass, where DDP's hooks never fire): no DDP wrapper,
@@ -92,7 +92,7 @@ def replicated_mistake(kind):
 
         return patch_for_one_run(SplitBackwardReplicas, "average", lambda self: None)
     if kind == "lr_not_handed_on":
-        from kiln.parallel.data_parallel import ZeroRedundancyExceptExperts as Split
+        from kiln.parallel.data_parallel import Zero1Optimizer as Split
 
         return patch_for_one_run(Split, "_push_hyperparameters", lambda self: None)
     return lambda: None
@@ -275,10 +275,10 @@ def test_split_optimizer_saves_and_loads_as_a_plain_one(one_rank):
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from kiln.parallel.data_parallel import ZeroRedundancyExceptExperts
+    from kiln.parallel.data_parallel import Zero1Optimizer
 
     model, plain_model = _model_with_experts(0), _model_with_experts(0)
-    split, plain = ZeroRedundancyExceptExperts(_adamw(model), one_rank), _adamw(plain_model)
+    split, plain = Zero1Optimizer(_adamw(model), one_rank), _adamw(plain_model)
     assert isinstance(split.experts.param_groups[0]["params"][0], type(model.experts))
     for s, lr in enumerate([0.01, 0.03, 0.02]):
         _step(model, split, s, lr)
@@ -293,7 +293,7 @@ def test_split_optimizer_saves_and_loads_as_a_plain_one(one_rank):
     model_sd, optim_sd = copy.deepcopy(get_state_dict(model, split))  # as if read back from disk
     assert set(optim_sd["state"]) == {"inp.weight", "inp.bias", "out.weight", "out.bias", "experts"}
     resumed_model = _model_with_experts(1)
-    resumed = ZeroRedundancyExceptExperts(_adamw(resumed_model, lr=0.5), one_rank)
+    resumed = Zero1Optimizer(_adamw(resumed_model, lr=0.5), one_rank)
     set_state_dict(resumed_model, resumed, model_state_dict=model_sd, optim_state_dict=optim_sd)
     other_model = _model_with_experts(2)
     other = _adamw(other_model, lr=0.5)
@@ -308,10 +308,10 @@ def test_split_optimizer_saves_and_loads_as_a_plain_one(one_rank):
 
 
 def test_split_optimizer_refuses_a_state_of_other_groups(one_rank):
-    from kiln.parallel.data_parallel import ZeroRedundancyExceptExperts
+    from kiln.parallel.data_parallel import Zero1Optimizer
 
     model = _model_with_experts(0)
-    split = ZeroRedundancyExceptExperts(_adamw(model), one_rank)
+    split = Zero1Optimizer(_adamw(model), one_rank)
     state = split.state_dict()
     state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:2]
     with pytest.raises(ValueError, match=r"param groups of sizes \[2, 2\], this optimizer \[3, 2\]"):

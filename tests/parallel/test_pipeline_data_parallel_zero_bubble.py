@@ -29,7 +29,7 @@ def step_level(rank, world):
     import torch.distributed as dist
 
     from kiln.parallel import pipeline as pl
-    from kiln.parallel.data_parallel import SplitBackwardReplicas, ZeroRedundancyState, shard_optimizer_state
+    from kiln.parallel.data_parallel import SplitBackwardReplicas, Zero1Optimizer, shard_optimizer_state
     from kiln.parallel.dims import ParallelDims
     from kiln.train.step import train_step
     from kiln.train.trainer import build_model
@@ -75,7 +75,7 @@ def step_level(rank, world):
 
         rows = ddp_pp._train(pl.pipeline_train_step, pipe, model.parameters(), optimizer,
                              [(x[half], y[half]) for x, y in batches])
-        got[name] = {"rows": rows, "averages": len(calls), "zero1": isinstance(optimizers[0], ZeroRedundancyState),
+        got[name] = {"rows": rows, "averages": len(calls), "zero1": isinstance(optimizers[0], Zero1Optimizer),
                      "buckets": len(pipe.replicas.buckets)}
         dist.barrier()
     return got

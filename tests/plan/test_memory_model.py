@@ -60,8 +60,11 @@ def test_sharding_rules_per_mode():
     zero2 = rank_memory(shape, Layout(dp_shard=4, dp_mode="zero2", **base), 32)
     fsdp = rank_memory(shape, Layout(dp_shard=4, dp_mode="fsdp", **base), 32)
     hsdp = rank_memory(shape, Layout(dp_replicate=2, dp_shard=2, dp_mode="fsdp", **base), 32)
-    # ZeRO-1 splits whole tensors (zero1_fullest_share): the fullest rank holds at least 1/4
-    assert ddp.optimizer / 4 < zero1.optimizer < ddp.optimizer and zero1.parameters == ddp.parameters
+    # ZeRO-1 cuts AdamW's tensors to an even 1/4 (zero1_fullest_share); LAMB's stay whole, so the
+    # fullest rank holds more
+    assert zero1.optimizer == pytest.approx(ddp.optimizer / 4) and zero1.parameters == ddp.parameters
+    lamb = rank_memory(shape, Layout(dp_replicate=4, dp_mode="zero1", **base), 32, optimizer="lamb")
+    assert ddp.optimizer / 4 < lamb.optimizer < ddp.optimizer
     assert zero2.gradients == fsdp.gradients == ddp.gradients / 4
     assert fsdp.parameters == ddp.parameters / 4 and hsdp.parameters == ddp.parameters / 2
     assert zero2.temporary > fsdp.temporary  # zero2 keeps every parameter gathered through backward
@@ -147,7 +150,8 @@ def test_data_parallel_over_tensor_parallel_shards():
     assert ddp.parameters == ddp.gradients == tp.parameters == 4 * ((shape.params - norms) / 2 + norms)
     share = zero1_fullest_share(shape, Layout(dp_replicate=4, dp_mode="zero1", **base))
     assert ddp.optimizer == tp.optimizer and zero1.optimizer == pytest.approx(tp.optimizer * share)
-    assert 1 / 4 < share < 1 / 2
+    assert share == pytest.approx(1 / 4)  # AdamW's tensors are cut: even
+    assert 1 / 4 < zero1_fullest_share(shape, Layout(dp_replicate=4, dp_mode="zero1", **base), optimizer="lamb") < 1 / 2
     assert ddp.comm_buffers == tp.gradients  # the local gradients (under 2 x 25 MiB) in buckets
 
 
