@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from torch.profiler import ProfilerActivity, profile
 
-    from kiln.parallel.tensor_parallel import parallel_chunked_lm_loss, parallel_lm_loss
+    from kiln.parallel.functional import parallel_chunked_lm_loss, parallel_lm_loss
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)

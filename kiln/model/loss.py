@@ -22,7 +22,7 @@ rows per chunk, then log-sum-exp over the ranks and a sum, gives every rank the 
 values (one collective per chunk instead of Megatron's max / sum-exp / target all-reduces; the
 per-rank log-sum-exps keep it as stable as a global max shift). The returned hidden gradient is
 this rank's partial sum (its vocabulary rows only): the caller sums it over the group, and the
-weight gradient is this rank's shard's. kiln/parallel/tensor_parallel.py `parallel_chunked_lm_loss`
+weight gradient is this rank's shard's. kiln/parallel/functional.py `parallel_chunked_lm_loss`
 does the layout around it (the sequence-sharded hidden gathered, its gradient reduce-scattered).
 """
 

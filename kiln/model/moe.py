@@ -139,10 +139,10 @@ def grouped_mm_runs(x: torch.Tensor, w1: torch.Tensor) -> bool:
 def cp_sp_pieces(seq_len: int, cp: int, sp: int, cp_rank: int, sp_rank: int) -> list[int]:
     """Which pieces of a sequence (in sequence order, pieces of gcd(chunk, slice) tokens) the rank
     (cp_rank, sp_rank) holds, in the order it holds them, when context parallelism gives cp rank r
-    the zig-zag chunks (r, 2cp-1-r) of 2cp (kiln/parallel/context_parallel.py `zigzag_chunks`),
+    the zig-zag chunks (r, 2cp-1-r) of 2cp (kiln/parallel/functional.py `zigzag_chunks`),
     concatenated, and tp's sequence parallelism gives tp rank t the contiguous t-th of `sp` equal
     slices of that (parallel.etp=1 with cp: a slice may span both chunks when sp is odd)."""
-    from kiln.parallel.context_parallel import zigzag_chunks
+    from kiln.parallel.functional import zigzag_chunks
 
     chunk, slice_len = seq_len // (2 * cp), seq_len // (cp * sp)
     piece = math.gcd(chunk, slice_len)
@@ -186,7 +186,7 @@ class MoE(nn.Module):
             weight = self.router.weight  # tensor parallel: replicated, a DTensor
             weight = weight.to_local() if isinstance(weight, DTensor) else weight
             if self.sp_mesh is not None:  # each tp rank routes other tokens: its gradient is partial
-                from kiln.parallel.tensor_parallel import sum_grad_over_tp
+                from kiln.parallel.functional import sum_grad_over_tp
 
                 weight = sum_grad_over_tp(weight, self.sp_mesh)
             logits = F.linear(x.float(), weight.float())  # (B, T, E) fp32
@@ -293,7 +293,7 @@ class MoE(nn.Module):
         if self.tp_mesh is not None:
             # The experts see a slice of the hidden units: the gradients they send back to their
             # replicated inputs (tokens and gates) are partial sums, all-reduced over tp.
-            from kiln.parallel.tensor_parallel import sum_grad_over_tp
+            from kiln.parallel.functional import sum_grad_over_tp
 
             x_experts = sum_grad_over_tp(x, self.tp_mesh)
         token, gate, kept, counts, rows = self.sort_by_expert(x, x_experts)
@@ -305,7 +305,7 @@ class MoE(nn.Module):
             # leave them undefined, and a product would carry a NaN into the gradients).
             y = torch.where(mask, self.experts(torch.where(mask, rows, 0), counts), 0)
         else:  # the dropped rows (last) stay home and come back as zeros
-            from kiln.parallel.expert_parallel import dispatch_and_combine
+            from kiln.parallel.functional import dispatch_and_combine
 
             y = dispatch_and_combine(rows, counts, self.experts, self.ep_group)
         return self.weighted_sum(y, token, gate, x)

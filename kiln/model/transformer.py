@@ -327,7 +327,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if self.loss_impl == "chunked" and targets is not None:
             if isinstance(self.output.weight, DTensor):  # tensor parallel: the head sharded on the vocabulary
-                from kiln.parallel.tensor_parallel import parallel_chunked_lm_loss
+                from kiln.parallel.functional import parallel_chunked_lm_loss
 
                 loss = parallel_chunked_lm_loss(h, self.output.weight, targets)
             else:
@@ -337,7 +337,7 @@ class Transformer(nn.Module):
             if isinstance(logits, DTensor):  # tensor parallel: logits sharded on the vocabulary
                 if targets is None:
                     return logits.full_tensor()
-                from kiln.parallel.tensor_parallel import parallel_lm_loss
+                from kiln.parallel.functional import parallel_lm_loss
 
                 loss = parallel_lm_loss(logits, targets)
             elif targets is None:

@@ -47,6 +47,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from kiln import torch_compat
 from kiln.errors import ConfigError
+from kiln.parallel.functional import zigzag_chunks
 
 
 def check_cp_seq_len(cp: int, seq_len: int) -> None:
@@ -55,11 +56,6 @@ def check_cp_seq_len(cp: int, seq_len: int) -> None:
         raise ConfigError(f"data.seq_len={seq_len} is not divisible by 2*parallel.cp={2 * cp} (zig-zag "
                           f"context parallel splits each sequence into 2*cp equal chunks); change "
                           f"data.seq_len or parallel.cp")
-
-
-def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
-    """The two chunk indices (of 2*cp) that cp rank `rank` holds."""
-    return rank, 2 * cp - 1 - rank
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:

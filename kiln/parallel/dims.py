@@ -114,7 +114,7 @@ class ParallelDims:
         blocks as an opaque op (kiln/parallel/context_parallel.py). Tensor parallelism splits
         attention heads, KV heads and FFN hidden units over the tp ranks, the sequence between blocks
         (sequence parallel), and computes the loss on vocab-sharded logits (train.loss='chunked': in
-        chunks of tokens, kiln/parallel/tensor_parallel.py parallel_chunked_lm_loss)."""
+        chunks of tokens, kiln/parallel/functional.py parallel_chunked_lm_loss)."""
         if cfg.model.moe_experts and cfg.train.compile and not torch_compat.dynamo_traces_data_dependent_splits():
             raise ConfigError(f"train.compile=true with model.moe_experts={cfg.model.moe_experts} needs a torch "
                               f"whose dynamo compiles the per-expert loop (>= 2.10; this is {torch.__version__}); "

@@ -6,6 +6,8 @@ torchtitan uses; differentiable: its backward is the reverse all-to-all, so expe
 back to the ranks whose tokens produced them);
 the plain `torch.distributed.all_to_all_single` exchanges the per-expert counts. The routing,
 sorting and regrouping around them are kiln's (torchtitan does the same exchange of counts first).
+The exchange the MoE block calls in its forward is kiln/parallel/functional.py
+`dispatch_and_combine`; this module lays the experts out and reduces their gradients.
 
 Gradients. Each rank's loss is the mean over its own tokens, and data parallelism averages the
 dense gradients over all D data-parallel ranks. An expert on ep rank q receives, through the
@@ -75,7 +77,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -227,35 +228,6 @@ def _reduce_(grad: torch.Tensor, dp_size: int, replica_group) -> None:
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters that differ between ep ranks (the local experts)."""
     return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
-
-
-def dispatch_and_combine(rows: torch.Tensor, counts: torch.Tensor, experts, group) -> torch.Tensor:
-    """rows: this rank's routed token copies sorted by global expert, `counts[e]` for expert e,
-    the dropped ones after them (MoE.sort_by_expert). Returns the experts' outputs for those rows,
-    in the same order, zeros for the dropped ones (which never leave this rank)."""
-    ep = dist.get_world_size(group)
-    n_local = experts.n_local
-    # counts_in[s * n_local + e]: rows that rank s sends to local expert e.
-    counts_in = torch.empty_like(counts)
-    dist.all_to_all_single(counts_in, counts, group=group)
-    # Split sizes must be host ints: one host read per MoE layer (as in every all-to-all MoE).
-    recv_matrix = counts_in.view(ep, n_local)
-    send_splits, recv_splits = torch.stack([counts.view(ep, n_local).sum(1), recv_matrix.sum(1)]).tolist()
-    sent = sum(send_splits)
-    received = funcol.all_to_all_single_autograd(rows[:sent], recv_splits, send_splits, group)
-    out = _expert_outputs(received, counts_in, recv_matrix.sum(0), experts)
-    back = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
-    return torch.cat([back, back.new_zeros(rows.shape[0] - sent, back.shape[1])])
-
-
-def _expert_outputs(received: torch.Tensor, counts_in: torch.Tensor, per_expert: torch.Tensor, experts) -> torch.Tensor:
-    """The local experts on the received rows, which come grouped by source rank, then expert:
-    regrouped by local expert for them, and back to the order received."""
-    n_local = per_expert.shape[0]
-    local_expert = torch.arange(n_local, device=received.device).repeat(counts_in.shape[0] // n_local)
-    order = torch.argsort(local_expert.repeat_interleave(counts_in, output_size=received.shape[0]), stable=True)
-    out_sorted = experts(received[order], per_expert)
-    return torch.empty_like(out_sorted).index_copy(0, order, out_sorted)
 
 
 @torch.no_grad()

@@ -284,7 +284,7 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
         # model: each chunk is one graph (embedding, its blocks, and on the last stage the head, with
         # train.loss = "chunked" the loss too; the schedule's full loss stays eager). Under tp the
         # graph holds the blocks and the vocab-sharded head; the embedding (keep_tp_embedding_eager)
-        # and the loss under loss_parallel (tensor_parallel.parallel_lm_loss: dynamo traces it
+        # and the loss under loss_parallel (functional.parallel_lm_loss: dynamo traces it
         # without loss_parallel's context, "got mixed torch.Tensor and DTensor") run eagerly around it.
         for root in getattr(model, "chunks", [model]):
             keep_tp_embedding_eager(root)

@@ -142,7 +142,7 @@ class Pipeline:
         if self.chunked_loss:
             return output
         if self.tp > 1:
-            from kiln.parallel.tensor_parallel import parallel_lm_loss
+            from kiln.parallel.functional import parallel_lm_loss
 
             return parallel_lm_loss(output, target)
         return lm_loss(output, target)

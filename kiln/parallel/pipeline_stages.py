@@ -186,7 +186,7 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     as one process's whole-model compile does. The head weight is the tied copy's under tied
     embeddings (pipeline_tied.py)."""
     if isinstance(weight, DTensor):
-        from kiln.parallel.tensor_parallel import parallel_chunked_lm_loss
+        from kiln.parallel.functional import parallel_chunked_lm_loss
 
         return parallel_chunked_lm_loss(hidden, weight, targets)
     return chunked_lm_loss(hidden, weight, targets)

@@ -2,8 +2,10 @@
 
 Everything here is torch's DTensor API (`parallelize_module` with ColwiseParallel /
 RowwiseParallel / SequenceParallel / PrepareModuleInput, and `loss_parallel`); kiln's own code is
-the plan (which module gets which style, following torchtitan's Llama plan) and the autograd
-wrapper that keeps the loss's backward inside `loss_parallel` without the caller knowing.
+the plan (which module gets which style, following torchtitan's Llama plan) and, in
+kiln/parallel/functional.py (what the model itself calls), the autograd wrapper that keeps the
+loss's backward inside `loss_parallel` without the caller knowing (`parallel_lm_loss`) and the
+gradient sum over tp of replicated inputs to sharded experts (`sum_grad_over_tp`).
 
 Layout of the residual stream: sharded on the sequence (Shard(1)) between the blocks, as plain
 local tensors. Norms and dropout run on the local sequence shard (SP); attention and the MLP
@@ -15,7 +17,7 @@ dim 0 of the (seq, dim) lookup, which is exactly the local sequence shard of the
 tables stay replicated: attention sees the whole sequence. The LM head is column-wise: logits
 stay sharded on the vocabulary (a DTensor) and the cross-entropy runs under `loss_parallel`, so no
 rank ever holds the full (tokens x vocab) logits. With train.loss='chunked' the head's weight shard
-goes to kiln/model/loss.py's vocab-parallel chunked loss instead (`parallel_chunked_lm_loss`), so no
+goes to kiln/model/loss.py's vocab-parallel chunked loss instead (functional.py `parallel_chunked_lm_loss`), so no
 rank holds more than one chunk of tokens' logits slice either.
 
 Mixture-of-experts blocks (kiln/model/moe.py) get `MoETensorParallel` instead of the dense MLP's
@@ -52,17 +54,14 @@ from __future__ import annotations
 
 import sys
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+                                               SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from kiln import torch_compat
-from kiln.model.loss import CHUNK_TOKENS, IGNORE_INDEX, chunked_lm_loss
 from kiln.model.moe import MoE
 
 
@@ -154,13 +153,6 @@ def tp_plan(model: nn.Module, shard_experts: bool = True) -> dict[str, object]:
     return plan
 
 
-def sum_grad_over_tp(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
-    """`t` unchanged; its gradient summed over the tp ranks (Megatron's "f" operator), for a
-    replicated tensor read by a computation whose weights are sharded. DTensor's own rules: a
-    Replicate tensor whose local gradient is declared Partial is all-reduced in backward."""
-    return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
-
 class MoETensorParallel(ParallelStyle):
     """TP style for an `MoE` block under sequence parallel: input Shard(1) -> gathered, router
     replicated, experts sharded on their hidden dim, output partial -> reduce-scattered to Shard(1).
@@ -237,55 +229,3 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_experts: bool = True) 
                     isinstance(param, DTensor) and param.placements != other.placements):
                 raise ValueError(f"tensor parallel shards the shared parameter {first} and {name} differently")
             setattr(module, attr, param)
-
-
-class _LossParallel(torch.autograd.Function):
-    """Mean cross-entropy of vocab-sharded logits. Forward computes the loss and its gradient
-    under `loss_parallel` (torch's sharded log-softmax / nll handlers need the context in backward
-    too, and the step calls backward outside the model); backward scales the saved gradient."""
-
-    @staticmethod
-    def forward(ctx, logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad(), loss_parallel():
-            leaf = logits.detach().requires_grad_()
-            loss = F.cross_entropy(leaf.float().flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
-            (grad,) = torch.autograd.grad(loss, leaf)
-        ctx.save_for_backward(grad)
-        return loss.to_local().detach()
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        local = grad.to_local() * grad_output  # grad_output: a plain scalar, the same on every rank
-        return DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape,
-                                  stride=grad.stride()), None
-
-
-@torch.compiler.disable  # dynamo traces the loss without loss_parallel's context (mixed Tensor/DTensor)
-def parallel_lm_loss(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss (a plain replicated scalar) of logits sharded on the vocabulary; eager
-    under a whole-model compile (parallelize.apply_compile)."""
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _LossParallel.apply(logits, targets)
-    with loss_parallel():  # eval: no gradient to keep
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1),
-                               ignore_index=IGNORE_INDEX).to_local()
-
-
-def parallel_chunked_lm_loss(hidden: torch.Tensor, weight: DTensor, targets: torch.Tensor,
-                             chunk: int = CHUNK_TOKENS) -> torch.Tensor:
-    """`train.loss = "chunked"` under tp: the mean next-token loss (a plain replicated scalar) of
-    the column-wise head `weight` (Shard(0) on the tp mesh: vocabulary rows) over the hidden states
-    `hidden`, this rank's sequence shard (Shard(1), as the head's ColwiseParallel input), without
-    the (tokens x vocab/tp) fp32 logits. The layout is the head's own, by DTensor: the sequence is
-    all-gathered and the partial hidden gradient of each rank's vocabulary rows reduce-scattered
-    back to the sequence shard; the chunked vocab-parallel cross-entropy is kiln/model/loss.py's."""
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or weight.placements != (Shard(0),):
-        raise ValueError(f"the chunked tp loss wants the head weight Shard(0) on a 1-D tp mesh, got "
-                         f"{weight.placements} on {mesh}")
-    full = (DTensor.from_local(hidden, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
-            .to_local(grad_placements=[Partial()]))
-    _, offset = torch_compat.shard_size_and_offset(weight.shape[0], mesh.size(), mesh.get_local_rank())
-    return chunked_lm_loss(full, weight.to_local(), targets, chunk, vocab_offset=offset, group=mesh.get_group(),
-                           vocab_size=weight.shape[0])

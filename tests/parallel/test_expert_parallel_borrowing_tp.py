@@ -62,9 +62,9 @@ def deliberate_mistake(kind):
         saved = xp._scaled_grad  # edp / D = 1 -> 1 / ep
         return patch_for_one_run(xp, "_scaled_grad", lambda grad, factor: saved(grad, factor / 2))
     if kind == "router_grad_not_summed":  # MoE looks the helper up at call time
-        from kiln.parallel import tensor_parallel as tp
+        from kiln.parallel import functional
 
-        return patch_for_one_run(tp, "sum_grad_over_tp", lambda t, mesh: t)
+        return patch_for_one_run(functional, "sum_grad_over_tp", lambda t, mesh: t)
     if kind == "capacity_per_tp_shard":
         from kiln.model.moe import MoE
 

@@ -50,9 +50,9 @@ def overrides(text_file, shards, name):
 def deliberate_mistake(kind):
     """Patch one deliberate mistake into this process; returns the undo."""
     if kind == "tp_input_grad_not_summed":  # MoE looks the helper up at call time
-        from kiln.parallel import tensor_parallel as tp
+        from kiln.parallel import functional
 
-        return patch_for_one_run(tp, "sum_grad_over_tp", lambda t, mesh: t)
+        return patch_for_one_run(functional, "sum_grad_over_tp", lambda t, mesh: t)
     if kind == "experts_divided_by_ep_x_tp":  # the hook is bound when the experts are parallelized
         from kiln.parallel import expert_parallel as xp
 

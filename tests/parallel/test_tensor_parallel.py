@@ -142,27 +142,27 @@ def _drop_norm_sequence_parallel(plan):
 def _without_moe_grad_sum():
     # The expert-TP bug: the replicated tokens and gates get only this rank's hidden units' share
     # of their gradient (no all-reduce over tp), so the router and earlier layers learn wrongly.
-    from kiln.parallel import tensor_parallel
+    from kiln.parallel import functional
 
-    saved = tensor_parallel.sum_grad_over_tp
-    tensor_parallel.sum_grad_over_tp = lambda t, mesh: t
+    saved = functional.sum_grad_over_tp
+    functional.sum_grad_over_tp = lambda t, mesh: t
     try:
         yield
     finally:
-        tensor_parallel.sum_grad_over_tp = saved
+        functional.sum_grad_over_tp = saved
 
 
 @contextlib.contextmanager
 def _small_loss_chunks():
     # Several chunks (the last one short) in the tiny models' 32 tokens.
-    from kiln.parallel import tensor_parallel
+    from kiln.parallel import functional
 
-    saved = tensor_parallel.parallel_chunked_lm_loss
-    tensor_parallel.parallel_chunked_lm_loss = functools.partial(saved, chunk=LOSS_CHUNK)
+    saved = functional.parallel_chunked_lm_loss
+    functional.parallel_chunked_lm_loss = functools.partial(saved, chunk=LOSS_CHUNK)
     try:
         yield
     finally:
-        tensor_parallel.parallel_chunked_lm_loss = saved
+        functional.parallel_chunked_lm_loss = saved
 
 
 @contextlib.contextmanager
@@ -202,7 +202,7 @@ def _vocab_parallel_math(rank, world, mesh):
     gradient of 3, the gradients gathered whole (the same on every rank)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from kiln.parallel.tensor_parallel import parallel_chunked_lm_loss
+    from kiln.parallel.functional import parallel_chunked_lm_loss
 
     hidden, weight, targets = math_inputs()
     seq = SEQ // world
