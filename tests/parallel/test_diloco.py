@@ -625,21 +625,48 @@ def continued_exactly(root, run: str, layout: str) -> None:
     assert {n for n in names if n.startswith("diloco") or n == "app"} == {"app", "diloco_rank1", "diloco", layout}
 
 
-# ---- pp, cp and ep in one replica (the one 8-rank launch): 2 replicas x pp 2 (1F1B) x cp 2 with
+# ---- pp, cp and ep in one replica (the one 8-rank launch, with the trainer's resume): 2 replicas x pp 2 (1F1B) x cp 2 with
 # ep 2 carved from cp (MoE, dp_mode auto = ddp over cp)
 LAYOUTS["pp_cp_ep"] = {"pp": 2, "pp_schedule": "1f1b", "cp": 2, "ep": 2}
 FIELDS["pp_cp_ep"] = {"n_layers": 2, **FIELDS["ep"]}
 
 
-def pp_cp_ep_ranks(rank, world):
+def pp_cp_ep_ranks(rank, world, root, sets):
+    """Against the definition; then kiln's trainer, uninterrupted and its step-3 checkpoint
+    (between outer syncs) continued in a copy."""
+    from pathlib import Path
+
+    import kiln.train.trainer as trainer
+    from kiln.config import load_config
+    from ranks import continue_in_copy
+
     losses, sent, n_local, anchor, _ = split_replica_run("pp_cp_ep", rank, STEPS, world=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    trainer.train(load_config(None, sets), Path(root) / "pp_cp_ep_whole")
+    continue_in_copy(Path(root) / "pp_cp_ep_whole", RESUME_AT, Path(root) / "pp_cp_ep_resumed", sets)
     return losses, sent, n_local
 
 
-@pytest.mark.timeout(300)
-def test_pipelined_context_and_expert_parallel_replicas_match_the_definition(tmp_path):
-    runs = run_ranks(pp_cp_ep_ranks, 8, tmp_path, timeout=240)
+@pytest.fixture(scope="module")
+def pp_cp_ep_root(tmp_path_factory, text_file):
+    root = tmp_path_factory.mktemp("diloco-pp-cp-ep")
+    (root / "work").mkdir()
+    sets = resume_overrides(text_file, root / "shards") + [
+        "model.n_layers=2", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=0.0",
+        "parallel.dp_replicate=2", "parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.cp=2", "parallel.ep=2"]
+    return root, run_ranks(pp_cp_ep_ranks, 8, root / "work", str(root), sets, timeout=400)
+
+
+@pytest.mark.timeout(500)
+def test_pipelined_context_and_expert_parallel_replicas_match_the_definition(pp_cp_ep_root):
     expected = simulated(**FIELDS["pp_cp_ep"])
-    for rank, (losses, sent, n_local) in enumerate(runs):
+    for rank, (losses, sent, n_local) in enumerate(pp_cp_ep_root[1]):
         assert losses == pytest.approx(expected, rel=REL), (rank, losses, expected)
         assert sent == [4 * n_local] * (STEPS // H)  # one all-reduce of its own shards per outer step
+
+
+@pytest.mark.timeout(500)
+def test_pipelined_context_and_expert_parallel_replicas_resume_between_outer_syncs_exactly(pp_cp_ep_root):
+    # 2 replicas x pp 2 x cp 2 with ep 2 = cp through kiln's trainer: each stage's anchor, each
+    # replica's moments and experts continued bit for bit past the outer sync at step 4.
+    continued_exactly(pp_cp_ep_root[0], "pp_cp_ep", "diloco_layout_2x1x1_pp2_cp2_ep2")
