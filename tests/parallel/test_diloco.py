@@ -625,8 +625,8 @@ def continued_exactly(root, run: str, layout: str) -> None:
     assert {n for n in names if n.startswith("diloco") or n == "app"} == {"app", "diloco_rank1", "diloco", layout}
 
 
-# ---- pp, cp and ep in one replica (the one 8-rank launch, with the trainer's resume): 2 replicas x pp 2 (1F1B) x cp 2 with
-# ep 2 carved from cp (MoE, dp_mode auto = ddp over cp)
+# ---- pp, cp and ep in one replica (the one 8-rank launch, with the trainer's resume): 2 replicas x
+# pp 2 (1F1B) x cp 2 with ep 2 carved from cp (MoE, dp_mode auto = ddp over cp)
 LAYOUTS["pp_cp_ep"] = {"pp": 2, "pp_schedule": "1f1b", "cp": 2, "ep": 2}
 FIELDS["pp_cp_ep"] = {"n_layers": 2, **FIELDS["ep"]}
 
