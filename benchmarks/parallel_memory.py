@@ -116,7 +116,7 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, r
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from kiln.config import load_config
     from kiln.parallel.data_parallel import shard_optimizer_state
-    from kiln.parallel.diloco import DiLoCo
+    from kiln.parallel.diloco import DiLoCo, replicated_group
     from kiln.parallel.dims import ParallelDims
     from kiln.train.optim import build_optimizer
     from kiln.train.trainer import build_model
@@ -146,8 +146,10 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, r
     else:
         optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
         if row.kind == "diloco":
+            across = dims.mesh["dp_replicate"] if dims.dp_replicate > 1 else None  # as kiln's trainer
             diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
-                            cfg.parallel.diloco_outer_momentum)
+                            cfg.parallel.diloco_outer_momentum, group=across.get_group() if across else None,
+                            inside=replicated_group(dims))
     x, y = tokens[first:first + per_rank, :-1], tokens[first:first + per_rank, 1:]
 
     def dp_step() -> tuple[int, int]:

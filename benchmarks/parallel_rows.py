@@ -81,6 +81,9 @@ def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_st
         if n == 2:
             out.append(Row("diloco", n, "diloco", ("parallel.dp_mode='ddp'",
                                                    f"parallel.diloco_inner_steps={diloco_steps}")))
+        if n == 4:  # 2 replicas of DDP over 2 ranks: each rank sends half its parameters across
+            out.append(Row("diloco_ddp", n, "diloco", ("parallel.dp_mode='ddp'", "parallel.dp_replicate=2",
+                                                       f"parallel.diloco_inner_steps={diloco_steps}")))
         # tp must divide the heads: the 6-head benchmark model runs tp=4 with 8 heads (the same
         # parameters and FLOPs: attention's weights and work depend on dim, not on the head count).
         tp_heads = n * -(-heads // n)

@@ -92,6 +92,9 @@ def layout_for(mode: str, world: int, batch: int, diloco_inner_steps: int = 0) -
     if mode == "diloco":
         return Layout(dp_replicate=world, dp_shard=1, dp_mode="ddp", micro_batch=per_rank, precision="fp32",
                       diloco_inner_steps=diloco_inner_steps)
+    if mode == "diloco_ddp":  # parallel_rows.py: 2 replicas of DDP over world / 2 ranks
+        return Layout(dp_replicate=2, dp_shard=world // 2, dp_mode="ddp", micro_batch=per_rank, precision="fp32",
+                      diloco_inner_steps=diloco_inner_steps)
     if mode == "tp":
         return Layout(tp=world, micro_batch=batch, precision="fp32")
     if mode == "cp":
@@ -179,7 +182,7 @@ def main() -> None:
         # pipeline runs untie the embeddings (parallel_memory.py MODEL_PARALLEL): their own shape
         case_shape = untied if m.startswith("pp_") and family == "dense" else family_shape[family]
         # parallel_memory.py runs optim.implementation='foreach'
-        inner_steps = int(ranks[0].get("sync_every", run_args.get("diloco_inner_steps", 8))) if m == "diloco" else 0
+        inner_steps = int(ranks[0].get("sync_every", run_args.get("diloco_inner_steps", 8))) if m.startswith("diloco") else 0
         cases.append(Measurement(f"{m} x{w}", case_shape, layout_for(m, w, batch, inner_steps), seq, step_s, "adamw",
                                  "foreach"))
         spreads[cases[-1].name] = run.get("step_s_spread", 0.0)

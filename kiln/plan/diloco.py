@@ -65,7 +65,8 @@ def check_islands(cluster: Cluster, diloco_inner_steps: int) -> int:
 
 def replica_cluster(cluster: Cluster, layout: Layout) -> Cluster:
     """The part of `cluster` one replica of `layout` runs on: one island, or without islands the
-    nodes its consecutive ranks fill."""
+    nodes its consecutive ranks fill, with their share of a node's cores where processes
+    time-share them (`cores_per_node`: a node holding ranks of several replicas)."""
     replicas = layout.dp_replicate
     if cluster.islands > 1:
         if replicas != cluster.islands:
@@ -73,7 +74,11 @@ def replica_cluster(cluster: Cluster, layout: Layout) -> Cluster:
                             f"one replica on each island")
         return dataclasses.replace(cluster, nodes=cluster.nodes_per_island, islands=1)
     ranks = layout.replica.world_size
-    return dataclasses.replace(cluster, nodes=max(1, math.ceil(ranks / cluster.gpus_per_node)))
+    replica = dataclasses.replace(cluster, nodes=max(1, math.ceil(ranks / cluster.gpus_per_node)))
+    if cluster.cores_per_node > 0:  # CPU processes time-share a node's cores with the other replicas' there
+        here = min(layout.world_size, cluster.gpus_per_node)
+        replica.cores_per_node = cluster.cores_per_node * min(ranks, cluster.gpus_per_node) / here
+    return replica
 
 
 def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float) -> float:

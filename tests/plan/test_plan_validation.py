@@ -38,8 +38,9 @@ def test_search_best_plan_never_worse_than_best_run_within_the_measured_spread(w
         f"{row['best_measured']} {row['best_measured_s']:.3f} s (spread {tol:.0%})")
 
 
-@pytest.mark.xfail(strict=True, reason="82 of 84 pairs: pp_1f1b x4 measured 5% faster than ddp x4 and 7% faster "
-                   "than zero1 x4 (spreads 1%, 3%, 3%), predicted 8% and 6% slower: the model charges each pipeline "
+@pytest.mark.xfail(strict=True, reason="89 of 92 pairs: pp_1f1b x4 measured 5% faster than ddp x4, 7% faster "
+                   "than zero1 x4 and 5% faster than diloco_ddp x4 (spreads 1%, 3%, 3%, 3%), predicted 8%, 6% and "
+                   "10% slower: the model charges each pipeline "
                    "send/receive the launch cost fitted mostly to FSDP's waited-on collectives (24 per step at 4 "
                    "processes) and times micro-batch 1 low on the efficiency curve; not yet modelled apart")
 def test_layouts_apart_by_more_than_their_spread_are_predicted_in_measured_order():
@@ -78,7 +79,16 @@ def test_the_misordered_pairs_are_the_ones_the_xfail_names():
     """The strict xfail above names this one; a change that fixes or breaks another pair must
     update its reason (and benchmarks/README.md, "Planner accuracy")."""
     wrong = {(p["faster"], p["slower"]) for p in _data()["ordering"] if p["predicted_gap"] <= 0}
-    assert wrong == {("pp_1f1b x4", "ddp x4"), ("pp_1f1b x4", "zero1 x4")}
+    assert wrong == {("pp_1f1b x4", "ddp x4"), ("pp_1f1b x4", "zero1 x4"), ("pp_1f1b x4", "diloco_ddp x4")}
+
+
+def test_the_diloco_rows_are_validated():
+    """DiLoCo with every rank a replica (x2) and with DDP over 2 ranks inside each of 2 replicas
+    (x4): state at rest exact (the anchor and momentum split by the replica's ranks), step time
+    within the target."""
+    rows = {r["layout"]: r for r in _data()["rows"]}
+    for name in ("diloco x2", "diloco_ddp x4"):
+        assert rows[name]["memory_error"] == pytest.approx(0, abs=1e-3) and abs(rows[name]["time_error"]) <= 0.25
 
 
 def test_the_tp_replica_rows_are_validated():
