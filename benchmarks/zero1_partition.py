@@ -1,5 +1,5 @@
 """ZeRO-1's fullest rank at scale: torch's ZeroRedundancyOptimizer partition (whole tensors, largest
-first, group by group) against kiln's (kiln/parallel/zero1.py `partition`: elementwise updates cut
+first, group by group) against kiln's (kiln/parallel/zero1_partition.py `partition`: elementwise updates cut
 to an even share per rank; whole tensors, largest first across every group, where the update reads
 them whole), for AdamW (every tensor cut), Muon (its orthogonalized matrices whole, the rest cut)
 and LAMB (nothing cut), on real kiln models of the configs' shapes, with kiln plan's prediction

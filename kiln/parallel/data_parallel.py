@@ -28,7 +28,7 @@ Which torch API does what (nothing here is a hand-written collective):
   zero1 -> ddp + torch.distributed.optim.ZeroRedundancyOptimizer (each rank keeps and steps the
            optimizer state of its partition of the parameters, then broadcasts the new values)
            over kiln's partition: an even share of the elements per rank, tensors cut into runs
-           where the update is elementwise (kiln/parallel/zero1.py `partition`); under parallel.tp
+           where the update is elementwise (kiln/parallel/zero1_partition.py `partition`); under parallel.tp
            a DTensor through a plain parameter aliasing its local shard (torch's ZeRO cannot
            broadcast DTensors); under parallel.ep a plain optimizer of the same class over the
            experts (`Zero1Optimizer`: its state_dict is a plain optimizer's, with DTensors)

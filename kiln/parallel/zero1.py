@@ -4,7 +4,8 @@ replicas, in the forms kiln's trainer and DCP checkpoints need. kiln/parallel/da
 
 torch's: torch.distributed.optim.ZeroRedundancyOptimizer (the per-rank step, the broadcasts of
 the new values, state consolidation). kiln's:
-- the partition (`partition`): each rank an even share of the elements, not of whole tensors.
+- the partition (kiln/parallel/zero1_partition.py `partition`, which kiln plan runs too): each
+  rank an even share of the elements, not of whole tensors.
   torch's ZeRO gives whole tensors to ranks, largest first, so a tensor larger than a rank's even
   share (the embedding) leaves its rank above it however the others are filled: at 8 ranks
   configs/llama-1b.toml's embedding alone is 1.70 x the even share, at 64 ranks
@@ -22,9 +23,7 @@ the new values, state consolidation). kiln's:
 
 from __future__ import annotations
 
-import heapq
 import inspect
-import math
 
 import torch
 import torch.distributed as dist
@@ -33,57 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from kiln.errors import ConfigError
-
-
-def partition(sizes: list[int], cuttable: list[bool], ranks: int) -> list[list[tuple[int, int, int]]]:
-    """Each tensor's runs `(start, end, rank)` over its flat elements. The tensors that are not
-    `cuttable` go whole, largest first, each to the rank holding the fewest elements so far (ties
-    to the lowest rank); the cuttable ones, in their order, are one flat sequence cut to bring the
-    emptiest ranks up to one level (rank order). With every tensor cuttable rank r holds elements
-    [r T / n, (r + 1) T / n) of the concatenation (within one element). kiln/plan/memory.py
-    `zero1_fullest_share` predicts the fullest rank from the same rule."""
-    out: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
-    held = [0] * ranks
-    heap = [(0, rank) for rank in range(ranks)]
-    for i in sorted((i for i, c in enumerate(cuttable) if not c), key=lambda i: -sizes[i]):  # stable
-        elements, rank = heapq.heappop(heap)
-        heapq.heappush(heap, (elements + sizes[i], rank))
-        held[rank] += sizes[i]
-        out[i] = [(0, sizes[i], rank)]
-    rest = [i for i, c in enumerate(cuttable) if c]
-    room = _room_to_level(held, sum(sizes[i] for i in rest))
-    rank = 0
-    for i in rest:
-        start = 0
-        while start < sizes[i]:
-            while room[rank] == 0:
-                rank += 1
-            take = min(room[rank], sizes[i] - start)
-            out[i].append((start, start + take, rank))
-            room[rank] -= take
-            start += take
-        if sizes[i] == 0:
-            out[i] = [(0, 0, 0)]
-    return out
-
-
-def _room_to_level(held: list[int], total: int) -> list[int]:
-    """Elements per rank, `total` in all, that bring the ranks holding fewest up to one level
-    (water filling); the remainder of an uneven division goes one each to the lowest ranks."""
-    if total == 0:
-        return [0] * len(held)
-    order = sorted(held)
-    for k in range(1, len(order) + 1):  # the k emptiest ranks are filled, up to `level`
-        level = (total + sum(order[:k])) / k
-        if k == len(order) or level <= order[k]:
-            break
-    room = [max(0, math.floor(level) - h) for h in held]
-    short = total - sum(room)
-    for rank, h in enumerate(held):
-        if short and h < level:
-            room[rank] += 1
-            short -= 1
-    return room
+from kiln.parallel.zero1_partition import partition
 
 
 class ZeroRedundancyState(ZeroRedundancyOptimizer):
@@ -295,7 +244,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             if name == "experts":
                 parts["experts"]["state"][i] = value
                 continue
-            for position, piece_state in zip(self._positions[i], self._dense[i].split(value, self._rank)):
+            for position, piece_state in zip(self._positions[i], self._dense[i].split(value, self._rank, key)):
                 parts["dense"]["state"][position] = piece_state
         for mine, saved, index in zip(self.param_groups, loaded, self._group_index):
             values = {k: v for k, v in saved.items() if k != "params"}
@@ -375,12 +324,18 @@ class _DenseParam:
                      for k, v in state.items()}
         return state
 
-    def split(self, state: dict, rank: int) -> list[dict]:
-        """A saved state of the parameter as its pieces' (the runs this rank steps copied out of it,
-        scalar tensors such as Adam's step copied per piece: each piece steps its own)."""
+    def split(self, state: dict, rank: int, name: object = "") -> list[dict]:
+        """A saved state of the parameter (`name`, its key in the loaded dict) as its pieces' (the
+        runs this rank steps copied out of it, scalar tensors such as Adam's step copied per piece:
+        each piece steps its own). A cut parameter's optimizer is elementwise: every other state
+        tensor must have the parameter's shape, else one line says which does not."""
         state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
         if not self.cut:
             return [state]
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != self.shape:
+                raise ValueError(f"optimizer state {name!r}, {k!r}: a tensor of shape {tuple(v.shape)}, expected "
+                                 f"{tuple(self.shape)} (the parameter's) or a scalar")
         out = []
         for a, b, owner in self.runs:
             piece = {}

@@ -64,10 +64,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 from dataclasses import dataclass, field
 
 from kiln.config import ModelConfig
+from kiln.parallel.zero1_partition import partition
 
 # Optimizer state in bytes per fp32 parameter: two moments for adamw/lamb (muon: AdamW's two for
 # its non-matrix part, one momentum for matrices; counted as two), one for lion and sgd. torch's
@@ -367,7 +367,7 @@ ZERO1_CUTS = {"adamw": "all", "lion": "all", "sgd": "all", "muon": "adamw_groups
 def zero1_fullest_share(shape: ModelShape, layout: Layout, last: bool = False, optimizer: str = "adamw") -> float:
     """The fullest rank's share of a stage rank's dense parameters under ZeRO-1 (its optimizer
     state, and the part of the step it runs), over the data-parallel x cp ranks (data_parallel.py
-    grad_mesh), by kiln's partition (kiln/parallel/zero1.py `partition`): the tensors whose update
+    grad_mesh), by kiln's partition (kiln/parallel/zero1_partition.py `partition`): the tensors whose update
     reads them whole (`ZERO1_CUTS`) go first, largest first, each to the rank holding the fewest
     elements so far; the rest are cut to fill the ranks to one level. So with AdamW, Lion or SGD
     each rank holds 1/n; with LAMB a large tensor can leave one rank above it (at 64 ranks
@@ -392,6 +392,7 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
     moe_blocks = round(blocks * shape.moe_layers / shape.n_layers)
     matrices = 3 if shape.gated else 2
     experts = [shape.moe_experts * d * ffn / tp] * matrices if with_experts else []
+    # kiln's partition itself (kiln/parallel/zero1_partition.py) over the stage's local tensor sizes
     hidden = [d * d / tp, kv * d / tp, kv * d / tp, d * d / tp] * blocks  # Muon's orthogonalized tensors
     hidden += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs
     hidden += ([shape.moe_experts * d] + experts) * moe_blocks  # MoE: router (replicated) and experts
@@ -401,18 +402,13 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
         other += [shape.learned_positions_len * d / tp] if shape.learned_positions_len else []
     if head:
         other.append(shape.vocab * d / tp)
-    whole = {"all": [], "adamw_groups": hidden}.get(cuts, hidden + other)
-    cut = sum(hidden + other) - sum(whole)
-    held = [(0.0, r) for r in range(ranks)]  # (elements so far, rank)
-    for size in sorted(whole, reverse=True):
-        total, rank = heapq.heappop(held)
-        heapq.heappush(held, (total + size, rank))
-    loads = sorted(total for total, _ in held)
-    for k in range(1, ranks + 1):  # the cut runs fill the k emptiest ranks to one level
-        level = (cut + sum(loads[:k])) / k
-        if k == ranks or level <= loads[k]:
-            break
-    return max(level, loads[-1]) / (cut + sum(whole))
+    cut_other = cuts in ("all", "adamw_groups")
+    cuttable = [cuts == "all"] * len(hidden) + [cut_other] * len(other)
+    held = [0] * ranks
+    for runs in partition([round(size) for size in hidden + other], cuttable, ranks):
+        for start, end, rank in runs:
+            held[rank] += end - start
+    return max(held) / sum(held)
 
 
 def holds_head(layout: Layout, last: bool) -> bool:

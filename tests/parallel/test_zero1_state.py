@@ -67,7 +67,7 @@ def test_window_stats_in_one_process():
     assert stats == {"window_s": 0.25, "memory_mb": 123.0, "memory_mb_min": 123.0}
 
 
-# ZeRO-1 that cuts tensors (kiln/parallel/zero1.py `partition`): 3 gloo ranks, a model whose
+# ZeRO-1 that cuts tensors (kiln/parallel/zero1_partition.py `partition`): 3 gloo ranks, a model whose
 # embedding and head are each above a rank's even share of its 938 elements.
 def _cut_model(seed=0):
     torch.manual_seed(seed)
@@ -127,11 +127,20 @@ def _cut_against_plain(rank, n):
         resumed_model.load_state_dict(plain_model.state_dict())
         resumed = Zero1Optimizer(_build(name, resumed_model), dist.group.WORLD)
         resumed.load_state_dict(copy.deepcopy(expected))  # a plain optimizer's state, into the cut one
+        bad = copy.deepcopy(expected)  # a state whose cut (50, 8) moment has another shape: refused in one line
+        key, moment = next((k, m) for k, st in bad["state"].items() for m, v in st.items() if v.shape == (50, 8))
+        bad["state"][key][moment] = torch.zeros(3, 8)
+        try:
+            Zero1Optimizer(_build(name, _cut_model()), dist.group.WORLD).load_state_dict(bad)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
         for m, opt in ((model, zero), (resumed_model, resumed), (plain_model, plain)):
             _steps(m, opt, [3, 4])
         assert saved["param_groups"] == expected["param_groups"] and saved["state"].keys() == expected["state"].keys()
         out[name] = {
             "cut": [tuple(d.param.shape) for d in zero._dense if d.cut],
+            "refused": refused,
             "held": sum(p.numel() for g in zero.dense.optim.param_groups for p in g["params"]),
             "params": max(_apart(p, q) for p, q in zip(model.parameters(), plain_model.parameters())),
             "resumed": max(_apart(p, q) for p, q in zip(resumed_model.parameters(), plain_model.parameters())),
@@ -158,6 +167,7 @@ def test_cut_tensors_step_like_one_optimizer_and_save_its_state(tmp_path):
         bound = 1e-6 if name == "muon" else 0.0
         for r in results:
             assert (50, 8) in r[name]["cut"], name
+            assert "a tensor of shape (3, 8), expected (50, 8)" in r[name]["refused"] and "\n" not in r[name]["refused"]
             assert max(r[name][k] for k in ("params", "resumed", "state")) <= bound, (name, r[name])
     assert all((8, 8) not in r["muon"]["cut"] for r in results)
 
