@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 from torch.distributed.tensor import DTensor
 
+from kiln.parallel import zero1_shards
+
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
@@ -36,6 +38,8 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 def _plain(obj: Any) -> Any:
     """A copy-free view of a staged state dict that weights_only loading accepts."""
+    if zero1_shards.is_sharded(obj):  # ZeRO-1's share of an optimizer state: its local tensors
+        return zero1_shards.local_tensors(obj)
     if isinstance(obj, DTensor):
         return obj.to_local()
     if isinstance(obj, dict):
@@ -47,6 +51,9 @@ def _plain(obj: Any) -> Any:
 
 def _fill(live: Any, saved: Any) -> Any:
     """Copy `saved` into the live state dict's tensors in place (DTensors: their local shard)."""
+    if zero1_shards.is_sharded(live):
+        zero1_shards.fill(live, saved)
+        return live
     if isinstance(live, DTensor):
         live.to_local().copy_(saved)
         return live

@@ -18,6 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+from kiln.parallel import zero1_shards
+
 
 class ReusedStaging:
     def __init__(self):
@@ -25,13 +27,19 @@ class ReusedStaging:
         self._last: dict[str, Any] | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # ZeRO-1's shares of optimizer state (ShardedTensors) are staged as their local tensors and
+        # rewrapped: torch 2.6 stages a ShardedTensor by reference (the loop would change the copy)
+        plain, staged = zero1_shards.unwrap(state_dict), None
         if self._buffers is not None:
             try:
-                return self._copy(state_dict)
+                staged = self._copy(plain)
             except Exception:  # structure or shapes changed: allocate anew (CompanionMismatch, copy_ errors)
                 self._buffers = None
-        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._from_gpu(state_dict))
-        return self._copy(state_dict)
+        if staged is None:
+            self._buffers = _create_cpu_state_dict(plain, pin_memory=self._from_gpu(plain))
+            staged = self._copy(plain)
+        self._last = zero1_shards.rewrap(staged, state_dict)
+        return self._last
 
     @staticmethod
     def _from_gpu(state_dict: dict[str, Any]) -> bool:
@@ -67,7 +75,6 @@ class ReusedStaging:
                 torch.cuda.synchronize()  # the copies must land before the loop changes the weights
         finally:
             torch.set_num_threads(threads)
-        self._last = staged
         return staged
 
     @property

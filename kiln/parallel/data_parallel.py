@@ -31,7 +31,8 @@ Which torch API does what (nothing here is a hand-written collective):
            where the update is elementwise (kiln/parallel/zero1_partition.py `partition`); under parallel.tp
            a DTensor through a plain parameter aliasing its local shard (torch's ZeRO cannot
            broadcast DTensors); under parallel.ep a plain optimizer of the same class over the
-           experts (`Zero1Optimizer`: its state_dict is a plain optimizer's, with DTensors)
+           experts (`Zero1Optimizer`: its state_dict is a plain optimizer's format holding this
+           rank's share, which each rank saves alone: kiln/parallel/zero1_shards.py)
   zero2 / fsdp / hsdp -> FSDP2 `fully_shard` in kiln/parallel/parallelize.py
 """
 
@@ -44,8 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln.model.moe import MoE
 from kiln.parallel.dims import ParallelDims
-from kiln.parallel.zero1 import (Zero1Optimizer, ZeroRedundancyState,  # noqa: F401 (re-exported)
-                                 _check_elementwise, _is_expert)
+from kiln.parallel.zero1 import Zero1Optimizer, _check_elementwise, _is_expert
 
 
 def grad_mesh(dims: ParallelDims):
@@ -344,15 +344,18 @@ class OverlappedReplicas(Replicas):
         self._callback_queued, self.armed = False, False
 
 
-def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims) -> torch.optim.Optimizer:
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims, model: nn.Module | None = None
+                          ) -> torch.optim.Optimizer:
     """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state
     partitioned over the data-parallel ranks (under parallel.ep the dense parameters' state only),
-    `Zero1Optimizer`. Returns `optimizer` itself unless dp_mode is zero1."""
+    `Zero1Optimizer`; under pp a tied embedding's tensors (`model.tied_embedding_weights`) are cut
+    alike on both end stages. Returns `optimizer` itself unless dp_mode is zero1."""
     if dims.dp_mode != "zero1" or dims.grad_ranks == 1:  # (DiLoCo: the ranks inside a replica)
         return optimizer
     if any(isinstance(p, DTensor) and not _is_expert(p) for g in optimizer.param_groups for p in g["params"]):
         _check_elementwise(optimizer)
-    return Zero1Optimizer(optimizer, grad_mesh(dims).get_group())  # under pp: this stage's replicas
+    tied = getattr(model, "tied_embedding_weights", list)()
+    return Zero1Optimizer(optimizer, grad_mesh(dims).get_group(), saved_alike=tied)  # under pp: this stage's replicas
 
 
 def window_stats_over_ranks(window_s: float, memory_mb: float, device: torch.device) -> dict[str, float]:

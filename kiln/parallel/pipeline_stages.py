@@ -130,6 +130,14 @@ class PipelineModel(nn.Module):
         embedding, kiln/train/optim.py), or nothing."""
         return [self.output.weight] if self.cfg.tie_embeddings and self.has_last else []
 
+    def tied_embedding_weights(self) -> list[torch.Tensor]:
+        """This rank's tensors of a tied embedding whose optimizer state both end stages save under
+        one name (the embedding, the head copy): ZeRO-1 cuts them alike on every stage, so DCP
+        writes each box once (kiln/parallel/zero1.py `saved_alike`)."""
+        if not self.cfg.tie_embeddings:
+            return []
+        return ([self.tok_embeddings.weight] if self.has_first else []) + self.tied_embedding_copies()
+
     def optimizer_state_aliases(self) -> dict[str, str]:
         """{own name: name saved in checkpoints} for optimizer state (kiln/checkpoint/manager.py)."""
         return {HEAD: EMBEDDING} if self.tied_embedding_copies() else {}

@@ -3,7 +3,7 @@ replicas, in the forms kiln's trainer and DCP checkpoints need. kiln/parallel/da
 `shard_optimizer_state` builds it (and re-exports these names).
 
 torch's: torch.distributed.optim.ZeroRedundancyOptimizer (the per-rank step, the broadcasts of
-the new values, state consolidation). kiln's:
+the new values); DCP's ShardedTensor checkpoints. kiln's:
 - the partition (kiln/parallel/zero1_partition.py `partition`, which kiln plan runs too): each
   rank an even share of the elements, not of whole tensors.
   torch's ZeRO gives whole tensors to ranks, largest first, so a tensor larger than a rank's even
@@ -15,8 +15,11 @@ the new values, state consolidation). kiln's:
   optimizer does, and hands ZeRO one 1-D parameter aliasing each run. Updates that read a whole
   tensor (Muon's matrices, LAMB's trust ratio, Adafactor's factors) keep their tensors whole,
   placed first, largest first; the cut runs then fill the ranks to one level.
-- a state_dict in the plain optimizer's format, per parameter (`Zero1Optimizer`), which DCP saves
-  and reshards like any optimizer's, so a checkpoint resumes in any layout;
+- a state_dict in the plain optimizer's format, per parameter (`Zero1Optimizer`), whose tensors
+  hold only what this rank steps, as boxes of the parameters' global shapes
+  (kiln/parallel/zero1_shards.py): each rank saves its own share, nothing is gathered (torch's
+  ZeRO consolidates the whole state on one rank), and DCP reshards it, so a checkpoint resumes in
+  any layout;
 - the split for DTensor parameters: parallel.ep's experts stepped plainly, tensor parallel's
   shards through plain aliases.
 """
@@ -24,6 +27,8 @@ the new values, state consolidation). kiln's:
 from __future__ import annotations
 
 import inspect
+import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -33,11 +38,11 @@ from torch.distributed.tensor import DTensor
 
 from kiln.errors import ConfigError
 from kiln.parallel.zero1_partition import partition
+from kiln.parallel.zero1_shards import RunBoxes, is_sharded
 
 
 class ZeroRedundancyState(ZeroRedundancyOptimizer):
-    """ZeroRedundancyOptimizer whose partition is kiln's and whose `state_dict()` works wherever a
-    plain optimizer's does.
+    """ZeroRedundancyOptimizer with kiln's partition, which loads a plain optimizer's state.
 
     The partition: `owner` maps id(param) -> rank (`Zero1Optimizer` passes the cut runs');
     without it, whole tensors largest first across every param group together (`partition` with
@@ -45,11 +50,9 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
     comes after the matrices are spread evenly and its embedding lands on top of a rank's even
     share (llama-1b at 8 ranks: 2.49 x the even share there, 1.70 x largest first).
 
-    The state: torch's version returns the full state only on the rank it was consolidated to;
-    DCP's `get_state_dict` asks every rank for the same full, FQN-keyed dict (it saves replicated
-    tensors once and reshards on load). So the full state is consolidated to each rank in turn at
-    save time (a transient full copy: ZeRO-1 saves memory in the step, not in the checkpoint).
-    Loading takes the full dict DCP gives back; torch's own loader keeps this rank's partition.
+    Loading takes a plain optimizer's dict keyed by FQNs or by positions (Zero1Optimizer hands it
+    this rank's pieces' states); torch's own loader keeps this rank's partition. For saving,
+    Zero1Optimizer reads this rank's state (`optim.state`) itself: nothing is consolidated.
     """
 
     def __init__(self, params, owner: dict[int, int] | None = None, **kwargs):
@@ -72,21 +75,6 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
         for group, params_per_rank_of_group in zip(self.param_groups, per_group):
             self._partition_param_group(group, params_per_rank_of_group)
         return self._partition_parameters_cache
-
-    def step(self, closure=None):
-        loss = super().step(closure)
-        # DCP takes an empty `state` for "never stepped" and initializes it with a zero-gradient
-        # step, which would decay momenta; the top-level state is only filled by load_state_dict,
-        # so expose this rank's partition (state_dict() replaces it with the full state anyway).
-        self.state = self.optim.state
-        return loss
-
-    def state_dict(self) -> dict:
-        for rank in range(dist.get_world_size(self.process_group)):  # ranks within the group
-            self.consolidate_state_dict(to=rank)
-            if rank == self.rank:
-                full = super().state_dict()
-        return full
 
     def load_state_dict(self, state_dict: dict) -> None:
         # DCP hands over FQN-keyed state (a plain optimizer matches keys by their position in the
@@ -137,19 +125,26 @@ class Zero1Optimizer(torch.optim.Optimizer):
     To the trainer, the LR schedule and DCP this is one optimizer over the original groups (in
     the original order): the schedule sets each group's lr here and `step` hands the
     hyper-parameters to both parts; `state_dict` is the plain optimizer's format (positions in these
-    groups; the dense state consolidated as ZeroRedundancyState does, a cut tensor's runs joined,
-    a tp shard's state as a DTensor like its parameter's, the experts' as DTensors), so a
-    checkpoint resumes in any layout and a plain optimizer's resumes here. The split and the
+    groups) holding this rank's share: a dense parameter's per-element state as the boxes of it
+    this rank steps (`_DenseParam.sharded`; absent where it steps none), the experts' as DTensors.
+    So each rank saves only what it holds, a checkpoint resumes in any layout, and a plain
+    optimizer's state (whole tensors) loads here too. The split and the
     partition are kiln's; the stepping and broadcasting are torch's."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group):
+    def __init__(self, optimizer: torch.optim.Optimizer, group, saved_alike: Iterable[torch.Tensor] = ()):
         kwargs, cls = _constructor_kwargs(optimizer), type(optimizer)
         groups = [dict(g) for g in optimizer.param_groups]
         dense = [(p, cuts_elementwise(optimizer, g)) for g in groups for p in g["params"] if not _is_expert(p)]
-        runs = partition([_local(p).numel() for p, _ in dense],
-                         [cut and _local(p).is_contiguous() for p, cut in dense], dist.get_world_size(group))
+        # Every tp coordinate's group partitions the same sizes (a shard's largest local size over
+        # tp), so a tensor replicated over tp is cut alike in each and DCP writes its boxes once;
+        # `saved_alike` (a tied embedding's copies on the first and last pipeline stage, whose
+        # state both save under one name) is cut evenly, the same in every stage's group.
+        alike = {id(p) for p in saved_alike}
+        runs = partition([_largest_local_numel(p) for p, _ in dense],
+                         [cut and _local(p).is_contiguous() for p, cut in dense], dist.get_world_size(group),
+                         even=[id(p) in alike for p, _ in dense])
         self._rank = dist.get_rank(group)
-        self._dense = [_DenseParam(p, r) for (p, _), r in zip(dense, runs)]
+        self._dense = [_DenseParam(p, _clipped(r, _local(p).numel()), group) for (p, _), r in zip(dense, runs)]
         owner = {id(piece): rank for d in self._dense for piece, (_, _, rank) in zip(d.pieces, d.runs)}
         dense_groups, expert_groups = [], []
         # Per group: its index in the dense and/or the expert optimizer (absent: no such parameters);
@@ -200,8 +195,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 self._parts[name].param_groups[i].update(values)
 
     def _refresh_state(self) -> None:
-        # DCP reads `state` only to tell "never stepped" (it then steps on zero gradients).
-        self.state = {**(self.dense.optim.state if self.dense else {}), **(self.experts.state if self.experts else {})}
+        # DCP reads `state` only to tell "never stepped" (it then steps on zero gradients, a
+        # collective here): a rank that steps none of the tensors (fewer whole tensors than ranks)
+        # must not look never stepped while the others do not.
+        merged = {**(self.dense.optim.state if self.dense else {}), **(self.experts.state if self.experts else {})}
+        self.state = merged or {self.param_groups[0]["params"][0]: {}}
 
     def step(self, closure=None):
         if closure is not None:
@@ -216,16 +214,20 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._refresh_state()
 
     def state_dict(self) -> dict:
-        parts = {name: opt.state_dict()["state"] for name, opt in self._parts.items()}
+        experts = self.experts.state_dict()["state"] if self.experts else {}
+        own = self.dense.optim.state if self.dense else {}  # this rank's pieces' state, ZeRO's local optimizer's
         state = {}
         for k, (name, i) in enumerate(self._where):
             if name == "experts":
-                if i in parts["experts"]:
-                    state[k] = parts["experts"][i]
+                if i in experts:
+                    state[k] = experts[i]
                 continue
-            pieces = [parts["dense"].get(position) for position in self._positions[i]]
-            if any(s is not None for s in pieces):
-                state[k] = self._dense[i].joined(pieces)
+            record = self._dense[i]
+            pieces = [own.get(piece) for piece, (_, _, r) in zip(record.pieces, record.runs) if r == self._rank]
+            if not pieces:  # stepped on other ranks: present and empty (torch's set_state_dict wants every
+                state[k] = {}  # parameter's entry; DCP saves and loads nothing for it here)
+            elif all(s is not None for s in pieces):
+                state[k] = record.sharded(pieces)
         return {"state": state, "param_groups": _numbered(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -244,8 +246,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
             if name == "experts":
                 parts["experts"]["state"][i] = value
                 continue
-            for position, piece_state in zip(self._positions[i], self._dense[i].split(value, self._rank, key)):
-                parts["dense"]["state"][position] = piece_state
+            for position, piece_state in zip(self._positions[i], self._dense[i].split(value, key)):
+                if piece_state is not None:
+                    parts["dense"]["state"][position] = piece_state
         for mine, saved, index in zip(self.param_groups, loaded, self._group_index):
             values = {k: v for k, v in saved.items() if k != "params"}
             mine.update(values)
@@ -260,6 +263,43 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+def _largest_local_numel(p: torch.Tensor) -> int:
+    """The elements of the largest tp coordinate's shard of `p` (DTensor shards follow torch.chunk:
+    ceil(size / tp) along a sharded dim), the same number on every coordinate."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    shape = list(p.shape)
+    for size, placement in zip(p.device_mesh.shape, p.placements):
+        if placement.is_shard():
+            shape[placement.dim] = -(-shape[placement.dim] // size)
+    return math.prod(shape)
+
+
+def _clipped(runs: list[tuple[int, int, int]], numel: int) -> list[tuple[int, int, int]]:
+    """`runs` of the largest shard's elements, within this shard's `numel` (a smaller last chunk)."""
+    kept = [(a, min(b, numel), r) for a, b, r in runs if a < numel]
+    return kept or [(0, 0, runs[0][2])]
+
+
+def _tp_regions(p: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """(offsets, sizes, a global rank holding it) of the other tp coordinates' shards of `p`
+    (none when replicated), by torch.chunk's rule as DTensor shards."""
+    if not isinstance(p, DTensor) or not any(pl.is_shard() for pl in p.placements):
+        return []
+    ranks, me = p.device_mesh.mesh.flatten().tolist(), p.device_mesh.get_local_rank()
+    out = []
+    for c, global_rank in enumerate(ranks):
+        offsets, sizes = [0] * p.dim(), list(p.shape)
+        for placement in p.placements:
+            if placement.is_shard():
+                d, chunk = placement.dim, -(-p.shape[placement.dim] // len(ranks))
+                offsets[d] = min(c * chunk, p.shape[d])
+                sizes[d] = min(p.shape[d], offsets[d] + chunk) - offsets[d]
+        if c != me and math.prod(sizes) > 0:
+            out.append((tuple(offsets), tuple(sizes), global_rank))
+    return out
+
+
 class _DenseParam:
     """One dense parameter as ZeRO steps it (see Zero1Optimizer): `pieces`, one per run of
     `runs` ((start, end, rank) over its local flat elements): the parameter itself when it is
@@ -267,11 +307,14 @@ class _DenseParam:
     when cut, 1-D runs of it. The aliases are renewed every step (a checkpoint load may have
     replaced the local tensor) and take the same view of its gradient."""
 
-    def __init__(self, param: torch.Tensor, runs: list[tuple[int, int, int]]):
-        self.param, self.runs = param, runs
+    def __init__(self, param: torch.Tensor, runs: list[tuple[int, int, int]], group):
+        self.param, self.runs, self.rank = param, runs, dist.get_rank(group)
         with torch.no_grad():
             local = _local(param)
             self.shape = local.shape
+            offset = tuple(param.__create_chunk_list__()[0].offsets) if isinstance(param, DTensor) else (0,) * local.dim()
+            self.boxes = RunBoxes(local.shape, param.shape, offset,
+                                  [(a, b, dist.get_global_rank(group, r)) for a, b, r in runs], _tp_regions(param))
             if len(runs) == 1 and not isinstance(param, DTensor):
                 self.pieces = [param]
             elif len(runs) == 1:
@@ -307,51 +350,48 @@ class _DenseParam:
             for piece in self.pieces:
                 piece.grad = None
 
-    def joined(self, states: list[dict | None]) -> dict:
-        """The parameter's state from its pieces' (a tp shard's as DTensors placed like it)."""
-        if any(s is None for s in states):
-            raise ValueError(f"ZeRO-1 state of a parameter of shape {tuple(self.param.shape)} is missing "
-                             f"for {sum(s is None for s in states)} of its {len(states)} runs")
+    def sharded(self, states: list[dict]) -> dict:
+        """The state of the pieces this rank steps (`states`, in run order) as the parameter's: each
+        per-element tensor a ShardedTensor of the parameter's global shape holding this rank's
+        boxes of it (views, kiln/parallel/zero1_shards.py), the rest (Adam's step) the first
+        piece's. Nothing is gathered: each rank saves its own share."""
+        own = [(a, b) for a, b, r in self.runs if r == self.rank]
         state = dict(states[0])
-        if self.cut:
-            for k, v in states[0].items():
-                if _is_run_state(v):
-                    state[k] = torch.cat([s[k] for s in states]).view(self.shape)
-        if isinstance(self.param, DTensor):
-            state = {k: DTensor.from_local(v, self.param.device_mesh, self.param.placements, run_check=False,
-                                           shape=self.param.shape, stride=self.param.stride())
-                     if isinstance(v, torch.Tensor) and v.shape == self.shape and v.dim() > 0 else v
-                     for k, v in state.items()}
+        for k, v in states[0].items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == own[0][1] - own[0][0] \
+                    and (v.dim() == 1 if self.cut else v.shape == self.shape):
+                state[k] = self.boxes.sharded([s[k] for s in states])
         return state
 
-    def split(self, state: dict, rank: int, name: object = "") -> list[dict]:
-        """A saved state of the parameter (`name`, its key in the loaded dict) as its pieces' (the
-        runs this rank steps copied out of it, scalar tensors such as Adam's step copied per piece:
-        each piece steps its own). A cut parameter's optimizer is elementwise: every other state
-        tensor must have the parameter's shape, else one line says which does not."""
+    def split(self, state: dict, name: object = "") -> list[dict | None]:
+        """A saved state of the parameter (`name`, its key in the loaded dict) as its pieces' (None
+        for the runs another rank steps): from ShardedTensors (what `sharded` gave DCP to load
+        into), this rank's boxes; from whole tensors (a plain optimizer's, a tp shard's DTensor),
+        the runs copied out of them. Scalar tensors such as Adam's step are copied per piece (each
+        piece steps its own). A cut parameter's optimizer is elementwise: every other state tensor
+        must have the parameter's shape, else one line says which does not."""
         state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
-        if not self.cut:
-            return [state]
+        runs = {k: iter(self.boxes.runs_of(v, f"{name}.{k}")) for k, v in state.items() if is_sharded(v)}
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != self.shape:
+            if k not in runs and isinstance(v, torch.Tensor) and v.dim() > 0 and self.cut and v.shape != self.shape:
                 raise ValueError(f"optimizer state {name!r}, {k!r}: a tensor of shape {tuple(v.shape)}, expected "
                                  f"{tuple(self.shape)} (the parameter's) or a scalar")
         out = []
         for a, b, owner in self.runs:
+            if owner != self.rank:
+                out.append(None)
+                continue
             piece = {}
             for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == self.shape:
-                    v = v.reshape(-1)[a:b]
-                    piece[k] = v.clone() if owner == rank else v
+                if k in runs:
+                    v = next(runs[k])
+                    piece[k] = v if self.cut else v.view(self.shape)
+                elif self.cut and isinstance(v, torch.Tensor) and v.dim() > 0:
+                    piece[k] = v.reshape(-1)[a:b].clone()
                 else:
                     piece[k] = v.clone() if isinstance(v, torch.Tensor) else v
             out.append(piece)
         return out
-
-
-def _is_run_state(v) -> bool:
-    """A cut piece's per-element state (1-D like the piece), not a scalar such as Adam's step."""
-    return isinstance(v, torch.Tensor) and v.dim() == 1
 
 
 def _numbered(groups: list[dict]) -> list[dict]:

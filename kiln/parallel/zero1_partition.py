@@ -9,22 +9,31 @@ import heapq
 import math
 
 
-def partition(sizes: list[int], cuttable: list[bool], ranks: int) -> list[list[tuple[int, int, int]]]:
-    """Each tensor's runs `(start, end, rank)` over its flat elements. The tensors that are not
-    `cuttable` go whole, largest first, each to the rank holding the fewest elements so far (ties
-    to the lowest rank); the cuttable ones, in their order, are one flat sequence cut to bring the
-    emptiest ranks up to one level (rank order). With every tensor cuttable rank r holds elements
-    [r T / n, (r + 1) T / n) of the concatenation (within one element). kiln/plan/memory.py
-    `zero1_fullest_share` predicts the fullest rank from the same rule."""
+def partition(sizes: list[int], cuttable: list[bool], ranks: int,
+              even: list[bool] | None = None) -> list[list[tuple[int, int, int]]]:
+    """Each tensor's runs `(start, end, rank)` over its flat elements. The `even` ones (cuttable
+    tensors that other partitions must cut alike: zero1.py) first, each in `ranks` equal runs,
+    run r to rank r; the tensors that are not `cuttable` go whole, largest first, each to the rank
+    holding the fewest elements so far (ties to the lowest rank); the other cuttable ones, in their
+    order, are one flat sequence cut to bring the emptiest ranks up to one level (rank order). With
+    every tensor cuttable rank r holds elements [r T / n, (r + 1) T / n) of the concatenation
+    (within one element). kiln/plan/memory.py `zero1_fullest_share` predicts the fullest rank from
+    the same rule."""
     out: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
     held = [0] * ranks
-    heap = [(0, rank) for rank in range(ranks)]
+    for i in [i for i, e in enumerate(even or []) if e and cuttable[i]]:
+        bounds = [sizes[i] * r // ranks for r in range(ranks + 1)]
+        out[i] = [(a, b, r) for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a] or [(0, 0, 0)]
+        for a, b, r in out[i]:
+            held[r] += b - a
+    heap = [(h, rank) for rank, h in enumerate(held)]
+    heapq.heapify(heap)
     for i in sorted((i for i, c in enumerate(cuttable) if not c), key=lambda i: -sizes[i]):  # stable
         elements, rank = heapq.heappop(heap)
         heapq.heappush(heap, (elements + sizes[i], rank))
         held[rank] += sizes[i]
         out[i] = [(0, sizes[i], rank)]
-    rest = [i for i, c in enumerate(cuttable) if c]
+    rest = [i for i, c in enumerate(cuttable) if c and not out[i]]
     room = _room_to_level(held, sum(sizes[i] for i in rest))
     rank = 0
     for i in rest:

@@ -230,7 +230,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     attention = configure_attention(model, cfg.train.attention_backend, device, compute_dtype(cfg.train.dtype),
                                     cfg.train.batch_size, cfg.data.seq_len)
     context_parallel = ContextParallel(model, dims, cfg.data.seq_len, device)
-    optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims)  # ZeRO-1
+    optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, device.type), dims, model)  # ZeRO-1
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
     loader = Loader(mixture or train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
                     dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device, lookahead=cfg.data.lookahead)

@@ -67,6 +67,19 @@ def test_zero1_partition_measures_both_partitions_and_the_prediction(tmp_path):
         assert r["adamw"] == pytest.approx(1, abs=1e-6)  # cut: even
 
 
+@pytest.mark.timeout(120)
+def test_zero1_checkpoint_saves_shares_and_loads_them_back(tmp_path):
+    out = tmp_path / "zero1_checkpoint.json"
+    argv = ["--worlds", "2", "--rounds", "1", "--dim", "64", "--heads", "2", "--layers", "1", "--vocab", "256",
+            "--out", str(out)]
+    assert _load("zero1_checkpoint").main(argv) == 0  # exits non-zero unless each rank loaded back exactly
+    (row,) = json.loads(out.read_text())["worlds"]
+    kiln, consolidated = row["kiln"], row["consolidated"]
+    assert row["full_state_bytes"] <= consolidated["state_bytes"] <= row["full_state_bytes"] + 1024  # + Adam's steps
+    assert row["full_state_bytes"] / 2 <= kiln["state_bytes"] <= row["full_state_bytes"] / 2 + 1024  # its half
+    assert kiln["sent_bytes"] < consolidated["sent_bytes"] / 10
+
+
 def test_every_benchmark_measures_its_own_checkouts_kiln():
     """A benchmark run from a worktree (an old commit against a new one) must import that
     worktree's kiln: running a script puts only benchmarks/ on sys.path, and an editable install

@@ -73,16 +73,20 @@ def _rank_pids(parent: int) -> dict[int, int]:
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_restart_recovers_from_peer_memory(tmp_path, text_file):
-    """FSDP on 2 gloo ranks under torchrun --max-restarts 1: rank 1 is killed (and its host copy
-    lost) after the step-8 replica; torchrun's elastic agent restarts both workers, which take rank
-    1's state from rank 0's peer copy and finish with the losses of an uninterrupted run."""
-    require_fsdp2_on_cpu()  # torch 2.6: the workers would stop at kiln's one-line refusal
+@pytest.mark.parametrize("dp_mode", ["fsdp", "zero1"])
+def test_torchrun_restart_recovers_from_peer_memory(tmp_path, text_file, dp_mode):
+    """FSDP or ZeRO-1 (each rank's replica holding its share of the optimizer state, as boxes of the
+    parameters) on 2 gloo ranks under torchrun --max-restarts 1: rank 1 is killed (and its host
+    copy lost) after the step-8 replica; torchrun's elastic agent restarts both workers, which
+    take rank 1's state from rank 0's peer copy and finish with the losses of an uninterrupted run."""
+    if dp_mode == "fsdp":
+        require_fsdp2_on_cpu()  # torch 2.6: the workers would stop at kiln's one-line refusal
     shm = tmp_path / "shm"
     run = tmp_path / "run"
     overrides = tiny_overrides(text_file, **{
         "train.steps": 16, "checkpoint.every": 4, "train.eval_every": 0, "metrics.progress": "'none'",
         "checkpoint.memory_replicas": "true", "checkpoint.replica_dir": repr(str(shm)),
+        "parallel.dp_mode": repr(dp_mode),
         "metrics.peak_flops": 1e12, "train.device": "'cpu'"})  # 2 gloo ranks, also where a GPU is
 
     def torchrun(run_dir, restarts):

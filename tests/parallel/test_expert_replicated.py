@@ -266,13 +266,29 @@ def _step(model, opt, seed, lr):
     opt.zero_grad(set_to_none=True)
 
 
-def test_split_optimizer_saves_and_loads_as_a_plain_one(one_rank):
-    """Same steps, same state_dict as a plain AdamW over the same groups (a changing lr reaches
-    both parts); DCP's FQN-keyed dict loads into a fresh split optimizer and into a plain AdamW,
-    and all three continue identically."""
+def _whole(value):
+    """A saved optimizer state value as one tensor: a ZeRO-1 share (one rank: every box) put
+    together, a DTensor's local tensor (one rank: all of it)."""
+    import torch
+
+    from kiln.parallel.zero1_shards import is_sharded
+
+    if not is_sharded(value):
+        return value.to_local() if hasattr(value, "to_local") else value
+    whole = torch.full(tuple(value.size()), float("nan"))
+    for s in value.local_shards():
+        whole[tuple(slice(o, o + n) for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))] = s.tensor
+    return whole
+
+
+def test_split_optimizer_saves_and_loads_as_a_plain_one(one_rank, tmp_path):
+    """Same steps, same state as a plain AdamW over the same groups (a changing lr reaches both
+    parts); DCP's FQN-keyed dict loads into a fresh split optimizer, and through a DCP checkpoint
+    into a plain AdamW, and all three continue identically."""
     import copy
 
     import torch
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from kiln.parallel.data_parallel import Zero1Optimizer
@@ -288,17 +304,19 @@ def test_split_optimizer_saves_and_loads_as_a_plain_one(one_rank):
     assert set(ours["state"]) == set(theirs["state"]) == set(range(5))
     for k in theirs["state"]:
         for name, value in theirs["state"][k].items():
-            torch.testing.assert_close(ours["state"][k][name], value, rtol=0, atol=0)
+            torch.testing.assert_close(_whole(ours["state"][k][name]), _whole(value), rtol=0, atol=0)
 
     model_sd, optim_sd = copy.deepcopy(get_state_dict(model, split))  # as if read back from disk
     assert set(optim_sd["state"]) == {"inp.weight", "inp.bias", "out.weight", "out.bias", "experts"}
     resumed_model = _model_with_experts(1)
     resumed = Zero1Optimizer(_adamw(resumed_model, lr=0.5), one_rank)
     set_state_dict(resumed_model, resumed, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / "ckpt"))
     other_model = _model_with_experts(2)
     other = _adamw(other_model, lr=0.5)
-    set_state_dict(other_model, other, model_state_dict=copy.deepcopy(model_sd),
-                   optim_state_dict=copy.deepcopy(optim_sd))
+    other_sd = dict(zip(("model", "optim"), get_state_dict(other_model, other)))  # whole tensors to read into
+    dcp.load(other_sd, checkpoint_id=str(tmp_path / "ckpt"))
+    set_state_dict(other_model, other, model_state_dict=other_sd["model"], optim_state_dict=other_sd["optim"])
     assert [g["lr"] for g in resumed.param_groups] == [g["lr"] for g in other.param_groups] == [0.02, 0.02]
     for m, opt in ((model, split), (resumed_model, resumed), (other_model, other)):
         _step(m, opt, 7, 0.015)

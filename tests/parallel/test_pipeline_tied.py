@@ -10,7 +10,9 @@ on 4 ranks pp2 x dp2 under fsdp, ddp and zero1 (each pair sums matching FSDP sha
 gradients) and pp2 x tp2 (each tp coordinate's pair sums its vocab shard). Negative control: 1F1B with the gradient sum skipped drifts off at step 2.
 
 Checkpoints (kiln/checkpoint/manager.py ModelOptimizerState through DCP, AdamW moments included):
-pp2 (1F1B and ZBV) and pp2 x fsdp2 step-3 checkpoints continue in one process, and a one-process
+pp2 (1F1B and ZBV), pp2 x fsdp2 and pp2 x zero1 over 2 (each stage's ZeRO-1 saving its share of
+the embedding's moments, cut alike on both stages so DCP writes each box once) step-3
+checkpoints continue in one process (the zero1 and fsdp ones also in pp2 x zero1 2), and a one-process
 one in pp2 (1F1B and ZBV), with the same losses for steps 4-5.
 
 Tolerance: fp32, relative 1e-5 per step (the gradient sum and the micro-batch losses run in
@@ -113,7 +115,7 @@ def pipelined(rank, world, cfg, ckpt_dir=None, resume_from=None):
     dims.build_mesh("cpu")
     model = build_model(cfg, dims, torch.device("cpu"))
     pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
-    opt = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
+    opt = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims, model)
     first = 1
     if resume_from is not None:
         CheckpointManager(resume_from, is_main=rank == 0).load({"app": ModelOptimizerState(model, opt)}, SAVE_AT)
@@ -146,8 +148,11 @@ def two_rank_jobs(rank, world, root):
 
 def four_rank_jobs(rank, world, root):
     got = {mode: pipelined(rank, world, job(pp=2, dp_mode=mode, batch=GLOBAL_BATCH // 2),
-                           root / mode if mode == "fsdp" else None)
+                           root / mode if mode in ("fsdp", "zero1") else None)
            for mode in DP_MODES}
+    for source in ("zero1", "fsdp"):  # into pp2 x zero1 2: each stage's ranks read their boxes of the tied weight
+        got[f"{source}->zero1"] = pipelined(rank, world, job(pp=2, dp_mode="zero1", batch=GLOBAL_BATCH // 2),
+                                            resume_from=root / source)
     cp = job(pp=2)  # pp2 x cp2: each cp rank's pipeline pairs its (FSDP-sharded over cp) copies
     cp.parallel.cp = 2
     got["cp"] = pipelined(rank, world, cp)
@@ -170,6 +175,7 @@ def runs(tmp_path_factory):
     out["four"] = run_ranks(four_rank_jobs, 4, root / "work4", root, timeout=240)
     out["pp2->single"] = one_process(resume_from=root / "1f1b")
     out["fsdp->single"] = one_process(resume_from=root / "fsdp")
+    out["zero1->single"] = one_process(resume_from=root / "zero1")
     out["zbv->single"] = one_process(resume_from=root / "zbv")
     return out
 
@@ -208,9 +214,11 @@ def test_skipping_the_gradient_sum_fails_the_check(runs):
         assert_rows_match(ref, got, range(1, STEPS + 1), "no sum")
 
 
-@pytest.mark.parametrize("pair", ["pp2->single", "fsdp->single", "zbv->single", "single->pp2", "single->zbv"])
+@pytest.mark.parametrize("pair", ["pp2->single", "fsdp->single", "zero1->single", "zbv->single", "single->pp2",
+                                  "single->zbv", "zero1->zero1", "fsdp->zero1"])
 def test_checkpoint_continues_in_another_layout(runs, pair):
-    got = [runs[pair]] if pair.endswith("single") else [r[pair] for r in runs["two"]]
+    launch = "four" if pair.endswith("zero1") else "two"
+    got = [runs[pair]] if pair.endswith("single") else [r[pair] for r in runs[launch]]
     assert all(sorted(rows) == [4, 5] for rows in got)
     assert_rows_match(runs["reference"], got, range(SAVE_AT + 1, STEPS + 1), pair)
 

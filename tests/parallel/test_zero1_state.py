@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from kiln.parallel.data_parallel import ZeroRedundancyState, window_stats_over_ranks
+from kiln.parallel.data_parallel import Zero1Optimizer, window_stats_over_ranks
+from kiln.parallel.zero1_shards import is_sharded, local_tensors
 
 
 @pytest.fixture
@@ -24,10 +25,9 @@ def group(tmp_path):
 def model_and_optimizer(seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    opt = ZeroRedundancyState([{"params": list(model[0].parameters()), "lr": 0.1},
-                               {"params": list(model[2].parameters()), "lr": 0.05}],
-                              optimizer_class=torch.optim.SGD, momentum=0.9)
-    return model, opt
+    plain = torch.optim.SGD([{"params": list(model[0].parameters()), "lr": 0.1},
+                             {"params": list(model[2].parameters()), "lr": 0.05}], momentum=0.9)
+    return model, Zero1Optimizer(plain, dist.group.WORLD)
 
 
 def train_step(model, opt, seed):
@@ -41,12 +41,12 @@ def test_state_dict_round_trip_keeps_momentum_and_continues_identically(group):
     model, opt = model_and_optimizer()
     for s in range(2):
         train_step(model, opt, s)
-    momentum = [opt.optim.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    momentum = [opt.dense.optim.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     model_sd, optim_sd = get_state_dict(model, opt)
     # Saving must not step: DCP runs a zero-gradient step on an optimizer whose `state` looks empty,
     # which would decay SGD's momentum.
     for p, m in zip(model.parameters(), momentum):
-        torch.testing.assert_close(opt.optim.state[p]["momentum_buffer"], m)
+        torch.testing.assert_close(opt.dense.optim.state[p]["momentum_buffer"], m)
     assert set(optim_sd["state"]) == {name for name, _ in model.named_parameters()}  # FQN-keyed, full
 
     # As if read back from disk: fresh tensors (the live ones would be shared with `opt`).
@@ -54,7 +54,7 @@ def test_state_dict_round_trip_keeps_momentum_and_continues_identically(group):
     other, other_opt = model_and_optimizer(seed=1)
     set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     for p, q in zip(model.parameters(), other.parameters()):
-        torch.testing.assert_close(other_opt.optim.state[q]["momentum_buffer"], opt.optim.state[p]["momentum_buffer"])
+        torch.testing.assert_close(other_opt.dense.optim.state[q]["momentum_buffer"], opt.dense.optim.state[p]["momentum_buffer"])
     assert [g["lr"] for g in other_opt.param_groups] == [0.1, 0.05]
     train_step(model, opt, 7)
     train_step(other, other_opt, 7)
@@ -113,9 +113,15 @@ def _apart(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if a.dim() else abs(a - b).item()
 
 
-def _cut_against_plain(rank, n):
-    from kiln.parallel.zero1 import Zero1Optimizer
+def _state_apart(saved, full) -> float:
+    """`_apart` of a saved state value from a plain optimizer's: a ZeRO-1 share box by box."""
+    if not is_sharded(saved):
+        return _apart(saved, full)
+    return max(_apart(s.tensor, full[tuple(slice(o, o + n) for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))])
+               for s in saved.local_shards())
 
+
+def _cut_against_plain(rank, n):
     out = {}
     for name in ("adamw", "lion", "sgd", "muon"):
         model, plain_model = _cut_model(), _cut_model()
@@ -135,24 +141,35 @@ def _cut_against_plain(rank, n):
             refused = ""
         except ValueError as e:
             refused = str(e)
-        for m, opt in ((model, zero), (resumed_model, resumed), (plain_model, plain)):
+        from_shares_model = _cut_model(seed=6)  # this rank's share of the state, into the same partition
+        from_shares_model.load_state_dict(plain_model.state_dict())
+        from_shares = Zero1Optimizer(_build(name, from_shares_model), dist.group.WORLD)
+        from_shares.load_state_dict(copy.deepcopy(saved))
+        for m, opt in ((model, zero), (resumed_model, resumed), (from_shares_model, from_shares), (plain_model, plain)):
             _steps(m, opt, [3, 4])
-        assert saved["param_groups"] == expected["param_groups"] and saved["state"].keys() == expected["state"].keys()
+        assert saved["param_groups"] == expected["param_groups"] and saved["state"].keys() <= expected["state"].keys()
+        shares = [v for st in saved["state"].values() for v in st.values() if is_sharded(v)]
         out[name] = {
             "cut": [tuple(d.param.shape) for d in zero._dense if d.cut],
             "refused": refused,
             "held": sum(p.numel() for g in zero.dense.optim.param_groups for p in g["params"]),
             "params": max(_apart(p, q) for p, q in zip(model.parameters(), plain_model.parameters())),
             "resumed": max(_apart(p, q) for p, q in zip(resumed_model.parameters(), plain_model.parameters())),
-            "state": max(_apart(v, expected["state"][k][key]) for k, st in saved["state"].items() for key, v in st.items()),
+            "from_shares": max(_apart(p, q) for p, q in zip(from_shares_model.parameters(), plain_model.parameters())),
+            "state": max(_state_apart(v, expected["state"][k][key]) for k, st in saved["state"].items() for key, v in st.items()),
+            "keys": sorted(k for k, st in saved["state"].items() if st),  # the parameters it steps any of
+            "shared": sum(t.numel() for v in shares for t in local_tensors(v)),  # the moments' elements saved here
+            "own": sum(v.numel() for st in zero.dense.optim.state.values() for v in st.values()  # the moments it steps
+                       if isinstance(v, torch.Tensor) and v.dim() > 0),
         }
     return out
 
 
 def test_cut_tensors_step_like_one_optimizer_and_save_its_state(tmp_path):
     """Each of 3 ranks holds a third of the elements (the embedding and head cut across ranks);
-    the parameters after 5 steps, the joined state after 3 and a resume from a plain optimizer's
-    state are those of one plain optimizer: bit for bit for AdamW (torch's for-loop on the CPU),
+    the parameters after 5 steps, each rank's saved share of the state after 3 (its own third of
+    each moment, nothing gathered), and resumes from a plain optimizer's state and from the shares
+    are those of one plain optimizer: bit for bit for AdamW (torch's for-loop on the CPU),
     Lion and SGD with momentum; for Muon (its matrix whole, its AdamW tensors cut) within 1e-6 of
     each tensor's scale: torch's fused CPU AdamW computes the elements past a tensor's last whole
     vector apart from the others (an FMA apart), and a cut moves where those fall."""
@@ -165,18 +182,19 @@ def test_cut_tensors_step_like_one_optimizer_and_save_its_state(tmp_path):
         assert sum(held) == total, name
         assert max(held) - min(held) <= 1, (name, held)  # an even third: 313, 313, 312
         bound = 1e-6 if name == "muon" else 0.0
+        # each rank's state_dict holds only its own third of each moment: nothing is gathered to save
+        assert all(r[name]["shared"] == r[name]["own"] > 0 for r in results), name
+        assert set().union(*(r[name]["keys"] for r in results)) == set(range(len(list(_cut_model().parameters())))), name
         for r in results:
             assert (50, 8) in r[name]["cut"], name
             assert "a tensor of shape (3, 8), expected (50, 8)" in r[name]["refused"] and "\n" not in r[name]["refused"]
-            assert max(r[name][k] for k in ("params", "resumed", "state")) <= bound, (name, r[name])
+            assert max(r[name][k] for k in ("params", "resumed", "from_shares", "state")) <= bound, (name, r[name])
     assert all((8, 8) not in r["muon"]["cut"] for r in results)
 
 
 def _tensor_parallel_shares(rank, n):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from kiln.parallel.zero1 import Zero1Optimizer
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -196,3 +214,101 @@ def test_tensor_parallel_shards_are_cut_by_their_local_size(tmp_path):
 
     for held, local in run_ranks(_tensor_parallel_shares, 4, tmp_path, timeout=120):
         assert local == 384 // 2 + 192 // 2 + 8 + 40 and held == local // 2, (held, local)
+
+
+def _rank_without_tensors(rank, n, root):
+    """LAMB (whole tensors) over 2 tensors on 3 ranks: rank 2 steps none. Saving through DCP must
+    not take it for never stepped (DCP would step it alone on zero gradients, a collective: a
+    hang), and the checkpoint resumes into a fresh ZeRO-1 like one plain optimizer."""
+    import torch.distributed.checkpoint as dcp
+
+    from kiln.train.optimizers import Lamb
+
+    def build(seed=0):
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 3)
+        return model, Lamb(model.parameters(), lr=0.01)
+
+    model, opt = build()
+    zero = Zero1Optimizer(opt, dist.group.WORLD)
+    plain_model, plain = build()
+    for s in range(2):
+        for m, o in ((model, zero), (plain_model, plain)):
+            m(torch.randn(5, 4, generator=torch.Generator().manual_seed(s))).square().mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    held = sum(p.numel() for g in zero.dense.optim.param_groups for p in g["params"])
+    model_sd, optim_sd = get_state_dict(model, zero)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "ckpt"))
+    resumed_model, opt = build(seed=3)
+    resumed = Zero1Optimizer(opt, dist.group.WORLD)
+    state = dict(zip(("model", "optim"), get_state_dict(resumed_model, resumed)))
+    dcp.load(state, checkpoint_id=str(root / "ckpt"))
+    set_state_dict(resumed_model, resumed, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for m, o in ((resumed_model, resumed), (plain_model, plain)):
+        m(torch.randn(5, 4, generator=torch.Generator().manual_seed(9))).square().mean().backward()
+        o.step()
+    return held, max(_apart(p, q) for p, q in zip(resumed_model.parameters(), plain_model.parameters()))
+
+
+def test_a_rank_that_steps_no_tensor_saves_and_resumes(tmp_path):
+    from ranks import run_ranks
+
+    (tmp_path / "work").mkdir()
+    results = run_ranks(_rank_without_tensors, 3, tmp_path / "work", tmp_path, timeout=120)
+    assert sorted(held for held, _ in results) == [0, 3, 12]
+    assert all(apart == 0.0 for _, apart in results), results
+
+
+def _uneven_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 47, bias=False), nn.Linear(47, 4, bias=False), nn.LayerNorm(4), nn.Linear(4, 8))
+
+
+def _uneven_step(model, opt):
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _uneven_tp_save(rank, n, root):
+    """dp 2 x tp 2 with tp shards of 24 and 23 rows: each tp coordinate's ZeRO-1 cuts the tensors
+    replicated over tp (the LayerNorm, the last Linear) alike, so DCP's save (which refuses
+    overlapping boxes) goes through."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _uneven_model()  # the first Linear's output gathered (torch's rowwise takes even shards only)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(output_layouts=Replicate())})
+    zero = Zero1Optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), mesh["dp"].get_group())
+    for _ in range(2):
+        _uneven_step(model, zero)
+    dcp.save({"optim": get_state_dict(model, zero)[1]}, checkpoint_id=str(root / "ckpt"))
+    return [tuple(d.param.to_local().shape) for d in zero._dense if hasattr(d.param, "to_local")]
+
+
+def test_uneven_tensor_parallel_shards_save_once_and_load_whole(tmp_path):
+    """The checkpoint loads into one process's plain AdamW with that optimizer's own moments."""
+    import torch.distributed.checkpoint as dcp
+
+    from ranks import run_ranks
+
+    (tmp_path / "work").mkdir()
+    shards = run_ranks(_uneven_tp_save, 4, tmp_path / "work", tmp_path, timeout=120)
+    assert sorted({s for r in shards for s in r}) == [(23, 8), (24, 8)]  # uneven shards were saved
+    model = _uneven_model()
+    plain = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(2):
+        _uneven_step(model, plain)
+    loaded_model = _uneven_model()
+    loaded = torch.optim.AdamW(loaded_model.parameters(), lr=0.01)
+    _uneven_step(loaded_model, loaded)  # state to load into
+    state = {"optim": get_state_dict(loaded_model, loaded)[1]}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
+    expected = get_state_dict(model, plain)[1]["state"]
+    for name, moments in state["optim"]["state"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(value, expected[name][key], rtol=1e-5, atol=1e-7)

@@ -1,0 +1,213 @@
+"""What a ZeRO-1 checkpoint save costs each rank: kiln's (each rank saves the boxes of the state it
+steps, kiln/parallel/zero1_shards.py) against the consolidation torch's ZeroRedundancyOptimizer
+offers (`consolidate_state_dict(to=r)` for every rank r in turn, each then handing DCP the whole
+state, which DCP writes once: how kiln saved before).
+
+N gloo processes build kiln's transformer (the trainer's param groups), wrap its AdamW in kiln's
+`Zero1Optimizer`, take one step on the same batch (the state exists), then save through DCP,
+alternating the two ways for --rounds rounds. Per rank and save:
+
+- state bytes: the optimizer state tensors in the dict handed to DCP (kiln: local boxes only);
+- peak bytes: the most tensor bytes allocated at once during the save, above its start (torch's
+  profiler memory events, benchmarks/rank_measures.py `profiled_peak_bytes`): consolidation's
+  broadcast buffers and copies of the other ranks' state;
+- file bytes: the rank's own DCP data file;
+- sent bytes: bytes the process wrote during the save (/proc/self/io wchar) less its file's;
+- save s: wall time of the save (slowest rank; median over rounds).
+
+After the rounds, each rank loads kiln's checkpoint into a fresh ZeRO-1 optimizer and checks its
+state is the saved one bit for bit (the benchmark fails otherwise).
+
+    python benchmarks/zero1_checkpoint.py [--worlds 2,4] [--dim 384 --layers 6 --heads 6 --vocab 4096] [--rounds 3]
+
+Writes benchmarks/results/zero1_checkpoint.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import queue
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from common import print_table, write_results  # noqa: E402
+from rank_measures import profiled_peak_bytes, sent_bytes  # noqa: E402
+
+
+def _tensor_bytes(obj) -> int:
+    from kiln.parallel.zero1_shards import is_sharded, local_tensors
+
+    if is_sharded(obj):
+        return sum(t.numel() * t.element_size() for t in local_tensors(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _consolidated_state(zero) -> dict:
+    """The whole dense state on this rank, as torch's ZeroRedundancyOptimizer consolidates it
+    (every rank in turn: each must call for every destination)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    full = None
+    for r in range(dist.get_world_size()):
+        zero.dense.consolidate_state_dict(to=r)
+        if r == dist.get_rank():
+            full = ZeroRedundancyOptimizer.state_dict(zero.dense)  # torch's: the consolidated state
+    return {"state": full["state"]}
+
+
+def _file_bytes(path: Path, rank: int) -> int:
+    return sum(f.stat().st_size for f in path.glob(f"__{rank}_*.distcp"))
+
+
+def _rank(rank: int, world: int, port: int, args, root: str, out) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from kiln.config import load_config
+    from kiln.model.transformer import Transformer
+    from kiln.parallel.zero1 import Zero1Optimizer
+    from kiln.train.optim import build_optimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+                             f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
+                             "optim.implementation='foreach'"])
+
+    def build():
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+        return model, Zero1Optimizer(build_optimizer(model, cfg.optim, "cpu"), dist.group.WORLD)
+
+    model, zero = build()
+    tokens = torch.randint(0, args.vocab, (4, 65), generator=torch.Generator().manual_seed(1))
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    zero.step()
+    zero.zero_grad(set_to_none=True)
+    rows = []
+    for round_ in range(args.rounds):
+        for way in ("kiln", "consolidated"):
+            path = Path(root) / f"{way}-{round_}"
+            dist.barrier()
+            wchar = sent_bytes()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                t0 = time.perf_counter()
+                if way == "kiln":
+                    optim = get_state_dict(model, zero)[1]["state"]
+                else:
+                    optim = _consolidated_state(zero)["state"]
+                dcp.save({"optim": optim}, checkpoint_id=str(path))
+                seconds = time.perf_counter() - t0
+            files = _file_bytes(path, rank)
+            rows.append({"way": way, "round": round_, "rank": rank, "save_s": seconds,
+                         "state_bytes": _tensor_bytes(optim), "peak_bytes": profiled_peak_bytes(prof),
+                         "file_bytes": files, "sent_bytes": sent_bytes() - wchar - files})
+            del optim
+    # kiln's checkpoint loads back into a fresh ZeRO-1 optimizer: this rank's state bit for bit
+    fresh_model, fresh = build()
+    fresh_model.load_state_dict(model.state_dict())
+    template = get_state_dict(fresh_model, fresh)[1]
+    dcp.load({"optim": template["state"]}, checkpoint_id=str(Path(root) / "kiln-0"))
+    set_state_dict(fresh_model, fresh, model_state_dict=fresh_model.state_dict(), optim_state_dict=template)
+    pieces = [[p for g in opt.dense.optim.param_groups for p in g["params"]] for opt in (zero, fresh)]
+    same = all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for p, q in zip(*pieces)
+               for a, b in zip(zero.dense.optim.state[p].values(), fresh.dense.optim.state[q].values()))
+    full_bytes = sum(p.numel() for p in model.parameters()) * 4 * 2  # AdamW's two fp32 moments
+    out.put({"rank": rank, "rows": rows, "loaded_exactly": same, "full_state_bytes": full_bytes})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(world: int, args) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as root:
+        port = _free_port()
+        # the rank's code by this file's module name, which the spawned ranks import from benchmarks/
+        # on their sys.path (as a script this is __main__; the smoke test loads it under another name)
+        target = importlib.import_module(Path(__file__).stem)._rank
+        procs = [ctx.Process(target=target, args=(r, world, port, args, root, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results, deadline = [], time.monotonic() + 900
+        while len(results) < world:  # a rank that dies ends the benchmark, not a timeout
+            try:
+                results.append(out.get(timeout=1))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise SystemExit(f"zero1_checkpoint: a rank failed (exit codes {[p.exitcode for p in procs]})")
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode != 0:
+                raise SystemExit(f"zero1_checkpoint: a rank exited with {p.exitcode}")
+    if not all(r["loaded_exactly"] for r in results):
+        raise SystemExit("zero1_checkpoint: kiln's checkpoint did not load back exactly")
+    summary = {"world": world, "full_state_bytes": results[0]["full_state_bytes"]}
+    for way in ("kiln", "consolidated"):
+        rows = [row for r in results for row in r["rows"] if row["way"] == way]
+        per_round = [max(row["save_s"] for row in rows if row["round"] == k) for k in range(args.rounds)]
+        summary[way] = {
+            "save_s": statistics.median(per_round), "save_s_rounds": per_round,
+            **{k: max(row[k] for row in rows) for k in ("state_bytes", "peak_bytes", "file_bytes", "sent_bytes")},
+            "file_bytes_all_ranks": sum(row["file_bytes"] for row in rows if row["round"] == 0)}
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="zero1_checkpoint")
+    args = ap.parse_args(argv)
+    summaries = [measure(int(w), args) for w in args.worlds.split(",")]
+    mb = 1 / 2**20
+    table = []
+    for s in summaries:
+        k, c = s["kiln"], s["consolidated"]
+        table.append([s["world"], round(s["full_state_bytes"] * mb, 1), round(k["state_bytes"] * mb, 1),
+                      round(c["state_bytes"] * mb, 1), round(k["peak_bytes"] * mb, 1), round(c["peak_bytes"] * mb, 1),
+                      round(k["sent_bytes"] * mb, 1), round(c["sent_bytes"] * mb, 1), round(k["save_s"], 3),
+                      round(c["save_s"], 3), round(c["save_s"] / k["save_s"], 2)])
+    print_table(["ranks", "state MiB", "kiln holds", "consolidated holds", "kiln peak", "consolidated peak",
+                 "kiln sent", "consolidated sent", "kiln save s", "consolidated save s", "speedup"], table)
+    path = write_results(args.out, {"command": "python benchmarks/zero1_checkpoint.py " + " ".join(argv or sys.argv[1:]),
+                                    "dim": args.dim, "layers": args.layers, "vocab": args.vocab,
+                                    "rounds": args.rounds, "worlds": summaries})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
