@@ -39,8 +39,8 @@ generate and export read, and what a non-DiLoCo run continues from), replica r >
 `diloco_rank<r>` (`replica_states`). The ranks of one replica save their shards under that key
 (DCP writes each shard once), so this is one DCP checkpoint with one manifest, loaded through the
 same safe reader. The anchor and the outer momentum (`diloco`) are equal across replicas, DTensors
-sharded like the parameters (split `inside` a replica: gathered whole to save, sliced at load),
-and stored once; under pp they are keyed by parameter name (every
+sharded like the parameters (split `inside` a replica: each rank saves its slice's boxes of
+each parameter, kiln/parallel/zero1_shards.py, nothing gathered), and stored once; under pp they are keyed by parameter name (every
 stage holds other parameters), else by position. A `diloco_layout_<R>x<S>x<T>[_pp<P>][_cp<C>]
 [_ep<E>][_etp1]` entry records the replica count and the split inside each (dp_shard x tp, and
 pp, cp, ep where > 1, etp1 where ep borrows tp); a DiLoCo run continues only a checkpoint of the
@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln import torch_compat
 from kiln.errors import KilnError
+from kiln.parallel.zero1_shards import is_sharded, largest_local_numel, param_boxes
 
 APP_KEY = "app"  # the model + optimizer entry of kiln's checkpoint (kiln/train/trainer.py)
 REPLICA_PREFIX = "diloco_rank"  # replica r > 0's own model + inner optimizer: diloco_rank<r>
@@ -195,17 +196,28 @@ class DiLoCo:
                      for i, (n, _) in enumerate(named)]
         self.inner_steps, self.group = inner_steps, group
         self.inside = inside if inside is not None and dist.get_world_size(inside) > 1 else None
-        self.numel = sum(local(p).numel() for p in self.params)
         # The anchor is fp32 whatever the parameters' dtype (the outer step adds small deltas to it).
         # It holds this rank's shards only, and with `inside` only this rank's 1/S slice of their
-        # flat concatenation (padded to S equal slices), as does the outer momentum.
+        # flat concatenation (padded to S equal slices), as does the outer momentum. In that flat
+        # vector each parameter takes its largest tp shard's size (zero-padded where its shard is
+        # smaller), so every tp coordinate slices alike and a checkpoint's boxes of a tensor
+        # replicated over tp coincide (zero1_shards.largest_local_numel).
+        sizes = [largest_local_numel(p) if self.inside is not None else local(p).numel() for p in self.params]
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.numel = sum(sizes)
         with torch.no_grad():
             if self.inside is None:
                 self.anchor = [local(p).detach().clone().float() for p in self.params]
             else:
-                split = dist.get_world_size(self.inside)
+                split, me = dist.get_world_size(self.inside), dist.get_rank(self.inside)
                 self.slice = -(-self.numel // split)
-                self.anchor = [self._flat().view(split, -1)[dist.get_rank(self.inside)].clone()]
+                self.anchor = [self._flat().view(split, -1)[me].clone()]
+                # per parameter: the runs of its local elements each rank's slice holds, and their boxes
+                self._runs = [[(max(a, r * self.slice) - a, min(a + local(p).numel(), (r + 1) * self.slice) - a, r)
+                               for r in range(split)
+                               if max(a, r * self.slice) < min(a + local(p).numel(), (r + 1) * self.slice)]
+                              for p, a in zip(self.params, self.starts)]
+                self._boxes = [param_boxes(p, runs, self.inside) for p, runs in zip(self.params, self._runs)]
         self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum, nesterov=True)
         # A zero momentum buffer steps exactly like torch's lazily created one (buf = g at the first
         # step) and exists before the first sync, so a checkpoint can load into it.
@@ -215,18 +227,19 @@ class DiLoCo:
 
     def _flat(self) -> torch.Tensor:
         """This rank's parameter shards as one fp32 vector, zero-padded to S equal slices with `inside`."""
-        flat = torch.cat([local(p).detach().float().reshape(-1) for p in self.params])
         if self.inside is None:
-            return flat
-        padded = flat.new_zeros(self.slice * dist.get_world_size(self.inside))
-        padded[:self.numel] = flat
+            return torch.cat([local(p).detach().float().reshape(-1) for p in self.params])
+        padded = torch.zeros(self.slice * dist.get_world_size(self.inside), device=self.params[0].device)
+        for p, start in zip(self.params, self.starts):
+            values = local(p).detach().reshape(-1)
+            padded[start:start + values.numel()] = values
         return padded
 
     def _gather(self, piece: torch.Tensor) -> torch.Tensor:
         """The whole flat vector from every rank's slice `piece` (all-gather inside the replica)."""
         whole = piece.new_empty(self.slice * dist.get_world_size(self.inside))
         torch_compat.all_gather_single(whole, piece.contiguous(), group=self.inside)
-        return whole[:self.numel]
+        return whole
 
     def due(self, step: int) -> bool:
         """True after inner step `step` (1-based) when an outer step follows."""
@@ -263,22 +276,18 @@ class DiLoCo:
         for anchor, p in zip(whole, self.params):
             local(p).copy_(anchor)
 
-    def _full(self, tensors: list[torch.Tensor], own_storage: bool = False) -> list[torch.Tensor]:
-        """Per-parameter tensors (this rank's shards) of the anchor or momentum `tensors`: themselves,
-        or with `inside` the slices all-gathered inside the replica, as views of one buffer or
-        (`own_storage`, for a checkpoint) each in its own: the async save's staging
-        (`torch.distributed._state_dict_utils._create_cpu_state_dict`, torch 2.13) deep-copies a
-        DTensor, which fails for one whose local tensor starts inside a larger buffer ("Attempted
-        to call copy_() on an invalid python storage"; under tp)."""
+    def _full(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-parameter tensors (this rank's shards) of the anchor `tensors`: themselves, or with
+        `inside` views of the slices all-gathered inside the replica."""
         if self.inside is None:
             return tensors
-        whole, offset, out = self._gather(tensors[0]), 0, []
-        for p in self.params:
-            n = local(p).numel()
-            piece = whole[offset:offset + n].view_as(local(p))
-            out.append(piece.clone() if own_storage else piece)
-            offset += n
-        return out
+        whole = self._gather(tensors[0])
+        return [whole[start:start + local(p).numel()].view_as(local(p)) for p, start in zip(self.params, self.starts)]
+
+    def _own_runs(self, i: int, flat_slice: torch.Tensor) -> list[torch.Tensor]:
+        """Views of parameter i's runs in this rank's slice `flat_slice` (of the anchor or momentum)."""
+        base = dist.get_rank(self.inside) * self.slice - self.starts[i]
+        return [flat_slice[a - base:b - base] for a, b, r in self._runs[i] if r == dist.get_rank(self.inside)]
 
     def _like_param(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`t` (this rank's shard) as a DTensor sharded like parameter `p`, sharing its storage, so
@@ -289,13 +298,20 @@ class DiLoCo:
 
     # Stateful, for the checkpoint: the anchor and the outer momentum (equal across replicas,
     # sharded like the parameters), as a flat dict of tensors that DCP saves and loads in place.
-    # With `inside` the ranks of a replica gather their slices into whole tensors first (what a
-    # checkpoint holds whatever the split; a collective, as every rank saves and loads).
+    # With `inside` each rank gives its slice's boxes of each parameter (zero1_shards.py, views:
+    # nothing gathered), only for the parameters its slice holds elements of.
     def state_dict(self) -> dict:
-        anchor = self._full(self.anchor, own_storage=True)
-        momentum = self._full([self.outer.state[a]["momentum_buffer"] for a in self.anchor], own_storage=True)
-        state = {f"anchor.{k}": self._like_param(a, p) for k, a, p in zip(self.keys, anchor, self.params)}
-        state.update({f"momentum.{k}": self._like_param(m, p) for k, m, p in zip(self.keys, momentum, self.params)})
+        momentum = [self.outer.state[a]["momentum_buffer"] for a in self.anchor]
+        if self.inside is None:
+            state = {f"anchor.{k}": self._like_param(a, p) for k, a, p in zip(self.keys, self.anchor, self.params)}
+            state.update({f"momentum.{k}": self._like_param(m, p) for k, m, p in zip(self.keys, momentum, self.params)})
+        else:
+            state = {}
+            for i, k in enumerate(self.keys):
+                for name, flat_slice in (("anchor", self.anchor[0]), ("momentum", momentum[0])):
+                    runs = self._own_runs(i, flat_slice)
+                    if runs:
+                        state[f"{name}.{k}"] = self._boxes[i].sharded(runs)
         state["outer_steps"] = torch.tensor(self.outer_steps)
         return state
 
@@ -303,13 +319,17 @@ class DiLoCo:
     def load_state_dict(self, state: dict) -> None:
         for name, mine in (("anchor", self.anchor), ("momentum", [self.outer.state[a]["momentum_buffer"]
                                                                   for a in self.anchor])):
-            loaded = [local(state[f"{name}.{k}"]) for k in self.keys]
             if self.inside is None:
-                for dst, src in zip(mine, loaded):
-                    dst.copy_(src)
+                for dst, k in zip(mine, self.keys):
+                    dst.copy_(local(state[f"{name}.{k}"]))
                 continue
-            split, rank = dist.get_world_size(self.inside), dist.get_rank(self.inside)
-            padded = mine[0].new_zeros(self.slice * split)
-            padded[:self.numel] = torch.cat([t.float().reshape(-1) for t in loaded])
-            mine[0].copy_(padded.view(split, -1)[rank])
+            for i, k in enumerate(self.keys):  # this slice's runs: from the boxes DCP filled, or a whole tensor
+                value = state.get(f"{name}.{k}")
+                if value is None:
+                    continue  # no element of it in this rank's slice
+                own = [(a, b) for a, b, r in self._runs[i] if r == dist.get_rank(self.inside)]
+                runs = (self._boxes[i].runs_of(value, f"{name}.{k}") if is_sharded(value)
+                        else [local(value).reshape(-1)[a:b] for a, b in own])
+                for dst, src in zip(self._own_runs(i, mine[0]), runs):
+                    dst.copy_(src)
         self.outer_steps = int(state["outer_steps"])

@@ -27,7 +27,6 @@ the new values); DCP's ShardedTensor checkpoints. kiln's:
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Iterable
 
 import torch
@@ -38,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln.errors import ConfigError
 from kiln.parallel.zero1_partition import partition
-from kiln.parallel.zero1_shards import RunBoxes, is_sharded
+from kiln.parallel.zero1_shards import is_sharded, largest_local_numel, param_boxes
 
 
 class ZeroRedundancyState(ZeroRedundancyOptimizer):
@@ -140,7 +139,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         # `saved_alike` (a tied embedding's copies on the first and last pipeline stage, whose
         # state both save under one name) is cut evenly, the same in every stage's group.
         alike = {id(p) for p in saved_alike}
-        runs = partition([_largest_local_numel(p) for p, _ in dense],
+        runs = partition([largest_local_numel(p) for p, _ in dense],
                          [cut and _local(p).is_contiguous() for p, cut in dense], dist.get_world_size(group),
                          even=[id(p) in alike for p, _ in dense])
         self._rank = dist.get_rank(group)
@@ -263,41 +262,10 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def _largest_local_numel(p: torch.Tensor) -> int:
-    """The elements of the largest tp coordinate's shard of `p` (DTensor shards follow torch.chunk:
-    ceil(size / tp) along a sharded dim), the same number on every coordinate."""
-    if not isinstance(p, DTensor):
-        return p.numel()
-    shape = list(p.shape)
-    for size, placement in zip(p.device_mesh.shape, p.placements):
-        if placement.is_shard():
-            shape[placement.dim] = -(-shape[placement.dim] // size)
-    return math.prod(shape)
-
-
 def _clipped(runs: list[tuple[int, int, int]], numel: int) -> list[tuple[int, int, int]]:
     """`runs` of the largest shard's elements, within this shard's `numel` (a smaller last chunk)."""
     kept = [(a, min(b, numel), r) for a, b, r in runs if a < numel]
     return kept or [(0, 0, runs[0][2])]
-
-
-def _tp_regions(p: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """(offsets, sizes, a global rank holding it) of the other tp coordinates' shards of `p`
-    (none when replicated), by torch.chunk's rule as DTensor shards."""
-    if not isinstance(p, DTensor) or not any(pl.is_shard() for pl in p.placements):
-        return []
-    ranks, me = p.device_mesh.mesh.flatten().tolist(), p.device_mesh.get_local_rank()
-    out = []
-    for c, global_rank in enumerate(ranks):
-        offsets, sizes = [0] * p.dim(), list(p.shape)
-        for placement in p.placements:
-            if placement.is_shard():
-                d, chunk = placement.dim, -(-p.shape[placement.dim] // len(ranks))
-                offsets[d] = min(c * chunk, p.shape[d])
-                sizes[d] = min(p.shape[d], offsets[d] + chunk) - offsets[d]
-        if c != me and math.prod(sizes) > 0:
-            out.append((tuple(offsets), tuple(sizes), global_rank))
-    return out
 
 
 class _DenseParam:
@@ -312,9 +280,7 @@ class _DenseParam:
         with torch.no_grad():
             local = _local(param)
             self.shape = local.shape
-            offset = tuple(param.__create_chunk_list__()[0].offsets) if isinstance(param, DTensor) else (0,) * local.dim()
-            self.boxes = RunBoxes(local.shape, param.shape, offset,
-                                  [(a, b, dist.get_global_rank(group, r)) for a, b, r in runs], _tp_regions(param))
+            self.boxes = param_boxes(param, runs, group)
             if len(runs) == 1 and not isinstance(param, DTensor):
                 self.pieces = [param]
             elif len(runs) == 1:

@@ -18,6 +18,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the import itself warns of the deprecation on some releases
@@ -103,6 +104,48 @@ class RunBoxes:
         for run_boxes in self.per_run:
             out.append(torch.cat([next(tensors).reshape(-1) for _ in run_boxes]))
         return out
+
+
+def largest_local_numel(p: torch.Tensor) -> int:
+    """The elements of the largest tp coordinate's shard of `p` (DTensor shards follow torch.chunk:
+    ceil(size / tp) along a sharded dim), the same number on every coordinate: partitions sized by
+    it cut a tensor replicated over tp alike on every coordinate, so DCP writes its boxes once
+    (it refuses overlapping ones)."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    shape = list(p.shape)
+    for size, placement in zip(p.device_mesh.shape, p.placements):
+        if placement.is_shard():
+            shape[placement.dim] = -(-shape[placement.dim] // size)
+    return math.prod(shape)
+
+
+def tp_regions(p: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """(offsets, sizes, a global rank holding it) of the other tp coordinates' shards of `p`
+    (none when replicated), by torch.chunk's rule as DTensor shards."""
+    if not isinstance(p, DTensor) or not any(pl.is_shard() for pl in p.placements):
+        return []
+    ranks, me = p.device_mesh.mesh.flatten().tolist(), p.device_mesh.get_local_rank()
+    out = []
+    for c, global_rank in enumerate(ranks):
+        offsets, sizes = [0] * p.dim(), list(p.shape)
+        for placement in p.placements:
+            if placement.is_shard():
+                d, chunk = placement.dim, -(-p.shape[placement.dim] // len(ranks))
+                offsets[d] = min(c * chunk, p.shape[d])
+                sizes[d] = min(p.shape[d], offsets[d] + chunk) - offsets[d]
+        if c != me and math.prod(sizes) > 0:
+            out.append((tuple(offsets), tuple(sizes), global_rank))
+    return out
+
+
+def param_boxes(param: torch.Tensor, runs: list[tuple[int, int, int]], group) -> RunBoxes:
+    """RunBoxes of `param` (a tensor-parallel DTensor's shard placed where it sits) for `runs`
+    ((start, end, rank in `group`) over its local flat elements)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    offset = tuple(param.__create_chunk_list__()[0].offsets) if isinstance(param, DTensor) else (0,) * local.dim()
+    return RunBoxes(local.shape, param.shape, offset, [(a, b, dist.get_global_rank(group, r)) for a, b, r in runs],
+                    tp_regions(param))
 
 
 def _meta(offsets, sizes, rank: int, device: torch.device) -> ShardMetadata:

@@ -20,7 +20,7 @@ replica hold the same parameters (ddp, zero1, cp under ddp) each sends half of t
 (gradients across replicas every step), and the outer step averaging over cp instead of the
 replicas (8e-4 relative at step 4). kiln's trainer with 2 replicas x fsdp 2 resumes between outer
 syncs bit for bit, and so do 2 replicas x pp 2 (the anchor keyed by parameter name), 2
-replicas x ZeRO-1 over 2 (each replica's consolidated moments), x ZeRO-2 over 2, x tp 2 with ep 2
+replicas x ZeRO-1 over 2 (each replica's ranks saving their boxes of the moments), x ZeRO-2 over 2, x tp 2 with ep 2
 borrowing tp (etp 1, MoE) and x cp 2 with ep 2 = cp (MoE).
 One 8-rank launch: 2 replicas x pp 2 x cp 2 with ep 2 = cp (MoE, ddp), same definition and tolerance.
 """
@@ -594,7 +594,7 @@ def test_pipelined_replicas_resume_between_outer_syncs_exactly(split_root):
 
 def test_zero1_replicas_resume_between_outer_syncs_exactly(split_root):
     # 2 replicas x ZeRO-1 over 2 ranks each through kiln's trainer: each replica saves its own
-    # (consolidated) inner moments, the step-3 checkpoint continues them bit for bit.
+    # inner moments (each rank its boxes), the step-3 checkpoint continues them bit for bit.
     continued_exactly(split_root[0], "zero1", "diloco_layout_2x2x1_ddp")
 
 

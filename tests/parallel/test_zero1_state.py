@@ -121,13 +121,16 @@ def _state_apart(saved, full) -> float:
                for s in saved.local_shards())
 
 
-def _cut_against_plain(rank, n):
+def _cut_against_plain(rank, n, root):
+    import torch.distributed.checkpoint as dcp
+
     out = {}
     for name in ("adamw", "lion", "sgd", "muon"):
         model, plain_model = _cut_model(), _cut_model()
         zero, plain = Zero1Optimizer(_build(name, model), dist.group.WORLD), _build(name, plain_model)
         _steps(model, zero, range(3))
         _steps(plain_model, plain, range(3))
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(model, zero))), checkpoint_id=str(root / name))
         saved, expected = copy.deepcopy(zero.state_dict()), copy.deepcopy(plain.state_dict())  # not the live tensors
         resumed_model = _cut_model(seed=5)
         resumed_model.load_state_dict(plain_model.state_dict())
@@ -165,17 +168,36 @@ def _cut_against_plain(rank, n):
     return out
 
 
+def _resume_on_two(rank, n, root):
+    """The 3-rank checkpoints continued by ZeRO-1 over 2 ranks (other runs, other boxes: DCP reads
+    each rank's from the saved ones by overlap), against one plain optimizer's 5 steps."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    for name in ("adamw", "lion", "sgd", "muon"):
+        model, plain_model = _cut_model(seed=7), _cut_model()
+        zero, plain = Zero1Optimizer(_build(name, model), dist.group.WORLD), _build(name, plain_model)
+        state = dict(zip(("model", "optim"), get_state_dict(model, zero)))
+        dcp.load(state, checkpoint_id=str(root / name))
+        set_state_dict(model, zero, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        _steps(model, zero, [3, 4])
+        _steps(plain_model, plain, range(5))
+        out[name] = max(_apart(p, q) for p, q in zip(model.parameters(), plain_model.parameters()))
+    return out
+
+
 def test_cut_tensors_step_like_one_optimizer_and_save_its_state(tmp_path):
     """Each of 3 ranks holds a third of the elements (the embedding and head cut across ranks);
     the parameters after 5 steps, each rank's saved share of the state after 3 (its own third of
-    each moment, nothing gathered), and resumes from a plain optimizer's state and from the shares
-    are those of one plain optimizer: bit for bit for AdamW (torch's for-loop on the CPU),
+    each moment, nothing gathered), and resumes from a plain optimizer's state, from the shares and
+    (through DCP) on 2 ranks, whose boxes lie elsewhere, are those of one plain optimizer: bit for bit for AdamW (torch's for-loop on the CPU),
     Lion and SGD with momentum; for Muon (its matrix whole, its AdamW tensors cut) within 1e-6 of
     each tensor's scale: torch's fused CPU AdamW computes the elements past a tensor's last whole
     vector apart from the others (an FMA apart), and a cut moves where those fall."""
     from ranks import run_ranks
 
-    results = run_ranks(_cut_against_plain, 3, tmp_path, timeout=240)
+    (tmp_path / "three").mkdir()
+    results = run_ranks(_cut_against_plain, 3, tmp_path / "three", tmp_path, timeout=240)
     total = sum(p.numel() for p in _cut_model().parameters())
     for name in ("adamw", "lion", "sgd", "muon"):
         held = [r[name]["held"] for r in results]
@@ -190,6 +212,9 @@ def test_cut_tensors_step_like_one_optimizer_and_save_its_state(tmp_path):
             assert "a tensor of shape (3, 8), expected (50, 8)" in r[name]["refused"] and "\n" not in r[name]["refused"]
             assert max(r[name][k] for k in ("params", "resumed", "from_shares", "state")) <= bound, (name, r[name])
     assert all((8, 8) not in r["muon"]["cut"] for r in results)
+    (tmp_path / "two").mkdir()
+    for resumed in run_ranks(_resume_on_two, 2, tmp_path / "two", tmp_path, timeout=240):
+        assert max(resumed[name] for name in ("adamw", "lion", "sgd")) == 0.0 and resumed["muon"] <= 1e-6, resumed
 
 
 def _tensor_parallel_shares(rank, n):
