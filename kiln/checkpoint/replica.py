@@ -189,7 +189,7 @@ class MemoryReplicas:
             mine = self._return_copies(step, need_from_peer, mine)
         filled = None
         # On every rank, before anything that may fail on one: a state_dict may be a collective
-        # (DiLoCo's split outer state gathers its slices inside the replica).
+        # (DCP's get_state_dict steps a never-stepped ZeRO-1 optimizer on zero gradients: broadcasts).
         live = _stateful_to_state_dict(states)
         try:  # into the live state dicts' tensors; load_state_dict only once every rank succeeded
             if mine is None or mine[0] != step:

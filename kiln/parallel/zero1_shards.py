@@ -9,6 +9,10 @@ deprecated in favour of DTensor, whose shards follow a fixed chunking rule and c
 runs: a run of the concatenated parameters starts and ends mid-row and ranks get unequal parts);
 DCP's saving, loading and resharding. kiln's: `boxes` (a run of flat elements as the few boxes it
 covers) and the bookkeeping between a rank's runs and its boxes.
+
+Not supported: torch's `get_state_dict(..., options=StateDictOptions(full_state_dict=True))`, whose
+gather takes one dim-0 chunk per rank (it fails in the all-gather, "invalid tensor size"); a whole
+optimizer state comes from a checkpoint loaded into one process (DCP assembles the boxes).
 """
 
 from __future__ import annotations
