@@ -76,8 +76,18 @@ class SavedBytes:
 
 
 def sent_bytes() -> int:
+    """Bytes this process has written (sockets and files: /proc/self/io wchar)."""
+    return _io("wchar")
+
+
+def read_bytes() -> int:
+    """Bytes this process has read (sockets and files: /proc/self/io rchar)."""
+    return _io("rchar")
+
+
+def _io(field: str) -> int:
     with open("/proc/self/io") as f:
-        return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
+        return next(int(line.split(":")[1]) for line in f if line.startswith(field))
 
 
 COLLECTIVE_SIZES = (2**14, 2**18, 2**22, 2**24)  # bytes of the full (unsharded) tensor

@@ -15,8 +15,11 @@ alternating the two ways for --rounds rounds. Per rank and save:
 - sent bytes: bytes the process wrote during the save (/proc/self/io wchar) less its file's;
 - save s: wall time of the save (slowest rank; median over rounds).
 
-After the rounds, each rank loads kiln's checkpoint into a fresh ZeRO-1 optimizer and checks its
-state is the saved one bit for bit (the benchmark fails otherwise).
+Then each rank loads, both ways alternating for --rounds rounds, into a fresh ZeRO-1 optimizer:
+kiln's (a template of this rank's boxes) and torch's (the whole consolidated state read on every
+rank, ZeroRedundancyOptimizer.load_state_dict keeping its partition); per rank the bytes read
+(/proc/self/io rchar), the peak tensor bytes and the time; each load must give back this rank's
+state bit for bit (the benchmark fails otherwise).
 
     python benchmarks/zero1_checkpoint.py [--worlds 2,4] [--dim 384 --layers 6 --heads 6 --vocab 4096] [--rounds 3]
 
@@ -43,7 +46,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 from common import print_table, write_results  # noqa: E402
-from rank_measures import profiled_peak_bytes, sent_bytes  # noqa: E402
+from rank_measures import profiled_peak_bytes, read_bytes, sent_bytes  # noqa: E402
 
 
 def _tensor_bytes(obj) -> int:
@@ -61,8 +64,9 @@ def _tensor_bytes(obj) -> int:
 
 
 def _consolidated_state(zero) -> dict:
-    """The whole dense state on this rank, as torch's ZeroRedundancyOptimizer consolidates it
-    (every rank in turn: each must call for every destination)."""
+    """The whole dense state on this rank (state and param groups, keyed by ZeRO's positions), as
+    torch's ZeroRedundancyOptimizer consolidates it (every rank in turn: each must call for every
+    destination)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     full = None
@@ -70,7 +74,7 @@ def _consolidated_state(zero) -> dict:
         zero.dense.consolidate_state_dict(to=r)
         if r == dist.get_rank():
             full = ZeroRedundancyOptimizer.state_dict(zero.dense)  # torch's: the consolidated state
-    return {"state": full["state"]}
+    return full
 
 
 def _file_bytes(path: Path, rank: int) -> int:
@@ -122,15 +126,34 @@ def _rank(rank: int, world: int, port: int, args, root: str, out) -> None:
                          "state_bytes": _tensor_bytes(optim), "peak_bytes": profiled_peak_bytes(prof),
                          "file_bytes": files, "sent_bytes": sent_bytes() - wchar - files})
             del optim
-    # kiln's checkpoint loads back into a fresh ZeRO-1 optimizer: this rank's state bit for bit
-    fresh_model, fresh = build()
-    fresh_model.load_state_dict(model.state_dict())
-    template = get_state_dict(fresh_model, fresh)[1]
-    dcp.load({"optim": template["state"]}, checkpoint_id=str(Path(root) / "kiln-0"))
-    set_state_dict(fresh_model, fresh, model_state_dict=fresh_model.state_dict(), optim_state_dict=template)
-    pieces = [[p for g in opt.dense.optim.param_groups for p in g["params"]] for opt in (zero, fresh)]
-    same = all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for p, q in zip(*pieces)
-               for a, b in zip(zero.dense.optim.state[p].values(), fresh.dense.optim.state[q].values()))
+    # Loading, both ways, into a fresh ZeRO-1 whose state then must be this rank's, bit for bit:
+    # kiln's template asks DCP for this rank's boxes; torch's way reads the whole consolidated
+    # state on every rank and keeps its partition (ZeroRedundancyOptimizer.load_state_dict).
+    same = True
+    for round_ in range(args.rounds):
+        for way in ("kiln", "consolidated"):
+            fresh_model, fresh = build()
+            fresh_model.load_state_dict(model.state_dict())
+            get_state_dict(fresh_model, fresh)  # DCP's zero-gradient step: the state exists (untimed)
+            dist.barrier()
+            read = read_bytes()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                t0 = time.perf_counter()
+                if way == "kiln":
+                    template = get_state_dict(fresh_model, fresh)[1]
+                    dcp.load({"optim": template["state"]}, checkpoint_id=str(Path(root) / f"kiln-{round_}"))
+                    set_state_dict(fresh_model, fresh, model_state_dict=fresh_model.state_dict(), optim_state_dict=template)
+                else:
+                    template = _consolidated_state(fresh)
+                    dcp.load({"optim": template["state"]}, checkpoint_id=str(Path(root) / f"consolidated-{round_}"))
+                    fresh.dense.load_state_dict(template)  # torch's ZeroRedundancyOptimizer.load_state_dict
+                seconds = time.perf_counter() - t0
+            rows.append({"way": way, "round": round_, "rank": rank, "load_s": seconds,
+                         "load_peak_bytes": profiled_peak_bytes(prof), "read_bytes": read_bytes() - read})
+            pieces = [[p for g in opt.dense.optim.param_groups for p in g["params"]] for opt in (zero, fresh)]
+            same = same and all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for p, q in zip(*pieces)
+                                for a, b in zip(zero.dense.optim.state[p].values(), fresh.dense.optim.state[q].values()))
+            del template
     full_bytes = sum(p.numel() for p in model.parameters()) * 4 * 2  # AdamW's two fp32 moments
     out.put({"rank": rank, "rows": rows, "loaded_exactly": same, "full_state_bytes": full_bytes})
     dist.barrier()
@@ -169,15 +192,17 @@ def measure(world: int, args) -> dict:
             if p.exitcode != 0:
                 raise SystemExit(f"zero1_checkpoint: a rank exited with {p.exitcode}")
     if not all(r["loaded_exactly"] for r in results):
-        raise SystemExit("zero1_checkpoint: kiln's checkpoint did not load back exactly")
+        raise SystemExit("zero1_checkpoint: a checkpoint did not load back exactly")
     summary = {"world": world, "full_state_bytes": results[0]["full_state_bytes"]}
     for way in ("kiln", "consolidated"):
-        rows = [row for r in results for row in r["rows"] if row["way"] == way]
-        per_round = [max(row["save_s"] for row in rows if row["round"] == k) for k in range(args.rounds)]
-        summary[way] = {
-            "save_s": statistics.median(per_round), "save_s_rounds": per_round,
-            **{k: max(row[k] for row in rows) for k in ("state_bytes", "peak_bytes", "file_bytes", "sent_bytes")},
-            "file_bytes_all_ranks": sum(row["file_bytes"] for row in rows if row["round"] == 0)}
+        saves = [row for r in results for row in r["rows"] if row["way"] == way and "save_s" in row]
+        loads = [row for r in results for row in r["rows"] if row["way"] == way and "load_s" in row]
+        summary[way] = {"file_bytes_all_ranks": sum(row["file_bytes"] for row in saves if row["round"] == 0)}
+        for rows, seconds, sizes in ((saves, "save_s", ("state_bytes", "peak_bytes", "file_bytes", "sent_bytes")),
+                                     (loads, "load_s", ("load_peak_bytes", "read_bytes"))):
+            per_round = [max(row[seconds] for row in rows if row["round"] == k) for k in range(args.rounds)]
+            summary[way].update({seconds: statistics.median(per_round), f"{seconds}_rounds": per_round,
+                                 **{k: max(row[k] for row in rows) for k in sizes}})
     return summary
 
 
@@ -196,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for s in summaries:
         k, c = s["kiln"], s["consolidated"]
-        table.append([s["world"], round(s["full_state_bytes"] * mb, 1), round(k["state_bytes"] * mb, 1),
-                      round(c["state_bytes"] * mb, 1), round(k["peak_bytes"] * mb, 1), round(c["peak_bytes"] * mb, 1),
-                      round(k["sent_bytes"] * mb, 1), round(c["sent_bytes"] * mb, 1), round(k["save_s"], 3),
-                      round(c["save_s"], 3), round(c["save_s"] / k["save_s"], 2)])
-    print_table(["ranks", "state MiB", "kiln holds", "consolidated holds", "kiln peak", "consolidated peak",
-                 "kiln sent", "consolidated sent", "kiln save s", "consolidated save s", "speedup"], table)
+        table.append([s["world"], round(s["full_state_bytes"] * mb, 1)] + [
+            f"{k[key] * scale:.{digits}f} / {c[key] * scale:.{digits}f}"
+            for key, scale, digits in (("state_bytes", mb, 1), ("peak_bytes", mb, 1), ("sent_bytes", mb, 1),
+                                       ("save_s", 1, 3), ("read_bytes", mb, 1), ("load_peak_bytes", mb, 1),
+                                       ("load_s", 1, 3))])
+    print_table(["ranks", "state MiB", "save: held", "peak", "sent MiB", "s", "load: read MiB", "peak", "s"], table)
+    print("(each cell: kiln / consolidated, per rank: the largest rank's bytes, the slowest rank's seconds)")
     path = write_results(args.out, {"command": "python benchmarks/zero1_checkpoint.py " + " ".join(argv or sys.argv[1:]),
                                     "dim": args.dim, "layers": args.layers, "vocab": args.vocab,
                                     "rounds": args.rounds, "worlds": summaries})

@@ -78,6 +78,7 @@ def test_zero1_checkpoint_saves_shares_and_loads_them_back(tmp_path):
     assert row["full_state_bytes"] <= consolidated["state_bytes"] <= row["full_state_bytes"] + 1024  # + Adam's steps
     assert row["full_state_bytes"] / 2 <= kiln["state_bytes"] <= row["full_state_bytes"] / 2 + 1024  # its half
     assert kiln["sent_bytes"] < consolidated["sent_bytes"] / 10
+    assert kiln["read_bytes"] < consolidated["read_bytes"]  # its boxes, not the whole state
 
 
 def test_every_benchmark_measures_its_own_checkouts_kiln():
