@@ -12,7 +12,8 @@ covers) and the bookkeeping between a rank's runs and its boxes.
 
 Not supported: torch's `get_state_dict(..., options=StateDictOptions(full_state_dict=True))`, whose
 gather takes one dim-0 chunk per rank (it fails in the all-gather, "invalid tensor size"); a whole
-optimizer state comes from a checkpoint loaded into one process (DCP assembles the boxes).
+optimizer state comes from a checkpoint loaded into one process, or torch's
+`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` (DCP assembles the boxes; tested).
 """
 
 from __future__ import annotations

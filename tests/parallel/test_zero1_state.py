@@ -2,6 +2,7 @@
 gloo process (the 2-rank save/load across layouts is in test_data_parallel.py)."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -212,6 +213,16 @@ def test_cut_tensors_step_like_one_optimizer_and_save_its_state(tmp_path):
             assert "a tensor of shape (3, 8), expected (50, 8)" in r[name]["refused"] and "\n" not in r[name]["refused"]
             assert max(r[name][k] for k in ("params", "resumed", "from_shares", "state")) <= bound, (name, r[name])
     assert all((8, 8) not in r["muon"]["cut"] for r in results)
+    # a whole state, as a user takes one out of the checkpoint: torch's dcp_to_torch_save assembles the boxes
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "adamw", tmp_path / "adamw.pt")
+    whole = torch.load(tmp_path / "adamw.pt", weights_only=False)["optim"]["state"]
+    plain_model = _cut_model()
+    plain = _build("adamw", plain_model)
+    _steps(plain_model, plain, range(3))
+    for (name, p), key in itertools.product(plain_model.named_parameters(), ("exp_avg", "exp_avg_sq")):
+        assert torch.equal(whole[name][key], plain.state[p][key]), (name, key)
     (tmp_path / "two").mkdir()
     for resumed in run_ranks(_resume_on_two, 2, tmp_path / "two", tmp_path, timeout=240):
         assert max(resumed[name] for name in ("adamw", "lion", "sgd")) == 0.0 and resumed["muon"] <= 1e-6, resumed
