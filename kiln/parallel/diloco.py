@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln import torch_compat
 from kiln.errors import KilnError
+from kiln.parallel import zero1_shards
 from kiln.parallel.zero1_shards import is_sharded, largest_local_numel, param_boxes
 
 APP_KEY = "app"  # the model + optimizer entry of kiln's checkpoint (kiln/train/trainer.py)
@@ -209,6 +210,7 @@ class DiLoCo:
             if self.inside is None:
                 self.anchor = [local(p).detach().clone().float() for p in self.params]
             else:
+                zero1_shards.require("DiLoCo with parallel.dp_mode='ddp' or 'zero1' inside a replica")
                 split, me = dist.get_world_size(self.inside), dist.get_rank(self.inside)
                 self.slice = -(-self.numel // split)
                 self.anchor = [self._flat().view(split, -1)[me].clone()]

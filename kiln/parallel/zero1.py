@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln.errors import ConfigError
 from kiln.parallel.zero1_partition import partition
+from kiln.parallel import zero1_shards
 from kiln.parallel.zero1_shards import is_sharded, largest_local_numel, param_boxes
 
 
@@ -131,6 +132,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     partition are kiln's; the stepping and broadcasting are torch's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group, saved_alike: Iterable[torch.Tensor] = ()):
+        zero1_shards.require("parallel.dp_mode='zero1'")
         kwargs, cls = _constructor_kwargs(optimizer), type(optimizer)
         groups = [dict(g) for g in optimizer.param_groups]
         dense = [(p, cuts_elementwise(optimizer, g)) for g in groups for p in g["params"] if not _is_expert(p)]

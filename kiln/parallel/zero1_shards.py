@@ -25,12 +25,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # the import itself warns of the deprecation on some releases
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from kiln.errors import ConfigError
+
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the import itself warns of the deprecation on some releases
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+        from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+        from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+    MISSING = ""
+except ImportError as e:  # torch deprecates ShardedTensor: a release without it leaves every other save working
+    ShardedTensor = None
+    MISSING = f"torch {torch.__version__} has no ShardedTensor ({e})"
 
 # DCP's planners warn "Please use DTensor instead and we are deprecating ShardedTensor" at every
 # save and load of one; kiln uses it where DTensor cannot say what it saves (above).
@@ -157,8 +164,15 @@ def _meta(offsets, sizes, rank: int, device: torch.device) -> ShardMetadata:
     return ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{device}")
 
 
+def require(what: str) -> None:
+    """One line, before any work, where this torch cannot save boxes (`what` names the setting)."""
+    if MISSING:
+        raise ConfigError(f"{what} saves each rank's share of its state as boxes (torch's ShardedTensor), but "
+                          f"{MISSING}; use parallel.dp_mode='fsdp' or 'zero2', or a torch that has it (2.6-2.13 do)")
+
+
 def is_sharded(value) -> bool:
-    return isinstance(value, ShardedTensor)
+    return ShardedTensor is not None and isinstance(value, ShardedTensor)
 
 
 def local_tensors(value: ShardedTensor) -> list[torch.Tensor]:
@@ -169,7 +183,7 @@ def unwrap(obj):
     """`obj` (a state dict) with each ShardedTensor as the list of its local tensors: the plain
     structure that torch's staging copies (torch 2.6 stages a ShardedTensor's shards by reference,
     not by copy) and `torch.save(weights_only)` takes."""
-    if isinstance(obj, ShardedTensor):
+    if is_sharded(obj):
         return local_tensors(obj)
     if isinstance(obj, dict):
         return {k: unwrap(v) for k, v in obj.items()}
@@ -181,7 +195,7 @@ def unwrap(obj):
 def rewrap(plain, like):
     """The inverse of `unwrap`: where `like` holds a ShardedTensor, one with its boxes over the
     tensors in `plain` (copies staged on another device keep the boxes, with their device)."""
-    if isinstance(like, ShardedTensor):
+    if is_sharded(like):
         device = plain[0].device if plain else torch.device("cpu")
         local = [Shard(t, _meta(s.metadata.shard_offsets, s.metadata.shard_sizes, s.metadata.placement.rank(), device))
                  for t, s in zip(plain, like.local_shards())]

@@ -348,3 +348,14 @@ def test_uneven_tensor_parallel_shards_save_once_and_load_whole(tmp_path):
     for name, moments in state["optim"]["state"].items():
         for key, value in moments.items():
             torch.testing.assert_close(value, expected[name][key], rtol=1e-5, atol=1e-7)
+
+
+def test_a_torch_without_sharded_tensor_refuses_zero1_in_one_line(group, monkeypatch):
+    from kiln.errors import ConfigError
+    from kiln.parallel import zero1_shards
+
+    monkeypatch.setattr(zero1_shards, "MISSING", "torch 9.9 has no ShardedTensor (No module named 'x')")
+    model = nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match=r"^parallel\.dp_mode='zero1' saves .*torch 9\.9 has no ShardedTensor.*"
+                                          r"use parallel\.dp_mode='fsdp' or 'zero2'"):
+        Zero1Optimizer(torch.optim.AdamW(model.parameters()), group)
