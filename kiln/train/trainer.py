@@ -33,6 +33,7 @@ from kiln.parallel.diloco import Layout as DiLoCoLayout
 from kiln.parallel.diloco import check_resume as check_diloco_resume
 from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
+from kiln.parallel import zero1_shards
 from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
 from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, pipeline_train_step
 from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fits_schedule
@@ -155,6 +156,10 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     if fsdp and device.type == "cpu" and not torch_compat.fsdp_runs_on_cpu():
         raise KilnError(f"parallel.dp_mode={dims.dp_mode!r} on CPU needs a torch whose FSDP2 runs there (this is "
                         f"{torch.__version__}; 2.11 and 2.13 do); set parallel.dp_mode='ddp' or update torch")
+    if dims.grad_ranks > 1 and dims.dp_mode == "zero1":  # saves its share as boxes (zero1_shards.py)
+        zero1_shards.require("parallel.dp_mode='zero1'")
+    if dims.diloco and dims.grad_ranks > 1 and dims.dp_mode == "ddp" and dims.ep == 1:  # diloco.replicated_group
+        zero1_shards.require("DiLoCo with parallel.dp_mode='ddp' inside a replica")
     if device.type == "cuda" and dims.world_size > 1:
         record_nccl_collectives(run_dir / "comm_traces", cfg.parallel.nccl_trace_entries)
     # probes gloo's AVG reduce-scatter (torch_compat.gloo_reduce_scatter_averages)
