@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -48,6 +49,13 @@ def train_in_child(overrides: list[str], run_dir: str) -> None:
     from kiln.train.trainer import train
 
     train(load_config(None, overrides), run_dir, resume=False)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a benchmark's process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def timed(fn) -> tuple[float, float]:

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln, not an installed one
 from comm_count import counting_collectives, scaled  # noqa: E402
-from common import RESULTS_DIR, machine_info  # noqa: E402
+from common import RESULTS_DIR, free_port, machine_info  # noqa: E402
 from parallel_results import add_counts, merge, render_table  # noqa: E402
 from parallel_rows import MOE_EXPERTS, Row, rows, select, unsupported  # noqa: E402
 from rank_measures import (SavedBytes, collective_times, local_bytes, optimizer_state,  # noqa: E402
@@ -238,12 +237,6 @@ def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, la
                 for row, port in zip(layouts, ports)}
     if rank == 0:
         Path(out).write_text(json.dumps({"layouts": measured, "collectives": collectives}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(world: int, layouts: list[Row], args, collective_reps: int = 0, count_comm: bool = False) -> dict:

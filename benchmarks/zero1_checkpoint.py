@@ -32,7 +32,6 @@ import argparse
 import importlib
 import os
 import queue
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, write_results  # noqa: E402
+from common import free_port, print_table, write_results  # noqa: E402
 from rank_measures import profiled_peak_bytes, read_bytes, sent_bytes  # noqa: E402
 
 
@@ -160,17 +159,11 @@ def _rank(rank: int, world: int, port: int, args, root: str, out) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(world: int, args) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as root:
-        port = _free_port()
+        port = free_port()
         # the rank's code by this file's module name, which the spawned ranks import from benchmarks/
         # on their sys.path (as a script this is __main__; the smoke test loads it under another name)
         target = importlib.import_module(Path(__file__).stem)._rank
