@@ -18,6 +18,7 @@ the loading logic itself stays DCP's.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from typing import Any
 
@@ -93,7 +94,39 @@ def load_metadata(data: bytes, source: str) -> dcp_metadata.Metadata:
         if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
             raise UnsafeCheckpointError(f"{source}: refused to load: data file {name!r} is not a plain "
                                         f"file name inside the checkpoint")
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, dcp_metadata.TensorStorageMetadata) and (problem := _tiling_problem(item)):
+            raise UnsafeCheckpointError(f"{source}: refused to load: tensor {fqn!r} {problem}")
     return metadata
+
+
+def _tiling_problem(item: dcp_metadata.TensorStorageMetadata) -> str:
+    """Why `item`'s saved chunks do not tile its tensor exactly (empty when they do). DCP reads a
+    tensor (or a rank's shard or boxes of it) from the chunks overlapping it, so a gap would leave
+    part of it as it was and an overlap would read two sources. The same test as DCP's own check
+    of a save plan (a chunk within bounds, no two overlapping, volumes summing to the tensor's)."""
+    size = tuple(item.size)
+    total = 0
+    boxes = []
+    for chunk in item.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size)):
+            return f"has a chunk at {list(offsets)} of {list(sizes)} outside its shape {list(size)}"
+        volume = math.prod(sizes)
+        if volume:
+            total += volume
+            boxes.append((offsets, sizes))
+    boxes.sort()
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1:]:
+            if size and b_off[0] >= a_off[0] + a_size[0]:
+                break  # sorted by the first offset: no later box reaches back into this one
+            if all(bo < ao + an and ao < bo + bn for ao, an, bo, bn in zip(a_off, a_size, b_off, b_size)):
+                return f"has overlapping chunks at {list(a_off)} and {list(b_off)}"
+    if total != math.prod(size):
+        return f"has chunks of {total} elements for its {math.prod(size)} (a gap)"
+    return ""
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -121,3 +121,25 @@ def test_metadata_cannot_point_outside_the_checkpoint(trained, tmp_path):
     real.storage_data[key] = dataclasses.replace(real.storage_data[key], relative_path="../../config.toml")
     with pytest.raises(UnsafeCheckpointError, match="not a plain file name"):
         load_metadata(pickle.dumps(real), "crafted")
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("shrink", r"has chunks of \d+ elements for its \d+ \(a gap\)"),
+    ("duplicate", r"has overlapping chunks at \[0, 0\] and \[0, 0\]"),
+    ("outside", r"has a chunk at \[0, 0\] of \[\d+, \d+\] outside its shape \[\d+, \d+\]"),
+])
+def test_chunks_must_tile_each_tensor(trained, tmp_path, damage, expected):
+    """DCP reads a tensor (or a ZeRO-1 rank's boxes of it) from whichever saved chunks overlap it:
+    a crafted .metadata with a gap would leave part of it as it was, silently."""
+    import dataclasses
+
+    real = load_metadata((trained / "checkpoints" / "step-4" / ".metadata").read_bytes(), "real")
+    fqn, item = next((k, v) for k, v in real.state_dict_metadata.items()
+                     if getattr(v, "chunks", None) and len(v.size) == 2)
+    chunk = item.chunks[0]
+    grown = torch.Size([chunk.sizes[0] + 1, chunk.sizes[1]])
+    item.chunks = {"shrink": [dataclasses.replace(chunk, sizes=torch.Size([chunk.sizes[0] - 1, chunk.sizes[1]]))],
+                   "duplicate": [chunk, chunk],
+                   "outside": [dataclasses.replace(chunk, sizes=grown)]}[damage]
+    with pytest.raises(UnsafeCheckpointError, match=rf"^crafted: refused to load: tensor {fqn!r} {expected}$"):
+        load_metadata(pickle.dumps(real), "crafted")
