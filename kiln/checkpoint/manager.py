@@ -120,7 +120,8 @@ class RNGState(Stateful):
 @dataclass
 class SaveResult:
     """One finished (or failed) save. block_s: time the training loop was held; background_s:
-    time the write, manifest and rename took after the loop went on (0 for a synchronous save)."""
+    time the write, manifest and rename took after the loop went on (0 for a synchronous save);
+    staged_bytes: this rank's host copy of the state an async save wrote from (staging.py)."""
 
     step: int
     path: Path
@@ -129,6 +130,7 @@ class SaveResult:
     size_bytes: int = 0
     error: str | None = None  # one line, e.g. "checkpoint at step 8 not written: no space left on ..."
     note: str = ""  # e.g. that it waited for the previous save, or made room first
+    staged_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -137,7 +139,8 @@ class SaveResult:
     def row(self) -> dict[str, Any]:
         row = {"kind": "checkpoint", "step": self.step, "path": str(self.path), "ok": self.ok,
                "save_block_s": self.block_s, "save_background_s": self.background_s,
-               "save_s": self.block_s + self.background_s, "size_bytes": self.size_bytes}
+               "save_s": self.block_s + self.background_s, "size_bytes": self.size_bytes,
+               "staged_bytes": self.staged_bytes}
         if self.error:
             row["message"] = self.error
         elif self.note:
@@ -165,7 +168,6 @@ class CheckpointManager:
         self._pending_step: int | None = None
         self._saved_step: int | None = None
         self._finished: list[SaveResult] = []
-        self._staging = ReusedStaging()
         # Saves and loads run DCP's collectives and their barriers on a gloo group of their own:
         # async ones from a background thread never interleave with the loop's collectives, and
         # the group keeps the long init bound while rank 0 hashes the manifest and the others
@@ -175,6 +177,8 @@ class CheckpointManager:
         if replica_dir and async_save:
             rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
             self.replicas = MemoryReplicas(self.dir, replica_dir, rank, world, self.group)
+        # each rank stages only the tensors it writes, unless replicas keep its whole snapshot
+        self._staging = ReusedStaging(self.group if self.replicas is None else None)
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -302,7 +306,7 @@ class CheckpointManager:
         background = time.perf_counter() - t0
         if dcp_future is None:  # synchronous: everything blocked the loop
             return SaveResult(step, final, block_s + background, 0.0, size, note=note)
-        return SaveResult(step, final, block_s, background, size, note=note)
+        return SaveResult(step, final, block_s, background, size, note=note, staged_bytes=self._staging.nbytes)
 
     def _failed(self, step: int, tmp: Path, error: BaseException, block_s: float) -> SaveResult:
         if self.is_main:

@@ -12,21 +12,77 @@ manager keeps at most one save in flight. Cost: one copy of the state in host me
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from kiln.parallel import zero1_shards
 
 
+def owned_state(state_dict: dict[str, Any], group, memo: dict | None = None) -> dict[str, Any]:
+    """`state_dict` without the tensors another rank of `group` writes: DCP's own choice
+    (`dedup_save_plans` over every rank's local plan, the call its global planning makes, so the
+    same rank writes each tensor as without this) taken before the staging copy. A tensor leaves
+    only when every chunk of it this rank holds is written elsewhere; other values stay (DCP
+    dedups them itself). A collective over `group`: every rank calls it with its state. `memo`
+    (a dict kept between saves) skips the plan exchange while no rank's plan changed: one
+    all-reduce of a flag instead."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, is_coordinator=False)
+    local = planner.create_local_plan()
+    signature = hashlib.sha256(repr(local.items).encode()).digest()
+    memo = {} if memo is None else memo
+    changed = torch.tensor([int(memo.get("signature") != signature)])
+    dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=group)
+    if changed.item():
+        plans: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(plans, type(local)(local.items), group=group)
+        kept = {item.index.fqn for item in dedup_save_plans(plans)[dist.get_rank(group)].items}
+        tensors = {item.index.fqn for item in local.items if item.type != WriteItemType.BYTE_IO}
+        memo.update(signature=signature, dropped=tensors - kept)
+    dropped = memo["dropped"]
+    return _without(state_dict, [planner.mappings.get(fqn, (fqn,)) for fqn in dropped]) if dropped else state_dict
+
+
+def _without(obj: Any, paths: list[tuple]) -> Any:
+    """`obj` with the leaves at `paths` (DCP's flattening paths: dict keys as str) removed; the
+    dicts on the way are copied, never changed. A leaf inside a list stays (removing it would
+    shift its neighbours' indices)."""
+    if not isinstance(obj, Mapping):
+        return obj
+    by_head: dict[str, list[tuple]] = {}
+    for path in paths:
+        by_head.setdefault(str(path[0]), []).append(path[1:])
+    out = {}
+    for key, value in obj.items():
+        rest = by_head.get(str(key))
+        if rest is None:
+            out[key] = value
+        elif not all(rest):  # this key is a dropped leaf
+            continue
+        else:
+            out[key] = _without(value, rest)
+    return out
+
+
 class ReusedStaging:
-    def __init__(self):
+    def __init__(self, group=None):
         self._buffers: dict[str, Any] | None = None
         self._last: dict[str, Any] | None = None
+        self.group = group  # the checkpoint's process group: stage only this rank's writes (owned_state)
+        self._owners: dict = {}  # owned_state's memo
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.group is not None:
+            state_dict = owned_state(state_dict, self.group, self._owners)
         # ZeRO-1's shares of optimizer state (ShardedTensors) are staged as their local tensors and
         # rewrapped: torch 2.6 stages a ShardedTensor by reference (the loop would change the copy)
         plain, staged = zero1_shards.unwrap(state_dict), None
