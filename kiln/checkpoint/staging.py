@@ -23,6 +23,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.tensor import DTensor
 
 from kiln.parallel import zero1_shards
 
@@ -139,6 +140,8 @@ class ReusedStaging:
         stack = [self._buffers]
         while stack:
             obj = stack.pop()
+            if isinstance(obj, DTensor):  # its local shard (numel is the global shape's)
+                obj = obj.to_local()
             if isinstance(obj, torch.Tensor):
                 total += obj.numel() * obj.element_size()
             elif isinstance(obj, dict):

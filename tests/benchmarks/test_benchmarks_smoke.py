@@ -81,6 +81,17 @@ def test_zero1_checkpoint_saves_shares_and_loads_them_back(tmp_path):
     assert kiln["read_bytes"] < consolidated["read_bytes"]  # its boxes, not the whole state
 
 
+@pytest.mark.timeout(120)
+def test_replicated_staging_stages_a_share_and_loads_back(tmp_path):
+    out = tmp_path / "replicated_staging.json"
+    argv = ["--worlds", "2", "--modes", "ddp", "--rounds", "1", "--dim", "64", "--heads", "2", "--layers", "1",
+            "--vocab", "256", "--out", str(out)]
+    assert _load("replicated_staging").main(argv) == 0  # exits non-zero unless each rank loaded back exactly
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["whole"]["staged_bytes"] == row["state_bytes"]
+    assert row["owned"]["staged_bytes"] < 0.6 * row["state_bytes"]  # about half, DCP's balance
+
+
 def test_every_benchmark_measures_its_own_checkouts_kiln():
     """A benchmark run from a worktree (an old commit against a new one) must import that
     worktree's kiln: running a script puts only benchmarks/ on sys.path, and an editable install

@@ -43,20 +43,30 @@ def _save_and_load(rank, world, root, replica_dir):
 
     from kiln.checkpoint.manager import CheckpointManager
 
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     ckpt = CheckpointManager(root, is_main=rank == 0, async_save=True, replica_dir=replica_dir)
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(32.0).reshape(8, 4)
+    dtensors = {"replicated": distribute_tensor(full, mesh, [Replicate()]),  # as HSDP's shards over replicas
+                "sharded": distribute_tensor(full, mesh, [Shard(0)])}
     state = _state(rank)
     state["model"].pop("layer5.weight")
     ckpt.save(1, state)  # then again with a tensor more: the owners are chosen anew, not remembered
-    state = _state(rank)
+    state = {**_state(rank), "dtensors": dtensors}
     ckpt.save(2, state)
     staged = ckpt._staging.nbytes
-    staged_keys = sorted(ckpt._staging.last["model"])
+    staged_keys = sorted(ckpt._staging.last["model"]) + sorted(ckpt._staging.last["dtensors"])
     ckpt.save(3, state)  # the same structure: the remembered owners, the same share
-    assert ckpt._staging.nbytes == staged and sorted(ckpt._staging.last["model"]) == staged_keys
+    assert ckpt._staging.nbytes == staged
+    assert sorted(ckpt._staging.last["model"]) + sorted(ckpt._staging.last["dtensors"]) == staged_keys
     assert all(r.ok for r in ckpt.close())
-    fresh = _zeros_like(_state(rank))
+    fresh = {**_zeros_like(_state(rank)),
+             "dtensors": {k: distribute_tensor(torch.zeros(8, 4), mesh, v.placements) for k, v in dtensors.items()}}
     dcp.load(fresh, checkpoint_id=str(root / "step-3"), process_group=ckpt.group)
-    same = all(torch.equal(fresh["model"][k], state["model"][k]) for k in state["model"])
+    same = all(torch.equal(fresh["dtensors"][k].full_tensor(), full) for k in dtensors)
+    same = same and all(torch.equal(fresh["model"][k], state["model"][k]) for k in state["model"])
     same = same and torch.equal(fresh["own"][f"rank{rank}"], state["own"][f"rank{rank}"])
     same = same and torch.equal(fresh["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
     if ckpt.replicas is not None:
@@ -68,12 +78,13 @@ def test_each_rank_stages_only_what_it_writes_and_the_save_loads_whole(tmp_path)
     world = 2
     results = run_ranks(_save_and_load, world, tmp_path, tmp_path / "ckpt", None)
     state = _state(0)
-    replicated = _nbytes(state["model"]) + _nbytes(state["optim"])
-    own = _nbytes(state["own"])
+    dtensor = 8 * 4 * 4
+    replicated = _nbytes(state["model"]) + _nbytes(state["optim"]) + dtensor
+    own = _nbytes(state["own"]) + dtensor // world  # its own key and its shard of "sharded"
     assert all(same for _, _, same in results), "a rank did not load back what was saved"
-    # every replicated tensor staged by exactly one rank, each rank's own key by itself
+    # every replicated tensor (plain or DTensor) staged by exactly one rank, each rank's own by itself
     keys = [k for _, staged_keys, _ in results for k in staged_keys]
-    assert sorted(keys) == sorted(state["model"]), keys
+    assert sorted(keys) == sorted([*state["model"], "replicated"] + ["sharded"] * world), keys
     assert sum(staged for staged, _, _ in results) == replicated + world * own
     # and the work is shared, not all on one rank (DCP's size-balanced choice)
     assert all(staged < replicated for staged, _, _ in results)
@@ -84,8 +95,8 @@ def test_memory_replicas_stage_the_whole_state(tmp_path):
     results = run_ranks(_save_and_load, 2, tmp_path, tmp_path / "ckpt", str(tmp_path / "shm"))
     state = _state(0)
     assert all(same for _, _, same in results)
-    assert all(staged == _nbytes(state["model"]) + _nbytes(state["optim"]) + _nbytes(state["own"])
-               for staged, _, _ in results)
+    whole = _nbytes(state["model"]) + _nbytes(state["optim"]) + _nbytes(state["own"]) + 8 * 4 * 4 * 3 // 2
+    assert all(staged == whole for staged, _, _ in results)
 
 
 def test_without_removes_leaves_by_dcp_path_and_never_changes_the_input():
