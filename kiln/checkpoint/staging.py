@@ -33,9 +33,10 @@ def owned_state(state_dict: dict[str, Any], group, memo: dict | None = None) -> 
     (`dedup_save_plans` over every rank's local plan, the call its global planning makes, so the
     same rank writes each tensor as without this) taken before the staging copy. A tensor leaves
     only when every chunk of it this rank holds is written elsewhere; other values stay (DCP
-    dedups them itself). A collective over `group`: every rank calls it with its state. `memo`
-    (a dict kept between saves) skips the plan exchange while no rank's plan changed: one
-    all-reduce of a flag instead."""
+    dedups them itself). A collective over `group`: every rank calls it with its state; the
+    group's first rank gathers the plans and sends each rank the names it drops (what DCP's own
+    planning moves; no rank receives the others' plans). `memo` (a dict kept between saves) skips
+    that exchange while no rank's plan changed: one all-reduce of a flag instead."""
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=False)
     local = planner.create_local_plan()
@@ -43,14 +44,25 @@ def owned_state(state_dict: dict[str, Any], group, memo: dict | None = None) -> 
     memo = {} if memo is None else memo
     changed = torch.tensor([int(memo.get("signature") != signature)])
     dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=group)
-    if changed.item():
-        plans: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(plans, type(local)(local.items), group=group)
-        kept = {item.index.fqn for item in dedup_save_plans(plans)[dist.get_rank(group)].items}
-        tensors = {item.index.fqn for item in local.items if item.type != WriteItemType.BYTE_IO}
-        memo.update(signature=signature, dropped=tensors - kept)
+    if changed.item():  # as DCP plans: the coordinator gathers the plans, each rank gets its answer
+        world, coordinator = dist.get_world_size(group), dist.get_global_rank(group, 0)
+        first = dist.get_rank(group) == 0
+        plans: list[Any] | None = [None] * world if first else None
+        dist.gather_object(type(local)(local.items), plans, dst=coordinator, group=group)
+        answers = None
+        if first:  # each plan's tensors before deduplicating: torch 2.6's dedup_save_plans replaces them in place
+            tensors = [_tensors(plan) for plan in plans]
+            answers = [held - _tensors(kept) for held, kept in zip(tensors, dedup_save_plans(plans))]
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, answers, src=coordinator, group=group)
+        memo.update(signature=signature, dropped=received[0])
     dropped = memo["dropped"]
     return _without(state_dict, [planner.mappings.get(fqn, (fqn,)) for fqn in dropped]) if dropped else state_dict
+
+
+def _tensors(plan) -> set[str]:
+    """The names of the tensors a save plan writes (any chunk of them)."""
+    return {item.index.fqn for item in plan.items if item.type != WriteItemType.BYTE_IO}
 
 
 def _without(obj: Any, paths: list[tuple]) -> Any:
