@@ -58,6 +58,69 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(target, world: int, args: tuple, name: str, timeout_s: float = 900) -> list[Any]:
+    """Spawn `world` processes running target(rank, world, free port, *args, queue) and return what
+    each puts on the queue (one item per rank). A rank that dies or a run past `timeout_s` ends the
+    benchmark with one line naming `name`, every process killed; so does a non-zero exit."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, deadline = [], time.monotonic() + timeout_s
+    while len(results) < world:
+        try:
+            results.append(out.get(timeout=1))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"{name}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise SystemExit(f"{name}: a rank exited with {p.exitcode}")
+    return results
+
+
+def stepped_transformer(rank: int, world: int, port: int, args, zero1: bool):
+    """Inside a rank of `run_ranks`: join the gloo group, build kiln's transformer (args.dim,
+    layers, heads, vocab) with the trainer's AdamW (foreach), wrapped in kiln's Zero1Optimizer when
+    `zero1`, alike on every rank, and take one step on the same batch (the state exists). Returns
+    (build, model, optimizer); build() gives a fresh, unstepped pair."""
+    import torch.distributed as dist
+
+    from kiln.config import load_config
+    from kiln.model.transformer import Transformer
+    from kiln.parallel.zero1 import Zero1Optimizer
+    from kiln.train.optim import build_optimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+                             f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
+                             "optim.implementation='foreach'"])
+
+    def build():
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+        optimizer = build_optimizer(model, cfg.optim, "cpu")
+        return model, Zero1Optimizer(optimizer, dist.group.WORLD) if zero1 else optimizer
+
+    model, optimizer = build()
+    tokens = torch.randint(0, args.vocab, (4, 65), generator=torch.Generator().manual_seed(1))
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return build, model, optimizer
+
+
 def timed(fn) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one call."""
     w0, c0 = time.perf_counter(), time.process_time()

@@ -23,6 +23,22 @@ def local_bytes(tensors) -> int:
     return total
 
 
+def state_bytes(obj) -> int:
+    """Tensor bytes held in a (nested) state dict: a DTensor's local shard, a ZeRO-1 ShardedTensor's
+    local boxes (kiln/parallel/zero1_shards.py)."""
+    from kiln.parallel.zero1_shards import is_sharded, local_tensors
+
+    if is_sharded(obj):
+        return local_bytes(local_tensors(obj))
+    if isinstance(obj, torch.Tensor):
+        return local_bytes([obj])
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
 def profiled_peak_bytes(prof) -> int:
     """Most tensor bytes live at once above the start of a `torch.profiler.profile(profile_memory=
     True)` region, from its allocator events (all on the CPU: no accelerator is used)."""

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import queue
 import statistics
 import sys
 import tempfile
@@ -37,40 +35,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import free_port, print_table, write_results  # noqa: E402
+from common import print_table, run_ranks, stepped_transformer, write_results  # noqa: E402
+from rank_measures import state_bytes  # noqa: E402
 
 WAYS = ("owned", "whole")
 
 
 def _rank(rank: int, world: int, port: int, args, mode: str, root: str, out) -> None:
     from kiln.checkpoint.manager import CheckpointManager, ModelOptimizerState
-    from kiln.config import load_config
-    from kiln.model.transformer import Transformer
-    from kiln.parallel.zero1 import Zero1Optimizer
-    from kiln.train.optim import build_optimizer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
-                             f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
-                             "optim.implementation='foreach'"])
-
-    def build():
-        torch.manual_seed(0)
-        model = Transformer(cfg.model)
-        optimizer = build_optimizer(model, cfg.optim, "cpu")
-        return model, Zero1Optimizer(optimizer, dist.group.WORLD) if mode == "zero1" else optimizer
-
-    model, optimizer = build()
-    tokens = torch.randint(0, args.vocab, (4, 65), generator=torch.Generator().manual_seed(1))
-    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    build, model, optimizer = stepped_transformer(rank, world, port, args, zero1=mode == "zero1")
     managers = {way: CheckpointManager(Path(root) / way, keep_last=1, is_main=rank == 0, async_save=True)
                 for way in WAYS}
     managers["whole"]._staging.group = None  # stage the whole state (kiln before; DCP's stager)
@@ -97,24 +74,9 @@ def _rank(rank: int, world: int, port: int, args, mode: str, root: str, out) -> 
         same = same and _equal(saved, loaded)
     for m in managers.values():
         m.close()
-    state_bytes = _tensor_bytes(states["app"].state_dict())
-    out.put({"rank": rank, "rows": rows, "loaded_exactly": same, "state_bytes": state_bytes})
+    out.put({"rank": rank, "rows": rows, "loaded_exactly": same, "state_bytes": state_bytes(states["app"].state_dict())})
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _tensor_bytes(obj) -> int:
-    from kiln.parallel.zero1_shards import is_sharded, local_tensors
-
-    if is_sharded(obj):
-        return sum(t.numel() * t.element_size() for t in local_tensors(obj))
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
 
 
 def _equal(a, b) -> bool:
@@ -132,28 +94,10 @@ def _equal(a, b) -> bool:
 
 
 def measure(world: int, mode: str, args) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     with tempfile.TemporaryDirectory() as root:
-        port = free_port()
         # the rank's code by this file's module name, which the spawned ranks import from benchmarks/
         target = importlib.import_module(Path(__file__).stem)._rank
-        procs = [ctx.Process(target=target, args=(r, world, port, args, mode, root, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results, deadline = [], time.monotonic() + 900
-        while len(results) < world:  # a rank that dies ends the benchmark, not a timeout
-            try:
-                results.append(out.get(timeout=1))
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    for p in procs:
-                        p.kill()
-                    raise SystemExit(f"replicated_staging: a rank failed (exit codes {[p.exitcode for p in procs]})")
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode != 0:
-                raise SystemExit(f"replicated_staging: a rank exited with {p.exitcode}")
+        results = run_ranks(target, world, (args, mode, root), "replicated_staging")
     if not all(r["loaded_exactly"] for r in results):
         raise SystemExit("replicated_staging: a checkpoint did not load back exactly")
     summary = {"world": world, "mode": mode, "state_bytes": max(r["state_bytes"] for r in results)}

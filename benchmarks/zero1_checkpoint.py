@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import queue
 import statistics
 import sys
 import tempfile
@@ -40,26 +38,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import free_port, print_table, write_results  # noqa: E402
-from rank_measures import profiled_peak_bytes, read_bytes, sent_bytes  # noqa: E402
-
-
-def _tensor_bytes(obj) -> int:
-    from kiln.parallel.zero1_shards import is_sharded, local_tensors
-
-    if is_sharded(obj):
-        return sum(t.numel() * t.element_size() for t in local_tensors(obj))
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
+from common import print_table, run_ranks, stepped_transformer, write_results  # noqa: E402
+from rank_measures import profiled_peak_bytes, read_bytes, sent_bytes, state_bytes  # noqa: E402
 
 
 def _consolidated_state(zero) -> dict:
@@ -84,28 +67,7 @@ def _rank(rank: int, world: int, port: int, args, root: str, out) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from kiln.config import load_config
-    from kiln.model.transformer import Transformer
-    from kiln.parallel.zero1 import Zero1Optimizer
-    from kiln.train.optim import build_optimizer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
-                             f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
-                             "optim.implementation='foreach'"])
-
-    def build():
-        torch.manual_seed(0)
-        model = Transformer(cfg.model)
-        return model, Zero1Optimizer(build_optimizer(model, cfg.optim, "cpu"), dist.group.WORLD)
-
-    model, zero = build()
-    tokens = torch.randint(0, args.vocab, (4, 65), generator=torch.Generator().manual_seed(1))
-    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    zero.step()
-    zero.zero_grad(set_to_none=True)
+    build, model, zero = stepped_transformer(rank, world, port, args, zero1=True)
     rows = []
     for round_ in range(args.rounds):
         for way in ("kiln", "consolidated"):
@@ -122,7 +84,7 @@ def _rank(rank: int, world: int, port: int, args, root: str, out) -> None:
                 seconds = time.perf_counter() - t0
             files = _file_bytes(path, rank)
             rows.append({"way": way, "round": round_, "rank": rank, "save_s": seconds,
-                         "state_bytes": _tensor_bytes(optim), "peak_bytes": profiled_peak_bytes(prof),
+                         "state_bytes": state_bytes(optim), "peak_bytes": profiled_peak_bytes(prof),
                          "file_bytes": files, "sent_bytes": sent_bytes() - wchar - files})
             del optim
     # Loading, both ways, into a fresh ZeRO-1 whose state then must be this rank's, bit for bit:
@@ -160,30 +122,11 @@ def _rank(rank: int, world: int, port: int, args, root: str, out) -> None:
 
 
 def measure(world: int, args) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     with tempfile.TemporaryDirectory() as root:
-        port = free_port()
         # the rank's code by this file's module name, which the spawned ranks import from benchmarks/
         # on their sys.path (as a script this is __main__; the smoke test loads it under another name)
         target = importlib.import_module(Path(__file__).stem)._rank
-        procs = [ctx.Process(target=target, args=(r, world, port, args, root, out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results, deadline = [], time.monotonic() + 900
-        while len(results) < world:  # a rank that dies ends the benchmark, not a timeout
-            try:
-                results.append(out.get(timeout=1))
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    for p in procs:
-                        p.kill()
-                    raise SystemExit(f"zero1_checkpoint: a rank failed (exit codes {[p.exitcode for p in procs]})")
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode != 0:
-                raise SystemExit(f"zero1_checkpoint: a rank exited with {p.exitcode}")
+        results = run_ranks(target, world, (args, root), "zero1_checkpoint")
     if not all(r["loaded_exactly"] for r in results):
         raise SystemExit("zero1_checkpoint: a checkpoint did not load back exactly")
     summary = {"world": world, "full_state_bytes": results[0]["full_state_bytes"]}
