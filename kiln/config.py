@@ -121,6 +121,15 @@ class ModelConfig:
     activation: str = ranged("swiglu", choices=("gelu", "gelu_tanh", "swiglu", "geglu"))
     positions: str = ranged("rope", choices=("rope", "learned"))
     rope_theta: float = ranged(10000.0, gt=0.0)
+    # RoPE for a context longer than pretrained (kiln/model/transformer.py rope_frequencies):
+    # "linear" divides every frequency by rope_scaling_factor; "llama3" (Llama 3.1's) only those
+    # whose wavelength exceeds rope_original_max_seq_len / rope_low_freq_factor, blending up to
+    # rope_original_max_seq_len / rope_high_freq_factor.
+    rope_scaling: str = ranged("none", choices=("none", "linear", "llama3"))
+    rope_scaling_factor: float = ranged(8.0, ge=1.0)
+    rope_low_freq_factor: float = ranged(1.0, gt=0.0)
+    rope_high_freq_factor: float = ranged(4.0, gt=0.0)
+    rope_original_max_seq_len: int = ranged(8192, gt=0)
     tie_embeddings: bool = True
     bias: bool = False
     dropout: float = ranged(0.0, ge=0.0, lt=1.0)
@@ -150,6 +159,12 @@ class ModelConfig:
             raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={kv}")
         if (self.dim // self.n_heads) % 2 and self.positions == "rope":
             raise ConfigError(f"model.dim/n_heads={self.dim // self.n_heads} must be even for rope positions")
+        if self.rope_scaling != "none" and self.positions != "rope":
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} needs model.positions='rope' "
+                              f"(it is {self.positions!r}); set model.rope_scaling='none'")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor={self.rope_high_freq_factor:g} must be > "
+                              f"model.rope_low_freq_factor={self.rope_low_freq_factor:g} for rope_scaling='llama3'")
 
 
 @dataclass

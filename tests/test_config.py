@@ -100,10 +100,23 @@ def test_apply_overrides_in_place():
     ("parallel.dp_shard=0", "parallel.dp_shard=0 must be -1 (auto) or >= 1"),
     ("parallel.dp_shard=-2", "parallel.dp_shard=-2 must be >= -1"),
     ("train.steps=true", "train.steps=True has the wrong type; expected int"),
+    ("model.rope_scaling=yarn", "model.rope_scaling='yarn' is not one of none, linear, llama3"),
+    ("model.rope_scaling_factor=0.5", "model.rope_scaling_factor=0.5 must be >= 1"),
 ])
 def test_out_of_range_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.positions=learned", "model.rope_scaling=linear"], "model.rope_scaling='linear' needs model.positions='rope'"),
+    (["model.rope_scaling=llama3", "model.rope_low_freq_factor=4", "model.rope_high_freq_factor=4"],
+     "model.rope_high_freq_factor=4 must be > model.rope_low_freq_factor=4"),
+])
+def test_rope_scaling_that_cannot_apply_is_refused(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
     assert message in str(e.value)
 
 

@@ -17,6 +17,7 @@ the same as transformers' `rotate_half`, so Llama q/k weights need no permutatio
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,7 +27,7 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.transformer import ffn_hidden_size
 
-LLAMA, GPT2 = "llama", "gpt2"
+LLAMA, GPT2, MISTRAL = "llama", "gpt2", "mistral"  # Mistral: Llama's layout (+ a window)
 # HF GPT-2 activation_function -> kiln model.activation (the tanh forms are the same function).
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
@@ -74,8 +75,11 @@ def hf_config(cfg: ModelConfig, eos_id: int):
                              max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                              rope_theta=cfg.rope_theta, hidden_act="silu", attention_bias=cfg.bias,
                              mlp_bias=cfg.bias, attention_dropout=cfg.dropout, **common)
-        # transformers >= 5 keeps theta only in rope_parameters; older readers look for this key.
-        config.rope_theta = cfg.rope_theta
+        scaling = _rope_to_hf(cfg)
+        if scaling and getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
+            config.rope_parameters = {**config.rope_parameters, **scaling}
+        elif scaling:
+            config.rope_scaling = scaling
         return config
     from transformers import GPT2Config
 
@@ -84,6 +88,25 @@ def hf_config(cfg: ModelConfig, eos_id: int):
     return GPT2Config(n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=ffn_hidden_size(cfg),
                       n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps, activation_function=act,
                       resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, **common)
+
+
+def hf_config_json(cfg: ModelConfig, eos_id: int) -> str:
+    """config.json's text: transformers' own serialization, plus, for a Llama, the top-level
+    `rope_theta` and `rope_scaling` that transformers < 5 reads (>= 5 keeps both in
+    `rope_parameters`), so either major version loads the same model."""
+    config = json.loads(hf_config(cfg, eos_id).to_json_string())
+    if export_family(cfg) == LLAMA:
+        config["rope_theta"] = cfg.rope_theta
+        config["rope_scaling"] = _rope_to_hf(cfg)
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict | None:
+    """model.rope_scaling as HF's rope dict (the inverse of ROPE_TYPES); None without scaling."""
+    if cfg.rope_scaling == "none":
+        return None
+    rope_type, = [t for t, (ours, _) in ROPE_TYPES.items() if ours == cfg.rope_scaling]
+    return {"rope_type": rope_type, **{theirs: getattr(cfg, ours) for theirs, (ours, _) in ROPE_TYPES[rope_type][1].items()}}
 
 
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
@@ -138,36 +161,29 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
     """An HF config.json (as a dict) -> kiln ModelConfig; unsupported features name their key."""
     model_type = hf.get("model_type")
     get = _getter(hf, source)
-    if model_type == LLAMA:
-        rope = hf.get("rope_parameters") or {}
-        if not isinstance(rope, dict):
-            raise KilnError(f"{source}: rope_parameters must be an object")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if hf.get("rope_scaling") is not None or rope_type != "default":
-            key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters.rope_type"
-            raise KilnError(f"{source}: {key} (RoPE scaling) is not supported by kiln; only plain RoPE imports")
+    if model_type in (LLAMA, MISTRAL):
+        rope = _rope_from_hf(hf, source)
         _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
         bias = get("attention_bias", bool, False)
         if get("mlp_bias", bool, False) != bias:
             raise KilnError(f"{source}: attention_bias={bias} with mlp_bias={not bias}: kiln's model.bias "
                             f"sets both together")
-        for key in ("sliding_window", "use_sliding_window"):
-            if hf.get(key):
-                raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln")
+        window = hf.get("sliding_window")
+        if hf.get("use_sliding_window") or (window and window < get("max_position_embeddings", int)):
+            key = "use_sliding_window" if hf.get("use_sliding_window") else "sliding_window"
+            raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln; "
+                            f"only a window of null or >= max_position_embeddings (full causal attention) imports")
         dim, heads = get("hidden_size", int), get("num_attention_heads", int)
         head_dim = get("head_dim", int, dim // heads or 1)
         if head_dim * heads != dim:
             raise KilnError(f"{source}: head_dim={head_dim} x num_attention_heads={heads} must equal "
                             f"hidden_size={dim} for kiln")
-        rope_theta = get("rope_theta", float, 10000.0)  # transformers < 5 keeps it at the top level
-        rope_theta = _getter(rope, f"{source}: rope_parameters")("rope_theta", float, rope_theta)
         cfg = ModelConfig(dim=dim, n_layers=get("num_hidden_layers", int), n_heads=heads,
                           n_kv_heads=get("num_key_value_heads", int, heads),
                           ffn_hidden=get("intermediate_size", int),
                           max_seq_len=get("max_position_embeddings", int),
                           norm="rmsnorm", norm_eps=get("rms_norm_eps", float, 1e-6), activation="swiglu",
-                          positions="rope", rope_theta=rope_theta, bias=bias,
-                          dropout=get("attention_dropout", float, 0.0))
+                          positions="rope", bias=bias, dropout=get("attention_dropout", float, 0.0), **rope)
     elif model_type == GPT2:
         hf_act = hf.get("activation_function", "gelu_new")  # absent means GPT-2's default, gelu_new
         activation = GPT2_ACTIVATIONS.get(hf_act) if isinstance(hf_act, str) else None
@@ -185,11 +201,53 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           activation=activation, positions="learned", bias=True,
                           dropout=get("resid_pdrop", float, 0.1))
     else:
-        raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama' and 'gpt2'")
+        raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama', 'mistral' "
+                        f"(without a sliding window) and 'gpt2'")
     cfg.vocab_size = get("vocab_size", int)
     # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
     cfg.tie_embeddings = get("tie_word_embeddings", bool, model_type == GPT2)
     return cfg
+
+
+# HF rope_type -> kiln model.rope_scaling, and the HF keys each reads (kiln field, HF default).
+ROPE_TYPES = {
+    "default": ("none", {}),
+    "linear": ("linear", {"factor": ("rope_scaling_factor", None)}),
+    "llama3": ("llama3", {"factor": ("rope_scaling_factor", None),
+                          "low_freq_factor": ("rope_low_freq_factor", None),
+                          "high_freq_factor": ("rope_high_freq_factor", None),
+                          "original_max_position_embeddings": ("rope_original_max_seq_len", "max_position_embeddings")}),
+}
+
+
+def _rope_from_hf(hf: dict, source: str) -> dict:
+    """kiln's rope_* ModelConfig fields from an HF config: transformers >= 5 writes
+    `rope_parameters` (theta inside), older versions `rope_scaling` and a top-level `rope_theta`."""
+    found = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None:
+            if not isinstance(hf[key], dict):
+                raise KilnError(f"{source}: {key} must be an object")
+            rope = {k: v for k, v in hf[key].items() if k not in ("type", "rope_theta")}
+            found[key] = {**rope, "rope_type": hf[key].get("rope_type", hf[key].get("type", "default"))}
+    if len(found) == 2 and found["rope_parameters"] != found["rope_scaling"]:
+        raise KilnError(f"{source}: rope_parameters and rope_scaling disagree ({found['rope_parameters']} vs "
+                        f"{found['rope_scaling']}); keep one")
+    key = next(iter(found), "rope_parameters")
+    rope = hf.get(key) or {}
+    rope_type = found.get(key, {}).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise KilnError(f"{source}: {key}.rope_type={rope_type!r} (RoPE scaling) is not supported by kiln; "
+                        f"expected one of {sorted(ROPE_TYPES)}")
+    get, get_rope = _getter(hf, source), _getter(rope, f"{source}: {key}")
+    scaling, fields = ROPE_TYPES[rope_type]
+    out = {"rope_scaling": scaling,
+           "rope_theta": get_rope("rope_theta", float, get("rope_theta", float, 10000.0))}
+    for theirs, (ours, fallback) in fields.items():
+        kind = int if ours == "rope_original_max_seq_len" else float
+        default = get(theirs, kind, get(fallback, kind)) if fallback else _MISSING
+        out[ours] = get_rope(theirs, kind, default)
+    return out
 
 
 _MISSING = object()

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.interop.hf import HF_CLASS, export_family, hf_config, to_hf_state
+from kiln.interop.hf import HF_CLASS, export_family, hf_config_json, to_hf_state
 from kiln.interop.hf_tokenizer import save_hf_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -51,7 +51,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     tmp.mkdir(parents=True)
     try:
         eos_id = save_hf_tokenizer(loaded.tokenizer, tmp, cfg.max_seq_len)
-        hf_config(cfg, eos_id).to_json_file(str(tmp / "config.json"))
+        (tmp / "config.json").write_text(hf_config_json(cfg, eos_id))
         save_file(to_hf_state(loaded.model.state_dict(), cfg), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above); os.replace needs the name free or an empty dir

@@ -8,6 +8,7 @@ layers.N.attention.wq, feed_forward.w1, norm, output) so parallel plans read the
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -39,10 +40,34 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.Identity()
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (max_len, head_dim // 2), computed in fp32 (Su et al. 2021, RoFormer)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies, (head_dim // 2,) in fp32 (Su et al. 2021, RoFormer), with
+    `model.rope_scaling` applied for a context longer than the one pretrained at:
+    - "linear" (position interpolation, Chen et al. 2023): every frequency / factor;
+    - "llama3" (Llama 3.1): wavelengths longer than original_len / low_freq_factor / factor,
+      shorter than original_len / high_freq_factor unchanged, a linear blend in between.
+    The same arithmetic as transformers' rope init functions of those names, so imported Llama 3.x
+    checkpoints give transformers' logits (tests/interop)."""
+    head_dim = cfg.dim // cfg.n_heads
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    factor = cfg.rope_scaling_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling == "llama3":
+        low, high, original = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (model.max_seq_len, head_dim // 2), computed in fp32."""
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32),
+                         rope_frequencies(cfg, device))
     return angles.cos(), angles.sin()
 
 
@@ -275,8 +300,7 @@ class Transformer(nn.Module):
         # MoE: (load-balancing loss, z-loss) summed over MoE layers in the last forward with
         # targets, a detached device tensor read at metrics-fetch time (no host sync per step).
         self.moe_losses: torch.Tensor | None = None
-        head_dim = cfg.dim // cfg.n_heads
-        cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -292,8 +316,7 @@ class Transformer(nn.Module):
         """Materialized weights -> the configured init scheme; also recomputes the RoPE tables."""
         from kiln.model.init import init_model
 
-        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len,
-                               self.cfg.rope_theta, device=self.rope_cos.device)
+        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         init_model(self, generator)

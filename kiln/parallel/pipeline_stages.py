@@ -102,8 +102,7 @@ class PipelineModel(nn.Module):
         from kiln.model.init import init_model
         from kiln.model.transformer import rope_tables
 
-        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta,
-                               device=self.rope_cos.device)
+        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         copies = self.tied_embedding_copies()

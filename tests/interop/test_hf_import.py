@@ -103,6 +103,69 @@ def test_llama_with_biases_imports_and_round_trips(tmp_path):
     torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), kiln_logits(tmp_path / "b", ids), atol=0, rtol=0)
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 2.0, "original_max_position_embeddings": 8}
+
+
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}],
+                         ids=["llama3", "linear"])
+def test_scaled_rope_imports_with_transformers_logits_and_round_trips(rope, tmp_path):
+    hf_dir = tmp_path / "hf"
+    model = tiny_llama(hf_dir, rope_parameters=dict(rope))
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
+    from kiln.config import load_config
+
+    cfg = load_config(tmp_path / "a" / "config.toml").model
+    assert cfg.rope_scaling == rope["rope_type"] and cfg.rope_scaling_factor == rope["factor"]
+    ids = tokens(300, length=24)  # 3x the llama3 case's original context: every band is in use
+    ours = kiln_logits(tmp_path / "a", ids)
+    torch.testing.assert_close(ours, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    # The scaling matters here: the same weights with plain RoPE give other logits.
+    config = json.loads((hf_dir / "config.json").read_text())
+    _edit_config(hf_dir, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "plain")]) == 0
+    assert (kiln_logits(tmp_path / "plain", ids) - ours).abs().max() > 1e-3
+    (hf_dir / "config.json").write_text(json.dumps(config))
+
+    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
+    exported = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    # transformers < 5 reads rope_scaling and a top-level rope_theta; >= 5 rope_parameters
+    assert exported["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert exported["rope_theta"] == 1000.0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
+    torch.testing.assert_close(hf_logits(again, ids), ours, atol=1e-4, rtol=1e-4)
+
+
+def test_legacy_rope_scaling_key_and_top_level_theta_import(tmp_path):
+    """transformers < 5 config.json files (the hub's Llama 3.1/3.2) keep the scaling in rope_scaling."""
+    hf_dir = tmp_path / "hf"
+    tiny_llama(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=500000.0, max_position_embeddings=64,
+                  rope_scaling={"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    from kiln.interop.hf import model_config_from_hf
+
+    cfg = model_config_from_hf(config, "config.json")
+    assert (cfg.rope_scaling, cfg.rope_theta, cfg.rope_scaling_factor) == ("llama3", 500000.0, 32.0)
+    assert cfg.rope_original_max_seq_len == 64  # absent: transformers takes max_position_embeddings
+
+
+def test_mistral_without_a_window_imports_as_llama(tmp_path):
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=None, tie_word_embeddings=False, initializer_range=0.2)
+    model = transformers.MistralForCausalLM(cfg)
+    model.save_pretrained(str(hf_dir))
+    train_bpe(iter([SAMPLE * 50]), 290).save(hf_dir / "tokenizer.json")
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "run")]) == 0
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "run", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_bf16_weights_import_as_fp32(tmp_path):
     hf_dir = tmp_path / "hf"
     model = tiny_llama(tmp_path / "fp32")
@@ -160,12 +223,20 @@ def _edit_config(hf_dir, **changes):
 
 
 @pytest.mark.parametrize("changes,named", [
-    ({"model_type": "mistral"}, "model_type='mistral'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0}}, "rope_parameters.rope_type"),
+    ({"model_type": "qwen2"}, "model_type='qwen2'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_parameters and rope_scaling disagree"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0}},
+     "rope_parameters.rope_type='yarn' (RoPE scaling) is not supported by kiln; expected one of"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 2.0}},
+     "rope_parameters: low_freq_factor is missing"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1000.0, "factor": "2"}}, "rope_parameters: factor='2'"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "factor": 0.5}}, "model.rope_scaling_factor=0.5 must be >= 1"),
+    ({"rope_parameters": [1]}, "rope_parameters must be an object"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"sliding_window": 16}, "sliding_window=16"),
+    ({"sliding_window": 16}, "sliding_window=16 (sliding-window attention)"),
+    ({"use_sliding_window": True}, "use_sliding_window=True"),
     ({"hidden_size": "32"}, "hidden_size='32'"),
     ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive int"),
     ({"head_dim": [8]}, "head_dim=[8]"),

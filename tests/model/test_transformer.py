@@ -137,3 +137,26 @@ def test_filter_logits_top_k_top_p():
     assert kept.tolist() == [[True, True, False, False]]
     assert probs[0] < 0.7
     assert (~torch.isinf(filter_logits(logits, top_p=0.5))).sum() == 1
+
+
+def test_rope_scaling_changes_only_the_frequencies_it_names():
+    from kiln.model.transformer import rope_frequencies
+
+    base = dict(dim=128, n_heads=2, rope_theta=500000.0)
+    plain = rope_frequencies(ModelConfig(**base))
+    assert torch.equal(plain, 1.0 / 500000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    assert torch.allclose(rope_frequencies(ModelConfig(**base, rope_scaling="linear", rope_scaling_factor=4.0)), plain / 4)
+
+    cfg = ModelConfig(**base, rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=512)
+    scaled, wavelen = rope_frequencies(cfg), 2 * math.pi / plain
+    short, long = wavelen < 512 / 4, wavelen > 512 / 1  # high_freq_factor 4, low_freq_factor 1
+    between = ~short & ~long
+    assert short.any() and long.any() and between.any()  # the three bands all occur at this length
+    assert torch.equal(scaled[short], plain[short])  # local detail kept
+    assert torch.allclose(scaled[long], plain[long] / 8)  # long range interpolated
+    assert (scaled[between] < plain[between]).all() and (scaled[between] > plain[between] / 8).all()
+    assert (scaled[1:] < scaled[:-1]).all()  # still a decreasing spectrum: no two bands collide
+
+    model = build(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=4)
+    angles = torch.outer(torch.arange(32).float(), rope_frequencies(model.cfg))
+    assert torch.allclose(model.rope_cos, angles.cos()) and torch.allclose(model.rope_sin, angles.sin())
