@@ -131,7 +131,8 @@ class ModelConfig:
     rope_high_freq_factor: float = ranged(4.0, gt=0.0)
     rope_original_max_seq_len: int = ranged(8192, gt=0)
     tie_embeddings: bool = True
-    bias: bool = False
+    bias: bool = False  # biases on every linear and LayerNorm
+    qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2); model.bias implies them
     dropout: float = ranged(0.0, ge=0.0, lt=1.0)
     init: str = ranged("gpt2", choices=("normal", "gpt2", "ds_init", "t_fixup"))
     init_std: float = ranged(0.02, gt=0.0, le=1.0)

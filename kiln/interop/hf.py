@@ -27,24 +27,27 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.transformer import ffn_hidden_size
 
-LLAMA, GPT2, MISTRAL = "llama", "gpt2", "mistral"  # Mistral: Llama's layout (+ a window)
+# Mistral: Llama's layout (+ a window); Qwen2: Llama's with biases on q, k and v only.
+LLAMA, GPT2, MISTRAL, QWEN2 = "llama", "gpt2", "mistral", "qwen2"
 # HF GPT-2 activation_function -> kiln model.activation (the tanh forms are the same function).
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
-HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM"}
 # What each HF family fixes; a kiln option outside it has no equivalent there.
 FAMILY_OPTIONS = {
     LLAMA: {"norm": "rmsnorm", "norm_placement": "pre", "activation": "swiglu", "positions": "rope"},
     GPT2: {"norm": "layernorm", "norm_placement": "pre", "activation": ("gelu", "gelu_tanh"),
            "positions": "learned", "bias": True},
 }
+FAMILY_OPTIONS[QWEN2] = FAMILY_OPTIONS[LLAMA]
 
 
 # ---------------------------------------------------------------------------- kiln -> HF
 
 
 def export_family(cfg: ModelConfig) -> str:
-    """Which HF family holds this model (llama for RoPE, gpt2 for learned positions), or refuse."""
-    family = LLAMA if cfg.positions == "rope" else GPT2
+    """Which HF family holds this model (llama for RoPE, qwen2 for RoPE with biases on q/k/v only,
+    gpt2 for learned positions), or refuse."""
+    family = GPT2 if cfg.positions == "learned" else QWEN2 if cfg.qkv_bias and not cfg.bias else LLAMA
     if cfg.moe_experts:
         raise KilnError(f"model.moe_experts={cfg.moe_experts}: mixture-of-experts models have no HF export "
                         f"in kiln yet (only dense Llama/GPT-2)")
@@ -66,15 +69,18 @@ def hf_config(cfg: ModelConfig, eos_id: int):
     family = export_family(cfg)
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=eos_id,
                   eos_token_id=eos_id, architectures=[HF_CLASS[family]])
-    if family == LLAMA:
-        from transformers import LlamaConfig
+    if family in (LLAMA, QWEN2):
+        from transformers import LlamaConfig, Qwen2Config
 
-        config = LlamaConfig(hidden_size=cfg.dim, intermediate_size=ffn_hidden_size(cfg),
-                             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                             num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, head_dim=cfg.dim // cfg.n_heads,
-                             max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                             rope_theta=cfg.rope_theta, hidden_act="silu", attention_bias=cfg.bias,
-                             mlp_bias=cfg.bias, attention_dropout=cfg.dropout, **common)
+        common.update(hidden_size=cfg.dim, intermediate_size=ffn_hidden_size(cfg), num_hidden_layers=cfg.n_layers,
+                      num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
+                      max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                      rope_theta=cfg.rope_theta, hidden_act="silu", attention_dropout=cfg.dropout)
+        if family == LLAMA:
+            config = LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=cfg.bias, mlp_bias=cfg.bias,
+                                 **common)
+        else:  # Qwen2 derives head_dim from hidden_size, as kiln does
+            config = Qwen2Config(use_sliding_window=False, **common)
         scaling = _rope_to_hf(cfg)
         if scaling and getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
             config.rope_parameters = {**config.rope_parameters, **scaling}
@@ -91,11 +97,11 @@ def hf_config(cfg: ModelConfig, eos_id: int):
 
 
 def hf_config_json(cfg: ModelConfig, eos_id: int) -> str:
-    """config.json's text: transformers' own serialization, plus, for a Llama, the top-level
+    """config.json's text: transformers' own serialization, plus, for a RoPE model, the top-level
     `rope_theta` and `rope_scaling` that transformers < 5 reads (>= 5 keeps both in
     `rope_parameters`), so either major version loads the same model."""
     config = json.loads(hf_config(cfg, eos_id).to_json_string())
-    if export_family(cfg) == LLAMA:
+    if export_family(cfg) != GPT2:
         config["rope_theta"] = cfg.rope_theta
         config["rope_scaling"] = _rope_to_hf(cfg)
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
@@ -110,7 +116,7 @@ def _rope_to_hf(cfg: ModelConfig) -> dict | None:
 
 
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
-    """kiln name -> HF name for every Llama tensor (biases only when model.bias)."""
+    """kiln name -> HF name for every Llama/Mistral/Qwen2 tensor (biases where the model has them)."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
@@ -120,7 +126,8 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
              "feed_forward.w2": "mlp.down_proj"}
     for i in range(cfg.n_layers):
         for ours, theirs in parts.items():
-            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            biased = cfg.bias or (cfg.qkv_bias and ours in ("attention.wq", "attention.wk", "attention.wv"))
+            for kind in ("weight", "bias") if biased else ("weight",):
                 names[f"layers.{i}.{ours}.{kind}"] = f"model.layers.{i}.{theirs}.{kind}"
         names[f"layers.{i}.attention_norm.weight"] = f"model.layers.{i}.input_layernorm.weight"
         names[f"layers.{i}.ffn_norm.weight"] = f"model.layers.{i}.post_attention_layernorm.weight"
@@ -130,7 +137,7 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
 def to_hf_state(model_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """kiln state dict -> HF tensors, contiguous, each stored once (tied head left to HF)."""
     sd = {k: v.detach().float().cpu() for k, v in model_state.items()}
-    if export_family(cfg) == LLAMA:
+    if export_family(cfg) != GPT2:
         out = {hf: sd[ours] for ours, hf in _llama_names(cfg).items()}
     else:
         out = {"transformer.wte.weight": sd["tok_embeddings.weight"],
@@ -161,18 +168,17 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
     """An HF config.json (as a dict) -> kiln ModelConfig; unsupported features name their key."""
     model_type = hf.get("model_type")
     get = _getter(hf, source)
-    if model_type in (LLAMA, MISTRAL):
+    if model_type in (LLAMA, MISTRAL, QWEN2):
         rope = _rope_from_hf(hf, source)
         _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
-        bias = get("attention_bias", bool, False)
-        if get("mlp_bias", bool, False) != bias:
-            raise KilnError(f"{source}: attention_bias={bias} with mlp_bias={not bias}: kiln's model.bias "
-                            f"sets both together")
-        window = hf.get("sliding_window")
-        if hf.get("use_sliding_window") or (window and window < get("max_position_embeddings", int)):
-            key = "use_sliding_window" if hf.get("use_sliding_window") else "sliding_window"
-            raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln; "
-                            f"only a window of null or >= max_position_embeddings (full causal attention) imports")
+        if model_type == QWEN2:  # q/k/v biased, o and the MLP not, whatever else the file says
+            bias, qkv_bias = False, True
+        else:
+            bias, qkv_bias = get("attention_bias", bool, False), False
+            if get("mlp_bias", bool, False) != bias:
+                raise KilnError(f"{source}: attention_bias={bias} with mlp_bias={not bias}: kiln's model.bias "
+                                f"sets both together")
+        _refuse_sliding_windows(hf, source, model_type)
         dim, heads = get("hidden_size", int), get("num_attention_heads", int)
         head_dim = get("head_dim", int, dim // heads or 1)
         if head_dim * heads != dim:
@@ -183,7 +189,8 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           ffn_hidden=get("intermediate_size", int),
                           max_seq_len=get("max_position_embeddings", int),
                           norm="rmsnorm", norm_eps=get("rms_norm_eps", float, 1e-6), activation="swiglu",
-                          positions="rope", bias=bias, dropout=get("attention_dropout", float, 0.0), **rope)
+                          positions="rope", bias=bias, qkv_bias=qkv_bias,
+                          dropout=get("attention_dropout", float, 0.0), **rope)
     elif model_type == GPT2:
         hf_act = hf.get("activation_function", "gelu_new")  # absent means GPT-2's default, gelu_new
         activation = GPT2_ACTIVATIONS.get(hf_act) if isinstance(hf_act, str) else None
@@ -201,12 +208,28 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           activation=activation, positions="learned", bias=True,
                           dropout=get("resid_pdrop", float, 0.1))
     else:
-        raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama', 'mistral' "
-                        f"(without a sliding window) and 'gpt2'")
+        raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama', "
+                        f"'mistral' and 'qwen2' (without sliding windows) and 'gpt2'")
     cfg.vocab_size = get("vocab_size", int)
     # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
     cfg.tie_embeddings = get("tie_word_embeddings", bool, model_type == GPT2)
     return cfg
+
+
+def _refuse_sliding_windows(hf: dict, source: str, model_type: str) -> None:
+    """Full causal attention only: Mistral's window applies whenever it is shorter than the context,
+    Qwen2's only with use_sliding_window, and transformers 5 names windowed layers in layer_types."""
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if model_type == QWEN2:
+        key = "use_sliding_window" if hf.get("use_sliding_window") else None
+    else:
+        full = window in (None, 0) or (type(window) is int and type(context) is int and window >= context)
+        key = None if full else "sliding_window"
+    if key is None and "sliding_attention" in (hf.get("layer_types") or ()):
+        key = "layer_types"
+    if key:
+        raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln; "
+                        f"only full causal attention imports")
 
 
 # HF rope_type -> kiln model.rope_scaling, and the HF keys each reads (kiln field, HF default).

@@ -175,9 +175,10 @@ class Attention(nn.Module):
         # q, k, v in one GEMM where fusable(...); `auto` is resolved by the trainer's build_model and
         # means separate GEMMs elsewhere (evaluation, export: the same function either way)
         self.fused_projections = cfg.fused_projections is True
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,

@@ -223,7 +223,7 @@ def _edit_config(hf_dir, **changes):
 
 
 @pytest.mark.parametrize("changes,named", [
-    ({"model_type": "qwen2"}, "model_type='qwen2'"),
+    ({"model_type": "qwen3"}, "model_type='qwen3'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_parameters and rope_scaling disagree"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0}},
@@ -236,7 +236,8 @@ def _edit_config(hf_dir, **changes):
     ({"attention_bias": True}, "attention_bias=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"sliding_window": 16}, "sliding_window=16 (sliding-window attention)"),
-    ({"use_sliding_window": True}, "use_sliding_window=True"),
+    ({"sliding_window": "16"}, "sliding_window='16'"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=['full_attention', 'sliding_attention']"),
     ({"hidden_size": "32"}, "hidden_size='32'"),
     ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive int"),
     ({"head_dim": [8]}, "head_dim=[8]"),
@@ -360,3 +361,34 @@ def test_existing_run_directory_is_left_alone(tmp_path, capsys):
     assert main(["import-hf", str(hf_dir), "--run-dir", str(run)]) == 2
     assert "not an empty directory" in capsys.readouterr().err
     assert [p.name for p in run.iterdir()] == ["notes.txt"]
+
+
+def test_qwen2_imports_with_its_q_k_v_biases_and_round_trips(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rope_theta=1000.0, tie_word_embeddings=True, initializer_range=0.2,
+                                   use_sliding_window=False, sliding_window=64)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # transformers initializes biases to zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(str(hf_dir))
+    train_bpe(iter([SAMPLE * 50]), 290).save(hf_dir / "tokenizer.json")
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
+    from kiln.eval.load import load_run
+
+    imported = load_run(tmp_path / "a").model
+    attention = imported.layers[0].attention
+    assert attention.wq.bias is not None and attention.wo.bias is None and imported.layers[0].feed_forward.w1.bias is None
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
+    assert type(again).__name__ == "Qwen2ForCausalLM"
+    torch.testing.assert_close(hf_logits(again, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+    _edit_config(hf_dir, use_sliding_window=True)
+    _refused(hf_dir, tmp_path / "windowed", capsys, "use_sliding_window=True (sliding-window attention)")

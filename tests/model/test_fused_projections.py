@@ -35,6 +35,7 @@ BATCH, SEQ = 4, 16
 CONFIGS = {
     "mha_gated": dict(),
     "gqa_gated_bias": dict(n_kv_heads=2, bias=True),
+    "gqa_gated_qkv_bias": dict(n_kv_heads=2, qkv_bias=True),  # Qwen2: q/k/v fused with biases, w1/w3 without
     "mha_gelu_bias": dict(activation="gelu", bias=True, norm="layernorm", positions="learned"),
     "gqa_gelu": dict(n_kv_heads=1, activation="gelu"),
 }
@@ -48,7 +49,7 @@ def config(fused: bool, **kw) -> ModelConfig:
 def build(fused: bool, **kw) -> Transformer:
     model = Transformer(config(fused, **kw))
     model.init_weights(torch.Generator().manual_seed(0))
-    if kw.get("bias"):  # init zeroes biases; give them values so a misplaced bias slice shows
+    if kw.get("bias") or kw.get("qkv_bias"):  # init zeroes biases; give them values so a misplaced bias slice shows
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
