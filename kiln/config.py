@@ -133,6 +133,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     bias: bool = False  # biases on every linear and LayerNorm
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2); model.bias implies them
+    # RMSNorm over each head of q and k before RoPE (QK-norm, Dehghani et al. 2023; Qwen3): bounds
+    # the attention logits, which otherwise grow and destabilize training at high learning rates.
+    qk_norm: bool = False
     dropout: float = ranged(0.0, ge=0.0, lt=1.0)
     init: str = ranged("gpt2", choices=("normal", "gpt2", "ds_init", "t_fixup"))
     init_std: float = ranged(0.02, gt=0.0, le=1.0)

@@ -27,11 +27,13 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.transformer import ffn_hidden_size
 
-# Mistral: Llama's layout (+ a window); Qwen2: Llama's with biases on q, k and v only.
-LLAMA, GPT2, MISTRAL, QWEN2 = "llama", "gpt2", "mistral", "qwen2"
+# Mistral: Llama's layout (+ a window); Qwen2: Llama's with biases on q, k and v only; Qwen3:
+# Llama's with QK-norm.
+LLAMA, GPT2, MISTRAL, QWEN2, QWEN3 = "llama", "gpt2", "mistral", "qwen2", "qwen3"
 # HF GPT-2 activation_function -> kiln model.activation (the tanh forms are the same function).
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
-HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM"}
+HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
+            QWEN3: "Qwen3ForCausalLM"}
 # What each HF family fixes; a kiln option outside it has no equivalent there.
 FAMILY_OPTIONS = {
     LLAMA: {"norm": "rmsnorm", "norm_placement": "pre", "activation": "swiglu", "positions": "rope"},
@@ -39,6 +41,7 @@ FAMILY_OPTIONS = {
            "positions": "learned", "bias": True},
 }
 FAMILY_OPTIONS[QWEN2] = FAMILY_OPTIONS[LLAMA]
+FAMILY_OPTIONS[QWEN3] = {**FAMILY_OPTIONS[LLAMA], "bias": False, "qkv_bias": False}
 
 
 # ---------------------------------------------------------------------------- kiln -> HF
@@ -46,8 +49,11 @@ FAMILY_OPTIONS[QWEN2] = FAMILY_OPTIONS[LLAMA]
 
 def export_family(cfg: ModelConfig) -> str:
     """Which HF family holds this model (llama for RoPE, qwen2 for RoPE with biases on q/k/v only,
-    gpt2 for learned positions), or refuse."""
-    family = GPT2 if cfg.positions == "learned" else QWEN2 if cfg.qkv_bias and not cfg.bias else LLAMA
+    qwen3 for RoPE with QK-norm, gpt2 for learned positions), or refuse."""
+    if cfg.positions == "learned":
+        family = GPT2
+    else:
+        family = QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias and not cfg.bias else LLAMA
     if cfg.moe_experts:
         raise KilnError(f"model.moe_experts={cfg.moe_experts}: mixture-of-experts models have no HF export "
                         f"in kiln yet (only dense Llama/GPT-2)")
@@ -58,6 +64,9 @@ def export_family(cfg: ModelConfig) -> str:
             need = " or ".join(repr(w) for w in allowed)
             raise KilnError(f"model.{key}={value!r} has no equivalent in HF {HF_CLASS[family]} "
                             f"(a {cfg.positions}-position model exports there and needs model.{key}={need})")
+    if family == GPT2 and cfg.qk_norm:
+        raise KilnError("model.qk_norm=true has no equivalent in HF GPT2LMHeadModel; use positions='rope' "
+                        "(Qwen3) for QK-norm models")
     if family == GPT2 and cfg.n_kv_heads not in (0, cfg.n_heads):
         raise KilnError(f"model.n_kv_heads={cfg.n_kv_heads} (grouped-query attention) has no equivalent in "
                         f"HF GPT2LMHeadModel; use positions='rope' (Llama) for GQA models")
@@ -69,7 +78,7 @@ def hf_config(cfg: ModelConfig, eos_id: int):
     family = export_family(cfg)
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=eos_id,
                   eos_token_id=eos_id, architectures=[HF_CLASS[family]])
-    if family in (LLAMA, QWEN2):
+    if family != GPT2:
         from transformers import LlamaConfig, Qwen2Config
 
         common.update(hidden_size=cfg.dim, intermediate_size=ffn_hidden_size(cfg), num_hidden_layers=cfg.n_layers,
@@ -79,8 +88,15 @@ def hf_config(cfg: ModelConfig, eos_id: int):
         if family == LLAMA:
             config = LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=cfg.bias, mlp_bias=cfg.bias,
                                  **common)
-        else:  # Qwen2 derives head_dim from hidden_size, as kiln does
+        elif family == QWEN2:  # Qwen2 derives head_dim from hidden_size, as kiln does
             config = Qwen2Config(use_sliding_window=False, **common)
+        else:
+            try:
+                from transformers import Qwen3Config
+            except ImportError:
+                raise KilnError("model.qk_norm=true exports as Qwen3, which needs transformers >= 4.51") from None
+            config = Qwen3Config(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, use_sliding_window=False,
+                                 **common)
         scaling = _rope_to_hf(cfg)
         if scaling and getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
             config.rope_parameters = {**config.rope_parameters, **scaling}
@@ -129,6 +145,9 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
             biased = cfg.bias or (cfg.qkv_bias and ours in ("attention.wq", "attention.wk", "attention.wv"))
             for kind in ("weight", "bias") if biased else ("weight",):
                 names[f"layers.{i}.{ours}.{kind}"] = f"model.layers.{i}.{theirs}.{kind}"
+        if cfg.qk_norm:
+            for w in "qk":
+                names[f"layers.{i}.attention.{w}_norm.weight"] = f"model.layers.{i}.self_attn.{w}_norm.weight"
         names[f"layers.{i}.attention_norm.weight"] = f"model.layers.{i}.input_layernorm.weight"
         names[f"layers.{i}.ffn_norm.weight"] = f"model.layers.{i}.post_attention_layernorm.weight"
     return names
@@ -168,11 +187,14 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
     """An HF config.json (as a dict) -> kiln ModelConfig; unsupported features name their key."""
     model_type = hf.get("model_type")
     get = _getter(hf, source)
-    if model_type in (LLAMA, MISTRAL, QWEN2):
+    if model_type in (LLAMA, MISTRAL, QWEN2, QWEN3):
         rope = _rope_from_hf(hf, source)
         _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
         if model_type == QWEN2:  # q/k/v biased, o and the MLP not, whatever else the file says
             bias, qkv_bias = False, True
+        elif model_type == QWEN3:  # its attention_bias covers q, k, v and o but not the MLP
+            _require(hf, source, "attention_bias", False, "biases on the attention alone have no kiln equivalent")
+            bias = qkv_bias = False
         else:
             bias, qkv_bias = get("attention_bias", bool, False), False
             if get("mlp_bias", bool, False) != bias:
@@ -189,7 +211,7 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           ffn_hidden=get("intermediate_size", int),
                           max_seq_len=get("max_position_embeddings", int),
                           norm="rmsnorm", norm_eps=get("rms_norm_eps", float, 1e-6), activation="swiglu",
-                          positions="rope", bias=bias, qkv_bias=qkv_bias,
+                          positions="rope", bias=bias, qkv_bias=qkv_bias, qk_norm=model_type == QWEN3,
                           dropout=get("attention_dropout", float, 0.0), **rope)
     elif model_type == GPT2:
         hf_act = hf.get("activation_function", "gelu_new")  # absent means GPT-2's default, gelu_new
@@ -209,7 +231,7 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           dropout=get("resid_pdrop", float, 0.1))
     else:
         raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama', "
-                        f"'mistral' and 'qwen2' (without sliding windows) and 'gpt2'")
+                        f"'mistral', 'qwen2' and 'qwen3' (without sliding windows) and 'gpt2'")
     cfg.vocab_size = get("vocab_size", int)
     # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
     cfg.tie_embeddings = get("tie_word_embeddings", bool, model_type == GPT2)
@@ -218,9 +240,9 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
 
 def _refuse_sliding_windows(hf: dict, source: str, model_type: str) -> None:
     """Full causal attention only: Mistral's window applies whenever it is shorter than the context,
-    Qwen2's only with use_sliding_window, and transformers 5 names windowed layers in layer_types."""
+    Qwen2's and Qwen3's only with use_sliding_window, and transformers 5 names windowed layers in layer_types."""
     window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
-    if model_type == QWEN2:
+    if model_type in (QWEN2, QWEN3):
         key = "use_sliding_window" if hf.get("use_sliding_window") else None
     else:
         full = window in (None, 0) or (type(window) is int and type(context) is int and window >= context)
@@ -295,7 +317,7 @@ def _getter(hf: dict, source: str) -> Callable:
     return get
 
 
-def _require(hf: dict, source: str, key: str, wanted: str, why: str) -> None:
+def _require(hf: dict, source: str, key: str, wanted: object, why: str) -> None:
     if hf.get(key, wanted) != wanted:
         raise KilnError(f"{source}: {key}={hf[key]!r} is not supported ({why}); expected {wanted!r}")
 

@@ -180,6 +180,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None = None, start_pos: int = 0, mask=None) -> torch.Tensor:
@@ -193,6 +195,8 @@ class Attention(nn.Module):
         q = q.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         k = k.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # (B, H, T, D): under tensor parallel H is this rank's heads
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope and rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

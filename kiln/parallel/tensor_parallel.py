@@ -10,8 +10,8 @@ gradient sum over tp of replicated inputs to sharded experts (`sum_grad_over_tp`
 Layout of the residual stream: sharded on the sequence (Shard(1)) between the blocks, as plain
 local tensors. Norms and dropout run on the local sequence shard (SP); attention and the MLP
 gather the sequence (PrepareModuleInput -> Replicate), shard heads / hidden units over the tp
-ranks (q/k/v and w1/w3 column-wise, wo and w2 row-wise, biases included), and reduce-scatter
-back to the sequence shard. The token embedding is row-wise (vocab-sharded table, output
+ranks (q/k/v and w1/w3 column-wise, wo and w2 row-wise, biases included; QK-norm gains
+replicated over the local heads), and reduce-scatter back to the sequence shard. The token embedding is row-wise (vocab-sharded table, output
 reduce-scattered to Shard(1)); learned positions are row-wise too, with their output sharded on
 dim 0 of the (seq, dim) lookup, which is exactly the local sequence shard of the tokens. RoPE
 tables stay replicated: attention sees the whole sequence. The LM head is column-wise: logits
@@ -140,6 +140,12 @@ def tp_plan(model: nn.Module, shard_experts: bool = True) -> dict[str, object]:
         for name in ("wq", "wk", "wv"):
             plan[f"{p}.attention.{name}"] = colwise()
         plan[f"{p}.attention.wo"] = rowwise(output_layouts=Shard(1))
+        if block.attention.q_norm is not None:
+            # QK-norm on (B, heads, T, head_dim): this rank's heads are Shard(1), the weight is
+            # replicated and its gradient summed over the heads of every rank, as for the
+            # sequence-sharded norms.
+            for name in ("q_norm", "k_norm"):
+                plan[f"{p}.attention.{name}"] = SequenceParallel(use_local_output=True)
         if isinstance(block.feed_forward, MoE):  # grouped experts stay high precision (not nn.Linear)
             plan[f"{p}.feed_forward"] = MoETensorParallel() if shard_experts else MoELocalSequence()
             continue

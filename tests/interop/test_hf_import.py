@@ -223,7 +223,7 @@ def _edit_config(hf_dir, **changes):
 
 
 @pytest.mark.parametrize("changes,named", [
-    ({"model_type": "qwen3"}, "model_type='qwen3'"),
+    ({"model_type": "gemma"}, "model_type='gemma'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_parameters and rope_scaling disagree"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0}},
@@ -392,3 +392,37 @@ def test_qwen2_imports_with_its_q_k_v_biases_and_round_trips(tmp_path, capsys):
 
     _edit_config(hf_dir, use_sliding_window=True)
     _refused(hf_dir, tmp_path / "windowed", capsys, "use_sliding_window=True (sliding-window attention)")
+
+
+def test_qwen3_imports_with_its_qk_norm_and_round_trips(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=64, rope_theta=1000.0, tie_word_embeddings=True,
+                                   initializer_range=0.2)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # norm gains start at 1: make the QK-norm ones matter
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.2, 3.0)
+    model.save_pretrained(str(hf_dir))
+    train_bpe(iter([SAMPLE * 50]), 290).save(hf_dir / "tokenizer.json")
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
+    from kiln.eval.load import load_run
+
+    assert load_run(tmp_path / "a").model.cfg.qk_norm
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
+    assert type(again).__name__ == "Qwen3ForCausalLM"
+    torch.testing.assert_close(hf_logits(again, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+    for changes, named in (({"attention_bias": True}, "attention_bias=True is not supported"),
+                           ({"use_sliding_window": True}, "use_sliding_window=True (sliding-window attention)"),
+                           ({"head_dim": 16}, "head_dim=16 x num_attention_heads=4 must equal hidden_size=32")):
+        config = json.loads((hf_dir / "config.json").read_text())
+        _edit_config(hf_dir, **changes)
+        _refused(hf_dir, tmp_path / "refused", capsys, named)
+        (hf_dir / "config.json").write_text(json.dumps(config))

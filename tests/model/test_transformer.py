@@ -97,7 +97,7 @@ def test_init_scales():
     assert ratio.item() == pytest.approx(0.5, rel=0.15)  # 1/sqrt(4)
 
 
-@pytest.mark.parametrize("kw", [{}, {"positions": "learned", "n_kv_heads": 2}])
+@pytest.mark.parametrize("kw", [{}, {"positions": "learned", "n_kv_heads": 2}, {"qk_norm": True, "qkv_bias": True}])
 def test_kv_cache_matches_full_forward(kw):
     model = build(**kw).eval()
     tokens = torch.randint(0, 97, (1, 12))
@@ -160,3 +160,29 @@ def test_rope_scaling_changes_only_the_frequencies_it_names():
     model = build(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=4)
     angles = torch.outer(torch.arange(32).float(), rope_frequencies(model.cfg))
     assert torch.allclose(model.rope_cos, angles.cos()) and torch.allclose(model.rope_sin, angles.sin())
+
+
+def test_qk_norm_normalizes_each_head_of_q_and_k_before_rope():
+    model = build(qk_norm=True, n_kv_heads=2)
+    attention = model.layers[0].attention
+    assert attention.q_norm.weight.shape == (8,) and attention.k_norm.weight.shape == (8,)
+    assert {n for n, _ in model.named_parameters()} - {n for n, _ in build().named_parameters()} == {
+        f"layers.{i}.attention.{w}_norm.weight" for i in range(2) for w in "qk"}
+    seen = {}
+    attention.use_rope = False  # look at q and k as the attention receives them
+    from torch.nn import functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.setdefault("q", q), seen.setdefault("k", k)  # the first block's
+        return sdpa(q, k, v, **kw)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "scaled_dot_product_attention", spy)
+        for proj in (attention.wq, attention.wk):  # large: without the norm their RMS would be far from 1
+            proj.weight.mul_(30)
+        model(torch.randint(0, 97, (2, 12)))
+    for name in "qk":
+        rms = seen[name].square().mean(-1).sqrt()
+        assert seen[name].shape[1] == (4 if name == "q" else 2)
+        torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-3, rtol=0)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from kiln.config import ParallelConfig, load_config
 from kiln.errors import ConfigError
@@ -39,6 +40,8 @@ GPT2 = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.vocab_size
         "model.positions=learned", "model.norm=layernorm", "model.bias=true", "model.activation=gelu",
         "model.tie_embeddings=false", "model.dropout=0.0", "data.seq_len=16"]
 POST_NORM = LLAMA + ["model.norm_placement=post", "model.tie_embeddings=false"]
+# Qwen3's QK-norm (per head, before RoPE) with Qwen2's q/k/v biases.
+QK_NORM = LLAMA + ["model.qk_norm=true", "model.qkv_bias=true"]
 # One dense block, one MoE block (top-2, capacity 1.25: some assignments are dropped), aux and z
 # weights large enough that a wrong aux/z gradient shows in the losses.
 MOE = LLAMA + ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=2", "model.moe_aux_loss_weight=0.1",
@@ -49,10 +52,9 @@ def model_config(overrides):
     return load_config(None, overrides).model
 
 
-def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_impl="full"):
-    """STEPS of SGD with kiln's train_step on one batch: [loss, grad norm] per step (plain_step:
-    loss.backward + SGD, losses only). With a tp_mesh, the model is tensor-parallel; loss_impl
-    "chunked": the chunked head + loss (vocab-parallel under tp)."""
+def build_model(overrides, tp_mesh=None, plan_edit=None, loss_impl="full"):
+    """The test model, tensor-parallel with a tp_mesh (its plan changed by plan_edit), initialized
+    as in one process; loss_impl "chunked": the chunked head + loss (vocab-parallel under tp)."""
     from kiln.parallel import tensor_parallel
 
     torch.manual_seed(0)
@@ -72,9 +74,19 @@ def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_im
     model.loss_impl = loss_impl
     if model.cfg.tie_embeddings:  # the tie survives TP: both modules shard the one weight on dim 0
         assert model.output.weight is model.tok_embeddings.weight
+    return model
+
+
+# One fixed batch of random tokens: the loss must fall as the model memorizes it.
+TOKENS = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+
+
+def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_impl="full"):
+    """STEPS of SGD with kiln's train_step on one batch: [loss, grad norm] per step (plain_step:
+    loss.backward + SGD, losses only), for `build_model(overrides, tp_mesh, plan_edit, loss_impl)`."""
+    model = build_model(overrides, tp_mesh, plan_edit, loss_impl)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    # One fixed batch of random tokens: the loss must fall as the model memorizes it.
-    tokens = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    tokens = TOKENS
     out = []
     for _ in range(STEPS):
         if plain_step:  # (clip_grad_norm_ cannot mix the broken plan's plain and DTensor gradients)
@@ -98,14 +110,15 @@ def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_im
 
 # name -> (model overrides, whether to break the plan); all run in one 2-rank launch (a process
 # start costs seconds on 2 cores).
-CASES = {"llama": (LLAMA, False), "gpt2": (GPT2, False), "post_norm": (POST_NORM, False),
-         "llama_wrong_plan": (LLAMA, True), "moe": (MOE, False), "moe_no_grad_sum": (MOE, False)}
+CASES = {"llama": (LLAMA, None), "gpt2": (GPT2, None), "post_norm": (POST_NORM, None), "qk_norm": (QK_NORM, None),
+         "llama_wrong_plan": (LLAMA, "_drop_norm_sequence_parallel"), "moe": (MOE, None),
+         "moe_no_grad_sum": (MOE, None)}
 # train.loss='chunked' under tp: name -> (overrides, whether the log-sum-exp is left per rank). The
 # head is tied in Llama (even split of 64) and in GPT-2 tied, untied in GPT-2 (65 = 33 + 32 rows).
 GPT2_TIED = GPT2 + ["model.tie_embeddings=true"]
 CHUNKED_CASES = {"llama_chunked": (LLAMA, False), "gpt2_chunked": (GPT2, False),
                  "gpt2_tied_chunked": (GPT2_TIED, False), "llama_chunked_local_lse": (LLAMA, True)}
-BROKEN = {"moe_no_grad_sum", "llama_chunked_local_lse"}  # their ranks disagree
+BROKEN = {"moe_no_grad_sum", "llama_chunked_local_lse", "qk_norm_grads_wrong_plan"}  # their ranks disagree
 LOSS_CHUNK = 12  # 32 tokens -> chunks of 12, 12, 8
 
 
@@ -117,12 +130,15 @@ def _worker(rank, world, store_path, result_path):
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         losses = {}
-        for name, (overrides, wrong) in CASES.items():
+        for name, (overrides, plan_edit) in CASES.items():
             with _without_moe_grad_sum() if name == "moe_no_grad_sum" else contextlib.nullcontext():
-                losses[name] = run_steps(overrides, mesh, _drop_norm_sequence_parallel if wrong else None, wrong)
+                edit = globals()[plan_edit] if plan_edit else None
+                losses[name] = run_steps(overrides, mesh, edit, plain_step=edit is not None)
         for name, (overrides, local_lse) in CHUNKED_CASES.items():
             with _small_loss_chunks(), _lse_not_combined() if local_lse else contextlib.nullcontext():
                 losses[name] = run_steps(overrides, mesh, loss_impl="chunked")
+        losses["qk_norm_grads"] = qk_norm_grads(mesh)
+        losses["qk_norm_grads_wrong_plan"] = qk_norm_grads(mesh, _drop_qk_norm)
         losses["vocab_parallel_math"] = _vocab_parallel_math(rank, world, mesh)
         with _lse_not_combined():
             losses["vocab_parallel_math_local_lse"] = _vocab_parallel_math(rank, world, mesh)
@@ -135,6 +151,12 @@ def _drop_norm_sequence_parallel(plan):
     # A classic SP bug: norm weights left as plain tensors see only their rank's slice of the
     # sequence, so their gradients are never summed over the tp ranks.
     for key in [k for k in plan if k.endswith("norm")]:
+        del plan[key]
+
+
+def _drop_qk_norm(plan):
+    # The same for QK-norm: weights left plain see only their rank's heads.
+    for key in [k for k in plan if k.endswith(("q_norm", "k_norm"))]:
         del plan[key]
 
 
@@ -247,7 +269,7 @@ def tp2(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["llama", "gpt2", "post_norm"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "post_norm", "qk_norm"])
 def test_tp2_matches_one_process(tp2, name):
     expected = run_steps(CASES[name][0])
     # (loss, grad norm) per step, then the eval loss and the mean square of the logits
@@ -288,6 +310,33 @@ def test_wrong_plan_changes_the_losses(tp2):
     got = tp2["llama_wrong_plan"]
     assert got[0] == pytest.approx(expected[0], rel=REL)  # the first loss is still right...
     assert got[1:] != pytest.approx(expected[1:], rel=REL)  # ...the norms' gradients are not
+
+
+def qk_norm_grads(tp_mesh=None, plan_edit=None):
+    """The QK-norm weights' gradients after one backward (whole tensors), as lists. In the
+    loss trajectories above a wrong QK-norm gradient hardly shows (5 steps move those weights
+    little), so the gradients are compared themselves."""
+    model = build_model(QK_NORM, tp_mesh, plan_edit)
+    for p in model.parameters():  # sharper attention: the QK-norm gains then matter to the loss
+        if p.ndim == 2:
+            p.data.mul_(3)
+    model(TOKENS[:, :-1], TOKENS[:, 1:]).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).tolist()
+    return grads
+
+
+@pytest.mark.timeout(300)
+def test_qk_norm_gradients_under_tp_match_one_process_and_need_their_plan(tp2):
+    expected = qk_norm_grads()
+    assert len(expected) == 4 and all(any(abs(g) > 1e-4 for g in grad) for grad in expected.values())
+    for name, grad in expected.items():
+        assert tp2["qk_norm_grads"][name] == pytest.approx(grad, rel=1e-4, abs=1e-7), name
+    # Plain weights (no plan entry): each rank's gradient covers only its own heads.
+    wrong = tp2["qk_norm_grads_wrong_plan"]
+    assert any(wrong[name] != pytest.approx(grad, rel=1e-2) for name, grad in expected.items())
 
 
 @pytest.fixture(scope="module")
