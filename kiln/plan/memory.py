@@ -165,6 +165,10 @@ class ModelShape:
     moe_layers: int = 0
     moe_top_k: int = 1  # experts each token is routed to
     rope: bool = True  # RoPE: the compiled graph saves SDPA's output and its contiguous copy (docstring)
+    norm_params: int = 1  # per norm: 1 x dim (RMSNorm, bias-free LayerNorm), 2 (LayerNorm + bias), 0 (none)
+    bias: bool = False  # model.bias: every linear but the head has a bias
+    qkv_bias: bool = False  # q, k and v have biases (model.qkv_bias, or model.bias)
+    qk_norm: bool = False  # a head_dim gain each for q and k per block (model.qk_norm)
 
     @classmethod
     def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
@@ -175,12 +179,28 @@ class ModelShape:
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
                    tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
                    moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
-                   moe_top_k=m.moe_top_k, rope=m.positions == "rope")
+                   moe_top_k=m.moe_top_k, rope=m.positions == "rope",
+                   norm_params=0 if m.norm == "none" else 2 if m.norm == "layernorm" and m.bias else 1,
+                   bias=m.bias, qkv_bias=m.bias or m.qkv_bias, qk_norm=m.qk_norm)
 
     @property
     def layer_params(self) -> int:
+        """One dense block's parameters."""
         attn = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
-        return attn + (3 if self.gated else 2) * self.dim * self.ffn + 2 * self.dim
+        sharded_biases = (self.dim + 2 * self.kv_dim if self.qkv_bias else 0) + self.mlp_biases[0]
+        return attn + self.ffn_params + sharded_biases + self.replicated_layer_params
+
+    @property
+    def replicated_layer_params(self) -> int:
+        """What tensor parallel leaves whole in a dense block (kiln/parallel/tensor_parallel.py):
+        the two norms, the QK-norm gains and the row-wise linears' (wo, w2) output biases."""
+        qk = 2 * (self.dim // self.n_heads) if self.qk_norm else 0
+        return 2 * self.dim * self.norm_params + qk + (2 * self.dim if self.bias else 0)
+
+    @property
+    def mlp_biases(self) -> tuple[int, int]:
+        """A dense MLP's biases (sharded over tp, replicated): w1 (and w3)'s and w2's; MoE experts have none."""
+        return ((2 if self.gated else 1) * self.ffn, self.dim) if self.bias else (0, 0)
 
     @property
     def embedding_params(self) -> int:
@@ -189,9 +209,9 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Parameters of kiln's Transformer (tied embeddings once) - equals count_params(model)."""
-        ffn = (3 if self.gated else 2) * self.dim * self.ffn
-        moe = self.moe_layers * ((self.moe_experts - 1) * ffn + self.moe_experts * self.dim)
-        return self.embedding_params + self.n_layers * self.layer_params + self.dim + moe
+        ffn = self.ffn_params
+        moe = self.moe_layers * ((self.moe_experts - 1) * ffn + self.moe_experts * self.dim - sum(self.mlp_biases))
+        return self.embedding_params + self.n_layers * self.layer_params + self.dim * self.norm_params + moe
 
     @property
     def ffn_params(self) -> int:
@@ -209,11 +229,15 @@ class ModelShape:
         return self.params - self.moe_layers * (self.moe_experts - self.moe_top_k) * self.ffn_params
 
     def param_tensors(self, pp: int = 1) -> int:
-        """Parameter tensors of the fullest pipeline stage (weights and norm scales; kiln's
-        default bias-free linears): q, k, v, o, the MLP's 2 or 3 matrices and 2 norms per block,
-        plus the embedding, the final norm and an untied head."""
-        block = 4 + (3 if self.gated else 2) + 2
-        return -(-self.n_layers // pp) * block + 2 + (0 if self.tied else 1) + (1 if self.learned_positions_len else 0)
+        """Parameter tensors of the fullest pipeline stage: q, k, v, o, the MLP's 2 or 3 matrices,
+        their biases, 2 norms (and their biases) and the QK-norm gains per block, plus the
+        embedding, the final norm and an untied head."""
+        matrices = 3 if self.gated else 2
+        block = 4 + matrices + 2 * self.norm_params + 2 * self.qk_norm
+        block += 4 + matrices if self.bias else 3 * self.qkv_bias
+        final_norm = self.norm_params
+        return (-(-self.n_layers // pp) * block + 1 + final_norm + (0 if self.tied else 1)
+                + (1 if self.learned_positions_len else 0))
 
     def gathered_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
         """Of `act_bytes_per_token`, what tensor parallelism does not divide: the normed inputs of
@@ -349,10 +373,12 @@ def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[
     ends = (shape.vocab * shape.dim + shape.learned_positions_len * shape.dim if embedding else 0) + \
         (shape.vocab * shape.dim if head else 0)
     moe_blocks = blocks * shape.moe_layers / shape.n_layers
-    norms = 2 * shape.dim  # a block's two norm weights, in layer_params
-    # a MoE block's MLP is its experts, plus a router of E x dim
-    sharded = blocks * (shape.layer_params - norms) - moe_blocks * shape.ffn_params + ends
-    replicated = blocks * norms + moe_blocks * shape.moe_experts * shape.dim + (shape.dim if norm else 0)
+    whole = shape.replicated_layer_params  # a block's norms, QK-norm gains and row-wise biases
+    mlp_sharded_bias, mlp_whole_bias = shape.mlp_biases
+    # a MoE block's MLP is its (bias-free) experts, plus a router of E x dim
+    sharded = blocks * (shape.layer_params - whole) - moe_blocks * (shape.ffn_params + mlp_sharded_bias) + ends
+    replicated = (blocks * whole + moe_blocks * (shape.moe_experts * shape.dim - mlp_whole_bias)
+                  + (shape.dim * shape.norm_params if norm else 0))
     dense = sharded / layout.tp + replicated
     experts = moe_blocks * shape.moe_experts * shape.ffn_params / (layout.ep * layout.expert_tp)
     return dense, experts, blocks
@@ -396,7 +422,13 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
     hidden = [d * d / tp, kv * d / tp, kv * d / tp, d * d / tp] * blocks  # Muon's orthogonalized tensors
     hidden += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs
     hidden += ([shape.moe_experts * d] + experts) * moe_blocks  # MoE: router (replicated) and experts
-    other = [float(d)] * (2 * blocks + (1 if norm else 0))  # norms (replicated)
+    # norms (and their biases) and QK-norm gains (replicated over tp), then the biases
+    other = [float(d)] * shape.norm_params * (2 * blocks + (1 if norm else 0))
+    other += [float(d // shape.n_heads)] * (2 * blocks if shape.qk_norm else 0)
+    if shape.qkv_bias:
+        other += [d / tp, kv / tp, kv / tp] * blocks
+    if shape.bias:  # wo's, then the dense MLPs' w1 (w3) and w2's
+        other += [float(d)] * blocks + ([ffn / tp] * (matrices - 1) + [float(d)]) * (blocks - moe_blocks)
     if embedding:
         other.append(shape.vocab * d / tp)
         other += [shape.learned_positions_len * d / tp] if shape.learned_positions_len else []

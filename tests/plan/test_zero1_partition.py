@@ -27,6 +27,8 @@ SHAPES = {
     "gelu_learned_positions": ["model.activation='gelu'", "model.positions='learned'"],
     "big_vocab": ["model.vocab_size=4000"],
     "moe": ["model.moe_experts=4", "model.moe_top_k=2"],
+    "gpt2_biases": ["model.activation='gelu'", "model.positions='learned'", "model.norm='layernorm'", "model.bias=true"],
+    "qkv_bias_qk_norm": ["model.qkv_bias=true", "model.qk_norm=true", "model.n_kv_heads=2"],
 }
 
 

@@ -16,12 +16,23 @@ CPU = torch.device("cpu")
     ["model.tie_embeddings=false", "model.activation=gelu", "model.bias=false"],
     ["model.n_kv_heads=2", "model.positions=learned", "model.ffn_hidden=100"],
     ["model.vocab_size=5000", "model.dim=96", "model.n_heads=6", "model.n_layers=3"],
+    # GPT-2: LayerNorm with biases, biases in every linear
+    ["model.positions=learned", "model.norm=layernorm", "model.bias=true", "model.activation=gelu"],
+    ["model.bias=true", "model.n_kv_heads=2"],  # gated MLP: w1, w3 and w2 biases; RMSNorm has none
+    ["model.qkv_bias=true", "model.qk_norm=true", "model.n_kv_heads=2"],  # Qwen2's biases, Qwen3's norm
+    ["model.norm=none", "model.init=t_fixup"],
+    ["model.bias=true", "model.norm=layernorm", "model.moe_experts=4", "model.moe_every=2", "model.n_layers=4"],
 ])
 def test_closed_form_count_matches_the_model_on_meta(overrides):
+    from kiln.plan.memory import ModelShape
+
     cfg = load_config(None, ["model.vocab_size=300", *overrides])
     with torch.device("meta"):
         model = Transformer(cfg.model)
     assert count_params_closed_form(cfg.model, cfg.model.vocab_size) == count_params(model)["total"]
+    if not cfg.model.moe_experts:  # (the tensor count leaves MoE's stacked experts out)
+        tensors = len(list(model.parameters()))
+        assert ModelShape.from_config(cfg.model, cfg.model.vocab_size).param_tensors() == tensors
 
 
 @pytest.mark.parametrize("override, key", [
