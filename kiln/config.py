@@ -111,6 +111,9 @@ class ModelConfig:
     n_layers: int = ranged(4, gt=0)
     n_heads: int = ranged(4, gt=0)
     n_kv_heads: int = ranged(0, ge=0)  # 0: same as n_heads (plain multi-head attention); fewer: grouped-query
+    # 0: dim // n_heads; set: each head's width, so attention is n_heads * head_dim wide whatever
+    # dim is (Qwen3-0.6B: dim 1024, 16 heads of 128)
+    head_dim: int = ranged(0, ge=0)
     ffn_hidden: int = ranged(0, ge=0)  # 0: 4*dim for gelu, 2/3 of that (rounded to multiple_of) for gated units
     multiple_of: int = ranged(64, gt=0)
     max_seq_len: int = ranged(256, gt=0)
@@ -152,17 +155,23 @@ class ModelConfig:
     # (kiln/train/system.py: resolve_fused_projections, from the figures in benchmarks/README.md).
     fused_projections: bool | str = ranged("auto", choices=("auto",), expect="true, false or 'auto'")
 
+    def attention_head_dim(self) -> int:
+        """Each attention head's width: model.head_dim, or dim // n_heads when that is 0."""
+        return self.head_dim or self.dim // self.n_heads
+
     def validate(self) -> None:
         check_fields(self, "model.")
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             raise ConfigError(f"model.moe_top_k={self.moe_top_k} must be <= model.moe_experts={self.moe_experts}")
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+        if self.dim % self.n_heads and not self.head_dim:
+            raise ConfigError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads} "
+                              f"(or set model.head_dim)")
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={kv}")
-        if (self.dim // self.n_heads) % 2 and self.positions == "rope":
-            raise ConfigError(f"model.dim/n_heads={self.dim // self.n_heads} must be even for rope positions")
+        if self.attention_head_dim() % 2 and self.positions == "rope":
+            key = "model.head_dim" if self.head_dim else "model.dim/n_heads"
+            raise ConfigError(f"{key}={self.attention_head_dim()} must be even for rope positions")
         if self.rope_scaling != "none" and self.positions != "rope":
             raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} needs model.positions='rope' "
                               f"(it is {self.positions!r}); set model.rope_scaling='none'")

@@ -113,8 +113,10 @@ def test_out_of_range_values_name_the_key(override, message):
     (["model.positions=learned", "model.rope_scaling=linear"], "model.rope_scaling='linear' needs model.positions='rope'"),
     (["model.rope_scaling=llama3", "model.rope_low_freq_factor=4", "model.rope_high_freq_factor=4"],
      "model.rope_high_freq_factor=4 must be > model.rope_low_freq_factor=4"),
+    (["model.dim=30", "model.n_heads=4"], "model.dim=30 must be divisible by model.n_heads=4 (or set model.head_dim)"),
+    (["model.head_dim=7"], "model.head_dim=7 must be even for rope positions"),
 ])
-def test_rope_scaling_that_cannot_apply_is_refused(overrides, message):
+def test_attention_shapes_that_cannot_apply_are_refused(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert message in str(e.value)
@@ -175,3 +177,8 @@ def test_deeply_nested_toml_is_a_config_error_not_a_recursion_traceback(tmp_path
         load_config(p)
     with pytest.raises(ConfigError, match="model.dim=.* has the wrong type; expected int"):
         load_config(None, ["model.dim=" + "[" * 100_000])
+
+
+def test_head_dim_frees_the_head_width_from_dim():
+    cfg = load_config(None, ["model.dim=30", "model.n_heads=4", "model.head_dim=8"]).model
+    assert cfg.attention_head_dim() == 8 and load_config(None, []).model.attention_head_dim() == 256 // 4

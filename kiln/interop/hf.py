@@ -64,6 +64,9 @@ def export_family(cfg: ModelConfig) -> str:
             need = " or ".join(repr(w) for w in allowed)
             raise KilnError(f"model.{key}={value!r} has no equivalent in HF {HF_CLASS[family]} "
                             f"(a {cfg.positions}-position model exports there and needs model.{key}={need})")
+    if family == GPT2 and cfg.attention_head_dim() * cfg.n_heads != cfg.dim:
+        raise KilnError(f"model.head_dim={cfg.head_dim} with model.n_heads={cfg.n_heads} and model.dim={cfg.dim} has "
+                        f"no equivalent in HF GPT2LMHeadModel (its heads split n_embd); use positions='rope'")
     if family == GPT2 and cfg.qk_norm:
         raise KilnError("model.qk_norm=true has no equivalent in HF GPT2LMHeadModel; use positions='rope' "
                         "(Qwen3) for QK-norm models")
@@ -86,16 +89,16 @@ def hf_config(cfg: ModelConfig, eos_id: int):
                       max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                       rope_theta=cfg.rope_theta, hidden_act="silu", attention_dropout=cfg.dropout)
         if family == LLAMA:
-            config = LlamaConfig(head_dim=cfg.dim // cfg.n_heads, attention_bias=cfg.bias, mlp_bias=cfg.bias,
+            config = LlamaConfig(head_dim=cfg.attention_head_dim(), attention_bias=cfg.bias, mlp_bias=cfg.bias,
                                  **common)
-        elif family == QWEN2:  # Qwen2 derives head_dim from hidden_size, as kiln does
-            config = Qwen2Config(use_sliding_window=False, **common)
+        elif family == QWEN2:  # reads head_dim when set, else hidden_size / heads
+            config = Qwen2Config(use_sliding_window=False, head_dim=cfg.attention_head_dim(), **common)
         else:
             try:
                 from transformers import Qwen3Config
             except ImportError:
                 raise KilnError("model.qk_norm=true exports as Qwen3, which needs transformers >= 4.51") from None
-            config = Qwen3Config(head_dim=cfg.dim // cfg.n_heads, attention_bias=False, use_sliding_window=False,
+            config = Qwen3Config(head_dim=cfg.attention_head_dim(), attention_bias=False, use_sliding_window=False,
                                  **common)
         scaling = _rope_to_hf(cfg)
         if scaling and getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
@@ -203,10 +206,8 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
         _refuse_sliding_windows(hf, source, model_type)
         dim, heads = get("hidden_size", int), get("num_attention_heads", int)
         head_dim = get("head_dim", int, dim // heads or 1)
-        if head_dim * heads != dim:
-            raise KilnError(f"{source}: head_dim={head_dim} x num_attention_heads={heads} must equal "
-                            f"hidden_size={dim} for kiln")
         cfg = ModelConfig(dim=dim, n_layers=get("num_hidden_layers", int), n_heads=heads,
+                          head_dim=0 if head_dim * heads == dim else head_dim,
                           n_kv_heads=get("num_key_value_heads", int, heads),
                           ffn_hidden=get("intermediate_size", int),
                           max_seq_len=get("max_position_embeddings", int),

@@ -48,7 +48,7 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
       shorter than original_len / high_freq_factor unchanged, a linear blend in between.
     The same arithmetic as transformers' rope init functions of those names, so imported Llama 3.x
     checkpoints give transformers' logits (tests/interop)."""
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = cfg.attention_head_dim()
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling == "linear":
@@ -163,7 +163,7 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = cfg.attention_head_dim()
         self.dropout = cfg.dropout
         self.use_rope = cfg.positions == "rope"
         # Repeat K/V heads before attention instead of SDPA's enable_gqa, where that is what lets
@@ -383,7 +383,7 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg
         return KVCache(cfg.n_layers, batch, cfg.n_kv_heads or cfg.n_heads, max_len or cfg.max_seq_len,
-                       cfg.dim // cfg.n_heads, self.tok_embeddings.weight.device,
+                       cfg.attention_head_dim(), self.tok_embeddings.weight.device,
                        dtype or self.tok_embeddings.weight.dtype)
 
 
@@ -406,8 +406,9 @@ def count_params(model: nn.Module) -> dict[str, int]:
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: 6 * (parameters used in matmuls, LM head included) plus attention.
 
-    Attention scores and the weighted sum cost 2 * 2 * seq_len * dim per layer per token forward,
-    x3 for forward + backward: 12 * L * seq_len * dim (Chowdhery et al. 2022, PaLM, appendix B).
+    Attention scores and the weighted sum cost 2 * 2 * seq_len * d_attn per layer per token forward,
+    x3 for forward + backward: 12 * L * seq_len * d_attn (Chowdhery et al. 2022, PaLM, appendix B),
+    d_attn = n_heads * head_dim (= dim unless model.head_dim sets it).
     The embedding lookup is a gather, not a matmul, so it does not count.
     An MoE layer counts its router and the top_k experts a token is routed to (active parameters,
     Switch Transformer sec. 2); capacity drops and padding are not subtracted.
@@ -415,4 +416,4 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     cfg = model.cfg
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     matmul_params += sum(m.top_k * m.experts.params_per_expert() for m in model.modules() if isinstance(m, MoE))
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.dim
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.attention_head_dim()

@@ -165,17 +165,22 @@ class ModelShape:
     moe_layers: int = 0
     moe_top_k: int = 1  # experts each token is routed to
     rope: bool = True  # RoPE: the compiled graph saves SDPA's output and its contiguous copy (docstring)
+    q_dim: int = 0  # n_heads * head_dim: q's and attention's output width; 0: dim
     norm_params: int = 1  # per norm: 1 x dim (RMSNorm, bias-free LayerNorm), 2 (LayerNorm + bias), 0 (none)
     bias: bool = False  # model.bias: every linear but the head has a bias
     qkv_bias: bool = False  # q, k and v have biases (model.qkv_bias, or model.bias)
     qk_norm: bool = False  # a head_dim gain each for q and k per block (model.qk_norm)
 
+    def __post_init__(self):
+        if not self.q_dim:
+            object.__setattr__(self, "q_dim", self.dim)
+
     @classmethod
     def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
         from kiln.model.transformer import ffn_hidden_size
 
-        head = m.dim // m.n_heads
-        return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, kv_dim=(m.n_kv_heads or m.n_heads) * head,
+        head = m.attention_head_dim()
+        return cls(dim=m.dim, q_dim=m.n_heads * head, n_layers=m.n_layers, n_heads=m.n_heads, kv_dim=(m.n_kv_heads or m.n_heads) * head,
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
                    tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
                    moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
@@ -186,15 +191,15 @@ class ModelShape:
     @property
     def layer_params(self) -> int:
         """One dense block's parameters."""
-        attn = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
-        sharded_biases = (self.dim + 2 * self.kv_dim if self.qkv_bias else 0) + self.mlp_biases[0]
+        attn = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
+        sharded_biases = (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0) + self.mlp_biases[0]
         return attn + self.ffn_params + sharded_biases + self.replicated_layer_params
 
     @property
     def replicated_layer_params(self) -> int:
         """What tensor parallel leaves whole in a dense block (kiln/parallel/tensor_parallel.py):
         the two norms, the QK-norm gains and the row-wise linears' (wo, w2) output biases."""
-        qk = 2 * (self.dim // self.n_heads) if self.qk_norm else 0
+        qk = 2 * (self.q_dim // self.n_heads) if self.qk_norm else 0
         return 2 * self.dim * self.norm_params + qk + (2 * self.dim if self.bias else 0)
 
     @property
@@ -259,7 +264,7 @@ class ModelShape:
         matmul outputs (not measured)."""
         mlp = (2 if self.gated else 1) * self.ffn
         last = 0 if compiled else self.dim
-        return act * ((self.dim + 2 * self.kv_dim) + self.dim + self.dim + mlp + last) + 4 * self.n_heads
+        return act * ((self.q_dim + 2 * self.kv_dim) + self.q_dim + self.dim + mlp + last) + 4 * self.n_heads
 
     def act_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
         """Bytes one block keeps for backward per token (see the module docstring)."""
@@ -267,13 +272,13 @@ class ModelShape:
         stats = 4 * self.n_heads + 2 * 8  # SDPA's fp32 logsumexp; each norm's fp32 mean/rstd
         if compiled and float8:  # normed inputs and act*w3 recomputed; a float8 copy of o-proj's input
             mlp = (2 if self.gated else 1) * self.ffn
-            return kept + act * ((self.dim + 2 * self.kv_dim) + self.dim + mlp) + self.dim + stats
+            return kept + act * ((self.q_dim + 2 * self.kv_dim) + self.q_dim + mlp) + self.q_dim + stats
         if compiled:  # normed copies, q/k/v, SDPA out (+ contiguous copy), the MLP's saved tensors
             mlp = (3 if self.gated else 2) * self.ffn
-            attn_out = (2 if self.rope else 1) * self.dim
-            return kept + act * (2 * self.dim + (self.dim + 2 * self.kv_dim) + attn_out + mlp) + stats
+            attn_out = (2 if self.rope else 1) * self.q_dim
+            return kept + act * (2 * self.dim + (self.q_dim + 2 * self.kv_dim) + attn_out + mlp) + stats
         # normed, q/k/v, SDPA's output and its contiguous (b, s, h*d) copy that the output projection saves, normed
-        kept += act * (self.dim + (self.dim + 2 * self.kv_dim) + 2 * self.dim + self.dim)
+        kept += act * (self.dim + (self.q_dim + 2 * self.kv_dim) + 2 * self.q_dim + self.dim)
         kept += act * (4 if self.gated else 2) * self.ffn
         return kept
 
@@ -414,19 +419,19 @@ def zero1_fullest_share(shape: ModelShape, layout: Layout, last: bool = False, o
 def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool], ranks: int,
                  with_experts: bool, cuts: str) -> float:
     blocks, embedding, head, norm = stage
-    d, kv, ffn = shape.dim, shape.kv_dim, shape.ffn
+    d, q, kv, ffn = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn
     moe_blocks = round(blocks * shape.moe_layers / shape.n_layers)
     matrices = 3 if shape.gated else 2
     experts = [shape.moe_experts * d * ffn / tp] * matrices if with_experts else []
     # kiln's partition itself (kiln/parallel/zero1_partition.py) over the stage's local tensor sizes
-    hidden = [d * d / tp, kv * d / tp, kv * d / tp, d * d / tp] * blocks  # Muon's orthogonalized tensors
+    hidden = [q * d / tp, kv * d / tp, kv * d / tp, d * q / tp] * blocks  # Muon's orthogonalized tensors
     hidden += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs
     hidden += ([shape.moe_experts * d] + experts) * moe_blocks  # MoE: router (replicated) and experts
     # norms (and their biases) and QK-norm gains (replicated over tp), then the biases
     other = [float(d)] * shape.norm_params * (2 * blocks + (1 if norm else 0))
-    other += [float(d // shape.n_heads)] * (2 * blocks if shape.qk_norm else 0)
+    other += [float(q // shape.n_heads)] * (2 * blocks if shape.qk_norm else 0)
     if shape.qkv_bias:
-        other += [d / tp, kv / tp, kv / tp] * blocks
+        other += [q / tp, kv / tp, kv / tp] * blocks
     if shape.bias:  # wo's, then the dense MLPs' w1 (w3) and w2's
         other += [float(d)] * blocks + ([ffn / tp] * (matrices - 1) + [float(d)]) * (blocks - moe_blocks)
     if embedding:

@@ -132,7 +132,7 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
         return
     global_batch //= replicas  # one replica's share; world below is one replica's devices
     world = cluster.world_size // replicas
-    head = shape.dim // shape.n_heads
+    head = shape.q_dim // shape.n_heads
     kv_heads = shape.kv_dim // head
     for tp in divisors(cluster.gpus_per_node):
         if world % tp or shape.n_heads % tp or kv_heads % tp or tp > max_tp:

@@ -146,12 +146,12 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     tokens_rank_mb = layout.micro_batch * seq_len / layout.cp  # tokens one rank computes per micro-batch
     # the LM head matmul counts; a MoE block's token passes through its top-k experts only
     non_embed = shape.active_params - shape.embedding_params + shape.vocab * shape.dim
-    flops_token = 6 * non_embed + 12 * shape.n_layers * shape.dim * seq_len
+    flops_token = 6 * non_embed + 12 * shape.n_layers * shape.q_dim * seq_len
     global_tokens = layout.micro_batch * seq_len * layout.grad_accum * layout.dp
     model_flops = flops_token * global_tokens
     # Recompute adds one forward (a third of 6N) of the recomputed blocks.
     recompute = recomputed_matmul_blocks(layout.ac, shape.n_layers) / shape.n_layers
-    layer_flops_token = 6 * shape.layer_params + 12 * shape.dim * seq_len
+    layer_flops_token = 6 * shape.layer_params + 12 * shape.q_dim * seq_len
     rank_flops_mb = (flops_token + recompute * layer_flops_token * shape.n_layers / 3) * tokens_rank_mb
     rank_flops_mb /= layout.tp * layout.pp
     work = tokens_rank_mb * shape.dim / layout.tp  # a matmul's M*K scale on this rank
@@ -220,7 +220,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
         t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * stage_layers * ga
         count("p2p", 3 * (layout.cp - 1) * stage_layers * ga)
-        attn_compute = t_mb * ga * 12 * shape.n_layers * shape.dim * seq_len / flops_token
+        attn_compute = t_mb * ga * 12 * shape.n_layers * shape.q_dim * seq_len / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
     # Expert parallel (kiln/parallel/expert_parallel.py): per MoE block and micro-batch a dispatch
@@ -374,11 +374,11 @@ def block_elementwise_forward_bytes(shape: ModelShape, layout: Layout) -> float:
     """Bytes per token one block's forward moves in its memory-bound kernels, compiled (the
     fused kernels of `elementwise_bytes`' docstring)."""
     a = {"fp32": 4}.get(layout.precision, 2)
-    d, kv, f = shape.dim, shape.kv_dim, shape.ffn
+    d, q, kv, f = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn
     norms = 2 * (4 + a) * d
     adds = 2 * (4 + a + 4) * d
-    rope = 2 * a * (d + kv) * 2 if shape.rope else 0
-    copy = 2 * a * d if shape.rope else 0
+    rope = 2 * a * (q + kv) * 2 if shape.rope else 0
+    copy = 2 * a * q if shape.rope else 0
     act = ((3 if shape.gated else 2) * a) * f
     return norms + adds + rope + copy + act
 
@@ -392,13 +392,13 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:
     graph's copy; memory.py), the activation reads its 1 (plain) or 2 (gated) inputs and writes
     one; backward moves twice that. A recomputed block runs its forward again."""
     a = {"fp32": 4}.get(layout.precision, 2)
-    d, kv, f = shape.dim, shape.kv_dim, shape.ffn
+    d, q, kv, f = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn
     forward = block_elementwise_forward_bytes(shape, layout)
     recompute = recomputed_blocks(layout.ac, shape.n_layers) / shape.n_layers
     blocks = shape.n_layers * forward * (3 + recompute)
     loss = 3 * a * shape.vocab  # the fused loss: logits read forward, read + gradient written backward
     casts = 0.0
     if layout.precision == "float8":  # each linear's input and output gradient: amax, cast, transposed copy
-        linears = 2 * d + 2 * (d + kv) + 2 * d + (3 if shape.gated else 2) * (d + f)  # sum of in + out features
+        linears = (d + q) + 2 * (d + kv) + (q + d) + (3 if shape.gated else 2) * (d + f)  # sum of in + out features
         casts = 7 * linears * shape.n_layers * (1 + recompute)
     return blocks + loss + casts

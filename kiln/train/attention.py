@@ -43,7 +43,7 @@ def configure_attention(model: nn.Module, requested: str, device: torch.device, 
     """Pick the kernel for `model`'s attention shapes; returns what the run row records."""
     cfg = model.cfg
     heads, kv_heads = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = cfg.attention_head_dim()
     if requested != "auto":
         if device.type != "cuda":
             raise ConfigError(f"train.attention_backend={requested!r} selects a CUDA kernel; use 'auto' on {device.type}")

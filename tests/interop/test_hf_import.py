@@ -241,12 +241,13 @@ def _edit_config(hf_dir, **changes):
     ({"hidden_size": "32"}, "hidden_size='32'"),
     ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive int"),
     ({"head_dim": [8]}, "head_dim=[8]"),
-    ({"head_dim": 16}, "head_dim=16 x num_attention_heads=4"),
+    ({"head_dim": 0}, "head_dim=0; expected a positive int"),
     ({"num_key_value_heads": "2"}, "num_key_value_heads='2'"),
     ({"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5'"),
     ({"tie_word_embeddings": "no"}, "tie_word_embeddings='no'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}, "rope_parameters: rope_theta='big'"),
-    ({"num_attention_heads": 3}, "head_dim=8 x num_attention_heads=3 must equal hidden_size=32"),
+    ({"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": None},
+     "q_proj.weight has shape [32, 32]; expected [30, 32]"),
     ({"num_key_value_heads": 3}, "invalid kiln config: model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
     ({"vocab_size": 100}, "vocab_size=100"),  # fewer than the tokenizer's 290 tokens
 ])
@@ -421,8 +422,31 @@ def test_qwen3_imports_with_its_qk_norm_and_round_trips(tmp_path, capsys):
 
     for changes, named in (({"attention_bias": True}, "attention_bias=True is not supported"),
                            ({"use_sliding_window": True}, "use_sliding_window=True (sliding-window attention)"),
-                           ({"head_dim": 16}, "head_dim=16 x num_attention_heads=4 must equal hidden_size=32")):
+                           ({"head_dim": 7}, "model.head_dim=7 must be even for rope positions")):
         config = json.loads((hf_dir / "config.json").read_text())
         _edit_config(hf_dir, **changes)
         _refused(hf_dir, tmp_path / "refused", capsys, named)
         (hf_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_heads_wider_than_hidden_size_import_and_round_trip(tmp_path):
+    """Qwen3-0.6B's shape: 16 heads of 128 on a hidden size of 1024 (here 4 heads of 16 on 32)."""
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=64, rope_theta=1000.0, tie_word_embeddings=True,
+                                   initializer_range=0.2)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    model.save_pretrained(str(hf_dir))
+    train_bpe(iter([SAMPLE * 50]), 290).save(hf_dir / "tokenizer.json")
+    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
+    from kiln.eval.load import load_run
+
+    imported = load_run(tmp_path / "a").model
+    assert imported.cfg.head_dim == 16 and imported.layers[0].attention.wq.weight.shape == (64, 32)
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
+    torch.testing.assert_close(hf_logits(again, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)

@@ -97,7 +97,8 @@ def test_init_scales():
     assert ratio.item() == pytest.approx(0.5, rel=0.15)  # 1/sqrt(4)
 
 
-@pytest.mark.parametrize("kw", [{}, {"positions": "learned", "n_kv_heads": 2}, {"qk_norm": True, "qkv_bias": True}])
+@pytest.mark.parametrize("kw", [{}, {"positions": "learned", "n_kv_heads": 2},
+                                {"qk_norm": True, "qkv_bias": True, "head_dim": 12, "n_kv_heads": 2}])
 def test_kv_cache_matches_full_forward(kw):
     model = build(**kw).eval()
     tokens = torch.randint(0, 97, (1, 12))

@@ -40,8 +40,9 @@ GPT2 = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.vocab_size
         "model.positions=learned", "model.norm=layernorm", "model.bias=true", "model.activation=gelu",
         "model.tie_embeddings=false", "model.dropout=0.0", "data.seq_len=16"]
 POST_NORM = LLAMA + ["model.norm_placement=post", "model.tie_embeddings=false"]
-# Qwen3's QK-norm (per head, before RoPE) with Qwen2's q/k/v biases.
-QK_NORM = LLAMA + ["model.qk_norm=true", "model.qkv_bias=true"]
+# Qwen3's QK-norm (per head, before RoPE) and heads wider than dim / n_heads (4 x 16 on dim 32, as
+# Qwen3-0.6B's 16 x 128 on 1024), with Qwen2's q/k/v biases.
+QK_NORM = LLAMA + ["model.qk_norm=true", "model.qkv_bias=true", "model.head_dim=16"]
 # One dense block, one MoE block (top-2, capacity 1.25: some assignments are dropped), aux and z
 # weights large enough that a wrong aux/z gradient shows in the losses.
 MOE = LLAMA + ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=2", "model.moe_aux_loss_weight=0.1",

@@ -28,7 +28,7 @@ SHAPES = {
     "big_vocab": ["model.vocab_size=4000"],
     "moe": ["model.moe_experts=4", "model.moe_top_k=2"],
     "gpt2_biases": ["model.activation='gelu'", "model.positions='learned'", "model.norm='layernorm'", "model.bias=true"],
-    "qkv_bias_qk_norm": ["model.qkv_bias=true", "model.qk_norm=true", "model.n_kv_heads=2"],
+    "qkv_bias_qk_norm": ["model.qkv_bias=true", "model.qk_norm=true", "model.n_kv_heads=2", "model.head_dim=32"],
 }
 
 

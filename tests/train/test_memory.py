@@ -20,6 +20,7 @@ CPU = torch.device("cpu")
     ["model.positions=learned", "model.norm=layernorm", "model.bias=true", "model.activation=gelu"],
     ["model.bias=true", "model.n_kv_heads=2"],  # gated MLP: w1, w3 and w2 biases; RMSNorm has none
     ["model.qkv_bias=true", "model.qk_norm=true", "model.n_kv_heads=2"],  # Qwen2's biases, Qwen3's norm
+    ["model.head_dim=96", "model.qk_norm=true", "model.n_kv_heads=2"],  # heads wider than dim / n_heads
     ["model.norm=none", "model.init=t_fixup"],
     ["model.bias=true", "model.norm=layernorm", "model.moe_experts=4", "model.moe_every=2", "model.n_layers=4"],
 ])
