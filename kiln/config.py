@@ -127,12 +127,17 @@ class ModelConfig:
     # RoPE for a context longer than pretrained (kiln/model/transformer.py rope_frequencies):
     # "linear" divides every frequency by rope_scaling_factor; "llama3" (Llama 3.1's) only those
     # whose wavelength exceeds rope_original_max_seq_len / rope_low_freq_factor, blending up to
-    # rope_original_max_seq_len / rope_high_freq_factor.
-    rope_scaling: str = ranged("none", choices=("none", "linear", "llama3"))
+    # rope_original_max_seq_len / rope_high_freq_factor; "yarn" (Peng et al. 2023) those turning
+    # fewer than rope_yarn_beta_slow times over rope_original_max_seq_len, blending up to
+    # rope_yarn_beta_fast turns, and scales q and k by rope_attention_factor (0: 0.1 ln(factor) + 1).
+    rope_scaling: str = ranged("none", choices=("none", "linear", "llama3", "yarn"))
     rope_scaling_factor: float = ranged(8.0, ge=1.0)
     rope_low_freq_factor: float = ranged(1.0, gt=0.0)
     rope_high_freq_factor: float = ranged(4.0, gt=0.0)
     rope_original_max_seq_len: int = ranged(8192, gt=0)
+    rope_yarn_beta_fast: float = ranged(32.0, gt=0.0)
+    rope_yarn_beta_slow: float = ranged(1.0, gt=0.0)
+    rope_attention_factor: float = ranged(0.0, ge=0.0)
     tie_embeddings: bool = True
     bias: bool = False  # biases on every linear and LayerNorm
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2); model.bias implies them
@@ -175,6 +180,9 @@ class ModelConfig:
         if self.rope_scaling != "none" and self.positions != "rope":
             raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} needs model.positions='rope' "
                               f"(it is {self.positions!r}); set model.rope_scaling='none'")
+        if self.rope_scaling == "yarn" and self.rope_yarn_beta_fast <= self.rope_yarn_beta_slow:
+            raise ConfigError(f"model.rope_yarn_beta_fast={self.rope_yarn_beta_fast:g} must be > "
+                              f"model.rope_yarn_beta_slow={self.rope_yarn_beta_slow:g} for rope_scaling='yarn'")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ConfigError(f"model.rope_high_freq_factor={self.rope_high_freq_factor:g} must be > "
                               f"model.rope_low_freq_factor={self.rope_low_freq_factor:g} for rope_scaling='llama3'")

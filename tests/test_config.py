@@ -100,7 +100,7 @@ def test_apply_overrides_in_place():
     ("parallel.dp_shard=0", "parallel.dp_shard=0 must be -1 (auto) or >= 1"),
     ("parallel.dp_shard=-2", "parallel.dp_shard=-2 must be >= -1"),
     ("train.steps=true", "train.steps=True has the wrong type; expected int"),
-    ("model.rope_scaling=yarn", "model.rope_scaling='yarn' is not one of none, linear, llama3"),
+    ("model.rope_scaling=longrope", "model.rope_scaling='longrope' is not one of none, linear, llama3, yarn"),
     ("model.rope_scaling_factor=0.5", "model.rope_scaling_factor=0.5 must be >= 1"),
 ])
 def test_out_of_range_values_name_the_key(override, message):
@@ -113,6 +113,8 @@ def test_out_of_range_values_name_the_key(override, message):
     (["model.positions=learned", "model.rope_scaling=linear"], "model.rope_scaling='linear' needs model.positions='rope'"),
     (["model.rope_scaling=llama3", "model.rope_low_freq_factor=4", "model.rope_high_freq_factor=4"],
      "model.rope_high_freq_factor=4 must be > model.rope_low_freq_factor=4"),
+    (["model.rope_scaling=yarn", "model.rope_yarn_beta_fast=1"],
+     "model.rope_yarn_beta_fast=1 must be > model.rope_yarn_beta_slow=1 for rope_scaling='yarn'"),
     (["model.dim=30", "model.n_heads=4"], "model.dim=30 must be divisible by model.n_heads=4 (or set model.head_dim)"),
     (["model.head_dim=7"], "model.head_dim=7 must be even for rope positions"),
 ])

@@ -131,7 +131,10 @@ def _rope_to_hf(cfg: ModelConfig) -> dict | None:
     if cfg.rope_scaling == "none":
         return None
     rope_type, = [t for t, (ours, _) in ROPE_TYPES.items() if ours == cfg.rope_scaling]
-    return {"rope_type": rope_type, **{theirs: getattr(cfg, ours) for theirs, (ours, _) in ROPE_TYPES[rope_type][1].items()}}
+    fields = ROPE_TYPES[rope_type][1].items()
+    # a value equal to an optional key's default is left out (attention_factor 0 means "derive it")
+    return {"rope_type": rope_type, **{theirs: getattr(cfg, ours) for theirs, (ours, default) in fields
+                                       if default in (REQUIRED, CONTEXT) or getattr(cfg, ours) != default}}
 
 
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
@@ -255,15 +258,24 @@ def _refuse_sliding_windows(hf: dict, source: str, model_type: str) -> None:
                         f"only full causal attention imports")
 
 
-# HF rope_type -> kiln model.rope_scaling, and the HF keys each reads (kiln field, HF default).
+# HF rope_type -> kiln model.rope_scaling, and the HF keys each reads: (kiln field, default when
+# absent: REQUIRED, CONTEXT (a top-level original_max_position_embeddings, else
+# max_position_embeddings, as transformers falls back), or a value, which export then leaves out).
+REQUIRED, CONTEXT = object(), object()
+_ORIGINAL = {"original_max_position_embeddings": ("rope_original_max_seq_len", CONTEXT)}
 ROPE_TYPES = {
     "default": ("none", {}),
-    "linear": ("linear", {"factor": ("rope_scaling_factor", None)}),
-    "llama3": ("llama3", {"factor": ("rope_scaling_factor", None),
-                          "low_freq_factor": ("rope_low_freq_factor", None),
-                          "high_freq_factor": ("rope_high_freq_factor", None),
-                          "original_max_position_embeddings": ("rope_original_max_seq_len", "max_position_embeddings")}),
+    "linear": ("linear", {"factor": ("rope_scaling_factor", REQUIRED)}),
+    "llama3": ("llama3", {"factor": ("rope_scaling_factor", REQUIRED),
+                          "low_freq_factor": ("rope_low_freq_factor", REQUIRED),
+                          "high_freq_factor": ("rope_high_freq_factor", REQUIRED), **_ORIGINAL}),
+    "yarn": ("yarn", {"factor": ("rope_scaling_factor", REQUIRED), **_ORIGINAL,
+                      "beta_fast": ("rope_yarn_beta_fast", 32.0), "beta_slow": ("rope_yarn_beta_slow", 1.0),
+                      "attention_factor": ("rope_attention_factor", 0.0)}),
 }
+# transformers keys kiln's RoPE does not implement, and the value that means "not used" (absent
+# or null means that too). mscale / mscale_all_dim change YaRN's attention factor only together.
+ROPE_UNSUPPORTED = {"partial_rotary_factor": 1.0, "truncate": True}
 
 
 def _rope_from_hf(hf: dict, source: str) -> dict:
@@ -285,13 +297,24 @@ def _rope_from_hf(hf: dict, source: str) -> dict:
     if rope_type not in ROPE_TYPES:
         raise KilnError(f"{source}: {key}.rope_type={rope_type!r} (RoPE scaling) is not supported by kiln; "
                         f"expected one of {sorted(ROPE_TYPES)}")
+    for where, values in ((f"{key}.", rope), ("", hf)):
+        for name, unused in ROPE_UNSUPPORTED.items():
+            if values.get(name) is not None and values[name] != unused:
+                raise KilnError(f"{source}: {where}{name}={values[name]!r} is not supported by kiln's RoPE; "
+                                f"expected {unused!r} or none")
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        raise KilnError(f"{source}: {key}.mscale={rope['mscale']!r} with mscale_all_dim={rope['mscale_all_dim']!r} "
+                        f"(DeepSeek's YaRN attention factor) is not supported by kiln; set attention_factor instead")
     get, get_rope = _getter(hf, source), _getter(rope, f"{source}: {key}")
     scaling, fields = ROPE_TYPES[rope_type]
     out = {"rope_scaling": scaling,
            "rope_theta": get_rope("rope_theta", float, get("rope_theta", float, 10000.0))}
-    for theirs, (ours, fallback) in fields.items():
+    for theirs, (ours, default) in fields.items():
         kind = int if ours == "rope_original_max_seq_len" else float
-        default = get(theirs, kind, get(fallback, kind)) if fallback else _MISSING
+        if default is REQUIRED:
+            default = _MISSING
+        elif default is CONTEXT:
+            default = get(theirs, kind, get("max_position_embeddings", kind))
         out[ours] = get_rope(theirs, kind, default)
     return out
 

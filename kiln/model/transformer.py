@@ -45,9 +45,12 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
     `model.rope_scaling` applied for a context longer than the one pretrained at:
     - "linear" (position interpolation, Chen et al. 2023): every frequency / factor;
     - "llama3" (Llama 3.1): wavelengths longer than original_len / low_freq_factor / factor,
-      shorter than original_len / high_freq_factor unchanged, a linear blend in between.
+      shorter than original_len / high_freq_factor unchanged, a linear blend in between;
+    - "yarn" (YaRN, Peng et al. 2023, "NTK-by-parts"): frequencies turning fewer than beta_slow
+      times over original_len / factor, more than beta_fast times unchanged, a linear ramp over
+      the (whole) dimensions in between; `rope_attention_scale` then scales cos and sin.
     The same arithmetic as transformers' rope init functions of those names, so imported Llama 3.x
-    checkpoints give transformers' logits (tests/interop)."""
+    and YaRN-extended checkpoints give transformers' logits (tests/interop)."""
     head_dim = cfg.attention_head_dim()
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     factor = cfg.rope_scaling_factor
@@ -61,14 +64,34 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= original / high) & (wavelen <= original / low)
         return torch.where(medium, blended, scaled)
+    if cfg.rope_scaling == "yarn":
+        original, theta = cfg.rope_original_max_seq_len, cfg.rope_theta
+
+        def dimension(turns: float) -> float:  # the dimension that turns `turns` times over original
+            return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low = max(math.floor(dimension(cfg.rope_yarn_beta_fast)), 0)
+        high = min(math.ceil(dimension(cfg.rope_yarn_beta_slow)), head_dim - 1)
+        ramp = (torch.arange(head_dim // 2, device=device, dtype=torch.float32) - low) / (high - low or 0.001)
+        kept = 1 - ramp.clamp(0, 1)  # 1: the frequency as trained, 0: interpolated
+        return inv_freq / factor * (1 - kept) + inv_freq * kept
     return inv_freq
+
+
+def rope_attention_scale(cfg: ModelConfig) -> float:
+    """YaRN's factor on cos and sin (so on q.k twice): rope_attention_factor, or 0.1 ln(factor) + 1."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+    return 0.1 * math.log(cfg.rope_scaling_factor) + 1.0 if cfg.rope_scaling_factor > 1 else 1.0
 
 
 def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (model.max_seq_len, head_dim // 2), computed in fp32."""
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32),
                          rope_frequencies(cfg, device))
-    return angles.cos(), angles.sin()
+    scale = rope_attention_scale(cfg)
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

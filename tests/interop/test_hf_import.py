@@ -107,8 +107,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 4.0, "low_
                "high_freq_factor": 2.0, "original_max_position_embeddings": 8}
 
 
-@pytest.mark.parametrize("rope", [LLAMA3_ROPE, {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}],
-                         ids=["llama3", "linear"])
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+             "beta_fast": 8.0, "beta_slow": 2.0}
+
+
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0},
+                                  YARN_ROPE, {**YARN_ROPE, "attention_factor": 1.5}],
+                         ids=["llama3", "linear", "yarn", "yarn_attention_factor"])
 def test_scaled_rope_imports_with_transformers_logits_and_round_trips(rope, tmp_path):
     hf_dir = tmp_path / "hf"
     model = tiny_llama(hf_dir, rope_parameters=dict(rope))
@@ -226,13 +231,16 @@ def _edit_config(hf_dir, **changes):
     ({"model_type": "gemma"}, "model_type='gemma'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_parameters and rope_scaling disagree"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 2.0}},
-     "rope_parameters.rope_type='yarn' (RoPE scaling) is not supported by kiln; expected one of"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1000.0, "factor": 2.0}},
+     "rope_parameters.rope_type='longrope' (RoPE scaling) is not supported by kiln; expected one of"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 2.0}},
      "rope_parameters: low_freq_factor is missing"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1000.0, "factor": "2"}}, "rope_parameters: factor='2'"),
     ({"rope_parameters": {**LLAMA3_ROPE, "factor": 0.5}}, "model.rope_scaling_factor=0.5 must be >= 1"),
     ({"rope_parameters": [1]}, "rope_parameters must be an object"),
+    ({"rope_parameters": {**YARN_ROPE, "mscale": 1.0, "mscale_all_dim": 0.5}}, "rope_parameters.mscale=1.0 with"),
+    ({"rope_parameters": {**YARN_ROPE, "truncate": False}}, "rope_parameters.truncate=False is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported by kiln's RoPE"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"sliding_window": 16}, "sliding_window=16 (sliding-window attention)"),

@@ -162,6 +162,19 @@ def test_rope_scaling_changes_only_the_frequencies_it_names():
     angles = torch.outer(torch.arange(32).float(), rope_frequencies(model.cfg))
     assert torch.allclose(model.rope_cos, angles.cos()) and torch.allclose(model.rope_sin, angles.sin())
 
+    # YaRN: dimensions turning more than beta_fast times over the original context kept, fewer
+    # than beta_slow interpolated, a ramp between; cos and sin scaled by 0.1 ln(factor) + 1
+    cfg = ModelConfig(**base, rope_scaling="yarn", rope_scaling_factor=8.0, rope_original_max_seq_len=512)
+    scaled, turns = rope_frequencies(cfg), plain * 512 / (2 * math.pi)
+    fast, slow = turns > 32, turns < 1
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    assert torch.equal(scaled[fast], plain[fast]) and torch.allclose(scaled[slow], plain[slow] / 8)
+    model = build(rope_scaling="yarn", rope_scaling_factor=8.0, rope_original_max_seq_len=4)
+    angles = torch.outer(torch.arange(32).float(), rope_frequencies(model.cfg))
+    assert torch.allclose(model.rope_cos, angles.cos() * (0.1 * math.log(8) + 1))
+    assert torch.allclose(build(rope_scaling="yarn", rope_attention_factor=1.5).rope_sin / 1.5,
+                          build(rope_scaling="yarn", rope_attention_factor=1.0).rope_sin)
+
 
 def test_qk_norm_normalizes_each_head_of_q_and_k_before_rope():
     model = build(qk_norm=True, n_kv_heads=2)
