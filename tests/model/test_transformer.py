@@ -12,6 +12,7 @@ PRESET_PARAMS = {
     "gpt2-124m": 124_439_808,  # GPT-2 small, HF "gpt2"
     "llama-1b": 1_235_814_400,  # Llama-3.2-1B
     "llama-7b": 6_738_415_616,  # Llama-2-7B
+    "qwen3-0.6b": 596_049_920,  # Qwen3-0.6B: heads wider than dim / n_heads, QK-norm
 }
 
 
@@ -24,7 +25,7 @@ def build(**kw) -> Transformer:
     return model
 
 
-@pytest.mark.parametrize("name", ["debug", "small", "gpt2-124m", "llama-1b", "llama-7b"])
+@pytest.mark.parametrize("name", ["debug", "small", "gpt2-124m", "llama-1b", "llama-7b", "qwen3-0.6b"])
 def test_presets_build_on_meta_with_right_counts(name):
     cfg = load_config(f"configs/{name}.toml")
     if not cfg.model.vocab_size:
