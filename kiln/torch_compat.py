@@ -470,6 +470,16 @@ def fsdp_shards_2d_dtensors() -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
 
 
+def dtensor_takes_float8_scales() -> bool:
+    """Whether DTensor can compute torchao's float8 scales of a sharded tensor: 2.7 on (the float8
+    TP tests pass there, docs/torch-range.md); 2.6 has no sharding rule for the amax they take
+    ("Operator aten.amax.default does not have a sharding strategy registered", torchao 0.10), so
+    there train.float8 with parallel.tp > 1 is refused in one line (ParallelDims.check_model)."""
+    import torch
+
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
+
+
 def shard_size_and_offset(size: int, n_shards: int, index: int) -> tuple[int, int]:
     """(rows, first row) of shard `index` of `size` rows split by DTensor's `Shard` over `n_shards`:
     `Shard.local_shard_size_and_offset` in 2.10 and later, `_local_shard_size_and_offset` in 2.8,

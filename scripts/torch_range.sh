@@ -19,9 +19,10 @@ fi
 # the installed distribution's version (torch.__version__ may carry a local tag PyPI's metadata lacks)
 echo "torch==$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))")" > "$VENV/torch-pin.txt"
 # The newest torchao (0.18) does not import with older torch, and transformers imports torchao when it
-# is there, so the Hugging Face interop fails with it too: 2.7 runs with torchao 0.12.0, 2.8 with
-# 0.13.0 and 2.9 with 0.15.0 (checked: docs/torch-range.md). Other releases get the newest (2.6's float8 tests skip on its import error).
+# is there, so the Hugging Face interop fails with it too: 2.6 runs with torchao 0.10.0, 2.7 with
+# 0.12.0, 2.8 with 0.13.0 and 2.9 with 0.15.0 (checked: docs/torch-range.md). Other releases get the newest.
 case "$V" in
+  2.6.*) echo "torchao==0.10.0" >> "$VENV/torch-pin.txt" ;;
   2.7.*) echo "torchao==0.12.0" >> "$VENV/torch-pin.txt" ;;
   2.8.*) echo "torchao==0.13.0" >> "$VENV/torch-pin.txt" ;;
   2.9.*) echo "torchao==0.15.0" >> "$VENV/torch-pin.txt" ;;

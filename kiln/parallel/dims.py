@@ -159,6 +159,10 @@ class ParallelDims:
                               f"shards each expert over ep and tp, which this torch's FSDP2 cannot shard again "
                               f"({torch.__version__}; 2.10 can); set parallel.etp=1 (whole experts, ep borrowing the "
                               f"tp ranks) or dp_mode='ddp'")
+        if cfg.train.float8 and not torch_compat.dtensor_takes_float8_scales():
+            raise ConfigError(f"train.float8=true with parallel.tp={tp} needs torch >= 2.7 (this torch's DTensor "
+                              f"cannot take float8 scales of a sharded tensor: {torch.__version__}); set "
+                              f"parallel.tp=1 or train.float8=false")
         # train.float8 (both recipes) runs under tp: tensor_parallel._styles picks the TP styles.
         # train.compile_scope='model' runs under tp (one graph over the blocks and the vocab-sharded head;
         # the TP embedding and the loss stay eager; tests/parallel/test_tensor_parallel_compile.py).

@@ -202,3 +202,16 @@ def test_fsdp_over_experts_split_on_ep_and_tp_is_refused_where_fsdp2_takes_1d_dt
     dims(4, dp_mode="fsdp", ep=2).check_model(cfg)  # no tp
     monkeypatch.setattr(torch_compat, "fsdp_shards_2d_dtensors", lambda: True)
     dims(4, dp_mode="fsdp", ep=2, tp=2).check_model(cfg)
+
+
+def test_float8_with_tp_is_refused_where_dtensor_cannot_take_float8_scales(monkeypatch):
+    from kiln import torch_compat
+
+    cfg = load_config(None, ["model.n_heads=4", "train.float8=true"])
+    monkeypatch.setattr(torch_compat, "dtensor_takes_float8_scales", lambda: False)
+    with pytest.raises(ConfigError, match=r"^train.float8=true with parallel.tp=2 needs torch >= 2.7 .*set "
+                                          r"parallel.tp=1 or train.float8=false$"):
+        dims(2, tp=2).check_model(cfg)
+    dims(2).check_model(cfg)  # no tp: float8 alone is not this check's
+    monkeypatch.setattr(torch_compat, "dtensor_takes_float8_scales", lambda: True)
+    dims(2, tp=2).check_model(cfg)
