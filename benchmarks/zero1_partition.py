@@ -10,8 +10,8 @@ and each ZeRO-1 is constructed once per rank of a process group faked in this pr
 testing "fake" backend: collectives are no-ops), so each rank's ZeRO holds exactly its partition;
 a rank's share of the optimizer state is its share of the elements. Prints the fullest rank's
 state as a multiple of the even share (1 / ranks) and writes results/zero1_partition.json. The
-prediction is exact for kiln's bias-free default blocks; with biases (configs/gpt2-124m.toml) it
-leaves them out.
+prediction lists every tensor kiln's model has (biases, norms and QK-norm gains included, since
+28 Nov; before, it left GPT-2's biases out).
 
     python benchmarks/zero1_partition.py [--configs configs/llama-1b.toml,configs/llama-7b.toml]
         [--ranks 8,64] [--out FILE]

@@ -109,3 +109,13 @@ def test_every_benchmark_measures_its_own_checkouts_kiln():
         first_import = re.search(r"^(from|import) kiln", text, re.M)
         assert inserted, f"{script.name}: does not put its repository root on sys.path"
         assert first_import is None or inserted.start() < first_import.start(), f"{script.name}: kiln imported first"
+
+
+@pytest.mark.timeout(120)
+def test_hf_interop_quick(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf_interop.json"
+    assert _load("hf_interop").main(["--quick", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["class"] == "Qwen3ForCausalLM" and row["import_s"] > 0 and row["export_s"] > 0
+    assert row["import_max_abs_logit_diff"] < 1e-4 and row["export_max_abs_logit_diff"] < 1e-4
