@@ -157,18 +157,29 @@ def test_legacy_rope_scaling_key_and_top_level_theta_import(tmp_path):
     assert cfg.rope_original_max_seq_len == 64  # absent: transformers takes max_position_embeddings
 
 
+def _imports_and_round_trips(model, tmp_path, exported_class):
+    """Save `model` (with a tokenizer) to tmp_path/hf, import it, check kiln's logits against it,
+    export the run and check transformers' reload (`exported_class`) too; returns the kiln model."""
+    from kiln.eval.load import load_run
+
+    model.save_pretrained(str(tmp_path / "hf"))
+    train_bpe(iter([SAMPLE * 50]), 290).save(tmp_path / "hf" / "tokenizer.json")
+    assert main(["import-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "a")]) == 0
+    ids = tokens(300)
+    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
+    assert type(again).__name__ == exported_class
+    torch.testing.assert_close(hf_logits(again, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    return load_run(tmp_path / "a").model
+
+
 def test_mistral_without_a_window_imports_as_llama(tmp_path):
-    hf_dir = tmp_path / "hf"
     torch.manual_seed(0)
     cfg = transformers.MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                      sliding_window=None, tie_word_embeddings=False, initializer_range=0.2)
-    model = transformers.MistralForCausalLM(cfg)
-    model.save_pretrained(str(hf_dir))
-    train_bpe(iter([SAMPLE * 50]), 290).save(hf_dir / "tokenizer.json")
-    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "run")]) == 0
-    ids = tokens(300)
-    torch.testing.assert_close(kiln_logits(tmp_path / "run", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    _imports_and_round_trips(transformers.MistralForCausalLM(cfg), tmp_path, "LlamaForCausalLM")
 
 
 def test_bf16_weights_import_as_fp32(tmp_path):
@@ -384,30 +395,21 @@ def test_qwen2_imports_with_its_q_k_v_biases_and_round_trips(tmp_path, capsys):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
-    model.save_pretrained(str(hf_dir))
-    train_bpe(iter([SAMPLE * 50]), 290).save(hf_dir / "tokenizer.json")
-    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
-    from kiln.eval.load import load_run
-
-    imported = load_run(tmp_path / "a").model
+    imported = _imports_and_round_trips(model, tmp_path, "Qwen2ForCausalLM")
     attention = imported.layers[0].attention
     assert attention.wq.bias is not None and attention.wo.bias is None and imported.layers[0].feed_forward.w1.bias is None
-    ids = tokens(300)
-    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
-    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
-    assert type(again).__name__ == "Qwen2ForCausalLM"
-    torch.testing.assert_close(hf_logits(again, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
     _edit_config(hf_dir, use_sliding_window=True)
     _refused(hf_dir, tmp_path / "windowed", capsys, "use_sliding_window=True (sliding-window attention)")
 
 
-def test_qwen3_imports_with_its_qk_norm_and_round_trips(tmp_path, capsys):
+@pytest.mark.parametrize("head_dim", [8, 16], ids=["heads_of_dim_over_n_heads", "wider_heads"])
+def test_qwen3_imports_with_its_qk_norm_and_round_trips(head_dim, tmp_path, capsys):
+    """QK-norm, and (16) Qwen3-0.6B's heads wider than hidden_size / heads: 16 x 128 on 1024, here 4 x 16 on 32."""
     hf_dir = tmp_path / "hf"
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                                    max_position_embeddings=64, rope_theta=1000.0, tie_word_embeddings=True,
                                    initializer_range=0.2)
     model = transformers.Qwen3ForCausalLM(cfg)
@@ -415,18 +417,9 @@ def test_qwen3_imports_with_its_qk_norm_and_round_trips(tmp_path, capsys):
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.uniform_(0.2, 3.0)
-    model.save_pretrained(str(hf_dir))
-    train_bpe(iter([SAMPLE * 50]), 290).save(hf_dir / "tokenizer.json")
-    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
-    from kiln.eval.load import load_run
-
-    assert load_run(tmp_path / "a").model.cfg.qk_norm
-    ids = tokens(300)
-    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
-    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
-    assert type(again).__name__ == "Qwen3ForCausalLM"
-    torch.testing.assert_close(hf_logits(again, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    imported = _imports_and_round_trips(model, tmp_path, "Qwen3ForCausalLM")
+    assert imported.cfg.qk_norm and imported.cfg.head_dim == (0 if head_dim == 8 else head_dim)
+    assert imported.layers[0].attention.wq.weight.shape == (4 * head_dim, 32)
 
     for changes, named in (({"attention_bias": True}, "attention_bias=True is not supported"),
                            ({"use_sliding_window": True}, "use_sliding_window=True (sliding-window attention)"),
@@ -435,26 +428,3 @@ def test_qwen3_imports_with_its_qk_norm_and_round_trips(tmp_path, capsys):
         _edit_config(hf_dir, **changes)
         _refused(hf_dir, tmp_path / "refused", capsys, named)
         (hf_dir / "config.json").write_text(json.dumps(config))
-
-
-def test_heads_wider_than_hidden_size_import_and_round_trip(tmp_path):
-    """Qwen3-0.6B's shape: 16 heads of 128 on a hidden size of 1024 (here 4 heads of 16 on 32)."""
-    hf_dir = tmp_path / "hf"
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=64, rope_theta=1000.0, tie_word_embeddings=True,
-                                   initializer_range=0.2)
-    model = transformers.Qwen3ForCausalLM(cfg)
-    model.save_pretrained(str(hf_dir))
-    train_bpe(iter([SAMPLE * 50]), 290).save(hf_dir / "tokenizer.json")
-    assert main(["import-hf", str(hf_dir), "--run-dir", str(tmp_path / "a")]) == 0
-    from kiln.eval.load import load_run
-
-    imported = load_run(tmp_path / "a").model
-    assert imported.cfg.head_dim == 16 and imported.layers[0].attention.wq.weight.shape == (64, 32)
-    ids = tokens(300)
-    torch.testing.assert_close(kiln_logits(tmp_path / "a", ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
-    assert main(["export", str(tmp_path / "a"), "--to", "hf", str(tmp_path / "hf2")]) == 0
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
-    torch.testing.assert_close(hf_logits(again, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
