@@ -148,8 +148,14 @@ def read_model(hf_dir: Path, model_cfg):
         if model_cfg.n_layers > len(tensors):
             raise KilnError(f"{hf_dir / CONFIG_FILE}: {model_cfg.n_layers} layers but only {len(tensors)} "
                             f"tensors in the weights")
-        with torch.device("meta"):
-            model = Transformer(model_cfg)
+        try:  # on meta: shapes only, but torch still refuses sizes past 64-bit element counts
+            with torch.device("meta"):
+                model = Transformer(model_cfg)
+        except (RuntimeError, TypeError, OverflowError) as e:
+            sizes = (f"hidden_size={model_cfg.dim}, intermediate_size={model_cfg.ffn_hidden}, "
+                     f"head_dim={model_cfg.attention_head_dim()}, vocab_size={model_cfg.vocab_size}")
+            raise KilnError(f"{hf_dir / CONFIG_FILE}: {sizes} make tensors too large to describe "
+                            f"({str(e).splitlines()[0][:120]})") from None
         expected = {k: v.shape for k, v in model.state_dict().items()}
         loaders = from_hf_state(tensors, model_cfg, expected, str(hf_dir))
         model.to_empty(device="cpu")

@@ -261,6 +261,8 @@ def _edit_config(hf_dir, **changes):
     ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive int"),
     ({"head_dim": [8]}, "head_dim=[8]"),
     ({"head_dim": 0}, "head_dim=0; expected a positive int"),
+    ({"head_dim": 2**62}, "head_dim=4611686018427387904, vocab_size=300 make tensors too large to describe"),
+    ({"intermediate_size": 2**62}, "intermediate_size=4611686018427387904, head_dim=8"),
     ({"num_key_value_heads": "2"}, "num_key_value_heads='2'"),
     ({"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5'"),
     ({"tie_word_embeddings": "no"}, "tie_word_embeddings='no'"),
