@@ -18,8 +18,8 @@ from kiln.model.transformer import ffn_hidden_size
 from kiln.parallel.dims import ParallelDims
 from kiln.plan.memory import OPTIM_STATE_BYTES, Layout, ModelShape, rank_memory  # noqa: F401 (re-exported)
 
-SIZE_KEYS = ("model.dim", "model.n_layers", "model.ffn_hidden", "model.max_seq_len", "train.batch_size",
-             "data.seq_len")
+SIZE_KEYS = ("model.dim", "model.n_layers", "model.ffn_hidden", "model.head_dim", "model.max_seq_len",
+             "train.batch_size", "data.seq_len")
 
 
 def vocab_estimate(cfg: JobConfig) -> tuple[int, str]:
@@ -94,15 +94,20 @@ def check_fits_memory(cfg: JobConfig, device: torch.device, dims: ParallelDims |
 
 
 def _blame(cfg: JobConfig) -> tuple[str, int]:
-    """The size key whose value is the largest multiple of its default (ffn_hidden counts only
-    when set explicitly; a vocabulary is compared with data.vocab_size's default)."""
+    """The size key whose value is the largest multiple of its default (ffn_hidden and head_dim
+    count only when set explicitly; a vocabulary is compared with data.vocab_size's default)."""
     default = JobConfig()
     vocab, vocab_key = vocab_estimate(cfg)
     candidates = {vocab_key: (vocab, default.data.vocab_size)}
     for key in SIZE_KEYS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        base = ffn_hidden_size(default.model) if key == "model.ffn_hidden" else getattr(getattr(default, section), name)
+        if key == "model.ffn_hidden":
+            base = ffn_hidden_size(default.model)
+        elif key == "model.head_dim":  # 0 by default: compared with the default width of a head
+            base = default.model.attention_head_dim()
+        else:
+            base = getattr(getattr(default, section), name)
         candidates[key] = (value, base)
     key = max(candidates, key=lambda k: candidates[k][0] / max(candidates[k][1], 1))
     return key, candidates[key][0]

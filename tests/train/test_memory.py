@@ -41,6 +41,7 @@ def test_closed_form_count_matches_the_model_on_meta(overrides):
     ("model.n_layers=1000000", "model.n_layers=1000000 needs ~"),
     ("model.vocab_size=16000000", "model.vocab_size=16000000 needs ~"),
     ("train.batch_size=100000000", "train.batch_size=100000000 needs ~"),
+    ("model.head_dim=100000000", "model.head_dim=100000000 needs ~"),
 ])
 def test_sizes_that_cannot_fit_are_refused_quickly_naming_the_key(override, key):
     cfg = load_config(None, [override])
