@@ -7,6 +7,7 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,20 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
                "machine": machine_info(), **payload}
     path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def write_sized_results(script: str, argv: list[str] | None, args, **results: Any) -> None:
+    """write_results(args.out, ...) for a benchmark of a `stepped_transformer` model: the command
+    line, the model's dim / layers / vocab, the rounds, then `results`; prints where it went."""
+    command = f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    sizes = {key: getattr(args, key) for key in ("dim", "layers", "vocab", "rounds")}
+    print(f"wrote {write_results(args.out, {'command': command, **sizes, **results})}")
+
+
+def paired_cells(ours: dict[str, float], theirs: dict[str, float],
+                 fields: tuple[tuple[str, float, int], ...]) -> list[str]:
+    """Table cells "ours / theirs" for each (key, scale, decimals) in `fields`."""
+    return [f"{ours[key] * scale:.{digits}f} / {theirs[key] * scale:.{digits}f}" for key, scale, digits in fields]
 
 
 def print_table(headers: list[str], rows: list[list[Any]]) -> None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, stepped_transformer, write_results  # noqa: E402
+from common import paired_cells, print_table, run_ranks, stepped_transformer, write_sized_results  # noqa: E402
 from rank_measures import state_bytes  # noqa: E402
 
 WAYS = ("owned", "whole")
@@ -123,16 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     summaries = [measure(int(w), mode, args) for mode in args.modes.split(",") for w in args.worlds.split(",")]
     mb = 1 / 2**20
-    table = [[s["mode"], s["world"], round(s["state_bytes"] * mb, 1)] + [
-        f"{s['owned'][key] * scale:.{digits}f} / {s['whole'][key] * scale:.{digits}f}"
-        for key, scale, digits in (("staged_bytes", mb, 1), ("held_s", 1, 3), ("total_s", 1, 3))]
-        for s in summaries]
+    fields = (("staged_bytes", mb, 1), ("held_s", 1, 3), ("total_s", 1, 3))
+    table = [[s["mode"], s["world"], round(s["state_bytes"] * mb, 1)] + paired_cells(s["owned"], s["whole"], fields)
+             for s in summaries]
     print_table(["layout", "ranks", "state MiB per rank", "staged MiB", "held s", "total s"], table)
     print("(each cell: kiln's owned staging / the whole state; the largest rank's bytes, the slowest rank's seconds)")
-    path = write_results(args.out, {"command": "python benchmarks/replicated_staging.py " + " ".join(argv or sys.argv[1:]),
-                                    "dim": args.dim, "layers": args.layers, "vocab": args.vocab,
-                                    "rounds": args.rounds, "results": summaries})
-    print(f"wrote {path}")
+    write_sized_results("replicated_staging.py", argv, args, results=summaries)
     return 0
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, stepped_transformer, write_results  # noqa: E402
+from common import paired_cells, print_table, run_ranks, stepped_transformer, write_sized_results  # noqa: E402
 from rank_measures import profiled_peak_bytes, read_bytes, sent_bytes, state_bytes  # noqa: E402
 
 
@@ -154,20 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     summaries = [measure(int(w), args) for w in args.worlds.split(",")]
     mb = 1 / 2**20
-    table = []
-    for s in summaries:
-        k, c = s["kiln"], s["consolidated"]
-        table.append([s["world"], round(s["full_state_bytes"] * mb, 1)] + [
-            f"{k[key] * scale:.{digits}f} / {c[key] * scale:.{digits}f}"
-            for key, scale, digits in (("state_bytes", mb, 1), ("peak_bytes", mb, 1), ("sent_bytes", mb, 1),
-                                       ("save_s", 1, 3), ("read_bytes", mb, 1), ("load_peak_bytes", mb, 1),
-                                       ("load_s", 1, 3))])
+    fields = (("state_bytes", mb, 1), ("peak_bytes", mb, 1), ("sent_bytes", mb, 1), ("save_s", 1, 3),
+              ("read_bytes", mb, 1), ("load_peak_bytes", mb, 1), ("load_s", 1, 3))
+    table = [[s["world"], round(s["full_state_bytes"] * mb, 1)] + paired_cells(s["kiln"], s["consolidated"], fields)
+             for s in summaries]
     print_table(["ranks", "state MiB", "save: held", "peak", "sent MiB", "s", "load: read MiB", "peak", "s"], table)
     print("(each cell: kiln / consolidated, per rank: the largest rank's bytes, the slowest rank's seconds)")
-    path = write_results(args.out, {"command": "python benchmarks/zero1_checkpoint.py " + " ".join(argv or sys.argv[1:]),
-                                    "dim": args.dim, "layers": args.layers, "vocab": args.vocab,
-                                    "rounds": args.rounds, "worlds": summaries})
-    print(f"wrote {path}")
+    write_sized_results("zero1_checkpoint.py", argv, args, worlds=summaries)
     return 0
 
 
