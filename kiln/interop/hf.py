@@ -138,7 +138,8 @@ def _rope_to_hf(cfg: ModelConfig) -> dict | None:
 
 
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
-    """kiln name -> HF name for every Llama/Mistral/Qwen2 tensor (biases where the model has them)."""
+    """kiln name -> HF name for every Llama/Mistral/Qwen2/Qwen3 tensor (biases and QK-norm gains
+    where the model has them)."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
@@ -251,7 +252,10 @@ def _refuse_sliding_windows(hf: dict, source: str, model_type: str) -> None:
     else:
         full = window in (None, 0) or (type(window) is int and type(context) is int and window >= context)
         key = None if full else "sliding_window"
-    if key is None and "sliding_attention" in (hf.get("layer_types") or ()):
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise KilnError(f"{source}: layer_types={layer_types!r}; expected a list of layer kinds")
+    if key is None and "sliding_attention" in (layer_types or ()):
         key = "layer_types"
     if key:
         raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln; "

@@ -257,6 +257,7 @@ def _edit_config(hf_dir, **changes):
     ({"sliding_window": 16}, "sliding_window=16 (sliding-window attention)"),
     ({"sliding_window": "16"}, "sliding_window='16'"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=['full_attention', 'sliding_attention']"),
+    ({"layer_types": 5}, "layer_types=5; expected a list of layer kinds"),
     ({"hidden_size": "32"}, "hidden_size='32'"),
     ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive int"),
     ({"head_dim": [8]}, "head_dim=[8]"),
