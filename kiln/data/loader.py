@@ -345,13 +345,36 @@ def window_batches(windows: TokenWindows, indices: np.ndarray, batch_size: int):
                 yield batch[:, :-1], batch[:, 1:]
 
 
-def eval_batches(windows: TokenWindows, batch_size: int, max_batches: int):
-    """A fixed set of validation windows spread evenly over the split, in batches (no shuffling)."""
-    n = min(len(windows), batch_size * max_batches)
-    return window_batches(windows, np.linspace(0, len(windows) - 1, n).round().astype(np.int64), batch_size)
+def eval_batches(windows: TokenWindows, batch_size: int, max_batches: int, share: tuple[int, int] | None = None):
+    """A fixed set of validation windows spread evenly over the split, in batches (no shuffling).
+    `share` = (rank, size): `max_batches` batches of `batch_size` windows per rank, split as
+    `rank_batches` does (the set is then that of one process with batch_size x size)."""
+    size = share[1] if share else 1
+    n = min(len(windows), batch_size * size * max_batches)
+    indices = np.linspace(0, len(windows) - 1, n).round().astype(np.int64)
+    return rank_batches(windows, indices, batch_size, share) if share else window_batches(windows, indices, batch_size)
 
 
-def leading_batches(windows: TokenWindows, batch_size: int, max_batches: int = 0):
-    """The first windows in stream order, at most `batch_size * max_batches` of them (0: all)."""
-    n = min(len(windows), batch_size * max_batches) if max_batches else len(windows)
-    return window_batches(windows, np.arange(n), batch_size)
+def leading_batches(windows: TokenWindows, batch_size: int, max_batches: int = 0,
+                    share: tuple[int, int] | None = None):
+    """The first windows in stream order, at most `batch_size * max_batches` of them per rank (0: all)."""
+    size = share[1] if share else 1
+    n = min(len(windows), batch_size * size * max_batches) if max_batches else len(windows)
+    return rank_batches(windows, np.arange(n), batch_size, share) if share else window_batches(windows, np.arange(n), batch_size)
+
+
+def rank_batches(windows: TokenWindows, indices: np.ndarray, batch_size: int, share: tuple[int, int]):
+    """(inputs, targets, rows) batches of rank `share[0]`'s contiguous block of `indices`, of
+    ceil(len / size) windows on every rank: a short block is padded with copies of the first
+    window, which are not counted (only the first `rows` rows of a batch are), so the k-th batch
+    has the same shape on every rank (under FSDP, DDP and expert parallelism a forward is a
+    collective). Full-length windows only (a ragged tail would be a batch of its own on one rank)."""
+    if windows.ragged_tail:
+        raise ValueError("rank_batches takes full-length windows only (ragged_tail=False)")
+    rank, size = share
+    per = -(-len(indices) // size)
+    mine = np.asarray(indices[rank * per:(rank + 1) * per], dtype=np.int64)
+    real = len(mine)
+    mine = np.concatenate([mine, np.repeat(np.asarray(indices[:1], dtype=np.int64), per - real)])
+    for at, (x, y) in zip(range(0, per, batch_size), window_batches(windows, mine, batch_size)):
+        yield x, y, max(0, min(len(x), real - at))

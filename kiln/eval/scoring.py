@@ -8,6 +8,13 @@ Bits-per-byte divides the total loss (in bits) by the UTF-8 bytes the scored tok
 so runs with different tokenizers compare fairly (Gao et al. 2020, The Pile, sec. 5). The loss is
 kiln's `lm_loss` (torch cross-entropy); the sums are kept in Python floats (float64), one
 `.item()` per batch, as the trainer has always done.
+
+Split over ranks (the trainer's evaluation under data and context parallelism, the unlearning
+command's validation): kiln.data.loader `rank_batches` gives each data-parallel rank one
+contiguous block of the windows, cut so every rank runs the same number of forwards of the same
+shapes (padding rows are copies whose loss is not counted), `context` cuts each window to this rank's zig-zag slice for the cp ring, and the sums
+(loss x tokens, tokens, bytes) are all-reduced in float64 over `group`, so N ranks do 1/N of the
+work and each returns the one-process numbers up to the order of the sums.
 """
 
 from __future__ import annotations
@@ -17,36 +24,55 @@ import math
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from kiln.model.transformer import lm_loss
 
 
 @torch.no_grad()
-def score_batches(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                  byte_lengths: torch.Tensor, *, device: torch.device | str = "cpu",
-                  autocast: contextlib.AbstractContextManager | None = None) -> dict:
-    """Score (inputs, targets) batches; returns {loss, ppl, bpb, tokens, bytes}.
+def score_batches(model: torch.nn.Module, batches: Iterable[tuple], byte_lengths: torch.Tensor, *,
+                  device: torch.device | str = "cpu", autocast: contextlib.AbstractContextManager | None = None,
+                  context=None, group=None) -> dict:
+    """Score (inputs, targets) or (inputs, targets, rows) batches; returns {loss, ppl, bpb,
+    tokens, bytes}, and with a `group` also `rank_tokens` (the predictions this rank scored).
 
     `byte_lengths[id]` is the UTF-8 length of token `id` (kiln.data.tokenizer.token_byte_lengths);
     `autocast` wraps each forward pass (kiln.train.evaluate.autocast_context; None: fp32). The
-    model is put in eval mode for the pass and given back in the mode it was in.
+    model is put in eval mode for the pass and given back in the mode it was in. `context`: a
+    kiln.parallel.context_parallel.ContextParallel (this rank scores its slice of every window
+    through the ring); `group`: a process group the sums are all-reduced over (None: not reduced).
     """
     autocast = autocast if autocast is not None else contextlib.nullcontext()
+    ring = context if context is not None else contextlib.nullcontext()
     was_training = model.training
     model.eval()
     total_loss, n_tokens, n_bytes = 0.0, 0, 0
     try:
-        for x, y in batches:
-            n_bytes += int(byte_lengths[y.cpu()].sum())
+        for x, y, *rows in batches:
+            rows = rows[0] if rows else len(x)
             x, y = x.to(device), y.to(device)
-            with autocast:
-                loss = lm_loss(model(x), y)
+            if context is not None:
+                x, y = context.shard(x, y)
+            with autocast, ring:
+                logits = model(x)
+            if rows == 0:  # a padding batch: its forward only joins the others' collectives
+                continue
+            y = y[:rows]
+            n_bytes += int(byte_lengths[y.cpu()].sum())
+            loss = lm_loss(logits[:rows], y)
             total_loss += loss.item() * y.numel()
             n_tokens += y.numel()
     finally:
         model.train(was_training)
+    rank_tokens, reduced = n_tokens, {}
+    if group is not None:
+        sums = torch.tensor([total_loss, n_tokens, n_bytes], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, group=group)
+        total_loss, n_tokens, n_bytes = sums.tolist()
+        n_tokens, n_bytes = int(n_tokens), int(n_bytes)
+        reduced = {"rank_tokens": rank_tokens}
     if n_tokens == 0:
         raise ValueError("score_batches: no batches to score")
     loss = total_loss / n_tokens
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "bpb": total_loss / math.log(2) / max(n_bytes, 1),
-            "tokens": n_tokens, "bytes": n_bytes}
+            "tokens": n_tokens, "bytes": n_bytes, **reduced}

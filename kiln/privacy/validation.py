@@ -9,22 +9,23 @@ float64 (torch.distributed through kiln.privacy.metrics.Shard), so N ranks do 1/
 and every rank returns the one-process numbers (up to the order of the float64 sums). Under FSDP
 every forward is a collective: a rank with fewer batches (the ragged tail is a batch of its own,
 and blocks differ by a window) runs one-token idle forwards up to the largest count, as
-kiln.privacy.metrics does. The final loss/ppl/bpb formulas repeat score_batches' (hand-written,
-three lines) because that function returns means, not the sums to all-reduce.
+kiln.privacy.metrics does (score_batches counts nothing of them: rows 0). The trainer's
+evaluation splits its windows with kiln.data.loader `rank_batches` instead (equal shapes on every
+rank, which tp, cp and pp need); it takes full-length windows only, and these have a ragged tail.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from kiln.data.loader import TokenWindows, window_batches
 from kiln.data.tokenizer import token_byte_lengths
 from kiln.eval.scoring import score_batches
-from kiln.privacy.metrics import Shard, _idle_forward, reshard
+from kiln.privacy.metrics import Shard, reshard
 
 
 def validation_score(model: torch.nn.Module, tokenizer, ids: np.ndarray, *, seq_len: int, batch_size: int = 8,
@@ -39,26 +40,14 @@ def validation_score(model: torch.nn.Module, tokenizer, ids: np.ndarray, *, seq_
     batches = list(window_batches(windows, mine, batch_size))
     device = next(model.parameters()).device
     # Agreed before any forward: under FSDP a collective issued between forwards would pair with
-    # another rank's all-gather.
+    # another rank's all-gather. The idle forwards (rows 0) are scored as nothing.
     idle = shard.max(len(batches)) - len(batches)
+    one_token = torch.zeros(1, 1, dtype=torch.long)
     try:
-        if batches:
-            local = score_batches(model, batches, torch.from_numpy(token_byte_lengths(tokenizer)), device=device,
-                                  autocast=autocast)
-        else:
-            local = {"loss": 0.0, "tokens": 0, "bytes": 0}
-        if idle:
-            was_training = model.training
-            model.eval()
-            with torch.no_grad():
-                for _ in range(idle):
-                    _idle_forward(model)
-            model.train(was_training)
+        scores = score_batches(model, batches + [(one_token, one_token, 0)] * idle,
+                               torch.from_numpy(token_byte_lengths(tokenizer)), device=device, autocast=autocast,
+                               group=dist.group.WORLD if shard.size > 1 else None)
     finally:
         reshard(model)  # FSDP: the shards again, not what the last forward left gathered
-    sums = torch.tensor([local["loss"] * local["tokens"], local["tokens"], local["bytes"]], dtype=torch.float64,
-                        device=shard.device)
-    total_loss, tokens, n_bytes = shard.sum(sums).tolist()
-    loss = total_loss / tokens
-    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "bpb": total_loss / math.log(2) / max(n_bytes, 1),
-            "tokens": int(tokens), "bytes": int(n_bytes), "rank_tokens": shard.gather([local["tokens"]])}
+    local = scores.pop("rank_tokens", scores["tokens"])
+    return {**scores, "rank_tokens": shard.gather([local])}

@@ -239,7 +239,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     schedule = LRSchedule(optimizer, cfg.schedule, cfg.train.steps)
     loader = Loader(mixture or train_windows, cfg.train.batch_size, seed=cfg.train.seed, dp_rank=dims.dp_rank,
                     dp_size=dims.dp_size, prefetch=cfg.data.prefetch, device=device, lookahead=cfg.data.lookahead)
-    evaluator = Evaluator(PipelineEvalModel(pipeline) if pipeline else model, val_set, tokenizer, cfg, device)
+    evaluator = Evaluator(PipelineEvalModel(pipeline) if pipeline else model, val_set, tokenizer, cfg, device,
+                          dims, context_parallel)
     state = TrainState()
     stateful = {"app": ModelOptimizerState(model, optimizer), "schedule": schedule, "loader": loader,
                 "rng": RNGState(device), "train": state}
