@@ -157,7 +157,10 @@ class StepResult:
 class PendingSteps:
     """Device results of the steps since the last fetch; `fetch` moves them to the host at once.
 
-    The loss and the `extras` are averaged over all ranks (one all-reduce per fetch, not per step).
+    The loss and the `extras` are averaged over all ranks (one all-reduce per fetch, not per step);
+    a step counts as skipped if any rank skipped it. Ranks that share a gradient agree anyway, but
+    DiLoCo's replicas step apart between outer steps: one replica's non-finite step must count on
+    every rank, or only its ranks stop at train.max_nonfinite_steps and the others hang.
     """
 
     def __init__(self):
@@ -184,10 +187,10 @@ class PendingSteps:
         width = max(v.numel() for v in self._values)
         values = torch.stack([torch.cat([v, v.new_zeros(width - v.numel())]) for v in self._values])
         if dist.is_available() and dist.is_initialized():
-            averaged = torch.cat([values[:, :1], values[:, 3:]], dim=1).contiguous()
-            dist.all_reduce(averaged, op=dist.ReduceOp.SUM)  # gloo has no AVG
-            averaged /= dist.get_world_size()
-            values[:, 0], values[:, 3:] = averaged[:, 0], averaged[:, 1:]
+            summed = torch.cat([values[:, :1], values[:, 2:]], dim=1).contiguous()  # all but the grad norm
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            values[:, 0], values[:, 3:] = summed[:, 0] / dist.get_world_size(), summed[:, 2:] / dist.get_world_size()
+            values[:, 2] = (summed[:, 1] > 0).float()  # skipped on any rank
         host = values.cpu().tolist()
         out = [StepResult(step, row[0], row[1], bool(row[2]), lr, wait, tokens,
                           dict(zip(names, row[3:])) if names else None)

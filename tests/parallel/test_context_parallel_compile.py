@@ -198,7 +198,7 @@ def _graphs_per_step(rank, world, cfg, strict_from):
                     model(*cp.shard(x, y)).backward()
                 optimizer.step()
                 optimizer.zero_grad()
-                score_batches(model, [(x, y)], torch.ones(cfg.model.vocab_size))  # whole sequences, no cp
+                score_batches(model, [(x, y)], torch.ones(cfg.model.vocab_size), context=cp)  # as the trainer: the ring
         except torch._dynamo.exc.RecompileError as e:
             return str(e)
         graphs.append(counters["stats"]["unique_graphs"])

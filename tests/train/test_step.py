@@ -292,3 +292,19 @@ def test_pending_steps_fetch_in_order_once():
     assert [(r.step, r.loss, r.skipped, r.tokens) for r in got] == [(1, 0.0, False, 10), (2, 1.0, True, 20),
                                                                       (3, 2.0, False, 30)]
     assert pending.fetch() == [] and len(pending) == 0
+
+
+def _pending_rank(rank, world):
+    pending = PendingSteps()
+    for step in (1, 2):  # step 2: non-finite on rank 1 only (a DiLoCo replica of its own)
+        pending.add(step, torch.tensor(float(rank)), torch.tensor(1.0 + rank), torch.tensor(step == 2 and rank == 1),
+                    lr=0.1, data_wait_s=0.0, tokens=10, extras={"aux": torch.tensor(2.0 * rank)})
+    return [(r.loss, r.grad_norm, r.skipped, r.extras) for r in pending.fetch()]
+
+
+def test_pending_steps_agree_on_a_step_any_rank_skipped(tmp_path):
+    """Every rank must count the same non-finite steps (train.max_nonfinite_steps stops all or none)."""
+    got = run_ranks(_pending_rank, 2, tmp_path)
+    for rank, rows in enumerate(got):
+        assert [skipped for _, _, skipped, _ in rows] == [False, True]
+        assert [(loss, norm, extras["aux"]) for loss, norm, _, extras in rows] == [(0.5, 1.0 + rank, 1.0)] * 2
