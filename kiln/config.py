@@ -320,7 +320,7 @@ class TrainConfig:
     clip_grad_norm: float = ranged(1.0, ge=0.0)  # 0 disables clipping
     max_nonfinite_steps: int = ranged(5, gt=0)  # stop after this many non-finite steps in a row
     eval_every: int = ranged(100, ge=0)  # 0 disables periodic evaluation
-    eval_batches: int = ranged(20, gt=0)
+    eval_batches: int = ranged(20, gt=0)  # batches of batch_size windows per data-parallel rank (split over them)
     early_stopping_patience: int = ranged(0, ge=0)  # evaluations without improvement; 0 disables
     early_stopping_min_delta: float = ranged(0.0, ge=0.0)
     threads: int = ranged(0, ge=0, le=4096)  # torch intra-op threads on CPU; 0 leaves torch's default

@@ -360,7 +360,8 @@ def leading_batches(windows: TokenWindows, batch_size: int, max_batches: int = 0
     """The first windows in stream order, at most `batch_size * max_batches` of them per rank (0: all)."""
     size = share[1] if share else 1
     n = min(len(windows), batch_size * size * max_batches) if max_batches else len(windows)
-    return rank_batches(windows, np.arange(n), batch_size, share) if share else window_batches(windows, np.arange(n), batch_size)
+    indices = np.arange(n)
+    return rank_batches(windows, indices, batch_size, share) if share else window_batches(windows, indices, batch_size)
 
 
 def rank_batches(windows: TokenWindows, indices: np.ndarray, batch_size: int, share: tuple[int, int]):

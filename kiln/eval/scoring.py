@@ -9,12 +9,14 @@ so runs with different tokenizers compare fairly (Gao et al. 2020, The Pile, sec
 kiln's `lm_loss` (torch cross-entropy); the sums are kept in Python floats (float64), one
 `.item()` per batch, as the trainer has always done.
 
-Split over ranks (the trainer's evaluation under data and context parallelism, the unlearning
-command's validation): kiln.data.loader `rank_batches` gives each data-parallel rank one
-contiguous block of the windows, cut so every rank runs the same number of forwards of the same
-shapes (padding rows are copies whose loss is not counted), `context` cuts each window to this rank's zig-zag slice for the cp ring, and the sums
-(loss x tokens, tokens, bytes) are all-reduced in float64 over `group`, so N ranks do 1/N of the
-work and each returns the one-process numbers up to the order of the sums.
+Split over ranks (the trainer's evaluation under data and context parallelism; the unlearning
+command's validation, kiln/privacy/validation.py, splits its own): kiln.data.loader
+`rank_batches` gives each data-parallel rank one contiguous block of the windows, cut so every
+rank runs the same number of forwards of the same shapes (padding rows, rows beyond a batch's
+`rows`, are copies whose loss is not counted), `context` cuts each window to this
+rank's zig-zag slice for the cp ring, and the sums (loss x tokens, tokens, bytes) are all-reduced
+in float64 over `group`, so N ranks do 1/N of the work and each returns the one-process numbers
+up to the order of the sums.
 """
 
 from __future__ import annotations

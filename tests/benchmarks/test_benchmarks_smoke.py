@@ -119,3 +119,15 @@ def test_hf_interop_quick(tmp_path):
     row = json.loads(out.read_text())
     assert row["class"] == "Qwen3ForCausalLM" and row["import_s"] > 0 and row["export_s"] > 0
     assert row["import_max_abs_logit_diff"] < 1e-4 and row["export_max_abs_logit_diff"] < 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_parallel_eval_splits_and_scores_what_one_rank_scores(tmp_path):
+    out = tmp_path / "parallel_eval.json"
+    argv = ["--dim", "64", "--layers", "1", "--heads", "2", "--vocab", "256", "--seq", "64", "--batch", "2",
+            "--windows", "8", "--rounds", "1", "--out", str(out)]
+    assert _load("parallel_eval").main(argv) == 0  # exits non-zero unless split and whole losses agree
+    rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dp", "cp"}
+    for row in rows.values():  # each rank holds a block of the windows, or a half of each sequence
+        assert row["split"]["peak_bytes"] < row["whole"]["peak_bytes"]
