@@ -25,6 +25,7 @@ import argparse
 import importlib
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,8 +33,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import paired_cells, print_table, run_ranks, write_results
-from rank_measures import profiled_peak_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from common import paired_cells, print_table, run_ranks, write_results  # noqa: E402
+from rank_measures import profiled_peak_bytes  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, layout: str, args, out) -> None:
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
               round(s["whole"]["eval_s"] / s["split"]["eval_s"], 2)] for s in summaries]
     print_table(["layout", "ranks", "eval s", "peak MiB", "speedup"], table)
     print("(each cell: split / whole, per rank: the slowest rank's seconds, the largest rank's peak)")
-    command = "python benchmarks/parallel_eval.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python benchmarks/parallel_eval.py " + " ".join(argv if argv is not None else sys.argv[1:])
     sizes = {k: getattr(args, k) for k in ("dim", "layers", "heads", "vocab", "seq", "batch", "windows", "rounds")}
     print(f"wrote {write_results(args.out, {'command': command, **sizes, 'rows': summaries})}")
     return 0
