@@ -144,6 +144,11 @@ class ModelConfig:
     # RMSNorm over each head of q and k before RoPE (QK-norm, Dehghani et al. 2023; Qwen3): bounds
     # the attention logits, which otherwise grow and destabilize training at high learning rates.
     qk_norm: bool = False
+    # Sliding-window (local) attention (Beltagy et al. 2020; Mistral 7B v0.1, Gemma 2/3, gpt-oss): a
+    # token attends to the sliding_window most recent tokens, itself included; 0: the whole past.
+    # full_attention_every = k keeps every k-th layer (k-1, 2k-1, ...) global; 0: every layer local.
+    sliding_window: int = ranged(0, ge=0)
+    full_attention_every: int = ranged(0, ge=0)
     dropout: float = ranged(0.0, ge=0.0, lt=1.0)
     init: str = ranged("gpt2", choices=("normal", "gpt2", "ds_init", "t_fixup"))
     init_std: float = ranged(0.02, gt=0.0, le=1.0)
@@ -174,6 +179,9 @@ class ModelConfig:
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ConfigError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={kv}")
+        if self.full_attention_every and not self.sliding_window:
+            raise ConfigError(f"model.full_attention_every={self.full_attention_every} needs model.sliding_window > 0 "
+                              f"(it names the layers that stay global among sliding-window ones)")
         if self.attention_head_dim() % 2 and self.positions == "rope":
             key = "model.head_dim" if self.head_dim else "model.dim/n_heads"
             raise ConfigError(f"{key}={self.attention_head_dim()} must be even for rope positions")

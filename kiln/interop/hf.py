@@ -27,13 +27,14 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.transformer import ffn_hidden_size
 
-# Mistral: Llama's layout (+ a window); Qwen2: Llama's with biases on q, k and v only; Qwen3:
-# Llama's with QK-norm.
-LLAMA, GPT2, MISTRAL, QWEN2, QWEN3 = "llama", "gpt2", "mistral", "qwen2", "qwen3"
+# Mistral: Llama's layout with a sliding window on every layer; Ministral: with windowed and global
+# layers (layer_types); Qwen2: Llama's with biases on q, k and v only; Qwen3: Llama's with QK-norm.
+LLAMA, GPT2, MISTRAL, MINISTRAL, QWEN2, QWEN3 = "llama", "gpt2", "mistral", "ministral", "qwen2", "qwen3"
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF layer_types' kinds
 # HF GPT-2 activation_function -> kiln model.activation (the tanh forms are the same function).
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
-            QWEN3: "Qwen3ForCausalLM"}
+            QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM", MINISTRAL: "MinistralForCausalLM"}
 # What each HF family fixes; a kiln option outside it has no equivalent there.
 FAMILY_OPTIONS = {
     LLAMA: {"norm": "rmsnorm", "norm_placement": "pre", "activation": "swiglu", "positions": "rope"},
@@ -42,6 +43,7 @@ FAMILY_OPTIONS = {
 }
 FAMILY_OPTIONS[QWEN2] = FAMILY_OPTIONS[LLAMA]
 FAMILY_OPTIONS[QWEN3] = {**FAMILY_OPTIONS[LLAMA], "bias": False, "qkv_bias": False}
+FAMILY_OPTIONS[MISTRAL] = FAMILY_OPTIONS[MINISTRAL] = {**FAMILY_OPTIONS[LLAMA], "bias": False}
 
 
 # ---------------------------------------------------------------------------- kiln -> HF
@@ -52,8 +54,13 @@ def export_family(cfg: ModelConfig) -> str:
     qwen3 for RoPE with QK-norm, gpt2 for learned positions), or refuse."""
     if cfg.positions == "learned":
         family = GPT2
+        if cfg.sliding_window:
+            raise KilnError(f"model.sliding_window={cfg.sliding_window} has no equivalent in HF GPT2LMHeadModel; "
+                            f"use positions='rope' (Mistral) for sliding-window models")
     else:
         family = QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias and not cfg.bias else LLAMA
+        if family == LLAMA and cfg.sliding_window:  # Qwen2/3 name their windowed layers themselves
+            family = MINISTRAL if cfg.full_attention_every else MISTRAL
     if cfg.moe_experts:
         raise KilnError(f"model.moe_experts={cfg.moe_experts}: mixture-of-experts models have no HF export "
                         f"in kiln yet (only dense Llama/GPT-2)")
@@ -88,18 +95,26 @@ def hf_config(cfg: ModelConfig, eos_id: int):
                       num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
                       max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                       rope_theta=cfg.rope_theta, hidden_act="silu", attention_dropout=cfg.dropout)
+        windows = _windows_to_hf(cfg)
         if family == LLAMA:
             config = LlamaConfig(head_dim=cfg.attention_head_dim(), attention_bias=cfg.bias, mlp_bias=cfg.bias,
                                  **common)
+        elif family == MISTRAL:
+            from transformers import MistralConfig
+
+            config = MistralConfig(head_dim=cfg.attention_head_dim(), sliding_window=cfg.sliding_window, **common)
+        elif family == MINISTRAL:
+            from transformers import MinistralConfig
+
+            config = MinistralConfig(head_dim=cfg.attention_head_dim(), **windows, **common)
         elif family == QWEN2:  # reads head_dim when set, else hidden_size / heads
-            config = Qwen2Config(use_sliding_window=False, head_dim=cfg.attention_head_dim(), **common)
+            config = Qwen2Config(head_dim=cfg.attention_head_dim(), **windows, **common)
         else:
             try:
                 from transformers import Qwen3Config
             except ImportError:
                 raise KilnError("model.qk_norm=true exports as Qwen3, which needs transformers >= 4.51") from None
-            config = Qwen3Config(head_dim=cfg.attention_head_dim(), attention_bias=False, use_sliding_window=False,
-                                 **common)
+            config = Qwen3Config(head_dim=cfg.attention_head_dim(), attention_bias=False, **windows, **common)
         scaling = _rope_to_hf(cfg)
         if scaling and getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
             config.rope_parameters = {**config.rope_parameters, **scaling}
@@ -124,6 +139,18 @@ def hf_config_json(cfg: ModelConfig, eos_id: int) -> str:
         config["rope_theta"] = cfg.rope_theta
         config["rope_scaling"] = _rope_to_hf(cfg)
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def _windows_to_hf(cfg: ModelConfig) -> dict:
+    """Qwen2/Qwen3/Ministral config keys for model.sliding_window: the window, and each layer's kind
+    named in layer_types (max_window_layers 0: no leading full-attention layers beyond those)."""
+    from kiln.model.transformer import attention_window
+
+    if not cfg.sliding_window:
+        return {"use_sliding_window": False} if cfg.qk_norm or cfg.qkv_bias else {}
+    kinds = [SLIDING if attention_window(cfg, i) else FULL for i in range(cfg.n_layers)]
+    out = {"sliding_window": cfg.sliding_window, "layer_types": kinds}
+    return out if not (cfg.qk_norm or cfg.qkv_bias) else {**out, "use_sliding_window": True, "max_window_layers": 0}
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict | None:
@@ -194,7 +221,7 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
     """An HF config.json (as a dict) -> kiln ModelConfig; unsupported features name their key."""
     model_type = hf.get("model_type")
     get = _getter(hf, source)
-    if model_type in (LLAMA, MISTRAL, QWEN2, QWEN3):
+    if model_type in (LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3):
         rope = _rope_from_hf(hf, source)
         _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
         if model_type == QWEN2:  # q/k/v biased, o and the MLP not, whatever else the file says
@@ -207,7 +234,8 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
             if get("mlp_bias", bool, False) != bias:
                 raise KilnError(f"{source}: attention_bias={bias} with mlp_bias={not bias}: kiln's model.bias "
                                 f"sets both together")
-        _refuse_sliding_windows(hf, source, model_type)
+        window, every = _sliding_windows(hf, source, model_type, get("num_hidden_layers", int),
+                                         get("max_position_embeddings", int))
         dim, heads = get("hidden_size", int), get("num_attention_heads", int)
         head_dim = get("head_dim", int, dim // heads or 1)
         cfg = ModelConfig(dim=dim, n_layers=get("num_hidden_layers", int), n_heads=heads,
@@ -217,6 +245,7 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           max_seq_len=get("max_position_embeddings", int),
                           norm="rmsnorm", norm_eps=get("rms_norm_eps", float, 1e-6), activation="swiglu",
                           positions="rope", bias=bias, qkv_bias=qkv_bias, qk_norm=model_type == QWEN3,
+                          sliding_window=window, full_attention_every=every,
                           dropout=get("attention_dropout", float, 0.0), **rope)
     elif model_type == GPT2:
         hf_act = hf.get("activation_function", "gelu_new")  # absent means GPT-2's default, gelu_new
@@ -236,30 +265,52 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           dropout=get("resid_pdrop", float, 0.1))
     else:
         raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama', "
-                        f"'mistral', 'qwen2' and 'qwen3' (without sliding windows) and 'gpt2'")
+                        f"'mistral', 'ministral', 'qwen2', 'qwen3' and 'gpt2'")
     cfg.vocab_size = get("vocab_size", int)
     # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
     cfg.tie_embeddings = get("tie_word_embeddings", bool, model_type == GPT2)
     return cfg
 
 
-def _refuse_sliding_windows(hf: dict, source: str, model_type: str) -> None:
-    """Full causal attention only: Mistral's window applies whenever it is shorter than the context,
-    Qwen2's and Qwen3's only with use_sliding_window, and transformers 5 names windowed layers in layer_types."""
-    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
-    if model_type in (QWEN2, QWEN3):
-        key = "use_sliding_window" if hf.get("use_sliding_window") else None
-    else:
-        full = window in (None, 0) or (type(window) is int and type(context) is int and window >= context)
-        key = None if full else "sliding_window"
+def _sliding_windows(hf: dict, source: str, model_type: str, n_layers: int, context: int) -> tuple[int, int]:
+    """(model.sliding_window, model.full_attention_every) of an HF config, as transformers reads it:
+    Mistral windows every layer whenever `sliding_window` is set (its layer_types are ignored);
+    Ministral names each layer's kind in `layer_types` (default: all windowed); Qwen2/Qwen3 window
+    only with `use_sliding_window`, the layers in `layer_types` or else those from
+    `max_window_layers` on. A window at least the context is full attention. Patterns kiln has no
+    key for (global layers other than every k-th one) are refused, naming the key."""
+    if model_type == LLAMA:
+        return 0, 0
+    window = hf.get("sliding_window")
+    if model_type in (QWEN2, QWEN3) and not hf.get("use_sliding_window"):
+        window = None
+    if window is not None and (type(window) is not int or window < 1):
+        raise KilnError(f"{source}: sliding_window={window!r}; expected a positive integer or null")
     layer_types = hf.get("layer_types")
-    if layer_types is not None and not isinstance(layer_types, list):
-        raise KilnError(f"{source}: layer_types={layer_types!r}; expected a list of layer kinds")
-    if key is None and "sliding_attention" in (layer_types or ()):
-        key = "layer_types"
-    if key:
-        raise KilnError(f"{source}: {key}={hf[key]!r} (sliding-window attention) is not supported by kiln; "
-                        f"only full causal attention imports")
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != n_layers
+                                    or any(kind not in (SLIDING, FULL) for kind in layer_types)):
+        raise KilnError(f"{source}: layer_types={layer_types!r}; expected a list of {n_layers} layer kinds, "
+                        f"each {SLIDING!r} or {FULL!r}")
+    if window is None or window >= context:
+        return 0, 0
+    key = "layer_types"
+    if model_type == MISTRAL or (layer_types is None and model_type == MINISTRAL):
+        local = [True] * n_layers
+    elif layer_types is None:  # Qwen2/Qwen3: the first max_window_layers layers stay global
+        key, first = "max_window_layers", hf.get("max_window_layers", 28)
+        if type(first) is not int or first < 0:
+            raise KilnError(f"{source}: max_window_layers={first!r}; expected an integer >= 0")
+        local = [i >= first for i in range(n_layers)]
+    else:
+        local = [kind == SLIDING for kind in layer_types]
+    if not any(local):
+        return 0, 0
+    every = 0 if all(local) else local.index(False) + 1
+    if local != [not every or i % every != every - 1 for i in range(n_layers)]:
+        full = [i for i, lo in enumerate(local) if not lo]
+        raise KilnError(f"{source}: {key}={hf.get(key)!r} makes layers {full} global among sliding-window ones; "
+                        f"kiln keeps every k-th layer global (model.full_attention_every) and no other pattern")
+    return window, every
 
 
 # HF rope_type -> kiln model.rope_scaling, and the HF keys each reads: (kiln field, default when

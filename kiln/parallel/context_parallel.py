@@ -89,13 +89,26 @@ class Ring:
         return received
 
 
-def _chunk_pairs(my_chunks, src_chunks, size):
+def _chunk_pairs(my_chunks, src_chunks, size, window: int = 0):
     """(query slice, key slice, (query chunk, key chunk)) for every pair of chunks that is not
-    entirely masked; causal where the two are the same chunk."""
+    entirely masked: key chunks in the future are, and with a sliding `window` those whose nearest
+    key is `window` or more positions behind the chunk's first query."""
     for i, a in enumerate(my_chunks):
         for j, b in enumerate(src_chunks):
-            if b <= a:
+            if b <= a and not (window and (a - b) * size - (size - 1) >= window):
                 yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), (a, b)
+
+
+def _block_mask(chunks: tuple[int, int], size: int, window: int, device) -> torch.Tensor | None:
+    """Where query chunk a's tokens may attend to key chunk b's (True), or None where all may: key
+    j of b is (a - b) * size + i - j positions behind query i of a, allowed from 0 (causal) up to
+    window - 1 (sliding window; 0: no limit)."""
+    a, b = chunks
+    if b < a and not (window and (a - b) * size + size - 1 >= window):
+        return None
+    offsets = torch.arange(size, device=device)
+    behind = (a - b) * size + offsets[:, None] - offsets[None, :]
+    return (behind >= 0) & (behind < window) if window else behind >= 0
 
 
 def block_keep(seed: int, chunks: tuple[int, int], shape, dropout_p: float, device) -> torch.Tensor:
@@ -108,28 +121,28 @@ def block_keep(seed: int, chunks: tuple[int, int], shape, dropout_p: float, devi
     return keep.float() / (1.0 - dropout_p)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q (B, Hkv, rep, T, D) against k (B, Hkv, T, D): scores (B, Hkv, rep, T, T) in fp32."""
+def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q (B, Hkv, rep, T, D) against k (B, Hkv, T, D): scores (B, Hkv, rep, T, T) in fp32, -inf
+    where `allowed` (a `_block_mask`) is False."""
     s = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
-        t = s.shape[-1]
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
 
 
 def _merge_block(acc, l, m, s, vb, keep=None):
     """Online softmax: one block's scores `s` and values `vb` folded into its rows' running
     (output sum `acc`, normalizer `l`, max `m`); earlier partials are rescaled to the new max.
     `keep`: the block's dropout multiplier, on the probabilities that weigh `vb` only."""
-    # Every kept row has an unmasked score (full blocks, or a causal diagonal), so m stays finite.
+    # Causal blocks keep a score in every row (full blocks, or a diagonal); a sliding window can mask
+    # whole rows of a block met before the row's diagonal: their max stays -inf, exponents use 0.
     m_new = torch.maximum(m, s.amax(-1))
-    p = torch.exp(s - m_new.unsqueeze(-1))
-    alpha = torch.exp(m - m_new)
+    m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+    p = torch.exp(s - m_safe.unsqueeze(-1))
+    alpha = torch.exp(m - m_safe)
     weights = p if keep is None else p * keep
     return acc * alpha.unsqueeze(-1) + weights @ vb.unsqueeze(2), l * alpha + p.sum(-1), m_new
 
 
-def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0):
+def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0, window: int = 0):
     """The ring's forward: out (B, Hkv, rep, T, D) and its log-sum-exp (B, Hkv, rep, T), fp32."""
     bsz, n_heads, seqlen, head_dim = q.shape
     n_kv = k.shape[1]
@@ -145,8 +158,8 @@ def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0):
     for step in range(ring.size):
         pending = ring.start_shift(kv) if step < ring.size - 1 else None
         src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
-        for qs, ks, chunks in _chunk_pairs(mine, src, size):
-            s = _scores(q5[..., qs, :], kv[0][..., ks, :], chunks[0] == chunks[1], scale)
+        for qs, ks, chunks in _chunk_pairs(mine, src, size, window):
+            s = _scores(q5[..., qs, :], kv[0][..., ks, :], _block_mask(chunks, size, window, q.device), scale)
             keep = block_keep(seed, chunks, s.shape, dropout_p, s.device) if dropout_p > 0 else None
             acc[..., qs, :], l[..., qs], m[..., qs] = _merge_block(acc[..., qs, :], l[..., qs], m[..., qs], s,
                                                                    kv[1][..., ks, :], keep)
@@ -157,7 +170,8 @@ def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0):
     return acc / l.unsqueeze(-1), m + torch.log(l)
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0.0, seed: int = 0):
+def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0.0, seed: int = 0,
+                   window: int = 0):
     """The ring's backward: dq (q's shape and dtype) and dK/dV stacked (2, B, Hkv, T, D) in fp32.
     With dropout (M the block's multiplier): dV = (P M)^T dO, dP = (dO V^T) M, and the softmax
     correction rowsum(dO * O) is unchanged (O already holds the dropped weights)."""
@@ -174,9 +188,10 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0
     for step in range(ring.size):
         pending = ring.start_shift(kv) if step < ring.size - 1 else None
         src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
-        for qs, ks, chunks in _chunk_pairs(mine, src, size):
+        for qs, ks, chunks in _chunk_pairs(mine, src, size, window):
             kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
-            p = torch.exp(_scores(q5[..., qs, :], kb, chunks[0] == chunks[1], scale) - lse[..., qs].unsqueeze(-1))
+            allowed = _block_mask(chunks, size, window, q.device)
+            p = torch.exp(_scores(q5[..., qs, :], kb, allowed, scale) - lse[..., qs].unsqueeze(-1))
             do = dout[..., qs, :]
             keep = block_keep(seed, chunks, p.shape, dropout_p, p.device) if dropout_p > 0 else None
             dkv[1][..., ks, :] += ((p if keep is None else p * keep).transpose(-1, -2) @ do).sum(2)
@@ -206,12 +221,12 @@ _OP_TAGS = {"tags": (torch_compat.cudagraph_unsafe_tag(),)} if torch_compat.cuda
 # `seed`: a one-element int64 CPU tensor (drawn per call, so a compiled graph does not bake it in).
 @torch.library.custom_op("kiln::ring_attention", mutates_args=(), **_OP_TAGS)
 def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, dropout_p: float,
-                       seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)), dropout_p, int(seed))
+                       seed: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)), dropout_p, int(seed), window)
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, group_name, dropout_p, seed):
+def _(q, k, v, group_name, dropout_p, seed, window):
     bsz, n_heads, seqlen, head_dim = q.shape
     out = q.new_empty((bsz, k.shape[1], n_heads // k.shape[1], seqlen, head_dim), dtype=torch.float32)
     return out, out.new_empty(out.shape[:-1])
@@ -220,19 +235,19 @@ def _(q, k, v, group_name, dropout_p, seed):
 @torch.library.custom_op("kiln::ring_attention_backward", mutates_args=(), **_OP_TAGS)
 def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, group_name: str, dropout_p: float,
-                                seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                seed: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _ring_backward(grad_out, q, k, v, out, lse, Ring(_resolve_process_group(group_name)), dropout_p,
-                          int(seed))
+                          int(seed), window)
 
 
 @_ring_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, group_name, dropout_p, seed):
+def _(grad_out, q, k, v, out, lse, group_name, dropout_p, seed, window):
     # Contiguous, as the real op returns them (empty_like would copy q's strides).
     return q.new_empty(q.shape), k.new_empty((2, *k.shape), dtype=torch.float32)
 
 
 def _save_for_ring_backward(ctx, inputs, output):
-    q, k, v, ctx.group_name, ctx.dropout_p, seed = inputs
+    q, k, v, ctx.group_name, ctx.dropout_p, seed, ctx.window = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, seed)
@@ -240,22 +255,24 @@ def _save_for_ring_backward(ctx, inputs, output):
 
 def _ring_attention_grad(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, seed = ctx.saved_tensors
-    dq, dkv = _ring_attention_backward_op(grad_out, q, k, v, out, lse, ctx.group_name, ctx.dropout_p, seed)
-    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+    dq, dkv = _ring_attention_backward_op(grad_out, q, k, v, out, lse, ctx.group_name, ctx.dropout_p, seed,
+                                          ctx.window)
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 _ring_attention_op.register_autograd(_ring_attention_grad, setup_context=_save_for_ring_backward)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, dropout_p: float = 0.0,
-                   seed: torch.Tensor | None = None) -> torch.Tensor:
+                   seed: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of this rank's zig-zag slice: q (B, H, T, D), k/v (B, Hkv, T, D) with
     H a multiple of Hkv (GQA); T = 2 chunks. Equals the matching rows of full causal attention
-    (with dropout_p > 0: attention dropout with `block_keep`'s masks for `seed`, drawn when None)."""
+    (with dropout_p > 0: attention dropout with `block_keep`'s masks for `seed`, drawn when None;
+    with `window` > 0: sliding-window attention, blocks wholly outside the window skipped)."""
     if seed is None:
         seed = (torch.randint(0, 2**62, (1,)) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64))
     with torch.autocast(q.device.type, enabled=False):  # the blocks run in fp32 (see module doc)
-        out, _ = _ring_attention_op(q, k, v, ring.group_name, float(dropout_p), seed)
+        out, _ = _ring_attention_op(q, k, v, ring.group_name, float(dropout_p), seed, int(window))
         return out.view(q.shape).to(q.dtype)
 
 
@@ -276,8 +293,8 @@ class ContextParallel:
             return x, y
         return x.index_select(1, self.index), y.index_select(1, self.index)
 
-    def attention(self, q, k, v, dropout_p: float = 0.0):
-        return ring_attention(q, k, v, self.ring, dropout_p)
+    def attention(self, q, k, v, dropout_p: float = 0.0, window: int = 0):
+        return ring_attention(q, k, v, self.ring, dropout_p, window=window)
 
     def __enter__(self):
         if self.cp > 1:

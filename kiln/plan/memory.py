@@ -170,6 +170,8 @@ class ModelShape:
     bias: bool = False  # model.bias: every linear but the head has a bias
     qkv_bias: bool = False  # q, k and v have biases (model.qkv_bias, or model.bias)
     qk_norm: bool = False  # a head_dim gain each for q and k per block (model.qk_norm)
+    window: int = 0  # model.sliding_window: keys a token of a local layer attends to at most
+    local_layers: int = 0  # layers with that window (model.full_attention_every keeps the others global)
 
     def __post_init__(self):
         if not self.q_dim:
@@ -177,7 +179,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
-        from kiln.model.transformer import ffn_hidden_size
+        from kiln.model.transformer import attention_window, ffn_hidden_size
 
         head = m.attention_head_dim()
         return cls(dim=m.dim, q_dim=m.n_heads * head, n_layers=m.n_layers, n_heads=m.n_heads, kv_dim=(m.n_kv_heads or m.n_heads) * head,
@@ -186,7 +188,15 @@ class ModelShape:
                    moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
                    moe_top_k=m.moe_top_k, rope=m.positions == "rope",
                    norm_params=0 if m.norm == "none" else 2 if m.norm == "layernorm" and m.bias else 1,
-                   bias=m.bias, qkv_bias=m.bias or m.qkv_bias, qk_norm=m.qk_norm)
+                   bias=m.bias, qkv_bias=m.bias or m.qkv_bias, qk_norm=m.qk_norm, window=m.sliding_window,
+                   local_layers=sum(1 for i in range(m.n_layers) if attention_window(m, i)))
+
+    def attention_keys(self, seq_len: int) -> int:
+        """Keys a token attends to, summed over the layers (the attention FLOPs are 12 x q_dim x
+        this per token, as kiln/model/transformer.py flops_per_token counts them): seq_len per
+        global layer, min(window, seq_len) per sliding-window layer."""
+        local = min(self.window, seq_len) if self.window else seq_len
+        return (self.n_layers - self.local_layers) * seq_len + self.local_layers * local
 
     @property
     def layer_params(self) -> int:

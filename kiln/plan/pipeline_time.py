@@ -16,8 +16,9 @@ def pass_split(shape: ModelShape, layout: Layout, seq_len: int) -> tuple[float, 
     backward's 8 * seq * dim are all input gradient; a recomputed block's forward runs in the
     input pass (the checkpoint's unpack hook fires on backward's first read). Always w <= f <= b."""
     non_embed = shape.params - shape.embedding_params + shape.vocab * shape.dim
-    attention = 4 * shape.n_layers * shape.q_dim * seq_len
-    recompute = recomputed_matmul_blocks(layout.ac, shape.n_layers) * (2 * shape.layer_params + 4 * shape.q_dim * seq_len)
+    attention = 4 * shape.q_dim * shape.attention_keys(seq_len)  # sliding-window layers: the window's keys
+    per_layer = 2 * shape.layer_params + attention / shape.n_layers
+    recompute = recomputed_matmul_blocks(layout.ac, shape.n_layers) * per_layer
     f, b, w = 2 * non_embed + attention, 2 * non_embed + 2 * attention + recompute, 2 * non_embed
     return f / (f + b + w), b / (f + b + w), w / (f + b + w)
 

@@ -146,12 +146,12 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     tokens_rank_mb = layout.micro_batch * seq_len / layout.cp  # tokens one rank computes per micro-batch
     # the LM head matmul counts; a MoE block's token passes through its top-k experts only
     non_embed = shape.active_params - shape.embedding_params + shape.vocab * shape.dim
-    flops_token = 6 * non_embed + 12 * shape.n_layers * shape.q_dim * seq_len
+    flops_token = 6 * non_embed + 12 * shape.q_dim * shape.attention_keys(seq_len)
     global_tokens = layout.micro_batch * seq_len * layout.grad_accum * layout.dp
     model_flops = flops_token * global_tokens
     # Recompute adds one forward (a third of 6N) of the recomputed blocks.
     recompute = recomputed_matmul_blocks(layout.ac, shape.n_layers) / shape.n_layers
-    layer_flops_token = 6 * shape.layer_params + 12 * shape.q_dim * seq_len
+    layer_flops_token = 6 * shape.layer_params + 12 * shape.q_dim * shape.attention_keys(seq_len) / shape.n_layers
     rank_flops_mb = (flops_token + recompute * layer_flops_token * shape.n_layers / 3) * tokens_rank_mb
     rank_flops_mb /= layout.tp * layout.pp
     work = tokens_rank_mb * shape.dim / layout.tp  # a matmul's M*K scale on this rank
@@ -220,7 +220,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
         t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * stage_layers * ga
         count("p2p", 3 * (layout.cp - 1) * stage_layers * ga)
-        attn_compute = t_mb * ga * 12 * shape.n_layers * shape.q_dim * seq_len / flops_token
+        attn_compute = t_mb * ga * 12 * shape.q_dim * shape.attention_keys(seq_len) / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
     # Expert parallel (kiln/parallel/expert_parallel.py): per MoE block and micro-batch a dispatch

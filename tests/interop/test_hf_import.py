@@ -182,6 +182,54 @@ def test_mistral_without_a_window_imports_as_llama(tmp_path):
     _imports_and_round_trips(transformers.MistralForCausalLM(cfg), tmp_path, "LlamaForCausalLM")
 
 
+WINDOWED = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2,
+                sliding_window=4)
+ALTERNATING = ["sliding_attention", "full_attention"] * 2
+
+
+@pytest.mark.parametrize("family", ["mistral", "ministral", "qwen2", "qwen3", "qwen3_alternating"])
+def test_sliding_window_models_import_with_transformers_logits_and_round_trip(family, tmp_path):
+    """A window of 4 on 20-token inputs (every position past the window): Mistral (every layer),
+    Ministral and Qwen3 with windowed and global layers alternating (layer_types), Qwen2/Qwen3 with
+    use_sliding_window on every layer (max_window_layers 0). Exported back to the same HF class."""
+    torch.manual_seed(0)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**WINDOWED))
+    elif family == "ministral":
+        # head_dim given: MinistralConfig's default None fails in its own attention
+        config = transformers.MinistralConfig(**WINDOWED, head_dim=8, layer_types=ALTERNATING)
+        model = transformers.MinistralForCausalLM(config)
+    else:
+        config_class = transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config
+        layers = {"layer_types": ALTERNATING} if family.endswith("alternating") else {"max_window_layers": 0}
+        model = (transformers.Qwen2ForCausalLM if family == "qwen2" else transformers.Qwen3ForCausalLM)(
+            config_class(**WINDOWED, use_sliding_window=True, **layers))
+    exported_class = type(model).__name__
+    imported = _imports_and_round_trips(model, tmp_path, exported_class)
+    every = 2 if "ministral" in family or "alternating" in family else 0
+    assert (imported.cfg.sliding_window, imported.cfg.full_attention_every) == (4, every)
+    # the window matters on these inputs: the same weights with full attention give other logits
+    ids = tokens(300)
+    windowed = kiln_logits(tmp_path / "a", ids)
+    imported.cfg.sliding_window, imported.cfg.full_attention_every = 0, 0
+    for layer in imported.layers:
+        layer.attention.window = 0
+    with torch.no_grad():
+        assert (imported(ids) - windowed).abs().max() > 1e-3
+
+
+def test_a_window_at_least_the_context_is_full_attention(tmp_path):
+    from kiln.interop.hf import model_config_from_hf
+
+    config = {**WINDOWED, "model_type": "mistral", "hidden_act": "silu", "sliding_window": 64}
+    assert model_config_from_hf(config, "config.json").sliding_window == 0
+    qwen = {**WINDOWED, "model_type": "qwen2", "hidden_act": "silu", "use_sliding_window": False}
+    assert model_config_from_hf(qwen, "config.json").sliding_window == 0  # the window is off
+    llama = {**WINDOWED, "model_type": "llama", "hidden_act": "silu"}
+    assert model_config_from_hf(llama, "config.json").sliding_window == 0  # transformers' Llama ignores it
+
+
 def test_bf16_weights_import_as_fp32(tmp_path):
     hf_dir = tmp_path / "hf"
     model = tiny_llama(tmp_path / "fp32")
@@ -254,10 +302,13 @@ def _edit_config(hf_dir, **changes):
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported by kiln's RoPE"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"sliding_window": 16}, "sliding_window=16 (sliding-window attention)"),
-    ({"sliding_window": "16"}, "sliding_window='16'"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=['full_attention', 'sliding_attention']"),
-    ({"layer_types": 5}, "layer_types=5; expected a list of layer kinds"),
+    ({"model_type": "mistral", "sliding_window": "16"}, "sliding_window='16'; expected a positive integer or null"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0; expected a positive integer or null"),
+    ({"model_type": "ministral", "sliding_window": 4, "layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types=['full_attention', 'sliding_attention'] makes layers [0] global among sliding-window ones"),
+    ({"model_type": "ministral", "sliding_window": 4, "layer_types": 5}, "layer_types=5; expected a list of 2 layer"),
+    ({"model_type": "ministral", "sliding_window": 4, "layer_types": ["chunked_attention"] * 2},
+     "layer_types=['chunked_attention', 'chunked_attention']; expected a list of 2 layer kinds"),
     ({"hidden_size": "32"}, "hidden_size='32'"),
     ({"num_hidden_layers": None}, "num_hidden_layers=None; expected a positive int"),
     ({"head_dim": [8]}, "head_dim=[8]"),
@@ -402,8 +453,9 @@ def test_qwen2_imports_with_its_q_k_v_biases_and_round_trips(tmp_path, capsys):
     attention = imported.layers[0].attention
     assert attention.wq.bias is not None and attention.wo.bias is None and imported.layers[0].feed_forward.w1.bias is None
 
-    _edit_config(hf_dir, use_sliding_window=True)
-    _refused(hf_dir, tmp_path / "windowed", capsys, "use_sliding_window=True (sliding-window attention)")
+    # windowed layers from max_window_layers on: the first global, the second windowed, is no kiln pattern
+    _edit_config(hf_dir, use_sliding_window=True, sliding_window=4, max_window_layers=1, layer_types=None)
+    _refused(hf_dir, tmp_path / "windowed", capsys, "max_window_layers=1 makes layers [0] global")
 
 
 @pytest.mark.parametrize("head_dim", [8, 16], ids=["heads_of_dim_over_n_heads", "wider_heads"])
@@ -425,7 +477,9 @@ def test_qwen3_imports_with_its_qk_norm_and_round_trips(head_dim, tmp_path, caps
     assert imported.layers[0].attention.wq.weight.shape == (4 * head_dim, 32)
 
     for changes, named in (({"attention_bias": True}, "attention_bias=True is not supported"),
-                           ({"use_sliding_window": True}, "use_sliding_window=True (sliding-window attention)"),
+                           ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+                             "layer_types": None},
+                            "max_window_layers=1 makes layers [0] global among sliding-window ones"),
                            ({"head_dim": 7}, "model.head_dim=7 must be even for rope positions")):
         config = json.loads((hf_dir / "config.json").read_text())
         _edit_config(hf_dir, **changes)

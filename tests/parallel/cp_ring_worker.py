@@ -60,6 +60,7 @@ def check_ring_attention():
     assert out.dtype == torch.bfloat16 and grads[1].dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)
     check_ring_dropout(ring, zigzag, seq_len)
+    check_ring_window(ring, zigzag, seq_len)
     return f"rank {rank}: ok"
 
 
@@ -105,10 +106,39 @@ def check_ring_dropout(ring, index, seq_len, dropout_p=0.3, seed=1234):
     from kiln.parallel.context_parallel import _ring_attention_backward_op, _ring_attention_op
 
     args = [t.detach() for t in local]
-    o, lse = _ring_attention_op(*args, ring.group_name, dropout_p, torch.tensor([seed]))
+    o, lse = _ring_attention_op(*args, ring.group_name, dropout_p, torch.tensor([seed]), 0)
     dq, _ = _ring_attention_backward_op(dout[:, :, index], *args, o, lse, ring.group_name, dropout_p,
-                                        torch.tensor([seed + 1]))
+                                        torch.tensor([seed + 1]), 0)
     assert not torch.allclose(dq, local[0].grad, atol=ATOL, rtol=0), "the backward ignores the masks"
+
+
+def check_ring_window(ring, index, seq_len):
+    """Sliding-window attention in the ring equals SDPA with kiln's window mask (forward, dQ/dK/dV)
+    for windows inside one chunk, across chunk edges, spanning several chunks and the whole
+    sequence; blocks wholly outside the window are skipped, and rows a block masks whole (met before
+    their diagonal) do not poison the online softmax. A window shorter than the sequence differs
+    from plain causal attention (the mask is applied)."""
+    from kiln.model.transformer import window_mask
+
+    size = seq_len // (2 * ring.size)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, seq_len, 16, generator=g)
+    k, v = (torch.randn(2, 2, seq_len, 16, generator=g) for _ in range(2))
+    dout = torch.randn(2, 4, seq_len, 16, generator=g)
+    for window in (1, size - 1, size, size + 1, 2 * size + 1, seq_len):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        band = window_mask(torch.arange(seq_len), seq_len, window)
+        ref = F.scaled_dot_product_attention(*full, attn_mask=band, enable_gqa=True)
+        ref.backward(dout)
+        local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, ring, window=window)
+        out.backward(dout[:, :, index])
+        torch.testing.assert_close(out, ref[:, :, index], atol=ATOL, rtol=0, msg=lambda m: f"window {window}: {m}")
+        for name, got, want in zip("qkv", [t.grad for t in local], [t.grad[:, :, index] for t in full]):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, n=name: f"window {window} d{n}: {m}")
+        if window < seq_len:
+            causal = ring_attention(*[t.detach() for t in local], ring)
+            assert not torch.allclose(out, causal, atol=ATOL, rtol=0), f"window {window} changed nothing"
 
 
 def main():

@@ -46,6 +46,9 @@ CP_RUNS = {"cp2-ddp": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train
                           "train.activation_checkpointing": "'op'"})}
 
 
+WINDOW = {"model.sliding_window": 12, "model.full_attention_every": 2}
+
+
 def ring_check_then_train(rank, world, jobs):
     """The 2-rank launch: cp_ring_worker's attention checks, then kiln's trainer on `jobs`."""
     from cp_ring_worker import check_ring_attention
@@ -65,6 +68,15 @@ def launches(tmp_path_factory, text_file):
             for n in (2, 4)}
     runs["cp2-dropout"] = root / "cp2-dropout"  # attention (ring), residual and embedding dropout
     jobs[2].append((runs["cp2-dropout"], common(text_file, **{**CP_RUNS["cp2-ddp"][1], "model.dropout": 0.1})))
+    # sliding-window layers (window 12 across the 8-token chunks: whole, partial and skipped blocks)
+    # next to a global one, against one process with the same model (trained here, in this process)
+    runs["cp2-window"] = root / "cp2-window"
+    jobs[2].append((runs["cp2-window"], common(text_file, **{**CP_RUNS["cp2-ddp"][1], **WINDOW})))
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    runs["window-reference"] = root / "window-reference"
+    train(load_config(None, common(text_file, **{"train.batch_size": GLOBAL_BATCH, **WINDOW})), runs["window-reference"])
     for n in (2, 4):
         (root / f"ranks{n}").mkdir()
     ring = run_ranks(ring_check_then_train, 2, root / "ranks2", jobs[2], timeout=400)
@@ -90,6 +102,15 @@ def test_context_parallel_run_matches_one_process(launches, reference, name):
     assert run_row["world_size"] == nproc and run_row["dp_replicate"] * run_row["dp_shard"] == nproc // 2
     assert run_row["cp"] == 2
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
+
+
+@pytest.mark.timeout(600)
+def test_context_parallel_sliding_window_matches_one_process(launches):
+    runs = launches[1]
+    reference, windowed = losses(runs["window-reference"]), losses(runs["cp2-window"])
+    assert_same_losses(reference, windowed, range(1, STEPS + 1))
+    plain = losses(runs["cp2-ddp"])  # the window changes the model: the check can fail
+    assert any(abs(windowed[s] - plain[s]) > 1e-4 * abs(plain[s]) for s in plain)
 
 
 @pytest.mark.timeout(600)

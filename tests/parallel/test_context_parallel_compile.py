@@ -125,7 +125,9 @@ def _opcheck_ring_ops():
     g = torch.Generator().manual_seed(dist.get_rank())
     q = torch.randn(2, 16, 4, 8, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(2, 2, 16, 8, generator=g).requires_grad_() for _ in range(2))
-    dropout = (0.25, torch.tensor([7]))  # attention dropout on: its masks are a function of the seed
+    # attention dropout on (its masks are a function of the seed) and a sliding window of 6 over the
+    # 4-token chunks: partial and skipped blocks
+    dropout = (0.25, torch.tensor([7]), 6)
     forward = torch.library.opcheck(context_parallel._ring_attention_op, (q, k, v, group, *dropout))
     out, lse = context_parallel._ring_attention_op(q.detach(), k.detach(), v.detach(), group, *dropout)
     backward = torch.library.opcheck(context_parallel._ring_attention_backward_op,

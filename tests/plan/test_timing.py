@@ -87,3 +87,28 @@ def test_expert_parallel_borrowing_tp_moves_each_token_once_over_the_wider_group
     flops = step_time(one, Layout(micro_batch=2), SEQ, cluster).flops
     routers = 6 * 4 * 8 * 256 * 2 * SEQ  # 6 FLOPs per parameter and token, 4 blocks of E x dim
     assert flops == step_time(dense, Layout(micro_batch=2), SEQ, cluster).flops + routers
+
+
+def test_sliding_window_layers_count_the_windows_keys_as_the_model_does():
+    """A window lowers the planner's FLOPs per token (model FLOPs of a step over its tokens) exactly
+    as it lowers the model's own flops_per_token: 12 x q_dim per key no longer attended. (The two
+    differ by the norm gains, which the planner counts in 6N and the model does not: 9 x 256 here.)"""
+    import torch
+
+    from kiln.model.transformer import Transformer, flops_per_token
+
+    cluster, layout = load_cluster("h100"), Layout(micro_batch=2, grad_accum=1)
+    planner, model_count = {}, {}
+    for name, window in (("full", ()), ("local", ("model.sliding_window=64", "model.full_attention_every=2")),
+                         ("wide", ("model.sliding_window=1024",))):
+        cfg = load_config(None, ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.vocab_size=8000",
+                                 f"data.seq_len={SEQ}", f"model.max_seq_len={SEQ}", *window])
+        shape = ModelShape.from_config(cfg.model, 8000)
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        planner[name] = step_time(shape, layout, SEQ, cluster).flops / (2 * SEQ)
+        model_count[name] = flops_per_token(model, SEQ)
+        assert planner[name] - model_count[name] == 6 * 9 * 256, name
+    assert shape.local_layers == 4 and shape.attention_keys(SEQ) == 4 * SEQ  # a window past the sequence: all of it
+    assert planner["full"] - planner["local"] == 12 * 256 * 2 * (SEQ - 64)  # two local layers of four
+    assert planner["wide"] == planner["full"]
