@@ -112,3 +112,21 @@ def test_sliding_window_layers_count_the_windows_keys_as_the_model_does():
     assert shape.local_layers == 4 and shape.attention_keys(SEQ) == 4 * SEQ  # a window past the sequence: all of it
     assert planner["full"] - planner["local"] == 12 * 256 * 2 * (SEQ - 64)  # two local layers of four
     assert planner["wide"] == planner["full"]
+
+
+def test_sliding_window_layers_add_their_blocked_attention_copies_to_the_activations():
+    """rank_memory's activations grow by window_bytes_per_token for the local layers' blocked
+    attention, not under cp (the ring), and not with a window at least the sequence."""
+    from kiln.plan.memory import rank_memory
+
+    def activations(*window, cp=1):
+        shape = _shape(*window)
+        return shape, rank_memory(shape, Layout(micro_batch=2, cp=cp, dp_shard=cp), SEQ).activations
+
+    _, plain = activations()
+    shape, local = activations("model.sliding_window=64", "model.full_attention_every=2")
+    per_token = (2 * (256 + 4 * 256) + 4 * 4) * (1 - 64 / SEQ) * 2 / 4  # bf16 (Layout's default), half local
+    assert shape.window_bytes_per_token(2, SEQ) == per_token
+    assert local - plain == per_token * 2 * SEQ * 4  # x tokens x layers
+    assert activations("model.sliding_window=64", cp=2)[1] == activations(cp=2)[1]
+    assert activations(f"model.sliding_window={SEQ}")[1] == plain
