@@ -14,7 +14,10 @@ score it both ways with kiln's scorer (kiln/eval/scoring.py `score_batches`), al
 - loss: the evaluation's loss. Both ways must give the same (relative 1e-5), or the benchmark fails.
 
     python benchmarks/parallel_eval.py [--layouts dp,cp] [--worlds 2] [--dim 384 --layers 6 --heads 6 --vocab 4096]
-                                       [--seq 1024 --batch 4 --windows 16] [--rounds 3]
+                                       [--seq 1024 --batch 4 --windows 16] [--window 0] [--rounds 3]
+
+`--window W` gives every layer a sliding window of W (model.sliding_window): the cp ring then skips
+the blocks wholly outside it, and the whole-sequence way runs kiln's blocked window attention.
 
 Writes benchmarks/results/parallel_eval.json and prints a table.
 """
@@ -53,7 +56,7 @@ def _rank(rank: int, world: int, port: int, layout: str, args, out) -> None:
     parallel = [f"parallel.cp={world}"] if layout == "cp" else ["parallel.dp_mode='ddp'"]
     cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
                              f"model.vocab_size={args.vocab}", f"data.seq_len={args.seq}",
-                             f"model.max_seq_len={args.seq}", *parallel])
+                             f"model.max_seq_len={args.seq}", f"model.sliding_window={args.window}", *parallel])
     dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
                                     local_world_size=world, seq_len=args.seq)
     dims.build_mesh("cpu")
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--windows", type=int, default=16, help="validation windows (a multiple of batch x world)")
+    ap.add_argument("--window", type=int, default=0, help="model.sliding_window (0: full attention)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="parallel_eval")
     args = ap.parse_args(argv)
@@ -128,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["layout", "ranks", "eval s", "peak MiB", "speedup"], table)
     print("(each cell: split / whole, per rank: the slowest rank's seconds, the largest rank's peak)")
     command = "python benchmarks/parallel_eval.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    sizes = {k: getattr(args, k) for k in ("dim", "layers", "heads", "vocab", "seq", "batch", "windows", "rounds")}
+    sizes = {k: getattr(args, k) for k in ("dim", "layers", "heads", "vocab", "seq", "batch", "windows", "window",
+                                           "rounds")}
     print(f"wrote {write_results(args.out, {'command': command, **sizes, 'rows': summaries})}")
     return 0
 

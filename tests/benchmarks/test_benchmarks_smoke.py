@@ -131,3 +131,13 @@ def test_parallel_eval_splits_and_scores_what_one_rank_scores(tmp_path):
     assert set(rows) == {"dp", "cp"}
     for row in rows.values():  # each rank holds a block of the windows, or a half of each sequence
         assert row["split"]["peak_bytes"] < row["whole"]["peak_bytes"]
+
+
+@pytest.mark.timeout(60)
+def test_sliding_window_compares_blocked_dense_and_causal(tmp_path):
+    out = tmp_path / "sliding_window.json"
+    assert _load("sliding_window").main(["--cases", "1x2x64x8w16,1x2x40x8w16", "--repeats", "1",
+                                         "--out", str(out)]) == 0  # fails unless blocked == dense mask
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["seq"] for r in rows] == [64, 40] and all(r["max_abs_diff"] <= 1e-5 for r in rows)
+    assert all(r["blocked_s"] > 0 and r["dense_mask_saved_bytes"] > 0 for r in rows)
