@@ -144,9 +144,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     in O(T x window) time and memory: the sequence in blocks of `window` queries, each against its
     own and the previous block's keys under one (window, 2 x window) mask; the first block is plain
     causal attention. Hand-written on SDPA: a dense (T, T) mask costs T^2 floats per layer saved
-    for backward (SDPA keeps its mask) and T^2 work. Measured on CPU (fp32, 8 heads of 64, forward
-    + backward of one layer): T = 8192, window 1024: 72 / 320 MiB saved, 0.91 / 3.82 s against the
-    dense mask; T = 1024, window 256, batch 2: 16 / 12 MiB, 0.030 / 0.054 s."""
+    for backward (SDPA keeps its mask) and T^2 work. benchmarks/sliding_window.py (CPU, fp32, 8
+    heads of 64, forward + backward): T = 8192, window 1024: 72 / 320 MiB saved, 0.84 / 3.52 s
+    against the dense mask; T = 1024, window 256, batch 2: 16 / 12 MiB, 0.028 / 0.052 s."""
     bsz, heads, seqlen, dim = q.shape
     w = window
     first = F.scaled_dot_product_attention(q[:, :, :w], k[:, :, :w], v[:, :, :w], is_causal=True,
