@@ -56,12 +56,16 @@ def score_batches(model: torch.nn.Module, batches: Iterable[tuple], byte_lengths
             if context is not None:
                 x, y = context.shard(x, y)
             with autocast, ring:
-                logits = model(x)
+                if hasattr(model, "eval_loss"):  # the model scores the batch itself (the pipeline:
+                    # the loss on its last stage, never the logits on every stage; PipelineEvalModel)
+                    loss = model.eval_loss(x, y, rows)
+                else:
+                    logits = model(x)
+                    loss = lm_loss(logits[:rows], y[:rows]) if rows else None
             if rows == 0:  # a padding batch: its forward only joins the others' collectives
                 continue
             y = y[:rows]
             n_bytes += int(byte_lengths[y.cpu()].sum())
-            loss = lm_loss(logits[:rows], y)
             total_loss += loss.item() * y.numel()
             n_tokens += y.numel()
     finally:

@@ -150,7 +150,29 @@ class Pipeline:
     @torch.no_grad()
     def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole model's logits on every pp rank, stage by stage with point-to-point sends
-        (evaluation only: no schedule, no micro-batches, any batch shape)."""
+        (no schedule, no micro-batches, any batch shape)."""
+        logits = self._through_stages(tokens)
+        if not self.has_last:
+            logits = torch.empty((*tokens.shape, self.model.cfg.vocab_size), device=self.device)
+        dist.broadcast(logits, src=self.last_rank, group=self.group)
+        return logits
+
+    @torch.no_grad()
+    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+        """Evaluation's mean next-token loss over the first `rows` rows (the rest pad a rank's
+        share, kiln/data/loader.py rank_batches), on every pp rank: computed on the last stage and
+        broadcast as one number, so the other stages never hold the logits (batch x seq x vocab in
+        fp32: 16 GiB for 8 x 4096 tokens of a 128k vocabulary, which forward_logits broadcasts)."""
+        logits = self._through_stages(tokens)
+        loss = torch.zeros((), device=self.device)
+        if self.has_last and rows:
+            loss = lm_loss(logits[:rows], targets[:rows]).float()
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+    def _through_stages(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The last stage's logits (fp32, whole over tp, contiguous) on the ranks that hold it,
+        None elsewhere."""
         cfg = self.model.cfg
         h = tokens
         batch, seqlen = tokens.shape
@@ -168,9 +190,7 @@ class Pipeline:
                     dist.send(h.contiguous(), group=self.group, group_dst=self._owner_of(s + 1))
         # contiguous: torch 2.11's full_tensor of an uneven vocab shard is a strided view, which
         # gloo's broadcast would send as its raw storage (the other stages then score garbage)
-        logits = h.contiguous() if self.has_last else torch.empty((*tokens.shape, cfg.vocab_size), device=self.device)
-        dist.broadcast(logits, src=self.last_rank, group=self.group)
-        return logits
+        return h.contiguous() if self.has_last else None
 
     def _owner_of(self, stage: int) -> int:
         for r in range(self.pp):
@@ -200,6 +220,10 @@ class PipelineEvalModel:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.pipeline.forward_logits(tokens)
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+        """What score_batches uses instead of logits where a model offers it (Pipeline.forward_loss)."""
+        return self.pipeline.forward_loss(tokens, targets, rows)
 
 
 def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocast, scaler, clip: float):

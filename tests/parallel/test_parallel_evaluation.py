@@ -143,3 +143,44 @@ def test_diloco_replicas_agree_on_replica_zeros_numbers(data, tmp_path):
     for results, _ in ranks:
         assert_close(results, want)
     assert one_process(data, seed=1, batch=BATCH)["val_loss"] != want["val_loss"]  # replica 1's own differ
+
+
+def evaluate_pipeline_rank(rank, world, data):
+    """Evaluator under pp=2 as the trainer builds it; returns (results, the sizes of every tensor
+    broadcast during the evaluation)."""
+    import torch.distributed as dist
+
+    from kiln.parallel.context_parallel import ContextParallel
+    from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.pipeline import Pipeline, PipelineEvalModel
+    from kiln.train.trainer import build_model
+
+    cfg = load_config(None, overrides(data, pp=2, pp_schedule="1f1b") + ["train.seed=0"])
+    cpu = torch.device("cpu")
+    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
+                                    local_world_size=world, seq_len=SEQ)
+    dims.build_mesh("cpu")
+    model = build_model(cfg, dims, cpu)
+    evaluator = Evaluator(PipelineEvalModel(Pipeline(model, cfg, dims, cpu)), ShardSet(data / "shards", "val"),
+                          ByteTokenizer(), cfg, cpu, dims, ContextParallel(model, dims, SEQ, cpu))
+    sizes, broadcast = [], dist.broadcast
+
+    def recording(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = recording
+    try:
+        return evaluator.run(), sizes
+    finally:
+        dist.broadcast = broadcast
+
+
+def test_pipeline_evaluation_sends_the_loss_not_the_logits(data, tmp_path):
+    """Under pp the last stage scores each batch and broadcasts one number: no stage but the last
+    holds the logits (batch x seq x vocab), and the numbers are one process's."""
+    ranks = run_ranks(evaluate_pipeline_rank, 2, tmp_path, data)
+    want = one_process(data, seed=0, batch=BATCH)
+    for results, sizes in ranks:
+        assert_close(results, want)
+        assert sizes and max(sizes) <= len(want), sizes  # per batch a loss; once the results
