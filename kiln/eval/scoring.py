@@ -56,8 +56,9 @@ def score_batches(model: torch.nn.Module, batches: Iterable[tuple], byte_lengths
             if context is not None:
                 x, y = context.shard(x, y)
             with autocast, ring:
-                if hasattr(model, "eval_loss"):  # the model scores the batch itself (the pipeline:
-                    # the loss on its last stage, never the logits on every stage; PipelineEvalModel)
+                if hasattr(model, "eval_loss"):  # the model scores the batch itself: kiln's
+                    # Transformer through its training loss path (chunked / vocab-parallel: no full
+                    # fp32 logits), the pipeline on its last stage (PipelineEvalModel)
                     loss = model.eval_loss(x, y, rows)
                 else:
                     logits = model(x)

@@ -407,9 +407,10 @@ class Transformer(nn.Module):
         init_model(self, generator)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
-                start_pos: int = 0, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                start_pos: int = 0, doc_ids: torch.Tensor | None = None, aux_losses: bool = True) -> torch.Tensor:
         """Logits (batch, seq, vocab), or the mean next-token loss when `targets` is given, so that
-        a whole-model compile covers the LM head and the loss too.
+        a whole-model compile covers the LM head and the loss too (MoE's auxiliary losses added
+        unless `aux_losses` is False: evaluation's loss is the language-modelling loss alone).
 
         `doc_ids` (batch, seq): packed windows (data.windows = "packed_masked"); attention stays
         within each document. Positions stay global within the window: with RoPE a document's
@@ -458,13 +459,24 @@ class Transformer(nn.Module):
                 return logits
             else:
                 loss = _loss.lm_loss(logits, targets)
-        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        moes = [m for m in self.modules() if isinstance(m, MoE)] if aux_losses else []
         if moes:  # Switch/ST-MoE: the weighted auxiliary losses, summed over layers, join the loss
             aux = torch.stack([m.last_aux_loss for m in moes]).sum()
             z = torch.stack([m.last_z_loss for m in moes]).sum()
             self.moe_losses = torch.stack([aux, z]).detach()
             loss = loss + self.cfg.moe_aux_loss_weight * aux + self.cfg.moe_z_loss_weight * z
         return loss
+
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+        """Evaluation's mean next-token loss over the first `rows` rows (the rest pad a rank's
+        share: kiln/data/loader.py rank_batches), through the training step's loss path
+        (`loss_impl`: chunked, or vocab-parallel under tp), so evaluation never forms the full fp32
+        logits where training does not (kiln.eval.scoring.score_batches calls it); no MoE
+        auxiliary losses."""
+        if rows < targets.shape[0]:
+            targets = targets.clone()
+            targets[rows:] = _loss.IGNORE_INDEX
+        return self(tokens, targets, aux_losses=False)
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg

@@ -163,3 +163,25 @@ def test_scoring_restores_the_training_mode(model):
     model.eval()
     with pytest.raises(ValueError, match="no batches"):
         score_batches(model, [], byte_lengths)
+
+
+def test_scoring_takes_the_models_training_loss_path_and_counts_real_rows_only(model):
+    """score_batches asks kiln's Transformer for the loss (eval_loss): under the chunked loss the
+    full logits are never formed (the head module is not called), the numbers are the logits'
+    within fp32 rounding, and rows past `rows` (a rank's padding) count for nothing."""
+    byte_lengths = torch.ones(256, dtype=torch.int64)
+    x = torch.randint(0, 97, (4, SEQ), generator=torch.Generator().manual_seed(5))
+    y = torch.roll(x, -1, dims=1)
+    with torch.no_grad():
+        want = lm_loss(model(x[:3]), y[:3]).item()
+    calls = []
+    hook = model.output.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        model.loss_impl = "chunked"
+        got = score_batches(model, [(x, y, 3)], byte_lengths)
+    finally:
+        model.loss_impl = "full"
+        hook.remove()
+    assert not calls  # no (batch x seq x vocab) logits
+    assert got["tokens"] == 3 * SEQ and got["loss"] == pytest.approx(want, rel=1e-6)
+    assert score_batches(model, [(x, y, 3)], byte_lengths)["loss"] == pytest.approx(want, rel=1e-7)
