@@ -6,10 +6,10 @@ tokenized once and reported as NAME_loss / NAME_ppl / NAME_bpb. Windows are cut 
 kiln.data.loader and scored by kiln.eval.scoring.score_batches, as `kiln eval` does.
 
 Under parallelism the work is split as in training (torchtitan's validator does the same): each
-data-parallel rank scores one block of the windows (kiln.data.loader `rank_batches`), each cp rank its zig-zag
-slice of them through the ring, and the sums are all-reduced over data parallel x cp (the
-gradient group), so eval time and memory fall with the layout instead of every rank scoring whole
-sequences of every window. Under DiLoCo the replicas hold different models between outer steps:
+data-parallel rank scores one block of the windows (kiln.data.loader `rank_batches`), each cp
+rank its zig-zag slice of them through the ring, and the sums are all-reduced over data parallel
+x cp (the gradient group), so eval time and memory fall with the layout instead of every rank
+scoring whole sequences of every window. Under DiLoCo the replicas hold different models between outer steps:
 each scores its own, and every rank takes replica 0's numbers (rank 0's, which it logs and saves
 as `app`), so early stopping and the plateau schedule decide the same on every rank.
 """
