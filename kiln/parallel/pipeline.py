@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln import torch_compat
 from kiln.config import JobConfig
-from kiln.model.loss import lm_loss
+from kiln.model.loss import IGNORE_INDEX, lm_loss
 from kiln.parallel.pipeline_fp16 import ScaledLoss, agree_found_inf
 from kiln.parallel.pipeline_layout import SCHEDULES, SINGLE_STAGE, ZERO_BUBBLE, bubble_fraction, n_microbatches, stages_of_rank
 # split_model is re-exported: the tests and benchmarks call it as pipeline.split_model
@@ -152,7 +152,11 @@ class Pipeline:
         """The whole model's logits on every pp rank, stage by stage with point-to-point sends
         (no schedule, no micro-batches, any batch shape)."""
         logits = self._through_stages(tokens)
-        if not self.has_last:
+        if self.has_last:
+            # contiguous: torch 2.11's full_tensor of an uneven vocab shard is a strided view, which
+            # gloo's broadcast would send as its raw storage (the other stages then score garbage)
+            logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float().contiguous()
+        else:
             logits = torch.empty((*tokens.shape, self.model.cfg.vocab_size), device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.group)
         return logits
@@ -162,16 +166,25 @@ class Pipeline:
         """Evaluation's mean next-token loss over the first `rows` rows (the rest pad a rank's
         share, kiln/data/loader.py rank_batches), on every pp rank: computed on the last stage and
         broadcast as one number, so the other stages never hold the logits (batch x seq x vocab in
-        fp32: 16 GiB for 8 x 4096 tokens of a 128k vocabulary, which forward_logits broadcasts)."""
+        fp32: 16 GiB for 8 x 4096 tokens of a 128k vocabulary, which forward_logits broadcasts).
+        Under tp the loss is vocab-parallel over the last stage's sharded logits (not gathered)."""
         logits = self._through_stages(tokens)
         loss = torch.zeros((), device=self.device)
         if self.has_last and rows:
-            loss = lm_loss(logits[:rows], targets[:rows]).float()
+            if rows < targets.shape[0]:  # padding rows: not counted
+                targets = targets.clone()
+                targets[rows:] = IGNORE_INDEX
+            if isinstance(logits, DTensor):
+                from kiln.parallel.functional import parallel_lm_loss
+
+                loss = parallel_lm_loss(logits, targets).float()
+            else:
+                loss = lm_loss(logits, targets).float()
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
     def _through_stages(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """The last stage's logits (fp32, whole over tp, contiguous) on the ranks that hold it,
+        """The last stage's logits on the ranks that hold it (a vocab-sharded DTensor under tp),
         None elsewhere."""
         cfg = self.model.cfg
         h = tokens
@@ -185,12 +198,12 @@ class Pipeline:
                     h = torch.empty(hidden_shape, device=self.device)
                     dist.recv(h, group=self.group, group_src=self._owner_of(s - 1))
                 h = self.model.chunks[self.model.stage_ids.index(s)](h)
-                h = (h.full_tensor() if isinstance(h, DTensor) else h).float()  # tp: vocab-sharded logits
-                if s < self.n_stages - 1 and (s + 1) not in self.model.stage_ids:
+                if s == self.n_stages - 1:
+                    break  # the logits, left as the head made them
+                h = (h.full_tensor() if isinstance(h, DTensor) else h).float()
+                if (s + 1) not in self.model.stage_ids:
                     dist.send(h.contiguous(), group=self.group, group_dst=self._owner_of(s + 1))
-        # contiguous: torch 2.11's full_tensor of an uneven vocab shard is a strided view, which
-        # gloo's broadcast would send as its raw storage (the other stages then score garbage)
-        return h.contiguous() if self.has_last else None
+        return h if self.has_last else None
 
     def _owner_of(self, stage: int) -> int:
         for r in range(self.pp):

@@ -145,9 +145,9 @@ def test_diloco_replicas_agree_on_replica_zeros_numbers(data, tmp_path):
     assert one_process(data, seed=1, batch=BATCH)["val_loss"] != want["val_loss"]  # replica 1's own differ
 
 
-def evaluate_pipeline_rank(rank, world, data):
-    """Evaluator under pp=2 as the trainer builds it; returns (results, the sizes of every tensor
-    broadcast during the evaluation)."""
+def evaluate_pipeline_rank(rank, world, data, tp):
+    """Evaluator under pp=2 (x `tp`) as the trainer builds it; returns (results, the sizes of every
+    tensor broadcast and the DTensors gathered whole during the evaluation)."""
     import torch.distributed as dist
 
     from kiln.parallel.context_parallel import ContextParallel
@@ -155,7 +155,9 @@ def evaluate_pipeline_rank(rank, world, data):
     from kiln.parallel.pipeline import Pipeline, PipelineEvalModel
     from kiln.train.trainer import build_model
 
-    cfg = load_config(None, overrides(data, pp=2, pp_schedule="1f1b") + ["train.seed=0"])
+    from torch.distributed.tensor import DTensor
+
+    cfg = load_config(None, overrides(data, pp=2, pp_schedule="1f1b", tp=tp) + ["train.seed=0"])
     cpu = torch.device("cpu")
     dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
                                     local_world_size=world, seq_len=SEQ)
@@ -163,24 +165,32 @@ def evaluate_pipeline_rank(rank, world, data):
     model = build_model(cfg, dims, cpu)
     evaluator = Evaluator(PipelineEvalModel(Pipeline(model, cfg, dims, cpu)), ShardSet(data / "shards", "val"),
                           ByteTokenizer(), cfg, cpu, dims, ContextParallel(model, dims, SEQ, cpu))
-    sizes, broadcast = [], dist.broadcast
+    sizes, broadcast, full_tensor = [], dist.broadcast, DTensor.full_tensor
 
     def recording(tensor, *args, **kwargs):
         sizes.append(tensor.numel())
         return broadcast(tensor, *args, **kwargs)
 
-    dist.broadcast = recording
+    def gathering(self, *args, **kwargs):
+        whole = full_tensor(self, *args, **kwargs)
+        sizes.append(whole.numel())
+        return whole
+
+    dist.broadcast, DTensor.full_tensor = recording, gathering
     try:
         return evaluator.run(), sizes
     finally:
-        dist.broadcast = broadcast
+        dist.broadcast, DTensor.full_tensor = broadcast, full_tensor
 
 
-def test_pipeline_evaluation_sends_the_loss_not_the_logits(data, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_evaluation_sends_the_loss_not_the_logits(data, tmp_path, tp):
     """Under pp the last stage scores each batch and broadcasts one number: no stage but the last
-    holds the logits (batch x seq x vocab), and the numbers are one process's."""
-    ranks = run_ranks(evaluate_pipeline_rank, 2, tmp_path, data)
+    holds the logits (batch x seq x vocab), under tp not even whole there (vocab-parallel loss);
+    the numbers are one process's."""
+    ranks = run_ranks(evaluate_pipeline_rank, 2 * tp, tmp_path, data, tp)
     want = one_process(data, seed=0, batch=BATCH)
+    hidden = BATCH * SEQ * 32  # what tp's stages gather between them: the hidden states, not logits
     for results, sizes in ranks:
         assert_close(results, want)
-        assert sizes and max(sizes) <= len(want), sizes  # per batch a loss; once the results
+        assert sizes and max(sizes) <= max(len(want), hidden if tp > 1 else 0), sizes
