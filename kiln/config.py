@@ -159,6 +159,15 @@ class ModelConfig:
     moe_aux_loss_weight: float = ranged(0.01, ge=0.0)  # load-balancing loss (Switch eq. 4)
     moe_z_loss_weight: float = ranged(0.001, ge=0.0)  # router z-loss (ST-MoE, Zoph et al. 2022)
     moe_every: int = ranged(1, ge=1)  # MoE in every moe_every-th block (1: all), dense FeedForward elsewhere
+    # Router scores: softmax over the experts (Switch, GShard, Mixtral, Qwen3-MoE) or each expert's
+    # sigmoid (DeepSeek-V3); moe_norm_gates renormalizes a token's top_k > 1 gates to sum to 1.
+    moe_router: str = ranged("softmax", choices=("softmax", "sigmoid"))
+    moe_norm_gates: bool = True
+    # Auxiliary-loss-free load balancing (DeepSeek-V3, Wang et al. 2024): a per-expert bias added to
+    # the scores only to pick experts, moved by this much after every optimizer step, up for an
+    # expert that took fewer assignments than the mean over the step's global batch, down for one
+    # that took more (0: off). DeepSeek-V3 used 0.001; set moe_aux_loss_weight low or 0 alongside.
+    moe_bias_update_rate: float = ranged(0.0, ge=0.0, le=1.0)
     # q/k/v (and a gated MLP's w1/w3) as one GEMM over their concatenated weights, parameters
     # kept separate (kiln/model/transformer.py: fused_linear); falls back to one GEMM each under
     # tensor parallelism and for float8 linears. auto: on a GPU unless FSDP shards the weights
@@ -173,6 +182,9 @@ class ModelConfig:
         check_fields(self, "model.")
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             raise ConfigError(f"model.moe_top_k={self.moe_top_k} must be <= model.moe_experts={self.moe_experts}")
+        if self.moe_bias_update_rate and not self.moe_experts:
+            raise ConfigError(f"model.moe_bias_update_rate={self.moe_bias_update_rate:g} balances experts; set "
+                              f"model.moe_experts > 0 or model.moe_bias_update_rate = 0")
         if self.dim % self.n_heads and not self.head_dim:
             raise ConfigError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads} "
                               f"(or set model.head_dim)")

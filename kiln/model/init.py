@@ -80,6 +80,8 @@ def _experts(t: torch.Tensor | None, experts, fill) -> None:
 
 def _init_moe(ffn, matrix_fill, residual_fill) -> None:
     matrix_fill(ffn.router.weight)
+    if ffn.expert_bias is not None and not ffn.expert_bias.is_meta:  # balancing starts from no bias
+        _fill(ffn.expert_bias, torch.Tensor.zero_)
     ex = ffn.experts
     _experts(ex.w1, ex, matrix_fill)
     _experts(ex.w3, ex, matrix_fill)

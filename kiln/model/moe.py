@@ -169,6 +169,11 @@ class MoE(nn.Module):
         # Set by kiln.parallel.tensor_parallel.MoELocalSequence (parallel.etp=1): the tp mesh over
         # which each sequence is split in contiguous shards, one per rank; None = not split over tp.
         self.sp_mesh = None
+        self.router_kind, self.norm_gates = cfg.moe_router, cfg.moe_norm_gates
+        # Auxiliary-loss-free balancing (model.moe_bias_update_rate > 0; `balance_experts`): a
+        # per-expert bias added to the scores when choosing experts, kept in checkpoints.
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts) if cfg.moe_bias_update_rate > 0 else None)
+        self.last_load: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -190,9 +195,14 @@ class MoE(nn.Module):
 
                 weight = sum_grad_over_tp(weight, self.sp_mesh)
             logits = F.linear(x.float(), weight.float())  # (B, T, E) fp32
-        probs = logits.softmax(dim=-1)
-        gates, experts = probs.topk(self.top_k, dim=-1)  # (B, T, k)
-        if self.top_k > 1:  # GShard: the k gates renormalized to sum to 1
+        scores = logits.sigmoid() if self.router_kind == "sigmoid" else logits.softmax(dim=-1)
+        if self.expert_bias is None:
+            gates, experts = scores.topk(self.top_k, dim=-1)  # (B, T, k)
+        else:  # DeepSeek-V3: the balancing bias picks the experts, the unbiased scores weigh them
+            bias = self.expert_bias.to_local() if isinstance(self.expert_bias, DTensor) else self.expert_bias
+            experts = (scores + bias).topk(self.top_k, dim=-1).indices
+            gates = scores.gather(-1, experts)
+        if self.top_k > 1 and self.norm_gates:  # GShard, DeepSeek-V3: the k gates renormalized to sum to 1
             gates = gates / gates.sum(dim=-1, keepdim=True)
         # k-major order within each sequence: every token's first choice before any second choice.
         experts_km = experts.transpose(1, 2).reshape(bsz, self.top_k * seqlen)  # (B, kT)
@@ -211,7 +221,8 @@ class MoE(nn.Module):
         # Load balancing per sequence: f_e = share of the sequence's assignments (before dropping)
         # routed to e, P_e = mean router probability of e; E * sum_e f_e P_e, averaged over sequences.
         f = onehot.float().sum(dim=1)  # (B, E) counts
-        p = probs.sum(dim=1)  # (B, E)
+        # P_e from a distribution over the experts: sigmoid scores normalized (DeepSeek-V3 eq. 19)
+        p = (scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)).sum(dim=1)
         if cp > 1:
             # Context parallel: the sums over the whole sequence (torch's differentiable
             # all-gather, summed). Every cp rank then has the same aux loss; its backward sums the
@@ -224,6 +235,7 @@ class MoE(nn.Module):
         if sp > 1:  # tp ranks of one loss: sums over the whole sequence, each rank's gradient its own part
             f, p = _gather_over_sp(torch.stack([f, p]), self.sp_mesh).view(sp, 2, *f.shape).sum(0).unbind(0)
             z = _gather_over_sp(z[None], self.sp_mesh).mean()
+        self.last_load = f.detach().sum(0)  # (E,) assignments of these sequences, whole on every cp/tp rank
         f, p = f / (self.top_k * seqlen * cp * sp), p / (seqlen * cp * sp)
         self.last_aux_loss = self.n_experts * (f * p).sum(-1).mean()
         self.last_z_loss = z
@@ -328,3 +340,34 @@ class MoE(nn.Module):
         out = torch.zeros(x.shape[0] * x.shape[1], x.shape[2], device=x.device, dtype=y.dtype)
         out = out.index_add(0, token, y * gate[:, None].to(y.dtype))
         return out.view(x.shape).to(x.dtype)
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def balance_experts(moes: list[MoE], loads: torch.Tensor, skipped: torch.Tensor, rate: float,
+                    group=None) -> torch.Tensor:
+    """After an optimizer step: the step's largest expert load relative to its layer's mean (1:
+    balanced; a device scalar, logged as `moe_max_load`) and, with rate > 0, auxiliary-loss-free
+    load balancing (DeepSeek-V3, sec. 2.1.2; Wang et al. 2024): each layer's `expert_bias` moves
+    by `rate` towards balance, up for an expert that took fewer assignments than the layer's mean
+    over the step, down for one that took more.
+
+    `loads` (layers, E): this rank's assignments per expert over the step's micro-batches (before
+    capacity drops), counted over whole sequences (`MoE.last_load`: cp and tp ranks hold the same
+    counts), so the sum over `group` (the data-parallel ranks, which see other sequences) is the
+    global batch's and every rank moves its bias alike, as one process would. Float64 keeps
+    counts of large global batches exact. A `skipped` step (non-finite; a device bool) leaves the
+    biases as they were. Hand-written: torch has no such update (torchtitan has its own)."""
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    mean = loads.mean(dim=-1, keepdim=True)
+    if rate > 0:
+        delta = rate * torch.sign(mean - loads)
+        delta = torch.where(skipped, torch.zeros_like(delta), delta)
+        for moe, d in zip(moes, delta):
+            bias = moe.expert_bias.to_local() if isinstance(moe.expert_bias, DTensor) else moe.expert_bias
+            bias.add_(d.to(bias.dtype))
+    return (loads / mean).max().float()

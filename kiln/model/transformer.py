@@ -385,6 +385,12 @@ class Transformer(nn.Module):
         # MoE: (load-balancing loss, z-loss) summed over MoE layers in the last forward with
         # targets, a detached device tensor read at metrics-fetch time (no host sync per step).
         self.moe_losses: torch.Tensor | None = None
+        # MoE: (layers, E) assignments of the last forward with targets (train_step sums them over
+        # the micro-batches for kiln/model/moe.py balance_experts), the ranks to sum them over (set
+        # by the trainer: data parallel), and the step's largest relative load (what is logged).
+        self.moe_loads: torch.Tensor | None = None
+        self.moe_load_group = None
+        self.moe_max_load: torch.Tensor | None = None
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -464,6 +470,7 @@ class Transformer(nn.Module):
             aux = torch.stack([m.last_aux_loss for m in moes]).sum()
             z = torch.stack([m.last_z_loss for m in moes]).sum()
             self.moe_losses = torch.stack([aux, z]).detach()
+            self.moe_loads = torch.stack([m.last_load for m in moes])  # assignments per layer and expert
             loss = loss + self.cfg.moe_aux_loss_weight * aux + self.cfg.moe_z_loss_weight * z
         return loss
 

@@ -55,6 +55,18 @@ def grad_mesh(dims: ParallelDims):
     return mesh._flatten() if mesh.ndim > 1 else mesh
 
 
+def batch_group(dims: ParallelDims):
+    """The process group of the ranks that see other sequences of the global batch (data parallel;
+    under DiLoCo inside a replica; under pp within this rank's stage), or None when there is one:
+    what a per-batch count summed over whole sequences (cp and tp ranks hold equal ones) is
+    reduced over (MoE expert loads, kiln/model/moe.py balance_experts)."""
+    names = [n for n in dims.dp_mesh_names if not (dims.diloco and n == "dp_replicate")]
+    if not names or dims.mesh[tuple(names)].size() == 1:
+        return None
+    mesh = dims.mesh[tuple(names)]
+    return (mesh._flatten() if mesh.ndim > 1 else mesh).get_group()
+
+
 def apply_ddp(model: nn.Module, dims: ParallelDims, grad_accum: int = 1) -> None:
     """Replicate `model` over the data-parallel mesh: gradients are all-reduced (averaged) in
     buckets during backward, overlapping with it. Under tp kiln's `OverlappedReplicas` (kept as

@@ -257,6 +257,7 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
     y = torch.cat([m[1] for m in micro_batches])
     model = pipeline.model
     model.moe_records.clear()
+    model.moe_load_records.clear()
     pipeline.loss_fn.unscaled.clear()
     if scaler is not None:  # a rank without the last stage never scales a loss; its scaler still
         scaler.scale(torch.zeros((), device=x.device))  # needs its scale for unscale_ (lazily made)
@@ -327,4 +328,15 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
         optimizer.zero_grad(set_to_none=True)
     else:
         step_unless(optimizer, skipped)
+    if model.cfg.moe_experts:  # each stage's layers: the step's micro-batches (as the aux losses above)
+        from kiln.model.moe import balance_experts
+
+        stages = model.moe_load_records.values()
+        max_load = torch.zeros((), device=x.device)  # a stage without MoE layers
+        if stages:
+            loads = torch.cat([torch.stack(per_mb[-pipeline.microbatches:]).double().sum(0) for _, per_mb in stages])
+            max_load = balance_experts([m for moes, _ in stages for m in moes], loads, skipped,
+                                       model.cfg.moe_bias_update_rate, model.moe_load_group)
+        dist.all_reduce(max_load, op=dist.ReduceOp.MAX, group=pipeline.group)
+        model.moe_max_load = max_load
     return loss, grad_norm, skipped

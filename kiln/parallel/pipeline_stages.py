@@ -37,18 +37,22 @@ class _AddToBackward(torch.autograd.Function):
 
 
 def add_moe_losses(h: torch.Tensor, layers, records: dict, aux_weight: float, z_weight: float,
-                   scale=None) -> torch.Tensor:
+                   loads: dict | None = None, scale=None) -> torch.Tensor:
     """Training forward of a stage with MoE layers: their weighted load-balancing and z-losses
     join the backward at the stage output (`_AddToBackward`), so each micro-batch's gradient is
     that of (its LM loss + the weighted aux losses of every stage), as in one process; the
     unweighted values go to `records` (per stage) for the step's reported loss. scale: what the
-    schedule's loss_fn does to the LM loss (`ScaledLoss.scale`, fp16), done to this term alike."""
+    schedule's loss_fn does to the LM loss (`ScaledLoss.scale`, fp16), done to this term alike.
+    loads: per stage, its MoE layers and each forward's assignments per layer and expert, for
+    the step's load metric and bias update (kiln/model/moe.py balance_experts)."""
     moes = [layer.feed_forward for layer in layers if isinstance(getattr(layer, "feed_forward", None), MoE)]
     if not moes or not torch.is_grad_enabled():
         return h
     aux = torch.stack([m.last_aux_loss for m in moes]).sum()
     z = torch.stack([m.last_z_loss for m in moes]).sum()
     records.setdefault(id(layers), []).append(torch.stack([aux, z]).detach())
+    if loads is not None:
+        loads.setdefault(id(layers), (moes, []))[1].append(torch.stack([m.last_load for m in moes]))
     extra = aux_weight * aux + z_weight * z
     return _AddToBackward.apply(h, extra if scale is None else scale(extra))
 
@@ -79,6 +83,11 @@ class PipelineModel(nn.Module):
         # the step the mean over micro-batches, summed over all stages' layers (what the trainer logs).
         self.moe_records: dict[int, list[torch.Tensor]] = {}
         self.moe_losses: torch.Tensor | None = None
+        # Per stage, (its MoE layers, each forward's assignments); the ranks the step sums them
+        # over (set by the trainer, as on `Transformer`); the step's largest relative load, all stages.
+        self.moe_load_records: dict[int, tuple[list, list[torch.Tensor]]] = {}
+        self.moe_load_group = None
+        self.moe_max_load: torch.Tensor | None = None
 
     def replace_layers(self, wrap) -> None:
         """Replace each layer by wrap(global layer index, layer), here and in the stage chunk that
@@ -158,7 +167,8 @@ class StageChunk(nn.Module):
         if last:
             self.norm, self.output = owner.norm, owner.output
         self.__dict__["_owner"] = owner  # for the RoPE tables (re-created by to_empty/init)
-        self.__dict__["_moe"] = (owner.moe_records, owner.cfg.moe_aux_loss_weight, owner.cfg.moe_z_loss_weight)
+        self.__dict__["_moe"] = (owner.moe_records, owner.cfg.moe_aux_loss_weight, owner.cfg.moe_z_loss_weight,
+                                 owner.moe_load_records)
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seqlen = h.shape[1] if self.first else h.shape[1] * self.seq_shards  # attention sees all of it

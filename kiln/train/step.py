@@ -66,11 +66,14 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
     gradient was not finite, in which case the parameters and optimizer state are unchanged.
     """
     total = torch.zeros((), device=micro_batches[0][0].device)
+    loads = None  # MoE assignments per layer and expert, for balance_experts
     for x, y, *doc_ids in micro_batches:  # doc_ids: packed_masked windows (kiln/data/loader.py)
         with autocast:
             loss = (model(x, y, doc_ids=doc_ids[0]) if doc_ids else model(x, y)) / len(micro_batches)
         (scaler.scale(loss) if scaler else loss).backward()
         total += loss.detach()
+        if getattr(model, "moe_loads", None) is not None:
+            loads = model.moe_loads.double() + (0 if loads is None else loads)
     if scaler:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -82,6 +85,11 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
         optimizer.zero_grad(set_to_none=True)
     else:
         step_unless(optimizer, skipped)
+    if loads is not None:
+        from kiln.model.moe import balance_experts, moe_layers
+
+        model.moe_max_load = balance_experts(moe_layers(model), loads, skipped, model.cfg.moe_bias_update_rate,
+                                             model.moe_load_group)
     return total, grad_norm, skipped
 
 

@@ -31,7 +31,7 @@ from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.diloco import DiLoCo, layout_key, replica_states, replicated_group
 from kiln.parallel.diloco import Layout as DiLoCoLayout
 from kiln.parallel.diloco import check_resume as check_diloco_resume
-from kiln.parallel.data_parallel import shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
+from kiln.parallel.data_parallel import batch_group, shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel import zero1_shards
 from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
@@ -225,6 +225,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, dims, device)
     model.train()
+    if cfg.model.moe_experts:  # the expert loads are summed over the data-parallel ranks
+        model.moe_load_group = batch_group(dims)
     pipeline = Pipeline(model, cfg, dims, device) if dims.pp > 1 else None
     # Under pp the full loss is the schedule's, outside the compiled stage graphs: no whole-model
     # graph fuses it as on one device. The Pipeline reads the result at each step.
@@ -413,6 +415,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
             # MoE (last micro-batch): the unweighted load-balancing and z-losses, fetched with the loss.
             moe_losses = getattr(model, "moe_losses", None)  # under pp: the step's micro-batch mean, all stages
             extras = None if moe_losses is None else {"moe_aux_loss": moe_losses[0], "moe_z_loss": moe_losses[1]}
+            if getattr(model, "moe_max_load", None) is not None:  # the step's global batch, every rank alike
+                extras["moe_max_load"] = model.moe_max_load
             pending.add(state.step, loss, grad_norm, skipped, lr=schedule.lr, data_wait_s=loader.wait_s,
                         tokens=state.tokens, extras=extras)
             if diloco is not None and diloco.due(state.step):

@@ -155,7 +155,11 @@ def runs(tmp_path_factory, text_file):
     return out
 
 
-def assert_same(expected, got, steps, label, keys=("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")):
+# moe_max_load: the step's largest expert load over the global batch relative to its layer's mean
+ROW_KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_max_load")
+
+
+def assert_same(expected, got, steps, label, keys=ROW_KEYS):
     for step in steps:
         for key in keys:
             assert got[step][key] == pytest.approx(expected[step][key], rel=REL), \

@@ -89,3 +89,46 @@ def test_compiled_checkpointed_moe_is_refused_where_dynamo_cannot_skip_its_side_
         dims.check_model(cfg)
     cfg.train.activation_checkpointing = "none"
     dims.check_model(cfg)
+
+
+def _balanced_steps(model, batch):
+    """train_step (which moves the expert biases) for STEPS steps: the losses, then the biases."""
+    import contextlib
+
+    from kiln.model.moe import moe_layers
+    from kiln.train.step import train_step
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = [train_step(model, opt, [(batch[:, :-1], batch[:, 1:])], autocast=contextlib.nullcontext(),
+                         scaler=None, clip=0.0)[0].item() for _ in range(STEPS)]
+    return losses, [m.expert_bias.clone() for m in moe_layers(model)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scope, ac", [("blocks", "full"), ("model", "none")])
+def test_compiled_moe_balances_its_experts_as_eager(scope, ac):
+    # The loads are read after forward (Transformer.moe_loads), so a checkpoint's recompute in
+    # backward does not count a forward twice, and a whole-model graph hands them out as well.
+    if ac != "none" and not (torch_compat.dynamo_skips_checkpoint_side_effects()
+                             and torch_compat.dynamo_traces_data_dependent_splits()):
+        pytest.skip(f"torch {torch.__version__}: kiln refuses compiled (checkpointed) MoE blocks")
+    if not torch_compat.dynamo_traces_data_dependent_splits():
+        pytest.skip(f"torch {torch.__version__}: kiln refuses compiled MoE blocks")
+    cfg = load_config(None, ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.vocab_size=61",
+                             "model.max_seq_len=16", "data.seq_len=16", "model.moe_experts=4", "model.moe_top_k=2",
+                             "model.moe_router='sigmoid'", "model.moe_bias_update_rate=0.05",
+                             "model.moe_capacity_factor=1.0", "model.init_std=0.1", "train.dtype=fp32",
+                             "train.device=cpu", "train.compile=true", f"train.compile_scope={scope!r}",
+                             f"train.activation_checkpointing={ac!r}"])
+    eager = Transformer(cfg.model)
+    eager.init_weights(torch.Generator().manual_seed(0))
+    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
+    model = copy.deepcopy(eager)
+    dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0, local_world_size=1)
+    model = parallelize(model, dims, cfg, torch.device("cpu"))
+    expected_losses, expected_biases = _balanced_steps(eager, batch)
+    losses, biases = _balanced_steps(model, batch)
+    assert losses == pytest.approx(expected_losses, rel=REL)
+    assert any(b.abs().sum() > 0 for b in expected_biases)
+    for got, want in zip(biases, expected_biases):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
