@@ -25,7 +25,9 @@ import torch
 
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
-from kiln.model.transformer import ffn_hidden_size
+from kiln.interop import hf_moe
+from kiln.interop.hf_moe import MIXTRAL, QWEN3_MOE
+from kiln.model.transformer import ffn_hidden_size, uses_moe
 
 # Mistral: Llama's layout with a sliding window on every layer; Ministral: with windowed and global
 # layers (layer_types); Qwen2: Llama's with biases on q, k and v only; Qwen3: Llama's with QK-norm.
@@ -34,7 +36,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # HF layer_types' kinds
 # HF GPT-2 activation_function -> kiln model.activation (the tanh forms are the same function).
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
-            QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM", MINISTRAL: "MinistralForCausalLM"}
+            QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM", MINISTRAL: "MinistralForCausalLM",
+            MIXTRAL: "MixtralForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM"}
 # What each HF family fixes; a kiln option outside it has no equivalent there.
 FAMILY_OPTIONS = {
     LLAMA: {"norm": "rmsnorm", "norm_placement": "pre", "activation": "swiglu", "positions": "rope"},
@@ -44,6 +47,9 @@ FAMILY_OPTIONS = {
 FAMILY_OPTIONS[QWEN2] = FAMILY_OPTIONS[LLAMA]
 FAMILY_OPTIONS[QWEN3] = {**FAMILY_OPTIONS[LLAMA], "bias": False, "qkv_bias": False}
 FAMILY_OPTIONS[MISTRAL] = FAMILY_OPTIONS[MINISTRAL] = {**FAMILY_OPTIONS[LLAMA], "bias": False}
+# Mixture-of-experts families (kiln/interop/hf_moe.py): Mixtral = Mistral's attention, Qwen3-MoE = Qwen3's.
+FAMILY_OPTIONS[MIXTRAL], FAMILY_OPTIONS[QWEN3_MOE] = FAMILY_OPTIONS[MISTRAL], FAMILY_OPTIONS[QWEN3]
+ATTENTION_OF = {MIXTRAL: MISTRAL, QWEN3_MOE: QWEN3}  # whose attention (and window keys) each MoE family has
 
 
 # ---------------------------------------------------------------------------- kiln -> HF
@@ -61,9 +67,12 @@ def export_family(cfg: ModelConfig) -> str:
         family = QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias and not cfg.bias else LLAMA
         if family == LLAMA and cfg.sliding_window:  # Qwen2/3 name their windowed layers themselves
             family = MINISTRAL if cfg.full_attention_every else MISTRAL
-    if cfg.moe_experts:
-        raise KilnError(f"model.moe_experts={cfg.moe_experts}: mixture-of-experts models have no HF export "
-                        f"in kiln yet (only dense Llama/GPT-2)")
+    if cfg.moe_experts:  # Qwen3-MoE for QK-norm models, else Mixtral
+        if family == GPT2:
+            raise KilnError(f"model.moe_experts={cfg.moe_experts} with positions='learned': HF's GPT2LMHeadModel "
+                            f"has no mixture of experts; use positions='rope' (Mixtral, Qwen3-MoE)")
+        family = QWEN3_MOE if cfg.qk_norm else MIXTRAL
+        hf_moe.check_export(cfg, family)
     for key, wanted in FAMILY_OPTIONS[family].items():
         value = getattr(cfg, key)
         allowed = wanted if isinstance(wanted, tuple) else (wanted,)
@@ -109,6 +118,19 @@ def hf_config(cfg: ModelConfig, eos_id: int):
             config = MinistralConfig(head_dim=cfg.attention_head_dim(), **windows, **common)
         elif family == QWEN2:  # reads head_dim when set, else hidden_size / heads
             config = Qwen2Config(head_dim=cfg.attention_head_dim(), **windows, **common)
+        elif family == MIXTRAL:
+            from transformers import MixtralConfig
+
+            config = MixtralConfig(head_dim=cfg.attention_head_dim(), sliding_window=cfg.sliding_window or None,
+                                   **hf_moe.config_kwargs(cfg, family), **common)
+        elif family == QWEN3_MOE:
+            try:
+                from transformers import Qwen3MoeConfig
+            except ImportError:
+                raise KilnError("an MoE model with model.qk_norm=true exports as Qwen3-MoE, which needs "
+                                "transformers >= 4.51") from None
+            config = Qwen3MoeConfig(head_dim=cfg.attention_head_dim(), attention_bias=False, use_sliding_window=False,
+                                    **hf_moe.config_kwargs(cfg, family), **common)
         else:
             try:
                 from transformers import Qwen3Config
@@ -135,9 +157,12 @@ def hf_config_json(cfg: ModelConfig, eos_id: int) -> str:
     `rope_theta` and `rope_scaling` that transformers < 5 reads (>= 5 keeps both in
     `rope_parameters`), so either major version loads the same model."""
     config = json.loads(hf_config(cfg, eos_id).to_json_string())
-    if export_family(cfg) != GPT2:
+    family = export_family(cfg)
+    if family != GPT2:
         config["rope_theta"] = cfg.rope_theta
         config["rope_scaling"] = _rope_to_hf(cfg)
+    if family == QWEN3_MOE:  # the expert count under both names (transformers 4: num_experts, 5: num_local_experts)
+        config["num_experts"] = config["num_local_experts"] = cfg.moe_experts
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
@@ -174,8 +199,14 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
              "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
              "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
              "feed_forward.w2": "mlp.down_proj"}
+    moe_family = QWEN3_MOE if cfg.qk_norm else MIXTRAL
     for i in range(cfg.n_layers):
+        moe = uses_moe(cfg, i)
+        if moe:  # the router here; the experts, stacked in kiln, go tensor by tensor (hf_moe)
+            names.update(hf_moe.moe_layer_names(cfg, moe_family, i))
         for ours, theirs in parts.items():
+            if moe and ours.startswith("feed_forward."):
+                continue
             biased = cfg.bias or (cfg.qkv_bias and ours in ("attention.wq", "attention.wk", "attention.wv"))
             for kind in ("weight", "bias") if biased else ("weight",):
                 names[f"layers.{i}.{ours}.{kind}"] = f"model.layers.{i}.{theirs}.{kind}"
@@ -190,8 +221,12 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
 def to_hf_state(model_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """kiln state dict -> HF tensors, contiguous, each stored once (tied head left to HF)."""
     sd = {k: v.detach().float().cpu() for k, v in model_state.items()}
-    if export_family(cfg) != GPT2:
+    family = export_family(cfg)
+    if family != GPT2:
         out = {hf: sd[ours] for ours, hf in _llama_names(cfg).items()}
+        for i in range(cfg.n_layers) if cfg.moe_experts else ():
+            if uses_moe(cfg, i):
+                out.update(hf_moe.experts_to_hf(sd, family, i, cfg.moe_experts))
     else:
         out = {"transformer.wte.weight": sd["tok_embeddings.weight"],
                "transformer.wpe.weight": sd["pos_embeddings.weight"],
@@ -221,12 +256,19 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
     """An HF config.json (as a dict) -> kiln ModelConfig; unsupported features name their key."""
     model_type = hf.get("model_type")
     get = _getter(hf, source)
-    if model_type in (LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3):
+    attention = ATTENTION_OF.get(model_type, model_type)  # an MoE family: whose attention it has
+    if attention in (LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3):
         rope = _rope_from_hf(hf, source)
         _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
-        if model_type == QWEN2:  # q/k/v biased, o and the MLP not, whatever else the file says
+        moe = {}
+        if model_type in (MIXTRAL, QWEN3_MOE):
+            moe = hf_moe.config_from_hf(hf, source, model_type, get, get("num_hidden_layers", int))
+            if model_type == QWEN3_MOE and hf.get("use_sliding_window"):
+                raise KilnError(f"{source}: use_sliding_window=true is not supported by kiln for qwen3_moe; "
+                                f"expected false")
+        if attention == QWEN2:  # q/k/v biased, o and the MLP not, whatever else the file says
             bias, qkv_bias = False, True
-        elif model_type == QWEN3:  # its attention_bias covers q, k, v and o but not the MLP
+        elif attention == QWEN3:  # its attention_bias covers q, k, v and o but not the MLP
             _require(hf, source, "attention_bias", False, "biases on the attention alone have no kiln equivalent")
             bias = qkv_bias = False
         else:
@@ -234,19 +276,19 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
             if get("mlp_bias", bool, False) != bias:
                 raise KilnError(f"{source}: attention_bias={bias} with mlp_bias={not bias}: kiln's model.bias "
                                 f"sets both together")
-        window, every = _sliding_windows(hf, source, model_type, get("num_hidden_layers", int),
+        window, every = _sliding_windows(hf, source, attention, get("num_hidden_layers", int),
                                          get("max_position_embeddings", int))
         dim, heads = get("hidden_size", int), get("num_attention_heads", int)
         head_dim = get("head_dim", int, dim // heads or 1)
         cfg = ModelConfig(dim=dim, n_layers=get("num_hidden_layers", int), n_heads=heads,
                           head_dim=0 if head_dim * heads == dim else head_dim,
                           n_kv_heads=get("num_key_value_heads", int, heads),
-                          ffn_hidden=get("intermediate_size", int),
                           max_seq_len=get("max_position_embeddings", int),
                           norm="rmsnorm", norm_eps=get("rms_norm_eps", float, 1e-6), activation="swiglu",
-                          positions="rope", bias=bias, qkv_bias=qkv_bias, qk_norm=model_type == QWEN3,
+                          positions="rope", bias=bias, qkv_bias=qkv_bias, qk_norm=attention == QWEN3,
                           sliding_window=window, full_attention_every=every,
-                          dropout=get("attention_dropout", float, 0.0), **rope)
+                          dropout=get("attention_dropout", float, 0.0),
+                          **{"ffn_hidden": get("intermediate_size", int), **moe}, **rope)
     elif model_type == GPT2:
         hf_act = hf.get("activation_function", "gelu_new")  # absent means GPT-2's default, gelu_new
         activation = GPT2_ACTIVATIONS.get(hf_act) if isinstance(hf_act, str) else None
@@ -265,7 +307,7 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           dropout=get("resid_pdrop", float, 0.1))
     else:
         raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama', "
-                        f"'mistral', 'ministral', 'qwen2', 'qwen3' and 'gpt2'")
+                        f"'mistral', 'ministral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'gpt2'")
     cfg.vocab_size = get("vocab_size", int)
     # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
     cfg.tie_embeddings = get("tie_word_embeddings", bool, model_type == GPT2)
@@ -448,6 +490,9 @@ def from_hf_state(hf_tensors: dict[str, HFTensor], cfg: ModelConfig, expected: d
     if not gpt2:
         for ours, hf in _llama_names(cfg).items():
             out[ours] = take(hf, expected[ours])
+        for i in range(cfg.n_layers) if cfg.moe_experts else ():
+            if uses_moe(cfg, i):
+                out.update(hf_moe.experts_from_hf(take, QWEN3_MOE if cfg.qk_norm else MIXTRAL, i, expected))
     else:
         # Inverse of to_hf_state's GPT-2 branch.
         for ours, hf in (("tok_embeddings.weight", "wte.weight"), ("pos_embeddings.weight", "wpe.weight"),
