@@ -159,6 +159,9 @@ class ModelConfig:
     moe_aux_loss_weight: float = ranged(0.01, ge=0.0)  # load-balancing loss (Switch eq. 4)
     moe_z_loss_weight: float = ranged(0.001, ge=0.0)  # router z-loss (ST-MoE, Zoph et al. 2022)
     moe_every: int = ranged(1, ge=1)  # MoE in every moe_every-th block (1: all), dense FeedForward elsewhere
+    # Each expert's hidden width: 0 = the dense FFN's (model.ffn_hidden); narrower experts, more of
+    # them and a larger top_k are DeepSeekMoE's fine-grained experts (Qwen3-MoE: 768 beside 6144).
+    moe_hidden: int = ranged(0, ge=0)
     # Router scores: softmax over the experts (Switch, GShard, Mixtral, Qwen3-MoE) or each expert's
     # sigmoid (DeepSeek-V3); moe_norm_gates renormalizes a token's top_k > 1 gates to sum to 1.
     moe_router: str = ranged("softmax", choices=("softmax", "sigmoid"))
@@ -182,6 +185,9 @@ class ModelConfig:
         check_fields(self, "model.")
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             raise ConfigError(f"model.moe_top_k={self.moe_top_k} must be <= model.moe_experts={self.moe_experts}")
+        if self.moe_hidden and not self.moe_experts:
+            raise ConfigError(f"model.moe_hidden={self.moe_hidden} is the experts' width; set model.moe_experts > 0 "
+                              f"or model.moe_hidden = 0")
         if self.moe_bias_update_rate and not self.moe_experts:
             raise ConfigError(f"model.moe_bias_update_rate={self.moe_bias_update_rate:g} balances experts; set "
                               f"model.moe_experts > 0 or model.moe_bias_update_rate = 0")

@@ -27,7 +27,7 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.interop import hf_moe
 from kiln.interop.hf_moe import MIXTRAL, QWEN3_MOE
-from kiln.model.transformer import ffn_hidden_size, uses_moe
+from kiln.model.transformer import expert_hidden_size, ffn_hidden_size, uses_moe
 
 # Mistral: Llama's layout with a sliding window on every layer; Ministral: with windowed and global
 # layers (layer_types); Qwen2: Llama's with biases on q, k and v only; Qwen3: Llama's with QK-norm.
@@ -118,9 +118,10 @@ def hf_config(cfg: ModelConfig, eos_id: int):
             config = MinistralConfig(head_dim=cfg.attention_head_dim(), **windows, **common)
         elif family == QWEN2:  # reads head_dim when set, else hidden_size / heads
             config = Qwen2Config(head_dim=cfg.attention_head_dim(), **windows, **common)
-        elif family == MIXTRAL:
+        elif family == MIXTRAL:  # MoE in every block: its intermediate_size is the experts' width
             from transformers import MixtralConfig
 
+            common["intermediate_size"] = expert_hidden_size(cfg)
             config = MixtralConfig(head_dim=cfg.attention_head_dim(), sliding_window=cfg.sliding_window or None,
                                    **hf_moe.config_kwargs(cfg, family), **common)
         elif family == QWEN3_MOE:

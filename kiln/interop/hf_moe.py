@@ -22,7 +22,7 @@ import torch
 
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
-from kiln.model.transformer import ffn_hidden_size
+from kiln.model.transformer import expert_hidden_size
 
 MIXTRAL, QWEN3_MOE = "mixtral", "qwen3_moe"
 # kiln GroupedExperts weight -> each family's per-expert projection (gate, down, up)
@@ -66,7 +66,7 @@ def config_kwargs(cfg: ModelConfig, family: str) -> dict:
         return dict(num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
                     output_router_logits=False, router_jitter_noise=0.0)
     return dict(num_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
-                moe_intermediate_size=ffn_hidden_size(cfg), decoder_sparse_step=cfg.moe_every,
+                moe_intermediate_size=expert_hidden_size(cfg), decoder_sparse_step=cfg.moe_every,
                 mlp_only_layers=[], norm_topk_prob=cfg.moe_norm_gates, output_router_logits=False)
 
 
@@ -80,18 +80,18 @@ def config_from_hf(hf: dict, source: str, model_type: str, get: Callable, n_laye
         if get("router_jitter_noise", float, 0.0):
             raise KilnError(f"{source}: router_jitter_noise={hf['router_jitter_noise']!r} is not supported by "
                             f"kiln's router; expected 0")
-        every, norm, ffn = 1, True, get("intermediate_size", int)
+        every, norm, ffn, expert = 1, True, get("intermediate_size", int), 0
     else:
-        every, norm, ffn = get("decoder_sparse_step", int, 1), get("norm_topk_prob", bool, False), \
-            get("moe_intermediate_size", int)
+        every, norm = get("decoder_sparse_step", int, 1), get("norm_topk_prob", bool, False)
+        expert = get("moe_intermediate_size", int)
         only = hf.get("mlp_only_layers") or []
         if only:
             raise KilnError(f"{source}: mlp_only_layers={only!r} is not supported; kiln puts its MoE in every "
                             f"k-th block (decoder_sparse_step) and no other pattern")
-        if every > 1 and every <= n_layers and get("intermediate_size", int) != ffn:
-            raise KilnError(f"{source}: intermediate_size={hf['intermediate_size']} differs from "
-                            f"moe_intermediate_size={ffn} with dense blocks (decoder_sparse_step={every}); kiln's "
-                            f"dense and expert MLPs have one width")
+        # dense blocks between (decoder_sparse_step > 1) are intermediate_size wide, experts
+        # moe_intermediate_size (model.moe_hidden); with none, intermediate_size is unused
+        ffn = get("intermediate_size", int) if every > 1 else expert
+        expert = 0 if expert == ffn else expert
         if every > n_layers:
             raise KilnError(f"{source}: decoder_sparse_step={every} leaves no MoE block in {n_layers} layers; "
                             f"expected at most num_hidden_layers")
@@ -104,7 +104,7 @@ def config_from_hf(hf: dict, source: str, model_type: str, get: Callable, n_laye
     moe_layers = n_layers // every
     return dict(moe_experts=experts, moe_top_k=top_k, moe_capacity_factor=0.0, moe_every=every,
                 moe_norm_gates=norm, moe_aux_loss_weight=aux / max(moe_layers, 1), moe_z_loss_weight=0.0,
-                ffn_hidden=ffn)
+                ffn_hidden=ffn, moe_hidden=expert)
 
 
 def moe_layer_names(cfg: ModelConfig, family: str, i: int) -> dict[str, str]:

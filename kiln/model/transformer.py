@@ -32,6 +32,11 @@ def ffn_hidden_size(cfg: ModelConfig) -> int:
     return hidden
 
 
+def expert_hidden_size(cfg: ModelConfig) -> int:
+    """An MoE expert's hidden width: model.moe_hidden, or the dense FFN's when that is 0."""
+    return cfg.moe_hidden or ffn_hidden_size(cfg)
+
+
 def build_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
@@ -343,7 +348,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.attention = Attention(cfg, layer_id)
-        self.feed_forward = MoE(cfg, ffn_hidden_size(cfg)) if uses_moe(cfg, layer_id) else FeedForward(cfg)
+        self.feed_forward = MoE(cfg, expert_hidden_size(cfg)) if uses_moe(cfg, layer_id) else FeedForward(cfg)
         self.attention_norm = build_norm(cfg)
         self.ffn_norm = build_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)

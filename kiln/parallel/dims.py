@@ -149,6 +149,8 @@ class ParallelDims:
         m = cfg.model
         sizes = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
                  ("model.ffn_hidden (the FFN hidden size)", ffn_hidden_size(m)), ("data.seq_len", cfg.data.seq_len)]
+        if m.moe_experts and m.moe_hidden and self.etp > 1:  # the experts' hidden units split over tp
+            sizes.append(("model.moe_hidden (the experts' hidden size)", m.moe_hidden))
         for key, value in sizes:
             if value % tp:
                 raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")

@@ -164,6 +164,7 @@ class ModelShape:
     moe_experts: int = 0  # MoE blocks (kiln/model/moe.py): E bias-free experts + a router per block
     moe_layers: int = 0
     moe_top_k: int = 1  # experts each token is routed to
+    expert_ffn: int = 0  # an expert's hidden width (model.moe_hidden); 0: ffn
     rope: bool = True  # RoPE: the compiled graph saves SDPA's output and its contiguous copy (docstring)
     q_dim: int = 0  # n_heads * head_dim: q's and attention's output width; 0: dim
     norm_params: int = 1  # per norm: 1 x dim (RMSNorm, bias-free LayerNorm), 2 (LayerNorm + bias), 0 (none)
@@ -186,7 +187,7 @@ class ModelShape:
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
                    tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
                    moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
-                   moe_top_k=m.moe_top_k, rope=m.positions == "rope",
+                   moe_top_k=m.moe_top_k, expert_ffn=m.moe_hidden if m.moe_experts else 0, rope=m.positions == "rope",
                    norm_params=0 if m.norm == "none" else 2 if m.norm == "layernorm" and m.bias else 1,
                    bias=m.bias, qkv_bias=m.bias or m.qkv_bias, qk_norm=m.qk_norm, window=m.sliding_window,
                    local_layers=sum(1 for i in range(m.n_layers) if attention_window(m, i)))
@@ -224,8 +225,9 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Parameters of kiln's Transformer (tied embeddings once) - equals count_params(model)."""
-        ffn = self.ffn_params
-        moe = self.moe_layers * ((self.moe_experts - 1) * ffn + self.moe_experts * self.dim - sum(self.mlp_biases))
+        # an MoE block's experts and router instead of a dense MLP (and its biases)
+        moe = self.moe_layers * (self.moe_experts * (self.expert_ffn_params + self.dim) - self.ffn_params
+                                 - sum(self.mlp_biases))
         return self.embedding_params + self.n_layers * self.layer_params + self.dim * self.norm_params + moe
 
     @property
@@ -234,14 +236,19 @@ class ModelShape:
         return (3 if self.gated else 2) * self.dim * self.ffn
 
     @property
+    def expert_ffn_params(self) -> int:
+        """One expert's matrices (model.moe_hidden wide, or ffn)."""
+        return (3 if self.gated else 2) * self.dim * (self.expert_ffn or self.ffn)
+
+    @property
     def expert_params(self) -> int:
         """All experts of all MoE blocks (the rest of a MoE block, its router included, is dense)."""
-        return self.moe_layers * self.moe_experts * self.ffn_params
+        return self.moe_layers * self.moe_experts * self.expert_ffn_params
 
     @property
     def active_params(self) -> int:
         """Parameters a token's forward multiplies by: top-k of each MoE block's experts."""
-        return self.params - self.moe_layers * (self.moe_experts - self.moe_top_k) * self.ffn_params
+        return self.params - self.moe_layers * (self.moe_experts - self.moe_top_k) * self.expert_ffn_params
 
     def param_tensors(self, pp: int = 1) -> int:
         """Parameter tensors of the fullest pipeline stage: q, k, v, o, the MLP's 2 or 3 matrices,
@@ -409,7 +416,7 @@ def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[
     replicated = (blocks * whole + moe_blocks * (shape.moe_experts * shape.dim - mlp_whole_bias)
                   + (shape.dim * shape.norm_params if norm else 0))
     dense = sharded / layout.tp + replicated
-    experts = moe_blocks * shape.moe_experts * shape.ffn_params / (layout.ep * layout.expert_tp)
+    experts = moe_blocks * shape.moe_experts * shape.expert_ffn_params / (layout.ep * layout.expert_tp)
     return dense, experts, blocks
 
 
@@ -446,7 +453,7 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
     d, q, kv, ffn = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn
     moe_blocks = round(blocks * shape.moe_layers / shape.n_layers)
     matrices = 3 if shape.gated else 2
-    experts = [shape.moe_experts * d * ffn / tp] * matrices if with_experts else []
+    experts = [shape.moe_experts * d * (shape.expert_ffn or ffn) / tp] * matrices if with_experts else []
     # kiln's partition itself (kiln/parallel/zero1_partition.py) over the stage's local tensor sizes
     hidden = [q * d / tp, kv * d / tp, kv * d / tp, d * q / tp] * blocks  # Muon's orthogonalized tensors
     hidden += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs

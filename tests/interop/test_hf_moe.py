@@ -36,7 +36,7 @@ def qwen3_moe(**extra):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "mixtral_window", "qwen3_moe", "qwen3_moe_unnormalized",
-                                    "qwen3_moe_every_2nd", "qwen3_moe_top1"])
+                                    "qwen3_moe_every_2nd", "qwen3_moe_fine_grained", "qwen3_moe_top1"])
 def test_moe_models_import_with_transformers_logits_and_round_trip(family, tmp_path):
     if family == "mixtral":
         model, fields = mixtral(), dict(moe_every=1, moe_norm_gates=True, sliding_window=0)
@@ -48,11 +48,15 @@ def test_moe_models_import_with_transformers_logits_and_round_trip(family, tmp_p
         model, fields = qwen3_moe(norm_topk_prob=False), dict(moe_norm_gates=False)
     elif family == "qwen3_moe_every_2nd":  # dense MLPs in blocks 0 and 2
         model, fields = qwen3_moe(decoder_sparse_step=2), dict(moe_every=2)
+    elif family == "qwen3_moe_fine_grained":  # 24-wide experts beside 48-wide dense MLPs (model.moe_hidden)
+        model = qwen3_moe(decoder_sparse_step=2, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=3)
+        fields = dict(moe_every=2, moe_hidden=24, ffn_hidden=48, moe_experts=8, moe_top_k=3)
     else:
         model, fields = qwen3_moe(num_experts_per_tok=1, norm_topk_prob=False), dict(moe_top_k=1)
     imported = _imports_and_round_trips(model, tmp_path, type(model).__name__)
     cfg = imported.cfg
-    assert (cfg.moe_experts, cfg.moe_capacity_factor, cfg.moe_router) == (4, 0.0, "softmax")
+    assert (cfg.moe_capacity_factor, cfg.moe_router) == (0.0, "softmax")
+    assert cfg.moe_experts == fields.get("moe_experts", 4)
     for key, value in fields.items():
         assert getattr(cfg, key) == value, key
     if family == "qwen3_moe_every_2nd":
@@ -74,6 +78,9 @@ def test_imported_moe_trains_on(text_file, tmp_path):
 
 @pytest.mark.parametrize("extra, family", [([], "MixtralForCausalLM"), (["model.qk_norm=true"], "Qwen3MoeForCausalLM"),
                                            (["model.qk_norm=true", "model.moe_norm_gates=false", "model.moe_every=2"],
+                                            "Qwen3MoeForCausalLM"),
+                                           (["model.moe_hidden=24"], "MixtralForCausalLM"),
+                                           (["model.qk_norm=true", "model.moe_every=2", "model.moe_hidden=24"],
                                             "Qwen3MoeForCausalLM")])
 def test_kiln_moe_runs_export_with_their_logits(extra, family, text_file, tmp_path):
     moe = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=0", "model.tie_embeddings=false"]
@@ -113,7 +120,6 @@ def test_inexpressible_moe_exports_are_refused_by_key(extra, named, tmp_path, ca
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ("mixtral", {"num_experts_per_tok": 8}, "num_experts_per_tok=8"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
-    ("qwen3_moe", {"decoder_sparse_step": 2, "intermediate_size": 64}, "intermediate_size=64"),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=true"),
 ])
 def test_inexpressible_moe_imports_are_refused_by_key(family, changes, named, tmp_path, capsys):

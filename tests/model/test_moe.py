@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kiln.config import ModelConfig, from_dict
 from kiln.errors import ConfigError
 from kiln.model.moe import MoE
-from kiln.model.transformer import FeedForward, Transformer, count_params, flops_per_token
+from kiln.model.transformer import FeedForward, Transformer, count_params, ffn_hidden_size, flops_per_token
 
 
 def cfg(**kw) -> ModelConfig:
@@ -158,12 +158,28 @@ def test_bad_moe_and_diloco_settings_are_one_line_naming_the_key(raw, key):
         from_dict(raw).validate()
 
 
-@pytest.mark.parametrize("kw", [dict(moe_top_k=2), dict(n_layers=4, moe_every=2, activation="gelu")])
+@pytest.mark.parametrize("kw", [dict(moe_top_k=2), dict(n_layers=4, moe_every=2, activation="gelu"),
+                                dict(n_layers=4, moe_every=2, moe_hidden=8, moe_experts=8, moe_top_k=3)])
 def test_memory_planner_counts_the_experts(kw):
+    from kiln.plan.memory import ModelShape
     from kiln.train.memory import count_params_closed_form
 
     model = Transformer(cfg(**kw))
-    assert count_params_closed_form(model.cfg, 53) == count_params(model)["total"]
+    counts = count_params(model)
+    assert count_params_closed_form(model.cfg, 53) == counts["total"]
+    shape = ModelShape.from_config(model.cfg, 53)
+    assert shape.active_params == counts["active"]
+    assert shape.expert_params == sum(p.numel() for m in model.modules() if isinstance(m, MoE)
+                                      for p in m.experts.parameters())
+
+
+def test_fine_grained_experts_are_moe_hidden_wide():
+    model = build(n_layers=2, moe_every=2, moe_hidden=8, moe_experts=8, moe_top_k=3, moe_capacity_factor=0.0)
+    dense, moe = model.layers[0].feed_forward, model.layers[1].feed_forward
+    assert dense.w1.weight.shape == (ffn_hidden_size(model.cfg), 16)
+    assert moe.experts.w1.shape == (8, 16, 8) and moe.experts.w2.shape == (8, 8, 16)
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=1e-5, atol=1e-6)
 
 
 # Sync-free forward (no expert parallelism): with torch's grouped matmul the forward never reads

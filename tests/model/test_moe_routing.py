@@ -121,6 +121,7 @@ def test_bias_is_saved_only_when_balancing():
 
 
 @pytest.mark.parametrize("raw, key", [({"moe_bias_update_rate": 0.01}, "model.moe_bias_update_rate"),
+                                      ({"moe_hidden": 64}, "model.moe_hidden"),
                                       ({"moe_experts": 4, "moe_router": "relu"}, "model.moe_router"),
                                       ({"moe_experts": 4, "moe_bias_update_rate": -1.0}, "model.moe_bias_update_rate")])
 def test_bad_routing_settings_are_one_line_naming_the_key(raw, key):

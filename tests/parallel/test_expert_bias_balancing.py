@@ -11,7 +11,8 @@ DTensor on the tp mesh), and ep2 x tp2 with ep borrowing tp (parallel.etp=1: eac
 own sequence shard). The step-3 checkpoint of ep2 x pp2 continues in one process (the bias is
 saved and loads into another layout).
 
-Routing is sigmoid top-2 with capacity drops, and the rate (0.05) moves the biases far enough to
+The experts are fine-grained (model.moe_hidden = 48, the dense FFN 128 wide; tp shards their 48
+hidden units). Routing is sigmoid top-2 with capacity drops, and the rate (0.05) moves the biases far enough to
 change which experts tokens pick within the 5 steps, so a wrong bias shows in the loss as well.
 Tolerance: fp32, relative 1e-5 per step for the loss and grad norm; the final biases equal
 (each a sum of +-rate steps, so equal signs give equal bits; compared to 1e-6). Negative control:
@@ -30,7 +31,7 @@ from test_expert_pipeline_context import CLIP, GLOBAL_BATCH, SAVE_AT, STEPS, moe
 
 REL, RATE = 1e-5, 0.05
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0,
-       "model.moe_router": "'sigmoid'", "model.moe_bias_update_rate": RATE,
+       "model.moe_router": "'sigmoid'", "model.moe_bias_update_rate": RATE, "model.moe_hidden": 48,
        "model.moe_aux_loss_weight": 0.0, "model.moe_z_loss_weight": 0.001, "model.init_std": 0.1}
 LAYOUTS = {  # name -> (world, [parallel] settings)
     "single": (1, {}),

@@ -147,6 +147,7 @@ def test_each_deliberate_mistake_fails_the_comparison(runs, name):
     # the experts must divide over ep, their hidden units over tp
     (4, {"model.moe_experts": 3, "model.moe_top_k": 1}, "parallel.ep=2 must divide model.moe_experts=3"),
     (4, {"model.ffn_hidden": 33}, "parallel.tp=2 must divide model.ffn_hidden (the FFN hidden size)=33"),
+    (4, {"model.moe_hidden": 33}, "parallel.tp=2 must divide model.moe_hidden (the experts' hidden size)=33"),
 ])
 def test_ep_tp_layouts_that_cannot_divide_are_refused_in_one_line(text_file, tmp_path, monkeypatch, capsys,
                                                                   world, sets, expected):
