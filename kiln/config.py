@@ -162,6 +162,12 @@ class ModelConfig:
     # Each expert's hidden width: 0 = the dense FFN's (model.ffn_hidden); narrower experts, more of
     # them and a larger top_k are DeepSeekMoE's fine-grained experts (Qwen3-MoE: 768 beside 6144).
     moe_hidden: int = ranged(0, ge=0)
+    # Shared experts (DeepSeekMoE, Dai et al. 2024; Qwen2-MoE; Llama 4): every token also goes
+    # through this many always-active experts of the expert width, one MLP beside the routed ones
+    # (their hidden units concatenated); moe_shared_gate scales it by sigmoid(x . w) per token
+    # (Qwen2-MoE's shared_expert_gate).
+    moe_shared_experts: int = ranged(0, ge=0, le=64)
+    moe_shared_gate: bool = False
     # Router scores: softmax over the experts (Switch, GShard, Mixtral, Qwen3-MoE) or each expert's
     # sigmoid (DeepSeek-V3); moe_norm_gates renormalizes a token's top_k > 1 gates to sum to 1.
     moe_router: str = ranged("softmax", choices=("softmax", "sigmoid"))
@@ -188,6 +194,12 @@ class ModelConfig:
         if self.moe_hidden and not self.moe_experts:
             raise ConfigError(f"model.moe_hidden={self.moe_hidden} is the experts' width; set model.moe_experts > 0 "
                               f"or model.moe_hidden = 0")
+        if self.moe_shared_experts and not self.moe_experts:
+            raise ConfigError(f"model.moe_shared_experts={self.moe_shared_experts} sit beside routed experts; set "
+                              f"model.moe_experts > 0 or model.moe_shared_experts = 0")
+        if self.moe_shared_gate and not self.moe_shared_experts:
+            raise ConfigError("model.moe_shared_gate=true gates the shared experts; set model.moe_shared_experts > 0 "
+                              "or model.moe_shared_gate = false")
         if self.moe_bias_update_rate and not self.moe_experts:
             raise ConfigError(f"model.moe_bias_update_rate={self.moe_bias_update_rate:g} balances experts; set "
                               f"model.moe_experts > 0 or model.moe_bias_update_rate = 0")

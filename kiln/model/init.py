@@ -78,7 +78,9 @@ def _experts(t: torch.Tensor | None, experts, fill) -> None:
     _fill(t, lambda x: x.copy_(mine))
 
 
-def _init_moe(ffn, matrix_fill, residual_fill) -> None:
+def _init_moe(ffn, matrix_fill, residual_fill, shared=None) -> None:
+    """The router and experts; the block's shared experts (if any) like a dense MLP, their gate
+    like the router."""
     matrix_fill(ffn.router.weight)
     if ffn.expert_bias is not None and not ffn.expert_bias.is_meta:  # balancing starts from no bias
         _fill(ffn.expert_bias, torch.Tensor.zero_)
@@ -86,6 +88,11 @@ def _init_moe(ffn, matrix_fill, residual_fill) -> None:
     _experts(ex.w1, ex, matrix_fill)
     _experts(ex.w3, ex, matrix_fill)
     _experts(ex.w2, ex, residual_fill)
+    if shared is not None:
+        for lin in (shared.ffn.w1, shared.ffn.w3, shared.gate):
+            if lin is not None:
+                matrix_fill(lin.weight)
+        residual_fill(shared.ffn.w2.weight)
 
 
 def init_model(model: nn.Module, generator: torch.Generator | None = None) -> None:
@@ -105,7 +112,8 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
             for lin in (attn.wq, attn.wk, attn.wv):
                 _normal(lin.weight, std, generator)
             if isinstance(ffn, MoE):
-                _init_moe(ffn, lambda t: _normal(t, std, generator), lambda t: _normal(t, residual_std, generator))
+                _init_moe(ffn, lambda t: _normal(t, std, generator), lambda t: _normal(t, residual_std, generator),
+                          layer.shared_experts)
             else:
                 for lin in (ffn.w1, ffn.w3):
                     if lin is not None:
@@ -127,7 +135,7 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
                 _xavier(lin.weight, gain, generator)
             if isinstance(layer.feed_forward, MoE):
                 xav = lambda t: _xavier(t, gain, generator)  # noqa: E731
-                _init_moe(layer.feed_forward, xav, xav)
+                _init_moe(layer.feed_forward, xav, xav, layer.shared_experts)
         if not head_tied:
             _xavier(model.output.weight, 1.0, generator)
         return
@@ -147,7 +155,7 @@ def init_model(model: nn.Module, generator: torch.Generator | None = None) -> No
                     _xavier(lin.weight, scale, generator)
             if isinstance(ffn, MoE):
                 xav = lambda t: _xavier(t, scale, generator)  # noqa: E731
-                _init_moe(ffn, xav, xav)
+                _init_moe(ffn, xav, xav, layer.shared_experts)
         if not head_tied:
             _xavier(model.output.weight, 1.0, generator)
         return

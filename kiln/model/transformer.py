@@ -317,14 +317,15 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int = 0, bias: bool | None = None):
         super().__init__()
-        hidden = ffn_hidden_size(cfg)
+        hidden = hidden or ffn_hidden_size(cfg)
+        bias = cfg.bias if bias is None else bias
         self.gated = cfg.activation in ("swiglu", "geglu")
         self.act = {"swiglu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}.get(cfg.activation, F.gelu)
-        self.w1 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
-        self.w2 = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if self.gated else None
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=bias)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=bias) if self.gated else None
         self.fused_projections = cfg.fused_projections is True  # w1 and w3 in one GEMM, as in Attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -338,6 +339,22 @@ class FeedForward(nn.Module):
         return self.w2(self.act(gate) * up)
 
 
+class SharedExperts(nn.Module):
+    """The always-active experts of an MoE block (model.moe_shared_experts): one bias-free MLP of
+    moe_shared_experts x the expert width (DeepSeekMoE's shared experts, hidden units concatenated),
+    optionally scaled per token by sigmoid(gate(x)) (Qwen2-MoE). A sibling of the block's MoE, so
+    tensor parallelism shards it as a dense MLP (kiln/parallel/tensor_parallel.py)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ffn = FeedForward(cfg, cfg.moe_shared_experts * expert_hidden_size(cfg), bias=False)
+        self.gate = nn.Linear(cfg.dim, 1, bias=False) if cfg.moe_shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.ffn(x)
+        return out if self.gate is None else out * torch.sigmoid(self.gate(x))
+
+
 def uses_moe(cfg: ModelConfig, layer_id: int) -> bool:
     """Block `layer_id` has a mixture-of-experts FFN: model.moe_experts > 0, every moe_every-th block."""
     return cfg.moe_experts > 0 and layer_id % cfg.moe_every == cfg.moe_every - 1
@@ -349,6 +366,7 @@ class TransformerBlock(nn.Module):
         self.pre_norm = cfg.norm_placement == "pre"
         self.attention = Attention(cfg, layer_id)
         self.feed_forward = MoE(cfg, expert_hidden_size(cfg)) if uses_moe(cfg, layer_id) else FeedForward(cfg)
+        self.shared_experts = SharedExperts(cfg) if uses_moe(cfg, layer_id) and cfg.moe_shared_experts else None
         self.attention_norm = build_norm(cfg)
         self.ffn_norm = build_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -359,9 +377,13 @@ class TransformerBlock(nn.Module):
         extra = () if mask is None else (mask,)
         if self.pre_norm:
             x = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, start_pos, *extra))
-            return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+            return x + self.dropout(self._ffn(self.ffn_norm(x)))
         x = self.attention_norm(x + self.dropout(self.attention(x, rope, cache, start_pos, *extra)))
-        return self.ffn_norm(x + self.dropout(self.feed_forward(x)))
+        return self.ffn_norm(x + self.dropout(self._ffn(x)))
+
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.feed_forward(h)
+        return out if self.shared_experts is None else out + self.shared_experts(h)
 
 
 class Transformer(nn.Module):

@@ -151,6 +151,9 @@ class ParallelDims:
                  ("model.ffn_hidden (the FFN hidden size)", ffn_hidden_size(m)), ("data.seq_len", cfg.data.seq_len)]
         if m.moe_experts and m.moe_hidden and self.etp > 1:  # the experts' hidden units split over tp
             sizes.append(("model.moe_hidden (the experts' hidden size)", m.moe_hidden))
+        if m.moe_experts and m.moe_shared_experts:  # a dense MLP under tp
+            sizes.append(("model.moe_shared_experts x the expert width (the shared experts' hidden size)",
+                          m.moe_shared_experts * (m.moe_hidden or ffn_hidden_size(m))))
         for key, value in sizes:
             if value % tp:
                 raise ConfigError(f"parallel.tp={tp} must divide {key}={value}; change parallel.tp or {key.split()[0]}")

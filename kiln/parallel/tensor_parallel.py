@@ -148,15 +148,25 @@ def tp_plan(model: nn.Module, shard_experts: bool = True) -> dict[str, object]:
                 plan[f"{p}.attention.{name}"] = SequenceParallel(use_local_output=True)
         if isinstance(block.feed_forward, MoE):  # grouped experts stay high precision (not nn.Linear)
             plan[f"{p}.feed_forward"] = MoETensorParallel() if shard_experts else MoELocalSequence()
+            shared = getattr(block, "shared_experts", None)
+            if shared is not None:  # a dense MLP beside the experts (either etp), its gate per token
+                _mlp_plan(plan, f"{p}.shared_experts.ffn", shared.ffn)
+                if shared.gate is not None:  # sequence-sharded like the norms, its weight replicated
+                    plan[f"{p}.shared_experts.gate"] = SequenceParallel(use_local_output=True)
             continue
-        ffn = block.feed_forward
-        prepare, colwise, rowwise = _styles(*(m for m in (ffn.w1, ffn.w3, ffn.w2) if m is not None))
-        plan[f"{p}.feed_forward"] = prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan[f"{p}.feed_forward.w1"] = colwise()
-        if ffn.w3 is not None:
-            plan[f"{p}.feed_forward.w3"] = colwise()
-        plan[f"{p}.feed_forward.w2"] = rowwise(output_layouts=Shard(1))
+        _mlp_plan(plan, f"{p}.feed_forward", block.feed_forward)
     return plan
+
+
+def _mlp_plan(plan: dict, fqn: str, ffn: nn.Module) -> None:
+    """Megatron's MLP: the sequence-sharded input gathered, w1 (w3) column-wise, w2 row-wise with
+    its output reduce-scattered back to the sequence shard."""
+    prepare, colwise, rowwise = _styles(*(m for m in (ffn.w1, ffn.w3, ffn.w2) if m is not None))
+    plan[fqn] = prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan[f"{fqn}.w1"] = colwise()
+    if ffn.w3 is not None:
+        plan[f"{fqn}.w3"] = colwise()
+    plan[f"{fqn}.w2"] = rowwise(output_layouts=Shard(1))
 
 
 class MoETensorParallel(ParallelStyle):

@@ -165,6 +165,8 @@ class ModelShape:
     moe_layers: int = 0
     moe_top_k: int = 1  # experts each token is routed to
     expert_ffn: int = 0  # an expert's hidden width (model.moe_hidden); 0: ffn
+    shared_ffn: int = 0  # an MoE block's shared experts' hidden width (a dense, bias-free MLP beside them)
+    shared_gate: bool = False  # and their per-token gate (dim x 1, replicated over tp)
     rope: bool = True  # RoPE: the compiled graph saves SDPA's output and its contiguous copy (docstring)
     q_dim: int = 0  # n_heads * head_dim: q's and attention's output width; 0: dim
     norm_params: int = 1  # per norm: 1 x dim (RMSNorm, bias-free LayerNorm), 2 (LayerNorm + bias), 0 (none)
@@ -187,7 +189,9 @@ class ModelShape:
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
                    tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
                    moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
-                   moe_top_k=m.moe_top_k, expert_ffn=m.moe_hidden if m.moe_experts else 0, rope=m.positions == "rope",
+                   moe_top_k=m.moe_top_k, expert_ffn=m.moe_hidden if m.moe_experts else 0,
+                   shared_ffn=m.moe_shared_experts * (m.moe_hidden or ffn_hidden_size(m)) if m.moe_experts else 0,
+                   shared_gate=bool(m.moe_experts and m.moe_shared_gate), rope=m.positions == "rope",
                    norm_params=0 if m.norm == "none" else 2 if m.norm == "layernorm" and m.bias else 1,
                    bias=m.bias, qkv_bias=m.bias or m.qkv_bias, qk_norm=m.qk_norm, window=m.sliding_window,
                    local_layers=sum(1 for i in range(m.n_layers) if attention_window(m, i)))
@@ -225,15 +229,20 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Parameters of kiln's Transformer (tied embeddings once) - equals count_params(model)."""
-        # an MoE block's experts and router instead of a dense MLP (and its biases)
+        # an MoE block's experts, router and shared experts instead of a dense MLP (and its biases)
         moe = self.moe_layers * (self.moe_experts * (self.expert_ffn_params + self.dim) - self.ffn_params
-                                 - sum(self.mlp_biases))
+                                 - sum(self.mlp_biases) + self.shared_params)
         return self.embedding_params + self.n_layers * self.layer_params + self.dim * self.norm_params + moe
 
     @property
     def ffn_params(self) -> int:
         """One MLP's (one expert's) matrices."""
         return (3 if self.gated else 2) * self.dim * self.ffn
+
+    @property
+    def shared_params(self) -> int:
+        """One MoE block's shared experts: their MLP's matrices and gate."""
+        return (3 if self.gated else 2) * self.dim * self.shared_ffn + (self.dim if self.shared_gate else 0)
 
     @property
     def expert_ffn_params(self) -> int:
@@ -411,9 +420,12 @@ def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[
     moe_blocks = blocks * shape.moe_layers / shape.n_layers
     whole = shape.replicated_layer_params  # a block's norms, QK-norm gains and row-wise biases
     mlp_sharded_bias, mlp_whole_bias = shape.mlp_biases
-    # a MoE block's MLP is its (bias-free) experts, plus a router of E x dim
-    sharded = blocks * (shape.layer_params - whole) - moe_blocks * (shape.ffn_params + mlp_sharded_bias) + ends
-    replicated = (blocks * whole + moe_blocks * (shape.moe_experts * shape.dim - mlp_whole_bias)
+    # a MoE block's MLP is its (bias-free) experts, plus a router of E x dim, plus shared experts (a
+    # dense MLP sharded over tp; their gate replicated)
+    gate = shape.dim if shape.shared_gate else 0
+    sharded = (blocks * (shape.layer_params - whole) - moe_blocks * (shape.ffn_params + mlp_sharded_bias)
+               + moe_blocks * (shape.shared_params - gate) + ends)
+    replicated = (blocks * whole + moe_blocks * (shape.moe_experts * shape.dim - mlp_whole_bias + gate)
                   + (shape.dim * shape.norm_params if norm else 0))
     dense = sharded / layout.tp + replicated
     experts = moe_blocks * shape.moe_experts * shape.expert_ffn_params / (layout.ep * layout.expert_tp)
@@ -458,9 +470,11 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
     hidden = [q * d / tp, kv * d / tp, kv * d / tp, d * q / tp] * blocks  # Muon's orthogonalized tensors
     hidden += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs
     hidden += ([shape.moe_experts * d] + experts) * moe_blocks  # MoE: router (replicated) and experts
+    hidden += [d * shape.shared_ffn / tp] * matrices * moe_blocks if shape.shared_ffn else []  # shared experts
     # norms (and their biases) and QK-norm gains (replicated over tp), then the biases
     other = [float(d)] * shape.norm_params * (2 * blocks + (1 if norm else 0))
     other += [float(q // shape.n_heads)] * (2 * blocks if shape.qk_norm else 0)
+    other += [float(d)] * (moe_blocks if shape.shared_gate else 0)  # the shared experts' gates (replicated)
     if shape.qkv_bias:
         other += [q / tp, kv / tp, kv / tp] * blocks
     if shape.bias:  # wo's, then the dense MLPs' w1 (w3) and w2's

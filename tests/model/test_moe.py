@@ -159,7 +159,9 @@ def test_bad_moe_and_diloco_settings_are_one_line_naming_the_key(raw, key):
 
 
 @pytest.mark.parametrize("kw", [dict(moe_top_k=2), dict(n_layers=4, moe_every=2, activation="gelu"),
-                                dict(n_layers=4, moe_every=2, moe_hidden=8, moe_experts=8, moe_top_k=3)])
+                                dict(n_layers=4, moe_every=2, moe_hidden=8, moe_experts=8, moe_top_k=3),
+                                dict(moe_top_k=2, moe_shared_experts=2, moe_hidden=8),
+                                dict(n_layers=4, moe_every=2, moe_shared_experts=1, moe_shared_gate=True)])
 def test_memory_planner_counts_the_experts(kw):
     from kiln.plan.memory import ModelShape
     from kiln.train.memory import count_params_closed_form

@@ -1,5 +1,6 @@
 """MoE routing options: sigmoid scores (DeepSeek-V3), gates left unnormalized (Qwen3-MoE's
-norm_topk_prob=false), and auxiliary-loss-free balancing (model.moe_bias_update_rate).
+norm_topk_prob=false), auxiliary-loss-free balancing (model.moe_bias_update_rate), and shared
+experts (model.moe_shared_experts, optionally gated).
 Layouts other than one process: tests/parallel/test_expert_bias_balancing.py."""
 
 import contextlib
@@ -120,7 +121,28 @@ def test_bias_is_saved_only_when_balancing():
     assert keys == ["layers.0.feed_forward.expert_bias", "layers.1.feed_forward.expert_bias"]
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_experts_add_a_dense_mlp_to_every_token(gate):
+    model = build(moe_top_k=2, moe_hidden=8, moe_shared_experts=2, moe_shared_gate=gate)
+    block = model.layers[0]
+    shared = block.shared_experts
+    assert shared.ffn.w1.weight.shape == (16, 16) and shared.ffn.w1.bias is None  # 2 experts x 8 wide
+    assert (shared.gate is not None) == gate
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(6))
+    h = torch.nn.functional.silu(x @ shared.ffn.w1.weight.t()) * (x @ shared.ffn.w3.weight.t())
+    expected = h @ shared.ffn.w2.weight.t()
+    if gate:
+        expected = expected * torch.sigmoid(x @ shared.gate.weight.t())
+    torch.testing.assert_close(block._ffn(x), reference(block.feed_forward, x) + expected, rtol=1e-5, atol=1e-6)
+    assert shared.ffn.w1.weight.std() > 0 and (not gate or shared.gate.weight.abs().sum() > 0)  # initialized
+    tokens = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(7))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert shared.ffn.w2.weight.grad.abs().sum() > 0 and (not gate or shared.gate.weight.grad.abs().sum() > 0)
+
+
 @pytest.mark.parametrize("raw, key", [({"moe_bias_update_rate": 0.01}, "model.moe_bias_update_rate"),
+                                      ({"moe_shared_experts": 1}, "model.moe_shared_experts"),
+                                      ({"moe_experts": 4, "moe_shared_gate": True}, "model.moe_shared_gate"),
                                       ({"moe_hidden": 64}, "model.moe_hidden"),
                                       ({"moe_experts": 4, "moe_router": "relu"}, "model.moe_router"),
                                       ({"moe_experts": 4, "moe_bias_update_rate": -1.0}, "model.moe_bias_update_rate")])

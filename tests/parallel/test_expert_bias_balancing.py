@@ -11,8 +11,10 @@ DTensor on the tp mesh), and ep2 x tp2 with ep borrowing tp (parallel.etp=1: eac
 own sequence shard). The step-3 checkpoint of ep2 x pp2 continues in one process (the bias is
 saved and loads into another layout).
 
-The experts are fine-grained (model.moe_hidden = 48, the dense FFN 128 wide; tp shards their 48
-hidden units). Routing is sigmoid top-2 with capacity drops, and the rate (0.05) moves the biases far enough to
+The MoE is DeepSeek-V3-shaped: fine-grained experts (model.moe_hidden = 48, the dense FFN 128
+wide; tp shards their 48 hidden units) and a shared expert beside them, here with Qwen2-MoE's
+per-token sigmoid gate (tp shards the shared MLP as a dense one; the gate, sequence-sharded like
+the norms, has a replicated weight whose gradient is summed over tp). Routing is sigmoid top-2 with capacity drops, and the rate (0.05) moves the biases far enough to
 change which experts tokens pick within the 5 steps, so a wrong bias shows in the loss as well.
 Tolerance: fp32, relative 1e-5 per step for the loss and grad norm; the final biases equal
 (each a sum of +-rate steps, so equal signs give equal bits; compared to 1e-6). Negative control:
@@ -32,6 +34,7 @@ from test_expert_pipeline_context import CLIP, GLOBAL_BATCH, SAVE_AT, STEPS, moe
 REL, RATE = 1e-5, 0.05
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0,
        "model.moe_router": "'sigmoid'", "model.moe_bias_update_rate": RATE, "model.moe_hidden": 48,
+       "model.moe_shared_experts": 1, "model.moe_shared_gate": "true",
        "model.moe_aux_loss_weight": 0.0, "model.moe_z_loss_weight": 0.001, "model.init_std": 0.1}
 LAYOUTS = {  # name -> (world, [parallel] settings)
     "single": (1, {}),

@@ -107,7 +107,7 @@ def _balanced_steps(model, batch):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scope, ac", [("blocks", "full"), ("model", "none")])
 def test_compiled_moe_balances_its_experts_as_eager(scope, ac):
-    # The loads are read after forward (Transformer.moe_loads), so a checkpoint's recompute in
+    # DeepSeek-style blocks (fine-grained, a gated shared expert, the balancing bias). The loads are read after forward (Transformer.moe_loads), so a checkpoint's recompute in
     # backward does not count a forward twice, and a whole-model graph hands them out as well.
     if ac != "none" and not (torch_compat.dynamo_skips_checkpoint_side_effects()
                              and torch_compat.dynamo_traces_data_dependent_splits()):
@@ -117,6 +117,7 @@ def test_compiled_moe_balances_its_experts_as_eager(scope, ac):
     cfg = load_config(None, ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.vocab_size=61",
                              "model.max_seq_len=16", "data.seq_len=16", "model.moe_experts=4", "model.moe_top_k=2",
                              "model.moe_router='sigmoid'", "model.moe_bias_update_rate=0.05",
+                             "model.moe_shared_experts=1", "model.moe_shared_gate=true", "model.moe_hidden=16",
                              "model.moe_capacity_factor=1.0", "model.init_std=0.1", "train.dtype=fp32",
                              "train.device=cpu", "train.compile=true", f"train.compile_scope={scope!r}",
                              f"train.activation_checkpointing={ac!r}"])
