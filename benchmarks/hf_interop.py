@@ -7,8 +7,8 @@ differences and the process's peak RSS (all in one process: transformers' models
 Shapes: qwen3-0.6b (Qwen3ForCausalLM: 16 heads of 128 on a width of 1024, QK-norm, 596M
 parameters), llama-3.2-1b (LlamaForCausalLM with Llama 3.2's llama3 RoPE scaling, 1.24B),
 mixtral-8e-0.4b and qwen3-moe-16e-0.4b (MixtralForCausalLM / Qwen3MoeForCausalLM, mostly
-experts), tiny-mixtral (a window of 8) and tiny-qwen3-moe (unnormalized gates, an MoE in every
-2nd block); --quick: a tiny Qwen3 (the smoke test).
+experts), tiny-mixtral (a window of 8), tiny-qwen3-moe (unnormalized gates, an MoE in every
+2nd block) and tiny-qwen2-moe (q/k/v biases, a gated shared expert, dense blocks between); --quick: a tiny Qwen3 (the smoke test).
 
     python benchmarks/hf_interop.py [--shape qwen3-0.6b|llama-3.2-1b] [--quick] [--out FILE]
 """
@@ -63,6 +63,10 @@ SHAPES = {
                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
                                         norm_topk_prob=False, max_position_embeddings=64, tie_word_embeddings=False)),
+    "tiny-qwen2-moe": ("Qwen2Moe", dict(vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                        decoder_sparse_step=2, max_position_embeddings=64, tie_word_embeddings=False)),
 }
 
 

@@ -26,7 +26,7 @@ import torch
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.interop import hf_moe
-from kiln.interop.hf_moe import MIXTRAL, QWEN3_MOE
+from kiln.interop.hf_moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from kiln.model.transformer import expert_hidden_size, ffn_hidden_size, uses_moe
 
 # Mistral: Llama's layout with a sliding window on every layer; Ministral: with windowed and global
@@ -37,7 +37,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # HF layer_types' kinds
 GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN2: "Qwen2ForCausalLM",
             QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM", MINISTRAL: "MinistralForCausalLM",
-            MIXTRAL: "MixtralForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM"}
+            **hf_moe.CLASSES}
 # What each HF family fixes; a kiln option outside it has no equivalent there.
 FAMILY_OPTIONS = {
     LLAMA: {"norm": "rmsnorm", "norm_placement": "pre", "activation": "swiglu", "positions": "rope"},
@@ -49,7 +49,9 @@ FAMILY_OPTIONS[QWEN3] = {**FAMILY_OPTIONS[LLAMA], "bias": False, "qkv_bias": Fal
 FAMILY_OPTIONS[MISTRAL] = FAMILY_OPTIONS[MINISTRAL] = {**FAMILY_OPTIONS[LLAMA], "bias": False}
 # Mixture-of-experts families (kiln/interop/hf_moe.py): Mixtral = Mistral's attention, Qwen3-MoE = Qwen3's.
 FAMILY_OPTIONS[MIXTRAL], FAMILY_OPTIONS[QWEN3_MOE] = FAMILY_OPTIONS[MISTRAL], FAMILY_OPTIONS[QWEN3]
-ATTENTION_OF = {MIXTRAL: MISTRAL, QWEN3_MOE: QWEN3}  # whose attention (and window keys) each MoE family has
+FAMILY_OPTIONS[QWEN2_MOE] = FAMILY_OPTIONS[MISTRAL]  # Qwen2's q/k/v biases (model.qkv_bias) or none
+# whose attention (and window keys) each MoE family has
+ATTENTION_OF = {MIXTRAL: MISTRAL, QWEN3_MOE: QWEN3, QWEN2_MOE: QWEN2}
 
 
 # ---------------------------------------------------------------------------- kiln -> HF
@@ -67,11 +69,11 @@ def export_family(cfg: ModelConfig) -> str:
         family = QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias and not cfg.bias else LLAMA
         if family == LLAMA and cfg.sliding_window:  # Qwen2/3 name their windowed layers themselves
             family = MINISTRAL if cfg.full_attention_every else MISTRAL
-    if cfg.moe_experts:  # Qwen3-MoE for QK-norm models, else Mixtral
+    if cfg.moe_experts:  # Qwen2-MoE with shared experts, Qwen3-MoE for QK-norm models, else Mixtral
         if family == GPT2:
             raise KilnError(f"model.moe_experts={cfg.moe_experts} with positions='learned': HF's GPT2LMHeadModel "
                             f"has no mixture of experts; use positions='rope' (Mixtral, Qwen3-MoE)")
-        family = QWEN3_MOE if cfg.qk_norm else MIXTRAL
+        family = hf_moe.family_of(cfg)
         hf_moe.check_export(cfg, family)
     for key, wanted in FAMILY_OPTIONS[family].items():
         value = getattr(cfg, key)
@@ -132,6 +134,10 @@ def hf_config(cfg: ModelConfig, eos_id: int):
                                 "transformers >= 4.51") from None
             config = Qwen3MoeConfig(head_dim=cfg.attention_head_dim(), attention_bias=False, use_sliding_window=False,
                                     **hf_moe.config_kwargs(cfg, family), **common)
+        elif family == QWEN2_MOE:  # head_dim is hidden_size / heads there (refused otherwise above)
+            from transformers import Qwen2MoeConfig
+
+            config = Qwen2MoeConfig(**hf_moe.config_kwargs(cfg, family), **common)
         else:
             try:
                 from transformers import Qwen3Config
@@ -200,7 +206,7 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
              "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
              "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
              "feed_forward.w2": "mlp.down_proj"}
-    moe_family = QWEN3_MOE if cfg.qk_norm else MIXTRAL
+    moe_family = hf_moe.family_of(cfg)
     for i in range(cfg.n_layers):
         moe = uses_moe(cfg, i)
         if moe:  # the router here; the experts, stacked in kiln, go tensor by tensor (hf_moe)
@@ -262,13 +268,13 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
         rope = _rope_from_hf(hf, source)
         _require(hf, source, "hidden_act", "silu", "kiln's swiglu uses SiLU")
         moe = {}
-        if model_type in (MIXTRAL, QWEN3_MOE):
+        if model_type in (MIXTRAL, QWEN3_MOE, QWEN2_MOE):
             moe = hf_moe.config_from_hf(hf, source, model_type, get, get("num_hidden_layers", int))
-            if model_type == QWEN3_MOE and hf.get("use_sliding_window"):
-                raise KilnError(f"{source}: use_sliding_window=true is not supported by kiln for qwen3_moe; "
+            if model_type != MIXTRAL and hf.get("use_sliding_window"):
+                raise KilnError(f"{source}: use_sliding_window=true is not supported by kiln for {model_type}; "
                                 f"expected false")
         if attention == QWEN2:  # q/k/v biased, o and the MLP not, whatever else the file says
-            bias, qkv_bias = False, True
+            bias, qkv_bias = False, True if model_type == QWEN2 else get("qkv_bias", bool, True)
         elif attention == QWEN3:  # its attention_bias covers q, k, v and o but not the MLP
             _require(hf, source, "attention_bias", False, "biases on the attention alone have no kiln equivalent")
             bias = qkv_bias = False
@@ -308,7 +314,7 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
                           dropout=get("resid_pdrop", float, 0.1))
     else:
         raise KilnError(f"{source}: model_type={model_type!r} is not supported; kiln imports 'llama', "
-                        f"'mistral', 'ministral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'gpt2'")
+                        f"'mistral', 'ministral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'qwen2_moe' and 'gpt2'")
     cfg.vocab_size = get("vocab_size", int)
     # An absent key means the transformers class default: untied for Llama, tied for GPT-2.
     cfg.tie_embeddings = get("tie_word_embeddings", bool, model_type == GPT2)
@@ -493,7 +499,7 @@ def from_hf_state(hf_tensors: dict[str, HFTensor], cfg: ModelConfig, expected: d
             out[ours] = take(hf, expected[ours])
         for i in range(cfg.n_layers) if cfg.moe_experts else ():
             if uses_moe(cfg, i):
-                out.update(hf_moe.experts_from_hf(take, QWEN3_MOE if cfg.qk_norm else MIXTRAL, i, expected))
+                out.update(hf_moe.experts_from_hf(take, hf_moe.family_of(cfg), i, expected))
     else:
         # Inverse of to_hf_state's GPT-2 branch.
         for ours, hf in (("tok_embeddings.weight", "wte.weight"), ("pos_embeddings.weight", "wpe.weight"),

@@ -35,6 +35,42 @@ def qwen3_moe(**extra):
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**fields))
 
 
+def qwen2_moe(**extra):
+    torch.manual_seed(0)
+    fields = {**SIZES, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+              "shared_expert_intermediate_size": 32, **extra}
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**fields))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen2_moe_normalized_every_2nd", "qwen2_moe_without_qkv_bias"])
+def test_qwen2_moe_imports_with_its_gated_shared_expert_and_round_trips(family, tmp_path):
+    """Qwen2-MoE (Qwen1.5-MoE): q/k/v biases, 16-wide experts and a 32-wide shared expert (2 x the
+    expert width) scaled by its per-token sigmoid gate; random gate and bias weights count."""
+    if family == "qwen2_moe":
+        model, fields = qwen2_moe(), dict(moe_every=1, moe_norm_gates=False, qkv_bias=True, ffn_hidden=16, moe_hidden=0)
+    elif family == "qwen2_moe_normalized_every_2nd":  # dense blocks 48 wide between
+        model = qwen2_moe(decoder_sparse_step=2, norm_topk_prob=True)
+        fields = dict(moe_every=2, moe_norm_gates=True, ffn_hidden=48, moe_hidden=16)
+    else:
+        model, fields = qwen2_moe(qkv_bias=False), dict(qkv_bias=False)
+    with torch.no_grad():  # transformers initializes the biases to 0: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.2)
+    imported = _imports_and_round_trips(model, tmp_path, "Qwen2MoeForCausalLM")
+    cfg = imported.cfg
+    assert (cfg.moe_shared_experts, cfg.moe_shared_gate, cfg.moe_experts, cfg.moe_capacity_factor) == (2, True, 4, 0.0)
+    for key, value in fields.items():
+        assert getattr(cfg, key) == value, key
+    ids = tokens(300)  # the gate matters: without it (a gate of 1) the logits differ
+    with torch.no_grad():
+        gated = imported(ids)
+        for block in imported.layers:
+            if block.shared_experts is not None:
+                block.shared_experts.gate.weight.fill_(100.0)  # sigmoid ~ 1 only where x . 1 > 0: changes
+        assert (imported(ids) - gated).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("family", ["mixtral", "mixtral_window", "qwen3_moe", "qwen3_moe_unnormalized",
                                     "qwen3_moe_every_2nd", "qwen3_moe_fine_grained", "qwen3_moe_top1"])
 def test_moe_models_import_with_transformers_logits_and_round_trip(family, tmp_path):
@@ -80,6 +116,9 @@ def test_imported_moe_trains_on(text_file, tmp_path):
                                            (["model.qk_norm=true", "model.moe_norm_gates=false", "model.moe_every=2"],
                                             "Qwen3MoeForCausalLM"),
                                            (["model.moe_hidden=24"], "MixtralForCausalLM"),
+                                           (["model.qkv_bias=true", "model.moe_shared_experts=1",
+                                             "model.moe_shared_gate=true", "model.moe_hidden=16"],
+                                            "Qwen2MoeForCausalLM"),
                                            (["model.qk_norm=true", "model.moe_every=2", "model.moe_hidden=24"],
                                             "Qwen3MoeForCausalLM")])
 def test_kiln_moe_runs_export_with_their_logits(extra, family, text_file, tmp_path):
@@ -103,6 +142,9 @@ def test_kiln_moe_runs_export_with_their_logits(extra, family, text_file, tmp_pa
     (["model.moe_every=2"], "model.moe_every=2"),
     (["model.sliding_window=8", "model.full_attention_every=2"], "model.full_attention_every=2"),
     (["model.positions=learned", "model.norm=layernorm", "model.activation=gelu"], "model.moe_experts=4"),
+    (["model.moe_shared_experts=1"], "model.moe_shared_gate=false"),
+    (["model.moe_shared_experts=1", "model.moe_shared_gate=true", "model.qk_norm=true"], "model.qk_norm=true"),
+    (["model.moe_shared_experts=1", "model.moe_shared_gate=true", "model.head_dim=32"], "model.head_dim=32"),
 ])
 def test_inexpressible_moe_exports_are_refused_by_key(extra, named, tmp_path, capsys):
     from kiln.config import load_config
@@ -121,9 +163,11 @@ def test_inexpressible_moe_exports_are_refused_by_key(extra, named, tmp_path, ca
     ("mixtral", {"num_experts_per_tok": 8}, "num_experts_per_tok=8"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=true"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 40}, "shared_expert_intermediate_size=40"),
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=true"),
 ])
 def test_inexpressible_moe_imports_are_refused_by_key(family, changes, named, tmp_path, capsys):
-    model = mixtral() if family == "mixtral" else qwen3_moe()
+    model = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe}[family]()
     model.save_pretrained(str(tmp_path / "hf"))
     train_bpe(iter([SAMPLE * 50]), 290).save(tmp_path / "hf" / "tokenizer.json")
     _edit_config(tmp_path / "hf", **changes)
