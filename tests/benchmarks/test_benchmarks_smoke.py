@@ -141,3 +141,15 @@ def test_sliding_window_compares_blocked_dense_and_causal(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["seq"] for r in rows] == [64, 40] and all(r["max_abs_diff"] <= 1e-5 for r in rows)
     assert all(r["blocked_s"] > 0 and r["dense_mask_saved_bytes"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_moe_balancing_runs_every_recipe(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400)))
+    out = tmp_path / "moe_balancing.json"
+    assert _load("moe_balancing").main(["--quick", "--steps", "6", "--data", str(corpus), "--workdir",
+                                        str(tmp_path / "runs"), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"none", "aux loss 0.01", "bias 0.001", "bias 0.01"}
+    assert all(r["max_load_last"] >= 1.0 and r["step_ms"] > 0 and r["val_loss"] > 0 for r in results.values())
