@@ -172,6 +172,13 @@ class ModelConfig:
     # sigmoid (DeepSeek-V3); moe_norm_gates renormalizes a token's top_k > 1 gates to sum to 1.
     moe_router: str = ranged("softmax", choices=("softmax", "sigmoid"))
     moe_norm_gates: bool = True
+    # Routed gates times this (DeepSeek-V3's routed_scaling_factor, 2.5 there); 1: unscaled.
+    moe_gate_scale: float = ranged(1.0, gt=0.0)
+    # Group-limited routing (DeepSeek-V3's node-limited routing): the experts in moe_groups equal
+    # groups, a token picks among the moe_topk_groups groups whose two best scores sum highest
+    # (with an expert parallel group per node, a token's experts sit on at most that many nodes).
+    moe_groups: int = ranged(1, ge=1)
+    moe_topk_groups: int = ranged(1, ge=1)
     # Auxiliary-loss-free load balancing (DeepSeek-V3, Wang et al. 2024): a per-expert bias added to
     # the scores only to pick experts, moved by this much after every optimizer step, up for an
     # expert that took fewer assignments than the mean over the step's global batch, down for one
@@ -194,6 +201,17 @@ class ModelConfig:
         if self.moe_hidden and not self.moe_experts:
             raise ConfigError(f"model.moe_hidden={self.moe_hidden} is the experts' width; set model.moe_experts > 0 "
                               f"or model.moe_hidden = 0")
+        if self.moe_groups > 1 and self.moe_experts:
+            if self.moe_experts % self.moe_groups:
+                raise ConfigError(f"model.moe_groups={self.moe_groups} must divide model.moe_experts="
+                                  f"{self.moe_experts}")
+            if self.moe_topk_groups > self.moe_groups:
+                raise ConfigError(f"model.moe_topk_groups={self.moe_topk_groups} must be <= "
+                                  f"model.moe_groups={self.moe_groups}")
+            if self.moe_top_k > self.moe_topk_groups * (self.moe_experts // self.moe_groups):
+                raise ConfigError(f"model.moe_top_k={self.moe_top_k} exceeds the experts of "
+                                  f"model.moe_topk_groups={self.moe_topk_groups} groups of "
+                                  f"{self.moe_experts // self.moe_groups}; raise model.moe_topk_groups")
         if self.moe_shared_experts and not self.moe_experts:
             raise ConfigError(f"model.moe_shared_experts={self.moe_shared_experts} sit beside routed experts; set "
                               f"model.moe_experts > 0 or model.moe_shared_experts = 0")

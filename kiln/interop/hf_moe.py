@@ -55,6 +55,10 @@ def check_export(cfg: ModelConfig, family: str) -> None:
                         f"(the family with shared experts) has no QK-norm")
     if cfg.moe_router != "softmax":
         raise KilnError(f"model.moe_router={cfg.moe_router!r} has no equivalent in HF {theirs} (softmax routers only)")
+    for key, plain in (("moe_gate_scale", 1.0), ("moe_groups", 1)):
+        if getattr(cfg, key) != plain:
+            raise KilnError(f"model.{key}={getattr(cfg, key)!r} has no equivalent in HF {theirs} (DeepSeek-V3 "
+                            f"routing); expected {plain!r}")
     if cfg.moe_bias_update_rate:
         raise KilnError(f"model.moe_bias_update_rate={cfg.moe_bias_update_rate:g}: the expert bias that picks "
                         f"experts has no place in HF {theirs}")

@@ -169,7 +169,8 @@ class MoE(nn.Module):
         # Set by kiln.parallel.tensor_parallel.MoELocalSequence (parallel.etp=1): the tp mesh over
         # which each sequence is split in contiguous shards, one per rank; None = not split over tp.
         self.sp_mesh = None
-        self.router_kind, self.norm_gates = cfg.moe_router, cfg.moe_norm_gates
+        self.router_kind, self.norm_gates, self.gate_scale = cfg.moe_router, cfg.moe_norm_gates, cfg.moe_gate_scale
+        self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
         # Auxiliary-loss-free balancing (model.moe_bias_update_rate > 0; `balance_experts`): a
         # per-expert bias added to the scores when choosing experts, kept in checkpoints.
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts) if cfg.moe_bias_update_rate > 0 else None)
@@ -196,14 +197,21 @@ class MoE(nn.Module):
                 weight = sum_grad_over_tp(weight, self.sp_mesh)
             logits = F.linear(x.float(), weight.float())  # (B, T, E) fp32
         scores = logits.sigmoid() if self.router_kind == "sigmoid" else logits.softmax(dim=-1)
-        if self.expert_bias is None:
+        if self.expert_bias is None and self.groups == 1:
             gates, experts = scores.topk(self.top_k, dim=-1)  # (B, T, k)
         else:  # DeepSeek-V3: the balancing bias picks the experts, the unbiased scores weigh them
-            bias = self.expert_bias.to_local() if isinstance(self.expert_bias, DTensor) else self.expert_bias
-            experts = (scores + bias).topk(self.top_k, dim=-1).indices
+            choice = scores
+            if self.expert_bias is not None:
+                bias = self.expert_bias.to_local() if isinstance(self.expert_bias, DTensor) else self.expert_bias
+                choice = scores + bias
+            if self.groups > 1:
+                choice = self._within_best_groups(choice)
+            experts = choice.topk(self.top_k, dim=-1).indices
             gates = scores.gather(-1, experts)
         if self.top_k > 1 and self.norm_gates:  # GShard, DeepSeek-V3: the k gates renormalized to sum to 1
             gates = gates / gates.sum(dim=-1, keepdim=True)
+        if self.gate_scale != 1.0:
+            gates = gates * self.gate_scale
         # k-major order within each sequence: every token's first choice before any second choice.
         experts_km = experts.transpose(1, 2).reshape(bsz, self.top_k * seqlen)  # (B, kT)
         onehot = F.one_hot(experts_km, self.n_experts)  # (B, kT, E)
@@ -244,6 +252,17 @@ class MoE(nn.Module):
                  + torch.arange(seqlen, device=x.device).repeat(self.top_k)[None])  # (B, kT)
         gates_km = gates.transpose(1, 2).reshape(bsz, self.top_k * seqlen)
         return token.flatten(), experts_km.flatten(), gates_km.flatten(), keep.flatten()
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited routing: each group of E / groups experts is rated by the sum
+        of its two best (biased) scores (its best alone for groups of one), and every expert outside
+        a token's topk_groups best groups is ruled out (-inf)."""
+        per = self.n_experts // self.groups
+        grouped = choice.unflatten(-1, (self.groups, per))  # (B, T, G, E/G)
+        rating = grouped.topk(min(2, per), dim=-1).values.sum(-1)  # (B, T, G)
+        best = rating.topk(self.topk_groups, dim=-1).indices
+        allowed = torch.zeros_like(rating, dtype=torch.bool).scatter_(-1, best, True)
+        return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).flatten(-2)
 
     def _cp_positions(self, onehot: torch.Tensor) -> torch.Tensor:
         """Slots of this rank's assignments in their experts' queues for the whole sequence, when

@@ -143,6 +143,8 @@ def test_kiln_moe_runs_export_with_their_logits(extra, family, text_file, tmp_pa
     (["model.sliding_window=8", "model.full_attention_every=2"], "model.full_attention_every=2"),
     (["model.positions=learned", "model.norm=layernorm", "model.activation=gelu"], "model.moe_experts=4"),
     (["model.moe_shared_experts=1"], "model.moe_shared_gate=false"),
+    (["model.moe_gate_scale=2.5"], "model.moe_gate_scale=2.5"),
+    (["model.moe_groups=2"], "model.moe_groups=2"),
     (["model.moe_shared_experts=1", "model.moe_shared_gate=true", "model.qk_norm=true"], "model.qk_norm=true"),
     (["model.moe_shared_experts=1", "model.moe_shared_gate=true", "model.head_dim=32"], "model.head_dim=32"),
 ])

@@ -28,14 +28,21 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     unbiased scores of those, renormalized for k > 1 when the layer normalizes."""
     ex, out = moe.experts, torch.zeros_like(x)
     bias = moe.expert_bias if moe.expert_bias is not None else torch.zeros(moe.n_experts)
+    per = moe.n_experts // moe.groups
     for b in range(x.shape[0]):
         for t in range(x.shape[1]):
             logits = x[b, t].float() @ moe.router.weight.float().t()
             scores = logits.sigmoid() if moe.router_kind == "sigmoid" else logits.softmax(-1)
-            idx = (scores + bias).topk(moe.top_k).indices
+            choice = (scores + bias).tolist()
+            # group-limited: rate each group by its two best choices, keep the topk_groups best
+            rating = [sum(sorted(choice[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(moe.groups)]
+            kept = sorted(range(moe.groups), key=lambda g: -rating[g])[:moe.topk_groups]
+            allowed = [e for e in range(moe.n_experts) if e // per in kept]
+            idx = torch.tensor(sorted(allowed, key=lambda e: -choice[e])[:moe.top_k])
             gates = scores[idx]
             if moe.top_k > 1 and moe.norm_gates:
                 gates = gates / gates.sum()
+            gates = gates * moe.gate_scale
             for g, e in zip(gates, idx):
                 h = ex.act(x[b, t] @ ex.w1[e]) * (x[b, t] @ ex.w3[e])
                 out[b, t] += g * (h @ ex.w2[e])
@@ -45,13 +52,28 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kw", [dict(moe_router="sigmoid", moe_top_k=2), dict(moe_router="sigmoid", moe_top_k=1),
                                 dict(moe_top_k=2, moe_norm_gates=False),
                                 dict(moe_router="sigmoid", moe_top_k=3, moe_bias_update_rate=0.01),
-                                dict(moe_top_k=2, moe_bias_update_rate=0.01)])
+                                dict(moe_top_k=2, moe_bias_update_rate=0.01),
+                                # DeepSeek-V3's routing: 8 experts in 4 groups, the best 2 groups, scale 2.5
+                                dict(moe_router="sigmoid", moe_top_k=3, moe_experts=8, moe_groups=4, moe_topk_groups=2,
+                                     moe_gate_scale=2.5, moe_bias_update_rate=0.01),
+                                dict(moe_top_k=2, moe_experts=8, moe_groups=8, moe_topk_groups=3)])
 def test_routing_equals_the_token_by_token_definition(kw):
     moe = build(**kw).layers[0].feed_forward
-    if moe.expert_bias is not None:
-        moe.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))  # large enough to change picks
+    if moe.expert_bias is not None:  # large enough to change picks
+        moe.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1, 0.2, -0.1, 0.05, 0.0][:moe.n_experts]))
     x = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def test_group_limited_routing_keeps_each_token_within_its_best_groups():
+    moe = build(moe_experts=8, moe_top_k=2, moe_groups=4, moe_topk_groups=1).layers[0].feed_forward
+    _, expert, _, _ = moe.route(torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(8)))
+    pairs = expert.view(2, 2, 8)  # (B, k, T): each token's two experts, k-major
+    assert torch.equal(pairs[:, 0] // 2, pairs[:, 1] // 2)  # both in one group of 2
+    free = build(moe_experts=8, moe_top_k=2).layers[0].feed_forward
+    _, expert, _, _ = free.route(torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(8)))
+    pairs = expert.view(2, 2, 8)
+    assert not torch.equal(pairs[:, 0] // 2, pairs[:, 1] // 2)  # a control: unlimited routing crosses groups
 
 
 def test_bias_picks_the_experts_but_does_not_weigh_them():
@@ -144,6 +166,9 @@ def test_shared_experts_add_a_dense_mlp_to_every_token(gate):
                                       ({"moe_shared_experts": 1}, "model.moe_shared_experts"),
                                       ({"moe_experts": 4, "moe_shared_gate": True}, "model.moe_shared_gate"),
                                       ({"moe_hidden": 64}, "model.moe_hidden"),
+                                      ({"moe_experts": 6, "moe_groups": 4}, "model.moe_groups"),
+                                      ({"moe_experts": 8, "moe_groups": 4, "moe_topk_groups": 5}, "model.moe_topk_groups"),
+                                      ({"moe_experts": 8, "moe_groups": 4, "moe_top_k": 3}, "model.moe_top_k"),
                                       ({"moe_experts": 4, "moe_router": "relu"}, "model.moe_router"),
                                       ({"moe_experts": 4, "moe_bias_update_rate": -1.0}, "model.moe_bias_update_rate")])
 def test_bad_routing_settings_are_one_line_naming_the_key(raw, key):
