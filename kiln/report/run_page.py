@@ -33,7 +33,7 @@ DEDUP_KINDS = ("eval", "checkpoint")  # a resumed run repeats steps after its ch
 
 
 TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "memory_mb", "data_wait_ms",
-              "skipped")
+              "skipped", "moe_max_load", "moe_aux_loss")
 
 
 @dataclass
@@ -242,6 +242,11 @@ def build_charts(m: RunMetrics, max_points: int = MAX_POINTS) -> list[Chart]:
         Chart("chart-data-wait", "Data wait per step", [series("data wait ms", steps, col("data_wait_ms"))],
               y_label="ms"),
     ]
+    if any(_finite(v) for v in col("moe_max_load")):  # mixture-of-experts runs: how evenly tokens spread
+        charts.append(Chart("chart-moe-load", "MoE load balance (1 = even)",
+                            [series("max expert load / mean", steps, col("moe_max_load")),
+                             series("balancing loss (unweighted)", steps, col("moe_aux_loss"))],
+                            y_label="ratio"))
     for c in charts:
         c.markers = markers
     return charts

@@ -167,6 +167,23 @@ def test_every_chart_is_there_with_its_data(report):
     assert all(page.markers[c] == 2 for c in CHARTS)  # checkpoints at 60 and 120
 
 
+def test_moe_runs_get_a_load_balance_chart(tmp_path):
+    run = tmp_path / "run"
+    rows = synthetic_run(run)  # rewritten without its crash and bad lines, with MoE keys
+    lines = [json.dumps({**r, "moe_max_load": 1.0 + 4.0 / r["step"], "moe_aux_loss": 1.1})
+             if r["kind"] == "train" else json.dumps(r) for r in rows]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    page = Page(write_report(run)[0].read_text(encoding="utf-8"))
+    data = page.data["data-chart-moe-load"]
+    assert data["max expert load / mean"]["y"] == [1.0 + 4.0 / s for s in range(1, 121)]
+    assert data["balancing loss (unweighted)"]["y"] == [1.1] * 120
+    assert "chart-moe-load" in page.svgs
+
+
+def test_dense_runs_have_no_moe_chart(report):
+    assert "chart-moe-load" not in report[3].svgs
+
+
 def test_summary_matches_the_rows(report):
     run, rows, _, page, summary = report
     train = [r for r in rows if r["kind"] == "train"]
