@@ -185,3 +185,31 @@ def test_missing_expert_is_named(tmp_path, capsys):
     del weights["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
     save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     _refused(tmp_path / "hf", tmp_path / "run", capsys, "model.layers.1.block_sparse_moe.experts.3.w2.weight")
+
+
+@pytest.mark.parametrize("family, changes, named", [
+    ("mixtral", {"num_local_experts": 1 << 40}, "invalid kiln config"),  # refused before any model is built
+    ("mixtral", {"num_local_experts": "8"}, "num_local_experts='8'"),
+    ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": -32}, "shared_expert_intermediate_size=-32"),
+    ("qwen3_moe", {"decoder_sparse_step": 9}, "decoder_sparse_step=9"),
+])
+def test_hostile_moe_configs_are_refused_in_one_line(family, changes, named, tmp_path, capsys):
+    model = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe}[family]()
+    model.save_pretrained(str(tmp_path / "hf"))
+    train_bpe(iter([SAMPLE * 50]), 290).save(tmp_path / "hf" / "tokenizer.json")
+    _edit_config(tmp_path / "hf", **changes)
+    _refused(tmp_path / "hf", tmp_path / "run", capsys, named)
+
+
+@pytest.mark.parametrize("damage", ["shape", "dtype"])
+def test_misshapen_or_integer_experts_are_named_before_any_data_is_read(damage, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    qwen3_moe().save_pretrained(str(tmp_path / "hf"))
+    train_bpe(iter([SAMPLE * 50]), 290).save(tmp_path / "hf" / "tokenizer.json")
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    name = "model.layers.2.mlp.experts.1.up_proj.weight"
+    weights[name] = weights[name][:, :-1].contiguous() if damage == "shape" else weights[name].to(torch.int32)
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    _refused(tmp_path / "hf", tmp_path / "run", capsys, f"{name} has {damage}")

@@ -29,7 +29,8 @@ import shutil
 import pytest
 
 from ranks import patch_for_one_run, run_ranks
-from test_expert_pipeline_context import CLIP, GLOBAL_BATCH, SAVE_AT, STEPS, moe_job, rows, train_jobs
+from test_expert_pipeline_context import (CLIP, GLOBAL_BATCH, SAVE_AT, STEPS, moe_job, rows, single_run_first,
+                                          train_jobs)
 
 REL, RATE = 1e-5, 0.05
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0,
@@ -80,10 +81,7 @@ def runs(tmp_path_factory, text_file):
     from kiln.train.trainer import train
 
     root = tmp_path_factory.mktemp("expert_bias")
-    shards = root / "shards"
-    sets = {name: overrides(text_file, shards, name) for name in LAYOUTS}
-    train(load_config(None, sets["single"]), root / "single")  # writes the shared shards first
-    out = {name: root / name for name in LAYOUTS}
+    sets, out = single_run_first(root, text_file, LAYOUTS, overrides)
     jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if name != "single"]
     (root / "ranks").mkdir()
     run_ranks(train_jobs, 4, root / "ranks", jobs, timeout=300)

@@ -126,16 +126,24 @@ def rows(run):
     return {r["step"]: r for r in lines if r["kind"] == "train"}
 
 
+def single_run_first(root, text_file, layouts, overrides):
+    """Each layout's settings (shards shared under root), the one-process run trained (it writes the
+    shards), and each layout's run directory (also here and test_expert_bias_balancing.py)."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    sets = {name: overrides(text_file, root / "shards", name) for name in layouts}
+    train(load_config(None, sets["single"]), root / "single")
+    return sets, {name: root / name for name in layouts}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text_file):
     from kiln.config import load_config
     from kiln.train.trainer import train
 
     root = tmp_path_factory.mktemp("epmix")
-    shards = root / "shards"
-    sets = {name: overrides(text_file, shards, name) for name in LAYOUTS}
-    train(load_config(None, sets["single"]), root / "single")  # writes the shared shards first
-    out = {name: root / name for name in LAYOUTS}
+    sets, out = single_run_first(root, text_file, LAYOUTS, overrides)
     out["ep2_pp2->ep4_cp2"] = root / "pp-to-cp"
     out["ep2_pp2 wrong"] = root / "pp-wrong"
     out["ep4_cp2 wrong"] = root / "cp-wrong"

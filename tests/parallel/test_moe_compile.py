@@ -48,6 +48,15 @@ def _losses(model, batch):
     return out
 
 
+def _eager_and_parallelized(cfg):
+    """The eager model, a copy through kiln's `parallelize` (one process), and a batch."""
+    eager = Transformer(cfg.model)
+    eager.init_weights(torch.Generator().manual_seed(0))
+    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
+    dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0, local_world_size=1)
+    return eager, parallelize(copy.deepcopy(eager), dims, cfg, torch.device("cpu")), batch
+
+
 @pytest.mark.timeout(300)
 def test_moe_with_checkpointed_compiled_blocks_trains_as_eager():
     if not (torch_compat.dynamo_skips_checkpoint_side_effects() and torch_compat.dynamo_traces_data_dependent_splits()):
@@ -64,12 +73,7 @@ def _checkpointed_compiled_moe_trains_as_eager():
                              "model.moe_aux_loss_weight=0.5", "model.moe_z_loss_weight=0.1", "train.dtype=fp32",
                              "train.device=cpu", "train.compile=true", "train.compile_scope=blocks",
                              "train.activation_checkpointing=full"])
-    eager = Transformer(cfg.model)
-    eager.init_weights(torch.Generator().manual_seed(0))
-    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
-    model = copy.deepcopy(eager)
-    dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0, local_world_size=1)
-    model = parallelize(model, dims, cfg, torch.device("cpu"))
+    eager, model, batch = _eager_and_parallelized(cfg)
     for block in model.layers:  # compiled checkpoint wrappers around the MoE blocks
         assert type(block).__name__ == "OptimizedModule" and isinstance(block._orig_mod, CheckpointWrapper)
     expected = _losses(eager, batch)
@@ -121,12 +125,7 @@ def test_compiled_moe_balances_its_experts_as_eager(scope, ac):
                              "model.moe_capacity_factor=1.0", "model.init_std=0.1", "train.dtype=fp32",
                              "train.device=cpu", "train.compile=true", f"train.compile_scope={scope!r}",
                              f"train.activation_checkpointing={ac!r}"])
-    eager = Transformer(cfg.model)
-    eager.init_weights(torch.Generator().manual_seed(0))
-    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
-    model = copy.deepcopy(eager)
-    dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0, local_world_size=1)
-    model = parallelize(model, dims, cfg, torch.device("cpu"))
+    eager, model, batch = _eager_and_parallelized(cfg)
     expected_losses, expected_biases = _balanced_steps(eager, batch)
     losses, biases = _balanced_steps(model, batch)
     assert losses == pytest.approx(expected_losses, rel=REL)
