@@ -29,8 +29,8 @@ import shutil
 import pytest
 
 from ranks import patch_for_one_run, run_ranks
-from test_expert_pipeline_context import (CLIP, GLOBAL_BATCH, SAVE_AT, STEPS, moe_job, rows, single_run_first,
-                                          train_jobs)
+from test_expert_pipeline_context import (CLIP, GLOBAL_BATCH, SAVE_AT, STEPS, jobs_with_mistakes, moe_job, rows,
+                                          single_run_first, train_jobs)
 
 REL, RATE = 1e-5, 0.05
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0,
@@ -56,15 +56,14 @@ def overrides(text_file, shards, name):
     return moe_job(text_file, shards, per_rank, data_ranks, moe=MOE)
 
 
-def loads_not_summed(rank, world, jobs):
-    """train_jobs with each rank balancing its experts on its own sequences only."""
-    from kiln.train import trainer
+def deliberate_mistake(kind):
+    """For jobs_with_mistakes: "loads_not_summed" makes each rank balance its experts on its own
+    sequences only; returns the undo."""
+    if kind == "loads_not_summed":
+        from kiln.train import trainer
 
-    undo = patch_for_one_run(trainer, "batch_group", lambda dims: None)
-    try:
-        train_jobs(rank, world, jobs)
-    finally:
-        undo()
+        return patch_for_one_run(trainer, "batch_group", lambda dims: None)
+    return lambda: None
 
 
 def final_biases(run):
@@ -82,13 +81,11 @@ def runs(tmp_path_factory, text_file):
 
     root = tmp_path_factory.mktemp("expert_bias")
     sets, out = single_run_first(root, text_file, LAYOUTS, overrides)
-    jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if name != "single"]
-    (root / "ranks").mkdir()
-    run_ranks(train_jobs, 4, root / "ranks", jobs, timeout=300)
     out["dp4 unsummed"] = root / "dp4-unsummed"
-    (root / "ranks-unsummed").mkdir()
-    run_ranks(loads_not_summed, 4, root / "ranks-unsummed", [(None, out["dp4 unsummed"], sets["dp4"], None, None)],
-              timeout=200)
+    jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if name != "single"]
+    jobs.append((None, out["dp4 unsummed"], sets["dp4"], None, "loads_not_summed"))
+    (root / "ranks").mkdir()
+    run_ranks(jobs_with_mistakes, 4, root / "ranks", deliberate_mistake, jobs, timeout=300)  # one spawn for all
     out["ep2_pp2->single"] = run = root / "pp-to-single"
     shutil.copytree(out["ep2_pp2"], run, ignore=shutil.ignore_patterns(f"step-{STEPS}"))
     train(load_config(None, sets["single"]), run, resume=True)
