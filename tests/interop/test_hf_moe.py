@@ -167,8 +167,14 @@ def test_inexpressible_moe_exports_are_refused_by_key(extra, named, tmp_path, ca
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=true"),
     ("qwen2_moe", {"shared_expert_intermediate_size": 40}, "shared_expert_intermediate_size=40"),
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=true"),
+    # hostile values: typed and ranged like every other key, refused before any model is built
+    ("mixtral", {"num_local_experts": 1 << 40}, "invalid kiln config"),
+    ("mixtral", {"num_local_experts": "8"}, "num_local_experts='8'"),
+    ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": -32}, "shared_expert_intermediate_size=-32"),
+    ("qwen3_moe", {"decoder_sparse_step": 9}, "decoder_sparse_step=9"),
 ])
-def test_inexpressible_moe_imports_are_refused_by_key(family, changes, named, tmp_path, capsys):
+def test_inexpressible_or_hostile_moe_imports_are_refused_by_key(family, changes, named, tmp_path, capsys):
     model = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe}[family]()
     model.save_pretrained(str(tmp_path / "hf"))
     train_bpe(iter([SAMPLE * 50]), 290).save(tmp_path / "hf" / "tokenizer.json")
@@ -185,21 +191,6 @@ def test_missing_expert_is_named(tmp_path, capsys):
     del weights["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
     save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     _refused(tmp_path / "hf", tmp_path / "run", capsys, "model.layers.1.block_sparse_moe.experts.3.w2.weight")
-
-
-@pytest.mark.parametrize("family, changes, named", [
-    ("mixtral", {"num_local_experts": 1 << 40}, "invalid kiln config"),  # refused before any model is built
-    ("mixtral", {"num_local_experts": "8"}, "num_local_experts='8'"),
-    ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
-    ("qwen2_moe", {"shared_expert_intermediate_size": -32}, "shared_expert_intermediate_size=-32"),
-    ("qwen3_moe", {"decoder_sparse_step": 9}, "decoder_sparse_step=9"),
-])
-def test_hostile_moe_configs_are_refused_in_one_line(family, changes, named, tmp_path, capsys):
-    model = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe}[family]()
-    model.save_pretrained(str(tmp_path / "hf"))
-    train_bpe(iter([SAMPLE * 50]), 290).save(tmp_path / "hf" / "tokenizer.json")
-    _edit_config(tmp_path / "hf", **changes)
-    _refused(tmp_path / "hf", tmp_path / "run", capsys, named)
 
 
 @pytest.mark.parametrize("damage", ["shape", "dtype"])
