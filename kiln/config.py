@@ -462,9 +462,9 @@ class ParallelConfig:
     reduce_dtype: str = ranged("fp32", choices=("fp32", "bf16"))  # dtype FSDP2 reduce-scatters gradients in
     cpu_offload: bool = False  # zero2/fsdp on GPU: parameters, gradients and optimizer state in CPU memory
     # Pipeline parallel (docs/parallel.md): torch.distributed.pipelining's schedules; the zero-bubble
-    # ones and interleaved_1f1b/looped_bfs hold pp_virtual_stages stages per rank (zbv: exactly 2).
+    # ones and interleaved_1f1b/looped_bfs hold pp_virtual_stages stages per rank (zbv, dualpipev: exactly 2).
     pp_schedule: str = ranged("1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
-                                               "interleaved_zero_bubble", "zbv_zero_bubble"))
+                                               "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"))
     pp_microbatches: int = ranged(0, ge=0)  # 0: one per pipeline stage; must divide batch_size*grad_accum
     pp_virtual_stages: int = ranged(1, gt=0)  # stages per pp rank
     # Explicit split: the first layer of every stage after the first (pp*pp_virtual_stages - 1

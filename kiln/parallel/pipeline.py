@@ -2,7 +2,7 @@
 `torch.distributed.pipelining` schedule.
 
 What is torch's: the stages (`PipelineStage`), the schedules (GPipe, 1F1B, interleaved 1F1B,
-looped BFS, interleaved zero-bubble, ZBV zero-bubble), micro-batch splitting and gradient scaling
+looped BFS, interleaved zero-bubble, ZBV zero-bubble, DualPipeV), micro-batch splitting and gradient scaling
 by the micro-batch count (`scale_grads=True`), `get_total_norm` / `clip_grads_with_norm_`. What is
 kiln's: the layer split, the stage modules, the global grad norm over the pipeline, the loss
 broadcast from the last stage, the evaluation forward and the bubble fraction.

@@ -12,9 +12,11 @@ from kiln.errors import ConfigError
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-             "zbv_zero_bubble": "ScheduleZBVZeroBubble"}
+             "zbv_zero_bubble": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others take pp_virtual_stages per rank
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # backward split into input and weight passes
+# backward split into input and weight passes (DualPipeV: in its warm-up and cool-down)
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # two stages per rank, r and 2pp-1-r
 
 
 def n_microbatches(cfg: JobConfig) -> int:
@@ -36,11 +38,22 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     if p.pp_schedule in SINGLE_STAGE and p.pp_virtual_stages != 1:
         raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
                           f"parallel.pp_virtual_stages=1 or use interleaved_1f1b")
-    if p.pp_schedule == "zbv_zero_bubble" and p.pp_virtual_stages != 2:
-        raise ConfigError("parallel.pp_schedule='zbv_zero_bubble' places two stages per rank (a V); "
+    if p.pp_schedule in V_SHAPED and p.pp_virtual_stages != 2:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} places two stages per rank (a V); "
                           "set parallel.pp_virtual_stages=2")
     batch = cfg.train.batch_size * cfg.train.grad_accum
     m = n_microbatches(cfg)
+    if p.pp_schedule == "dualpipev":
+        import torch
+
+        if not schedule_available("dualpipev"):
+            raise ConfigError(f"parallel.pp_schedule='dualpipev' needs torch's ScheduleDualPipeV, which torch "
+                              f"{torch.__version__} lacks (2.9 and later have it); use 'zbv_zero_bubble', the same V")
+        if m < 2 * p.pp:  # torch's own rule, raised there only once the stages are built
+            raise ConfigError(f"parallel.pp_microbatches={m} is fewer than the {2 * p.pp} stages of "
+                              f"parallel.pp_schedule='dualpipev' with parallel.pp={p.pp}; set parallel.pp_microbatches "
+                              f"to a multiple of {p.pp}, at least {2 * p.pp}, dividing train.batch_size x "
+                              f"grad_accum = {batch}")
     if batch % m:
         raise ConfigError(f"parallel.pp_microbatches={m} must divide train.batch_size x grad_accum = {batch} "
                           f"(each micro-batch must be the same size)")
@@ -87,6 +100,13 @@ def check_pipeline_config(cfg: JobConfig) -> None:
         stage_layer_ranges(cfg.model.n_layers, stages, p.pp_split_points)
 
 
+def schedule_available(schedule: str) -> bool:
+    """Whether this torch ships the schedule's class (DualPipeV from 2.9; the others from 2.6)."""
+    import torch.distributed.pipelining as pipelining
+
+    return hasattr(pipelining, SCHEDULES[schedule])
+
+
 def chunked_loss_fits_schedule(schedule: str) -> bool:
     """The last stage's chunked head + loss is a custom autograd function, which the zero-bubble
     schedules' weight pass differentiates only from torch 2.13 (kiln/torch_compat.py)."""
@@ -113,8 +133,8 @@ def stage_layer_ranges(n_layers: int, n_stages: int, split_points: list[int]) ->
 
 
 def stages_of_rank(schedule: str, pp: int, virtual: int, pp_rank: int) -> list[int]:
-    """Stage indices a pp rank holds: looped (r, r+pp, ...) or, for ZBV, a V (r, 2pp-1-r)."""
-    if schedule == "zbv_zero_bubble":
+    """Stage indices a pp rank holds: looped (r, r+pp, ...) or, for ZBV and DualPipeV, a V (r, 2pp-1-r)."""
+    if schedule in V_SHAPED:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(virtual)]
 

@@ -76,8 +76,10 @@ OPTIM_STATE_BYTES = {"adamw": 8, "lamb": 8, "muon": 8, "lion": 4, "sgd": 4, "ada
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 2}
 DDP_BUCKET_BYTES = 25 * 2**20
 LOSS_CHUNK_TOKENS = 1024  # kiln/model/loss.py chunked_lm_loss works on chunks of about this many tokens
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")  # kiln/parallel/pipeline_layout.py ZERO_BUBBLE
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+# kiln/parallel/pipeline_layout.py's ZERO_BUBBLE and V_SHAPED (that module imports torch; this one does not)
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+V_SHAPED = ("zbv_zero_bubble", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -351,13 +353,16 @@ def in_flight_microbatches(layout: Layout) -> float:
     schedules hold a micro-batch's activations until its weight pass, not its input pass (torch's
     split backward keeps the graph for the weight gradients), and still peak at p: torch's ZB1P
     warms up with one forward per hop, (v-1)p + (p-1-r), and delays rank r's weight passes by r;
-    its ZBV runs 2p chunk forwards before the first weight pass on the last rank (counted from
-    torch's action lists in tests/plan/test_pipeline_schedules.py). At most m."""
+    its ZBV runs 2p chunk forwards before the first weight pass on the last rank; DualPipeV holds
+    one chunk more, 2p + 1 (DeepSeek-V3's "PP + 1"; counted from torch's action lists in
+    tests/plan/test_pipeline_schedules.py). At most m."""
     if layout.pp == 1:
         return 1.0
     m, p = layout.grad_accum, layout.pp
     if layout.schedule == "gpipe":
         return float(m)
+    if layout.schedule == "dualpipev":
+        return min(m, p + 0.5)
     if layout.schedule == "interleaved_1f1b" and layout.virtual_stages > 1:
         return min(m, p * (1 + (p - 1) / (p * layout.virtual_stages)))
     return float(min(m, p))
@@ -398,10 +403,10 @@ def stage_contents(shape: ModelShape, layout: Layout, last: bool = False) -> tup
     stage_layer_ranges, earlier stages take the remainder): the first rank holds ceil(L/pp) blocks
     and the embedding, the last L//pp blocks, the final norm and the head, which for tied
     embeddings is the last stage's own copy of the embedding (kiln/parallel/pipeline_tied.py,
-    Megatron-LM's): weight, gradient and optimizer state on both ends. ZBV's V puts the first and
-    the last stage on rank 0 (both ends there; `last` is then a middle rank)."""
+    Megatron-LM's): weight, gradient and optimizer state on both ends. A V (ZBV, DualPipeV) puts
+    the first and the last stage on rank 0 (both ends there; `last` is then a middle rank)."""
     p, n_layers = layout.pp, shape.n_layers
-    zbv = p > 1 and layout.schedule == "zbv_zero_bubble"
+    zbv = p > 1 and layout.schedule in V_SHAPED
     if p == 1:
         return n_layers, True, not shape.tied, True
     if not last:
@@ -494,10 +499,10 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
 
 
 def holds_head(layout: Layout, last: bool) -> bool:
-    """Whether that rank computes the LM head and the loss (the last stage; ZBV's rank 0)."""
+    """Whether that rank computes the LM head and the loss (the last stage; a V's rank 0)."""
     if layout.pp == 1:
         return True
-    return (not last) if layout.schedule == "zbv_zero_bubble" else last
+    return (not last) if layout.schedule in V_SHAPED else last
 
 
 def replicated_ranks(layout: Layout) -> int:

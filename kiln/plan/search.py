@@ -3,8 +3,8 @@ not fit a device's memory (kiln/plan/memory.py), rank the rest by predicted step
 (kiln/plan/timing.py), and write the best as a config `kiln train` runs as is.
 
 Dimensions searched: tp (divides the GPUs of a node and the attention/KV heads), pp (divides the
-layers; schedules gpipe, 1f1b and, with 2 virtual stages, interleaved_1f1b, interleaved_zero_bubble
-and zbv_zero_bubble where kiln runs them: `pipeline_schedules`), cp (powers of two that split the
+layers; schedules gpipe, 1f1b and, with 2 virtual stages, interleaved_1f1b, interleaved_zero_bubble,
+zbv_zero_bubble and dualpipev where kiln runs them: `pipeline_schedules`), cp (powers of two that split the
 sequence into 2*cp chunks), data parallel as ddp, zero1, zero2, fsdp and hsdp (dp_replicate x
 dp_shard), micro-batch (powers of two dividing the per-rank batch) and activation checkpointing
 (kiln/plan/ac.py: the least recompute that fits, none, every_k:K or full, or op where faster).
@@ -109,6 +109,7 @@ def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, 
     (kiln/parallel/data_parallel.py SplitBackwardReplicas, as torch's split weight pass bypasses
     DDP's hooks), which the timing model's DDP overlap does not describe, so they are not proposed
     (the other schedules overlap it, under tp too: OverlappedStageReplicas).
+    DualPipeV too where torch has it and the micro-batches are at least its 2 pp stages.
     Compiled runs are never pipelined here (search compiles only one device), so the refusal of
     compile with zero bubble does not arise."""
     if pp == 1:
@@ -119,7 +120,16 @@ def pipeline_schedules(n_layers: int, pp: int, microbatches: int, dp_mode: str, 
     out.append(("interleaved_1f1b", 2))
     if not (dp_mode in ("ddp", "zero1") and replicas > 1):
         out += [("interleaved_zero_bubble", 2), ("zbv_zero_bubble", 2)]
+        if microbatches >= 2 * pp and _dualpipev_available():
+            out.append(("dualpipev", 2))
     return out
+
+
+@functools.cache
+def _dualpipev_available() -> bool:
+    from kiln.parallel.pipeline_layout import schedule_available  # imports torch: not at the top
+
+    return schedule_available("dualpipev")
 
 
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,

@@ -67,9 +67,9 @@ from kiln.plan.cluster import Cluster
 # the communication and pipeline terms live beside this module; re-exported for callers of timing
 from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
 from kiln.plan.diloco import outer_sync_seconds, replica_cluster
-from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, ZERO1_CUTS, Layout, ModelShape, rank_memory,
-                              rank_params, recomputed_blocks, recomputed_matmul_blocks, resharded_after_forward,
-                              zero1_fullest_share)
+from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, Layout, ModelShape,
+                              rank_memory, rank_params, recomputed_blocks, recomputed_matmul_blocks,
+                              resharded_after_forward, zero1_fullest_share)
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
@@ -305,8 +305,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # per step, after the schedule's backward and before clipping, the first stage's and the last
     # stage's ranks sum the embedding's and the head copy's gradients (their local tp shard, under
     # fsdp/zero2 their dp shard too): an all-reduce over 2 ranks (pp - 1) stages apart, waited on.
-    # ZBV's rank 0 holds both stages: a local sum.
-    if layout.pp > 1 and shape.tied and layout.schedule != "zbv_zero_bubble":
+    # A V's (ZBV, DualPipeV) rank 0 holds both stages: a local sum.
+    if layout.pp > 1 and shape.tied and layout.schedule not in V_SHAPED:
         tied_shard = layout.dp_shard * layout.cp if layout.dp_mode in ("fsdp", "zero2") else 1
         stride = layout.world_size // layout.pp * (layout.pp - 1)
         t = all_reduce(cluster, 2, 4 * shape.vocab * shape.dim / (layout.tp * tied_shard), stride)

@@ -55,7 +55,7 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
         # looped BFS runs every micro-batch's forward through a rank's stages first: GPipe's memory
         schedule = "gpipe" if p.pp_schedule == "looped_bfs" else p.pp_schedule
         pipeline = {"schedule": schedule,
-                    "virtual_stages": 2 if schedule == "zbv_zero_bubble" else p.pp_virtual_stages}
+                    "virtual_stages": 2 if schedule in ("zbv_zero_bubble", "dualpipev") else p.pp_virtual_stages}
     return Layout(dp_replicate=d.dp_replicate if d else 1, dp_shard=d.dp_shard if d else 1, tp=d.tp if d else 1,
                   pp=d.pp if d else 1, cp=d.cp if d else 1, ep=d.ep if d else 1, etp=d.etp if d else -1,
                   dp_mode=d.dp_mode if d else "ddp", micro_batch=micro_batch,

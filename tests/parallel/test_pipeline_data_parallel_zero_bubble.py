@@ -5,7 +5,7 @@ gradients after each step (kiln/parallel/data_parallel.py `SplitBackwardReplicas
 
 Same model, batches, optimizer (SGD with momentum, clipping at 0.5, active) and tolerance as
 test_pipeline_data_parallel.py (fp32, relative 1e-5 per step over 5 steps): ddp with ZBV and
-interleaved zero-bubble (in 10 KB buckets), zero1 with ZBV, give one process's per-step losses
+interleaved zero-bubble (in 10 KB buckets), zero1 with ZBV, and ddp with DualPipeV (torch 2.9+) give one process's per-step losses
 (mean over the replicas) and grad norms (every rank); observed 5.8e-8 loss, 8.0e-8 norm. The second replica starts from perturbed parameters, so a missing
 broadcast fails the comparison too. Negative control: the same ZBV run without the average drifts
 away beyond the tolerance.
@@ -15,12 +15,15 @@ import pytest
 import torch
 
 import test_pipeline_data_parallel as ddp_pp
+from kiln.parallel.pipeline_layout import schedule_available
 from ranks import run_ranks
 
 STEPS, REL, CLIP = ddp_pp.STEPS, ddp_pp.REL, ddp_pp.CLIP
 # name -> (dp_mode, schedule); 2 stages per rank, 4 micro-batches per replica
 CASES = {"ddp_zbv": ("ddp", "zbv_zero_bubble"), "ddp_interleaved_zero_bubble": ("ddp", "interleaved_zero_bubble"),
          "zero1_zbv": ("zero1", "zbv_zero_bubble")}
+if schedule_available("dualpipev"):  # torch 2.9+: the V with DualPipeV's order (4 micro-batches: its least)
+    CASES["ddp_dualpipev"] = ("ddp", "dualpipev")
 NOT_AVERAGED = "ddp_zbv_not_averaged"
 SMALL_BUCKETS = {"ddp_interleaved_zero_bubble": 0.01}  # MB: 10 KB buckets (a 32 x 32 fp32 weight is 4 KB)
 

@@ -37,14 +37,17 @@ from conftest import tiny_overrides
 
 STEPS = 5
 REL = 1e-5
-# every schedule torch ships (DualPipeV needs a custom stage layout kiln does not build)
+# every schedule torch ships (DualPipeV from 2.9: 4 micro-batches, its least at pp = 2)
 SCHEDULES = [("gpipe", 1, 0), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 0), ("looped_bfs", 2, 0),
              ("interleaved_zero_bubble", 2, 0), ("zbv_zero_bubble", 2, 0)]
+HAS_DUALPIPEV = layout.schedule_available("dualpipev")
+SCHEDULES += [("dualpipev", 2, 4)] if HAS_DUALPIPEV else []
 # train.loss = "chunked" (the last stage's chunked head + loss): name -> (schedule, virtual stages,
 # micro-batches, tied embeddings). ZBV holds the first and the last stage (embedding and head copy)
 # on rank 0. The last entry is the negative control: the head weight gets no gradient from the loss.
 CHUNKED = {"chunked_1f1b": ("1f1b", 1, 4, False), "chunked_interleaved_1f1b": ("interleaved_1f1b", 2, 0, False),
            "chunked_tied_1f1b": ("1f1b", 1, 4, True), "chunked_tied_zbv_zero_bubble": ("zbv_zero_bubble", 2, 0, True),
+           **({"chunked_tied_dualpipev": ("dualpipev", 2, 4, True)} if HAS_DUALPIPEV else {}),
            "chunked_head_untrained": ("1f1b", 1, 4, False)}
 
 
@@ -110,6 +113,28 @@ def test_bad_pipeline_config_names_the_key():
     with pytest.raises(ConfigError, match=r"parallel\.pp_microbatches=3"):
         pl.split_model(full, job(microbatches=3), 1)
     layout.check_pipeline_config(job(tie_embeddings=True))  # tied embeddings: tests/parallel/test_pipeline_tied.py
+
+
+def test_dualpipev_config_refused_in_one_line_where_torch_would_refuse_it(monkeypatch):
+    """DualPipeV: two stages per rank, at least its 2 pp stages in micro-batches (torch raises only
+    once the stages are built), and a torch that ships it (2.9+); each one line naming the key."""
+    import torch.distributed.pipelining as pipelining
+
+    cases = [(job(schedule="dualpipev"), r"^parallel\.pp_schedule='dualpipev' places two stages per rank \(a V\); "
+                                         r"set parallel\.pp_virtual_stages=2$"),
+             (job(schedule="dualpipev", virtual=2, microbatches=2),
+              r"^parallel\.pp_microbatches=2 is fewer than the 4 stages of parallel\.pp_schedule='dualpipev' with "
+              r"parallel\.pp=2; set parallel\.pp_microbatches to a multiple of 2, at least 4, dividing "
+              r"train\.batch_size x grad_accum = 4$")]
+    if HAS_DUALPIPEV:
+        for cfg, pattern in cases:
+            with pytest.raises(ConfigError, match=pattern):
+                layout.check_pipeline_config(cfg)
+        layout.check_pipeline_config(job(schedule="dualpipev", virtual=2))  # 0: one per stage, 4
+        monkeypatch.delattr(pipelining, "ScheduleDualPipeV")  # as on torch 2.6-2.8
+    with pytest.raises(ConfigError, match=r"^parallel\.pp_schedule='dualpipev' needs torch's ScheduleDualPipeV, "
+                                          r"which torch \S+ lacks \(2\.9 and later have it\); use 'zbv_zero_bubble'"):
+        layout.check_pipeline_config(job(schedule="dualpipev", virtual=2))
 
 
 def test_fewer_microbatches_than_stages_where_torch_refuses_them_is_one_line(monkeypatch):
@@ -353,6 +378,12 @@ def test_tolerance_catches_unscaled_microbatch_gradients(two_ranks):
 # ---------------------------------------------------------------- the trainer: PP=2 -> 1 process
 
 
+# sigmoid routing with the bias balancing: the loads are read from the stages' records (the
+# schedule's shape-inference forward left out) and the biases move alike on every stage
+DUALPIPEV_MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_router": "'sigmoid'",
+                 "model.moe_bias_update_rate": 0.01}
+
+
 def trainer_overrides(text_file, **extra):
     return tiny_overrides(text_file, **{"train.steps": 6, "train.eval_every": 6, "checkpoint.every": 3,
                                         "checkpoint.keep_last": 5, "optim.name": "sgd", "optim.lr": 0.1,
@@ -364,17 +395,22 @@ def trainer_overrides(text_file, **extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, text_file):
     """name -> run directory of kiln's trainer: "single" (one process) in this process, "pp2" on 2
-    ranks, "dxp" (FSDP x PP, chunked loss) and "tp2pp2" on 4 ranks (one launch each size), and the step-3
+    ranks, "dualpipev" (an MoE on 2 ranks, torch 2.9+) against "moe single" in this process, "dxp" (FSDP x PP, chunked loss) and "tp2pp2" on 4 ranks (one launch each size), and the step-3
     checkpoints of pp2 and tp2pp2 continued in one process ("<name> resumed")."""
     from kiln.config import load_config
     from kiln.train.trainer import train
 
     root = tmp_path_factory.mktemp("pp")
-    out = {name: root / name for name in ["single", "pp2", "dxp", "tp2pp2"]}
+    out = {name: root / name for name in ["single", "pp2", "dxp", "tp2pp2", "moe single", "dualpipev"]}
     train(load_config(None, trainer_overrides(text_file)), out["single"])
     (root / "ranks2").mkdir()
-    run_ranks(train_runs, 2, root / "ranks2", [(out["pp2"], trainer_overrides(
-        text_file, **{"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", "parallel.pp_microbatches": 4}))], timeout=400)
+    jobs = [(out["pp2"], trainer_overrides(
+        text_file, **{"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", "parallel.pp_microbatches": 4}))]
+    if HAS_DUALPIPEV:  # DualPipeV's V of 4 one-layer stages, its least 4 micro-batches; DeepSeek-style MoE
+        train(load_config(None, trainer_overrides(text_file, **DUALPIPEV_MOE)), out["moe single"])
+        jobs.append((out["dualpipev"], trainer_overrides(text_file, **DUALPIPEV_MOE, **{
+            "parallel.pp": 2, "parallel.pp_schedule": "'dualpipev'", "parallel.pp_virtual_stages": 2})))
+    run_ranks(train_runs, 2, root / "ranks2", jobs, timeout=400)
     # one process from the step-3 checkpoints: weights, optimizer, loader position
     out["pp2 resumed"] = root / "pp2-resumed"
     continue_in_copy(out["pp2"], 3, out["pp2 resumed"], ["parallel.pp=1"])
@@ -429,6 +465,19 @@ def test_trainer_pp2_matches_and_checkpoint_continues_in_one_process(runs):
     assert_same_losses(expected, losses(piped), range(1, 7))
     assert eval_losses(piped) == pytest.approx(eval_losses(single), rel=REL)
     assert_continued(expected, runs["pp2 resumed"])  # the PP=2 step-3 checkpoint in one process
+
+
+@pytest.mark.skipif(not HAS_DUALPIPEV, reason=f"torch {torch.__version__} has no ScheduleDualPipeV (2.9+)")
+def test_trainer_dualpipev_with_moe_matches_one_process(runs):
+    run = runs["dualpipev"]
+    run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert (run_row["pp_schedule"], run_row["pp_virtual_stages"], run_row["pp_microbatches"]) == ("dualpipev", 2, 4)
+    assert run_row["bubble_fraction"] == pytest.approx(1 / 9)  # (p-1)/(v m + p-1): the upper bound
+    assert_same_losses(losses(runs["moe single"]), losses(run), range(1, 7))
+    assert eval_losses(run) == pytest.approx(eval_losses(runs["moe single"]), rel=REL)
+    loads = {name: [json.loads(x)["moe_max_load"] for x in (runs[name] / "metrics.jsonl").read_text().splitlines()
+                    if '"train"' in x] for name in ("moe single", "dualpipev")}
+    assert loads["dualpipev"] == pytest.approx(loads["moe single"], rel=REL) and max(loads["dualpipev"]) > 1
 
 
 @pytest.mark.timeout(600)

@@ -6,7 +6,9 @@ with stand-in stages that carry only what the constructors read (no process grou
 `list_schedule` (written here; torch's `_simulate_comms_compute` counts unit steps only) runs the
 lists with per-pass times: each rank takes its actions in order, an action starts when its rank is
 free and its input exists (F after the previous stage's F, I/B after the next stage's I/B or, on
-the last stage, after its own F, W after its I). Idle time = makespan - a rank's busy time; the
+the last stage, after its own F, W after its I; DualPipeV's overlapped pair, F of one micro-batch
+and B of another, runs as its two actions one after the other, as torch runs it without an overlap
+callback). Idle time = makespan - a rank's busy time; the
 activations a rank holds = its forwards done less its W/B done (torch keeps a micro-batch's graph
 until its weight pass), a chunk counting 1/v of a stage."""
 
@@ -25,6 +27,8 @@ from kiln.plan.timing import bubble_fraction, pass_split, pipeline_p2p_per_micro
 CLASSES = {"interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
            "interleaved_zero_bubble": pipelining.ScheduleInterleavedZeroBubble,
            "zbv_zero_bubble": pipelining.ScheduleZBVZeroBubble}
+if hasattr(pipelining, "ScheduleDualPipeV"):  # torch 2.9 and later
+    CLASSES["dualpipev"] = pipelining.ScheduleDualPipeV
 COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
@@ -48,7 +52,7 @@ def letter(action) -> str:
 
 def torch_schedule(name: str, pp: int, m: int):
     n = 2 * pp  # two stages per rank
-    ids = [0, n - 1] if name == "zbv_zero_bubble" else [0, pp]  # rank 0's: the V, or looped
+    ids = [0, n - 1] if name in ("zbv_zero_bubble", "dualpipev") else [0, pp]  # rank 0's: the V, or looped
     return CLASSES[name]([_Stage(i, n, pp) for i in ids], n_microbatches=m, loss_fn=lambda out, target: out)
 
 
@@ -56,7 +60,8 @@ def list_schedule(order: dict, f: float, b: float, w: float, v: int = 2):
     """(makespan, busy time of a rank, peak in-flight stage micro-batches per rank) of torch's
     per-rank action lists with pass times f, b, w per stage (a chunk takes 1/v of them)."""
     time = {"F": f / v, "I": b / v, "W": w / v, "B": (b + w) / v}
-    lists = {r: [a for a in ops if a is not None and letter(a) in time] for r, ops in order.items()}
+    lists = {r: [sub for a in ops if a is not None for sub in (a.sub_actions or [a] if letter(a) == "OVERLAP_F_B" else [a])
+                 if letter(sub) in time] for r, ops in order.items()}
     last = max(a.stage_index for ops in lists.values() for a in ops)
     done, clock, nxt = {}, dict.fromkeys(lists, 0.0), dict.fromkeys(lists, 0)
     busy, live, peak = dict.fromkeys(lists, 0.0), dict.fromkeys(lists, 0), dict.fromkeys(lists, 0)
@@ -98,8 +103,13 @@ SPLITS = [(1 / 3, 1 / 3, 1 / 3), pass_split(_shape(), Layout(), 64), pass_split(
           pass_split(_shape(), Layout(ac="full"), 512), (0.3, 0.45, 0.25)]
 
 
-@pytest.mark.parametrize("name", list(CLASSES))
-@pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (2, 8), (3, 6), (4, 4), (4, 8), (4, 12), (8, 16)])
+def runnable(shapes):
+    """(schedule, pp, m) for every schedule and shape it runs: DualPipeV takes at least 2 pp
+    micro-batches (torch's rule; kiln refuses fewer)."""
+    return [(name, pp, m) for name in CLASSES for pp, m in shapes if name != "dualpipev" or m >= 2 * pp]
+
+
+@pytest.mark.parametrize("name,pp,m", runnable([(2, 2), (2, 4), (2, 8), (3, 6), (4, 4), (4, 8), (4, 12), (8, 16)]))
 def test_bubble_and_in_flight_match_torchs_orders(name, pp, m):
     order = torch_schedule(name, pp, m).pipeline_order
     layout = Layout(pp=pp, grad_accum=m, schedule=name, virtual_stages=2)
@@ -110,8 +120,7 @@ def test_bubble_and_in_flight_match_torchs_orders(name, pp, m):
     assert in_flight_microbatches(layout) == pytest.approx(max(peak.values()))
 
 
-@pytest.mark.parametrize("name", list(CLASSES))
-@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 8)])
+@pytest.mark.parametrize("name,pp,m", runnable([(2, 4), (4, 8), (8, 8)]))
 def test_pipeline_sends_and_receives_are_torchs(name, pp, m):
     schedule = torch_schedule(name, pp, m)
     if not hasattr(schedule, "pipeline_order_with_comms"):
@@ -126,7 +135,8 @@ def test_hand_computed_bubbles_and_in_flight():
     """p = 4, m = 8, T_F = T_B = T_W: 1F1B idles 3 stage-steps of 3 passes in 8 x 3 of work; the
     interleaved schedules split each stage in two."""
     for sched, v, bubble in [("gpipe", 1, 3 / 8), ("1f1b", 1, 3 / 8), ("interleaved_1f1b", 2, 3 / 16),
-                             ("interleaved_zero_bubble", 2, 3 * (1 / 3) / 16), ("zbv_zero_bubble", 2, 3 * (1 / 3) / 16)]:
+                             ("interleaved_zero_bubble", 2, 3 * (1 / 3) / 16), ("zbv_zero_bubble", 2, 3 * (1 / 3) / 16),
+                             ("dualpipev", 2, 3 * (1 / 3) / 16)]:
         layout = Layout(pp=4, grad_accum=8, schedule=sched, virtual_stages=v)
         assert bubble_fraction(layout) == pytest.approx(bubble), sched
     # ZB-H1 (Qi et al. 2023): (p-1)(T_F + T_B - T_W); f=0.3, b=0.45, w=0.25 over m v = 16
@@ -136,8 +146,14 @@ def test_hand_computed_bubbles_and_in_flight():
     assert bubble_fraction(Layout(pp=4, grad_accum=4, schedule="zbv_zero_bubble", virtual_stages=2)) == \
         pytest.approx(0.25)
     assert bubble_fraction(Layout(pp=1, grad_accum=8, schedule="zbv_zero_bubble", virtual_stages=2)) == 0.0
-    # in flight at p = 4, m = 8: gpipe all 8, 1f1b 4, interleaved 4(1 + 3/8) = 5.5, zero bubble 4
-    expect = {"gpipe": 8, "1f1b": 4, "interleaved_1f1b": 5.5, "interleaved_zero_bubble": 4, "zbv_zero_bubble": 4}
+    # DualPipeV without an overlap, full recompute's shape (f=0.2, b=0.7, w=0.1): its cool-down's
+    # input passes dominate, (p-1)(2b - w) - f = 3.7 over 2m = 16
+    assert bubble_fraction(Layout(pp=4, grad_accum=8, schedule="dualpipev", virtual_stages=2), (0.2, 0.7, 0.1)) == \
+        pytest.approx(3.7 / 16)
+    # in flight at p = 4, m = 8: gpipe all 8, 1f1b 4, interleaved 4(1 + 3/8) = 5.5, zero bubble 4,
+    # DualPipeV one chunk (half a stage) more
+    expect = {"gpipe": 8, "1f1b": 4, "interleaved_1f1b": 5.5, "interleaved_zero_bubble": 4, "zbv_zero_bubble": 4,
+              "dualpipev": 4.5}
     for sched, n in expect.items():
         v = 1 if sched in ("gpipe", "1f1b") else 2
         assert in_flight_microbatches(Layout(pp=4, grad_accum=8, schedule=sched, virtual_stages=v)) == n
@@ -193,7 +209,10 @@ def test_context_parallel_divides_activations_per_rank():
 
 
 def test_search_proposes_zero_bubble_where_kiln_runs_it():
-    assert pipeline_schedules(8, 2, 4, "fsdp", 1)[-2:] == [("interleaved_zero_bubble", 2), ("zbv_zero_bubble", 2)]
+    dualpipev = [("dualpipev", 2)] if "dualpipev" in CLASSES else []
+    assert pipeline_schedules(8, 2, 4, "fsdp", 1)[3:] == [("interleaved_zero_bubble", 2), ("zbv_zero_bubble", 2),
+                                                         *dualpipev]
+    assert ("dualpipev", 2) not in pipeline_schedules(8, 4, 4, "fsdp", 1)  # 4 micro-batches, 8 stages: refused
     assert ("zbv_zero_bubble", 2) in pipeline_schedules(8, 2, 4, "ddp", 1)  # one replica: no DDP wrapper
     assert ("zbv_zero_bubble", 2) not in pipeline_schedules(8, 2, 4, "ddp", 2)  # runs, not modelled: SplitBackwardReplicas
     assert ("interleaved_1f1b", 2) in pipeline_schedules(8, 2, 6, "fsdp", 1)  # 6 micro-batches, pp 2: fine
@@ -204,6 +223,6 @@ def test_search_proposes_zero_bubble_where_kiln_runs_it():
     cluster = dataclasses.replace(load_cluster("cpu-local"), gpus_per_node=8)
     zero_bubble = [lay for lay in enumerate_layouts(_shape(), cluster, 64, 32, "bf16", ac_choices=("none",))
                    if lay.schedule in CLASSES and lay.schedule != "interleaved_1f1b"]
-    assert {lay.schedule for lay in zero_bubble} == {"interleaved_zero_bubble", "zbv_zero_bubble"}
+    assert {lay.schedule for lay in zero_bubble} == {"interleaved_zero_bubble", "zbv_zero_bubble", *dict(dualpipev)}
     for lay in zero_bubble:
         assert kiln_refusal(cfg, lay, 8) is None, lay.describe()
