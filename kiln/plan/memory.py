@@ -12,9 +12,11 @@ Closed form (no module is built). Terms, per rank:
 - optimizer state: bytes per parameter by optimizer, split by dp for zero2/fsdp; zero1 the fullest
   rank's partition over dp x cp (`zero1_fullest_share`: even, or whole tensors largest first);
 - activations kept for backward, per layer and token (counted tensor by tensor for kiln's
-  pre-norm block: two fp32 norm inputs, normed inputs, q/k/v, attention output and its contiguous
-  (b, s, h*d) copy (the output projection's input), and the MLP's
-  2 (gelu) or 4 (gated) hidden-sized tensors; SDPA/flash keeps no s x s matrix), times the
+  pre-norm block: two fp32 norm inputs, normed inputs (under autocast one cast per linear that
+  reads them: q, k, v, w1, w3), q/k/v, attention output and its contiguous (b, s, h*d) copy (the
+  output projection's input), and the MLP's 2 (gelu) or 4 (gated) hidden-sized tensors; an MoE
+  block's per top-k expert and shared expert, with its routing and dispatch,
+  `mlp_bytes_per_token`; SDPA/flash keeps no s x s matrix), times the
   micro-batches a pipeline schedule keeps in flight (gpipe: all; 1f1b: pp; interleaved:
   pp*(1 + (pp-1)/(pp*v)), Korthikanti et al. 2022 sec. 4.2.3; the zero-bubble schedules, which hold
   activations until the weight pass: pp, `in_flight_microbatches`), split by tp (sequence
@@ -169,6 +171,9 @@ class ModelShape:
     expert_ffn: int = 0  # an expert's hidden width (model.moe_hidden); 0: ffn
     shared_ffn: int = 0  # an MoE block's shared experts' hidden width (a dense, bias-free MLP beside them)
     shared_gate: bool = False  # and their per-token gate (dim x 1, replicated over tp)
+    moe_sigmoid: bool = False  # model.moe_router = "sigmoid"
+    moe_groups: int = 1  # model.moe_groups (group-limited routing) and model.moe_topk_groups
+    moe_topk_groups: int = 1
     rope: bool = True  # RoPE: the compiled graph saves SDPA's output and its contiguous copy (docstring)
     q_dim: int = 0  # n_heads * head_dim: q's and attention's output width; 0: dim
     norm_params: int = 1  # per norm: 1 x dim (RMSNorm, bias-free LayerNorm), 2 (LayerNorm + bias), 0 (none)
@@ -193,7 +198,8 @@ class ModelShape:
                    moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
                    moe_top_k=m.moe_top_k, expert_ffn=m.moe_hidden if m.moe_experts else 0,
                    shared_ffn=m.moe_shared_experts * (m.moe_hidden or ffn_hidden_size(m)) if m.moe_experts else 0,
-                   shared_gate=bool(m.moe_experts and m.moe_shared_gate), rope=m.positions == "rope",
+                   shared_gate=bool(m.moe_experts and m.moe_shared_gate), moe_sigmoid=m.moe_router == "sigmoid",
+                   moe_groups=m.moe_groups, moe_topk_groups=m.moe_topk_groups, rope=m.positions == "rope",
                    norm_params=0 if m.norm == "none" else 2 if m.norm == "layernorm" and m.bias else 1,
                    bias=m.bias, qkv_bias=m.bias or m.qkv_bias, qk_norm=m.qk_norm, window=m.sliding_window,
                    local_layers=sum(1 for i in range(m.n_layers) if attention_window(m, i)))
@@ -309,20 +315,70 @@ class ModelShape:
         return per_layer * self.local_layers / self.n_layers
 
     def act_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
-        """Bytes one block keeps for backward per token (see the module docstring)."""
+        """Bytes one block keeps for backward per token, averaged over the blocks (see the module
+        docstring; an MoE block's MLP: `mlp_bytes_per_token`)."""
         kept = 2 * self.dim * 4  # the two norm inputs: the fp32 residual stream
         stats = 4 * self.n_heads + 2 * 8  # SDPA's fp32 logsumexp; each norm's fp32 mean/rstd
         if compiled and float8:  # normed inputs and act*w3 recomputed; a float8 copy of o-proj's input
-            mlp = (2 if self.gated else 1) * self.ffn
-            return kept + act * ((self.q_dim + 2 * self.kv_dim) + self.q_dim + mlp) + self.q_dim + stats
+            mlp = self.mlp_bytes_per_token(act, 2 if self.gated else 1)
+            return kept + act * ((self.q_dim + 2 * self.kv_dim) + self.q_dim) + mlp + self.q_dim + stats
         if compiled:  # normed copies, q/k/v, SDPA out (+ contiguous copy), the MLP's saved tensors
-            mlp = (3 if self.gated else 2) * self.ffn
+            mlp = self.mlp_bytes_per_token(act, 3 if self.gated else 2)
             attn_out = (2 if self.rope else 1) * self.q_dim
-            return kept + act * (2 * self.dim + (self.q_dim + 2 * self.kv_dim) + attn_out + mlp) + stats
-        # normed, q/k/v, SDPA's output and its contiguous (b, s, h*d) copy that the output projection saves, normed
-        kept += act * (self.dim + (self.q_dim + 2 * self.kv_dim) + 2 * self.q_dim + self.dim)
-        kept += act * (4 if self.gated else 2) * self.ffn
-        return kept
+            return kept + act * (2 * self.dim + (self.q_dim + 2 * self.kv_dim) + attn_out) + mlp + stats
+        # normed (under autocast one cast per q, k and v projection: autocast caches only the
+        # weights' casts, each linear casts its input itself), q/k/v, SDPA's output and its
+        # contiguous (b, s, h*d) copy that the output projection saves; the MLP with its input
+        kept += act * ((1 if act == 4 else 3) * self.dim + (self.q_dim + 2 * self.kv_dim) + 2 * self.q_dim)
+        return kept + self.mlp_bytes_per_token(act, 4 if self.gated else 2, inputs=True)
+
+    @property
+    def moe_share(self) -> float:
+        """The share of the blocks that are MoE blocks (model.moe_every)."""
+        return self.moe_layers / self.n_layers if self.moe_experts else 0.0
+
+    def mlp_bytes_per_token(self, act: int, per_unit: int, inputs: bool = False) -> float:
+        """What the blocks' MLPs keep per token, averaged over the blocks: `per_unit` tensors per
+        hidden unit a token passes through (a dense block's ffn; an MoE block's top-k experts'
+        widths and its shared experts'), an MoE block's routing and dispatch
+        (`moe_dispatch_bytes_per_token`), and with `inputs` (eager) the normed input as the MLP's
+        matmuls save it: once in fp32; under autocast once per matmul that casts it (w1, w3), and
+        in an MoE block the router's fp32 copy (the experts take the dispatched rows) plus the
+        shared experts' and their gate's casts. A top-2 MoE of full-width experts keeps over
+        twice a dense MLP's activations, which the planner counted before (measured,
+        tests/plan/test_moe_activations.py)."""
+        low = act < 4  # autocast: each linear casts its input
+        matmuls_in = (2 if self.gated else 1) if low else 1
+        dense = act * per_unit * self.ffn + (act * self.dim * matmuls_in if inputs else 0)
+        if not self.moe_experts:
+            return dense
+        moe = act * per_unit * (self.moe_top_k * (self.expert_ffn or self.ffn) + self.shared_ffn)
+        moe += self.moe_dispatch_bytes_per_token(act)
+        if inputs:
+            moe += 4 * self.dim  # the router's fp32 input (in fp32 the normed input itself)
+            if low:
+                moe += act * self.dim * ((matmuls_in if self.shared_ffn else 0) + self.shared_gate)
+        return (1 - self.moe_share) * dense + self.moe_share * moe
+
+    def moe_dispatch_bytes_per_token(self, act: int) -> float:
+        """Besides the experts' hidden units, what one MoE block (kiln/model/moe.py, eager) keeps per
+        token it routes: k rows of the token (gathered, zeroed where dropped, and the experts'
+        outputs that the gates multiply), each assignment's sort position and token index (int64),
+        kept flag, gate (fp32, and cast), top-k index (int64); the router's fp32 logits and scores
+        (E each), the gates' and the balancing loss's per-token sums and the z-loss's logsumexp
+        (fp32; a sigmoid router's score sum too); group-limited routing's top-2 per group, best
+        groups (int64) and group mask; with a shared-experts gate their output and the gate.
+        Counted tensor by tensor against what autograd saves (tests/plan/test_moe_activations.py).
+        Under tp with the experts sharded over it (etp = tp) every tp rank routes the whole
+        gathered sequence, so this is per token of the sequence, not of the rank's shard
+        (`rank_memory`). Dropped assignments keep their rows (fixed shapes)."""
+        k, e, g = self.moe_top_k, self.moe_experts, self.moe_groups
+        out = act * 3 * k * self.dim + k * (2 * 8 + 1 + act + 4 + 8) + 2 * 4 * e + 2 * 4 + 4 * self.moe_sigmoid
+        if g > 1:
+            out += 8 * g * min(2, e // g) + 8 * self.moe_topk_groups + g
+        if self.shared_gate:
+            out += act * self.dim + 2 * act
+        return out
 
 
 @dataclass
@@ -554,6 +610,8 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
         per_block += shape.window_bytes_per_token(act, seq_len) * tokens / layout.tp
     if layout.tp > 1:  # the all-gathered normed inputs of attention and MLP: whole, not 1/tp
         per_block += (1 - 1 / layout.tp) * shape.gathered_bytes_per_token(act, layout.compiled, float8) * tokens
+    if layout.tp > 1 and layout.expert_tp > 1:  # experts sharded over tp: each tp rank routes the whole sequence
+        per_block += (1 - 1 / layout.tp) * shape.moe_share * shape.moe_dispatch_bytes_per_token(act) * tokens
     n_ac = recomputed_blocks(layout.ac, layers)
     block_input = 4 * shape.dim * tokens / layout.tp
     recomputing = per_block  # held while a recomputed block's backward runs
