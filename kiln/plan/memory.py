@@ -345,8 +345,9 @@ class ModelShape:
         matmuls save it: once in fp32; under autocast once per matmul that casts it (w1, w3), and
         in an MoE block the router's fp32 copy (the experts take the dispatched rows) plus the
         shared experts' and their gate's casts. A top-2 MoE of full-width experts keeps over
-        twice a dense MLP's activations, which the planner counted before (measured,
-        tests/plan/test_moe_activations.py)."""
+        twice a dense MLP's activations, which the planner counted before (measured eager,
+        tests/plan/test_moe_activations.py; compiled, the same dispatch count is an upper bound
+        within 15%: tests/plan/test_compiled_saved.py)."""
         low = act < 4  # autocast: each linear casts its input
         matmuls_in = (2 if self.gated else 1) if low else 1
         dense = act * per_unit * self.ffn + (act * self.dim * matmuls_in if inputs else 0)

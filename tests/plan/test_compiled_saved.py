@@ -24,6 +24,7 @@ from kiln.parallel.parallelize import apply_activation_checkpointing
 from kiln.plan.memory import ModelShape
 
 BATCH, SEQ, VOCAB = 3, 40, 72  # leading dims 3 and 120 occur in no weight's shape (dims 64, 192, 256, 72)
+TOP_K = 2  # the MoE case's experts per token (240 rows, in no weight's shape either)
 VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "detach", "alias", "expand"}
 
 
@@ -72,7 +73,8 @@ def saved_token_bytes(model_cfg: ModelConfig, ac: str = "none", float8: bool = F
             continue
         seen.add(base)
         bval = base.meta["val"]
-        if bval.dim() and (bval.shape[0] in (BATCH, BATCH * SEQ) or bval.shape[-1] == BATCH * SEQ):
+        tokens = (BATCH, BATCH * SEQ, TOP_K * BATCH * SEQ)  # an MoE block's dispatched rows: k per token
+        if bval.dim() and (bval.shape[0] in tokens or bval.shape[-1] in tokens[1:]):
             total += bval.numel() * bval.element_size()
     return total / (BATCH * SEQ)
 
@@ -107,6 +109,24 @@ def test_compiled_saved_bytes_match_the_formula(activation, norm, positions, ac,
     # graph it names, not whichever formula happens to be close
     other = shape.act_bytes_per_token(2, compiled=float8)
     assert ac == "full" or abs(measured - predicted) < abs(measured - (shape.n_layers * other + outside))
+
+
+def test_compiled_moe_block_saves_at_most_the_formula():
+    """An MoE block in the whole compiled model (top-2 of 4 full-width experts): the formula (the
+    eager dispatch count with the compiled MLP's 3 tensors per hidden unit) is an upper bound within
+    15% (seen: 10%: the partitioner recomputes part of the dispatch), where counting the block as a
+    dense one (the planner before) was 38% under."""
+    if not hasattr(torch.nn.functional, "grouped_mm"):  # torch 2.6, 2.7
+        pytest.skip(f"torch {torch.__version__} has no grouped_mm: the experts' loop reads the counts on the host "
+                    f"(a graph break), so no one graph holds the block")
+    cfg = ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=64, n_layers=2, n_heads=4, moe_experts=4, moe_top_k=TOP_K)
+    shape = ModelShape.from_config(cfg, VOCAB)
+    dense = ModelShape.from_config(ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=64, n_layers=2, n_heads=4), VOCAB)
+    outside = 4 * shape.dim + 2 * shape.dim + 2 * VOCAB + 4 * 4  # as in the test above
+    measured = (saved_token_bytes(cfg) - outside) / shape.n_layers
+    block = shape.act_bytes_per_token(2, compiled=True)
+    assert measured <= block <= 1.15 * measured, (measured, block)
+    assert dense.act_bytes_per_token(2, compiled=True) < 0.7 * measured
 
 
 @pytest.mark.parametrize("activation,norm,positions", [("swiglu", "rmsnorm", "rope"), ("gelu", "layernorm", "learned")])
