@@ -5,16 +5,19 @@ against every rank scoring every window whole (how kiln evaluated before).
 N gloo processes build kiln's transformer alike (the same weights), cut the same validation set
 (`--windows` random-token windows of `--seq` tokens, spread as `eval_batches` spreads them) and
 score it both ways with kiln's scorer (kiln/eval/scoring.py `score_batches`), alternating for
---rounds rounds. Layouts: `dp` (every rank a data-parallel rank: a 1/N block of the windows) and
-`cp` (every rank a cp rank: each window's zig-zag 1/N through ring attention). Per way:
+--rounds rounds. Layouts: `dp` (every rank a data-parallel rank: a 1/N block of the windows),
+`cp` (every rank a cp rank: each window's zig-zag 1/N through ring attention) and `pp` (every
+rank a pipeline stage, 1F1B's placement: each batch through the stages in micro-batches,
+`--pp-microbatches`, 0: the training step's count, one per stage, against the whole batch as one,
+how kiln evaluated under pp before; kiln/parallel/pipeline.py `_through_stages`). Per way:
 
 - eval s: wall time of the whole evaluation, the slowest rank's (median over rounds);
 - peak MiB: the most tensor bytes allocated at once during it, the largest rank's (torch's
   profiler memory events, in a separate profiled pass);
 - loss: the evaluation's loss. Both ways must give the same (relative 1e-5), or the benchmark fails.
 
-    python benchmarks/parallel_eval.py [--layouts dp,cp] [--worlds 2] [--dim 384 --layers 6 --heads 6 --vocab 4096]
-                                       [--seq 1024 --batch 4 --windows 16] [--window 0] [--rounds 3]
+    python benchmarks/parallel_eval.py [--layouts dp,cp,pp] [--worlds 2] [--dim 384 --layers 6 --heads 6 --vocab 4096]
+                                       [--seq 1024 --batch 4 --windows 16] [--window 0] [--pp-microbatches 0] [--rounds 3]
 
 `--window W` gives every layer a sliding window of W (model.sliding_window): the cp ring then skips
 the blocks wholly outside it, and the whole-sequence way runs kiln's blocked window attention.
@@ -53,29 +56,43 @@ def _rank(rank: int, world: int, port: int, layout: str, args, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    parallel = [f"parallel.cp={world}"] if layout == "cp" else ["parallel.dp_mode='ddp'"]
+    parallel = {"cp": [f"parallel.cp={world}"], "dp": ["parallel.dp_mode='ddp'"],
+                "pp": [f"parallel.pp={world}", f"parallel.pp_microbatches={args.pp_microbatches}",
+                       f"train.batch_size={args.batch}", "model.tie_embeddings=false"]}[layout]
     cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
                              f"model.vocab_size={args.vocab}", f"data.seq_len={args.seq}",
                              f"model.max_seq_len={args.seq}", f"model.sliding_window={args.window}", *parallel])
     dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
                                     local_world_size=world, seq_len=args.seq)
     dims.build_mesh("cpu")
-    model = Transformer(cfg.model)
-    model.init_weights(torch.Generator().manual_seed(0))
+    if layout == "pp":  # this rank's stage of the same weights (the trainer's build)
+        from kiln.parallel.pipeline import Pipeline, PipelineEvalModel
+        from kiln.train.trainer import build_model
+
+        pipeline = Pipeline(build_model(cfg, dims, torch.device("cpu")), cfg, dims, torch.device("cpu"))
+    else:
+        model = Transformer(cfg.model)
+        model.init_weights(torch.Generator().manual_seed(0))
     tokens = np.random.default_rng(1).integers(0, args.vocab, args.windows * args.seq + 1)
     windows = TokenWindows([tokens.astype(np.int64)], args.seq)
     byte_lengths = torch.ones(args.vocab, dtype=torch.int64)
     context, group = None, None
-    if layout == "cp":  # every window, this rank's zig-zag slice of it
+    if layout == "pp":  # every window through the stages: micro-batched, or each batch as one
+        batches = list(eval_batches(windows, args.batch, args.windows // args.batch))
+        split, whole = PipelineEvalModel(pipeline), PipelineEvalModel(pipeline, microbatches=1)
+        ways = {"split": lambda: score_batches(split, batches, byte_lengths),
+                "whole": lambda: score_batches(whole, batches, byte_lengths)}
+    elif layout == "cp":  # every window, this rank's zig-zag slice of it
         context, group = ContextParallel(model, dims, args.seq, torch.device("cpu")), dist.group.WORLD
         split = list(eval_batches(windows, args.batch, args.windows // args.batch))
     else:  # this rank's block of the windows: batch x world x eval_batches = --windows
         group = dist.group.WORLD
         split = list(eval_batches(windows, args.batch, args.windows // (args.batch * world), (rank, world)))
-    whole = list(eval_batches(windows, args.batch * (1 if layout == "cp" else world),
-                              args.windows // (args.batch * (1 if layout == "cp" else world))))
-    ways = {"split": lambda: score_batches(model, split, byte_lengths, context=context, group=group),
-            "whole": lambda: score_batches(model, whole, byte_lengths)}
+    if layout != "pp":
+        whole = list(eval_batches(windows, args.batch * (1 if layout == "cp" else world),
+                                  args.windows // (args.batch * (1 if layout == "cp" else world))))
+        ways = {"split": lambda: score_batches(model, split, byte_lengths, context=context, group=group),
+                "whole": lambda: score_batches(model, whole, byte_lengths)}
     rows = []
     for round_ in range(args.rounds):
         for way, run in (ways.items() if round_ % 2 == 0 else reversed(ways.items())):
@@ -121,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--windows", type=int, default=16, help="validation windows (a multiple of batch x world)")
     ap.add_argument("--window", type=int, default=0, help="model.sliding_window (0: full attention)")
+    ap.add_argument("--pp-microbatches", type=int, default=0, help="pp: micro-batches per batch (0: one per stage)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="parallel_eval")
     args = ap.parse_args(argv)
@@ -133,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print("(each cell: split / whole, per rank: the slowest rank's seconds, the largest rank's peak)")
     command = "python benchmarks/parallel_eval.py " + " ".join(argv if argv is not None else sys.argv[1:])
     sizes = {k: getattr(args, k) for k in ("dim", "layers", "heads", "vocab", "seq", "batch", "windows", "window",
-                                           "rounds")}
+                                           "pp_microbatches", "rounds")}
     print(f"wrote {write_results(args.out, {'command': command, **sizes, 'rows': summaries})}")
     return 0
 

@@ -149,61 +149,92 @@ class Pipeline:
 
     @torch.no_grad()
     def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The whole model's logits on every pp rank, stage by stage with point-to-point sends
-        (no schedule, no micro-batches, any batch shape)."""
-        logits = self._through_stages(tokens)
+        """The whole model's logits on every pp rank, through the stages in micro-batches with
+        point-to-point sends (`_through_stages`; no schedule, any batch shape)."""
         if self.has_last:
+            parts = []
+            self._through_stages(tokens, on_logits=lambda i, logits: parts.append(logits))
+            logits = torch.cat(parts)
             # contiguous: torch 2.11's full_tensor of an uneven vocab shard is a strided view, which
             # gloo's broadcast would send as its raw storage (the other stages then score garbage)
             logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float().contiguous()
         else:
+            self._through_stages(tokens, on_logits=None)
             logits = torch.empty((*tokens.shape, self.model.cfg.vocab_size), device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.group)
         return logits
 
     @torch.no_grad()
-    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int,
+                     microbatches: int | None = None) -> torch.Tensor:
         """Evaluation's mean next-token loss over the first `rows` rows (the rest pad a rank's
-        share, kiln/data/loader.py rank_batches), on every pp rank: computed on the last stage and
-        broadcast as one number, so the other stages never hold the logits (batch x seq x vocab in
-        fp32: 16 GiB for 8 x 4096 tokens of a 128k vocabulary, which forward_logits broadcasts).
-        Under tp the loss is vocab-parallel over the last stage's sharded logits (not gathered)."""
-        logits = self._through_stages(tokens)
-        loss = torch.zeros((), device=self.device)
-        if self.has_last and rows:
-            if rows < targets.shape[0]:  # padding rows: not counted
-                targets = targets.clone()
-                targets[rows:] = IGNORE_INDEX
+        share, kiln/data/loader.py rank_batches), on every pp rank: computed on the last stage
+        micro-batch by micro-batch (the mean over all counted tokens) and broadcast as one number,
+        so the other stages never hold the logits (batch x seq x vocab in fp32: 16 GiB for 8 x 4096
+        tokens of a 128k vocabulary, which forward_logits broadcasts) and the last stage holds one
+        micro-batch's. Under tp the loss is vocab-parallel over the last stage's sharded logits
+        (not gathered)."""
+        if rows < targets.shape[0]:  # padding rows: not counted
+            targets = targets.clone()
+            targets[rows:] = IGNORE_INDEX
+        parts = torch.tensor_split(targets, self._eval_microbatches(tokens, microbatches))
+        total, counted = torch.zeros((), dtype=torch.float64, device=self.device), [0]
+
+        def score(i: int, logits) -> None:  # the last stage, each micro-batch as its logits appear
+            n = int((parts[i] != IGNORE_INDEX).sum())
+            if not n:  # only padding rows: nothing to count (and no mean of nothing)
+                return
             if isinstance(logits, DTensor):
                 from kiln.parallel.functional import parallel_lm_loss
 
-                loss = parallel_lm_loss(logits, targets).float()
+                mean = parallel_lm_loss(logits, parts[i])
             else:
-                loss = lm_loss(logits, targets).float()
+                mean = lm_loss(logits, parts[i])
+            total.add_(mean.double() * n)
+            counted[0] += n
+
+        self._through_stages(tokens, microbatches, on_logits=score)
+        loss = (total / counted[0]).float() if self.has_last and counted[0] else torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
-    def _through_stages(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """The last stage's logits on the ranks that hold it (a vocab-sharded DTensor under tp),
-        None elsewhere."""
+    def _eval_microbatches(self, tokens: torch.Tensor, microbatches: int | None) -> int:
+        """Evaluation's micro-batch count: `microbatches`, or the training step's, at most one per row."""
+        return max(1, min(microbatches or self.microbatches, tokens.shape[0]))
+
+    def _through_stages(self, tokens: torch.Tensor, microbatches: int | None = None, *, on_logits) -> None:
+        """The batch through the stages; on the last stage's rank `on_logits(i, logits)` takes each
+        micro-batch's logits (vocab-sharded DTensors under tp) as they appear, so no more than one
+        micro-batch's are held at once. The batch's rows split into `_eval_microbatches` and run
+        GPipe's forward order: each rank takes its stages in order and, within one, the
+        micro-batches in order, receiving each input from the previous stage's rank and sending on
+        without waiting, so while one stage works on a micro-batch the next works on the one
+        before (kiln's own loop, not torch's `schedule.eval()`: torch's schedules fix their
+        micro-batch shapes at their first step, and evaluation batches have any shape)."""
         cfg = self.model.cfg
-        h = tokens
         batch, seqlen = tokens.shape
         if seqlen % self.tp:  # the stages rebuild the full length as tp x the local shard
             raise ValueError(f"evaluation sequence of {seqlen} tokens is not divisible by parallel.tp={self.tp}")
-        hidden_shape = (batch, seqlen // self.tp, cfg.dim)  # this tp rank's sequence shard
-        for s in range(self.n_stages):
-            if s in self.model.stage_ids:
-                if s > 0 and (s - 1) not in self.model.stage_ids:
-                    h = torch.empty(hidden_shape, device=self.device)
-                    dist.recv(h, group=self.group, group_src=self._owner_of(s - 1))
-                h = self.model.chunks[self.model.stage_ids.index(s)](h)
-                if s == self.n_stages - 1:
-                    break  # the logits, left as the head made them
-                h = (h.full_tensor() if isinstance(h, DTensor) else h).float()
-                if (s + 1) not in self.model.stage_ids:
-                    dist.send(h.contiguous(), group=self.group, group_dst=self._owner_of(s + 1))
-        return h if self.has_last else None
+        chunks = torch.tensor_split(tokens, self._eval_microbatches(tokens, microbatches))
+        sends, held = [], list(chunks)  # held: each micro-batch's input to this rank's next stage
+        for s in sorted(self.model.stage_ids):
+            chunk = self.model.chunks[self.model.stage_ids.index(s)]
+            for i, mb in enumerate(chunks):
+                if s > 0 and (s - 1) not in self.model.stage_ids:  # this rank's tp shard of the sequence
+                    held[i] = torch.empty((mb.shape[0], seqlen // self.tp, cfg.dim), device=self.device)
+                    dist.recv(held[i], group=self.group, group_src=self._owner_of(s - 1))
+                h = chunk(held[i])
+                held[i] = None
+                if s == self.n_stages - 1:  # the logits, left as the head made them
+                    on_logits(i, h)
+                    continue
+                h = (h.full_tensor() if isinstance(h, DTensor) else h).float().contiguous()
+                if (s + 1) in self.model.stage_ids:
+                    held[i] = h
+                else:
+                    sends.append((dist.isend(h, group=self.group, group_dst=self._owner_of(s + 1)), h))
+        for work, _ in sends:  # each send's tensor is held until it is through
+            work.wait()
 
     def _owner_of(self, stage: int) -> int:
         for r in range(self.pp):
@@ -213,10 +244,11 @@ class Pipeline:
 
 
 class PipelineEvalModel:
-    """What kiln.eval.scoring.score_batches calls as `model(x)` under pp: logits through the pipeline."""
+    """What kiln.eval.scoring.score_batches calls as `model(x)` under pp: logits through the
+    pipeline, in `microbatches` (None: the training step's count; `Pipeline._through_stages`)."""
 
-    def __init__(self, pipeline: Pipeline):
-        self.pipeline = pipeline
+    def __init__(self, pipeline: Pipeline, microbatches: int | None = None):
+        self.pipeline, self.microbatches = pipeline, microbatches
 
     @property
     def training(self) -> bool:
@@ -236,7 +268,7 @@ class PipelineEvalModel:
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
         """What score_batches uses instead of logits where a model offers it (Pipeline.forward_loss)."""
-        return self.pipeline.forward_loss(tokens, targets, rows)
+        return self.pipeline.forward_loss(tokens, targets, rows, self.microbatches)
 
 
 def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocast, scaler, clip: float):

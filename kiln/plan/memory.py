@@ -104,6 +104,9 @@ class Layout:
     precision: str = "bf16"
     loss: str = "full"
     compiled: bool = False  # torch.compile of the whole model (activations saved, see the docstring)
+    # q/k/v and w1/w3 as one GEMM each (model.fused_projections; `auto` on CUDA without FSDP sharding,
+    # kiln/train/system.py): under autocast the normed input is cast once per GEMM, not per linear
+    fused_projections: bool = False
     # DiLoCo (kiln/plan/diloco.py): inner steps H between outer syncs; the replicas are dp_replicate
     # (under ddp every data-parallel rank), which then never reduce gradients with each other.
     diloco_inner_steps: int = 0
@@ -314,9 +317,10 @@ class ModelShape:
         per_layer = (act * (self.q_dim + 4 * self.kv_dim) + 4 * self.n_heads) * blocked
         return per_layer * self.local_layers / self.n_layers
 
-    def act_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False) -> float:
+    def act_bytes_per_token(self, act: int, compiled: bool = False, float8: bool = False,
+                            fused: bool = False) -> float:
         """Bytes one block keeps for backward per token, averaged over the blocks (see the module
-        docstring; an MoE block's MLP: `mlp_bytes_per_token`)."""
+        docstring; an MoE block's MLP: `mlp_bytes_per_token`; `fused`: Layout.fused_projections)."""
         kept = 2 * self.dim * 4  # the two norm inputs: the fp32 residual stream
         stats = 4 * self.n_heads + 2 * 8  # SDPA's fp32 logsumexp; each norm's fp32 mean/rstd
         if compiled and float8:  # normed inputs and act*w3 recomputed; a float8 copy of o-proj's input
@@ -329,27 +333,29 @@ class ModelShape:
         # normed (under autocast one cast per q, k and v projection: autocast caches only the
         # weights' casts, each linear casts its input itself), q/k/v, SDPA's output and its
         # contiguous (b, s, h*d) copy that the output projection saves; the MLP with its input
-        kept += act * ((1 if act == 4 else 3) * self.dim + (self.q_dim + 2 * self.kv_dim) + 2 * self.q_dim)
-        return kept + self.mlp_bytes_per_token(act, 4 if self.gated else 2, inputs=True)
+        kept += act * ((1 if act == 4 or fused else 3) * self.dim + (self.q_dim + 2 * self.kv_dim) + 2 * self.q_dim)
+        if fused:  # v is a view of the one q/k/v GEMM output: its q and k parts stay alive with it
+            kept += act * (self.q_dim + self.kv_dim)
+        return kept + self.mlp_bytes_per_token(act, 4 if self.gated else 2, inputs=True, fused=fused)
 
     @property
     def moe_share(self) -> float:
         """The share of the blocks that are MoE blocks (model.moe_every)."""
         return self.moe_layers / self.n_layers if self.moe_experts else 0.0
 
-    def mlp_bytes_per_token(self, act: int, per_unit: int, inputs: bool = False) -> float:
+    def mlp_bytes_per_token(self, act: int, per_unit: int, inputs: bool = False, fused: bool = False) -> float:
         """What the blocks' MLPs keep per token, averaged over the blocks: `per_unit` tensors per
         hidden unit a token passes through (a dense block's ffn; an MoE block's top-k experts'
         widths and its shared experts'), an MoE block's routing and dispatch
         (`moe_dispatch_bytes_per_token`), and with `inputs` (eager) the normed input as the MLP's
-        matmuls save it: once in fp32; under autocast once per matmul that casts it (w1, w3), and
-        in an MoE block the router's fp32 copy (the experts take the dispatched rows) plus the
-        shared experts' and their gate's casts. A top-2 MoE of full-width experts keeps over
+        matmuls save it: once in fp32; under autocast once per matmul that casts it (w1, w3; one
+        GEMM with `fused` projections), and in an MoE block the router's fp32 copy (the experts
+        take the dispatched rows) plus the shared experts' and their gate's casts. A top-2 MoE of full-width experts keeps over
         twice a dense MLP's activations, which the planner counted before (measured eager,
         tests/plan/test_moe_activations.py; compiled, the same dispatch count is an upper bound
         within 15%: tests/plan/test_compiled_saved.py)."""
         low = act < 4  # autocast: each linear casts its input
-        matmuls_in = (2 if self.gated else 1) if low else 1
+        matmuls_in = (2 if self.gated and not fused else 1) if low else 1
         dense = act * per_unit * self.ffn + (act * self.dim * matmuls_in if inputs else 0)
         if not self.moe_experts:
             return dense
@@ -606,7 +612,7 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     act = ACT_BYTES[layout.precision]
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
     float8 = layout.precision == "float8"
-    per_block = shape.act_bytes_per_token(act, layout.compiled, float8) * tokens / layout.tp
+    per_block = shape.act_bytes_per_token(act, layout.compiled, float8, layout.fused_projections) * tokens / layout.tp
     if layout.cp == 1:  # sliding-window layers' blocked attention (cp runs the window in its ring)
         per_block += shape.window_bytes_per_token(act, seq_len) * tokens / layout.tp
     if layout.tp > 1:  # the all-gathered normed inputs of attention and MLP: whole, not 1/tp

@@ -196,6 +196,8 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
         count += 1
         if compiled and layout.world_size == 1:
             layout = dataclasses.replace(layout, compiled=True)
+        if cluster.backend == "nccl" and fuses_projections(layout):
+            layout = dataclasses.replace(layout, fused_projections=True)
         try:  # the least recompute that fits (kiln/plan/ac.py); recompute only ever costs time
             ac, mem = plan_activation_checkpointing(
                 shape, layout, seq_len, budget, optimizer,
@@ -264,6 +266,14 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
     else:
         out.train.dtype = layout.precision
     return out.validate()
+
+
+def fuses_projections(layout: Layout) -> bool:
+    """Whether `model.fused_projections = "auto"` fuses q/k/v and w1/w3 on GPUs in this layout
+    (kiln/train/system.py resolve_fused_projections: not where FSDP shards the weights; the
+    separate linears under tp and float8, kiln/model/transformer.py)."""
+    sharded = layout.dp * layout.cp > 1 and layout.dp_mode in ("fsdp", "zero2")
+    return not sharded and layout.tp == 1 and layout.precision != "float8"
 
 
 def kiln_refusal(cfg: JobConfig, layout: Layout, world_size: int) -> str | None:

@@ -56,6 +56,13 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
         schedule = "gpipe" if p.pp_schedule == "looped_bfs" else p.pp_schedule
         pipeline = {"schedule": schedule,
                     "virtual_stages": 2 if schedule in ("zbv_zero_bubble", "dualpipev") else p.pp_virtual_stages}
+    fused = cfg.model.fused_projections  # as kiln/train/trainer.py build_model resolves it
+    if fused == "auto":
+        import torch
+
+        sharded = d is not None and d.grad_ranks > 1 and d.dp_mode in ("fsdp", "zero2")
+        fused = cfg.train.device != "cpu" and torch.cuda.is_available() and not sharded
+    fused = bool(fused) and (d is None or d.tp == 1) and not cfg.train.float8  # those take one GEMM each
     return Layout(dp_replicate=d.dp_replicate if d else 1, dp_shard=d.dp_shard if d else 1, tp=d.tp if d else 1,
                   pp=d.pp if d else 1, cp=d.cp if d else 1, ep=d.ep if d else 1, etp=d.etp if d else -1,
                   dp_mode=d.dp_mode if d else "ddp", micro_batch=micro_batch,
@@ -63,7 +70,7 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
                   precision="float8" if cfg.train.float8 else dtype,
                   loss="chunked" if cfg.train.loss == "chunked" else "full",
                   compiled=cfg.train.compile and (d is None or d.world_size == 1) and cfg.train.compile_scope != "blocks",
-                  diloco_inner_steps=cfg.parallel.diloco_inner_steps, **pipeline)
+                  diloco_inner_steps=cfg.parallel.diloco_inner_steps, fused_projections=fused, **pipeline)
 
 
 def estimate_train_bytes(cfg: JobConfig, dims: ParallelDims | None = None) -> int:

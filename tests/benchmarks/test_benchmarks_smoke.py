@@ -124,13 +124,13 @@ def test_hf_interop_quick(tmp_path):
 @pytest.mark.timeout(120)
 def test_parallel_eval_splits_and_scores_what_one_rank_scores(tmp_path):
     out = tmp_path / "parallel_eval.json"
-    argv = ["--dim", "64", "--layers", "1", "--heads", "2", "--vocab", "256", "--seq", "64", "--batch", "2",
-            "--windows", "8", "--rounds", "1", "--out", str(out)]
+    argv = ["--layouts", "dp,cp,pp", "--dim", "64", "--layers", "2", "--heads", "2", "--vocab", "256", "--seq", "64",
+            "--batch", "2", "--windows", "8", "--rounds", "1", "--out", str(out)]
     assert _load("parallel_eval").main(argv) == 0  # exits non-zero unless split and whole losses agree
     rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"dp", "cp"}
-    for row in rows.values():  # each rank holds a block of the windows, or a half of each sequence
-        assert row["split"]["peak_bytes"] < row["whole"]["peak_bytes"]
+    assert set(rows) == {"dp", "cp", "pp"}
+    for row in rows.values():  # each rank holds a block of the windows, a half of each sequence, or
+        assert row["split"]["peak_bytes"] < row["whole"]["peak_bytes"]  # (pp) one micro-batch's logits
 
 
 @pytest.mark.timeout(60)

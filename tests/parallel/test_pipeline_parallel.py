@@ -229,6 +229,11 @@ def _pp_worker(rank: int, port: int, results) -> None:
             dims1 = ParallelDims.from_config(ref_cfg.parallel, world_size=1, rank=0, local_rank=0)
             ref = build_model(ref_cfg, dims1, torch.device("cpu"))
             ref.loss_impl = loss
+            if (loss, tied) == ("full", False):  # the initial weights' loss over 3 of the first batch's 4 rows
+                x, y = batches[0][0]
+                with torch.no_grad():
+                    got["reference eval rows"] = float(torch.nn.functional.cross_entropy(
+                        ref(x[:3]).flatten(0, 1), y[:3].flatten()))
             got[reference_name(loss, tied)] = run(ref_cfg, train_step, ref)
         # Which loss the pipeline's runs called (lm_loss from the schedule's loss_fn, the chunked
         # one from the last stage): train.loss must not fall back to the full loss silently.
@@ -261,6 +266,9 @@ def _pp_worker(rank: int, port: int, results) -> None:
                 x, y = batches[0][0]  # (initial weights): the whole model's logits, also when the loss is chunked
                 got[f"eval {name}"] = float(torch.nn.functional.cross_entropy(
                     pl.PipelineEvalModel(pipe)(x).flatten(0, 1), y.flatten()))
+            if schedule in ("gpipe", "zbv_zero_bubble"):  # the loss in 1, 3 (rows 2+1+1) and 4 micro-batches,
+                x, y = batches[0][0]  # the last row padding: one stage per rank, and a V
+                got[f"eval loss {name}"] = [float(pipe.forward_loss(x, y, 3, m)) for m in (1, 3, 4)]
             count.update(full=0, chunked=0)
             got[name] = run(cfg, pl.pipeline_train_step, pipe)
             calls[name] = dict(count)
@@ -323,9 +331,12 @@ def test_schedule_matches_one_process(two_ranks, schedule):
 
 def test_evaluation_runs_through_the_pipeline(two_ranks):
     first_loss = two_ranks[0]["reference"][0][0]  # step 1's loss is that of the initial weights
+    first_rows = two_ranks[0]["reference eval rows"]  # one process's loss over the first 3 rows
     for rank in range(2):
         assert two_ranks[rank]["eval gpipe"] == pytest.approx(first_loss, rel=REL)
         assert two_ranks[rank]["eval chunked_interleaved_1f1b"] == pytest.approx(first_loss, rel=REL)
+        for schedule in ("gpipe", "zbv_zero_bubble"):  # any micro-batch count, uneven, padding not counted
+            assert two_ranks[rank][f"eval loss {schedule}"] == pytest.approx([first_rows] * 3, rel=REL)
 
 
 @pytest.mark.parametrize("name", [n for n in CHUNKED if n != "chunked_head_untrained"])

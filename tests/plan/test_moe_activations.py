@@ -12,8 +12,10 @@ Before, the planner took an MoE block's activations for the dense block's: a top
 full-width experts keeps 1.8x them (fp32), so the old model missed 44% of it.
 
 Under autocast each linear casts its own input (autocast caches only the weights' casts): the
-normed input is saved once per q, k, v projection and per MLP matmul, which the dense formula now
-counts (the bf16 dense residual equals the fp32 one).
+normed input is saved once per q, k, v projection and per MLP matmul (once per GEMM with
+model.fused_projections, kiln's default on a GPU without FSDP sharding, where v, a view of the
+one q/k/v output, keeps all of it alive), which the dense formula now counts (the bf16 dense
+residual equals the fp32 one, fused or not).
 
 Under tp (2 gloo ranks, fp32): with the experts sharded over tp (etp = tp) every tp rank routes the
 whole gathered sequence, so the routing and dispatch bytes are whole per rank, not 1/tp; with ep
@@ -43,6 +45,7 @@ MODEL = ["model.dim=64", "model.n_heads=4", "model.vocab_size=256", f"data.seq_l
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
 CASES = {  # name -> (overrides, dtypes)
     "dense": ([], ("fp32", "bf16")),
+    "dense_fused": (["model.fused_projections=true"], ("fp32", "bf16")),
     "top1": (["model.moe_experts=4", "model.moe_top_k=1"], ("fp32",)),
     "top2": (MOE, ("fp32", "bf16")),
     "top2_every2": (MOE + ["model.moe_every=2"], ("fp32",)),
@@ -98,7 +101,7 @@ def measured():
             for name, (overrides, dtypes) in CASES.items() for dtype in dtypes}
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n != "dense"])
+@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("dense")])
 def test_moe_block_keeps_what_the_planner_predicts(measured, name):
     overrides, dtypes = CASES[name]
     dense, moe = shape_of([]), shape_of(overrides)
@@ -118,6 +121,12 @@ def test_dense_formula_misses_the_same_bytes_in_fp32_and_bf16(measured):
     bf16 = measured[("dense", "bf16")] - shape.act_bytes_per_token(2)
     assert bf16 == pytest.approx(fp32, abs=1.0)
     assert 2 * 4 * shape.dim <= fp32 <= 2 * 4 * shape.dim + 64
+    # model.fused_projections (q/k/v and w1/w3 one GEMM each, kiln's auto on a GPU): one cast each,
+    # and v, a view of the one GEMM output, keeps its q and k parts alive
+    for dtype, act in (("fp32", 4), ("bf16", 2)):
+        fused = measured[("dense_fused", dtype)] - shape.act_bytes_per_token(act, fused=True)
+        assert fused == pytest.approx(fp32, abs=1.0), dtype
+    assert measured[("dense_fused", "bf16")] < measured[("dense", "bf16")]
 
 
 def test_a_top2_block_is_not_a_dense_block(measured):

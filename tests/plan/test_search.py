@@ -297,3 +297,19 @@ def test_every_layout_the_search_proposes_passes_kilns_own_mesh_checks():
             assert (("ddp", 2, 1, 2, 2, 1, 1, -1) in meshes) == accepted
     assert {(True, True, False), (False, True, True), (True, False, True)} <= seen  # the new mixes are searched
 
+
+
+def test_the_search_counts_fused_projections_where_kiln_fuses_them():
+    """model.fused_projections = "auto" fuses q/k/v and w1/w3 on GPUs unless FSDP shards the
+    weights, never under tp (kiln/train/system.py, kiln/model/transformer.py): the memory model
+    counts one autocast input cast per GEMM there (tests/plan/test_moe_activations.py)."""
+    from kiln.plan.search import fuses_projections
+
+    shape = ModelShape.from_config(ModelConfig(dim=512, n_layers=8, n_heads=8, vocab_size=32000, max_seq_len=1024), 32000)
+    plans = search(shape, load_cluster("h100"), 1024, 16)
+    seen = {p.layout.fused_projections for p in plans}
+    assert seen == {True, False}
+    for p in plans:
+        sharded = p.layout.dp * p.layout.cp > 1 and p.layout.dp_mode in ("fsdp", "zero2")
+        assert p.layout.fused_projections == (p.layout.tp == 1 and not sharded) == fuses_projections(p.layout)
+    assert not any(p.layout.fused_projections for p in search(shape, load_cluster("cpu-local"), 1024, 16))
