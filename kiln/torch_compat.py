@@ -513,11 +513,22 @@ def schedule_grad_scaling(schedule_class, params=()) -> dict:
     divides each rank's part; 2.10's refuses ("in-place operations that require placement changes
     are not supported ... Partial(sum) to Replicate"); 2.8's reduces it, divides, and keeps the
     Partial placement, so the gradient it leaves is the tp degree times too large, silently.
-    Probed when `params` hold a DTensor, on its mesh (`dtensor_divides_partial_in_place`)."""
+    Probed when `params` hold a DTensor, on its mesh (`dtensor_divides_partial_in_place`).
+    Before the runtime scaled in a REDUCE_GRAD action of its own (2.9 has none; 2.11 and 2.13 do),
+    `_PipelineScheduleRuntime` divided a stage's gradients only when its last backward was a full
+    one, and DualPipeV (the one schedule on that runtime there) ends every stage with a weight
+    pass: on 2.9 its gradients came out the micro-batch count times too large (grad norm 3.34
+    against 1.10 at 4 micro-batches, tests/parallel/test_pipeline_parallel.py). There the loss
+    divides instead."""
     import inspect
+
+    from torch.distributed.pipelining import schedules
 
     if "scale_grads" not in inspect.signature(schedule_class.__init__).parameters:
         return {}
+    runtime = getattr(schedules, "_PipelineScheduleRuntime", None)
+    if runtime is not None and issubclass(schedule_class, runtime) and not hasattr(schedules, "REDUCE_GRAD"):
+        return {"scale_grads": False}
     return {"scale_grads": dtensor_divides_partial_in_place(params)}
 
 

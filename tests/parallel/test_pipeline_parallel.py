@@ -378,6 +378,23 @@ def test_the_loss_divides_where_the_schedule_cannot_and_matches_one_process(two_
             assert norm == pytest.approx(rn, rel=REL), f"rank {rank} step {step + 1} grad norm"
 
 
+@pytest.mark.skipif(not HAS_DUALPIPEV, reason=f"torch {torch.__version__} has no ScheduleDualPipeV (2.9+)")
+def test_dualpipev_gradients_divided_where_its_runtime_cannot(monkeypatch, two_ranks):
+    """Before its REDUCE_GRAD action (torch 2.9) the runtime DualPipeV runs on divided a stage's
+    gradients only after a full backward, and DualPipeV ends each stage with a weight pass: there
+    the loss divides (torch_compat.schedule_grad_scaling), where the schedule does from 2.11."""
+    from torch.distributed.pipelining import ScheduleDualPipeV, schedules
+
+    for rank in range(2):  # the two ranks' run (matched one process above): exactly one of them divides
+        divide, scale_grads = two_ranks[rank]["loss divides dualpipev"]
+        assert divide != scale_grads and scale_grads == hasattr(schedules, "REDUCE_GRAD")
+    if hasattr(schedules, "REDUCE_GRAD"):
+        assert torch_compat.schedule_grad_scaling(ScheduleDualPipeV) == {"scale_grads": True}
+        monkeypatch.delattr(schedules, "REDUCE_GRAD")  # as on 2.9
+    assert torch_compat.schedule_grad_scaling(ScheduleDualPipeV) == {"scale_grads": False}
+    assert torch_compat.schedule_grad_scaling(Schedule1F1B) == {"scale_grads": True}  # not on that runtime
+
+
 def test_tolerance_catches_unscaled_microbatch_gradients(two_ranks):
     ref, unscaled = two_ranks[0]["reference"], two_ranks[0]["1f1b_unscaled"]
     assert unscaled[0][0] == pytest.approx(ref[0][0], rel=REL)  # same start ...
