@@ -350,10 +350,11 @@ class ModelShape:
         (`moe_dispatch_bytes_per_token`), and with `inputs` (eager) the normed input as the MLP's
         matmuls save it: once in fp32; under autocast once per matmul that casts it (w1, w3; one
         GEMM with `fused` projections), and in an MoE block the router's fp32 copy (the experts
-        take the dispatched rows) plus the shared experts' and their gate's casts. A top-2 MoE of full-width experts keeps over
-        twice a dense MLP's activations, which the planner counted before (measured eager,
-        tests/plan/test_moe_activations.py; compiled, the same dispatch count is an upper bound
-        within 15%: tests/plan/test_compiled_saved.py)."""
+        take the dispatched rows) plus the shared experts' and their gate's casts. A top-2 MoE
+        block of full-width experts keeps over twice a dense MLP's activations, which the planner
+        took an MoE block's for before (measured eager, tests/plan/test_moe_activations.py;
+        compiled, the same dispatch count is an upper bound within 15%:
+        tests/plan/test_compiled_saved.py)."""
         low = act < 4  # autocast: each linear casts its input
         matmuls_in = (2 if self.gated and not fused else 1) if low else 1
         dense = act * per_unit * self.ffn + (act * self.dim * matmuls_in if inputs else 0)
