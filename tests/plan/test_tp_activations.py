@@ -15,38 +15,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from ranks import run_ranks  # noqa: E402  (tests/parallel/ranks.py)
-from rank_measures import SavedBytes  # noqa: E402  (benchmarks/rank_measures.py, parallel_memory.py's count)
+import test_moe_activations as moe_activations  # noqa: E402  (its saved-bytes count, any layout and dtype)
 
-SEQ, BATCH = 32, 2
-MODEL = ["model.dim=64", "model.n_heads=4", "model.vocab_size=256", f"data.seq_len={SEQ}",
-         f"model.max_seq_len={SEQ}", "train.dtype=fp32", f"train.batch_size={BATCH}"]
+SEQ, BATCH = moe_activations.SEQ, 2  # its model: dim 64, 4 heads, vocab 256, fp32
 
 
 def saved_bytes(rank, world, tp, layers):
     """Bytes autograd saves on this rank in one forward of an `layers`-block model over `tp` ranks."""
-    from torch.distributed.tensor import DTensor
-
-    from kiln.config import load_config
-    from kiln.parallel.dims import ParallelDims
-    from kiln.train.trainer import build_model
-
-    cfg = load_config(None, MODEL + [f"model.n_layers={layers}", f"parallel.tp={tp}"])
-    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank, seq_len=SEQ)
-    if world > 1:
-        dims.build_mesh("cpu")
-    model = build_model(cfg, dims, torch.device("cpu"))
-    saved = SavedBytes(exclude={(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-                                for p in model.parameters()})
-    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    return saved.total
+    return moe_activations.saved_bytes(rank, world, [f"parallel.tp={tp}"], layers, BATCH)
 
 
 def per_block(tp, root):
