@@ -17,7 +17,7 @@ skips the POISON step and the last stage steps: the ranks' scales part and the l
 weights leave the reference's; with the MoE aux losses' backward left unscaled, the MoE rows
 leave the reference's (3.6e-3 in the grad norm at step 4, 9% at step 5).
 
-Zero-bubble schedules (interleaved zero-bubble, ZBV; the backward split into input and weight
+Zero-bubble schedules (interleaved zero-bubble, ZBV, DualPipeV from torch 2.9; the backward split into input and weight
 passes, the poisoned gradient arriving in the weight pass) give the same rows as one process too.
 
 On 4 ranks (one launch), pp2 x tp2, pp2 x dp2 under fsdp, ddp and zero1, pp2 x cp2 (each cp rank
@@ -59,6 +59,7 @@ import torch
 
 from conftest import float8_import_error
 from kiln import torch_compat
+from kiln.parallel.pipeline_layout import schedule_available
 from ranks import run_ranks
 
 FLOAT8 = float8_import_error() is None  # torch 2.6 with the newest torchao (0.18): its cases are left out
@@ -79,6 +80,8 @@ CASES = {"1f1b": ("1f1b", 1, False, STEPS), "interleaved": ("interleaved_1f1b", 
          # zero-bubble: the backward split into input and weight passes; the scaled loss and the
          # poisoned weight gradient (its weight pass) must come out as in one process
          "interleaved_zb": ("interleaved_zero_bubble", 2, False, STEPS), "zbv": ("zbv_zero_bubble", 2, False, STEPS)}
+if schedule_available("dualpipev"):  # torch 2.9+; on 2.9 its loss divides (torch_compat.schedule_grad_scaling)
+    CASES["dualpipev"] = ("dualpipev", 2, False, STEPS)
 MOE = dict(moe_experts=4, moe_top_k=2, moe_aux_loss_weight=0.1, moe_z_loss_weight=0.01, init_std=0.1)
 
 
