@@ -44,7 +44,7 @@ from test_data_parallel import assert_same_losses, losses
 STEPS, REL, MICRO = 5, 1e-5, 4
 # (schedule, virtual stages per rank): every schedule kiln offers
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("interleaved_zero_bubble", 2),
-             ("zbv_zero_bubble", 2)]
+             ("zbv_zero_bubble", 2)] + ([("dualpipev", 2)] if layout.schedule_available("dualpipev") else [])
 # variant -> (train settings, schedules run). Compile is refused with the zero-bubble schedules
 # (test_compile_with_zero_bubble_is_refused_naming_the_key); compiling costs seconds per variant
 # whatever the schedule count, running a schedule well under one.
