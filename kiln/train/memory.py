@@ -56,13 +56,14 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
         schedule = "gpipe" if p.pp_schedule == "looped_bfs" else p.pp_schedule
         pipeline = {"schedule": schedule,
                     "virtual_stages": 2 if schedule in ("zbv_zero_bubble", "dualpipev") else p.pp_virtual_stages}
-    fused = cfg.model.fused_projections  # as kiln/train/trainer.py build_model resolves it
-    if fused == "auto":
-        import torch
+    import torch
 
-        sharded = d is not None and d.grad_ranks > 1 and d.dp_mode in ("fsdp", "zero2")
-        fused = cfg.train.device != "cpu" and torch.cuda.is_available() and not sharded
-    fused = bool(fused) and (d is None or d.tp == 1) and not cfg.train.float8  # those take one GEMM each
+    from kiln.train.system import resolve_fused_projections  # the one rule, as build_model applies it
+
+    cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    fused = resolve_fused_projections(cfg.model.fused_projections, torch.device("cuda" if cuda else "cpu"),
+                                      fsdp=d is not None and d.grad_ranks > 1 and d.dp_mode in ("fsdp", "zero2"))
+    fused = fused and (d is None or d.tp == 1) and not cfg.train.float8  # those take one GEMM each
     return Layout(dp_replicate=d.dp_replicate if d else 1, dp_shard=d.dp_shard if d else 1, tp=d.tp if d else 1,
                   pp=d.pp if d else 1, cp=d.cp if d else 1, ep=d.ep if d else 1, etp=d.etp if d else -1,
                   dp_mode=d.dp_mode if d else "ddp", micro_batch=micro_batch,
