@@ -15,6 +15,13 @@ softmax). The backward runs the ring again: dQ stays local, and dK/dV accumulato
 their K/V block and return to its owner after a full turn. Per pair of chunks: a chunk in the
 past is attended in full, the same chunk causally, a future chunk is skipped.
 
+A sliding-window layer needs the K/V of a few ranks only: its keys reach back at most
+ceil((W - 1) / chunk) chunks, and zig-zag puts chunks d apart on ranks at most d apart, but one
+of a rank's two chunks looks behind it on the ring and the other ahead. Where that neighbourhood
+is smaller than the ring (kiln/parallel/ring_layout.py `window_hops`), K/V go that many hops both
+ways instead of round the ring (6 blocks sent per hop forward and backward instead of 3 cp - 2),
+and each dK/dV share is sent straight home. kiln's own.
+
 Choice of block kernel: a plain fp32 matmul block attention written here (scores, exp, matmul),
 because it yields the log-sum-exp on every device and backend; SDPA's LSE-returning ops are
 private aten ops whose signatures differ between CPU and CUDA builds. Torch's own
@@ -48,6 +55,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from kiln import torch_compat
 from kiln.errors import ConfigError
 from kiln.parallel.functional import zigzag_chunks
+from kiln.parallel.ring_layout import window_hops
 
 
 def check_cp_seq_len(cp: int, seq_len: int) -> None:
@@ -84,9 +92,58 @@ class Ring:
 
     def shift(self, tensor: torch.Tensor) -> torch.Tensor:
         received, works = self.start_shift(tensor)
-        for w in works:
-            w.wait()
+        _wait(works)
         return received
+
+    def start_both_ways(self, ahead: torch.Tensor, behind: torch.Tensor):
+        """`ahead` to the next rank and `behind` to the previous one, receiving in their place the
+        previous rank's `ahead` and the next rank's `behind`; returns ((ahead, behind), works)."""
+        from_prev, from_next = torch.empty_like(ahead), torch.empty_like(behind)
+        ops = [dist.P2POp(dist.isend, ahead, self.next, self.group),
+               dist.P2POp(dist.irecv, from_prev, self.prev, self.group),
+               dist.P2POp(dist.isend, behind, self.prev, self.group),
+               dist.P2POp(dist.irecv, from_next, self.next, self.group)]
+        return (from_prev, from_next), dist.batch_isend_irecv(ops)
+
+    def start_swap(self, tensor: torch.Tensor, to: int, source: int):
+        """`tensor` to ring position `to`, and a tensor like it from `source`; returns (buffer, works)."""
+        received = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(self.group, to), self.group),
+               dist.P2POp(dist.irecv, received, dist.get_global_rank(self.group, source), self.group)]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def _ring_blocks(kv: torch.Tensor, ring: Ring):
+    """(source ring position, its K/V block) for every rank of the ring, this rank's first; the
+    next block's exchange is in flight while the caller computes on the current one."""
+    for step in range(ring.size):
+        pending = ring.start_shift(kv) if step < ring.size - 1 else None
+        yield (ring.rank - step) % ring.size, kv
+        if pending is not None:
+            kv, works = pending
+            _wait(works)
+
+
+def _neighbour_blocks(kv: torch.Tensor, ring: Ring, hops: int):
+    """(source ring position, its K/V block) for this rank and the `hops` ranks on either side of
+    it (`window_hops`): the blocks travel both ways around the ring for `hops` steps instead of
+    all the way round, the next hop's two exchanges in flight while the caller computes."""
+    ahead = behind = kv
+    for hop in range(hops + 1):
+        pending = ring.start_both_ways(ahead, behind) if hop < hops else None
+        if hop == 0:
+            yield ring.rank, kv
+        else:
+            yield (ring.rank - hop) % ring.size, ahead
+            yield (ring.rank + hop) % ring.size, behind
+        if pending is not None:
+            (ahead, behind), works = pending
+            _wait(works)
 
 
 def _chunk_pairs(my_chunks, src_chunks, size, window: int = 0):
@@ -155,18 +212,13 @@ def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0, wi
     m = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
     l = torch.zeros_like(m)
     kv = torch.stack([k.float(), v.float()]).contiguous()
-    for step in range(ring.size):
-        pending = ring.start_shift(kv) if step < ring.size - 1 else None
-        src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
-        for qs, ks, chunks in _chunk_pairs(mine, src, size, window):
+    hops = window_hops(ring.size, size, window)
+    for source, kv in _ring_blocks(kv, ring) if hops is None else _neighbour_blocks(kv, ring, hops):
+        for qs, ks, chunks in _chunk_pairs(mine, zigzag_chunks(ring.size, source), size, window):
             s = _scores(q5[..., qs, :], kv[0][..., ks, :], _block_mask(chunks, size, window, q.device), scale)
             keep = block_keep(seed, chunks, s.shape, dropout_p, s.device) if dropout_p > 0 else None
             acc[..., qs, :], l[..., qs], m[..., qs] = _merge_block(acc[..., qs, :], l[..., qs], m[..., qs], s,
                                                                    kv[1][..., ks, :], keep)
-        if pending is not None:
-            kv, works = pending
-            for w in works:
-                w.wait()
     return acc / l.unsqueeze(-1), m + torch.log(l)
 
 
@@ -174,7 +226,9 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0
                    window: int = 0):
     """The ring's backward: dq (q's shape and dtype) and dK/dV stacked (2, B, Hkv, T, D) in fp32.
     With dropout (M the block's multiplier): dV = (P M)^T dO, dP = (dO V^T) M, and the softmax
-    correction rowsum(dO * O) is unchanged (O already holds the dropped weights)."""
+    correction rowsum(dO * O) is unchanged (O already holds the dropped weights). Around the ring
+    the dK/dV accumulator travels with its block and comes home after a full turn; in a window's
+    neighbourhood (`window_hops`) each block's share goes straight home once computed."""
     bsz, n_heads, seqlen, head_dim = q.shape
     size = seqlen // 2
     scale = 1.0 / math.sqrt(head_dim)
@@ -183,12 +237,10 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0
     dout = grad_out.float().reshape(out.shape)
     delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
     dq = torch.zeros(q5.shape, device=q.device)  # contiguous, as the fake (see _ring_forward)
-    kv = torch.stack([k.float(), v.float()]).contiguous()
-    dkv = torch.zeros_like(kv)
-    for step in range(ring.size):
-        pending = ring.start_shift(kv) if step < ring.size - 1 else None
-        src = zigzag_chunks(ring.size, (ring.rank - step) % ring.size)
-        for qs, ks, chunks in _chunk_pairs(mine, src, size, window):
+
+    def block_grads(source: int, kv: torch.Tensor, dkv: torch.Tensor) -> None:
+        """This rank's queries against `source`'s block: into dq, and into `dkv` for that block."""
+        for qs, ks, chunks in _chunk_pairs(mine, zigzag_chunks(ring.size, source), size, window):
             kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
             allowed = _block_mask(chunks, size, window, q.device)
             p = torch.exp(_scores(q5[..., qs, :], kb, allowed, scale) - lse[..., qs].unsqueeze(-1))
@@ -199,12 +251,27 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0
             ds = p * ((dp if keep is None else dp * keep) - delta[..., qs].unsqueeze(-1))
             dq[..., qs, :] += (ds @ kb.unsqueeze(2)) * scale
             dkv[0][..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2) * scale
-        if pending is not None:
-            kv, works = pending
-            for w in works:
-                w.wait()
-        # The gradient accumulator travels with its block; after the last step it goes home.
-        dkv = ring.shift(dkv)
+
+    kv = torch.stack([k.float(), v.float()]).contiguous()
+    dkv = torch.zeros_like(kv)
+    hops = window_hops(ring.size, size, window)
+    if hops is None:
+        for source, kv in _ring_blocks(kv, ring):
+            block_grads(source, kv, dkv)
+            dkv = ring.shift(dkv)  # the accumulator travels with its block; the last shift takes it home
+    else:
+        shares = []  # (what another rank computed for this rank's block, its works)
+        for source, kv in _neighbour_blocks(kv, ring, hops):
+            if source == ring.rank:
+                block_grads(source, kv, dkv)
+                continue
+            share = torch.zeros_like(dkv)
+            block_grads(source, kv, share)
+            # sent home; in return the rank as far the other way sends its share of this rank's block
+            shares.append(ring.start_swap(share, source, (2 * ring.rank - source) % ring.size))
+        for received, works in shares:
+            _wait(works)
+            dkv += received
     return dq.view(bsz, n_heads, seqlen, head_dim).to(q.dtype), dkv
 
 

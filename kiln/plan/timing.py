@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kiln.parallel.ring_layout import ring_messages, window_hops
 from kiln.plan.cluster import Cluster
 # the communication and pipeline terms live beside this module; re-exported for callers of timing
 from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
@@ -215,11 +216,16 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         total += t
     # Context parallel (ring attention): K and V pass around the ring, hidden behind attention's
     # score and value products only (the ring issues the next block's K/V before this block's
-    # attention): their FLOP share of the step, 12*L*dim*seq of the token's FLOPs.
+    # attention): their FLOP share of the step, 12*L*dim*seq of the token's FLOPs. A sliding-window
+    # layer whose window reaches few ranks exchanges with those neighbours only (ring_layout.py);
+    # its sends both ways share the rank's link, so they are timed one after the other.
     if layout.cp > 1:
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
-        t = 3 * (layout.cp - 1) * p2p(cluster, kv_bytes, False) * stage_layers * ga
-        count("p2p", 3 * (layout.cp - 1) * stage_layers * ga)
+        local = shape.local_layers / shape.n_layers * stage_layers
+        hops = window_hops(layout.cp, seq_len // (2 * layout.cp), shape.window)
+        sends = (ring_messages(layout.cp, None) * (stage_layers - local) + ring_messages(layout.cp, hops) * local) * ga
+        t = sends * p2p(cluster, kv_bytes, False)
+        count("p2p", sends)
         attn_compute = t_mb * ga * 12 * shape.q_dim * shape.attention_keys(seq_len) / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t

@@ -64,6 +64,15 @@ def check_ring_attention():
     return f"rank {rank}: ok"
 
 
+def check_ring_window_over_world():
+    """check_ring_window alone, on a ring over every rank (4 ranks: windows that reach one
+    neighbour each way, and wider ones that go round the ring); returns "rank <r>: ok"."""
+    ring = Ring(dist.group.WORLD)
+    seq_len = 8 * ring.size
+    check_ring_window(ring, zigzag_positions(seq_len, ring.size, ring.rank), seq_len)
+    return f"rank {ring.rank}: ok"
+
+
 def dropout_reference(q, k, v, seed, dropout_p, cp, wrong_seed=False):
     """Full causal attention with attention dropout whose mask on every (query chunk, key chunk)
     block is `block_keep`'s for `seed` (the chunks of the whole sequence, 2*cp of them): what the
@@ -112,13 +121,35 @@ def check_ring_dropout(ring, index, seq_len, dropout_p=0.3, seed=1234):
     assert not torch.allclose(dq, local[0].grad, atol=ATOL, rtol=0), "the backward ignores the masks"
 
 
+class CountedSends:
+    """Within `with`: the blocks this rank sends through torch.distributed.batch_isend_irecv
+    (`sends`), the call itself unchanged."""
+
+    def __enter__(self):
+        self.sends, self.original = 0, dist.batch_isend_irecv
+
+        def counted(ops):
+            self.sends += sum(op.op is dist.isend for op in ops)
+            return self.original(ops)
+
+        dist.batch_isend_irecv = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.batch_isend_irecv = self.original
+        return False
+
+
 def check_ring_window(ring, index, seq_len):
     """Sliding-window attention in the ring equals SDPA with kiln's window mask (forward, dQ/dK/dV)
     for windows inside one chunk, across chunk edges, spanning several chunks and the whole
     sequence; blocks wholly outside the window are skipped, and rows a block masks whole (met before
     their diagonal) do not poison the online softmax. A window shorter than the sequence differs
-    from plain causal attention (the mask is applied)."""
+    from plain causal attention (the mask is applied). Each rank sends the blocks
+    ring_layout.ring_messages counts: none for a window inside a chunk, 6 per hop where the window
+    reaches few ranks (K/V both ways, dK/dV home), 3 cp - 2 round the ring otherwise."""
     from kiln.model.transformer import window_mask
+    from kiln.parallel.ring_layout import ring_messages, window_hops
 
     size = seq_len // (2 * ring.size)
     g = torch.Generator().manual_seed(2)
@@ -131,11 +162,14 @@ def check_ring_window(ring, index, seq_len):
         ref = F.scaled_dot_product_attention(*full, attn_mask=band, enable_gqa=True)
         ref.backward(dout)
         local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local, ring, window=window)
-        out.backward(dout[:, :, index])
+        with CountedSends() as counted:
+            out = ring_attention(*local, ring, window=window)
+            out.backward(dout[:, :, index])
         torch.testing.assert_close(out, ref[:, :, index], atol=ATOL, rtol=0, msg=lambda m: f"window {window}: {m}")
         for name, got, want in zip("qkv", [t.grad for t in local], [t.grad[:, :, index] for t in full]):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, n=name: f"window {window} d{n}: {m}")
+        expected_sends = ring_messages(ring.size, window_hops(ring.size, size, window))
+        assert counted.sends == expected_sends, f"window {window}: {counted.sends} blocks sent, not {expected_sends}"
         if window < seq_len:
             causal = ring_attention(*[t.detach() for t in local], ring)
             assert not torch.allclose(out, causal, atol=ATOL, rtol=0), f"window {window} changed nothing"

@@ -58,6 +58,16 @@ def ring_check_then_train(rank, world, jobs):
     return result
 
 
+def window_check_then_train(rank, world, jobs):
+    """The 4-rank launch: cp_ring_worker's sliding-window checks on a 4-rank ring (windows that
+    reach one neighbour each way: the neighbourhood exchange), then kiln's trainer on `jobs`."""
+    from cp_ring_worker import check_ring_window_over_world
+
+    result = check_ring_window_over_world()
+    train_runs(rank, world, jobs)
+    return result
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, text_file):
     """(what check_ring_attention returned on each of 2 ranks, {name: run directory}): the
@@ -80,13 +90,13 @@ def launches(tmp_path_factory, text_file):
     for n in (2, 4):
         (root / f"ranks{n}").mkdir()
     ring = run_ranks(ring_check_then_train, 2, root / "ranks2", jobs[2], timeout=400)
-    run_ranks(train_runs, 4, root / "ranks4", jobs[4], timeout=400)
+    ring += run_ranks(window_check_then_train, 4, root / "ranks4", jobs[4], timeout=400)
     return ring, runs
 
 
 @pytest.mark.timeout(600)
 def test_ring_attention_matches_full_attention_forward_and_backward(launches):
-    assert launches[0] == [f"rank {r}: ok" for r in range(2)]
+    assert launches[0] == [f"rank {r}: ok" for r in (*range(2), *range(4))]  # 2 ranks, then 4 (windows)
 
 
 @pytest.fixture(scope="module")

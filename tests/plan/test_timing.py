@@ -130,3 +130,23 @@ def test_sliding_window_layers_add_their_blocked_attention_copies_to_the_activat
     assert local - plain == per_token * 2 * SEQ * 4  # x tokens x layers
     assert activations("model.sliding_window=64", cp=2)[1] == activations(cp=2)[1]
     assert activations(f"model.sliding_window={SEQ}")[1] == plain
+
+
+def test_context_parallel_sends_what_the_ring_sends_and_less_for_short_windows():
+    """Per layer and micro-batch, cp ranks send 3 cp - 2 K/V or dK/dV blocks round the ring (the
+    count tests/parallel/cp_ring_worker.py check_ring_window holds the ring to), and a local layer
+    whose window reaches one neighbour each way 6; each block costs the same time."""
+    cluster, cp = load_cluster("h100"), 8
+    layout = Layout(micro_batch=2, cp=cp, dp_shard=cp)
+
+    def p2p(*window):
+        step = step_time(_shape(*window), layout, SEQ, cluster)
+        return step.calls["p2p"], step.comm_total
+
+    ring, ring_s = p2p()
+    assert ring == 4 * (3 * cp - 2)
+    # chunks of SEQ / 2 cp = 16 tokens: a window of 17 reaches one chunk back, 18 two, 1 none
+    local, local_s = p2p("model.sliding_window=17", "model.full_attention_every=2")  # 2 local layers of 4
+    assert local == 2 * (3 * cp - 2) + 2 * 6 and local_s < ring_s
+    assert p2p("model.sliding_window=18")[0] == 4 * 12 and p2p("model.sliding_window=1")[0] == 0
+    assert p2p("model.sliding_window=64")[0] == ring  # 4 hops each way reach all 8 ranks: the ring
