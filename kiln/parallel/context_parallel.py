@@ -22,9 +22,10 @@ is smaller than the ring (kiln/parallel/ring_layout.py `window_hops`), K/V go th
 ways instead of round the ring (6 blocks sent per hop forward and backward instead of 3 cp - 2),
 and each dK/dV share is sent straight home. kiln's own.
 
-Choice of block kernel: a plain fp32 matmul block attention written here (scores, exp, matmul),
-because it yields the log-sum-exp on every device and backend; SDPA's LSE-returning ops are
-private aten ops whose signatures differ between CPU and CUDA builds. Torch's own
+Block kernels (kiln/parallel/ring_blocks.py): on CPU torch's fused flash-attention kernel, which
+returns the log-sum-exp the merge needs and never holds a block's scores; elsewhere, and with
+attention dropout, a plain fp32 matmul block attention written there (SDPA's LSE-returning CUDA
+ops are private, differ from the CPU one, and are untested here). Torch's own
 `torch.distributed.tensor.experimental.context_parallel` (CUDA only) is not wired in: see
 docs/parallel.md.
 
@@ -32,7 +33,7 @@ Attention dropout (`model.dropout` while training) is applied to each block's pr
 never to the normalizer, as FlashAttention does: out = sum_j (P_j * M_j) V_j with P the global
 softmax and M_j the block's keep mask scaled by 1/(1-p), so the result is attention dropout over
 the whole row. The mask of the block (query chunk a, key chunk b) comes from a generator seeded
-by (the call's seed, a, b) (`block_keep`): the rank holding chunk a draws it in the forward and
+by (the call's seed, a, b) (`ring_blocks.block_keep`): the rank holding chunk a draws it in the forward and
 again in the backward, whatever the order the ring brings the blocks in. The seed is drawn per
 call from torch's default generator (restored by activation checkpointing's recompute).
 
@@ -40,8 +41,8 @@ Under train.compile the ring is two opaque ops (`torch.library.custom_op`: forwa
 via `register_autograd`, each with a fake implementation for shapes), the pattern torch's own
 flex-attention context parallel uses for its all-gather: dynamo cannot trace `P2POp`, and an
 opaque op keeps each compiled block one graph (fullgraph) that calls the ring eagerly, its
-overlap untouched. Eager training runs the same ops; results are bit-identical to the former
-autograd.Function. The process group reaches the ops by name (as torch's functional collectives).
+overlap untouched. Eager training runs the same ops. The process group reaches the ops by name
+(as torch's functional collectives).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from kiln import torch_compat
 from kiln.errors import ConfigError
+from kiln.parallel import ring_blocks
 from kiln.parallel.functional import zigzag_chunks
 from kiln.parallel.ring_layout import window_hops
 
@@ -156,49 +158,6 @@ def _chunk_pairs(my_chunks, src_chunks, size, window: int = 0):
                 yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), (a, b)
 
 
-def _block_mask(chunks: tuple[int, int], size: int, window: int, device) -> torch.Tensor | None:
-    """Where query chunk a's tokens may attend to key chunk b's (True), or None where all may: key
-    j of b is (a - b) * size + i - j positions behind query i of a, allowed from 0 (causal) up to
-    window - 1 (sliding window; 0: no limit)."""
-    a, b = chunks
-    if b < a and not (window and (a - b) * size + size - 1 >= window):
-        return None
-    offsets = torch.arange(size, device=device)
-    behind = (a - b) * size + offsets[:, None] - offsets[None, :]
-    return (behind >= 0) & (behind < window) if window else behind >= 0
-
-
-def block_keep(seed: int, chunks: tuple[int, int], shape, dropout_p: float, device) -> torch.Tensor:
-    """The dropout multiplier of one block of attention probabilities: 0 where dropped, 1/(1-p)
-    where kept, the same for the same (seed, query chunk, key chunk) on every call and rank."""
-    a, b = chunks
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + a * 65_537 + b) % (2**63))
-    keep = torch.rand(shape, generator=g, device=device) >= dropout_p
-    return keep.float() / (1.0 - dropout_p)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q (B, Hkv, rep, T, D) against k (B, Hkv, T, D): scores (B, Hkv, rep, T, T) in fp32, -inf
-    where `allowed` (a `_block_mask`) is False."""
-    s = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale
-    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
-
-
-def _merge_block(acc, l, m, s, vb, keep=None):
-    """Online softmax: one block's scores `s` and values `vb` folded into its rows' running
-    (output sum `acc`, normalizer `l`, max `m`); earlier partials are rescaled to the new max.
-    `keep`: the block's dropout multiplier, on the probabilities that weigh `vb` only."""
-    # Causal blocks keep a score in every row (full blocks, or a diagonal); a sliding window can mask
-    # whole rows of a block met before the row's diagonal: their max stays -inf, exponents use 0.
-    m_new = torch.maximum(m, s.amax(-1))
-    m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
-    p = torch.exp(s - m_safe.unsqueeze(-1))
-    alpha = torch.exp(m - m_safe)
-    weights = p if keep is None else p * keep
-    return acc * alpha.unsqueeze(-1) + weights @ vb.unsqueeze(2), l * alpha + p.sum(-1), m_new
-
-
 def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0, window: int = 0):
     """The ring's forward: out (B, Hkv, rep, T, D) and its log-sum-exp (B, Hkv, rep, T), fp32."""
     bsz, n_heads, seqlen, head_dim = q.shape
@@ -208,49 +167,44 @@ def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0, wi
     mine = zigzag_chunks(ring.size, ring.rank)
     q5 = q.float().reshape(bsz, n_kv, n_heads // n_kv, seqlen, head_dim)
     # Contiguous whatever q's strides (zeros_like would copy them): the op's fake says so.
-    acc = torch.zeros(q5.shape, device=q.device)
-    m = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
-    l = torch.zeros_like(m)
+    out = torch.zeros(q5.shape, device=q.device)
+    lse = torch.full(q5.shape[:-1], float("-inf"), device=q.device)
     kv = torch.stack([k.float(), v.float()]).contiguous()
     hops = window_hops(ring.size, size, window)
     for source, kv in _ring_blocks(kv, ring) if hops is None else _neighbour_blocks(kv, ring, hops):
         for qs, ks, chunks in _chunk_pairs(mine, zigzag_chunks(ring.size, source), size, window):
-            s = _scores(q5[..., qs, :], kv[0][..., ks, :], _block_mask(chunks, size, window, q.device), scale)
-            keep = block_keep(seed, chunks, s.shape, dropout_p, s.device) if dropout_p > 0 else None
-            acc[..., qs, :], l[..., qs], m[..., qs] = _merge_block(acc[..., qs, :], l[..., qs], m[..., qs], s,
-                                                                   kv[1][..., ks, :], keep)
-    return acc / l.unsqueeze(-1), m + torch.log(l)
+            shape = (*q5.shape[:3], size, size)
+            keep = ring_blocks.block_keep(seed, chunks, shape, dropout_p, q.device) if dropout_p > 0 else None
+            block = ring_blocks.forward_block(q5[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], chunks, size,
+                                              window, scale, keep)
+            out[..., qs, :], lse[..., qs] = ring_blocks.merge_block(out[..., qs, :], lse[..., qs], *block)
+    return out, lse
 
 
 def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0.0, seed: int = 0,
                    window: int = 0):
     """The ring's backward: dq (q's shape and dtype) and dK/dV stacked (2, B, Hkv, T, D) in fp32.
-    With dropout (M the block's multiplier): dV = (P M)^T dO, dP = (dO V^T) M, and the softmax
-    correction rowsum(dO * O) is unchanged (O already holds the dropped weights). Around the ring
-    the dK/dV accumulator travels with its block and comes home after a full turn; in a window's
-    neighbourhood (`window_hops`) each block's share goes straight home once computed."""
+    Around the ring the dK/dV accumulator travels with its block and comes home after a full turn;
+    in a window's neighbourhood (`window_hops`) each block's share goes straight home once computed."""
     bsz, n_heads, seqlen, head_dim = q.shape
     size = seqlen // 2
     scale = 1.0 / math.sqrt(head_dim)
     mine = zigzag_chunks(ring.size, ring.rank)
     q5 = q.float().reshape(out.shape)
     dout = grad_out.float().reshape(out.shape)
-    delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
     dq = torch.zeros(q5.shape, device=q.device)  # contiguous, as the fake (see _ring_forward)
 
     def block_grads(source: int, kv: torch.Tensor, dkv: torch.Tensor) -> None:
         """This rank's queries against `source`'s block: into dq, and into `dkv` for that block."""
         for qs, ks, chunks in _chunk_pairs(mine, zigzag_chunks(ring.size, source), size, window):
-            kb, vb = kv[0][..., ks, :], kv[1][..., ks, :]
-            allowed = _block_mask(chunks, size, window, q.device)
-            p = torch.exp(_scores(q5[..., qs, :], kb, allowed, scale) - lse[..., qs].unsqueeze(-1))
-            do = dout[..., qs, :]
-            keep = block_keep(seed, chunks, p.shape, dropout_p, p.device) if dropout_p > 0 else None
-            dkv[1][..., ks, :] += ((p if keep is None else p * keep).transpose(-1, -2) @ do).sum(2)
-            dp = do @ vb.unsqueeze(2).transpose(-1, -2)
-            ds = p * ((dp if keep is None else dp * keep) - delta[..., qs].unsqueeze(-1))
-            dq[..., qs, :] += (ds @ kb.unsqueeze(2)) * scale
-            dkv[0][..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2) * scale
+            shape = (*q5.shape[:3], size, size)
+            keep = ring_blocks.block_keep(seed, chunks, shape, dropout_p, q.device) if dropout_p > 0 else None
+            dq_b, dk_b, dv_b = ring_blocks.backward_block(dout[..., qs, :], q5[..., qs, :], kv[0][..., ks, :],
+                                                          kv[1][..., ks, :], out[..., qs, :], lse[..., qs], chunks,
+                                                          size, window, scale, keep)
+            dq[..., qs, :] += dq_b
+            dkv[0][..., ks, :] += dk_b
+            dkv[1][..., ks, :] += dv_b
 
     kv = torch.stack([k.float(), v.float()]).contiguous()
     dkv = torch.zeros_like(kv)

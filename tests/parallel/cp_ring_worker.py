@@ -1,5 +1,6 @@
 """Run under torchrun (gloo, CPU): ring attention on zig-zag slices equals full causal attention,
-forward and backward, and the comparison detects a wrong mask or a wrong chunk order.
+forward and backward, with either block kernel (kiln/parallel/ring_blocks.py), and the
+comparison detects a wrong mask or a wrong chunk order.
 
 Exits non-zero (an AssertionError) on any mismatch; tests/parallel/test_context_parallel.py runs
 check_ring_attention in its 2-rank launch (ranks.run_ranks) instead of a torchrun launch of its own.
@@ -9,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kiln.parallel.context_parallel import Ring, block_keep, ring_attention, zigzag_positions
+from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
+from kiln.parallel.ring_blocks import block_keep
 
 ATOL = 1e-5  # fp32; observed < 1e-6
 
@@ -29,13 +31,45 @@ def full_and_ring(ring, n_heads, n_kv, seq_len, index, dtype=torch.float32):
     return ref[:, :, index], [t.grad[:, :, index] for t in full], out, [t.grad for t in local], full
 
 
+class MatmulBlocks:
+    """Within `with`: ring blocks run the matmul kernel (ring_blocks.py; what GPUs run) instead of
+    torch's fused CPU kernel, which this machine runs otherwise."""
+
+    def __enter__(self):
+        from kiln.parallel import ring_blocks
+
+        assert ring_blocks.fused_kernel(torch.device("cpu"), dropout=False)  # the other kernel, outside
+        self.original = ring_blocks.fused_kernel
+        ring_blocks.fused_kernel = lambda device, dropout: False
+        return self
+
+    def __exit__(self, *exc):
+        from kiln.parallel import ring_blocks
+
+        ring_blocks.fused_kernel = self.original
+        return False
+
+
 def check_ring_attention():
-    """Every check below on this process group's ranks (one ring over all of them); raises
-    AssertionError on a mismatch, returns "rank <r>: ok"."""
+    """Every check below on this process group's ranks (one ring over all of them), with each
+    block kernel; raises AssertionError on a mismatch, returns "rank <r>: ok"."""
     ring = Ring(dist.group.WORLD)
+    seq_len = 8 * ring.size
+    zigzag = zigzag_positions(seq_len, ring.size, ring.rank)
+    check_ring_causal(ring, zigzag, seq_len)
+    check_ring_window(ring, zigzag, seq_len)
+    with MatmulBlocks():
+        check_ring_causal(ring, zigzag, seq_len)
+        check_ring_window(ring, zigzag, seq_len)
+    check_ring_dropout(ring, zigzag, seq_len)  # the matmul kernel, whatever the device
+    return f"rank {ring.rank}: ok"
+
+
+def check_ring_causal(ring, zigzag, seq_len):
+    """Ring attention on zig-zag slices equals the rows of full causal SDPA, forward and
+    dQ/dK/dV, MHA and GQA, fp32 and bf16; the checks fail for contiguous slices and against
+    unmasked attention."""
     cp, rank = ring.size, ring.rank
-    seq_len = 8 * cp
-    zigzag = zigzag_positions(seq_len, cp, rank)
     for n_heads, n_kv in ((4, 4), (4, 2)):  # MHA and GQA
         ref, ref_grads, out, grads, _ = full_and_ring(ring, n_heads, n_kv, seq_len, zigzag)
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
@@ -59,9 +93,6 @@ def check_ring_attention():
     ref, _, out, grads, _ = full_and_ring(ring, 4, 2, seq_len, zigzag, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and grads[1].dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)
-    check_ring_dropout(ring, zigzag, seq_len)
-    check_ring_window(ring, zigzag, seq_len)
-    return f"rank {rank}: ok"
 
 
 def check_ring_window_over_world():
@@ -70,6 +101,8 @@ def check_ring_window_over_world():
     ring = Ring(dist.group.WORLD)
     seq_len = 8 * ring.size
     check_ring_window(ring, zigzag_positions(seq_len, ring.size, ring.rank), seq_len)
+    with MatmulBlocks():
+        check_ring_window(ring, zigzag_positions(seq_len, ring.size, ring.rank), seq_len)
     return f"rank {ring.rank}: ok"
 
 

@@ -62,13 +62,11 @@ LAUNCHES = {  # world -> runs of that launch (name -> settings)
 }
 
 
-def _merge_forgetting_earlier_blocks(acc, l, m, s, vb, keep=None):
-    """A wrong ring merge: the output sum keeps only the newest block (the normalizer is right)."""
+def _merge_forgetting_earlier_blocks(out, lse, block_out, block_lse):
+    """A wrong ring merge: the output keeps only the newest block (the log-sum-exp is right)."""
     import torch
 
-    m_new = torch.maximum(m, s.amax(-1))
-    p = torch.exp(s - m_new.unsqueeze(-1))
-    return p @ vb.unsqueeze(2), l * torch.exp(m - m_new) + p.sum(-1), m_new
+    return block_out, torch.logaddexp(lse, block_lse)
 
 
 def _train(rank, world, runs, recompile_job=None):
@@ -145,22 +143,22 @@ def _compiled_ring_errors(rank, world):
     import torch.distributed as dist
 
     import cp_ring_worker
-    from kiln.parallel import context_parallel
+    from kiln.parallel import context_parallel, ring_blocks
 
     ring = context_parallel.Ring(dist.group.WORLD)
     index = context_parallel.zigzag_positions(8 * world, world, rank)
-    merge, eager = context_parallel._merge_block, cp_ring_worker.ring_attention
+    merge, eager = ring_blocks.merge_block, cp_ring_worker.ring_attention
     cp_ring_worker.ring_attention = torch.compile(context_parallel.ring_attention, fullgraph=True)
     errors = {}
     try:
         for n_heads, n_kv in ((4, 4), (4, 2)):
             for name, fn in (("right", merge), ("wrong", _merge_forgetting_earlier_blocks)):
-                context_parallel._merge_block = fn
+                ring_blocks.merge_block = fn
                 ref, ref_grads, out, grads, _ = cp_ring_worker.full_and_ring(ring, n_heads, n_kv, 8 * world, index)
                 errors[name, n_heads, n_kv] = [float((a - b).detach().abs().max())
                                                for a, b in zip([out, *grads], [ref, *ref_grads])]
     finally:
-        context_parallel._merge_block, cp_ring_worker.ring_attention = merge, eager
+        ring_blocks.merge_block, cp_ring_worker.ring_attention = merge, eager
         torch._dynamo.reset()
     return errors
 
