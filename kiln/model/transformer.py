@@ -218,20 +218,39 @@ def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch
 
 
 class KVCache:
-    """Keys/values of every layer for incremental decoding, preallocated to max_len."""
+    """Keys/values of every layer for incremental decoding, preallocated: max_len positions, or for
+    a sliding-window layer (`windows[layer]` > 0: `attention_window`) only its window, a rolling
+    buffer where position p lives in slot p % window (Mistral's rolling cache): a decoded token
+    attends to every slot filled, which are exactly the positions its window reaches. Keys are
+    cached after RoPE, so their order in the buffer does not matter."""
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+    def __init__(self, windows: list[int], batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  device, dtype):
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        lengths = [min(w, max_len) if w else max_len for w in windows]
+        self.k = [torch.zeros((batch, n_kv_heads, n, head_dim), device=device, dtype=dtype) for n in lengths]
+        self.v = [torch.zeros((batch, n_kv_heads, n, head_dim), device=device, dtype=dtype) for n in lengths]
         self.max_len = max_len
 
+    def rolls(self, layer: int) -> bool:
+        return self.k[layer].shape[2] < self.max_len
+
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store the keys/values of positions start.. and return those the new queries attend to:
+        the whole prefix cached so far; for a rolling layer's prefill (start 0) the prefill's own
+        (the buffer keeps its last window), and when decoding every filled slot."""
         end = start + k.shape[2]
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if not self.rolls(layer):
+            self.k[layer][:, :, start:end] = k
+            self.v[layer][:, :, start:end] = v
+            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        window = self.k[layer].shape[2]
+        kept = min(k.shape[2], window)
+        slots = torch.arange(end - kept, end, device=k.device) % window
+        self.k[layer][:, :, slots] = k[:, :, -kept:]
+        self.v[layer][:, :, slots] = v[:, :, -kept:]
+        if start == 0:
+            return k, v
+        return self.k[layer][:, :, :min(end, window)], self.v[layer][:, :, :min(end, window)]
 
 
 class Attention(nn.Module):
@@ -304,10 +323,8 @@ class Attention(nn.Module):
         elif self.window and start_pos + seqlen > self.window:  # keys beyond the window exist
             if start_pos == 0:  # the whole sequence (training, evaluation, a cache's prefill)
                 out = sliding_window_attention(q, k, v, self.window, self.dropout if self.training else 0.0, gqa)
-            else:  # decoding with a cache: this token's row of the window
-                band = window_mask(torch.arange(start_pos, start_pos + seqlen, device=q.device), k.shape[2],
-                                   self.window)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa)
+            else:  # decoding: the cache's rolling buffer holds this token's window exactly
+                out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
@@ -514,8 +531,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg
-        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads or cfg.n_heads, max_len or cfg.max_seq_len,
-                       cfg.attention_head_dim(), self.tok_embeddings.weight.device,
+        return KVCache([attention_window(cfg, i) for i in range(cfg.n_layers)], batch, cfg.n_kv_heads or cfg.n_heads,
+                       max_len or cfg.max_seq_len, cfg.attention_head_dim(), self.tok_embeddings.weight.device,
                        dtype or self.tok_embeddings.weight.dtype)
 
 

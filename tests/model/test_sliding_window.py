@@ -34,17 +34,22 @@ def test_a_token_sees_exactly_its_window(kw):
         assert not torch.allclose(logits[:, window:], full(tokens)[:, window:], atol=1e-3)
 
 
+@pytest.mark.parametrize("prefill", [6, 2])  # longer than the window, shorter
 @pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 2, "full_attention_every": 2}])
-def test_kv_cache_decoding_equals_the_full_forward_with_a_window(kw):
+def test_kv_cache_decoding_equals_the_full_forward_with_a_window(kw, prefill):
+    """Decoding through the KV cache gives the full forward's logits, the windowed layers' caches
+    rolling buffers of the window (4 of the 32 positions) that wrap around several times."""
     model = build(sliding_window=4, n_layers=3, **kw)
-    tokens = torch.randint(0, 97, (1, 14), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 97, (2, 14), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(tokens)
-        cache = model.new_cache(1)
-        steps = [model(tokens[:, :6], cache=cache, start_pos=0)[:, -1]]  # prefill longer than the window
-        for i in range(6, 14):
+        cache = model.new_cache(2)
+        steps = [model(tokens[:, :prefill], cache=cache, start_pos=0)[:, -1]]
+        for i in range(prefill, 14):
             steps.append(model(tokens[:, i:i + 1], cache=cache, start_pos=i)[:, -1])
-    torch.testing.assert_close(torch.cat(steps), full[0, 5:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, prefill - 1:], atol=1e-5, rtol=0)
+    windows = [attention_window(model.cfg, i) for i in range(3)]
+    assert [k.shape[2] for k in cache.k] == [w or 32 for w in windows] == ([4, 32, 4] if kw else [4, 4, 4])
 
 
 def test_full_attention_every_keeps_every_kth_layer_global():
