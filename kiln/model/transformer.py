@@ -309,17 +309,17 @@ class Attention(nn.Module):
         # from the config, not the shapes: compiled with dynamic shapes those compare to a SymBool,
         # which torch 2.11's SDPA refuses for enable_gqa (tp divides both head counts alike)
         gqa = self.n_heads != self.n_kv_heads and not self.expand_kv
-        if mask is not None:
-            if cache is not None or self.attention_fn is not None:
-                raise ValueError("a document mask works without a KV cache and without context parallelism")
+        if self.attention_fn is not None:  # context parallel's ring attention (`mask`: Transformer.forward's)
+            out = self.attention_fn(q, k, v, self.dropout if self.training else 0.0, self.window, mask)
+        elif mask is not None:
+            if cache is not None:
+                raise ValueError("a document mask works without a KV cache")
             if isinstance(mask, torch.Tensor):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                      dropout_p=self.dropout if self.training else 0.0,
                                                      enable_gqa=gqa)
             else:  # FlexAttention BlockMask (CUDA); it has no dropout
                 out = _flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa)
-        elif self.attention_fn is not None:  # context parallel's ring attention
-            out = self.attention_fn(q, k, v, self.dropout if self.training else 0.0, self.window)
         elif self.window and start_pos + seqlen > self.window:  # keys beyond the window exist
             if start_pos == 0:  # the whole sequence (training, evaluation, a cache's prefill)
                 out = sliding_window_attention(q, k, v, self.window, self.dropout if self.training else 0.0, gqa)
@@ -463,9 +463,10 @@ class Transformer(nn.Module):
         unless `aux_losses` is False: evaluation's loss is the language-modelling loss alone).
 
         `doc_ids` (batch, seq): packed windows (data.windows = "packed_masked"); attention stays
-        within each document. Positions stay global within the window: with RoPE a document's
-        outputs equal running it alone (scores depend on relative positions only); learned
-        absolute positions see the offset of the document inside the window."""
+        within each document (under context parallel: the whole sequences' ids, the tokens
+        sliced). Positions stay global within the window: with RoPE a document's outputs equal
+        running it alone (scores depend on relative positions only); learned absolute positions
+        see the offset of the document inside the window."""
         seqlen = tokens.shape[1]
         if start_pos + seqlen > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -483,7 +484,10 @@ class Transformer(nn.Module):
         masks = None  # packed windows: one document mask per attention window in use
         if doc_ids is not None:
             windows = [attention_window(self.cfg, i) for i in range(len(self.layers))]
-            masks = {w: document_mask(doc_ids, w) for w in set(windows)}
+            if self.seq_positions is not None:  # context parallel: the ring masks from the whole sequences' ids
+                masks = {w: doc_ids for w in windows}
+            else:
+                masks = {w: document_mask(doc_ids, w) for w in set(windows)}
         for i, layer in enumerate(self.layers):
             if masks is None:
                 h = layer(h, rope, cache, start_pos)

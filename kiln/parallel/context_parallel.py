@@ -48,6 +48,7 @@ overlap untouched. Eager training runs the same ops. The process group reaches t
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,16 @@ def _chunk_pairs(my_chunks, src_chunks, size, window: int = 0):
                 yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), (a, b)
 
 
-def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0, window: int = 0):
+def _same_document(doc_ids: torch.Tensor | None, chunks: tuple[int, int], size: int) -> torch.Tensor | None:
+    """(B, S, S): whether query i of chunk a and key j of chunk b are in the same packed document,
+    from the whole sequences' document ids (B, 2 cp S); None without packed documents."""
+    if doc_ids is None:
+        return None
+    a, b = chunks
+    return doc_ids[:, a * size:(a + 1) * size, None] == doc_ids[:, None, b * size:(b + 1) * size]
+
+
+def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0, window: int = 0, doc_ids=None):
     """The ring's forward: out (B, Hkv, rep, T, D) and its log-sum-exp (B, Hkv, rep, T), fp32."""
     bsz, n_heads, seqlen, head_dim = q.shape
     n_kv = k.shape[1]
@@ -176,13 +186,13 @@ def _ring_forward(q, k, v, ring: Ring, dropout_p: float = 0.0, seed: int = 0, wi
             shape = (*q5.shape[:3], size, size)
             keep = ring_blocks.block_keep(seed, chunks, shape, dropout_p, q.device) if dropout_p > 0 else None
             block = ring_blocks.forward_block(q5[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], chunks, size,
-                                              window, scale, keep)
+                                              window, scale, keep, _same_document(doc_ids, chunks, size))
             out[..., qs, :], lse[..., qs] = ring_blocks.merge_block(out[..., qs, :], lse[..., qs], *block)
     return out, lse
 
 
 def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0.0, seed: int = 0,
-                   window: int = 0):
+                   window: int = 0, doc_ids=None):
     """The ring's backward: dq (q's shape and dtype) and dK/dV stacked (2, B, Hkv, T, D) in fp32.
     Around the ring the dK/dV accumulator travels with its block and comes home after a full turn;
     in a window's neighbourhood (`window_hops`) each block's share goes straight home once computed."""
@@ -201,7 +211,8 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring: Ring, dropout_p: float = 0
             keep = ring_blocks.block_keep(seed, chunks, shape, dropout_p, q.device) if dropout_p > 0 else None
             dq_b, dk_b, dv_b = ring_blocks.backward_block(dout[..., qs, :], q5[..., qs, :], kv[0][..., ks, :],
                                                           kv[1][..., ks, :], out[..., qs, :], lse[..., qs], chunks,
-                                                          size, window, scale, keep)
+                                                          size, window, scale, keep,
+                                                          _same_document(doc_ids, chunks, size))
             dq[..., qs, :] += dq_b
             dkv[0][..., ks, :] += dk_b
             dkv[1][..., ks, :] += dv_b
@@ -242,12 +253,13 @@ _OP_TAGS = {"tags": (torch_compat.cudagraph_unsafe_tag(),)} if torch_compat.cuda
 # `seed`: a one-element int64 CPU tensor (drawn per call, so a compiled graph does not bake it in).
 @torch.library.custom_op("kiln::ring_attention", mutates_args=(), **_OP_TAGS)
 def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, dropout_p: float,
-                       seed: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)), dropout_p, int(seed), window)
+                       seed: torch.Tensor, window: int,
+                       doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, Ring(_resolve_process_group(group_name)), dropout_p, int(seed), window, doc_ids)
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, group_name, dropout_p, seed, window):
+def _(q, k, v, group_name, dropout_p, seed, window, doc_ids=None):
     bsz, n_heads, seqlen, head_dim = q.shape
     out = q.new_empty((bsz, k.shape[1], n_heads // k.shape[1], seqlen, head_dim), dtype=torch.float32)
     return out, out.new_empty(out.shape[:-1])
@@ -256,44 +268,47 @@ def _(q, k, v, group_name, dropout_p, seed, window):
 @torch.library.custom_op("kiln::ring_attention_backward", mutates_args=(), **_OP_TAGS)
 def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, group_name: str, dropout_p: float,
-                                seed: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+                                seed: torch.Tensor, window: int,
+                                doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     return _ring_backward(grad_out, q, k, v, out, lse, Ring(_resolve_process_group(group_name)), dropout_p,
-                          int(seed), window)
+                          int(seed), window, doc_ids)
 
 
 @_ring_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, group_name, dropout_p, seed, window):
+def _(grad_out, q, k, v, out, lse, group_name, dropout_p, seed, window, doc_ids=None):
     # Contiguous, as the real op returns them (empty_like would copy q's strides).
     return q.new_empty(q.shape), k.new_empty((2, *k.shape), dtype=torch.float32)
 
 
 def _save_for_ring_backward(ctx, inputs, output):
-    q, k, v, ctx.group_name, ctx.dropout_p, seed, ctx.window = inputs
+    q, k, v, ctx.group_name, ctx.dropout_p, seed, ctx.window, doc_ids = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.save_for_backward(q, k, v, out, lse, seed, doc_ids)
 
 
 def _ring_attention_grad(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, seed = ctx.saved_tensors
+    q, k, v, out, lse, seed, doc_ids = ctx.saved_tensors
     dq, dkv = _ring_attention_backward_op(grad_out, q, k, v, out, lse, ctx.group_name, ctx.dropout_p, seed,
-                                          ctx.window)
-    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+                                          ctx.window, doc_ids)
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 _ring_attention_op.register_autograd(_ring_attention_grad, setup_context=_save_for_ring_backward)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, dropout_p: float = 0.0,
-                   seed: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                   seed: torch.Tensor | None = None, window: int = 0,
+                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's zig-zag slice: q (B, H, T, D), k/v (B, Hkv, T, D) with
     H a multiple of Hkv (GQA); T = 2 chunks. Equals the matching rows of full causal attention
     (with dropout_p > 0: attention dropout with `block_keep`'s masks for `seed`, drawn when None;
-    with `window` > 0: sliding-window attention, blocks wholly outside the window skipped)."""
+    with `window` > 0: sliding-window attention, blocks wholly outside the window skipped; with
+    `doc_ids` (B, whole sequence length), packed documents: a token attends within its own)."""
     if seed is None:
         seed = (torch.randint(0, 2**62, (1,)) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64))
     with torch.autocast(q.device.type, enabled=False):  # the blocks run in fp32 (see module doc)
-        out, _ = _ring_attention_op(q, k, v, ring.group_name, float(dropout_p), seed, int(window))
+        out, _ = _ring_attention_op(q, k, v, ring.group_name, float(dropout_p), seed, int(window), doc_ids)
         return out.view(q.shape).to(q.dtype)
 
 
@@ -314,8 +329,8 @@ class ContextParallel:
             return x, y
         return x.index_select(1, self.index), y.index_select(1, self.index)
 
-    def attention(self, q, k, v, dropout_p: float = 0.0, window: int = 0):
-        return ring_attention(q, k, v, self.ring, dropout_p, window=window)
+    def attention(self, q, k, v, dropout_p: float = 0.0, window: int = 0, doc_ids=None):
+        return ring_attention(q, k, v, self.ring, dropout_p, window=window, doc_ids=doc_ids)
 
     def __enter__(self):
         if self.cp > 1:

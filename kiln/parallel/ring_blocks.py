@@ -37,9 +37,19 @@ def block_mask(chunks: tuple[int, int], size: int, window: int, device) -> torch
     return (behind >= 0) & (behind < window) if window else behind >= 0
 
 
-def _plain_causal(chunks: tuple[int, int], size: int, window: int) -> bool:
-    """A chunk against itself with no window cutting into it: the causal triangle exactly."""
-    return chunks[0] == chunks[1] and (not window or window >= size)
+def _plain_causal(chunks: tuple[int, int], size: int, window: int, documents) -> bool:
+    """A chunk against itself with no window or document cutting into it: the causal triangle."""
+    return chunks[0] == chunks[1] and (not window or window >= size) and documents is None
+
+
+def allowed_keys(chunks: tuple[int, int], size: int, window: int, documents: torch.Tensor | None,
+                 device) -> torch.Tensor | None:
+    """`block_mask`, and with packed documents (`documents` (B, S, S): query i and key j of the
+    block in the same document) only within them: None (all allowed), (S, S) or (B, S, S)."""
+    allowed = block_mask(chunks, size, window, device)
+    if documents is None:
+        return allowed
+    return documents if allowed is None else documents & allowed
 
 
 def block_keep(seed: int, chunks: tuple[int, int], shape, dropout_p: float, device) -> torch.Tensor:
@@ -57,35 +67,43 @@ def fused_kernel(device: torch.device, dropout: bool) -> bool:
     return device.type == "cpu" and not dropout
 
 
-def _fused_args(q, k, v, chunks, size, window):
-    """q, k and v as the fused kernel takes them ((B, H, S, D), K/V heads repeated), and its
-    causal flag and additive mask for this block."""
+def _over_heads(t: torch.Tensor, per_batch: bool, heads: int) -> torch.Tensor:
+    """A mask (or a row flag) per batch row (`per_batch`, batch first) made to broadcast over
+    `heads` head dimensions after the batch; one shared by every batch row as it is."""
+    return t.view(t.shape[0], *([1] * heads), *t.shape[1:]) if per_batch else t
+
+
+def _fused_args(q, k, v, chunks, size, window, documents):
+    """q, k and v as the fused kernel takes them ((B, H, S, D), K/V heads repeated), its causal
+    flag and additive mask for this block, and the block's allowed keys (None: all, or causal)."""
     bsz, n_kv, rep, length, head_dim = q.shape
     q4 = q.reshape(bsz, n_kv * rep, length, head_dim)
     k4, v4 = (t.repeat_interleave(rep, dim=1) if rep > 1 else t for t in (k, v))
-    if _plain_causal(chunks, size, window):
-        return q4, k4, v4, True, None
-    allowed = block_mask(chunks, size, window, q.device)
-    mask = None if allowed is None else torch.zeros(allowed.shape, device=q.device).masked_fill(~allowed, float("-inf"))
-    return q4, k4, v4, False, mask
+    if _plain_causal(chunks, size, window, documents):
+        return q4, k4, v4, True, None, None
+    allowed = allowed_keys(chunks, size, window, documents, q.device)
+    if allowed is None:
+        return q4, k4, v4, False, None, None
+    mask = torch.zeros(allowed.shape, device=q.device).masked_fill(~allowed, float("-inf"))
+    return q4, k4, v4, False, _over_heads(mask, documents is not None, 1), allowed
 
 
-def forward_block(q, k, v, chunks, size: int, window: int, scale: float, keep=None):
+def forward_block(q, k, v, chunks, size: int, window: int, scale: float, keep=None, documents=None):
     """The block's softmax output (q's shape) and log-sum-exp (q's shape less D); rows it masks
     whole: output 0, log-sum-exp -inf. `keep`: the block's dropout multiplier (`block_keep`) on
-    the probabilities that weigh V only."""
+    the probabilities that weigh V only; `documents`: see `allowed_keys`."""
     if fused_kernel(q.device, keep is not None):
-        q4, k4, v4, causal, mask = _fused_args(q, k, v, chunks, size, window)
+        q4, k4, v4, causal, mask, allowed = _fused_args(q, k, v, chunks, size, window, documents)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, causal,
                                                                               attn_mask=mask, scale=scale)
         lse = lse.view(q.shape[:-1])
-        if mask is not None:  # the kernel gives a wholly masked row lse 0 (and output 0)
-            lse = lse.masked_fill(~torch.isfinite(mask).any(-1), float("-inf"))
+        if allowed is not None:  # the kernel gives a wholly masked row lse 0 (and output 0)
+            lse = lse.masked_fill(_over_heads(~allowed.any(-1), documents is not None, 2), float("-inf"))
         return out.view(q.shape), lse
-    allowed = block_mask(chunks, size, window, q.device)
+    allowed = allowed_keys(chunks, size, window, documents, q.device)
     s = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale
     if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
+        s = s.masked_fill(~_over_heads(allowed, documents is not None, 2), float("-inf"))
     m = s.amax(-1)
     m = m.masked_fill(m == float("-inf"), 0.0)
     p = torch.exp(s - m.unsqueeze(-1))
@@ -103,21 +121,22 @@ def merge_block(out, lse, block_out, block_lse):
     return merged, new
 
 
-def backward_block(dout, q, k, v, out, lse, chunks, size: int, window: int, scale: float, keep=None):
+def backward_block(dout, q, k, v, out, lse, chunks, size: int, window: int, scale: float, keep=None,
+                   documents=None):
     """The block's share of dQ (q's shape) and dK, dV (k's shape), from the rows' final output and
     log-sum-exp (P is the global softmax's). With dropout (M the block's multiplier): dV = (P M)^T
     dO, dP = (dO V^T) M, and the softmax correction rowsum(dO * O) is unchanged (O already holds
     the dropped weights)."""
     if fused_kernel(q.device, keep is not None):
-        q4, k4, v4, causal, mask = _fused_args(q, k, v, chunks, size, window)
+        q4, k4, v4, causal, mask, _ = _fused_args(q, k, v, chunks, size, window, documents)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.reshape(q4.shape), q4, k4, v4, out.reshape(q4.shape), lse.reshape(q4.shape[:-1]), 0.0, causal,
             attn_mask=mask, scale=scale)
         return dq.view(q.shape), *(g.reshape(q.shape[:3] + g.shape[2:]).sum(2) for g in (dk, dv))
-    allowed = block_mask(chunks, size, window, q.device)
+    allowed = allowed_keys(chunks, size, window, documents, q.device)
     s = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale
     if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
+        s = s.masked_fill(~_over_heads(allowed, documents is not None, 2), float("-inf"))
     p = torch.exp(s - lse.unsqueeze(-1))
     dv = ((p if keep is None else p * keep).transpose(-1, -2) @ dout).sum(2)
     dp = dout @ v.unsqueeze(2).transpose(-1, -2)

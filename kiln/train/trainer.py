@@ -210,9 +210,9 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     train_windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len,
                                  doc_starts=cfg.data.windows == "doc_start",
                                  doc_ids=cfg.data.windows == "packed_masked")
-    if cfg.data.windows == "packed_masked" and (cfg.data.mixture or dims.pp > 1 or dims.cp > 1):
-        raise ConfigError("data.windows = 'packed_masked' works without data.mixture, pipeline and context "
-                          "parallelism (the document mask is not carried through them)")
+    if cfg.data.windows == "packed_masked" and (cfg.data.mixture or dims.pp > 1):
+        raise ConfigError("data.windows = 'packed_masked' works without data.mixture and pipeline parallelism "
+                          "(the document mask is not carried through them)")
     mixture = build_mixture(cfg, train_windows.shards) if cfg.data.mixture else None
     val_set = ShardSet(shard_dir, "val", store)
     if cfg.model.vocab_size == 0:
@@ -401,7 +401,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     try:
         while state.step < cfg.train.steps:
             loader.wait_s = 0.0
-            # packed_masked batches carry a third tensor, the document ids (cp is 1 then)
+            # packed_masked batches carry a third tensor, the document ids (whole sequences under cp)
             batches = [loader.next() for _ in range(cfg.train.grad_accum)]
             micro = [context_parallel.shard(*b[:2]) + b[2:] for b in batches]
             step_fn = train_step if pipeline is None else pipeline_train_step

@@ -6,6 +6,8 @@ Exits non-zero (an AssertionError) on any mismatch; tests/parallel/test_context_
 check_ring_attention in its 2-rank launch (ranks.run_ranks) instead of a torchrun launch of its own.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -56,11 +58,11 @@ def check_ring_attention():
     ring = Ring(dist.group.WORLD)
     seq_len = 8 * ring.size
     zigzag = zigzag_positions(seq_len, ring.size, ring.rank)
-    check_ring_causal(ring, zigzag, seq_len)
-    check_ring_window(ring, zigzag, seq_len)
-    with MatmulBlocks():
-        check_ring_causal(ring, zigzag, seq_len)
-        check_ring_window(ring, zigzag, seq_len)
+    for kernel in (None, MatmulBlocks):  # the fused CPU kernel, then the matmul one
+        with kernel() if kernel else contextlib.nullcontext():
+            check_ring_causal(ring, zigzag, seq_len)
+            check_ring_window(ring, zigzag, seq_len)
+            check_ring_documents(ring, zigzag, seq_len)
     check_ring_dropout(ring, zigzag, seq_len)  # the matmul kernel, whatever the device
     return f"rank {ring.rank}: ok"
 
@@ -95,14 +97,47 @@ def check_ring_causal(ring, zigzag, seq_len):
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)
 
 
+def check_ring_documents(ring, index, seq_len):
+    """Packed documents in the ring (`doc_ids`, the whole sequences' ids): equals SDPA with kiln's
+    document mask (forward, dQ/dK/dV; with and without a window), documents ending inside chunks
+    and at their edges, one row a single document; the mask is applied (the result differs from
+    plain causal attention)."""
+    from kiln.model.transformer import document_mask
+
+    size = seq_len // (2 * ring.size)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, seq_len, 16, generator=g)
+    k, v = (torch.randn(2, 2, seq_len, 16, generator=g) for _ in range(2))
+    dout = torch.randn(2, 4, seq_len, 16, generator=g)
+    starts = torch.zeros(2, seq_len, dtype=torch.long)
+    starts[0, [3, size, 2 * size + 1, seq_len - 2]] = 1  # row 0: documents cut mid-chunk and at a chunk edge
+    doc_ids = starts.cumsum(1)  # row 1: one document
+    for window in (0, size + 1):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*full, attn_mask=document_mask(doc_ids, window), enable_gqa=True)
+        ref.backward(dout)
+        local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, ring, window=window, doc_ids=doc_ids)
+        out.backward(dout[:, :, index])
+        torch.testing.assert_close(out, ref[:, :, index], atol=ATOL, rtol=0, msg=lambda m: f"documents, window {window}: {m}")
+        for name, got, want in zip("qkv", [t.grad for t in local], [t.grad[:, :, index] for t in full]):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0,
+                                       msg=lambda m, n=name: f"documents, window {window} d{n}: {m}")
+        plain = ring_attention(*[t.detach() for t in local], ring, window=window)
+        assert not torch.allclose(out[0], plain[0], atol=ATOL, rtol=0), "the documents changed nothing"
+        torch.testing.assert_close(out[1], plain[1], atol=ATOL, rtol=0)  # one document: plain attention
+
+
 def check_ring_window_over_world():
-    """check_ring_window alone, on a ring over every rank (4 ranks: windows that reach one
-    neighbour each way, and wider ones that go round the ring); returns "rank <r>: ok"."""
+    """check_ring_window and check_ring_documents, on a ring over every rank (4 ranks: windows that
+    reach one neighbour each way, and wider ones that go round the ring); returns "rank <r>: ok"."""
     ring = Ring(dist.group.WORLD)
     seq_len = 8 * ring.size
-    check_ring_window(ring, zigzag_positions(seq_len, ring.size, ring.rank), seq_len)
-    with MatmulBlocks():
-        check_ring_window(ring, zigzag_positions(seq_len, ring.size, ring.rank), seq_len)
+    zigzag = zigzag_positions(seq_len, ring.size, ring.rank)
+    for kernel in (None, MatmulBlocks):  # the fused CPU kernel, then the matmul one
+        with kernel() if kernel else contextlib.nullcontext():
+            check_ring_window(ring, zigzag, seq_len)
+            check_ring_documents(ring, zigzag, seq_len)
     return f"rank {ring.rank}: ok"
 
 

@@ -47,6 +47,21 @@ CP_RUNS = {"cp2-ddp": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train
 
 
 WINDOW = {"model.sliding_window": 12, "model.full_attention_every": 2}
+DOCUMENTS = {"data.windows": "'packed_masked'", **WINDOW}  # a local and a global layer, both masked
+
+
+def short_documents(folder):
+    """A directory of 300 documents of 5-40 words of real text (standard-library sources)."""
+    from kiln.data.corpus import stdlib_files
+
+    folder.mkdir()
+    words = " ".join(f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files()[:3]).split()
+    lengths = [5 + (7 * i) % 36 for i in range(300)]
+    start = 0
+    for i, n in enumerate(lengths):
+        (folder / f"doc{i:03d}.txt").write_text(" ".join(words[start:start + n]), encoding="utf-8")
+        start += n
+    return folder
 
 
 def ring_check_then_train(rank, world, jobs):
@@ -87,6 +102,15 @@ def launches(tmp_path_factory, text_file):
 
     runs["window-reference"] = root / "window-reference"
     train(load_config(None, common(text_file, **{"train.batch_size": GLOBAL_BATCH, **WINDOW})), runs["window-reference"])
+    # packed documents (data.windows = "packed_masked"): short documents, so every 32-token window
+    # holds several; the ring masks from the whole sequences' document ids; the same model trained
+    # here with and without the mask (the mask must change the losses for the check to fail)
+    docs = short_documents(root / "documents")
+    runs["cp2-documents"] = root / "cp2-documents"
+    jobs[2].append((runs["cp2-documents"], common(docs, **{**CP_RUNS["cp2-ddp"][1], **DOCUMENTS})))
+    for name, extra in (("documents-reference", DOCUMENTS), ("documents-unmasked", {})):
+        runs[name] = root / name
+        train(load_config(None, common(docs, **{"train.batch_size": GLOBAL_BATCH, **extra})), runs[name])
     for n in (2, 4):
         (root / f"ranks{n}").mkdir()
     ring = run_ranks(ring_check_then_train, 2, root / "ranks2", jobs[2], timeout=400)
@@ -121,6 +145,15 @@ def test_context_parallel_sliding_window_matches_one_process(launches):
     assert_same_losses(reference, windowed, range(1, STEPS + 1))
     plain = losses(runs["cp2-ddp"])  # the window changes the model: the check can fail
     assert any(abs(windowed[s] - plain[s]) > 1e-4 * abs(plain[s]) for s in plain)
+
+
+@pytest.mark.timeout(600)
+def test_context_parallel_with_packed_documents_matches_one_process(launches):
+    runs = launches[1]
+    reference, masked = losses(runs["documents-reference"]), losses(runs["cp2-documents"])
+    assert_same_losses(reference, masked, range(1, STEPS + 1))
+    unmasked = losses(runs["documents-unmasked"])  # the mask changes the model: the check can fail
+    assert any(abs(masked[s] - unmasked[s]) > 1e-4 * abs(unmasked[s]) for s in unmasked)
 
 
 @pytest.mark.timeout(600)
