@@ -84,6 +84,20 @@ def text_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def short_docs_dir(tmp_path_factory) -> Path:
+    """A directory of 300 documents of 2-7 words of real text (standard-library sources): a
+    32-token window of them holds several documents."""
+    folder = tmp_path_factory.mktemp("short_docs")
+    words = " ".join(f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files()[:3]).split()
+    start = 0
+    for i in range(300):
+        n = 2 + (5 * i) % 6
+        (folder / f"doc{i:03d}.txt").write_text(" ".join(words[start:start + n]), encoding="utf-8")
+        start += n
+    return folder
+
+
+@pytest.fixture(scope="session")
 def text_dir(tmp_path_factory) -> Path:
     """A directory of 40 small documents."""
     d = tmp_path_factory.mktemp("docs")

@@ -171,6 +171,10 @@ class TokenWindows:
             out[row] = self.tokens[s][a:a + length]
         return out
 
+    @property
+    def carries_doc_ids(self) -> bool:
+        return self.doc_offsets is not None
+
     def gather_doc_ids(self, indices: np.ndarray) -> np.ndarray:
         """(len(indices), seq_len + 1) int64: each window token's document, counted from the
         window's first (0), by binary search in the shard's document offsets (numpy)."""
@@ -257,7 +261,7 @@ class Loader:
     def _make(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
         """(inputs, targets), plus the inputs' document ids when the windows carry them."""
         batch = torch.from_numpy(self.windows.gather(indices))
-        if getattr(self.windows, "doc_offsets", None) is not None:
+        if getattr(self.windows, "carries_doc_ids", False):
             doc_ids = torch.from_numpy(self.windows.gather_doc_ids(indices))
             batch = torch.cat([batch, doc_ids])  # one pinned buffer, one copy to the device
         if self.device.type == "cuda":

@@ -134,6 +134,20 @@ class MixtureWindows:
             out[src == k] = self.sources[k].gather(win[src == k])
         return out
 
+    @property
+    def carries_doc_ids(self) -> bool:
+        """Whether the sources carry document ids (TokenWindows(..., doc_ids=True)): the Loader
+        then yields them (`gather_doc_ids`)."""
+        return all(s.carries_doc_ids for s in self.sources)
+
+    def gather_doc_ids(self, positions: np.ndarray) -> np.ndarray:
+        """Each window token's document within its window, from the window's own source."""
+        src, win = self._locate(positions)
+        out = np.empty((len(src), self.seq_len + 1), dtype=np.int64)
+        for k in np.unique(src).tolist():
+            out[src == k] = self.sources[k].gather_doc_ids(win[src == k])
+        return out
+
     def prefetch(self, positions: np.ndarray) -> None:
         src, win = self._locate(positions)
         for k in np.unique(src).tolist():

@@ -25,7 +25,7 @@ from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.data.mixture import MixtureWindows
 from kiln.data.storage import open_store
-from kiln.errors import ConfigError, KilnError, TrainingDiverged
+from kiln.errors import KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.diloco import DiLoCo, layout_key, replica_states, replicated_group
@@ -114,7 +114,8 @@ def build_mixture(cfg: JobConfig, reference: ShardSet) -> MixtureWindows:
         if (shards.vocab_size, shards.eos_id) != (reference.vocab_size, reference.eos_id):
             raise KilnError(f"data.mixture[{i}] {url}: vocab {shards.vocab_size} / eos {shards.eos_id} differ from "
                             f"data.source's {reference.vocab_size} / {reference.eos_id}; tokenize all sources alike")
-        sources.append(TokenWindows(shards, cfg.data.seq_len, doc_starts=cfg.data.windows == "doc_start"))
+        sources.append(TokenWindows(shards, cfg.data.seq_len, doc_starts=cfg.data.windows == "doc_start",
+                                    doc_ids=cfg.data.windows == "packed_masked"))
     names = [f"mix{i}" for i in range(len(sources))]
     return MixtureWindows(sources, cfg.data.mixture_weights, seed=cfg.train.seed, names=names)
 
@@ -210,9 +211,6 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     train_windows = TokenWindows(ShardSet(shard_dir, "train", store), cfg.data.seq_len,
                                  doc_starts=cfg.data.windows == "doc_start",
                                  doc_ids=cfg.data.windows == "packed_masked")
-    if cfg.data.windows == "packed_masked" and (cfg.data.mixture or dims.pp > 1):
-        raise ConfigError("data.windows = 'packed_masked' works without data.mixture and pipeline parallelism "
-                          "(the document mask is not carried through them)")
     mixture = build_mixture(cfg, train_windows.shards) if cfg.data.mixture else None
     val_set = ShardSet(shard_dir, "val", store)
     if cfg.model.vocab_size == 0:

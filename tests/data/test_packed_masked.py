@@ -1,5 +1,7 @@
 """data.windows = "packed_masked": contiguous windows whose attention stays within documents."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -118,18 +120,53 @@ def test_train_step_passes_the_document_mask(tmp_path):
     assert not torch.allclose(losses[0], losses[1])
 
 
-def test_trainer_runs_packed_masked_and_refuses_a_mixture(tmp_path, text_file):
+def test_a_mixture_carries_each_sources_document_ids(tmp_path):
+    """MixtureWindows over packed sources: each window's document ids are its own source's (a
+    document ends after each EOS token), and the Loader yields them as a third tensor."""
+    from kiln.data.mixture import MixtureWindows
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sources = [TokenWindows(doc_shards(tmp_path / name, lengths), seq_len=16, doc_ids=True)
+               for name, lengths in (("a", [5, 40, 3, 70, 12, 9, 33]), ("b", [20, 7, 7, 7, 50, 11, 64]))]
+    mixture = MixtureWindows(sources, [0.5, 0.5], seed=0, block=8)
+    assert mixture.carries_doc_ids
+    positions = np.arange(24)
+    tokens, ids = mixture.gather(positions), mixture.gather_doc_ids(positions)
+    assert np.array_equal(np.diff(ids, axis=1), tokens[:, :-1] == 96)  # EOS (vocab - 1) ends a document
+    assert (ids[:, 0] == 0).all() and ids.max() > 0
+    x, y, d = Loader(mixture, 4, seed=0).next()
+    assert x.shape == y.shape == d.shape == (4, 16)
+    plain = MixtureWindows([TokenWindows(s.shards, seq_len=16) for s in sources], [0.5, 0.5], seed=0, block=8)
+    assert not plain.carries_doc_ids and len(Loader(plain, 4, seed=0).next()) == 2
+
+
+def test_trainer_runs_packed_masked_also_on_a_mixture_and_refuses_pipelines(tmp_path, short_docs_dir):
     from conftest import tiny_overrides
 
     from kiln.config import load_config
+    from kiln.data.raw_to_shards import prepare_shards
     from kiln.errors import ConfigError
+    from kiln.parallel.pipeline_layout import check_pipeline_config
     from kiln.train.trainer import train
 
     over = {"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 0, "metrics.log_every": 1,
-            "data.windows": '"packed_masked"'}
-    result = train(load_config(None, tiny_overrides(text_file, **over)), tmp_path / "run")
+            "optim.lr": 0.1, "data.windows": '"packed_masked"'}
+    result = train(load_config(None, tiny_overrides(short_docs_dir, **over)), tmp_path / "run")
     assert result is not None and (tmp_path / "run" / "metrics.jsonl").is_file()
-    cfg = load_config(None, tiny_overrides(text_file, **over))
-    cfg.data.mixture, cfg.data.mixture_weights = [str(tmp_path / "run" / "data")], [1.0]
-    with pytest.raises(ConfigError, match="packed_masked"):
-        train(cfg, tmp_path / "mix")
+
+    def mixture_losses(windows):
+        cfg = load_config(None, tiny_overrides(short_docs_dir, **{**over, "data.windows": windows}))
+        cfg.data.shards_dir = str(tmp_path / "shards")
+        prepare_shards(cfg.data, tmp_path)
+        cfg.data.mixture, cfg.data.mixture_weights = [cfg.data.shards_dir] * 2, [0.5, 0.5]
+        train(cfg, tmp_path / f"mix-{windows}")
+        rows = (json.loads(x) for x in (tmp_path / f"mix-{windows}" / "metrics.jsonl").read_text().splitlines())
+        return [r["loss"] for r in rows if r["kind"] == "train"]
+
+    masked, unmasked = mixture_losses('"packed_masked"'), mixture_losses('"contiguous"')
+    assert len(masked) == 2 and masked[1] != unmasked[1]  # the mixture's windows were masked
+
+    cfg = load_config(None, tiny_overrides(short_docs_dir, **{**over, "parallel.pp": 2}))
+    with pytest.raises(ConfigError, match=r"data\.windows='packed_masked' with parallel\.pp=2: the pipeline stages"):
+        check_pipeline_config(cfg)  # what kiln train checks before any work

@@ -50,20 +50,6 @@ WINDOW = {"model.sliding_window": 12, "model.full_attention_every": 2}
 DOCUMENTS = {"data.windows": "'packed_masked'", **WINDOW}  # a local and a global layer, both masked
 
 
-def short_documents(folder):
-    """A directory of 300 documents of 5-40 words of real text (standard-library sources)."""
-    from kiln.data.corpus import stdlib_files
-
-    folder.mkdir()
-    words = " ".join(f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files()[:3]).split()
-    lengths = [5 + (7 * i) % 36 for i in range(300)]
-    start = 0
-    for i, n in enumerate(lengths):
-        (folder / f"doc{i:03d}.txt").write_text(" ".join(words[start:start + n]), encoding="utf-8")
-        start += n
-    return folder
-
-
 def ring_check_then_train(rank, world, jobs):
     """The 2-rank launch: cp_ring_worker's attention checks, then kiln's trainer on `jobs`."""
     from cp_ring_worker import check_ring_attention
@@ -84,7 +70,7 @@ def window_check_then_train(rank, world, jobs):
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory, text_file):
+def launches(tmp_path_factory, text_file, short_docs_dir):
     """(what check_ring_attention returned on each of 2 ranks, {name: run directory}): the
     2-rank checks and cp2-ddp run in one launch, fsdp2xcp2 in a 4-rank one."""
     root = tmp_path_factory.mktemp("cp")
@@ -105,7 +91,7 @@ def launches(tmp_path_factory, text_file):
     # packed documents (data.windows = "packed_masked"): short documents, so every 32-token window
     # holds several; the ring masks from the whole sequences' document ids; the same model trained
     # here with and without the mask (the mask must change the losses for the check to fail)
-    docs = short_documents(root / "documents")
+    docs = short_docs_dir
     runs["cp2-documents"] = root / "cp2-documents"
     jobs[2].append((runs["cp2-documents"], common(docs, **{**CP_RUNS["cp2-ddp"][1], **DOCUMENTS})))
     for name, extra in (("documents-reference", DOCUMENTS), ("documents-unmasked", {})):
