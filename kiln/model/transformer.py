@@ -128,6 +128,18 @@ def document_mask(doc_ids: torch.Tensor, window: int = 0):
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
+def layer_masks(windows: list[int], doc_ids: torch.Tensor | None, ring: bool) -> list:
+    """The attention mask (Attention.forward's `mask`) of each layer, by its window
+    (`attention_window`): None without packed documents; with them (`doc_ids` (B, T), data.windows
+    = "packed_masked") `document_mask` for the layer's window, one per window in use; under context
+    parallel (`ring`) the ids themselves, from which ring attention masks each pair of chunks
+    (kiln/parallel/context_parallel.py)."""
+    if doc_ids is None or ring:
+        return [doc_ids] * len(windows)
+    masks = {w: document_mask(doc_ids, w) for w in set(windows)}
+    return [masks[w] for w in windows]
+
+
 def attention_window(cfg: ModelConfig, layer_id: int) -> int:
     """The sliding window of layer `layer_id`'s attention, 0 where it attends to the whole past
     (model.sliding_window off, or a layer model.full_attention_every keeps global)."""
@@ -481,18 +493,10 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[self.seq_positions], self.rope_sin[self.seq_positions])
         else:
             rope = (self.rope_cos[start_pos:start_pos + seqlen], self.rope_sin[start_pos:start_pos + seqlen])
-        masks = None  # packed windows: one document mask per attention window in use
-        if doc_ids is not None:
-            windows = [attention_window(self.cfg, i) for i in range(len(self.layers))]
-            if self.seq_positions is not None:  # context parallel: the ring masks from the whole sequences' ids
-                masks = {w: doc_ids for w in windows}
-            else:
-                masks = {w: document_mask(doc_ids, w) for w in set(windows)}
-        for i, layer in enumerate(self.layers):
-            if masks is None:
-                h = layer(h, rope, cache, start_pos)
-            else:
-                h = layer(h, rope, cache, start_pos, masks[windows[i]])
+        windows = [attention_window(self.cfg, i) for i in range(len(self.layers))]
+        masks = layer_masks(windows, doc_ids, ring=self.seq_positions is not None)
+        for layer, mask in zip(self.layers, masks):
+            h = layer(h, rope, cache, start_pos, mask)
         h = self.norm(h)
         if self.loss_impl == "chunked" and targets is not None:
             if isinstance(self.output.weight, DTensor):  # tensor parallel: the head sharded on the vocabulary

@@ -310,22 +310,25 @@ def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocas
         for stage in pipeline.stages:
             if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
                 no_sync.enter_context(stage.submod.no_sync())
-        # train.loss = "chunked": the last stage takes the targets as a keyword (torch passes it to
+        # train.loss = "chunked": the last stage takes the targets as a keyword (torch passes keywords to
         # every stage of this rank, split into micro-batches as the target; the others ignore it).
-        last = {"targets": y} if pipeline.chunked_loss else {}
+        keywords = {"targets": y} if pipeline.chunked_loss else {}
+        # data.windows = "packed_masked": the documents' ids go to every stage the same way
+        if len(micro_batches[0]) > 2:
+            keywords["doc_ids"] = torch.cat([m[2] for m in micro_batches])
         if hasattr(pipeline.replicas, "after_backward_scale"):  # what the schedule divides by after it
             pipeline.replicas.after_backward_scale = (1.0 / pipeline.microbatches
                                                       if getattr(pipeline.schedule, "scale_grads", False) else 1.0)
         # the last stage keeps no merged outputs (the losses are the loss_fn's)
         no_outputs = torch_compat.step_without_outputs(pipeline.schedule)
         if pipeline.has_first and pipeline.has_last:
-            pipeline.schedule.step(x, target=y, **no_outputs, **last)
+            pipeline.schedule.step(x, target=y, **no_outputs, **keywords)
         elif pipeline.has_first:
-            pipeline.schedule.step(x, **no_outputs)
+            pipeline.schedule.step(x, **no_outputs, **keywords)
         elif pipeline.has_last:
-            pipeline.schedule.step(target=y, **no_outputs, **last)
+            pipeline.schedule.step(target=y, **no_outputs, **keywords)
         else:
-            pipeline.schedule.step(**no_outputs)
+            pipeline.schedule.step(**no_outputs, **keywords)
     if pipeline.replicas is not None:  # ddp/zero1 under a zero-bubble schedule or tp: once per step
         pipeline.replicas.average()
     if pipeline.tied is not None:  # before clipping: the tied weight's gradient is the sum of both copies'

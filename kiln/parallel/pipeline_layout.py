@@ -30,9 +30,6 @@ def check_pipeline_config(cfg: JobConfig) -> None:
     p = cfg.parallel
     if p.pp == 1:
         return
-    if cfg.data.windows == "packed_masked":
-        raise ConfigError(f"data.windows='packed_masked' with parallel.pp={p.pp}: the pipeline stages do not carry "
-                          f"the document ids; set data.windows='contiguous' or 'doc_start', or parallel.pp=1")
     stages = p.pp * p.pp_virtual_stages
     if stages > cfg.model.n_layers:
         raise ConfigError(f"parallel.pp={p.pp} x pp_virtual_stages={p.pp_virtual_stages} = {stages} pipeline "

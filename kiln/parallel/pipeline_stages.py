@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from kiln.config import JobConfig
 from kiln.model.loss import chunked_lm_loss
 from kiln.model.moe import MoE
-from kiln.model.transformer import Transformer
+from kiln.model.transformer import Transformer, attention_window, layer_masks
 from kiln.parallel.pipeline_layout import check_pipeline_config, stage_layer_ranges, stages_of_rank
 from kiln.parallel.pipeline_tied import EMBEDDING, HEAD, head_copy
 
@@ -164,13 +164,17 @@ class StageChunk(nn.Module):
         if first:
             self.tok_embeddings, self.pos_embeddings, self.dropout = owner.tok_embeddings, owner.pos_embeddings, owner.dropout
         self.layers = nn.ModuleList(owner.layers[str(i)] for i in layers)
+        self.windows = [attention_window(owner.cfg, i) for i in layers]  # each layer's (by its global index)
         if last:
             self.norm, self.output = owner.norm, owner.output
         self.__dict__["_owner"] = owner  # for the RoPE tables (re-created by to_empty/init)
         self.__dict__["_moe"] = (owner.moe_records, owner.cfg.moe_aux_loss_weight, owner.cfg.moe_z_loss_weight,
                                  owner.moe_load_records)
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`doc_ids`: the micro-batch's packed documents (data.windows = "packed_masked"), which
+        torch's schedule hands every stage as a keyword, split like the inputs."""
         seqlen = h.shape[1] if self.first else h.shape[1] * self.seq_shards  # attention sees all of it
         positions = self._owner.seq_positions  # cp: not 0..seqlen-1 but the rank's zig-zag slice
         if self.first:
@@ -184,8 +188,9 @@ class StageChunk(nn.Module):
             rope = (self._owner.rope_cos[:seqlen], self._owner.rope_sin[:seqlen])
         else:
             rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
-        for layer in self.layers:
-            h = layer(h, rope)
+        masks = layer_masks(self.windows, doc_ids, ring=positions is not None)
+        for layer, mask in zip(self.layers, masks):
+            h = layer(h, rope, None, 0, mask)
         h = add_moe_losses(h, self.layers, *self._moe, scale=self.__dict__.get("loss_scale"))
         if not self.last:
             return h

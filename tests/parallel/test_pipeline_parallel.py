@@ -213,11 +213,15 @@ def _pp_worker(rank: int, port: int, results) -> None:
         batches = [torch.randint(0, 61, (4, 17), generator=gen) for _ in range(STEPS)]
         batches = [[(b[:, :-1], b[:, 1:])] for b in batches]
 
-        def run(cfg, step_fn, target):
+        # packed documents (data.windows = "packed_masked"): each row's document ids, boundaries drawn
+        ends = [torch.rand(4, 16, generator=gen) < 0.2 for _ in range(STEPS)]
+        doc_batches = [[(x, y, e.long().cumsum(1) - e.long())] for [(x, y)], e in zip(batches, ends)]
+
+        def run(cfg, step_fn, target, data=batches):
             opt = torch.optim.SGD(target.model.parameters() if hasattr(target, "model") else target.parameters(),
                                   lr=0.5, momentum=0.9)
             out = []
-            for micro in batches:
+            for micro in data:
                 loss, norm, skipped = step_fn(target, opt, micro, autocast=torch.autocast("cpu", enabled=False),
                                               scaler=None, clip=0.0)
                 out.append((float(loss), float(norm), bool(skipped)))
@@ -235,6 +239,13 @@ def _pp_worker(rank: int, port: int, results) -> None:
                     got["reference eval rows"] = float(torch.nn.functional.cross_entropy(
                         ref(x[:3]).flatten(0, 1), y[:3].flatten()))
             got[reference_name(loss, tied)] = run(ref_cfg, train_step, ref)
+        documents_cfg = job(pp=1, sliding_window=5, full_attention_every=2)  # a local and a global layer each
+        documents_ref = build_model(documents_cfg, ParallelDims.from_config(documents_cfg.parallel, world_size=1,
+                                                                            rank=0, local_rank=0), torch.device("cpu"))
+        got["reference documents"] = run(documents_cfg, train_step, documents_ref, doc_batches)
+        documents_ref = build_model(documents_cfg, ParallelDims.from_config(documents_cfg.parallel, world_size=1,
+                                                                            rank=0, local_rank=0), torch.device("cpu"))
+        got["reference documents unmasked"] = run(documents_cfg, train_step, documents_ref)
         # Which loss the pipeline's runs called (lm_loss from the schedule's loss_fn, the chunked
         # one from the last stage): train.loss must not fall back to the full loss silently.
         count = {"full": 0, "chunked": 0}
@@ -274,10 +285,20 @@ def _pp_worker(rank: int, port: int, results) -> None:
             calls[name] = dict(count)
             if undo:
                 undo()
+        for schedule, virtual, micro in DOCUMENT_SCHEDULES:  # packed documents through every stage
+            cfg = job(schedule=schedule, virtual=virtual, microbatches=micro, sliding_window=5, full_attention_every=2)
+            dims = ParallelDims.from_config(cfg.parallel, world_size=2, rank=rank, local_rank=rank)
+            dims.build_mesh("cpu")
+            pipe = pl.Pipeline(build_model(cfg, dims, torch.device("cpu")), cfg, dims, torch.device("cpu"))
+            got[f"documents {schedule}"] = run(cfg, pl.pipeline_train_step, pipe, doc_batches)
         results[rank] = {**got, "calls": calls}
         dist.destroy_process_group()
     except BaseException:
         results[rank] = traceback.format_exc()
+
+
+# packed documents: one stage per rank, and a V (both ends on rank 0, the keywords to both)
+DOCUMENT_SCHEDULES = [("1f1b", 1, 4), ("zbv_zero_bubble", 2, 0)]
 
 
 def reference_name(loss: str, tied: bool) -> str:
@@ -327,6 +348,19 @@ def test_schedule_matches_one_process(two_ranks, schedule):
             assert not skipped
     calls = [two_ranks[r]["calls"][schedule] for r in range(2)]  # the full loss, on the last stage's rank
     assert [c["chunked"] for c in calls] == [0, 0] and sum(c["full"] > 0 for c in calls) == 1, calls
+
+
+@pytest.mark.parametrize("schedule", [s for s, _, _ in DOCUMENT_SCHEDULES])
+def test_packed_documents_through_the_stages_match_one_process(two_ranks, schedule):
+    """data.windows = "packed_masked" under pp: the documents' ids reach every stage (a keyword of
+    torch's schedule, split into micro-batches), whose windowed and global layers mask by them."""
+    ref = two_ranks[0]["reference documents"]
+    for rank in range(2):
+        for step, ((loss, norm, _), (rl, rn, _)) in enumerate(zip(two_ranks[rank][f"documents {schedule}"], ref)):
+            assert loss == pytest.approx(rl, rel=REL), f"{schedule} rank {rank} step {step + 1}"
+            assert norm == pytest.approx(rn, rel=REL), f"{schedule} rank {rank} step {step + 1} grad norm"
+    unmasked = two_ranks[0]["reference documents unmasked"]  # the mask changes the model: the check can fail
+    assert all(abs(a[0] - b[0]) > 1e-4 * abs(b[0]) for a, b in zip(ref, unmasked))
 
 
 def test_evaluation_runs_through_the_pipeline(two_ranks):
