@@ -123,6 +123,23 @@ def pipeline_stage_class():
 
 
 @functools.cache
+def input_pass_skips_inputs_without_grad() -> bool:
+    """Whether torch's zero-bubble input pass (pipelining/_backward.py stage_backward_input) leaves
+    out stage inputs that need no gradient, such as packed documents' ids passed as a keyword of
+    the schedule (kiln/parallel/pipeline.py). 2.9 filters them; 2.6 differentiates every input
+    ("One of the differentiated Tensors does not require grad"). Probed on three-element tensors."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    x, w = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    try:
+        stage_backward_input([(x * w).sum()], None, [x, torch.zeros(3, dtype=torch.long)], iter([w]))
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.cache
 def weight_pass_takes_python_functions() -> bool:
     """Whether torch's zero-bubble weight pass (pipelining/_backward.py stage_backward_weight) can
     differentiate from a custom autograd.Function's node: it keeps the nodes that consume a

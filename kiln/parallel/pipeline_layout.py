@@ -96,6 +96,13 @@ def check_pipeline_config(cfg: JobConfig) -> None:
         raise ConfigError(f"train.loss='chunked' with parallel.pp_schedule={p.pp_schedule!r} needs torch >= 2.13 "
                           f"(this is {torch.__version__}: its zero-bubble weight pass cannot differentiate "
                           f"through the chunked loss's autograd function); set train.loss='full' or use 1f1b")
+    if (cfg.data.windows == "packed_masked" and p.pp_schedule in ZERO_BUBBLE
+            and not torch_compat.input_pass_skips_inputs_without_grad()):
+        import torch
+
+        raise ConfigError(f"data.windows='packed_masked' with parallel.pp_schedule={p.pp_schedule!r} needs a torch "
+                          f"whose zero-bubble input pass skips inputs without a gradient (the document ids; 2.9 "
+                          f"does, this is {torch.__version__}); use 1f1b or interleaved_1f1b")
     if p.pp_split_points:
         stage_layer_ranges(cfg.model.n_layers, stages, p.pp_split_points)
 
