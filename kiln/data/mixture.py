@@ -127,12 +127,16 @@ class MixtureWindows:
             self._perms[key] = np.random.default_rng([self.seed, source, epoch]).permutation(len(self.sources[source]))
         return self._perms[key]
 
-    def gather(self, positions: np.ndarray) -> np.ndarray:
+    def _from_sources(self, positions: np.ndarray, read) -> np.ndarray:
+        """(len(positions), seq_len + 1): `read(source, its window indices)` for each source's rows."""
         src, win = self._locate(positions)
         out = np.empty((len(src), self.seq_len + 1), dtype=np.int64)
         for k in np.unique(src).tolist():
-            out[src == k] = self.sources[k].gather(win[src == k])
+            out[src == k] = read(self.sources[k], win[src == k])
         return out
+
+    def gather(self, positions: np.ndarray) -> np.ndarray:
+        return self._from_sources(positions, lambda source, windows: source.gather(windows))
 
     @property
     def carries_doc_ids(self) -> bool:
@@ -142,11 +146,7 @@ class MixtureWindows:
 
     def gather_doc_ids(self, positions: np.ndarray) -> np.ndarray:
         """Each window token's document within its window, from the window's own source."""
-        src, win = self._locate(positions)
-        out = np.empty((len(src), self.seq_len + 1), dtype=np.int64)
-        for k in np.unique(src).tolist():
-            out[src == k] = self.sources[k].gather_doc_ids(win[src == k])
-        return out
+        return self._from_sources(positions, lambda source, windows: source.gather_doc_ids(windows))
 
     def prefetch(self, positions: np.ndarray) -> None:
         src, win = self._locate(positions)

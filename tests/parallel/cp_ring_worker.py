@@ -52,18 +52,21 @@ class MatmulBlocks:
         return False
 
 
-def check_ring_attention():
-    """Every check below on this process group's ranks (one ring over all of them), with each
-    block kernel; raises AssertionError on a mismatch, returns "rank <r>: ok"."""
+def check_ring_attention(kinds=("causal", "window", "documents", "dropout")):
+    """The checks below of `kinds` on this process group's ranks (one ring over all of them), each
+    with both block kernels (dropout: the matmul one, whatever the device); raises AssertionError
+    on a mismatch, returns "rank <r>: ok"."""
     ring = Ring(dist.group.WORLD)
     seq_len = 8 * ring.size
     zigzag = zigzag_positions(seq_len, ring.size, ring.rank)
+    checks = {"causal": check_ring_causal, "window": check_ring_window, "documents": check_ring_documents}
     for kernel in (None, MatmulBlocks):  # the fused CPU kernel, then the matmul one
         with kernel() if kernel else contextlib.nullcontext():
-            check_ring_causal(ring, zigzag, seq_len)
-            check_ring_window(ring, zigzag, seq_len)
-            check_ring_documents(ring, zigzag, seq_len)
-    check_ring_dropout(ring, zigzag, seq_len)  # the matmul kernel, whatever the device
+            for kind in kinds:
+                if kind in checks:
+                    checks[kind](ring, zigzag, seq_len)
+    if "dropout" in kinds:
+        check_ring_dropout(ring, zigzag, seq_len)
     return f"rank {ring.rank}: ok"
 
 
@@ -126,19 +129,6 @@ def check_ring_documents(ring, index, seq_len):
         plain = ring_attention(*[t.detach() for t in local], ring, window=window)
         assert not torch.allclose(out[0], plain[0], atol=ATOL, rtol=0), "the documents changed nothing"
         torch.testing.assert_close(out[1], plain[1], atol=ATOL, rtol=0)  # one document: plain attention
-
-
-def check_ring_window_over_world():
-    """check_ring_window and check_ring_documents, on a ring over every rank (4 ranks: windows that
-    reach one neighbour each way, and wider ones that go round the ring); returns "rank <r>: ok"."""
-    ring = Ring(dist.group.WORLD)
-    seq_len = 8 * ring.size
-    zigzag = zigzag_positions(seq_len, ring.size, ring.rank)
-    for kernel in (None, MatmulBlocks):  # the fused CPU kernel, then the matmul one
-        with kernel() if kernel else contextlib.nullcontext():
-            check_ring_window(ring, zigzag, seq_len)
-            check_ring_documents(ring, zigzag, seq_len)
-    return f"rank {ring.rank}: ok"
 
 
 def dropout_reference(q, k, v, seed, dropout_p, cp, wrong_seed=False):

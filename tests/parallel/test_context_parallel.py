@@ -60,11 +60,11 @@ def ring_check_then_train(rank, world, jobs):
 
 
 def window_check_then_train(rank, world, jobs):
-    """The 4-rank launch: cp_ring_worker's sliding-window checks on a 4-rank ring (windows that
-    reach one neighbour each way: the neighbourhood exchange), then kiln's trainer on `jobs`."""
-    from cp_ring_worker import check_ring_window_over_world
+    """The 4-rank launch: cp_ring_worker's window and document checks on a 4-rank ring (windows
+    that reach one neighbour each way: the neighbourhood exchange), then kiln's trainer on `jobs`."""
+    from cp_ring_worker import check_ring_attention
 
-    result = check_ring_window_over_world()
+    result = check_ring_attention(("window", "documents"))
     train_runs(rank, world, jobs)
     return result
 
@@ -125,21 +125,16 @@ def test_context_parallel_run_matches_one_process(launches, reference, name):
 
 
 @pytest.mark.timeout(600)
-def test_context_parallel_sliding_window_matches_one_process(launches):
+@pytest.mark.parametrize("run, reference, without", [
+    ("cp2-window", "window-reference", "cp2-ddp"),  # sliding-window layers
+    ("cp2-documents", "documents-reference", "documents-unmasked"),  # packed documents
+])
+def test_context_parallel_masked_attention_matches_one_process(launches, run, reference, without):
     runs = launches[1]
-    reference, windowed = losses(runs["window-reference"]), losses(runs["cp2-window"])
-    assert_same_losses(reference, windowed, range(1, STEPS + 1))
-    plain = losses(runs["cp2-ddp"])  # the window changes the model: the check can fail
-    assert any(abs(windowed[s] - plain[s]) > 1e-4 * abs(plain[s]) for s in plain)
-
-
-@pytest.mark.timeout(600)
-def test_context_parallel_with_packed_documents_matches_one_process(launches):
-    runs = launches[1]
-    reference, masked = losses(runs["documents-reference"]), losses(runs["cp2-documents"])
-    assert_same_losses(reference, masked, range(1, STEPS + 1))
-    unmasked = losses(runs["documents-unmasked"])  # the mask changes the model: the check can fail
-    assert any(abs(masked[s] - unmasked[s]) > 1e-4 * abs(unmasked[s]) for s in unmasked)
+    got = losses(runs[run])
+    assert_same_losses(losses(runs[reference]), got, range(1, STEPS + 1))
+    plain = losses(runs[without])  # the mask changes the model: the check can fail
+    assert any(abs(got[s] - plain[s]) > 1e-4 * abs(plain[s]) for s in plain)
 
 
 @pytest.mark.timeout(600)
