@@ -26,6 +26,7 @@ Writes benchmarks/results/ring_attention.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -117,7 +118,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     out.put((rank, rows))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--cases", default="4096w0,4096w512,4096w1024")
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         seq, _ = parse(case)
         if seq % (2 * args.cp):
             raise SystemExit(f"--cases {case}: sequence {seq} is not divisible by 2 * --cp = {2 * args.cp}")
-    by_rank = dict(run_ranks(_rank, args.cp, (args,), "ring_attention"))
+    target = importlib.import_module(Path(__file__).stem)._rank  # by module name: spawned ranks import it
+    by_rank = dict(run_ranks(target, args.cp, (args,), "ring_attention"))
     rows = by_rank[0]  # counts and times (the slowest rank's) as rank 0 has them; peaks: the largest rank's
     for row, *others in zip(rows, *(by_rank[r] for r in range(1, args.cp))):
         for name in VARIANTS:
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['matmul_peak_bytes'] / 1e6:.1f} / {r['kiln_peak_bytes'] / 1e6:.1f}"] for r in rows])
     command = "python benchmarks/ring_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"wrote {write_results(args.out, {'command': command, **vars(args), 'rows': rows})}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

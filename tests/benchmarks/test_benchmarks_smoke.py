@@ -144,6 +144,19 @@ def test_sliding_window_compares_blocked_dense_and_causal(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_ring_attention_compares_schedules_and_kernels(tmp_path):
+    out = tmp_path / "ring_attention.json"
+    argv = ["--cp", "3", "--cases", "48w0,48w9", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--rounds", "1",
+            "--out", str(out)]
+    assert _load("ring_attention").main(argv) == 0  # exits non-zero unless every variant gives kiln's result
+    plain, windowed = json.loads(out.read_text())["rows"]
+    assert plain["hops"] is None and plain["ring_blocks"] == plain["kiln_blocks"] == 7  # 3 cp - 2
+    assert windowed["hops"] == 1 and (windowed["ring_blocks"], windowed["kiln_blocks"]) == (7, 6)
+    assert all(row[f"{v}_peak_bytes"] > 0 and row[f"{v}_s"] > 0 for row in (plain, windowed)
+               for v in ("kiln", "ring", "matmul"))
+
+
+@pytest.mark.timeout(120)
 def test_moe_balancing_runs_every_recipe(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400)))
