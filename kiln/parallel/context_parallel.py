@@ -20,7 +20,9 @@ ceil((W - 1) / chunk) chunks, and zig-zag puts chunks d apart on ranks at most d
 of a rank's two chunks looks behind it on the ring and the other ahead. Where that neighbourhood
 is smaller than the ring (kiln/parallel/ring_layout.py `window_hops`), K/V go that many hops both
 ways instead of round the ring (6 blocks sent per hop forward and backward instead of 3 cp - 2),
-and each dK/dV share is sent straight home. kiln's own.
+and each dK/dV share is sent straight home. kiln's own. Packed documents (data.windows =
+"packed_masked") reach the ring as the whole sequences' document ids, from which each pair of
+chunks is masked (`_same_document`, `ring_blocks.allowed_keys`).
 
 Block kernels (kiln/parallel/ring_blocks.py): on CPU torch's fused flash-attention kernel, which
 returns the log-sum-exp the merge needs and never holds a block's scores; elsewhere, and with
