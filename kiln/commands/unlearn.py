@@ -183,11 +183,12 @@ def _run(args: argparse.Namespace) -> int:
     if retain and opts.retain_loss == "kl":  # the frozen reference of the KL term, same layout
         original = load_model(run_dir, loaded.step, args.device)[0].model
     shard = Shard(dims.dp_rank, dims.dp_size, device.type)
-    val_ids, val_source = validation_tokens(loaded)
+    val_ids, val_source, val_offsets = validation_tokens(loaded)
 
     def validate() -> dict:  # the perplexity part's windows, split over the ranks
         return {"source": [val_source], "seq_len": seq_len, **validation_score(
-            loaded.model, loaded.tokenizer, val_ids, seq_len=seq_len, max_tokens=args.val_tokens, shard=shard)}
+            loaded.model, loaded.tokenizer, val_ids, seq_len=seq_len, max_tokens=args.val_tokens, shard=shard,
+            doc_offsets=val_offsets)}
 
     val_before = validate()
     report = unlearn(loaded.model, loaded.tokenizer, forget, heldout, retain, opts, shard=shard,

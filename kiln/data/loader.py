@@ -27,6 +27,16 @@ if TYPE_CHECKING:
 from kiln.errors import DataError
 
 
+def checked_doc_offsets(doc_offsets: np.ndarray, n_tokens: int, where: str) -> np.ndarray:
+    """A stream's document offsets, or DataError naming `where` unless they rise strictly from 0
+    to its n_tokens."""
+    if doc_offsets.ndim != 1 or len(doc_offsets) < 2 or doc_offsets[0] != 0 or doc_offsets[-1] != n_tokens \
+            or (np.diff(doc_offsets) <= 0).any():
+        raise DataError(f"{where}: corrupted document index: offsets must rise strictly from 0 to the stream's "
+                        f"{n_tokens} tokens")
+    return doc_offsets
+
+
 class TokenWindows:
     """Index of the seq_len+1 windows of one split's shards, or of in-memory token streams.
 
@@ -41,14 +51,17 @@ class TokenWindows:
     if it would run past the end of its shard. No window begins mid-sentence at an arbitrary
     offset, at the price of some tokens being seen twice in an epoch.
 
-    With `doc_ids` (shards only; `data.windows = "packed_masked"`), windows stay contiguous but
+    With `doc_ids` (`data.windows = "packed_masked"`), windows stay contiguous but
     `gather_doc_ids` also gives, per window token, the index of its document within the window
-    (0 for the document the window starts in), from the shard's `.docs.npy` offsets; the model
-    turns it into a block-diagonal causal mask so attention does not cross documents.
+    (0 for the document the window starts in), from the shard's `.docs.npy` offsets or, for
+    in-memory streams, `doc_offsets` (each stream's document start offsets and its length, rising
+    from 0); the model turns it into a block-diagonal causal mask so attention does not cross
+    documents. Training, the trainer's evaluation and `kiln eval` all mask the same way.
     """
 
     def __init__(self, streams: ShardSet | Sequence[np.ndarray], seq_len: int, *, ragged_tail: bool = False,
-                 source: str = "token stream", doc_starts: bool = False, doc_ids: bool = False):
+                 source: str = "token stream", doc_starts: bool = False, doc_ids: bool = False,
+                 doc_offsets: Sequence[np.ndarray] | None = None):
         self.seq_len, self.ragged_tail = seq_len, ragged_tail
         self.doc_offsets: list[np.ndarray] | None = None  # doc_ids: each stream's document offsets
         self.starts: np.ndarray | None = None  # doc_starts: global window -> start token in its stream
@@ -64,18 +77,21 @@ class TokenWindows:
             counts = [len(p) for p in per_stream]
             self.starts = np.concatenate(per_stream) if per_stream else np.zeros(0, np.int64)
         elif ragged_tail:
-            if doc_ids:
-                raise ValueError("doc_ids needs full windows (no ragged tail)")
             counts = [max(0, -(-(n - 1) // seq_len)) for n in sizes]  # ceil((n - 1) / seq_len)
         else:
             counts = [max(0, (n - 1) // seq_len) for n in sizes]
         self.offsets = np.cumsum([0] + counts)
-        if doc_ids:
-            if self.shards is None or doc_starts:
-                raise ValueError("doc_ids needs a ShardSet (for its document index) and contiguous windows")
-            self.doc_offsets = [self._checked_doc_offsets(np.asarray(d, dtype=np.int64), n,
-                                                          f"{self.shards.dir}/{self.shards.shard_files(i)[1]}")
-                                for i, (d, n) in enumerate(zip(self.shards.docs, sizes))]
+        if doc_ids or doc_offsets is not None:
+            if doc_starts or (self.shards is None) == (doc_offsets is None):
+                raise ValueError("doc_ids needs contiguous windows and a ShardSet (its document index) or, for "
+                                 "in-memory streams, doc_offsets")
+            if doc_offsets is not None and len(doc_offsets) != len(sizes):
+                raise ValueError(f"doc_offsets: {len(doc_offsets)} arrays for {len(sizes)} streams")
+            wheres = ([f"{self.shards.dir}/{self.shards.shard_files(i)[1]}" for i in range(len(sizes))]
+                      if self.shards is not None else [f"{source} (stream {i})" for i in range(len(sizes))])
+            self.doc_offsets = [checked_doc_offsets(np.asarray(d, dtype=np.int64), n, where)
+                                for d, n, where in zip(self.shards.docs if self.shards is not None else doc_offsets,
+                                                       sizes, wheres)]
         if self.remote:
             self._plan_cache()
         if self.offsets[-1] == 0:
@@ -89,18 +105,9 @@ class TokenWindows:
         return int(self.offsets[-1])
 
     @staticmethod
-    def _checked_doc_offsets(doc_offsets: np.ndarray, n_tokens: int, where: str) -> np.ndarray:
-        """The shard's document offsets, or DataError unless they rise strictly from 0 to n_tokens."""
-        if doc_offsets.ndim != 1 or len(doc_offsets) < 2 or doc_offsets[0] != 0 or doc_offsets[-1] != n_tokens \
-                or (np.diff(doc_offsets) <= 0).any():
-            raise DataError(f"{where}: corrupted document index: offsets must rise strictly from 0 to the shard's "
-                            f"{n_tokens} tokens")
-        return doc_offsets
-
-    @staticmethod
     def _doc_window_starts(doc_offsets: np.ndarray, n_tokens: int, seq_len: int, where: str) -> np.ndarray:
         """Window starts of one shard: each document's start and every seq_len into it (numpy)."""
-        TokenWindows._checked_doc_offsets(doc_offsets, n_tokens, where)
+        checked_doc_offsets(doc_offsets, n_tokens, where)
         lengths = np.diff(doc_offsets)
         per_doc = -(-lengths // seq_len)  # ceil
         first = np.repeat(doc_offsets[:-1], per_doc)
@@ -176,13 +183,17 @@ class TokenWindows:
         return self.doc_offsets is not None
 
     def gather_doc_ids(self, indices: np.ndarray) -> np.ndarray:
-        """(len(indices), seq_len + 1) int64: each window token's document, counted from the
-        window's first (0), by binary search in the shard's document offsets (numpy)."""
+        """(len(indices), length) int64, shaped as `gather`'s windows: each window token's
+        document, counted from the window's first (0), by binary search in the stream's document
+        offsets (numpy)."""
         if self.doc_offsets is None:
-            raise ValueError("gather_doc_ids needs TokenWindows(..., doc_ids=True)")
+            raise ValueError("gather_doc_ids needs TokenWindows(..., doc_ids=True) or doc_offsets")
+        length = self.seq_len + 1
+        if self.ragged_tail and len(indices):
+            length = int(self.lengths(indices)[0])  # gather refuses mixed lengths
         stream, start = self._locate(indices)
-        span = np.arange(self.seq_len + 1, dtype=np.int64)
-        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
+        span = np.arange(length, dtype=np.int64)
+        out = np.empty((len(indices), length), dtype=np.int64)
         for row, (s, a) in enumerate(zip(stream.tolist(), start.tolist())):
             ids = np.searchsorted(self.doc_offsets[s], a + span, side="right")
             out[row] = ids - ids[0]
@@ -335,7 +346,9 @@ class Loader:
 
 def window_batches(windows: TokenWindows, indices: np.ndarray, batch_size: int):
     """(inputs, targets) batches of the given windows, in order, `batch_size` at a time; a window
-    shorter than seq_len + 1 (a ragged tail) is scored as a batch of its own."""
+    shorter than seq_len + 1 (a ragged tail) is scored as a batch of its own. Windows that carry
+    document ids give (inputs, targets, rows, inputs' document ids): the batch format of
+    kiln.eval.scoring.score_batches, all of whose `rows` are counted."""
     indices = np.asarray(indices, dtype=np.int64)
     for i in range(0, len(indices), batch_size):
         chunk = indices[i:i + batch_size]
@@ -346,7 +359,11 @@ def window_batches(windows: TokenWindows, indices: np.ndarray, batch_size: int):
         for group in groups:
             if len(group):
                 batch = torch.from_numpy(windows.gather(group))
-                yield batch[:, :-1], batch[:, 1:]
+                if windows.carries_doc_ids:
+                    doc_ids = torch.from_numpy(windows.gather_doc_ids(group))
+                    yield batch[:, :-1], batch[:, 1:], len(group), doc_ids[:, :-1]
+                else:
+                    yield batch[:, :-1], batch[:, 1:]
 
 
 def eval_batches(windows: TokenWindows, batch_size: int, max_batches: int, share: tuple[int, int] | None = None):
@@ -369,7 +386,7 @@ def leading_batches(windows: TokenWindows, batch_size: int, max_batches: int = 0
 
 
 def rank_batches(windows: TokenWindows, indices: np.ndarray, batch_size: int, share: tuple[int, int]):
-    """(inputs, targets, rows) batches of rank `share[0]`'s contiguous block of `indices`, of
+    """(inputs, targets, rows[, document ids]) batches of rank `share[0]`'s contiguous block of `indices`, of
     ceil(len / size) windows on every rank: a short block is padded with copies of the first
     window, which are not counted (only the first `rows` rows of a batch are), so the k-th batch
     has the same shape on every rank (under FSDP, DDP and expert parallelism a forward is a
@@ -381,5 +398,5 @@ def rank_batches(windows: TokenWindows, indices: np.ndarray, batch_size: int, sh
     mine = np.asarray(indices[rank * per:(rank + 1) * per], dtype=np.int64)
     real = len(mine)
     mine = np.concatenate([mine, np.repeat(np.asarray(indices[:1], dtype=np.int64), per - real)])
-    for at, (x, y) in zip(range(0, per, batch_size), window_batches(windows, mine, batch_size)):
-        yield x, y, max(0, min(len(x), real - at))
+    for at, (x, y, *doc_ids) in zip(range(0, per, batch_size), window_batches(windows, mine, batch_size)):
+        yield x, y, max(0, min(len(x), real - at)), *doc_ids[1:]

@@ -147,6 +147,11 @@ def _seq_len(loaded: LoadedRun, options: EvalOptions) -> int:
     return min(options.seq_len or loaded.config.data.seq_len, loaded.config.model.max_seq_len)
 
 
+def _masked(loaded: LoadedRun) -> bool:
+    """Whether the run trained with attention masked to each packed document: it is scored so."""
+    return loaded.config.data.windows == "packed_masked"
+
+
 def _autocast(options: EvalOptions):
     import torch
 
@@ -157,7 +162,8 @@ def _autocast(options: EvalOptions):
 
 @eval_part("perplexity")
 def perplexity(loaded: LoadedRun, options: EvalOptions) -> dict:
-    """Loss, perplexity, bits-per-byte of --data files, else of the run's validation shards."""
+    """Loss, perplexity, bits-per-byte of --data files (each file one document), else of the run's
+    validation shards; attention masked to each document where the run trained so."""
     from kiln.eval.perplexity import evaluate_texts, evaluate_tokens
 
     seq_len = _seq_len(loaded, options)
@@ -165,16 +171,17 @@ def perplexity(loaded: LoadedRun, options: EvalOptions) -> dict:
                   max_tokens=options.max_tokens, autocast=_autocast(options))
     if options.data:
         texts, sources = _read_texts(options.data), [str(p) for p in options.data]
-        result = evaluate_texts(loaded.model, loaded.tokenizer, texts, **common)
+        result = evaluate_texts(loaded.model, loaded.tokenizer, texts, masked=_masked(loaded), **common)
     else:
-        ids, source = validation_tokens(loaded)
-        result = evaluate_tokens(loaded.model, loaded.tokenizer, ids, **common)
+        ids, source, offsets = validation_tokens(loaded)
+        result = evaluate_tokens(loaded.model, loaded.tokenizer, ids, doc_offsets=offsets, **common)
         sources = [source]
     return {"source": sources, "seq_len": seq_len, **result}
 
 
 def validation_tokens(loaded: LoadedRun):
-    """(the run's validation split as one token stream, its name); also kiln unlearn's data."""
+    """(the run's validation split as one token stream, its name, its document offsets where the
+    run masks attention to documents, else None); also kiln unlearn's data."""
     import numpy as np
 
     from kiln.data.shards import ShardSet
@@ -183,7 +190,16 @@ def validation_tokens(loaded: LoadedRun):
     val = ShardSet(shard_dir, "val")
     if val.n_tokens < 2:
         raise KilnError(f"{shard_dir}: the validation split has no tokens; pass --data FILE")
-    return np.concatenate([np.asarray(t) for t in val.tokens]), f"{shard_dir} (val)"
+    ids = np.concatenate([np.asarray(t) for t in val.tokens])
+    offsets = None
+    if _masked(loaded):  # each shard's offsets, shifted to where the shard starts in the stream
+        from kiln.data.loader import checked_doc_offsets
+
+        starts = np.cumsum([0] + [len(t) for t in val.tokens])
+        offsets = np.unique(np.concatenate([
+            checked_doc_offsets(np.asarray(d, dtype=np.int64), len(t), f"{shard_dir}/{val.shard_files(i)[1]}")
+            + a for i, (d, t, a) in enumerate(zip(val.docs, val.tokens, starts))]))
+    return ids, f"{shard_dir} (val)", offsets
 
 
 def _read_texts(paths: list[str]) -> list[str]:
@@ -294,7 +310,8 @@ def robustness(loaded: LoadedRun, options: EvalOptions) -> dict:
     specs = DEFAULT_PROBE if options.robustness == "default" else options.robustness.split(",")
     return robustness_probe(loaded.model, loaded.tokenizer, texts, seq_len=_seq_len(loaded, options),
                             perturbations=specs, seed=options.seed, batch_size=options.batch_size,
-                            device=options.device, max_tokens=options.max_tokens, autocast=_autocast(options))
+                            device=options.device, max_tokens=options.max_tokens, autocast=_autocast(options),
+                            masked=_masked(loaded))
 
 
 @eval_part("lm_eval")

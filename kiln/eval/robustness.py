@@ -134,9 +134,9 @@ def shard_texts(shard_dir: str | Path, tokenizer, split: str = "val", max_chars:
 def robustness_probe(model, tokenizer, texts: list[str], seq_len: int,
                      perturbations: list[str] | tuple[str, ...] = DEFAULT_PROBE, *, seed: int = 0,
                      batch_size: int = 8, device: str = "cpu", max_tokens: int = 0,
-                     autocast=None) -> dict[str, dict[str, float]]:
+                     autocast=None, masked: bool = False) -> dict[str, dict[str, float]]:
     """Score `texts` clean and under each perturbation with `evaluate_texts` (kiln's one scorer;
-    `autocast` as there).
+    `autocast` and `masked`, attention within each text, as there).
 
     Returns {"clean": {...}, spec: {loss, ppl, bpb, delta_loss, delta_bpb, tokens, bytes}, ...}; deltas
     are relative to clean (positive = worse). bpb divides by the perturbed text's own bytes, so it
@@ -150,7 +150,7 @@ def robustness_probe(model, tokenizer, texts: list[str], seq_len: int,
 
     def score(docs: list[str]) -> dict:
         r = evaluate_texts(model, tokenizer, docs, seq_len=seq_len, batch_size=batch_size, device=device,
-                           max_tokens=max_tokens, autocast=autocast)
+                           max_tokens=max_tokens, autocast=autocast, masked=masked)
         return {k: r[k] for k in ("loss", "ppl", "bpb", "tokens", "bytes")}
 
     clean = score(texts)

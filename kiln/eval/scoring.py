@@ -35,8 +35,10 @@ from kiln.model.transformer import lm_loss
 def score_batches(model: torch.nn.Module, batches: Iterable[tuple], byte_lengths: torch.Tensor, *,
                   device: torch.device | str = "cpu", autocast: contextlib.AbstractContextManager | None = None,
                   context=None, group=None) -> dict:
-    """Score (inputs, targets) or (inputs, targets, rows) batches; returns {loss, ppl, bpb,
-    tokens, bytes}, and with a `group` also `rank_tokens` (the predictions this rank scored).
+    """Score (inputs, targets[, rows[, doc_ids]]) batches; returns {loss, ppl, bpb, tokens,
+    bytes}, and with a `group` also `rank_tokens` (the predictions this rank scored). `doc_ids`
+    (the inputs' documents, kiln.data.loader `window_batches`) mask attention to each token's own
+    document, as training does with data.windows = "packed_masked"; under cp they stay whole.
 
     `byte_lengths[id]` is the UTF-8 length of token `id` (kiln.data.tokenizer.token_byte_lengths);
     `autocast` wraps each forward pass (kiln.train.evaluate.autocast_context; None: fp32). The
@@ -50,8 +52,9 @@ def score_batches(model: torch.nn.Module, batches: Iterable[tuple], byte_lengths
     model.eval()
     total_loss, n_tokens, n_bytes = 0.0, 0, 0
     try:
-        for x, y, *rows in batches:
-            rows = rows[0] if rows else len(x)
+        for x, y, *extra in batches:
+            rows = extra[0] if extra else len(x)
+            masked = {"doc_ids": extra[1].to(device)} if len(extra) > 1 else {}
             x, y = x.to(device), y.to(device)
             if context is not None:
                 x, y = context.shard(x, y)
@@ -59,9 +62,9 @@ def score_batches(model: torch.nn.Module, batches: Iterable[tuple], byte_lengths
                 if hasattr(model, "eval_loss"):  # the model scores the batch itself: kiln's
                     # Transformer through its training loss path (chunked / vocab-parallel: no full
                     # fp32 logits), the pipeline on its last stage (PipelineEvalModel)
-                    loss = model.eval_loss(x, y, rows)
+                    loss = model.eval_loss(x, y, rows, **masked)
                 else:
-                    logits = model(x)
+                    logits = model(x, **masked)
                     loss = lm_loss(logits[:rows], y[:rows]) if rows else None
             if rows == 0:  # a padding batch: its forward only joins the others' collectives
                 continue

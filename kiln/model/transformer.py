@@ -526,16 +526,17 @@ class Transformer(nn.Module):
             loss = loss + self.cfg.moe_aux_loss_weight * aux + self.cfg.moe_z_loss_weight * z
         return loss
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int,
+                  doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Evaluation's mean next-token loss over the first `rows` rows (the rest pad a rank's
         share: kiln/data/loader.py rank_batches), through the training step's loss path
         (`loss_impl`: chunked, or vocab-parallel under tp), so evaluation never forms the full fp32
         logits where training does not (kiln.eval.scoring.score_batches calls it); no MoE
-        auxiliary losses."""
+        auxiliary losses. `doc_ids`: packed documents, masked as in training."""
         if rows < targets.shape[0]:
             targets = targets.clone()
             targets[rows:] = _loss.IGNORE_INDEX
-        return self(tokens, targets, aux_losses=False)
+        return self(tokens, targets, doc_ids=doc_ids, aux_losses=False)
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg

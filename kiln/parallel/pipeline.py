@@ -148,32 +148,32 @@ class Pipeline:
         return lm_loss(output, target)
 
     @torch.no_grad()
-    def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_logits(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The whole model's logits on every pp rank, through the stages in micro-batches with
         point-to-point sends (`_through_stages`; no schedule, any batch shape)."""
         if self.has_last:
             parts = []
-            self._through_stages(tokens, on_logits=lambda i, logits: parts.append(logits))
+            self._through_stages(tokens, on_logits=lambda i, logits: parts.append(logits), doc_ids=doc_ids)
             logits = torch.cat(parts)
             # contiguous: torch 2.11's full_tensor of an uneven vocab shard is a strided view, which
             # gloo's broadcast would send as its raw storage (the other stages then score garbage)
             logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float().contiguous()
         else:
-            self._through_stages(tokens, on_logits=None)
+            self._through_stages(tokens, on_logits=None, doc_ids=doc_ids)
             logits = torch.empty((*tokens.shape, self.model.cfg.vocab_size), device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.group)
         return logits
 
     @torch.no_grad()
     def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int,
-                     microbatches: int | None = None) -> torch.Tensor:
+                     microbatches: int | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Evaluation's mean next-token loss over the first `rows` rows (the rest pad a rank's
         share, kiln/data/loader.py rank_batches), on every pp rank: computed on the last stage
         micro-batch by micro-batch (the mean over all counted tokens) and broadcast as one number,
         so the other stages never hold the logits (batch x seq x vocab in fp32: 16 GiB for 8 x 4096
         tokens of a 128k vocabulary, which forward_logits broadcasts) and the last stage holds one
         micro-batch's. Under tp the loss is vocab-parallel over the last stage's sharded logits
-        (not gathered)."""
+        (not gathered). `doc_ids`: packed documents, masked in every stage as in training."""
         if rows < targets.shape[0]:  # padding rows: not counted
             targets = targets.clone()
             targets[rows:] = IGNORE_INDEX
@@ -193,7 +193,7 @@ class Pipeline:
             total.add_(mean.double() * n)
             counted[0] += n
 
-        self._through_stages(tokens, microbatches, on_logits=score)
+        self._through_stages(tokens, microbatches, on_logits=score, doc_ids=doc_ids)
         loss = (total / counted[0]).float() if self.has_last and counted[0] else torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
@@ -202,7 +202,8 @@ class Pipeline:
         """Evaluation's micro-batch count: `microbatches`, or the training step's, at most one per row."""
         return max(1, min(microbatches or self.microbatches, tokens.shape[0]))
 
-    def _through_stages(self, tokens: torch.Tensor, microbatches: int | None = None, *, on_logits) -> None:
+    def _through_stages(self, tokens: torch.Tensor, microbatches: int | None = None, *, on_logits,
+                        doc_ids: torch.Tensor | None = None) -> None:
         """The batch through the stages; on the last stage's rank `on_logits(i, logits)` takes each
         micro-batch's logits (vocab-sharded DTensors under tp) as they appear, so no more than one
         micro-batch's are held at once. The batch's rows split into `_eval_microbatches` and run
@@ -216,6 +217,8 @@ class Pipeline:
         if seqlen % self.tp:  # the stages rebuild the full length as tp x the local shard
             raise ValueError(f"evaluation sequence of {seqlen} tokens is not divisible by parallel.tp={self.tp}")
         chunks = torch.tensor_split(tokens, self._eval_microbatches(tokens, microbatches))
+        doc_chunks = (torch.tensor_split(doc_ids, len(chunks)) if doc_ids is not None  # every stage masks
+                      else [None] * len(chunks))
         sends, held = [], list(chunks)  # held: each micro-batch's input to this rank's next stage
         for s in sorted(self.model.stage_ids):
             chunk = self.model.chunks[self.model.stage_ids.index(s)]
@@ -223,7 +226,7 @@ class Pipeline:
                 if s > 0 and (s - 1) not in self.model.stage_ids:  # this rank's tp shard of the sequence
                     held[i] = torch.empty((mb.shape[0], seqlen // self.tp, cfg.dim), device=self.device)
                     dist.recv(held[i], group=self.group, group_src=self._owner_of(s - 1))
-                h = chunk(held[i])
+                h = chunk(held[i], doc_ids=doc_chunks[i])
                 held[i] = None
                 if s == self.n_stages - 1:  # the logits, left as the head made them
                     on_logits(i, h)
@@ -263,12 +266,13 @@ class PipelineEvalModel:
     def eval(self):
         return self.train(False)
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.pipeline.forward_logits(tokens)
+    def __call__(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.pipeline.forward_logits(tokens, doc_ids)
 
-    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor, rows: int,
+                  doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """What score_batches uses instead of logits where a model offers it (Pipeline.forward_loss)."""
-        return self.pipeline.forward_loss(tokens, targets, rows, self.microbatches)
+        return self.pipeline.forward_loss(tokens, targets, rows, self.microbatches, doc_ids)
 
 
 def pipeline_train_step(pipeline: Pipeline, optimizer, micro_batches, *, autocast, scaler, clip: float):

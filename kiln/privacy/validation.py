@@ -24,18 +24,20 @@ import torch.distributed as dist
 
 from kiln.data.loader import TokenWindows, window_batches
 from kiln.data.tokenizer import token_byte_lengths
+from kiln.eval.perplexity import stream_prefix
 from kiln.eval.scoring import score_batches
 from kiln.privacy.metrics import Shard, reshard
 
 
 def validation_score(model: torch.nn.Module, tokenizer, ids: np.ndarray, *, seq_len: int, batch_size: int = 8,
                      max_tokens: int = 0, autocast: contextlib.AbstractContextManager | None = None,
-                     shard: Shard = Shard()) -> dict:
+                     shard: Shard = Shard(), doc_offsets: np.ndarray | None = None) -> dict:
     """{loss, ppl, bpb, tokens, bytes, rank_tokens} of the token stream `ids` (at most
     `max_tokens` predictions; 0: all); `rank_tokens`: the predictions each rank scored. Every rank
-    passes the same stream and gets the same dict back."""
-    ids = np.asarray(ids[: max_tokens + 1] if max_tokens else ids, dtype=np.int64)
-    windows = TokenWindows([ids], seq_len, ragged_tail=True, source="the validation tokens")
+    passes the same stream and gets the same dict back. `doc_offsets`: attention within each
+    document (a packed_masked run), as evaluate_tokens takes them."""
+    ids, doc_offsets = stream_prefix(ids, max_tokens, doc_offsets)
+    windows = TokenWindows([ids], seq_len, ragged_tail=True, source="the validation tokens", doc_offsets=doc_offsets)
     mine = np.array_split(np.arange(len(windows)), shard.size)[shard.rank]
     batches = list(window_batches(windows, mine, batch_size))
     device = next(model.parameters()).device

@@ -3,7 +3,9 @@
 The same fixed windows are scored every time (spread evenly over the validation split), so the
 curve moves only because the model does. Extra eval sets (`train.eval_sets`, text files) are
 tokenized once and reported as NAME_loss / NAME_ppl / NAME_bpb. Windows are cut by
-kiln.data.loader and scored by kiln.eval.scoring.score_batches, as `kiln eval` does.
+kiln.data.loader and scored by kiln.eval.scoring.score_batches, as `kiln eval` does; with
+data.windows = "packed_masked" they carry their document ids and attention is masked as in
+training (the eval sets' documents are their texts, each ending in EOS).
 
 Under parallelism the work is split as in training (torchtitan's validator does the same): each
 data-parallel rank scores one block of the windows (kiln.data.loader `rank_batches`), each cp
@@ -42,8 +44,9 @@ class Evaluator:
         self.agree = dims is not None and dims.world_size > 1
         self.byte_lengths = torch.from_numpy(token_byte_lengths(tokenizer))
         seq_len, bs = cfg.data.seq_len, cfg.train.batch_size
+        masked = cfg.data.windows == "packed_masked"  # attention within documents, as in training
         try:
-            windows = TokenWindows(val_set, seq_len)
+            windows = TokenWindows(val_set, seq_len, doc_ids=masked)
         except DataError as e:
             raise DataError(f"{e}; raise data.val_fraction or lower data.seq_len") from None
         share = (rank, size) if size > 1 else None  # one process: the batches as they always were
@@ -53,8 +56,10 @@ class Evaluator:
                 raise DataError(f"train.eval_sets: {path!r} not found")
             name = Path(path).stem.replace("-", "_").replace(".", "_")
             texts = sum(split_documents(path, 0.5, 0), [])
-            ids = np.concatenate([np.append(tokenizer.encode_array(t), tokenizer.eos_id) for t in texts])
-            stream = TokenWindows([ids.astype(np.int64)], seq_len, source=f"eval set {path}")
+            docs = [np.append(tokenizer.encode_array(t), tokenizer.eos_id) for t in texts]
+            ids = np.concatenate(docs)
+            offsets = [np.cumsum([0] + [len(d) for d in docs])] if masked else None
+            stream = TokenWindows([ids.astype(np.int64)], seq_len, source=f"eval set {path}", doc_offsets=offsets)
             self.sets[name] = list(leading_batches(stream, bs, cfg.train.eval_batches, share))
 
     def run(self) -> dict[str, float]:

@@ -164,3 +164,66 @@ def test_trainer_runs_packed_masked_also_on_a_mixture(tmp_path, short_docs_dir):
 
     masked, unmasked = mixture_losses('"packed_masked"'), mixture_losses('"contiguous"')
     assert len(masked) == 2 and masked[1] != unmasked[1]  # the mixture's windows were masked
+
+
+# ------------------------------------------------- evaluation: scored as the model was trained
+
+
+def test_in_memory_streams_with_ragged_tails_carry_document_ids():
+    """doc_offsets for in-memory streams (eval sets, `kiln eval`): every window's ids, the ragged
+    tail's too, shaped as its tokens; window_batches hands them on as score_batches' 4th field."""
+    from kiln.data.loader import window_batches
+
+    streams = [np.arange(45) % 90, np.arange(20) % 90]
+    offsets = [np.array([0, 3, 17, 18, 40, 45]), np.array([0, 20])]
+    w = TokenWindows(streams, seq_len=8, ragged_tail=True, doc_offsets=offsets)
+    assert w.ragged_tail and w.carries_doc_ids and len(w) == 6 + 3
+    for k in range(len(w)):
+        tokens, ids = w.gather(np.array([k])), w.gather_doc_ids(np.array([k]))
+        assert ids.shape == tokens.shape
+        stream, start = w._locate(np.array([k]))
+        absolute = np.searchsorted(offsets[int(stream[0])], start[0] + np.arange(tokens.shape[1]), side="right")
+        assert np.array_equal(ids[0], absolute - absolute[0])
+    assert w.gather_doc_ids(np.array([2]))[0].tolist() == [0, 1, 2, 2, 2, 2, 2, 2, 2]  # tokens 16..24
+    batches = list(window_batches(w, np.arange(len(w)), 4))
+    assert all(len(b) == 4 and b[2] == len(b[0]) and b[3].shape == b[0].shape for b in batches)
+    assert sum(b[2] for b in batches) == len(w)
+    with pytest.raises(DataError, match=r"the text \(stream 1\): corrupted document index"):
+        TokenWindows(streams, seq_len=8, source="the text", doc_offsets=[offsets[0], np.array([0, 5, 19])])
+
+
+def test_stream_prefix_cuts_the_document_offsets_with_the_tokens():
+    from kiln.eval.perplexity import stream_prefix
+
+    ids, offsets = stream_prefix(np.arange(30), 10, np.array([0, 4, 11, 12, 30]))
+    assert len(ids) == 11 and offsets[0].tolist() == [0, 4, 11]
+    ids, offsets = stream_prefix(np.arange(30), 0, np.array([0, 4, 30]))
+    assert len(ids) == 30 and offsets[0].tolist() == [0, 4, 30]
+    assert stream_prefix(np.arange(30), 10)[1] is None
+
+
+def test_masked_scoring_equals_the_masked_forward_window_by_window():
+    """evaluate_texts(masked=True): each text a document (ending in its EOS) that attention does
+    not cross, in every window, the ragged tail's too; the same sums as the masked forward by hand."""
+    from kiln.data.tokenizer import ByteTokenizer
+    from kiln.eval.perplexity import evaluate_texts
+
+    tok = ByteTokenizer()
+    model = tiny_model(vocab_size=tok.vocab_size)
+    texts = ["the cat sat", "on a mat today", "x", "and then it left the room quietly"]
+    docs = [np.append(tok.encode_array(t), tok.eos_id) for t in texts]
+    stream = torch.from_numpy(np.concatenate(docs).astype(np.int64))
+    doc_of = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for a in range(0, len(stream) - 1, 16):
+            window, ids = stream[a:a + 17], doc_of[a:a + 17]
+            logits = model(window[None, :-1], doc_ids=ids[None, :-1] - ids[0])
+            total += float(F.cross_entropy(logits[0], window[1:], reduction="sum"))
+            count += len(window) - 1
+    got = evaluate_texts(model, tok, texts, seq_len=16, batch_size=2, masked=True)
+    assert got["tokens"] == count and got["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert evaluate_texts(model, tok, texts, seq_len=16, batch_size=2)["loss"] != pytest.approx(got["loss"], rel=1e-4)
+    one = [texts[-1]]  # one document: the mask is plain causal attention
+    assert evaluate_texts(model, tok, one, seq_len=16, masked=True)["loss"] == pytest.approx(
+        evaluate_texts(model, tok, one, seq_len=16)["loss"], rel=1e-5)

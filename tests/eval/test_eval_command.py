@@ -68,6 +68,47 @@ def test_held_out_text_files_match_evaluate_texts(run_dir, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_packed_masked_run_is_scored_masked(tmp_path, short_docs_dir):
+    """A run trained with attention inside each packed document (data.windows = "packed_masked")
+    is scored so by `kiln eval`: the validation shards with their documents' offsets, --data files
+    each one document; neither equals the unmasked score."""
+    import numpy as np
+
+    from kiln.data.shards import ShardSet
+    from kiln.eval.load import load_run
+    from kiln.eval.perplexity import evaluate_texts, evaluate_tokens
+    from kiln.train.trainer import train
+
+    run = tmp_path / "run"
+    train(load_config(None, TINY + [f"data.source={short_docs_dir}", "data.windows='packed_masked'",
+                                    "train.steps=2"]), run)
+    out = tmp_path / "r.json"
+    assert main(["eval", str(run), "--out", str(out)]) == 0
+    loaded = load_run(run)
+    val = ShardSet(run / "data", "val")
+    ids = np.concatenate([np.asarray(t) for t in val.tokens])
+    starts = np.cumsum([0] + [len(t) for t in val.tokens])
+    offsets = np.unique(np.concatenate([np.asarray(d) + a for d, a in zip(val.docs, starts)]))
+    assert len(offsets) - 1 > len(ids) // 64  # a document boundary in most 32-token windows
+    common = dict(seq_len=32, batch_size=8)
+    want = evaluate_tokens(loaded.model, loaded.tokenizer, ids, doc_offsets=offsets, **common)
+    got = _report(out)["parts"]["perplexity"]
+    assert got["tokens"] == want["tokens"] and got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert got["loss"] != pytest.approx(evaluate_tokens(loaded.model, loaded.tokenizer, ids, **common)["loss"],
+                                        rel=1e-4)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("def add(a, b):\n    return a + b\n")
+    b.write_text("import os\nprint(os.getcwd())\n")
+    assert main(["eval", str(run), "--data", str(a), str(b), "--out", str(out)]) == 0
+    texts = [a.read_text(), b.read_text()]
+    got = _report(out)["parts"]["perplexity"]
+    assert got["loss"] == pytest.approx(evaluate_texts(loaded.model, loaded.tokenizer, texts, masked=True,
+                                                       **common)["loss"], rel=1e-6)
+    assert got["loss"] != pytest.approx(evaluate_texts(loaded.model, loaded.tokenizer, texts, **common)["loss"],
+                                        rel=1e-6)
+
+
+@pytest.mark.timeout(120)
 def test_generation_metrics(run_dir, tmp_path):
     from kiln.eval.genmetrics import all_metrics
 

@@ -87,6 +87,10 @@ def test_probe_on_a_trained_tiny_model(trained, text_file):
     assert results["upper"]["delta_loss"] > 0.2 and results["upper"]["delta_loss"] > 2 * abs(results["lower"]["delta_loss"])
     again = robustness_probe(model, tok, texts, seq_len=32, perturbations=["typos:0.3"])
     assert again["typos:0.3"] == results["typos:0.3"]
+    # a packed_masked run's probe: each text a document attention does not cross, as it trained
+    masked = robustness_probe(model, tok, texts, seq_len=32, perturbations=["upper"], masked=True)
+    assert masked["clean"]["loss"] == evaluate_texts(model, tok, texts, seq_len=32, masked=True)["loss"]
+    assert masked["clean"]["loss"] != clean["loss"]
     assert len(DEFAULT_PROBE) == len(set(DEFAULT_PROBE))
 
 

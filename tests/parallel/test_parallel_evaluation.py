@@ -68,9 +68,33 @@ def data(tmp_path_factory, text_file):
     return root
 
 
+@pytest.fixture(scope="module")
+def docs_data(tmp_path_factory, text_file):
+    """Packed documents (data.windows = "packed_masked"): validation shards of 3-12 byte documents
+    and a JSONL eval set of such documents, so every 16-token window holds several."""
+    import json
+
+    root = tmp_path_factory.mktemp("parallel_eval_docs")
+    tok = ByteTokenizer()
+    body = text_file.read_text()[:4000]
+    cuts = np.cumsum([3 + (7 * i) % 10 for i in range(300)])
+    docs = [body[a:b] for a, b in zip(cuts[:-1], cuts[1:]) if b <= len(body)]
+    writers = []
+    for split, part in (("train", ["x" * 50]), ("val", docs[:200])):
+        w = ShardWriter(root / "shards", split, tok.vocab_size, tok.eos_id, shard_tokens=400)
+        for t in part:
+            w.add(tok.encode(t))
+        w.finish()
+        writers.append(w)
+    write_meta(root / "shards", writers)
+    (root / "held-out.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[200:240]))
+    return root
+
+
 def overrides(data, **parallel):
+    held_out = next(data.glob("held-out.*"))
     return [f"data.seq_len={SEQ}", f"train.batch_size={BATCH}", f"train.eval_batches={EVAL_BATCHES}",
-            "train.dtype=fp32", "train.device='cpu'", f"train.eval_sets=[{str(data / 'held-out.txt')!r}]",
+            "train.dtype=fp32", "train.device='cpu'", f"train.eval_sets=[{str(held_out)!r}]",
             "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.vocab_size=257",
             f"model.max_seq_len={SEQ}", *[f"parallel.{k}={v!r}" for k, v in parallel.items()]]
 
@@ -81,14 +105,14 @@ def model_of(cfg, seed):
     return model
 
 
-def evaluate_rank(rank, world, data, parallel, seeds):
-    """Evaluator under `parallel` on this rank (the model from seeds[rank]); returns (results,
-    the (batch, tokens) shapes its forwards saw)."""
+def evaluate_rank(rank, world, data, parallel, seeds, extra=()):
+    """Evaluator under `parallel` on this rank (the model from seeds[rank]; `extra` overrides);
+    returns (results, the (batch, tokens) shapes its forwards saw)."""
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.dims import ParallelDims
     from kiln.parallel.parallelize import parallelize
 
-    cfg = load_config(None, overrides(data, **parallel))
+    cfg = load_config(None, overrides(data, **parallel) + list(extra))
     cpu = torch.device("cpu")
     dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
                                     local_world_size=world, seq_len=SEQ)
@@ -101,9 +125,9 @@ def evaluate_rank(rank, world, data, parallel, seeds):
     return evaluator.run(), shapes
 
 
-def one_process(data, seed=0, batch=BATCH * 2):
+def one_process(data, seed=0, batch=BATCH * 2, extra=()):
     """The single process's numbers for the global batch of two data-parallel ranks."""
-    cfg = load_config(None, overrides(data) + [f"train.batch_size={batch}"])
+    cfg = load_config(None, overrides(data) + [f"train.batch_size={batch}", *extra])
     return Evaluator(model_of(cfg, seed), ShardSet(data / "shards", "val"), ByteTokenizer(), cfg,
                      torch.device("cpu")).run()
 
@@ -145,9 +169,10 @@ def test_diloco_replicas_agree_on_replica_zeros_numbers(data, tmp_path):
     assert one_process(data, seed=1, batch=BATCH)["val_loss"] != want["val_loss"]  # replica 1's own differ
 
 
-def evaluate_pipeline_rank(rank, world, data, tp):
-    """Evaluator under pp=2 (x `tp`) as the trainer builds it; returns (results, the sizes of every
-    tensor broadcast and the DTensors gathered whole during the evaluation)."""
+def evaluate_pipeline_rank(rank, world, data, tp, extra=()):
+    """Evaluator under pp=2 (x `tp`) as the trainer builds it (`extra` overrides); returns
+    (results, the sizes of every tensor broadcast and the DTensors gathered whole during the
+    evaluation)."""
     import torch.distributed as dist
 
     from kiln.parallel.context_parallel import ContextParallel
@@ -157,7 +182,7 @@ def evaluate_pipeline_rank(rank, world, data, tp):
 
     from torch.distributed.tensor import DTensor
 
-    cfg = load_config(None, overrides(data, pp=2, pp_schedule="1f1b", tp=tp) + ["train.seed=0"])
+    cfg = load_config(None, overrides(data, pp=2, pp_schedule="1f1b", tp=tp) + ["train.seed=0", *extra])
     cpu = torch.device("cpu")
     dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
                                     local_world_size=world, seq_len=SEQ)
@@ -194,3 +219,30 @@ def test_pipeline_evaluation_sends_the_loss_not_the_logits(data, tmp_path, tp):
     for results, sizes in ranks:
         assert_close(results, want)
         assert sizes and max(sizes) <= max(len(want), hidden if tp > 1 else 0), sizes
+
+
+MASKED = ["data.windows='packed_masked'"]
+
+
+def evaluate_masked_rank(rank, world, data):
+    """Packed documents' evaluation on 2 ranks: data parallel, cp's ring, pp's stages (one launch)."""
+    return [evaluate_rank(rank, world, data, {"dp_mode": "ddp"}, (0, 0), MASKED)[0],
+            evaluate_rank(rank, world, data, {"cp": 2}, (0, 0), MASKED)[0],
+            evaluate_pipeline_rank(rank, world, data, 1, MASKED)[0]]
+
+
+def test_packed_documents_are_scored_masked_under_every_layout(docs_data, tmp_path):
+    """data.windows = "packed_masked": validation and eval sets are scored with attention inside
+    each document, as training runs: split over data-parallel ranks, through the cp ring (the
+    whole sequences' ids) and through pp's stages, each equal to one masked process; the mask
+    changes the numbers on this data, so a layout ignoring it fails."""
+    ranks = run_ranks(evaluate_masked_rank, 2, tmp_path, docs_data)
+    masked = {batch: one_process(docs_data, batch=batch, extra=MASKED) for batch in (BATCH, BATCH * 2)}
+    unmasked = one_process(docs_data, batch=BATCH * 2)
+    assert set(masked[BATCH * 2]) == {f"{s}_{k}" for s in ("val", "held_out") for k in ("loss", "ppl", "bpb")}
+    for key in ("val_loss", "held_out_loss"):
+        assert masked[BATCH * 2][key] != pytest.approx(unmasked[key], rel=1e-4), key
+    for ddp, cp, pp in ranks:
+        assert_close(ddp, masked[BATCH * 2])
+        assert_close(cp, masked[BATCH])
+        assert_close(pp, masked[BATCH])

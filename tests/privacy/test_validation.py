@@ -34,20 +34,29 @@ def _ids():
     return np.random.default_rng(0).integers(0, 256, 400).astype(np.int64)
 
 
-def _score(model, shard):
+def _score(model, shard, doc_offsets=None):
     from kiln.privacy.validation import validation_score
 
     return validation_score(model, ByteTokenizer(), _ids(), seq_len=SEQ_LEN, batch_size=8, max_tokens=TOKENS,
-                            shard=shard)
+                            shard=shard, doc_offsets=doc_offsets)
 
 
-def test_one_process_matches_the_eval_scorer():
+# a packed_masked run's validation (kiln unlearn passes the shards' document offsets); the last
+# offsets lie beyond the TOKENS + 1 scored
+DOCS = np.array([0, 5, 9, 30, 31, 60, 100, 140, 150, 160, 300, 400])
+
+
+@pytest.mark.parametrize("doc_offsets", [None, DOCS])
+def test_one_process_matches_the_eval_scorer(doc_offsets):
     from kiln.eval.perplexity import evaluate_tokens
     from kiln.privacy.metrics import Shard
 
     model = _model()
-    ours = _score(model, Shard())
-    ref = evaluate_tokens(model, ByteTokenizer(), _ids(), seq_len=SEQ_LEN, batch_size=8, max_tokens=TOKENS)
+    ours = _score(model, Shard(), doc_offsets)
+    ref = evaluate_tokens(model, ByteTokenizer(), _ids(), seq_len=SEQ_LEN, batch_size=8, max_tokens=TOKENS,
+                          doc_offsets=doc_offsets)
+    if doc_offsets is not None:  # masked: not the unmasked numbers
+        assert ours["loss"] != pytest.approx(_score(model, Shard())["loss"], rel=1e-6)
     assert ours["tokens"] == ref["tokens"] == TOKENS and ours["rank_tokens"] == [TOKENS]
     for key in ("loss", "ppl", "bpb"):
         assert ours[key] == pytest.approx(ref[key], rel=1e-12), key
