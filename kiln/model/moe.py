@@ -22,10 +22,12 @@ load-balancing and router z-losses, and grouped experts that expert parallelism 
 - Without expert parallelism the forward never reads the device from the host when
   `F.grouped_mm` runs: every assignment keeps its slot (fixed shapes, no boolean indexing, no
   bincount), a dropped one is sorted last and masked out with `torch.where`. Expert parallelism
-  sorts the same way and sends only the kept rows, at the all-to-all's split sizes, which must be
-  host integers (one read per layer). The forward is three steps around the experts and the
-  all-to-all (`sort_by_expert`, `GroupedExperts.compute`, `weighted_sum`), which compile can
-  take one by one (kiln/parallel/parallelize.py `apply_compile`).
+  sorts the same way and sends each token once to every rank holding one of its kept experts
+  (not once per expert), at the all-to-all's split sizes, which must be host integers (one read
+  per layer); that rank returns the token's gated sum over its experts
+  (kiln/parallel/functional.py `dispatch_and_combine`). The forward is steps around the experts
+  and the all-to-all (`sort_by_expert`, `GroupedExperts.compute`, and without ep `weighted_sum`),
+  which compile can take one by one (kiln/parallel/parallelize.py `apply_compile`).
 - Under tensor parallelism (kiln/parallel/tensor_parallel.py, `MoETensorParallel`) the layer sees
   the whole sequence on every tp rank: routing, capacity and the aux/z losses are replicated and
   equal one process's; each rank computes a slice of every expert's hidden units, and its output
@@ -335,29 +337,34 @@ class MoE(nn.Module):
             # Dropped rows go in as zeros and come out masked (where, not a product: the experts
             # leave them undefined, and a product would carry a NaN into the gradients).
             y = torch.where(mask, self.experts(torch.where(mask, rows, 0), counts), 0)
-        else:  # the dropped rows (last) stay home and come back as zeros
-            from kiln.parallel.functional import dispatch_and_combine
+            return self.weighted_sum(y, token, gate, x)
+        # Expert parallel: the tokens go to the experts' ranks (once per rank, the dropped
+        # assignments stay home), which return each token's gated sum over their experts
+        from kiln.parallel.functional import dispatch_and_combine
 
-            y = dispatch_and_combine(rows, counts, self.experts, self.ep_group)
-        return self.weighted_sum(y, token, gate, x)
+        y = dispatch_and_combine(x_experts.reshape(-1, x.shape[-1]), token, gate, counts, self.experts, self.ep_group)
+        return y.view(x.shape).to(x.dtype)
 
     def sort_by_expert(self, x: torch.Tensor, x_experts: torch.Tensor):
         """Route x and sort every assignment by expert: kept ones grouped by expert, in (sequence,
         k-major) order within an expert; dropped ones (sort key E) last. Returns the sorted token
         index, gate and kept flag of each assignment, the kept count per expert and the rows
-        (x_experts at each assignment's token). Fixed shapes, no host read: counts by
-        scatter_add (bincount reads its max on the host), drops masked rather than removed."""
+        (x_experts at each assignment's token; None under expert parallelism, which sends each
+        token once per rank instead). Fixed shapes, no host read: counts by scatter_add
+        (bincount reads its max on the host), drops masked rather than removed."""
         dim = x.shape[-1]
         token, expert, gate, keep = self.route(x)
         order = torch.argsort(torch.where(keep, expert, self.n_experts), stable=True)
         token, expert, gate, kept = token[order], expert[order], gate[order], keep[order]
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(0, expert, kept.long())
-        return token, gate, kept, counts, x_experts.reshape(-1, dim)[token]
+        rows = x_experts.reshape(-1, dim)[token] if self.ep_group is None else None
+        return token, gate, kept, counts, rows
 
     def weighted_sum(self, y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Each token's output: the sum of its assignments' expert outputs times their gates."""
+        """Each token's output: the sum of its assignments' expert outputs times their gates
+        (index_put accumulating, not index_add, whose backward would keep the weighted rows)."""
         out = torch.zeros(x.shape[0] * x.shape[1], x.shape[2], device=x.device, dtype=y.dtype)
-        out = out.index_add(0, token, y * gate[:, None].to(y.dtype))
+        out = out.index_put((token,), y * gate[:, None].to(y.dtype), accumulate=True)
         return out.view(x.shape).to(x.dtype)
 
 

@@ -179,9 +179,10 @@ def compile_moe_steps(moe: MoE) -> None:
     """torch.compile (fullgraph) of a MoE layer's steps one by one, for a block that cannot be
     compiled whole because its experts are their own FSDP unit (fully_shard_experts), whose hooks
     dynamo does not trace: routing and sorting (`sort_by_expert`), the experts' math on their local
-    weights (`GroupedExperts.compute`) and the weighted sum (`weighted_sum`) become three graphs;
-    the all-to-all, the regrouping of the received rows, the FSDP unit's hooks and the DTensor
-    unwrapping with its gradient hook run eagerly between them (torchtitan's apply_compile for MoE
+    weights (`GroupedExperts.compute`) and, without ep, the weighted sum (`weighted_sum`) become
+    graphs; the all-to-all with the gated sums on the experts' side (functional.py
+    `dispatch_and_combine`), the regrouping of the received rows, the FSDP unit's hooks and the
+    DTensor unwrapping with its gradient hook run eagerly between them (torchtitan's apply_compile for MoE
     leaves the experts' FSDP unit out the same way). Compiled in place on the instance, so module
     and parameter names do not change.
 

@@ -370,8 +370,9 @@ class ModelShape:
 
     def moe_dispatch_bytes_per_token(self, act: int) -> float:
         """Besides the experts' hidden units, what one MoE block (kiln/model/moe.py, eager) keeps per
-        token it routes: k rows of the token (gathered, zeroed where dropped, and the experts'
-        outputs that the gates multiply), each assignment's sort position and token index (int64),
+        token it routes: 2 k rows (the experts' input, gathered and zeroed where dropped, and
+        their outputs that the gates multiply; the gated sum is an accumulating index_put, which
+        keeps only its indices), each assignment's sort position and token index (int64),
         kept flag, gate (fp32, and cast), top-k index (int64); the router's fp32 logits and scores
         (E each), the gates' and the balancing loss's per-token sums and the z-loss's logsumexp
         (fp32; a sigmoid router's score sum too); group-limited routing's top-2 per group, best
@@ -381,7 +382,7 @@ class ModelShape:
         gathered sequence, so this is per token of the sequence, not of the rank's shard
         (`rank_memory`). Dropped assignments keep their rows (fixed shapes)."""
         k, e, g = self.moe_top_k, self.moe_experts, self.moe_groups
-        out = act * 3 * k * self.dim + k * (2 * 8 + 1 + act + 4 + 8) + 2 * 4 * e + 2 * 4 + 4 * self.moe_sigmoid
+        out = act * 2 * k * self.dim + k * (2 * 8 + 1 + act + 4 + 8) + 2 * 4 * e + 2 * 4 + 4 * self.moe_sigmoid
         if g > 1:
             out += 8 * g * min(2, e // g) + 8 * self.moe_topk_groups + g
         if self.shared_gate:

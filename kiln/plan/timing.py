@@ -19,8 +19,9 @@ statistics, per step one all-reduce of every norm weight's gradient (settled fro
 the gradient norm) and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
 reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all_reduce under
 each reduce-scatter), so it costs one.
-Expert parallelism: 4 all-to-alls of the routed rows per MoE block and micro-batch (plus one of the
-per-expert counts per dispatch; taken from kiln/parallel/expert_parallel.py, not yet profiled),
+Expert parallelism: 4 all-to-alls of the routed rows (one per token and expert rank,
+`ranks_per_token`) per MoE block and micro-batch, plus one of the counts per dispatch and two of
+the assignments' row index and gate (taken from kiln/parallel/functional.py, not yet profiled),
 over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp of the tokens
 (etp = 1, whose MoE blocks skip tp's all-gather / reduce-scatter pair); the experts' FSDP or
 all-reduce traffic over edp (`_expert_reduction`). Tied embeddings under pp: one all-reduce per
@@ -229,19 +230,22 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         attn_compute = t_mb * ga * 12 * shape.q_dim * shape.attention_keys(seq_len) / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
-    # Expert parallel (kiln/parallel/expert_parallel.py): per MoE block and micro-batch a dispatch
-    # and a combine all-to-all of the routed rows (top-k per token) forward, their reverses
-    # backward, each after a small all-to-all of the per-expert counts; on the critical path. With
-    # etp = tp the group is one tp coordinate's ep ranks (stride tp) and every tp rank routes the
-    # whole gathered sequence; borrowing tp (etp = 1) the group is ep consecutive ranks spanning tp
-    # and each rank routes only its own 1/tp of the tokens.
+    # Expert parallel (kiln/parallel/functional.py dispatch_and_combine): per MoE block and
+    # micro-batch a dispatch and a combine all-to-all of one row per token and expert rank
+    # forward, their reverses backward; before them a small all-to-all of the per-expert and
+    # per-rank counts, and one of each assignment's row index and gate (two float64) with its
+    # reverse; on the critical path. With etp = tp the group is one tp coordinate's ep ranks
+    # (stride tp) and every tp rank routes the whole gathered sequence; borrowing tp (etp = 1) the
+    # group is ep consecutive ranks spanning tp and each rank routes only its own 1/tp of the tokens.
     if moe_stage_layers:
-        routed = tokens_rank_mb / (layout.tp if layout.ep_borrows_tp else 1) * shape.moe_top_k
+        routed = tokens_rank_mb / (layout.tp if layout.ep_borrows_tp else 1)
+        rows = routed * ranks_per_token(shape.moe_experts, shape.moe_top_k, layout.ep)
         stride = 1 if layout.ep_borrows_tp else layout.tp
         a2a = 4 * moe_stage_layers * ga
-        t = all_to_all(cluster, layout.ep, act * routed * shape.dim * a2a, stride, calls=a2a)
-        t += all_to_all(cluster, layout.ep, 8 * shape.moe_experts * a2a / 4, stride, calls=a2a / 4)
-        count("all_to_all", 1.25 * a2a)
+        t = all_to_all(cluster, layout.ep, act * rows * shape.dim * a2a, stride, calls=a2a)
+        t += all_to_all(cluster, layout.ep, 16 * routed * shape.moe_top_k * a2a / 2, stride, calls=a2a / 2)
+        t += all_to_all(cluster, layout.ep, 8 * (shape.moe_experts + layout.ep) * a2a / 4, stride, calls=a2a / 4)
+        count("all_to_all", 1.75 * a2a)
         exposed += t
         total += t
     # Pipeline: stage-boundary activations forward and their gradients backward, the sends and
@@ -408,3 +412,13 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:
         linears = (d + q) + 2 * (d + kv) + (q + d) + (3 if shape.gated else 2) * (d + f)  # sum of in + out features
         casts = 7 * linears * shape.n_layers * (1 + recompute)
     return blocks + loss + casts
+
+
+def ranks_per_token(experts: int, top_k: int, ep: int) -> float:
+    """The expected number of ep ranks a token's top-k experts sit on (each rank holds E / ep
+    consecutive experts), under uniform routing: the rows expert parallelism exchanges per token
+    (kiln/parallel/functional.py `dispatch_and_combine` sends a token once per rank, not once per
+    expert). A trained router concentrates its choices, and group-limited routing confines them,
+    which this does not model."""
+    per_rank = experts // max(ep, 1)
+    return max(ep, 1) * (1 - math.comb(experts - per_rank, top_k) / math.comb(experts, top_k))

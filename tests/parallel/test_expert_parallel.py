@@ -118,14 +118,59 @@ def expert_parallel_rank(rank, world):
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
         out.append((losses, grads))
+    return out, rows_sent(rank, world)
+
+
+def rows_sent(rank, world):
+    """Per MoE layer of one top-2 forward: (rows this rank dispatched, its distinct (token, expert
+    rank) pairs among the kept assignments, its kept assignments), from the router's own choice."""
+    import torch.distributed as dist
+
+    from kiln.parallel import functional
+    from kiln.parallel.expert_parallel import apply_expert_parallel
+
+    model, data = model_and_data("gshard_top2_dropless")
+    apply_expert_parallel(model, dist.group.WORLD)
+    model = materialize(model)
+    inputs, sent, real = [], [], functional.funcol.all_to_all_single_autograd
+
+    def recording(t, *args, **kwargs):
+        if t.dim() == 2 and len(sent) < 2 * len(inputs):  # per layer: the rows out, then back
+            sent.append(t.shape[0])
+        return real(t, *args, **kwargs)
+
+    for layer in model.layers:
+        layer.feed_forward.register_forward_pre_hook(lambda m, args: inputs.append((m, args[0].detach())))
+    functional.funcol.all_to_all_single_autograd = recording
+    try:
+        per = data.shape[1] // world
+        model(data[0, rank * per:(rank + 1) * per, :-1], data[0, rank * per:(rank + 1) * per, 1:]).backward()
+    finally:
+        functional.funcol.all_to_all_single_autograd = real
+    out = []
+    for (moe, x), rows in zip(inputs, sent[::2]):
+        token, expert, _, keep = moe.route(x)
+        pairs = {(t, e // moe.experts.n_local) for t, e, k in zip(token.tolist(), expert.tolist(), keep.tolist()) if k}
+        out.append((rows, len(pairs), int(keep.sum())))
     return out
 
 
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory):
     ranks = run_ranks(expert_parallel_rank, 2, tmp_path_factory.mktemp("ep"))
-    assert ranks[0][0][0] == ranks[1][0][0]  # both ranks log the same global loss
-    return dict(zip(RUNS, ranks[0]))
+    assert ranks[0][0][0][0] == ranks[1][0][0][0]  # both ranks log the same global loss
+    return {**dict(zip(RUNS, ranks[0][0])), "rows sent": [r[1] for r in ranks]}
+
+
+@pytest.mark.timeout(240)
+def test_each_token_goes_once_to_each_rank_holding_its_experts(ep_runs):
+    """Top-2 of 4 experts on 2 ranks: a token whose two experts share a rank is dispatched there
+    once (one row out, its gated sum back), not once per expert."""
+    per_rank = ep_runs["rows sent"]
+    assert len(per_rank) == 2 and all(len(layers) == 2 for layers in per_rank)
+    for layers in per_rank:
+        for rows, pairs, assignments in layers:
+            assert rows == pairs < assignments
 
 
 @pytest.mark.timeout(240)

@@ -10,7 +10,7 @@ import pytest
 from kiln.config import load_config
 from kiln.plan.cluster import load_cluster
 from kiln.plan.memory import Layout, ModelShape, rank_params, zero1_fullest_share
-from kiln.plan.timing import all_reduce, all_to_all, broadcast, ddp_buckets, step_time
+from kiln.plan.timing import all_reduce, all_to_all, broadcast, ddp_buckets, ranks_per_token, step_time
 
 SEQ = 256
 
@@ -68,18 +68,26 @@ def test_expert_parallel_borrowing_tp_moves_each_token_once_over_the_wider_group
     etp_tp, borrow = Layout(ep=2, **base), Layout(ep=2, etp=1, **base)
     a, b = step_time(shape, etp_tp, SEQ, cluster), step_time(shape, borrow, SEQ, cluster)
     calls = 4 * 4 * 2  # 4 all-to-alls per MoE block per micro-batch
-    assert a.calls["all_to_all"] == b.calls["all_to_all"] == 1.25 * calls  # + one count exchange per dispatch
+    # + one count exchange per dispatch, and the assignments' index and gate forward and backward
+    assert a.calls["all_to_all"] == b.calls["all_to_all"] == 1.75 * calls
     assert a.calls["all_gather"] - b.calls["all_gather"] == 2 * 4 * 2  # the MoE MLP's pair, per block and micro-batch
     # the trade: whole experts gather more weight bytes over edp (overlapped with compute), while
     # the exposed token exchange and tp's pairs shrink
     assert b.comm_exposed < a.comm_exposed and b.comm_total > a.comm_total
-    # the routed rows: a second expert per token adds one more row per token to each exchange,
-    # (bf16 x dim) per token a rank routes: the whole sequence tp apart, or its 1/tp consecutively
+    # the routed rows: one per token and expert rank (bf16 x dim) per token a rank routes: the
+    # whole sequence tp apart, or its 1/tp consecutively. A second expert on the other rank (of 2,
+    # 4 experts each) adds a row to each exchange for 16/28 of the tokens (1 - C(4,2)/C(8,2)), and
+    # 16 bytes (its row index and gate) to the two assignment exchanges
     top1 = _shape("model.moe_experts=8", "model.moe_top_k=1")
+    assert ranks_per_token(8, 1, 2) == 1 and ranks_per_token(8, 2, 2) == pytest.approx(1 + 16 / 28)
+    assert ranks_per_token(8, 2, 1) == 1 and ranks_per_token(256, 8, 8) == pytest.approx(5.29, abs=0.01)
     for lay, tokens, stride in ((etp_tp, 2 * SEQ, 2), (borrow, 2 * SEQ / 2, 1)):
         extra = step_time(shape, lay, SEQ, cluster).comm_total - step_time(top1, lay, SEQ, cluster).comm_total
         row_bytes = 2 * 256 * tokens * calls
-        expected = all_to_all(cluster, 2, 2 * row_bytes, stride, calls) - all_to_all(cluster, 2, row_bytes, stride, calls)
+        expected = (all_to_all(cluster, 2, (1 + 16 / 28) * row_bytes, stride, calls)
+                    - all_to_all(cluster, 2, row_bytes, stride, calls)
+                    + all_to_all(cluster, 2, 16 * 2 * tokens * calls / 2, stride, calls / 2)
+                    - all_to_all(cluster, 2, 16 * tokens * calls / 2, stride, calls / 2))
         assert extra == pytest.approx(expected)
     # compute: a token passes its top-k experts only (a dense model's FLOPs plus the routers' at top_k = 1)
     one = _shape("model.moe_experts=8", "model.moe_top_k=1")
