@@ -157,6 +157,19 @@ def test_ring_attention_compares_schedules_and_kernels(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_ep_dispatch_compares_the_exchanges(tmp_path):
+    out = tmp_path / "ep_dispatch.json"
+    argv = ["--ep", "2", "--cases", "k1e4,k2e4", "--tokens", "64", "--dim", "16", "--hidden", "32", "--rounds", "1",
+            "--out", str(out)]
+    assert _load("ep_dispatch").main(argv) == 0  # exits non-zero unless both exchanges give the same result
+    top1, top2 = json.loads(out.read_text())["rows"]
+    # top-1: one row per assignment either way; top-2: fewer rows when a token's experts share a rank
+    assert top1["kiln_rows_all_ranks"] == top1["per_assignment_rows_all_ranks"] > 0
+    assert 0 < top2["kiln_rows_all_ranks"] < top2["per_assignment_rows_all_ranks"]
+    assert all(row[f"{v}_s"] > 0 for row in (top1, top2) for v in ("kiln", "per_assignment"))
+
+
+@pytest.mark.timeout(120)
 def test_moe_balancing_runs_every_recipe(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400)))
