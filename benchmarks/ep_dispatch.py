@@ -4,7 +4,7 @@ holding one of its experts, that rank returns the token's gated sum over them) a
 row per (token, expert) assignment and weighting the returned rows at home (what kiln ran before;
 the baseline is kept here, in `per_assignment`).
 
-Per case (top-k of E experts, dropless, --tokens tokens per rank of width --dim, the layer's
+Per case (top-k of E experts, optionally group-limited: G groups, M chosen per token; dropless, --tokens tokens per rank of width --dim, the layer's
 weights and inputs drawn alike on every rank, router random: choices close to uniform), forward +
 backward of kiln's MoE layer, both exchanges taking turns going first:
 - rows and bytes one rank sends to the other ranks in the forward exchange (counted at the
@@ -13,7 +13,7 @@ backward of kiln's MoE layer, both exchanges taking turns going first:
 - the largest difference of the outputs and input / router / expert gradients (the benchmark
   fails above 1e-5: the same sums in another order).
 
-    python benchmarks/ep_dispatch.py [--ep 4] [--cases k2e8,k4e16,k8e64] [--rounds 5]
+    python benchmarks/ep_dispatch.py [--ep 4] [--cases k2e8,k4e16,k8e64,k8e64g4m2] [--rounds 5]
 
 Writes benchmarks/results/ep_dispatch.json and prints a table.
 """
@@ -37,9 +37,12 @@ from common import print_table, run_ranks, write_results  # noqa: E402
 VARIANTS = ("kiln", "per_assignment")
 
 
-def parse(case: str) -> tuple[int, int]:
-    k, experts = case[1:].split("e")
-    return int(k), int(experts)
+def parse(case: str) -> tuple[int, int, int, int]:
+    """"k8e64" (top-8 of 64 experts) or "k8e64g4m2" (group-limited: 4 groups, 2 per token)."""
+    head, _, tail = case.partition("g")
+    k, experts = head[1:].split("e")
+    groups, topk_groups = tail.split("m") if tail else (1, 1)
+    return int(k), int(experts), int(groups), int(topk_groups)
 
 
 def per_assignment(x, token, gate, counts, experts, group):
@@ -96,9 +99,10 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     kiln_dispatch = functional.dispatch_and_combine
     rows = []
     for case in args.cases.split(","):
-        k, n_experts = parse(case)
+        k, n_experts, groups, topk_groups = parse(case)
         cfg = ModelConfig(vocab_size=256, dim=args.dim, n_layers=1, n_heads=4, max_seq_len=args.tokens,
-                          moe_experts=n_experts, moe_top_k=k, moe_capacity_factor=0.0)
+                          moe_experts=n_experts, moe_top_k=k, moe_capacity_factor=0.0, moe_groups=groups,
+                          moe_topk_groups=topk_groups)
         layer = MoE(cfg, args.hidden)
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -131,6 +135,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
         functional.dispatch_and_combine = kiln_dispatch
         difference = max((a - b).abs().max().item() for a, b in zip(results["per_assignment"], results["kiln"]))
         rows.append({"case": case, "top_k": k, "experts": n_experts, "experts_per_rank": n_experts // world,
+                     "groups": groups, "topk_groups": topk_groups,
                      **{f"{name}_{key}": value for name in VARIANTS for key, value in counts[name].items()},
                      **{f"{name}_s": statistics.median(times[name][1:]) for name in VARIANTS},
                      "max_difference": difference})
@@ -141,7 +146,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ep", type=int, default=4)
-    parser.add_argument("--cases", default="k2e8,k4e16,k8e64")
+    parser.add_argument("--cases", default="k2e8,k4e16,k8e64,k8e64g4m2")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=512)
@@ -149,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="ep_dispatch")
     args = parser.parse_args(argv)
     for case in args.cases.split(","):
-        k, n_experts = parse(case)
-        if n_experts % args.ep or not 0 < k <= n_experts:
-            raise SystemExit(f"--cases {case}: --ep {args.ep} must divide the {n_experts} experts, top-k in 1..E")
+        k, n_experts, groups, topk_groups = parse(case)
+        if n_experts % args.ep or n_experts % groups or not 0 < k <= topk_groups * n_experts // groups:
+            raise SystemExit(f"--cases {case}: --ep {args.ep} and the groups must divide the {n_experts} experts, "
+                             f"top-k at most the chosen groups' experts")
     target = importlib.import_module(Path(__file__).stem)._rank  # by module name: spawned ranks import it
     by_rank = dict(run_ranks(target, args.ep, (args,), "ep_dispatch"))
     rows = by_rank[0]  # times: the slowest rank's; rows and bytes: rank 0's, and summed over ranks

@@ -239,7 +239,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # group is ep consecutive ranks spanning tp and each rank routes only its own 1/tp of the tokens.
     if moe_stage_layers:
         routed = tokens_rank_mb / (layout.tp if layout.ep_borrows_tp else 1)
-        rows = routed * ranks_per_token(shape.moe_experts, shape.moe_top_k, layout.ep)
+        rows = routed * ranks_per_token(shape.moe_experts, shape.moe_top_k, layout.ep, shape.moe_groups,
+                                        shape.moe_topk_groups)
         stride = 1 if layout.ep_borrows_tp else layout.tp
         a2a = 4 * moe_stage_layers * ga
         t = all_to_all(cluster, layout.ep, act * rows * shape.dim * a2a, stride, calls=a2a)
@@ -414,11 +415,26 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:
     return blocks + loss + casts
 
 
-def ranks_per_token(experts: int, top_k: int, ep: int) -> float:
+def ranks_per_token(experts: int, top_k: int, ep: int, groups: int = 1, topk_groups: int = 1) -> float:
     """The expected number of ep ranks a token's top-k experts sit on (each rank holds E / ep
     consecutive experts), under uniform routing: the rows expert parallelism exchanges per token
     (kiln/parallel/functional.py `dispatch_and_combine` sends a token once per rank, not once per
-    expert). A trained router concentrates its choices, and group-limited routing confines them,
-    which this does not model."""
-    per_rank = experts // max(ep, 1)
-    return max(ep, 1) * (1 - math.comb(experts - per_rank, top_k) / math.comb(experts, top_k))
+    expert). Group-limited routing (model.moe_groups G, moe_topk_groups M: the k experts come from
+    the M chosen of G groups of consecutive experts, uniformly) confines them: with G = ep (or
+    the number of nodes) it is DeepSeek-V3's node-limited routing, at most M ranks (nodes) per
+    token. A trained router's choices are not uniform, which this does not model."""
+    ep = max(ep, 1)
+    per_rank, k = experts // ep, top_k
+    if groups <= 1 or (ep % groups and groups % ep):  # ungrouped (or groups not aligned with ranks)
+        return ep * (1 - math.comb(experts - per_rank, k) / math.comb(experts, k))
+    pool = topk_groups * experts // groups  # the experts a token's top-k come from
+
+    def hit(held: int) -> float:  # P(one of the k lands on `held` of the pool's experts)
+        return 1 - math.comb(pool - held, k) / math.comb(pool, k)
+
+    if groups <= ep:  # a rank holds part of one group: hit if that group is chosen
+        return ep * topk_groups / groups * hit(per_rank)
+    mine = groups // ep  # a rank holds whole groups: j of them chosen (hypergeometric)
+    chosen = range(1, min(mine, topk_groups) + 1)
+    return ep * sum(math.comb(mine, j) * math.comb(groups - mine, topk_groups - j) / math.comb(groups, topk_groups)
+                    * hit(j * experts // groups) for j in chosen)

@@ -122,14 +122,19 @@ def expert_parallel_rank(rank, world):
 
 
 def rows_sent(rank, world):
-    """Per MoE layer of one top-2 forward: (rows this rank dispatched, its distinct (token, expert
-    rank) pairs among the kept assignments, its kept assignments), from the router's own choice."""
+    """{routing: per MoE layer of one top-2 forward, (rows this rank dispatched, its distinct
+    (token, expert rank) pairs among the kept assignments, its kept assignments)}, from the
+    router's own choice; "node-limited": 2 groups of 2 experts (a group per rank), one per token."""
+    return {"top-2": _rows_sent(rank, world), "node-limited": _rows_sent(rank, world, moe_groups=2, moe_topk_groups=1)}
+
+
+def _rows_sent(rank, world, **fields):
     import torch.distributed as dist
 
     from kiln.parallel import functional
     from kiln.parallel.expert_parallel import apply_expert_parallel
 
-    model, data = model_and_data("gshard_top2_dropless")
+    model, data = model_and_data("gshard_top2_dropless", **fields)
     apply_expert_parallel(model, dist.group.WORLD)
     model = materialize(model)
     inputs, sent, real = [], [], functional.funcol.all_to_all_single_autograd
@@ -165,12 +170,16 @@ def ep_runs(tmp_path_factory):
 @pytest.mark.timeout(240)
 def test_each_token_goes_once_to_each_rank_holding_its_experts(ep_runs):
     """Top-2 of 4 experts on 2 ranks: a token whose two experts share a rank is dispatched there
-    once (one row out, its gated sum back), not once per expert."""
+    once (one row out, its gated sum back), not once per expert. Node-limited routing (a group of
+    experts per rank, one group per token): every token goes to exactly one rank."""
     per_rank = ep_runs["rows sent"]
-    assert len(per_rank) == 2 and all(len(layers) == 2 for layers in per_rank)
-    for layers in per_rank:
-        for rows, pairs, assignments in layers:
+    assert len(per_rank) == 2
+    for routing in per_rank:
+        assert all(len(layers) == 2 for layers in routing.values())
+        for rows, pairs, assignments in routing["top-2"]:
             assert rows == pairs < assignments
+        for rows, pairs, assignments in routing["node-limited"]:
+            assert rows == pairs == assignments // 2 == 2 * 16  # the rank's 2 sequences of 16 tokens
 
 
 @pytest.mark.timeout(240)

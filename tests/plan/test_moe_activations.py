@@ -156,7 +156,7 @@ def test_tp_ranks_route_the_whole_sequence_when_experts_are_tp_sharded(tmp_path)
     for rank in ranks:
         assert rank[0] == pytest.approx(sharded_rule, rel=0.005), (rank, sharded_rule)
         assert rank[0] > 1.1 * borrowed_rule  # the rule without the whole dispatch misses by far
-        assert rank[1] == pytest.approx(borrowed_rule, rel=0.03), (rank, borrowed_rule)
+        assert rank[1] == pytest.approx(borrowed_rule, rel=max(0.03, TOLERANCE)), (rank, borrowed_rule)
     # rank_memory applies it: the two layouts' activations differ by the whole-sequence dispatch
     sharded = rank_memory(shape, Layout(tp=2, micro_batch=2, precision="fp32"), SEQ)
     borrowed = rank_memory(shape, Layout(tp=2, ep=2, etp=1, micro_batch=2, precision="fp32"), SEQ)

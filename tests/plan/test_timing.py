@@ -97,6 +97,24 @@ def test_expert_parallel_borrowing_tp_moves_each_token_once_over_the_wider_group
     assert flops == step_time(dense, Layout(micro_batch=2), SEQ, cluster).flops + routers
 
 
+@pytest.mark.parametrize("experts,top_k,ep,groups,topk_groups", [
+    (8, 2, 2, 1, 1), (16, 4, 4, 1, 1), (8, 2, 2, 2, 1), (16, 4, 4, 8, 2), (16, 3, 8, 4, 2), (24, 4, 2, 6, 3)])
+def test_ranks_per_token_is_the_expected_count_of_distinct_expert_ranks(experts, top_k, ep, groups, topk_groups):
+    """Exact by enumeration: every choice of topk_groups groups, then of top_k experts among them,
+    equally likely; the ranks (E / ep consecutive experts each) a choice touches, averaged."""
+    import itertools
+
+    per_group, per_rank, touched, choices = experts // groups, experts // ep, 0, 0
+    for chosen in itertools.combinations(range(groups), topk_groups):
+        pool = [e for g in chosen for e in range(g * per_group, (g + 1) * per_group)]
+        for picked in itertools.combinations(pool, top_k):
+            touched += len({e // per_rank for e in picked})
+            choices += 1
+    assert ranks_per_token(experts, top_k, ep, groups, topk_groups) == pytest.approx(touched / choices)
+    if groups == ep:  # node-limited routing: at most topk_groups ranks
+        assert ranks_per_token(experts, top_k, ep, groups, topk_groups) <= topk_groups
+
+
 def test_sliding_window_layers_count_the_windows_keys_as_the_model_does():
     """A window lowers the planner's FLOPs per token (model FLOPs of a step over its tokens) exactly
     as it lowers the model's own flops_per_token: 12 x q_dim per key no longer attended. (The two
