@@ -452,6 +452,10 @@ class ParallelConfig:
     # -1 = tp (each expert's hidden units sharded over tp, ep from dp_shard x cp); 1 = experts whole,
     # ep borrows tp as well (each tp rank routes its own sequence shard; docs/parallel.md).
     etp: int = ranged(-1, ge=-1)
+    # Two-level expert dispatch (DeepEP's internode layout, docs/parallel.md): the ep group's ranks
+    # on one node (consecutive in the group; GPUs per node / tp with etp = tp). A token then crosses
+    # to each node holding one of its experts once, and fans out inside it. 0: one level.
+    ep_node_ranks: int = ranged(0, ge=0)
     # How the data-parallel ranks share the model (exact mapping in docs/parallel.md):
     #   auto:  ddp when only dp_replicate > 1, else fsdp (hsdp when both dp_replicate and dp_shard > 1)
     #   ddp:   replicated params/grads/optimizer, gradients all-reduced (DistributedDataParallel)
@@ -499,6 +503,9 @@ class ParallelConfig:
         if self.etp not in (-1, 1, self.tp):
             raise ConfigError(f"parallel.etp={self.etp} must be 1 (experts whole, ep borrows tp) or "
                               f"parallel.tp={self.tp} (experts sharded over tp); -1 means tp")
+        if self.ep_node_ranks > 1 and self.ep % self.ep_node_ranks:
+            raise ConfigError(f"parallel.ep_node_ranks={self.ep_node_ranks} must divide parallel.ep={self.ep} "
+                              f"(the ep ranks on one node); 0 dispatches in one level")
         if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
             raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "
                               f"not {self.dp_mode!r}")

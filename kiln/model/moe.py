@@ -162,6 +162,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, hidden, cfg.activation)
         # Set by kiln.parallel.expert_parallel.apply_expert_parallel: None = all experts local.
         self.ep_group = None
+        self.ep_node_groups = None  # and a two-level dispatch's (inter-node, intra-node) groups
         # Set by kiln.parallel.tensor_parallel.MoETensorParallel: the tp mesh the experts' hidden
         # units are sharded over; None = whole experts.
         self.tp_mesh = None
@@ -342,7 +343,8 @@ class MoE(nn.Module):
         # assignments stay home), which return each token's gated sum over their experts
         from kiln.parallel.functional import dispatch_and_combine
 
-        y = dispatch_and_combine(x_experts.reshape(-1, x.shape[-1]), token, gate, counts, self.experts, self.ep_group)
+        y = dispatch_and_combine(x_experts.reshape(-1, x.shape[-1]), token, gate, counts, self.experts, self.ep_group,
+                                 self.ep_node_groups)
         return y.view(x.shape).to(x.dtype)
 
     def sort_by_expert(self, x: torch.Tensor, x_experts: torch.Tensor):

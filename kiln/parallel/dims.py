@@ -41,6 +41,10 @@ class ParallelDims:
     expert_mesh: object = None
     # Expert tensor parallel degree (parallel.etp resolved): tp, or 1 where ep borrows tp too.
     etp: int | None = None
+    # parallel.ep_node_ranks: the ep ranks per node of a two-level dispatch (0 or 1: one level), and
+    # after build_mesh its (inter-node, intra-node) process groups for this rank, else None.
+    ep_node_ranks: int = 0
+    expert_node_groups: tuple | None = None
     # DiLoCo (parallel.diloco_inner_steps > 0): the dp_replicate ranks are replicas that never
     # reduce gradients with each other (kiln/parallel/diloco.py); every group below stays inside one.
     diloco: bool = False
@@ -107,7 +111,8 @@ class ParallelDims:
         elif cfg.ep > 1:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
-                   dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps))
+                   dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps),
+                   ep_node_ranks=cfg.ep_node_ranks)
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Ring attention (cp) enters compiled
@@ -254,15 +259,29 @@ class ParallelDims:
         The mesh is ("pp", "edp", "ep", "tp"), pp and tp only where > 1, so every pipeline stage's
         MoE layers exchange tokens among that stage's own ranks, and each tp coordinate among its
         own (under tp each expert's hidden units are sharded over "tp": expert tensor parallel)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         if self.ep_borrows_tp:
             return self._build_expert_mesh_borrowing_tp(device_type)
         shape = [("pp", self.pp), *self._expert_replicas(self.dp_size * self.cp // self.ep), ("ep", self.ep),
                  ("tp", self.tp)]
+        return self._expert_mesh_of(shape, device_type)
+
+    def _expert_mesh_of(self, shape: list[tuple[str, int]], device_type: str):
+        """The expert mesh of these (name, degree) dimensions ("edp" and "ep" kept at 1), and for a
+        two-level dispatch (1 < ep_node_ranks < ep) `expert_node_groups`: the same ranks with "ep"
+        split into ("ep_node", "ep_local") = (nodes, ep ranks per node), built on every rank alike."""
+        from torch.distributed.device_mesh import DeviceMesh
+
         shape = [(n, d) for n, d in shape if d > 1 or n in ("edp", "ep")]
         ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
-        return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
+        local = self.ep_node_ranks
+        if 1 < local < self.ep:
+            split = [x for n, d in shape for x in ([("ep_node", d // local), ("ep_local", local)] if n == "ep"
+                                                   else [(n, d)])]
+            nodes = DeviceMesh(device_type, ranks.view(*(d for _, d in split)),
+                               mesh_dim_names=tuple(n for n, _ in split))
+            self.expert_node_groups = (nodes["ep_node"].get_group(), nodes["ep_local"].get_group())
+        return mesh
 
     def _expert_replicas(self, edp: int) -> list[tuple[str, int]]:
         """The "edp" dimension of the expert mesh; under DiLoCo split as ("dp_replicate", "edp"), the
@@ -280,12 +299,8 @@ class ParallelDims:
         HSDP replica) split the experts. The ranks at the same place in every group hold the same
         experts: "edp" = dp_replicate x dp_shard * cp * tp / ep. The mesh is ("pp", "edp", "ep"), pp
         only where > 1; there is no "tp" dimension: the experts are whole."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         shape = [("pp", self.pp), *self._expert_replicas(self.dp_size * self.cp * self.tp // self.ep), ("ep", self.ep)]
-        shape = [(n, d) for n, d in shape if d > 1 or n in ("edp", "ep")]
-        ranks = torch.arange(self.world_size).view(*(d for _, d in shape))
-        return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape))
+        return self._expert_mesh_of(shape, device_type)
 
 
 def diloco_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: int,

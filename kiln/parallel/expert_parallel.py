@@ -103,7 +103,8 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> None:
         m.ep_group = ep_group
 
 
-def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, fsdp: bool) -> None:
+def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, fsdp: bool,
+                                   node_groups: tuple | None = None) -> None:
     """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP (and after
     tensor parallelism): slice the experts over `expert_mesh["ep"]` and turn each local slice into
     a DTensor of the global shape.
@@ -112,7 +113,8 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
     `Shard(0)` over "ep", with gradients summed over "edp" in backward. Either way an expert's
     gradient ends up divided by `dp_size`, the ranks the dense gradients are averaged over
     (data parallel x cp). Under tp (`MoETensorParallel` made each expert weight a DTensor on the tp
-    mesh, hidden units sharded) the mesh gains "tp" and the weight keeps its tp placement."""
+    mesh, hidden units sharded) the mesh gains "tp" and the weight keeps its tp placement.
+    `node_groups` (dims.expert_node_groups): the two-level dispatch's (inter-node, intra-node) groups."""
     names, placements = (("ep",), [Shard(0)]) if fsdp else (("edp", "ep"), [Replicate(), Shard(0)])
     tp_layouts = _unwrap_tensor_parallel_experts(model)
     if tp_layouts:
@@ -142,6 +144,7 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
             setattr(ex, name, nn.Parameter(d))
         # On the local slice in forward (a parameter hook would not survive materialization).
         ex.grad_hook = hook
+        m.ep_node_groups = node_groups
 
 
 def _unwrap_tensor_parallel_experts(model: nn.Module) -> dict:

@@ -87,7 +87,7 @@ def parallel_chunked_lm_loss(hidden: torch.Tensor, weight: DTensor, targets: tor
 
 
 def dispatch_and_combine(x: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, counts: torch.Tensor, experts,
-                         group) -> torch.Tensor:
+                         group, node_groups=None) -> torch.Tensor:
     """Expert parallelism's exchange, once per destination rank (DeepEP's dispatch layout): the
     MoE output (x.shape[0], dim) of this rank's tokens `x`, the gated sum of their experts.
 
@@ -99,24 +99,43 @@ def dispatch_and_combine(x: torch.Tensor, token: torch.Tensor, gate: torch.Tenso
     For top-8 of 256 experts routed uniformly that is ~7.7 rows per token each way instead of 8 on
     64 ranks, ~5.3 on 8 (DeepSeek-V3's layer on one node), ~3.7 on 4. The index and gate (two
     float64 scalars per assignment) go in one more exchange. Dropped assignments never leave this
-    rank. One host read of the split sizes per layer, as before (the all-to-all needs host ints)."""
-    ep, n_local, n_tokens = dist.get_world_size(group), experts.n_local, x.shape[0]
-    n_assign = token.shape[0]
+    rank. One host read of the split sizes per layer, as before (the all-to-all needs host ints).
+
+    `node_groups` (inter, intra), parallel.ep_node_ranks: the ep ranks split into nodes of
+    consecutive ranks. The exchange is then two-level, DeepEP's internode layout: a token crosses
+    to each node holding one of its experts once, to the rank there at its own place in the node
+    (`inter`), which passes it on once to each rank of its node holding one of them (`intra`); the
+    gated sums come back the same way, summed on each level."""
+    if node_groups is None:
+        return _exchange(x, token, gate, counts, experts.n_local, group,
+                         lambda *received: _local_experts(*received, experts))
+    inter, intra = node_groups
+    per_node = experts.n_local * dist.get_world_size(intra)
+    return _exchange(x, token, gate, counts, per_node, inter,
+                     lambda *received: _through_node(*received, experts, intra))
+
+
+def _exchange(x, token, gate, counts, per_dest: int, group, remote) -> torch.Tensor:
+    """One level of the exchange: destination rank of `group` = expert // per_dest; `remote(rows,
+    row, gate, counts)` on the destination turns the received unique rows, each assignment's row
+    and gate (grouped by source, then expert) and the per-(source, expert) counts into one gated
+    sum per received row."""
+    ep, n_tokens, n_assign = dist.get_world_size(group), x.shape[0], token.shape[0]
     # each assignment's destination rank (ep: dropped), from the kept counts, without a host read
     ends = counts.cumsum(0)
     expert = torch.searchsorted(ends, torch.arange(n_assign, device=x.device), right=True)
-    dest = torch.clamp(expert // n_local, max=ep)
+    dest = torch.clamp(expert // per_dest, max=ep)
     # needed[r, t]: token t has an assignment on rank r; its row's place in r's block by cumsum
     needed = torch.zeros(ep + 1, n_tokens, dtype=torch.long, device=x.device)
     needed.index_put_((dest, token), torch.ones_like(token))
     needed = needed[:ep]
     place = needed.cumsum(1) - 1
-    meta = torch.cat([counts.view(ep, n_local), needed.sum(1, keepdim=True)], 1)  # per rank: assignments, rows
+    meta = torch.cat([counts.view(ep, per_dest), needed.sum(1, keepdim=True)], 1)  # per rank: assignments, rows
     meta_in = torch.empty_like(meta)
     dist.all_to_all_single(meta_in, meta, group=group)
     # One host read: assignments and rows sent to / received from each rank.
     send_assign, recv_assign, send_rows, recv_rows = torch.stack([
-        meta[:, :n_local].sum(1), meta_in[:, :n_local].sum(1), meta[:, n_local], meta_in[:, n_local]]).tolist()
+        meta[:, :per_dest].sum(1), meta_in[:, :per_dest].sum(1), meta[:, per_dest], meta_in[:, per_dest]]).tolist()
     sent, n_rows = sum(send_assign), sum(send_rows)
     # the rows in (rank, token) order: scattered to their places, the unneeded into a spare slot
     flat = needed.view(-1)
@@ -128,17 +147,32 @@ def dispatch_and_combine(x: torch.Tensor, token: torch.Tensor, gate: torch.Tenso
     pairs = torch.stack([place[dest[:sent], token[:sent]].double(), gate[:sent].double()], 1)
     pairs_in = funcol.all_to_all_single_autograd(pairs, recv_assign, send_assign, group)
     index_in, gate_in = pairs_in[:, 0].detach().long(), pairs_in[:, 1]
-    # received assignments come grouped by source rank, then local expert: rows by source offset
+    # received assignments come grouped by source rank, then expert: rows by source offset
     offsets = torch.tensor([0, *recv_rows[:-1]], device=x.device).cumsum(0)
     row = index_in + offsets.repeat_interleave(torch.tensor(recv_assign, device=x.device), output_size=len(index_in))
-    counts_in = meta_in[:, :n_local].reshape(-1)
-    out = _expert_outputs(rows_in[row], counts_in, meta_in[:, :n_local].sum(0), experts)
+    summed = remote(rows_in, row, gate_in, meta_in[:, :per_dest])
+    back = funcol.all_to_all_single_autograd(summed, send_rows, recv_rows, group)
     # index_put (accumulate), not index_add, for the sums: autograd keeps only their indices
     # (index_add's backward keeps its whole source: one more row matrix per layer)
-    summed = out.new_zeros(rows_in.shape[0], out.shape[1]).index_put((row,), out * gate_in[:, None].to(out.dtype),
-                                                                      accumulate=True)
-    back = funcol.all_to_all_single_autograd(summed, send_rows, recv_rows, group)
     return back.new_zeros(n_tokens, back.shape[1]).index_put((row_token,), back, accumulate=True)
+
+
+def _local_experts(rows, row, gate, counts_in, experts) -> torch.Tensor:
+    """This rank's experts on every received assignment, gated and summed per received row."""
+    out = _expert_outputs(rows[row], counts_in.reshape(-1), counts_in.sum(0), experts)
+    return out.new_zeros(rows.shape[0], out.shape[1]).index_put((row,), out * gate[:, None].to(out.dtype),
+                                                                accumulate=True)
+
+
+def _through_node(rows, row, gate, counts_in, experts, intra) -> torch.Tensor:
+    """The first level's destination: the rows received from other nodes passed on within this
+    node (its experts sorted as `_exchange` takes them), the gated sums per received row."""
+    per_node = counts_in.shape[1]
+    expert = torch.arange(per_node, device=rows.device).repeat(counts_in.shape[0]).repeat_interleave(
+        counts_in.reshape(-1), output_size=row.shape[0])
+    order = torch.argsort(expert, stable=True)
+    return _exchange(rows, row[order], gate[order], counts_in.sum(0), experts.n_local, intra,
+                     lambda *received: _local_experts(*received, experts))
 
 
 def _expert_outputs(received: torch.Tensor, counts_in: torch.Tensor, per_expert: torch.Tensor, experts) -> torch.Tensor:

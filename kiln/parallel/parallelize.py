@@ -364,7 +364,7 @@ def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
     from kiln.parallel.expert_parallel import apply_expert_parallel_training
 
     apply_expert_parallel_training(model, dims.expert_mesh, dims.grad_ranks,
-                                   fsdp=dims.dp_mode in ("fsdp", "zero2"))
+                                   fsdp=dims.dp_mode in ("fsdp", "zero2"), node_groups=dims.expert_node_groups)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:

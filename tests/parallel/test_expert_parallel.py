@@ -297,9 +297,69 @@ def assert_same_grads(got, expected):
         torch.testing.assert_close(g, e, rtol=REL, atol=1e-8)
 
 
+def two_level_dispatch(rank, world):
+    """parallel.ep_node_ranks=2 on 4 ranks (2 "nodes" of 2; kiln's group builder): one MoE layer
+    (top-4 of 8 experts) through the one-level and the two-level exchange on the same input.
+    Returns the largest relative difference of their outputs and input / router / expert gradients, and per
+    exchange the token rows this rank sent to the other node (dispatch and combine, counted at the
+    all-to-all calls) with twice this rank's own tokens' share by the router's choice (summed over
+    the ranks the two agree): one row per (token, rank) on the other node in one level, one per
+    (token, node) in two."""
+    import torch.distributed as dist
+
+    from kiln.config import ModelConfig, ParallelConfig
+    from kiln.model.moe import MoE
+    from kiln.parallel import functional
+    from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.expert_parallel import apply_expert_parallel
+
+    dims = ParallelDims.from_config(ParallelConfig(ep=4, ep_node_ranks=2), world_size=world, rank=rank,
+                                    local_rank=rank, local_world_size=world)
+    dims.build_mesh("cpu")
+    inter, intra = dims.expert_node_groups
+    groups = [dist.get_process_group_ranks(inter), dist.get_process_group_ranks(intra)]
+    layer = MoE(ModelConfig(dim=16, n_heads=2, vocab_size=61, max_seq_len=32, moe_experts=8, moe_top_k=4,
+                            moe_capacity_factor=0.0), 24)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    apply_expert_parallel(layer, dims.expert_mesh["ep"].get_group())
+    x = torch.randn(world, 2, 16, 16, generator=gen)[rank]
+    crossed, real = [0], functional.funcol.all_to_all_single_autograd
+
+    def counting(t, out_splits, in_splits, group, *a, **k):
+        if t.dim() == 2 and t.shape[1] == 16:  # token rows (not the index / gate pairs)
+            members = dist.get_process_group_ranks(group)
+            crossed[0] += sum(n for n, g in zip(in_splits, members) if g // 2 != rank // 2)
+        return real(t, out_splits, in_splits, group, *a, **k)
+
+    results, counts = [], []
+    functional.funcol.all_to_all_single_autograd = counting
+    try:
+        for node_groups in (None, (inter, intra)):
+            layer.ep_node_groups, crossed[0] = node_groups, 0
+            inputs = x.clone().requires_grad_()
+            out = layer(inputs)
+            out.square().sum().backward()
+            results.append([out.detach(), inputs.grad, layer.router.weight.grad.clone(), layer.experts.w1.grad.clone()])
+            layer.zero_grad()
+            counts.append(crossed[0])
+    finally:
+        functional.funcol.all_to_all_single_autograd = real
+    token, expert, _, keep = layer.route(x)
+    ranks = {(t, e // 2) for t, e, k in zip(token.tolist(), expert.tolist(), keep.tolist()) if k}
+    nodes = {(t, r // 2) for t, r in ranks}
+    expected = [2 * sum(r // 2 != rank // 2 for _, r in ranks), 2 * sum(n != rank // 2 for _, n in nodes)]
+    difference = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))  # relative
+    return {"groups": groups, "difference": difference, "crossed": counts, "expected": expected}
+
+
 def four_ranks(rank, world, jobs):
-    """The module's one 4-rank launch: ep_within_dp_rank, then kiln's trainer on `jobs`."""
+    """The module's one 4-rank launch: ep_within_dp_rank and two_level_dispatch, then kiln's
+    trainer on `jobs`."""
     out = ep_within_dp_rank(rank, world)
+    out["two-level"] = two_level_dispatch(rank, world)
     train_runs(rank, world, jobs)
     return out
 
@@ -317,8 +377,12 @@ def four_rank_launch(tmp_path_factory, text_file):
     runs = {name: root / name for name in ["single", "ep2", "ep2-ddp"]}
     runs["ep2 -> ddp"] = runs.pop("ep2-ddp")
     train(load_config(None, common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH})), runs["single"])
+    runs["ep4 two-level"] = root / "ep4-two-level"
     jobs = [(runs["ep2"], common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2,
                                                             "parallel.dp_mode": "'fsdp'"})),
+            (runs["ep4 two-level"], common(text_file, **TRAIN_MOE, **{
+                "train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 4, "parallel.ep_node_ranks": 2,
+                "parallel.dp_mode": "'fsdp'"})),
             (runs["ep2 -> ddp"], ["parallel.dp_mode='ddp'"], runs["ep2"], 3)]
     (root / "ranks").mkdir()
     return run_ranks(four_ranks, 4, root / "ranks", jobs, timeout=400), runs
@@ -368,6 +432,7 @@ def grad_norms(run_dir):
     (12, {"ep": 4, "pp": 2, "dp_replicate": 2}, "parallel.ep=4 must divide dp_shard=3"),
     (6, {"ep": 4}, "parallel.ep=4 must divide dp_shard=6"),
     (6, {"ep": 4, "dp_mode": "ddp"}, "parallel.ep=4 must divide dp_replicate=6"),
+    (4, {"ep": 4, "ep_node_ranks": 3}, "parallel.ep_node_ranks=3 must divide parallel.ep=4"),
 ])
 def test_unsupported_ep_layouts_are_refused_in_one_line(world, degrees, expected):
     from kiln.config import ParallelConfig
@@ -443,3 +508,24 @@ def fsdp_manages_experts_rank(rank, world):
 def test_fsdp_without_ep_still_shards_and_reduces_the_experts(tmp_path):
     # Only under parallel.ep > 1 does FSDP leave the experts to expert_parallel.py.
     assert run_ranks(fsdp_manages_experts_rank, 1, tmp_path) == [True]
+
+
+@pytest.mark.timeout(400)
+def test_two_level_dispatch_crosses_nodes_once_per_token_and_node(four_rank_launch):
+    """parallel.ep_node_ranks=2 (DeepEP's internode layout on 2 "nodes" of 2 ranks): a token
+    crosses to the other node once whatever number of its experts sit there (the one-level
+    exchange sends it once per rank there), with the one-level exchange's outputs and gradients;
+    `kiln train` with it (ep=4, 1 of 4 experts per rank) equals one process."""
+    from test_data_parallel import STEPS as TRAIN_STEPS
+    from test_data_parallel import assert_same_losses, losses
+
+    results = [r["two-level"] for r in four_rank_launch[0]]
+    for rank, out in enumerate(results):
+        assert out["groups"] == [[rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1]]  # inter, intra
+        assert out["difference"] < 1e-5
+    # summed over the ranks (a rank's combine returns the rows other ranks dispatched to it)
+    crossed, expected = ([sum(r[key][i] for r in results) for i in (0, 1)] for key in ("crossed", "expected"))
+    assert crossed == expected and crossed[1] < crossed[0]
+    runs = four_rank_launch[1]
+    assert_same_losses(losses(runs["single"]), losses(runs["ep4 two-level"]), range(1, TRAIN_STEPS + 1))
+    assert_same_losses(grad_norms(runs["single"]), grad_norms(runs["ep4 two-level"]), range(1, TRAIN_STEPS + 1))
