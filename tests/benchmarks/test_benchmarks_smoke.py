@@ -159,14 +159,16 @@ def test_ring_attention_compares_schedules_and_kernels(tmp_path):
 @pytest.mark.timeout(120)
 def test_ep_dispatch_compares_the_exchanges(tmp_path):
     out = tmp_path / "ep_dispatch.json"
-    argv = ["--ep", "2", "--cases", "k1e4,k2e4", "--tokens", "64", "--dim", "16", "--hidden", "32", "--rounds", "1",
-            "--out", str(out)]
-    assert _load("ep_dispatch").main(argv) == 0  # exits non-zero unless both exchanges give the same result
-    top1, top2 = json.loads(out.read_text())["rows"]
-    # top-1: one row per assignment either way; top-2: fewer rows when a token's experts share a rank
+    argv = ["--ep", "4", "--node-ranks", "2", "--cases", "k1e8,k4e8", "--tokens", "64", "--dim", "16", "--hidden", "32",
+            "--rounds", "1", "--out", str(out)]
+    assert _load("ep_dispatch").main(argv) == 0  # exits non-zero unless the exchanges give the same result
+    top1, top4 = json.loads(out.read_text())["rows"]
+    # top-1: one row per assignment either way; top-4: fewer rows when a token's experts share a
+    # rank, and fewer leaving a node two-level
     assert top1["kiln_rows_all_ranks"] == top1["per_assignment_rows_all_ranks"] > 0
-    assert 0 < top2["kiln_rows_all_ranks"] < top2["per_assignment_rows_all_ranks"]
-    assert all(row[f"{v}_s"] > 0 for row in (top1, top2) for v in ("kiln", "per_assignment"))
+    assert 0 < top4["kiln_rows_all_ranks"] < top4["per_assignment_rows_all_ranks"]
+    assert 0 < top4["two_level_node_rows_all_ranks"] < top4["kiln_node_rows_all_ranks"]
+    assert all(row[f"{v}_s"] > 0 for row in (top1, top4) for v in ("kiln", "per_assignment", "two_level"))
 
 
 @pytest.mark.timeout(120)
