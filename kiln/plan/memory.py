@@ -95,6 +95,7 @@ class Layout:
     cp: int = 1
     ep: int = 1
     etp: int = -1  # expert tensor parallel degree: -1 = tp (experts sharded over tp too), 1 = whole experts
+    ep_node_ranks: int = 0  # parallel.ep_node_ranks: ep ranks per node of a two-level exchange; 0: one level
     dp_mode: str = "ddp"
     micro_batch: int = 1
     grad_accum: int = 1
@@ -151,6 +152,8 @@ class Layout:
         parts += [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1]
         if self.ep_borrows_tp:
             parts.append("etp=1")
+        if 1 < self.ep_node_ranks < self.ep:
+            parts.append(f"ep_node_ranks={self.ep_node_ranks}")
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += [f"mb={self.micro_batch}", f"ga={self.grad_accum}", f"ac={self.ac}"]

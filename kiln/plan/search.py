@@ -172,7 +172,16 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                                 yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                              etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,
                                              schedule=sched, virtual_stages=v, precision=precision, loss=loss,
-                                             diloco_inner_steps=diloco_inner_steps)
+                                             diloco_inner_steps=diloco_inner_steps,
+                                             ep_node_ranks=ep_node_ranks(cluster, ep, 1 if etp == 1 else tp))
+
+
+def ep_node_ranks(cluster: Cluster, ep: int, stride: int) -> int:
+    """parallel.ep_node_ranks for an ep group of ranks `stride` apart: the ranks of one node where
+    the group spans nodes that its nodes split evenly (the exchange then crosses once per node,
+    docs/parallel.md), else 0 (one level)."""
+    local = cluster.gpus_per_node // stride if cluster.gpus_per_node % stride == 0 else 0
+    return local if 1 < local < ep and ep % local == 0 else 0
 
 
 def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
@@ -255,7 +264,7 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
     p = out.parallel
     p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.ep = (layout.dp_replicate, layout.dp_shard, layout.tp,
                                                          layout.pp, layout.cp, layout.ep)
-    p.etp = layout.etp
+    p.etp, p.ep_node_ranks = layout.etp, layout.ep_node_ranks
     p.dp_mode = layout.dp_mode
     if layout.pp > 1:
         p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches = layout.schedule, layout.virtual_stages, layout.grad_accum

@@ -21,7 +21,8 @@ reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all
 each reduce-scatter), so it costs one.
 Expert parallelism: 4 all-to-alls of the routed rows (one per token and expert rank,
 `ranks_per_token`) per MoE block and micro-batch, plus one of the counts per dispatch and two of
-the assignments' row index and gate (taken from kiln/parallel/functional.py, not yet profiled),
+the assignments' row index and gate (taken from kiln/parallel/functional.py, not yet profiled;
+two levels, parallel.ep_node_ranks, count them once among the nodes and once inside each),
 over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp of the tokens
 (etp = 1, whose MoE blocks skip tp's all-gather / reduce-scatter pair); the experts' FSDP or
 all-reduce traffic over edp (`_expert_reduction`). Tied embeddings under pp: one all-reduce per
@@ -237,16 +238,25 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # reverse; on the critical path. With etp = tp the group is one tp coordinate's ep ranks
     # (stride tp) and every tp rank routes the whole gathered sequence; borrowing tp (etp = 1) the
     # group is ep consecutive ranks spanning tp and each rank routes only its own 1/tp of the tokens.
+    # Two-level (parallel.ep_node_ranks = L): the same pattern once among the nodes (ep / L ranks
+    # L x stride apart, one row per token and node) and once inside each (L ranks, one row per
+    # token and rank, as one level sends).
     if moe_stage_layers:
         routed = tokens_rank_mb / (layout.tp if layout.ep_borrows_tp else 1)
-        rows = routed * ranks_per_token(shape.moe_experts, shape.moe_top_k, layout.ep, shape.moe_groups,
-                                        shape.moe_topk_groups)
         stride = 1 if layout.ep_borrows_tp else layout.tp
         a2a = 4 * moe_stage_layers * ga
-        t = all_to_all(cluster, layout.ep, act * rows * shape.dim * a2a, stride, calls=a2a)
-        t += all_to_all(cluster, layout.ep, 16 * routed * shape.moe_top_k * a2a / 2, stride, calls=a2a / 2)
-        t += all_to_all(cluster, layout.ep, 8 * (shape.moe_experts + layout.ep) * a2a / 4, stride, calls=a2a / 4)
-        count("all_to_all", 1.75 * a2a)
+        local = layout.ep_node_ranks if 1 < layout.ep_node_ranks < layout.ep else 1
+        levels = [(layout.ep, stride)] if local == 1 else [(layout.ep // local, stride * local), (local, stride)]
+        t = 0.0
+        for level, (n, apart) in enumerate(levels):
+            # rows per token: to each of the level's ranks (nodes) holding its experts; inside a
+            # node a received row goes on to each of the node's ranks holding them
+            rows = routed * ranks_per_token(shape.moe_experts, shape.moe_top_k, n if level == 0 else layout.ep,
+                                            shape.moe_groups, shape.moe_topk_groups)
+            t += all_to_all(cluster, n, act * rows * shape.dim * a2a, apart, calls=a2a)
+            t += all_to_all(cluster, n, 16 * routed * shape.moe_top_k * a2a / 2, apart, calls=a2a / 2)
+            t += all_to_all(cluster, n, 8 * (shape.moe_experts + n) * a2a / 4, apart, calls=a2a / 4)
+            count("all_to_all", 1.75 * a2a)
         exposed += t
         total += t
     # Pipeline: stage-boundary activations forward and their gradients backward, the sends and

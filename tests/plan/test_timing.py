@@ -97,6 +97,38 @@ def test_expert_parallel_borrowing_tp_moves_each_token_once_over_the_wider_group
     assert flops == step_time(dense, Layout(micro_batch=2), SEQ, cluster).flops + routers
 
 
+def test_two_level_expert_exchange_crosses_nodes_once_per_token_and_node():
+    """parallel.ep_node_ranks: an ep group of 16 over 2 nodes of 8 exchanges one row per token and
+    node among the nodes (2 ranks 8 apart, the network) and one per token and rank inside each (8
+    ranks, NVLink) instead of one per token and rank over all 16 at the network's speed; the
+    search sets it where the ep group spans nodes, and kiln accepts the plan's config."""
+    from kiln.plan.search import config_for_plan, ep_node_ranks
+
+    cluster = load_cluster("h100", nodes=2)
+    shape = _shape("model.moe_experts=64", "model.moe_top_k=8")
+    one = Layout(dp_shard=16, dp_mode="fsdp", ep=16, micro_batch=2)
+    two = Layout(dp_shard=16, dp_mode="fsdp", ep=16, micro_batch=2, ep_node_ranks=8)
+    a, b = step_time(shape, one, SEQ, cluster), step_time(shape, two, SEQ, cluster)
+    assert b.calls["all_to_all"] == 2 * a.calls["all_to_all"] == 2 * 1.75 * 4 * 4  # two levels' exchanges
+    tokens, a2a, act = 2 * SEQ, 4 * 4, 2  # routed per micro-batch; 4 exchanges x 4 MoE blocks; bf16
+    expected_one = (all_to_all(cluster, 16, act * tokens * ranks_per_token(64, 8, 16) * 256 * a2a, 1, a2a)
+                    + all_to_all(cluster, 16, 16 * tokens * 8 * a2a / 2, 1, a2a / 2)
+                    + all_to_all(cluster, 16, 8 * (64 + 16) * a2a / 4, 1, a2a / 4))
+    expected_two = (all_to_all(cluster, 2, act * tokens * ranks_per_token(64, 8, 2) * 256 * a2a, 8, a2a)
+                    + all_to_all(cluster, 2, 16 * tokens * 8 * a2a / 2, 8, a2a / 2)
+                    + all_to_all(cluster, 2, 8 * (64 + 2) * a2a / 4, 8, a2a / 4)
+                    + all_to_all(cluster, 8, act * tokens * ranks_per_token(64, 8, 16) * 256 * a2a, 1, a2a)
+                    + all_to_all(cluster, 8, 16 * tokens * 8 * a2a / 2, 1, a2a / 2)
+                    + all_to_all(cluster, 8, 8 * (64 + 8) * a2a / 4, 1, a2a / 4))
+    assert b.comm_total - a.comm_total == pytest.approx(expected_two - expected_one)
+    assert b.comm_exposed < a.comm_exposed  # the network carries 1.97 rows per token, not 7.5
+    assert ep_node_ranks(cluster, 16, 1) == 8 and ep_node_ranks(cluster, 16, 2) == 4
+    assert ep_node_ranks(cluster, 8, 1) == 0 and ep_node_ranks(cluster, 4, 2) == 0  # inside one node
+    assert ep_node_ranks(cluster, 4, 4) == 2  # 4 ranks 4 apart: 2 nodes of 2
+    cfg = config_for_plan(load_config(None, ["model.moe_experts=64", "model.moe_top_k=8"]), two)
+    assert cfg.parallel.ep_node_ranks == 8 and "ep_node_ranks=8" in two.describe()
+
+
 @pytest.mark.parametrize("experts,top_k,ep,groups,topk_groups", [
     (8, 2, 2, 1, 1), (16, 4, 4, 1, 1), (8, 2, 2, 2, 1), (16, 4, 4, 8, 2), (16, 3, 8, 4, 2), (24, 4, 2, 6, 3)])
 def test_ranks_per_token_is_the_expected_count_of_distinct_expert_ranks(experts, top_k, ep, groups, topk_groups):
