@@ -108,6 +108,10 @@ class Layout:
     # q/k/v and w1/w3 as one GEMM each (model.fused_projections; `auto` on CUDA without FSDP sharding,
     # kiln/train/system.py): under autocast the normed input is cast once per GEMM, not per linear
     fused_projections: bool = False
+    # Context parallel's ring blocks on torch's fused CPU flash kernel (kiln/parallel/ring_blocks.py
+    # fused_kernel: CPU without attention dropout); else the matmul kernel's (chunk x chunk) fp32
+    # score tensors per head while a block runs (`ring_block_bytes`)
+    fused_ring_blocks: bool = False
     # DiLoCo (kiln/plan/diloco.py): inner steps H between outer syncs; the replicas are dp_replicate
     # (under ddp every data-parallel rank), which then never reduce gradients with each other.
     diloco_inner_steps: int = 0
@@ -663,12 +667,29 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
             out.temporary += param_bytes * (layers * shape.layer_params + head_w) / layout.tp
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
+    if layout.cp > 1 and not layout.fused_ring_blocks:
+        out.temporary += ring_block_bytes(shape, layout, seq_len)
     if layout.compiled:
         recomputing = block_input + recomputing if n_ac else 0.0  # the first block's input and activations
         _compiled_peak_phase(out, layout, logits + casts_forward, casts_backward + recomputing)
     else:
         _eager_peak_phase(out, layout, logits, recomputing if n_ac else 0.0)
     return out
+
+
+RING_MATMUL_BLOCKS = 5  # (chunk x chunk) fp32 tensors per head at a matmul block's peak
+
+
+def ring_block_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:
+    """What the ring's matmul block kernel (GPUs, and attention dropout) holds while one block of
+    (chunk x chunk) query-key pairs runs, chunk = seq_len / (2 cp): its scores, probabilities and
+    their gradients in fp32 per head of this rank (n_heads / tp): RING_MATMUL_BLOCKS of them, as
+    benchmarks/ring_attention.py measured it (the profiled peak of one layer's forward + backward,
+    matmul kernel minus the fused kernel's: 1342 MB = 5.0 x the 268 MB of one such tensor at cp 2,
+    16384 tokens, 4 heads; 4.5 x at 512-token chunks). 8.6 GB per tensor at 32 heads and
+    8192-token chunks: what a long context with cp costs until GPUs get a fused block kernel."""
+    chunk = seq_len // (2 * layout.cp)
+    return RING_MATMUL_BLOCKS * 4 * layout.micro_batch * shape.n_heads / layout.tp * chunk * chunk
 
 
 def eager_loss_logits(layout: Layout) -> int:

@@ -207,6 +207,8 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
             layout = dataclasses.replace(layout, compiled=True)
         if cluster.backend == "nccl" and fuses_projections(layout):
             layout = dataclasses.replace(layout, fused_projections=True)
+        if cluster.backend == "gloo":  # CPUs: the ring's blocks on torch's fused kernel (no dropout assumed)
+            layout = dataclasses.replace(layout, fused_ring_blocks=True)
         try:  # the least recompute that fits (kiln/plan/ac.py); recompute only ever costs time
             ac, mem = plan_activation_checkpointing(
                 shape, layout, seq_len, budget, optimizer,

@@ -71,7 +71,8 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
                   precision="float8" if cfg.train.float8 else dtype,
                   loss="chunked" if cfg.train.loss == "chunked" else "full",
                   compiled=cfg.train.compile and (d is None or d.world_size == 1) and cfg.train.compile_scope != "blocks",
-                  diloco_inner_steps=cfg.parallel.diloco_inner_steps, fused_projections=fused, **pipeline)
+                  diloco_inner_steps=cfg.parallel.diloco_inner_steps, fused_projections=fused,
+                  fused_ring_blocks=not cuda and cfg.model.dropout == 0, **pipeline)  # ring_blocks.fused_kernel
 
 
 def estimate_train_bytes(cfg: JobConfig, dims: ParallelDims | None = None) -> int:

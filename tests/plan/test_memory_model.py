@@ -183,3 +183,48 @@ def test_experts_counted_and_split_over_ep_and_etp():
     assert whole.parameters == 4 * (dense / 2 + experts / 4)
     zero2 = [rank_memory(shape, Layout(ep=2, etp=e, **{**fsdp, "dp_mode": "zero2"}), 32) for e in (-1, 1)]
     assert zero2[1].temporary - zero2[0].temporary == 4 * experts / 4  # gathered: whole experts, twice etp=tp's
+
+
+def test_ring_matmul_blocks_hold_chunk_squared_scores_per_head():
+    """Context parallel with the ring's matmul block kernel (GPUs; attention dropout) holds 5 fp32
+    (chunk x chunk) tensors per head of the rank while a block runs (ring_block_bytes; measured by
+    benchmarks/ring_attention.py); torch's fused CPU kernel holds none of them. The search sets the
+    fused kernel on gloo (CPU) clusters, and the trainer's refusal on CPU without dropout."""
+    import dataclasses
+
+    from kiln.config import ParallelConfig
+    from kiln.parallel.dims import ParallelDims
+    from kiln.plan.memory import ring_block_bytes
+
+    cfg, shape = _shape(["model.n_layers=4", "data.seq_len=4096", "model.max_seq_len=4096"])
+    for tp, mb in ((1, 2), (2, 1)):
+        gpu = Layout(cp=4, tp=tp, micro_batch=mb, dp_shard=1)
+        cpu = dataclasses.replace(gpu, fused_ring_blocks=True)
+        chunk = 4096 // 8
+        expected = 5 * 4 * mb * (4 / tp) * chunk * chunk
+        assert ring_block_bytes(shape, gpu, 4096) == expected
+        assert rank_memory(shape, gpu, 4096).temporary - rank_memory(shape, cpu, 4096).temporary == expected
+        assert rank_memory(shape, Layout(tp=tp, micro_batch=mb), 4096).total < rank_memory(
+            shape, dataclasses.replace(gpu, cp=1), 4096).total + 1  # no cp, no ring term
+    dims = ParallelDims.from_config(ParallelConfig(cp=2), world_size=2, rank=0, local_rank=0, seq_len=4096)
+    assert layout_of(cfg, dims).fused_ring_blocks  # this CPU, no dropout
+    cfg.model.dropout = 0.1
+    assert not layout_of(cfg, dims).fused_ring_blocks
+
+
+def test_search_counts_the_ring_kernel_of_the_cluster():
+    """`kiln plan` on a GPU cluster counts the matmul blocks' scores for cp layouts, on a gloo
+    (CPU) cluster the fused kernel: the same cp layout's memory differs by ring_block_bytes."""
+    from kiln.plan.cluster import load_cluster
+    from kiln.plan.memory import ring_block_bytes
+    from kiln.plan.search import search
+
+    _, shape = _shape(["model.n_layers=4", "data.seq_len=4096", "model.max_seq_len=4096"])
+    found = {}
+    for name in ("cpu-local", "h100"):
+        cluster = load_cluster(name, nodes=1)
+        plans = search(shape, cluster, 4096, 8, max_tp=1, max_pp=1)
+        found[name] = next(p for p in plans if p.layout.cp == 2 and p.layout.dp == cluster.world_size // 2)
+    cpu, gpu = found["cpu-local"].layout, found["h100"].layout
+    assert cpu.fused_ring_blocks and not gpu.fused_ring_blocks
+    assert found["h100"].memory.temporary >= ring_block_bytes(shape, gpu, 4096) > 0

@@ -20,7 +20,7 @@ from torch.distributed import pipelining
 
 from kiln.config import load_config
 from kiln.plan.cluster import load_cluster
-from kiln.plan.memory import Layout, ModelShape, in_flight_microbatches, rank_memory
+from kiln.plan.memory import Layout, ModelShape, in_flight_microbatches, rank_memory, ring_block_bytes
 from kiln.plan.search import enumerate_layouts, kiln_refusal, pipeline_schedules
 from kiln.plan.timing import bubble_fraction, pass_split, pipeline_p2p_per_microbatch, step_time
 
@@ -201,10 +201,14 @@ def test_context_parallel_divides_activations_per_rank():
     # fp32: no weight casts; 8 sequences: every rank's eager peak is in the loss's backward
     one = rank_memory(shape, Layout(micro_batch=8, precision="fp32"), 1024)
     for cp in (2, 4):
-        split = rank_memory(shape, Layout(micro_batch=8, cp=cp, precision="fp32"), 1024)
+        split = rank_memory(shape, Layout(micro_batch=8, cp=cp, precision="fp32", fused_ring_blocks=True), 1024)
         assert split.notes == one.notes == ["eager peak in the loss's backward"]
         assert split.activations == pytest.approx(one.activations / cp)
         assert split.temporary == pytest.approx(one.temporary / cp)  # the logits of the rank's tokens
+        # the matmul block kernel (GPUs) adds its block's scores (test_memory_model.py)
+        matmul = rank_memory(shape, Layout(micro_batch=8, cp=cp, precision="fp32"), 1024)
+        assert matmul.temporary - split.temporary == pytest.approx(ring_block_bytes(shape, Layout(
+            micro_batch=8, cp=cp), 1024))
         assert split.parameters == one.parameters  # cp ranks hold the whole model
 
 
