@@ -68,7 +68,7 @@ def test_held_out_text_files_match_evaluate_texts(run_dir, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_packed_masked_run_is_scored_masked(tmp_path, short_docs_dir):
+def test_a_packed_masked_run_is_scored_masked(tmp_path, short_docs_dir, capsys):
     """A run trained with attention inside each packed document (data.windows = "packed_masked")
     is scored so by `kiln eval`: the validation shards with their documents' offsets, --data files
     each one document; neither equals the unmasked score."""
@@ -106,6 +106,17 @@ def test_a_packed_masked_run_is_scored_masked(tmp_path, short_docs_dir):
                                                        **common)["loss"], rel=1e-6)
     assert got["loss"] != pytest.approx(evaluate_texts(loaded.model, loaded.tokenizer, texts, **common)["loss"],
                                         rel=1e-6)
+    # a corrupted document index of the validation shards: one line naming the file
+    docs = run / "data" / "val-00000.docs.npy"
+    swapped = np.load(docs)
+    swapped[[1, 2]] = swapped[[2, 1]]  # as many entries as meta.json says, not rising
+    np.save(docs, swapped)
+    bad = tmp_path / "bad.json"
+    assert main(["eval", str(run), "--out", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "val-00000.docs.npy: corrupted document index" in err[0]
+    report = _report(bad)  # the failure recorded, no number from the corrupted index
+    assert report["parts"] == {} and report["failed"]["part"] == "perplexity"
 
 
 @pytest.mark.timeout(120)
