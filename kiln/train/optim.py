@@ -74,8 +74,12 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
 
 
 def _muon_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
-    """Hidden matrices -> "muon"; embeddings, the LM head (`output`), norms, biases -> AdamW at
-    optim.muon_adam_lr, split into "adamw_decay" / "adamw_no_decay"."""
+    """Hidden matrices -> "muon"; MoE experts' weight stacks (E, in, out) -> "muon_experts"
+    (`stacked`: each expert's matrix orthogonalized on its own); embeddings, the LM head
+    (`output`), norms, biases -> AdamW at optim.muon_adam_lr, split into "adamw_decay" /
+    "adamw_no_decay"."""
+    from kiln.model.moe import GroupedExperts
+
     embedding_ids = _embedding_param_ids(model)
     head_ids = {
         id(p)
@@ -83,9 +87,13 @@ def _muon_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any
         if name.split(".")[-1] == "output"
         for p in module.parameters(recurse=False)
     }
-    muon, adam_decay, adam_no_decay = [], [], []
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts)
+                  for p in m.parameters(recurse=False)}
+    muon, experts, adam_decay, adam_no_decay = [], [], [], []
     for _, p in _trainable(model):
-        if p.ndim >= 2 and id(p) not in embedding_ids and id(p) not in head_ids:
+        if id(p) in expert_ids:
+            experts.append(p)
+        elif p.ndim >= 2 and id(p) not in embedding_ids and id(p) not in head_ids:
             muon.append(p)
         elif _decays(p, embedding_ids, cfg):
             adam_decay.append(p)
@@ -94,6 +102,8 @@ def _muon_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any
     groups = [
         {"name": "muon", "params": muon, "use_muon": True, "weight_decay": cfg.weight_decay,
          "initial_lr": cfg.lr},
+        {"name": "muon_experts", "params": experts, "use_muon": True, "stacked": True,
+         "weight_decay": cfg.weight_decay, "initial_lr": cfg.lr},
         {"name": "adamw_decay", "params": adam_decay, "use_muon": False,
          "weight_decay": cfg.weight_decay, "initial_lr": cfg.muon_adam_lr},
         {"name": "adamw_no_decay", "params": adam_no_decay, "use_muon": False, "weight_decay": 0.0,

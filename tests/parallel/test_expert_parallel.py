@@ -377,13 +377,18 @@ def four_rank_launch(tmp_path_factory, text_file):
     runs = {name: root / name for name in ["single", "ep2", "ep2-ddp"]}
     runs["ep2 -> ddp"] = runs.pop("ep2-ddp")
     train(load_config(None, common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH})), runs["single"])
+    runs["single muon"], runs["ep2 muon"] = root / "single-muon", root / "ep2-muon"
+    train(load_config(None, common(text_file, **TRAIN_MOE, **MUON, **{"train.batch_size": GLOBAL_BATCH})),
+          runs["single muon"])
     runs["ep4 two-level"] = root / "ep4-two-level"
     jobs = [(runs["ep2"], common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2,
                                                             "parallel.dp_mode": "'fsdp'"})),
             (runs["ep4 two-level"], common(text_file, **TRAIN_MOE, **{
                 "train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 4, "parallel.ep_node_ranks": 2,
                 "parallel.dp_mode": "'fsdp'"})),
-            (runs["ep2 -> ddp"], ["parallel.dp_mode='ddp'"], runs["ep2"], 3)]
+            (runs["ep2 -> ddp"], ["parallel.dp_mode='ddp'"], runs["ep2"], 3),
+            (runs["ep2 muon"], common(text_file, **TRAIN_MOE, **MUON, **{
+                "train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2, "parallel.dp_mode": "'fsdp'"}))]
     (root / "ranks").mkdir()
     return run_ranks(four_ranks, 4, root / "ranks", jobs, timeout=400), runs
 
@@ -417,6 +422,11 @@ def test_ep2_within_four_data_parallel_ranks_matches_one_process_with_clipping(f
 # clipping: the losses and the pre-clipping grad norms of every step.
 TRAIN_MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 0.0,
              "train.clip_grad_norm": 0.05, "model.init_std": 0.3}  # experts ~1/3 of the grad norm (see CLIP)
+
+
+# Muon: the dense matrices FSDP-sharded (each orthogonalized on one of the 4 ranks), the experts'
+# stacks per expert where they live (whole experts on each ep rank)
+MUON = {"optim.name": "'muon'", "optim.lr": 0.02, "optim.muon_adam_lr": 0.01}
 
 
 def grad_norms(run_dir):
@@ -487,6 +497,17 @@ def test_kiln_train_ep2_of_dp_shard4_matches_one_process_and_resumes_under_ddp(f
     assert [r["step"] for r in resumed] == list(range(4, TRAIN_STEPS + 1))
     assert_same_losses(expected, {r["step"]: r["loss"] for r in resumed}, range(4, TRAIN_STEPS + 1))
     assert_same_losses(norms, {r["step"]: r["grad_norm"] for r in resumed}, range(4, TRAIN_STEPS + 1))
+
+
+def test_kiln_train_muon_with_ep2_of_dp_shard4_matches_one_process(four_rank_launch):
+    from test_data_parallel import STEPS as TRAIN_STEPS
+    from test_data_parallel import assert_same_losses, losses
+
+    runs = four_rank_launch[1]
+    expected = losses(runs["single muon"])
+    assert expected != pytest.approx(losses(runs["single"]), rel=1e-3)  # another optimizer
+    assert_same_losses(expected, losses(runs["ep2 muon"]), range(1, TRAIN_STEPS + 1))
+    assert_same_losses(grad_norms(runs["single muon"]), grad_norms(runs["ep2 muon"]), range(1, TRAIN_STEPS + 1))
 
 
 def fsdp_manages_experts_rank(rank, world):

@@ -82,11 +82,20 @@ def build_model(overrides, tp_mesh=None, plan_edit=None, loss_impl="full"):
 TOKENS = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
 
 
-def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_impl="full"):
-    """STEPS of SGD with kiln's train_step on one batch: [loss, grad norm] per step (plain_step:
-    loss.backward + SGD, losses only), for `build_model(overrides, tp_mesh, plan_edit, loss_impl)`."""
+def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_impl="full", muon=False):
+    """STEPS of SGD (muon: kiln's Muon) with kiln's train_step on one batch: [loss, grad norm] per
+    step (plain_step: loss.backward + SGD, losses only), for `build_model(overrides, tp_mesh,
+    plan_edit, loss_impl)`."""
     model = build_model(overrides, tp_mesh, plan_edit, loss_impl)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    if muon:  # hidden matrices and expert stacks orthogonalized (split over the tp ranks), the rest AdamW
+        from kiln.config import OptimConfig
+        from kiln.train.optim import build_optimizer
+
+        opt = build_optimizer(model, OptimConfig(name="muon", lr=0.05, muon_adam_lr=0.01))
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"]
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     tokens = TOKENS
     out = []
     for _ in range(STEPS):
@@ -138,6 +147,7 @@ def _worker(rank, world, store_path, result_path):
         for name, (overrides, local_lse) in CHUNKED_CASES.items():
             with _small_loss_chunks(), _lse_not_combined() if local_lse else contextlib.nullcontext():
                 losses[name] = run_steps(overrides, mesh, loss_impl="chunked")
+        losses["moe_muon"] = run_steps(MOE, mesh, muon=True)
         losses["qk_norm_grads"] = qk_norm_grads(mesh)
         losses["qk_norm_grads_wrong_plan"] = qk_norm_grads(mesh, _drop_qk_norm)
         losses["vocab_parallel_math"] = _vocab_parallel_math(rank, world, mesh)
@@ -292,6 +302,15 @@ def test_moe_tp2_matches_one_process_aux_losses_included(tp2, moe_one_process):
     assert tp2["moe"] == pytest.approx(expected, rel=REL), (tp2["moe"], expected)
     assert expected[4 * STEPS - 4] < expected[0] and expected[1] > CLIP
     assert expected[2] > 0 and expected[3] > 0
+
+
+@pytest.mark.timeout(300)
+def test_muon_under_tp2_matches_one_process(tp2):
+    """Muon's Newton-Schulz on tp-sharded matrices (column- and row-parallel) and on the experts'
+    stacks sharded over their hidden units: each matrix orthogonalized whole, on one tp rank."""
+    expected = run_steps(MOE, muon=True)
+    assert tp2["moe_muon"] == pytest.approx(expected, rel=REL), (tp2["moe_muon"], expected)
+    assert expected[4 * STEPS - 4] < expected[0]  # it trains
 
 
 @pytest.mark.timeout(300)

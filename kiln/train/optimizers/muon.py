@@ -13,11 +13,14 @@ Why kiln keeps its own rather than `torch.optim.Muon` (torch >= 2.9, checked aga
 Muon takes 2-D parameters only (it raises on the embeddings' companions: norms and biases), so a
 model needs two optimizers, two state dicts and two schedules; it exists only from 2.9 while kiln
 declares torch >= 2.6; and it orthogonalizes each local tensor as it finds it, which under FSDP2
-would orthogonalize a row shard instead of the whole matrix. This one gathers a sharded matrix
-(DTensor) before Newton-Schulz and scatters the update back, so under FSDP each update is the
-whole matrix's (the cost: every rank repeats the iteration), and keeps AdamW for the rest in the
-same object. Its Newton-Schulz coefficients
-and step count are the same as torch's.
+would orthogonalize a row shard instead of the whole matrix. Here a sharded matrix (DTensor) is
+orthogonalized whole, on one of the ranks that shard it, and each rank gets its shard of the
+result (kiln/train/optimizers/muon_split.py: the ranks split the iterations instead of all
+repeating them); AdamW steps the rest in the same object. Its Newton-Schulz coefficients and step
+count are the same as torch's.
+
+A group with `stacked=True` holds expert stacks (E, in, out) used as `x @ w[e]` (kiln's
+GroupedExperts): each expert's matrix is orthogonalized and scaled on its own.
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_step
 
-from kiln import torch_compat
+from kiln.train.optimizers.muon_split import orthogonalize_updates
 from kiln.train.optimizers.adam_state import adam_state_lists, fused_adam_supported
 from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
@@ -61,22 +63,16 @@ def orthogonalize(update: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7
     return x.to(update.dtype)
 
 
-def orthogonalize_update(update: torch.Tensor) -> torch.Tensor:
-    """`orthogonalize` of a weight-shaped update (conv kernels flattened to (out, in*k*k)).
-
-    A sharded update (FSDP2 DTensor) is gathered whole first: Newton-Schulz needs the full
-    matrix. Every rank computes the same result and keeps its own shard of it.
-    """
-    if isinstance(update, DTensor):
-        full = orthogonalize_update(update.full_tensor())
-        # src_data_rank=None: slice locally instead of scattering from rank 0 (where torch has it)
-        return torch_compat.distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
-    return orthogonalize(update.reshape(update.size(0), -1)).view_as(update)
+def orthogonalize_update(update: torch.Tensor, stacked: bool = False) -> torch.Tensor:
+    """`orthogonalize` of a weight-shaped update (conv kernels flattened to (out, in*k*k); a
+    stack of expert matrices each on its own); a sharded one (DTensor) as its whole matrix's."""
+    return orthogonalize_updates([update], stacked)[0]
 
 
-def shape_lr_scale(shape: torch.Size) -> float:
-    """Keller Jordan's scale: sqrt(max(1, rows / cols)) for an (out, in) weight."""
-    rows, cols = shape[0], math.prod(shape[1:])
+def shape_lr_scale(shape: torch.Size, stacked: bool = False) -> float:
+    """Keller Jordan's scale: sqrt(max(1, rows / cols)) for an (out, in) weight; for an expert
+    stack (E, in, out) that of each expert's matrix."""
+    rows, cols = (shape[-1], shape[-2]) if stacked else (shape[0], math.prod(shape[1:]))
     return max(1.0, rows / cols) ** 0.5
 
 
@@ -99,6 +95,9 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
+                    if group.get("stacked", False) and p.ndim != 3:
+                        raise ValueError(f"Muon: a stacked group holds a tensor of shape {tuple(p.shape)}; "
+                                         "stacks are (experts, in, out)")
                     if p.ndim < 2:
                         raise ValueError(
                             f"Muon: a use_muon group holds a tensor of shape {tuple(p.shape)}; "
@@ -121,22 +120,26 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        stacked = group.get("stacked", False)
         params = [p for p in group["params"] if p.grad is not None]
         zero_if_skipped_(skip, [p.grad for p in params])  # a skipped step: zero gradients, identity factors
         weight, decay = unless_skipped(skip, 1.0 - beta, 0.0), unless_skipped(skip, 1.0 - lr * wd, 1.0)
+        updates = []
         for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, weight)  # buf = beta * buf + (1 - beta) * g
-            # Nesterov: look ahead along the momentum: (1 - beta) * g + beta * buf.
-            update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-            ortho = orthogonalize_update(update)
+            # Nesterov: look ahead along the momentum: (1 - beta) * g + beta * buf, in the
+            # gradient's storage (spent once the buffer has it), so the group adds no copy.
+            updates.append(p.grad.lerp_(buf, beta) if group["nesterov"] else buf)
+        # all of the group's matrices at once: sharded ones are dealt out over their ranks
+        for p, ortho in zip(params, orthogonalize_updates(updates, stacked)):
             zero_if_skipped_(skip, [ortho])
             if wd != 0:
                 p.mul_(decay)
-            p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape))
+            p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape, stacked))
 
     def _adamw_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Muon's AdamW part")

@@ -42,7 +42,7 @@ def test_muon_step_is_nesterov_momentum_then_orthogonalized():
     opt = Muon([w], lr=lr, momentum=beta, weight_decay=wd)
     expected, buf = w0.clone(), torch.zeros_like(w0)
     for g in grads:
-        w.grad = g
+        w.grad = g.clone()  # Muon spends the gradient in place (its Nesterov update)
         opt.step()
         buf = beta * buf + (1 - beta) * g
         nesterov = (1 - beta) * g + beta * buf

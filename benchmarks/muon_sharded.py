@@ -1,0 +1,150 @@
+"""Muon's step on FSDP2-sharded parameters: every rank orthogonalizing every matrix, or each
+matrix on one rank (kiln/train/optimizers/muon_split.py).
+
+N gloo processes (one thread each) hold the parameter set of a Llama-style decoder (optimizer_step.py's
+ShapeOnlyTransformer: 17.3M parameters at the defaults), FSDP2-sharded per block over all N, and
+step kiln's Muon (`build_optimizer`, optim.name = "muon") on fixed random gradients. Two variants,
+built afresh and timed in alternating rounds:
+
+  gather  each sharded matrix gathered whole on every rank and orthogonalized there (kiln before
+          muon_split.py; still its path for a matrix two mesh dimensions cut);
+  split   each matrix orthogonalized on one rank, shards exchanged by two all-to-alls.
+
+Reported per world size: the step's wall time (median over rounds of the slowest rank's median
+step), CPU seconds per step per rank, bytes each rank wrote to its sockets per step (/proc/self/io
+wchar) and the largest difference between the two variants' parameters after the same steps
+(they run the same Newton-Schulz on the same matrices: expected 0).
+
+    python benchmarks/muon_sharded.py [--worlds 1,2,4] [--rounds 3] [--steps 3] [--dim 384 --layers 8]
+
+Writes benchmarks/results/muon_sharded.json (or --out) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from common import free_port, print_table, run_ranks, write_results  # noqa: E402
+
+VARIANTS = ("gather", "split")
+
+
+def _socket_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
+
+
+def rank_main(rank: int, world: int, port: int, args, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from kiln.config import OptimConfig
+    from kiln.train.optim import build_optimizer
+    from kiln.train.optimizers import muon_split
+    from optimizer_step import ShapeOnlyTransformer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    real_cut = muon_split._cut
+
+    def build():
+        torch.manual_seed(0)
+        model = ShapeOnlyTransformer(args.vocab, args.dim, args.layers, args.hidden)
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3
+                 for i, p in enumerate(model.parameters())]
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = build_optimizer(model, OptimConfig(name="muon", lr=0.02, muon_adam_lr=0.004), "cpu")
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"]
+        return model, optimizer, grads
+
+    def step(model, optimizer, grads) -> None:
+        for p, g in zip(model.parameters(), grads):
+            p.grad = DTensor.from_local(_shard(g), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        optimizer.step()
+
+    def _shard(g):  # this rank's rows of g as FSDP2 cut them (torch.chunk's sizes)
+        sizes = muon_split.chunk_sizes(g.shape[0], world)
+        start = sum(sizes[:rank])
+        return g[start:start + sizes[rank]].clone()
+
+    results = {v: [] for v in VARIANTS}
+    cpu = {v: [] for v in VARIANTS}
+    sent = {v: [] for v in VARIANTS}
+    final = {}
+    for r in range(args.rounds):
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            muon_split._cut = real_cut if variant == "split" else (lambda u, stacked: "gather")
+            model, optimizer, grads = build()
+            step(model, optimizer, grads)  # state created, untimed
+            times = []
+            for _ in range(args.steps):
+                dist.barrier()
+                w0, c0, b0 = time.perf_counter(), time.process_time(), _socket_bytes()
+                step(model, optimizer, grads)
+                times.append(time.perf_counter() - w0)
+                cpu[variant].append(time.process_time() - c0)
+                sent[variant].append(_socket_bytes() - b0)
+            results[variant].append(statistics.median(times))
+            if r == 0:
+                final[variant] = [p.full_tensor() for p in model.parameters()]
+    muon_split._cut = real_cut
+    difference = max((a - b).abs().max().item() for a, b in zip(final["gather"], final["split"]))
+    out.put({"rank": rank, "step_s": results, "cpu_s": {v: statistics.median(c) for v, c in cpu.items()},
+             "sent_bytes": {v: statistics.median(s) for v, s in sent.items()}, "difference": difference})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--out", default="muon_sharded")
+    args = parser.parse_args(argv)
+    rows, table, worst = {}, [], 0.0
+    for world in [int(w) for w in args.worlds.split(",")]:
+        ranks = run_ranks(rank_main, world, (args,), f"muon_sharded world {world}", timeout_s=1800)
+        step = {v: statistics.median(max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds))
+                for v in VARIANTS}
+        per_round = [max(r["step_s"]["gather"][i] for r in ranks) / max(r["step_s"]["split"][i] for r in ranks)
+                     for i in range(args.rounds)]
+        rows[world] = {"step_s": step, "speedup_per_round": per_round,
+                       "cpu_s_per_rank": {v: max(r["cpu_s"][v] for r in ranks) for v in VARIANTS},
+                       "sent_bytes_per_rank": {v: max(r["sent_bytes"][v] for r in ranks) for v in VARIANTS},
+                       "difference": max(r["difference"] for r in ranks), "load_avg": os.getloadavg()[0]}
+        worst = max(worst, rows[world]["difference"])
+        row = rows[world]
+        table.append([world, f"{step['gather']:.3f} / {step['split']:.3f}",
+                      f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})",
+                      f"{row['cpu_s_per_rank']['gather']:.3f} / {row['cpu_s_per_rank']['split']:.3f}",
+                      f"{row['sent_bytes_per_rank']['gather'] / 1e6:.1f} / {row['sent_bytes_per_rank']['split'] / 1e6:.1f}",
+                      f"{row['difference']:.1e}"])
+    print_table(["ranks", "step s: gather / split", "split speed-up", "CPU s per rank", "MB sent per rank",
+                 "max |diff|"], table)
+    command = "python benchmarks/muon_sharded.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"wrote {write_results(args.out, {'command': command, 'args': vars(args), 'worlds': rows})}")
+    return 0 if worst == 0.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

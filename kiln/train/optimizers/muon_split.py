@@ -1,0 +1,204 @@
+"""Muon's Newton-Schulz over sharded matrices, each matrix orthogonalized on one rank.
+
+Newton-Schulz needs a whole matrix. A matrix sharded over N ranks (FSDP2's dp_shard, tensor
+parallel's tp: one mesh dimension cutting it) used to be gathered whole on every rank, so all N
+ranks ran the same iteration: the optimizer's compute did not shrink with the ranks, and every rank
+received (N-1)/N of every matrix. Here each matrix has one owner among the N ranks (the matrices
+dealt out by cost, largest first, to the least loaded rank): one all-to-all brings every shard of a
+matrix to its owner, the owner orthogonalizes it, and a second all-to-all returns each rank its
+shard of the result. Per rank that is 1/N of the iterations and about 2/N of what the gathers
+received (the distributed Muon of Moonlight, Liu et al. 2025; kiln's own over torch's
+`all_to_all_single`).
+
+What is split where:
+- a matrix no placement cuts (Replicate only; an expert stack cut over its experts only) is
+  orthogonalized where it is, with no exchange;
+- one mesh dimension cutting it (`Shard`): split over that dimension's ranks as above; the ranks of
+  the other dimensions (replicas) each run their own share alike;
+- anything else (two mesh dimensions cutting one matrix, FSDP2 over tensor parallel's
+  `_StridedShard`, a `Partial`): gathered whole on every rank (`full_tensor`), as before.
+
+`stacked`: each tensor is a stack (E, in, out) of per-expert matrices used as `x @ w[e]` (kiln's
+GroupedExperts): each expert's matrix is orthogonalized on its own, and a cut over dim 0 (expert
+parallelism, FSDP over experts) leaves whole matrices on each rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from kiln import torch_compat
+
+
+def orthogonalize_matrix(update: torch.Tensor, stacked: bool = False) -> torch.Tensor:
+    """`orthogonalize` of one local weight-shaped tensor: a stack per expert, or one matrix (conv
+    kernels flattened to (out, in*k*k))."""
+    from kiln.train.optimizers.muon import orthogonalize
+
+    if stacked:
+        return orthogonalize(update)
+    return orthogonalize(update.reshape(update.size(0), -1)).view_as(update)
+
+
+def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool = False) -> list[torch.Tensor]:
+    """Each update orthogonalized whole (as `orthogonalize_matrix` of its full tensor), returned
+    with the update's own type and sharding; sharded ones split over their ranks (module doc)."""
+    out: list[torch.Tensor | None] = [None] * len(updates)
+    splits: dict[tuple, list[int]] = {}
+    for i, u in enumerate(updates):
+        if not isinstance(u, DTensor):
+            out[i] = orthogonalize_matrix(u, stacked)
+            continue
+        cut = _cut(u, stacked)
+        if cut is None:
+            out[i] = _like(u, orthogonalize_matrix(u.to_local(), stacked))
+        elif cut == "gather":
+            full = orthogonalize_matrix(u.full_tensor(), stacked)
+            # src_data_rank=None: slice locally instead of scattering from rank 0 (where torch has it)
+            out[i] = torch_compat.distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+        else:
+            splits.setdefault((id(u.device_mesh), cut[0], u.dtype), []).append(i)
+    for (_, mesh_dim, _), indices in splits.items():
+        mesh = updates[indices[0]].device_mesh
+        pieces = [_cut(updates[i], stacked) for i in indices]
+        results = _split_over_ranks([updates[i] for i in indices], [dim for _, dim in pieces], mesh, mesh_dim,
+                                    stacked)
+        for i, local in zip(indices, results):
+            out[i] = _like(updates[i], local)
+    return out
+
+
+def _like(u: DTensor, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape, stride=u.stride())
+
+
+def _cut(u: DTensor, stacked: bool):
+    """None (no placement cuts a matrix), (mesh dim, tensor dim) where exactly one plain `Shard`
+    does, else "gather"."""
+    cuts = []
+    for mesh_dim, p in enumerate(u.placements):
+        if isinstance(p, Replicate) or u.device_mesh.size(mesh_dim) == 1:
+            continue
+        if type(p) is not Shard:  # Partial, _StridedShard: gather
+            return "gather"
+        if not (stacked and p.dim == 0):
+            cuts.append((mesh_dim, p.dim))
+    if not cuts:
+        return None
+    return cuts[0] if len(cuts) == 1 else "gather"
+
+
+def chunk_sizes(length: int, parts: int) -> list[int]:
+    """The sizes `Shard` gives `parts` ranks along a dimension of `length`: torch.chunk's
+    (ceil(length / parts) each until it runs out), empty shards at the end."""
+    step = -(-length // parts) if length else 0
+    return [max(0, min(step, length - r * step)) for r in range(parts)]
+
+
+def _split_over_ranks(updates: list[DTensor], dims: list[int], mesh, mesh_dim: int,
+                      stacked: bool) -> list[torch.Tensor]:
+    """This rank's shard of each update orthogonalized whole, every matrix on its owner."""
+    group = mesh.get_group(mesh_dim)
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    # The matrices: per update its expert matrices (stacked: each expert one, dim 0 whole here)
+    # or itself; each with the tensor dim the ranks cut (shifted into the expert's matrix).
+    items = []  # (update index, expert index or None, cut dim within the item, item's global shape)
+    for k, (u, dim) in enumerate(zip(updates, dims)):
+        local = u.to_local()
+        full_len = u.shape[dim]
+        sizes = chunk_sizes(full_len, ranks)
+        if local.size(dim) != sizes[me]:  # torch's Shard has cut otherwise than torch.chunk does
+            raise RuntimeError(f"Muon: a shard of {tuple(u.shape)} holds {local.size(dim)} of dim {dim} on rank "
+                               f"{me} of {ranks}; expected {sizes[me]} (torch.chunk's sizes {sizes})")
+        if stacked:
+            shape = list(u.shape[1:])
+            items += [(k, e, dim - 1, shape) for e in range(local.size(0))]
+        else:
+            items.append((k, None, dim, list(u.shape)))
+    owner = _deal(items, ranks)
+    locals_ = [u.to_local() for u in updates]
+
+    def piece_of(item) -> torch.Tensor:
+        k, e, _, _ = item
+        return locals_[k] if e is None else locals_[k][e]
+
+    def numel_on(item, rank: int) -> int:
+        _, _, dim, shape = item
+        rest = 1
+        for i, s in enumerate(shape):
+            rest *= s if i != dim else 1
+        return rest * chunk_sizes(shape[dim], ranks)[rank]
+
+    dtype, device = locals_[0].dtype, locals_[0].device
+    # 1. every shard to its matrix's owner
+    send = [[piece_of(it).reshape(-1) for it, o in zip(items, owner) if o == r] for r in range(ranks)]
+    mine = [n for n, o in enumerate(owner) if o == me]
+    recv_sizes = [sum(numel_on(items[n], s) for n in mine) for s in range(ranks)]
+    received = _all_to_all(send, recv_sizes, group, dtype, device)
+    results = {}
+    offsets = [0] * ranks
+    for n in mine:
+        _, _, dim, shape = items[n]
+        parts = []
+        for s in range(ranks):
+            size = numel_on(items[n], s)
+            part_shape = [chunk_sizes(shape[dim], ranks)[s] if i == dim else x for i, x in enumerate(shape)]
+            parts.append(received[s][offsets[s]:offsets[s] + size].view(part_shape))
+            offsets[s] += size
+        results[n] = orthogonalize_matrix(torch.cat(parts, dim=dim), stacked)
+    # 2. each rank its shard of every result
+    send = []
+    for s in range(ranks):
+        row = []
+        for n in mine:
+            _, _, dim, shape = items[n]
+            sizes = chunk_sizes(shape[dim], ranks)
+            row.append(results[n].narrow(dim, sum(sizes[:s]), sizes[s]).reshape(-1))
+        send.append(row)
+    recv_sizes = [sum(numel_on(it, me) for it, o in zip(items, owner) if o == r) for r in range(ranks)]
+    received = _all_to_all(send, recv_sizes, group, dtype, device)
+    offsets = [0] * ranks
+    outs: list[torch.Tensor | None] = [None if stacked else t for t in locals_]
+    for it, o in zip(items, owner):
+        size = numel_on(it, me)
+        piece = received[o][offsets[o]:offsets[o] + size]
+        offsets[o] += size
+        if it[1] is None:  # a whole local shard: a view of what arrived, no copy
+            outs[it[0]] = piece.view(locals_[it[0]].shape)
+        else:  # one expert of a stack whose experts came from several owners
+            if outs[it[0]] is None:
+                outs[it[0]] = torch.empty_like(locals_[it[0]])
+            outs[it[0]][it[1]].copy_(piece.view(outs[it[0]][it[1]].shape))
+    return outs
+
+
+def _deal(items: list, ranks: int) -> list[int]:
+    """Each matrix's owner: largest Newton-Schulz cost first to the least loaded rank (ties to the
+    lowest rank), in an order every rank computes alike. Cost ~ short side^2 x long side."""
+    def cost(item) -> int:
+        shape = item[3]
+        rows, cols = shape[0], 1
+        for s in shape[1:]:
+            cols *= s
+        short, long_ = min(rows, cols), max(rows, cols)
+        return short * short * long_
+
+    order = sorted(range(len(items)), key=lambda n: (-cost(items[n]), n))
+    load, owner = [0] * ranks, [0] * len(items)
+    for n in order:
+        r = min(range(ranks), key=lambda q: (load[q], q))
+        owner[n] = r
+        load[r] += cost(items[n])
+    return owner
+
+
+def _all_to_all(send: list[list[torch.Tensor]], recv_sizes: list[int], group, dtype, device) -> list[torch.Tensor]:
+    """One `all_to_all_single`: `send[r]` (flat pieces) to rank r; returns what each rank sent here."""
+    pieces = [t for row in send for t in row]
+    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(out, inp, output_split_sizes=recv_sizes,
+                           input_split_sizes=[sum(t.numel() for t in row) for row in send], group=group)
+    return list(out.split(recv_sizes))
