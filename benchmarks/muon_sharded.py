@@ -23,6 +23,7 @@ Writes benchmarks/results/muon_sharded.json (or --out) and prints a table.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows, table, worst = {}, [], 0.0
     for world in [int(w) for w in args.worlds.split(",")]:
-        ranks = run_ranks(rank_main, world, (args,), f"muon_sharded world {world}", timeout_s=1800)
+        target = importlib.import_module(Path(__file__).stem).rank_main  # by module name: spawned ranks import it
+        ranks = run_ranks(target, world, (args,), f"muon_sharded world {world}", timeout_s=1800)
         step = {v: statistics.median(max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds))
                 for v in VARIANTS}
         per_round = [max(r["step_s"]["gather"][i] for r in ranks) / max(r["step_s"]["split"][i] for r in ranks)

@@ -41,7 +41,8 @@ its reduce-scatter buffer, and DDP copies gradients into and out of its buckets,
 memory bandwidth; the optimizer step moves `optimizer_step_bytes` per parameter at the memory
 bandwidth (torch's fused AdamW reads parameter, gradient and both moments and writes three: 28
 bytes; its foreach AdamW makes eight passes, _multi_tensor_adamw's weight decay, lerp, mul,
-addcmul, sqrt, div, add and addcdiv: 80 bytes); when the processes of a node outnumber
+addcmul, sqrt, div, add and addcdiv: 80 bytes), Muon's Newton-Schulz its matmuls on the matrices
+a rank orthogonalizes (kiln/plan/muon_cost.py); when the processes of a node outnumber
 `cores_per_node`, compute, the optimizer step and that host work run at cores / processes of a
 core each.
 
@@ -73,6 +74,7 @@ from kiln.plan.diloco import outer_sync_seconds, replica_cluster
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, Layout, ModelShape,
                               rank_memory, rank_params, recomputed_blocks, recomputed_matmul_blocks,
                               resharded_after_forward, zero1_fullest_share)
+from kiln.plan.muon_cost import muon_seconds
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
@@ -353,6 +355,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     opt_bytes = stepped * optimizer_step_bytes(optimizer, optimizer_impl)
     mem_bw = dev.memory_bandwidth_gbps * 1e9
     optimizer_s = opt_bytes / mem_bw / share
+    if optimizer == "muon":  # and its Newton-Schulz matmuls (kiln/plan/muon_cost.py)
+        optimizer_s += muon_seconds(shape, layout, cluster, share)
     # Host work: each copy reads and writes its bytes; each waited-on call pays the launch cost.
     host = (2 * copied / mem_bw + launched * cluster.collective_launch_us * 1e-6) / share
     memory_bound = 0.0

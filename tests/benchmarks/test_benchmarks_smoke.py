@@ -181,3 +181,14 @@ def test_moe_balancing_runs_every_recipe(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"none", "aux loss 0.01", "bias 0.001", "bias 0.01"}
     assert all(r["max_load_last"] >= 1.0 and r["step_ms"] > 0 and r["val_loss"] > 0 for r in results.values())
+
+
+@pytest.mark.timeout(180)
+def test_muon_sharded_compares_gathering_with_dealing_out(tmp_path):
+    out = tmp_path / "muon_sharded.json"
+    argv = ["--worlds", "2", "--rounds", "1", "--steps", "1", "--dim", "32", "--layers", "2", "--hidden", "64",
+            "--vocab", "64", "--out", str(out)]
+    assert _load("muon_sharded").main(argv) == 0  # exits non-zero unless both variants step alike
+    row = json.loads(out.read_text())["worlds"]["2"]
+    assert row["difference"] == 0.0
+    assert all(row["step_s"][v] > 0 and row["sent_bytes_per_rank"][v] > 0 for v in ("gather", "split"))

@@ -1,0 +1,82 @@
+"""Muon's Newton-Schulz iterations in the step time: the matmuls of orthogonalizing every hidden
+matrix, per rank.
+
+Muon (kiln/train/optimizers/muon.py) orthogonalizes each hidden matrix of shape (r, c), s = min,
+l = max, by 5 quintic steps, each a Gram matrix (s x l times l x s: 2 s^2 l FLOPs), its square
+(2 s^3) and the polynomial times the matrix (2 s^2 l): 5 (4 s^2 l + 2 s^3) FLOPs. Which matrices a
+rank orthogonalizes follows kiln/train/optimizers/muon_split.py: a matrix one mesh dimension cuts
+is dealt to one of that dimension's ranks (FSDP / ZeRO-2 over dp_shard x cp with tp = 1; tensor
+parallel's tp under ddp); one cut by two (FSDP over tp) is gathered and orthogonalized by every
+rank; ZeRO-1 steps each matrix on its owner; an expert stack is orthogonalized per expert where its
+experts live (E / ep per rank, FSDP's whole experts over the expert data-parallel shards), dealt
+over tp where tp splits the experts' hidden units. Replicas (DDP, HSDP's replicate) each run their
+own share. The iterations run in bf16 on GPUs and fp32 on CPUs (`orthogonalize`), at the device's
+matmul efficiency for a pass of s x l.
+"""
+
+from __future__ import annotations
+
+from kiln.plan.cluster import Cluster
+from kiln.plan.memory import Layout, ModelShape
+
+NS_STEPS = 5  # kiln/train/optimizers/muon.py NS_STEPS (not imported: the planner runs without torch)
+
+
+def newton_schulz_flops(rows: int, cols: int) -> float:
+    """FLOPs of orthogonalizing one (rows, cols) matrix."""
+    s, l_ = min(rows, cols), max(rows, cols)
+    return NS_STEPS * (4 * s * s * l_ + 2 * s ** 3)
+
+
+def _matrices(shape: ModelShape) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]]]:
+    """(dense, expert) matrices Muon orthogonalizes in the whole model: (rows, cols, count); the
+    embeddings, the head, norms and biases are AdamW's."""
+    d, q, kv = shape.dim, shape.q_dim, shape.kv_dim
+    ffn_mats = 3 if shape.gated else 2
+    dense_layers = shape.n_layers - shape.moe_layers
+    dense = [(q, d, shape.n_layers), (kv, d, 2 * shape.n_layers), (d, q, shape.n_layers),
+             (shape.ffn, d, ffn_mats * dense_layers)]
+    experts = []
+    if shape.moe_layers:
+        dense.append((shape.moe_experts, d, shape.moe_layers))  # the router
+        if shape.shared_ffn:
+            dense.append((shape.shared_ffn, d, ffn_mats * shape.moe_layers))
+            if shape.shared_gate:
+                dense.append((1, d, shape.moe_layers))
+        experts.append((shape.expert_ffn or shape.ffn, d, ffn_mats * shape.moe_layers * shape.moe_experts))
+    return dense, experts
+
+
+def dense_dealt_over(layout: Layout) -> int:
+    """Ranks the dense matrices' Newton-Schulz is split over (1: every rank runs all of them)."""
+    if layout.dp_mode in ("fsdp", "zero2"):
+        return layout.dp_shard * layout.cp if layout.tp == 1 else 1  # FSDP over tp: two cuts, gathered
+    if layout.dp_mode == "zero1":
+        return layout.dp * layout.cp  # each matrix stepped by its owner (tp > 1 refuses Muon)
+    return layout.tp  # ddp: tp's cut, the replicas alike
+
+
+def expert_dealt_over(layout: Layout) -> float:
+    """Ranks sharing one rank's experts' Newton-Schulz: ep (each rank its experts), FSDP's whole
+    experts over the expert shards, tp where it splits the experts' hidden units; without ep,
+    ZeRO-1 steps each stack on its owner."""
+    shards = 1
+    if layout.dp_mode == "zero1" and layout.ep == 1:  # plain parameters: ZeRO-1 partitions them too
+        return layout.dp * layout.cp
+    if layout.dp_mode in ("fsdp", "zero2"):
+        shards = max(1, layout.dp_shard * layout.cp * (layout.tp if layout.ep_borrows_tp else 1) // layout.ep)
+    return layout.ep * shards * layout.expert_tp
+
+
+def muon_seconds(shape: ModelShape, layout: Layout, cluster: Cluster, share: float = 1.0) -> float:
+    """Wall seconds one rank spends in Newton-Schulz per optimizer step (its pipeline stage's
+    matrices; at `share` of a device where ranks share cores)."""
+    dev = cluster.device
+    peak = dev.peak_flops("fp32" if cluster.backend == "gloo" else "bf16")
+    dense, experts = _matrices(shape)
+    seconds = 0.0
+    for mats, over in ((dense, dense_dealt_over(layout)), (experts, expert_dealt_over(layout))):
+        for rows, cols, count in mats:
+            eff = dev.efficiency(min(rows, cols) * max(rows, cols))
+            seconds += count * newton_schulz_flops(rows, cols) / (peak * eff) / over
+    return seconds / layout.pp / share

@@ -1,0 +1,96 @@
+"""Muon's Newton-Schulz in the planner's step time (kiln/plan/muon_cost.py): its FLOPs are what
+torch counts in kiln's `orthogonalize`, its matrices are kiln's Muon groups, and each layout
+divides them as kiln/train/optimizers/muon_split.py deals them out."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from kiln.config import load_config
+from kiln.model.transformer import Transformer
+from kiln.plan.cluster import load_cluster
+from kiln.plan.memory import Layout, ModelShape
+from kiln.plan.muon_cost import _matrices, muon_seconds, newton_schulz_flops
+from kiln.plan.timing import step_time
+from kiln.train.optim import build_optimizer
+
+SEQ = 64
+MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=2", "model.moe_hidden=48",
+       "model.moe_shared_experts=1", "model.moe_shared_gate=true"]
+
+
+def _config(*overrides):
+    return load_config(None, ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+                              "model.vocab_size=300", f"data.seq_len={SEQ}", f"model.max_seq_len={SEQ}",
+                              "optim.name='muon'", *overrides])
+
+
+@pytest.mark.parametrize("rows, cols", [(64, 64), (192, 64), (64, 192), (7, 13), (1, 64)])
+def test_newton_schulz_flops_are_the_matmuls_torch_counts(rows, cols):
+    from kiln.train.optimizers.muon import orthogonalize
+
+    with FlopCounterMode(display=False) as counter:
+        orthogonalize(torch.randn(rows, cols))
+    assert newton_schulz_flops(rows, cols) == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.activation=gelu", "model.norm=layernorm", "model.bias=true"), MOE],
+                         ids=["llama", "gpt2-like", "moe"])
+def test_the_planners_matrices_are_kilns_muon_groups(overrides):
+    """Every matrix in Muon's groups (an expert stack as its experts), with its shape, and nothing
+    else: the FLOPs summed over kiln's own groups equal the planner's."""
+    cfg = _config(*overrides)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    groups = {g["name"]: g for g in build_optimizer(model, cfg.optim).param_groups}
+    kiln_flops = {"muon": 0.0, "muon_experts": 0.0}
+    for name, flops in kiln_flops.items():
+        for p in groups.get(name, {"params": []})["params"]:
+            rows, cols = (p.shape[-1], p.shape[-2]) if name == "muon_experts" else (p.shape[0], p[0].numel())
+            kiln_flops[name] += (p.shape[0] if name == "muon_experts" else 1) * newton_schulz_flops(rows, cols)
+    dense, experts = _matrices(ModelShape.from_config(cfg.model, 300))
+    assert sum(c * newton_schulz_flops(r, k) for r, k, c in dense) == kiln_flops["muon"]
+    assert sum(c * newton_schulz_flops(r, k) for r, k, c in experts) == kiln_flops["muon_experts"]
+    assert (kiln_flops["muon_experts"] > 0) == bool(overrides == MOE)
+
+
+def test_each_layout_divides_the_iterations_as_the_optimizer_deals_them_out():
+    cfg = _config(*MOE)
+    shape = ModelShape.from_config(cfg.model, 300)
+    cluster = load_cluster("h100")
+    one = muon_seconds(shape, Layout(), cluster)
+    dense_only = muon_seconds(dataclasses.replace(shape, moe_layers=0, moe_experts=0, shared_ffn=0,
+                                                  shared_gate=False), Layout(), cluster)
+    assert 0 < dense_only < one
+
+    def ratio(**layout):
+        return muon_seconds(shape, Layout(**layout), cluster) / one
+
+    assert ratio(dp_shard=4, dp_mode="fsdp") == pytest.approx(1 / 4)  # every matrix dealt over 4
+    assert ratio(dp_replicate=2, dp_shard=4, dp_mode="fsdp") == pytest.approx(1 / 4)  # replicas alike
+    assert ratio(dp_replicate=4, dp_mode="ddp") == 1.0  # every replica runs all of it
+    assert ratio(dp_replicate=4, dp_mode="zero1") == pytest.approx(1 / 4)  # each matrix on its owner
+    assert ratio(dp_replicate=2, tp=2, dp_mode="ddp") == pytest.approx(1 / 2)  # tp's cut, dealt over tp
+    assert ratio(pp=2, dp_replicate=2, dp_mode="ddp") == pytest.approx(1 / 2)  # a stage's layers
+    expert_part = 2 * (1 - ratio(dp_replicate=2, ep=2, dp_mode="ddp"))  # ddp with ep 2: half the experts each
+    assert 0 < expert_part < 1
+    # FSDP over tp: dense matrices cut twice, gathered by every rank; the expert stacks FSDP cuts
+    # into whole experts (2 shards), their hidden units dealt over tp (2)
+    assert ratio(dp_shard=2, tp=2, dp_mode="fsdp") == pytest.approx(1 - expert_part + expert_part / 4)
+    # ep: each rank its experts (whole ones over FSDP's expert shards), the dense part dealt over 4
+    fsdp_ep = ratio(dp_shard=4, ep=2, dp_mode="fsdp")
+    assert fsdp_ep == pytest.approx((1 - expert_part) / 4 + expert_part / 4)
+    ddp_ep = ratio(dp_replicate=4, ep=2, dp_mode="ddp")
+    assert ddp_ep == pytest.approx((1 - expert_part) + expert_part / 2)
+
+
+def test_step_time_counts_muon_only_for_muon():
+    shape = ModelShape.from_config(_config().model, 300)
+    cluster, layout = load_cluster("h100"), Layout(dp_shard=8, dp_mode="fsdp")
+    adamw = step_time(shape, layout, SEQ, cluster, "adamw").optimizer
+    muon = step_time(shape, layout, SEQ, cluster, "muon").optimizer
+    sgd = step_time(shape, layout, SEQ, cluster, "sgd").optimizer
+    assert muon - sgd > muon_seconds(shape, layout, cluster) * 0.999  # state bytes differ a little
+    assert adamw < muon
