@@ -59,12 +59,17 @@ class ModelOptimizerState(Stateful):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
         self.model, self.optimizer = model, optimizer
+        # set by CheckpointManager.load from the checkpoint's metadata: the keys of each saved param
+        # group, so a checkpoint whose groups differ from this optimizer's still loads (`_regroup`)
+        self.saved_groups: list[set[str]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
             return {"model": get_state_dict(self.model, [])[0]}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         torch_compat.optimizer_state_like_parameters(optim_sd, model_sd)  # torch 2.8's FSDP'd experts
+        if self.saved_groups is not None:  # the template to load into: the groups as they were saved
+            optim_sd = {**optim_sd, "param_groups": [dict.fromkeys(sorted(keys)) for keys in self.saved_groups]}
         return {"model": model_sd, "optim": optimizer_state_for_save(optim_sd, self._aliases())}
 
     def _aliases(self) -> dict[str, str]:
@@ -75,6 +80,7 @@ class ModelOptimizerState(Stateful):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         optim = optimizer_state_for_load(state.get("optim", {}), self._aliases())
+        self.saved_groups = None
         if self.optimizer is not None and optim.get("param_groups"):
             optim = {**optim, "param_groups": self._own_param_names(optim["param_groups"])}
         set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"], optim_state_dict=optim)
@@ -84,12 +90,28 @@ class ModelOptimizerState(Stateful):
         saves the non-tensor group entry once, from one rank); on another stage's ranks torch's
         set_state_dict then finds none of their parameters in any group and drops the group's
         hyper-parameters (initial_lr, betas...). kiln builds the groups alike on every rank (same
-        order, same name), so each loaded group takes this rank's parameter names."""
+        order, same name), so each loaded group takes this rank's parameter names; groups other
+        than this optimizer's are regrouped (`_regroup`)."""
         current = get_state_dict(self.model, self.optimizer)[1]["param_groups"]
-        if (not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or len(current) != len(groups)
-                or any(g.get("name") != c.get("name") for g, c in zip(groups, current))):
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             return groups  # not kiln's groups: left to torch's own checks, unchanged
+        if len(current) != len(groups) or any(g.get("name") != c.get("name") for g, c in zip(groups, current)):
+            return _regroup(groups, current)
         return [{**g, "params": c["params"]} for g, c in zip(groups, current)]
+
+
+def _regroup(saved: list[dict], current: list[dict]) -> list[dict]:
+    """This optimizer's groups, each with the hyper-parameters of the saved group of the same name,
+    else of the saved group holding its first parameter (a checkpoint from before a group was
+    split off, e.g. Muon's "muon_experts" out of "muon"), else its own; only keys it has itself.
+    The per-parameter state loads by parameter name whatever the groups."""
+    by_name = {g.get("name"): g for g in saved if g.get("name") is not None}
+    by_param = {name: g for g in saved for name in (g.get("params") or []) if isinstance(name, str)}
+    out = []
+    for c in current:
+        source = by_name.get(c.get("name")) or next((by_param[n] for n in c["params"] if n in by_param), None) or c
+        out.append({**c, **{k: v for k, v in source.items() if k in c and k not in ("params", "name")}})
+    return out
 
 
 class RNGState(Stateful):
@@ -385,6 +407,8 @@ class CheckpointManager:
                 for name, value in states.items():  # a CPU checkpoint continuing on a GPU
                     if isinstance(value, RNGState):
                         value.cuda_saved = f"{name}.cuda" in metadata.state_dict_metadata
+                    if isinstance(value, ModelOptimizerState) and value.optimizer is not None:
+                        value.saved_groups = saved_param_groups(metadata, f"{name}.optim.param_groups.")
                 dcp.load(states, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
                          process_group=self.group, **_no_dist(dcp.load))
                 return candidate
@@ -399,6 +423,20 @@ class CheckpointManager:
             problems.append(problem)
             self.log(f"checkpoint skipped: {problem}")
         raise KilnError(f"{self.dir}: no usable checkpoint ({'; '.join(problems)})")
+
+
+def saved_param_groups(metadata, prefix: str) -> list[set[str]] | None:
+    """The keys of each param group a checkpoint saved under `prefix` ("app.optim.param_groups."),
+    in order; None when it saved none."""
+    groups: dict[int, set[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith(prefix):
+            index, _, field = key[len(prefix):].partition(".")
+            if index.isdigit() and field and "." not in field:
+                groups.setdefault(int(index), set()).add(field)
+    if not groups or sorted(groups) != list(range(len(groups))):
+        return None
+    return [groups[i] for i in range(len(groups))]
 
 
 def _first_failure(e: CheckpointException) -> str:
