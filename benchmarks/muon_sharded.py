@@ -2,20 +2,22 @@
 matrix on one rank (kiln/train/optimizers/muon_split.py).
 
 N gloo processes (one thread each) hold the parameter set of a Llama-style decoder (optimizer_step.py's
-ShapeOnlyTransformer: 17.3M parameters at the defaults), FSDP2-sharded per block over all N, and
-step kiln's Muon (`build_optimizer`, optim.name = "muon") on fixed random gradients. Two variants,
-built afresh and timed in alternating rounds:
+ShapeOnlyTransformer: 17.3M parameters at the defaults), FSDP2-sharded per block over all N (with
+`--tp T`: over N / T, each block first tensor-parallel over T with Megatron's column / row plan),
+and step kiln's Muon (`build_optimizer`, optim.name = "muon") on fixed random gradients. Two
+variants, built afresh and timed in alternating rounds:
 
   gather  each sharded matrix gathered whole on every rank and orthogonalized there (kiln before
-          muon_split.py; still its path for a matrix two mesh dimensions cut);
-  split   each matrix orthogonalized on one rank, shards exchanged by two all-to-alls.
+          muon_split.py; still its path where DTensor cannot narrow a matrix to one cut);
+  split   each matrix orthogonalized on one rank, shards exchanged by two all-to-alls (under
+          FSDP over tp: gathered over FSDP's ranks first, then dealt over tp).
 
 Reported per world size: the step's wall time (median over rounds of the slowest rank's median
 step), CPU seconds per step per rank, bytes each rank wrote to its sockets per step (/proc/self/io
 wchar) and the largest difference between the two variants' parameters after the same steps
 (they run the same Newton-Schulz on the same matrices: expected 0).
 
-    python benchmarks/muon_sharded.py [--worlds 1,2,4] [--rounds 3] [--steps 3] [--dim 384 --layers 8]
+    python benchmarks/muon_sharded.py [--worlds 1,2,4] [--tp 1] [--rounds 3] [--steps 3] [--dim 384 --layers 8]
 
 Writes benchmarks/results/muon_sharded.json (or --out) and prints a table.
 """
@@ -48,7 +50,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from kiln.config import OptimConfig
     from kiln.train.optim import build_optimizer
@@ -58,17 +60,25 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    real_cut = muon_split._cut
+    mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    real = muon_split._cut, muon_split._to_one_cut
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+
+    def sharded(seed):  # the parameter set, tp-sharded (Megatron's plan) where tp > 1, FSDP2 per block
+        torch.manual_seed(seed)
+        model = ShapeOnlyTransformer(args.vocab, args.dim, args.layers, args.hidden)
+        for block in model.layers:
+            if args.tp > 1:
+                parallelize_module(block, mesh["tp"], plan)
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model
 
     def build():
-        torch.manual_seed(0)
-        model = ShapeOnlyTransformer(args.vocab, args.dim, args.layers, args.hidden)
-        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3
-                 for i, p in enumerate(model.parameters())]
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = sharded(0)
+        grads = [p.detach() * 1e-3 for p in sharded(1).parameters()]  # fixed, sharded as the parameters
         optimizer = build_optimizer(model, OptimConfig(name="muon", lr=0.02, muon_adam_lr=0.004), "cpu")
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"]
@@ -76,13 +86,8 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
 
     def step(model, optimizer, grads) -> None:
         for p, g in zip(model.parameters(), grads):
-            p.grad = DTensor.from_local(_shard(g), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            p.grad = g.clone()
         optimizer.step()
-
-    def _shard(g):  # this rank's rows of g as FSDP2 cut them (torch.chunk's sizes)
-        sizes = muon_split.chunk_sizes(g.shape[0], world)
-        start = sum(sizes[:rank])
-        return g[start:start + sizes[rank]].clone()
 
     results = {v: [] for v in VARIANTS}
     cpu = {v: [] for v in VARIANTS}
@@ -90,7 +95,10 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     final = {}
     for r in range(args.rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            muon_split._cut = real_cut if variant == "split" else (lambda u, stacked: "gather")
+            if variant == "split":
+                muon_split._cut, muon_split._to_one_cut = real
+            else:
+                muon_split._cut, muon_split._to_one_cut = (lambda u, stacked: "gather"), (lambda u, stacked: None)
             model, optimizer, grads = build()
             step(model, optimizer, grads)  # state created, untimed
             times = []
@@ -104,7 +112,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
             results[variant].append(statistics.median(times))
             if r == 0:
                 final[variant] = [p.full_tensor() for p in model.parameters()]
-    muon_split._cut = real_cut
+    muon_split._cut, muon_split._to_one_cut = real
     difference = max((a - b).abs().max().item() for a, b in zip(final["gather"], final["split"]))
     out.put({"rank": rank, "step_s": results, "cpu_s": {v: statistics.median(c) for v, c in cpu.items()},
              "sent_bytes": {v: statistics.median(s) for v, s in sent.items()}, "difference": difference})
@@ -120,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree inside each world (FSDP2 over tp)")
     parser.add_argument("--out", default="muon_sharded")
     args = parser.parse_args(argv)
     rows, table, worst = {}, [], 0.0
-    for world in [int(w) for w in args.worlds.split(",")]:
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if any(w % args.tp for w in worlds):
+        parser.error(f"--tp {args.tp} must divide every world in --worlds {args.worlds}")
+    for world in worlds:
         target = importlib.import_module(Path(__file__).stem).rank_main  # by module name: spawned ranks import it
         ranks = run_ranks(target, world, (args,), f"muon_sharded world {world}", timeout_s=1800)
         step = {v: statistics.median(max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds))
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                        "difference": max(r["difference"] for r in ranks), "load_avg": os.getloadavg()[0]}
         worst = max(worst, rows[world]["difference"])
         row = rows[world]
-        table.append([world, f"{step['gather']:.3f} / {step['split']:.3f}",
+        table.append([f"{world} (tp {args.tp})" if args.tp > 1 else world, f"{step['gather']:.3f} / {step['split']:.3f}",
                       f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})",
                       f"{row['cpu_s_per_rank']['gather']:.3f} / {row['cpu_s_per_rank']['split']:.3f}",
                       f"{row['sent_bytes_per_rank']['gather'] / 1e6:.1f} / {row['sent_bytes_per_rank']['split'] / 1e6:.1f}",

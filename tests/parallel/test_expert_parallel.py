@@ -378,6 +378,7 @@ def four_rank_launch(tmp_path_factory, text_file):
     runs["ep2 -> ddp"] = runs.pop("ep2-ddp")
     train(load_config(None, common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH})), runs["single"])
     runs["single muon"], runs["ep2 muon"] = root / "single-muon", root / "ep2-muon"
+    runs["fsdp2 x tp2 muon"] = root / "fsdp2-tp2-muon"
     train(load_config(None, common(text_file, **TRAIN_MOE, **MUON, **{"train.batch_size": GLOBAL_BATCH})),
           runs["single muon"])
     runs["ep4 two-level"] = root / "ep4-two-level"
@@ -388,7 +389,9 @@ def four_rank_launch(tmp_path_factory, text_file):
                 "parallel.dp_mode": "'fsdp'"})),
             (runs["ep2 -> ddp"], ["parallel.dp_mode='ddp'"], runs["ep2"], 3),
             (runs["ep2 muon"], common(text_file, **TRAIN_MOE, **MUON, **{
-                "train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2, "parallel.dp_mode": "'fsdp'"}))]
+                "train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2, "parallel.dp_mode": "'fsdp'"})),
+            (runs["fsdp2 x tp2 muon"], common(text_file, **TRAIN_MOE, **MUON, **{
+                "train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2, "parallel.dp_mode": "'fsdp'"}))]
     (root / "ranks").mkdir()
     return run_ranks(four_ranks, 4, root / "ranks", jobs, timeout=400), runs
 
@@ -499,15 +502,19 @@ def test_kiln_train_ep2_of_dp_shard4_matches_one_process_and_resumes_under_ddp(f
     assert_same_losses(norms, {r["step"]: r["grad_norm"] for r in resumed}, range(4, TRAIN_STEPS + 1))
 
 
-def test_kiln_train_muon_with_ep2_of_dp_shard4_matches_one_process(four_rank_launch):
+@pytest.mark.parametrize("layout", ["ep2 muon", "fsdp2 x tp2 muon"])
+def test_kiln_train_muon_matches_one_process(four_rank_launch, layout):
+    """Muon with ep 2 of dp_shard 4 (the dense matrices dealt over 4 FSDP ranks, each rank's whole
+    experts where they live), and FSDP over tp (the dense matrices gathered over dp and dealt over
+    tp, the experts' hidden units dealt over tp)."""
     from test_data_parallel import STEPS as TRAIN_STEPS
     from test_data_parallel import assert_same_losses, losses
 
     runs = four_rank_launch[1]
     expected = losses(runs["single muon"])
     assert expected != pytest.approx(losses(runs["single"]), rel=1e-3)  # another optimizer
-    assert_same_losses(expected, losses(runs["ep2 muon"]), range(1, TRAIN_STEPS + 1))
-    assert_same_losses(grad_norms(runs["single muon"]), grad_norms(runs["ep2 muon"]), range(1, TRAIN_STEPS + 1))
+    assert_same_losses(expected, losses(runs[layout]), range(1, TRAIN_STEPS + 1))
+    assert_same_losses(grad_norms(runs["single muon"]), grad_norms(runs[layout]), range(1, TRAIN_STEPS + 1))
 
 
 def fsdp_manages_experts_rank(rank, world):

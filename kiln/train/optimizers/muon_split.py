@@ -15,8 +15,12 @@ What is split where:
   orthogonalized where it is, with no exchange;
 - one mesh dimension cutting it (`Shard`): split over that dimension's ranks as above; the ranks of
   the other dimensions (replicas) each run their own share alike;
-- anything else (two mesh dimensions cutting one matrix, FSDP2 over tensor parallel's
-  `_StridedShard`, a `Partial`): gathered whole on every rank (`full_tensor`), as before.
+- two mesh dimensions cutting one matrix (FSDP2 over tensor parallel: `_StridedShard` or a
+  second `Shard`): gathered over all but the widest plain `Shard` dimension (DTensor's
+  `redistribute`, the all-gathers FSDP's forward does), then split over that one as above, and
+  the result cut back to the original placements (a local slice);
+- anything else (a `Partial`, a layout this torch's DTensor cannot redistribute): gathered whole on
+  every rank (`full_tensor`), as before.
 
 `stacked`: each tensor is a stack (E, in, out) of per-expert matrices used as `x @ w[e]` (kiln's
 GroupedExperts): each expert's matrix is orthogonalized on its own, and a cut over dim 0 (expert
@@ -46,12 +50,15 @@ def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool = False) ->
     """Each update orthogonalized whole (as `orthogonalize_matrix` of its full tensor), returned
     with the update's own type and sharding; sharded ones split over their ranks (module doc)."""
     out: list[torch.Tensor | None] = [None] * len(updates)
+    work = list(updates)  # what is split: the update, or it gathered down to one cut
     splits: dict[tuple, list[int]] = {}
     for i, u in enumerate(updates):
         if not isinstance(u, DTensor):
             out[i] = orthogonalize_matrix(u, stacked)
             continue
         cut = _cut(u, stacked)
+        if cut == "gather" and (narrowed := _to_one_cut(u, stacked)) is not None:
+            work[i], cut = narrowed
         if cut is None:
             out[i] = _like(u, orthogonalize_matrix(u.to_local(), stacked))
         elif cut == "gather":
@@ -61,12 +68,13 @@ def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool = False) ->
         else:
             splits.setdefault((id(u.device_mesh), cut[0], u.dtype), []).append(i)
     for (_, mesh_dim, _), indices in splits.items():
-        mesh = updates[indices[0]].device_mesh
-        pieces = [_cut(updates[i], stacked) for i in indices]
-        results = _split_over_ranks([updates[i] for i in indices], [dim for _, dim in pieces], mesh, mesh_dim,
-                                    stacked)
+        mesh = work[indices[0]].device_mesh
+        pieces = [_cut(work[i], stacked) for i in indices]
+        results = _split_over_ranks([work[i] for i in indices], [dim for _, dim in pieces], mesh, mesh_dim, stacked)
         for i, local in zip(indices, results):
-            out[i] = _like(updates[i], local)
+            out[i] = _like(work[i], local)
+            if work[i] is not updates[i]:  # back to the update's own cut: a local slice
+                out[i] = out[i].redistribute(updates[i].device_mesh, updates[i].placements)
     return out
 
 
@@ -74,20 +82,50 @@ def _like(u: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape, stride=u.stride())
 
 
-def _cut(u: DTensor, stacked: bool):
-    """None (no placement cuts a matrix), (mesh dim, tensor dim) where exactly one plain `Shard`
-    does, else "gather"."""
+def _cutting(u: DTensor, stacked: bool) -> list[tuple[int, object]] | None:
+    """(mesh dim, placement) of each mesh dimension that cuts a matrix (a stack's experts are
+    whole matrices: a cut of its dim 0 is none); None where a placement is not a shard (Partial)."""
     cuts = []
     for mesh_dim, p in enumerate(u.placements):
         if isinstance(p, Replicate) or u.device_mesh.size(mesh_dim) == 1:
             continue
-        if type(p) is not Shard:  # Partial, _StridedShard: gather
-            return "gather"
+        # FSDP2 over tp's `_StridedShard`: a Shard subclass up to torch 2.12, its own class since
+        if not (isinstance(p, Shard) or hasattr(p, "split_factor")):
+            return None
         if not (stacked and p.dim == 0):
-            cuts.append((mesh_dim, p.dim))
+            cuts.append((mesh_dim, p))
+    return cuts
+
+
+def _cut(u: DTensor, stacked: bool):
+    """None (no placement cuts a matrix), (mesh dim, tensor dim) where exactly one plain `Shard`
+    does, else "gather"."""
+    cuts = _cutting(u, stacked)
+    if cuts is None:
+        return "gather"
     if not cuts:
         return None
-    return cuts[0] if len(cuts) == 1 else "gather"
+    if len(cuts) == 1 and type(cuts[0][1]) is Shard:
+        return cuts[0][0], cuts[0][1].dim
+    return "gather"
+
+
+def _to_one_cut(u: DTensor, stacked: bool):
+    """(u gathered over every cutting mesh dim but the widest plain `Shard` one, its cut), or None
+    where there is none or this torch's DTensor cannot redistribute so."""
+    cuts = _cutting(u, stacked)
+    plain = [(u.device_mesh.size(d), d) for d, p in cuts or () if type(p) is Shard]
+    if not plain:
+        return None
+    keep = max(plain)[1]
+    cutting = {d for d, _ in cuts}
+    target = [Replicate() if d in cutting and d != keep else p for d, p in enumerate(u.placements)]
+    try:
+        narrowed = u.redistribute(u.device_mesh, target)
+    except (NotImplementedError, RuntimeError, ValueError, AssertionError):  # alike on every rank
+        return None
+    cut = _cut(narrowed, stacked)
+    return (narrowed, cut) if isinstance(cut, tuple) else None
 
 
 def chunk_sizes(length: int, parts: int) -> list[int]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from kiln import torch_compat
 from kiln.train.optimizers import Muon
 from kiln.train.optimizers.muon import shape_lr_scale
 from kiln.train.optimizers.muon_split import chunk_sizes, orthogonalize_matrix
@@ -64,7 +65,9 @@ CASES = {
     "replicated": ((6, 6), "1d", ("R",), False, 4),  # every rank: nothing to split
     "experts over ep": ((5, 4, 6), "1d", ("S0",), True, 5),  # whole experts where they live
     "experts over ep, hidden over tp": ((2, 4, 6), "2d", ("R", "S2"), True, 4),
-    "two mesh dims cut it": ((8, 6), "2d", ("S0", "S0"), False, 4),  # gathered on every rank
+    # gathered over the first mesh dim, split over the second
+    "two mesh dims cut it": ((8, 6), "2d", ("S0", "S0"), False, 2),
+    "two mesh dims, two tensor dims": ((8, 6), "2d", ("S0", "S1"), False, 2),
 }
 
 
@@ -75,7 +78,8 @@ def split_rank(rank, world):
     import kiln.train.optimizers.muon as muon
     from kiln.train.optimizers.muon_split import orthogonalize_updates
 
-    meshes = {"1d": init_device_mesh("cpu", (world,)), "2d": init_device_mesh("cpu", (2, world // 2))}
+    meshes = {"1d": init_device_mesh("cpu", (world,)),
+              "2d": init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))}
     gen = torch.Generator().manual_seed(0)
     fulls, updates, stacks = {}, {}, {}
     for name, (shape, mesh, placements, stacked, _) in CASES.items():
@@ -106,7 +110,37 @@ def split_rank(rank, world):
     for n, r in out.items():
         assert r.placements == updates[n].placements and r.shape == updates[n].shape
         differences[n] = (r.full_tensor() - orthogonalize_matrix(fulls[n], stacks[n])).abs().max().item()
-    return {"differences": differences, "counted": counted}
+    fsdp_tp = fsdp_over_tp(meshes["2d"], muon) if torch_compat.fsdp_runs_on_cpu() else None
+    return {"differences": differences, "counted": counted, "fsdp x tp": fsdp_tp}
+
+
+def fsdp_over_tp(mesh, muon):
+    """FSDP2 over tensor parallel's column- and row-parallel weights (`_StridedShard` x `Shard`,
+    `Shard` x `Shard` of another dim): (largest difference to one process, matrices counted)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from kiln.train.optimizers.muon_split import orthogonalize_updates
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12, bias=False), nn.Linear(12, 8, bias=False))
+    fulls = [p.detach().clone() for p in model.parameters()]
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    updates = [p.detach() for p in model.parameters()]
+    calls, real = [0], muon.orthogonalize
+
+    def counting(x, *args, **kwargs):
+        calls[0] += 1
+        return real(x, *args, **kwargs)
+
+    muon.orthogonalize = counting
+    try:
+        results = orthogonalize_updates(updates)
+    finally:
+        muon.orthogonalize = real
+    assert all(r.placements == u.placements for r, u in zip(results, updates))
+    return max((r.full_tensor() - orthogonalize_matrix(f)).abs().max().item() for r, f in zip(results, fulls)), calls[0]
 
 
 @pytest.mark.timeout(180)
@@ -120,7 +154,12 @@ def test_each_sharded_matrix_is_orthogonalized_once_and_every_rank_gets_its_shar
         # all 4 ranks together orthogonalize each matrix once per replica of it, not 4 times
         assert sum(r["counted"].get(name, 0) for r in ranks) == CASES[name][4], (name, [r["counted"] for r in ranks])
     # Muon's one call for the plain matrices: the 5 split over all 4 ranks dealt out (none twice),
-    # hsdp's once per replica, the replicated and the gathered one on every rank: 5 + 2 + 4 + 4;
-    # gathering all on every rank (as before) was 8 per rank
+    # hsdp's and the two cut twice once per replica, the replicated one on every rank:
+    # 5 + 2 + 2 + 2 + 4; gathering all on every rank (as before) was 9 per rank
     per_rank = [r["counted"]["matrices"] for r in ranks]
-    assert sum(per_rank) == 15 and max(per_rank) <= 4, per_rank
+    # (each process group deals its own matrices: the 1-D group's 5 and the 2-D tp groups' 3 can
+    # land 2 + 2 on one rank)
+    assert sum(per_rank) == 15 and max(per_rank) <= 5, per_rank
+    if ranks[0]["fsdp x tp"] is not None:  # FSDP2 runs on CPU (not torch 2.6)
+        assert max(r["fsdp x tp"][0] for r in ranks) == 0.0
+        assert sum(r["fsdp x tp"][1] for r in ranks) == 4  # 2 matrices, each once per dp index
