@@ -6,8 +6,9 @@ l = max, by 5 quintic steps, each a Gram matrix (s x l times l x s: 2 s^2 l FLOP
 (2 s^3) and the polynomial times the matrix (2 s^2 l): 5 (4 s^2 l + 2 s^3) FLOPs. Which matrices a
 rank orthogonalizes follows kiln/train/optimizers/muon_split.py: a matrix one mesh dimension cuts
 is dealt to one of that dimension's ranks (FSDP / ZeRO-2 over dp_shard x cp with tp = 1; tensor
-parallel's tp under ddp); one cut by two (FSDP over tp) is gathered and orthogonalized by every
-rank; ZeRO-1 steps each matrix on its owner; an expert stack is orthogonalized per expert where its
+parallel's tp under ddp); one cut by two (FSDP over tp) is gathered over one and dealt over the
+other (tp for a column-parallel weight, whose FSDP cut is strided; the wider of the two for a
+row-parallel one); ZeRO-1 steps each matrix on its owner; an expert stack is orthogonalized per expert where its
 experts live (E / ep per rank, FSDP's whole experts over the expert data-parallel shards), dealt
 over tp where tp splits the experts' hidden units. Replicas (DDP, HSDP's replicate) each run their
 own share. The iterations run in bf16 on GPUs and fp32 on CPUs (`orthogonalize`), at the device's
@@ -28,32 +29,41 @@ def newton_schulz_flops(rows: int, cols: int) -> float:
     return NS_STEPS * (4 * s * s * l_ + 2 * s ** 3)
 
 
-def _matrices(shape: ModelShape) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]]]:
-    """(dense, expert) matrices Muon orthogonalizes in the whole model: (rows, cols, count); the
+def _matrices(shape: ModelShape) -> tuple[list[tuple[int, int, float, str]], list[tuple[int, int, float]]]:
+    """(dense, expert) matrices Muon orthogonalizes in the whole model: dense as (rows, cols, count,
+    how tensor parallel cuts it: "col" | "row" | "none"), experts as (rows, cols, count); the
     embeddings, the head, norms and biases are AdamW's."""
     d, q, kv = shape.dim, shape.q_dim, shape.kv_dim
     ffn_mats = 3 if shape.gated else 2
     dense_layers = shape.n_layers - shape.moe_layers
-    dense = [(q, d, shape.n_layers), (kv, d, 2 * shape.n_layers), (d, q, shape.n_layers),
-             (shape.ffn, d, ffn_mats * dense_layers)]
+    dense = [(q, d, shape.n_layers, "col"), (kv, d, 2 * shape.n_layers, "col"), (d, q, shape.n_layers, "row"),
+             (shape.ffn, d, (ffn_mats - 1) * dense_layers, "col"), (d, shape.ffn, dense_layers, "row")]
     experts = []
     if shape.moe_layers:
-        dense.append((shape.moe_experts, d, shape.moe_layers))  # the router
+        dense.append((shape.moe_experts, d, shape.moe_layers, "none"))  # the router, replicated over tp
         if shape.shared_ffn:
-            dense.append((shape.shared_ffn, d, ffn_mats * shape.moe_layers))
+            dense += [(shape.shared_ffn, d, (ffn_mats - 1) * shape.moe_layers, "col"),
+                      (d, shape.shared_ffn, shape.moe_layers, "row")]
             if shape.shared_gate:
-                dense.append((1, d, shape.moe_layers))
+                dense.append((1, d, shape.moe_layers, "none"))
         experts.append((shape.expert_ffn or shape.ffn, d, ffn_mats * shape.moe_layers * shape.moe_experts))
     return dense, experts
 
 
-def dense_dealt_over(layout: Layout) -> int:
-    """Ranks the dense matrices' Newton-Schulz is split over (1: every rank runs all of them)."""
+def dense_dealt_over(layout: Layout, tp_cut: str = "col") -> int:
+    """Ranks a dense matrix's Newton-Schulz is split over (1: every rank runs it), by how tensor
+    parallel cuts it (`tp_cut`)."""
+    cut_by_tp = layout.tp if tp_cut != "none" else 1
     if layout.dp_mode in ("fsdp", "zero2"):
-        return layout.dp_shard * layout.cp if layout.tp == 1 else 1  # FSDP over tp: two cuts, gathered
+        shards = layout.dp_shard * layout.cp
+        if cut_by_tp == 1:
+            return shards
+        # FSDP over tp: gathered over all but the widest plain Shard dim; a column-parallel
+        # weight's FSDP cut is strided (the same dim as tp's), so tp's is the one kept
+        return max(shards, layout.tp) if tp_cut == "row" else layout.tp
     if layout.dp_mode == "zero1":
         return layout.dp * layout.cp  # each matrix stepped by its owner (tp > 1 refuses Muon)
-    return layout.tp  # ddp: tp's cut, the replicas alike
+    return cut_by_tp  # ddp: tp's cut, the replicas alike
 
 
 def expert_dealt_over(layout: Layout) -> float:
@@ -75,8 +85,9 @@ def muon_seconds(shape: ModelShape, layout: Layout, cluster: Cluster, share: flo
     peak = dev.peak_flops("fp32" if cluster.backend == "gloo" else "bf16")
     dense, experts = _matrices(shape)
     seconds = 0.0
-    for mats, over in ((dense, dense_dealt_over(layout)), (experts, expert_dealt_over(layout))):
-        for rows, cols, count in mats:
-            eff = dev.efficiency(min(rows, cols) * max(rows, cols))
-            seconds += count * newton_schulz_flops(rows, cols) / (peak * eff) / over
+    matrices = [(r, c, n, dense_dealt_over(layout, cut)) for r, c, n, cut in dense]
+    matrices += [(r, c, n, expert_dealt_over(layout)) for r, c, n in experts]
+    for rows, cols, count, over in matrices:
+        eff = dev.efficiency(min(rows, cols) * max(rows, cols))
+        seconds += count * newton_schulz_flops(rows, cols) / (peak * eff) / over
     return seconds / layout.pp / share
