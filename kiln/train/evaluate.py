@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kiln.config import JobConfig
-from kiln.data.corpus import split_documents
+from kiln.data.corpus import iter_documents
 from kiln.data.loader import TokenWindows, eval_batches, leading_batches
 from kiln.data.tokenizer import token_byte_lengths
 from kiln.data.shards import ShardSet
@@ -55,7 +55,10 @@ class Evaluator:
             if not Path(path).exists():
                 raise DataError(f"train.eval_sets: {path!r} not found")
             name = Path(path).stem.replace("-", "_").replace(".", "_")
-            texts = sum(split_documents(path, 0.5, 0), [])
+            # the documents in the file's own order (each ending in EOS), whatever the path
+            texts = [d.text for d in iter_documents(path)]
+            if not any(texts):
+                raise DataError(f"train.eval_sets: {path!r} has no text")
             docs = [np.append(tokenizer.encode_array(t), tokenizer.eos_id) for t in texts]
             ids = np.concatenate(docs)
             offsets = [np.cumsum([0] + [len(d) for d in docs])] if masked else None

@@ -185,3 +185,40 @@ def test_scoring_takes_the_models_training_loss_path_and_counts_real_rows_only(m
     assert not calls  # no (batch x seq x vocab) logits
     assert got["tokens"] == 3 * SEQ and got["loss"] == pytest.approx(want, rel=1e-6)
     assert score_batches(model, [(x, y, 3)], byte_lengths)["loss"] == pytest.approx(want, rel=1e-7)
+
+
+def test_an_eval_set_is_its_documents_in_file_order_wherever_the_file_lives(model, tmp_path):
+    """train.eval_sets: each record (a plain text file: the whole file) one document ending in EOS,
+    in the file's order; the same file at another path gives the same batches (it was split by a
+    hash of each record's id, which holds the path, and a plain text file cut in two)."""
+    import json
+
+    tok = ByteTokenizer()
+    val = _shards(tmp_path / "shards", tok, ["some validation text " * 20])
+    records = [f"record {i}: " + "words " * (3 + 2 * i) for i in range(6)]
+    plain = "one plain document, " * 12
+    sets = {}
+    for where in ("a", "b/c"):
+        folder = tmp_path / where
+        folder.mkdir(parents=True)
+        (folder / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in records))
+        (folder / "plain.txt").write_text(plain)
+        cfg = load_config(None, [f"data.seq_len={SEQ}", "train.batch_size=2", "train.eval_batches=100",
+                                 "train.dtype=fp32", "data.windows='packed_masked'",
+                                 f"train.eval_sets=[{str(folder / 'docs.jsonl')!r}, {str(folder / 'plain.txt')!r}]"])
+        sets[where] = Evaluator(model, val, tok, cfg, torch.device("cpu")).sets
+    for name, texts in (("docs", records), ("plain", [plain])):
+        docs = [np.append(tok.encode_array(t), tok.eos_id) for t in texts]
+        ids = np.concatenate(docs).astype(np.int64)
+        offsets = [np.cumsum([0] + [len(d) for d in docs])]
+        want = list(leading_batches(TokenWindows([ids], SEQ, doc_offsets=offsets), 2, 100))
+        for where in sets:
+            got = sets[where][name]
+            assert len(got) == len(want) > 1
+            for g, w in zip(got, want):
+                assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(g, w)), (name, where)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cfg = load_config(None, [f"data.seq_len={SEQ}", "train.dtype=fp32", f"train.eval_sets=[{str(empty)!r}]"])
+    with pytest.raises(DataError, match="empty.txt"):
+        Evaluator(model, val, tok, cfg, torch.device("cpu"))
