@@ -35,6 +35,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from kiln import torch_compat
 
+# Whole matrices one rank orthogonalizes per exchange round (`_rounds`); fp32 bytes
+ROUND_BYTES = 2**29
+
 
 def orthogonalize_matrix(update: torch.Tensor, stacked: bool = False) -> torch.Tensor:
     """`orthogonalize` of one local weight-shaped tensor: a stack per expert, or one matrix (conv
@@ -157,35 +160,66 @@ def _split_over_ranks(updates: list[DTensor], dims: list[int], mesh, mesh_dim: i
             items.append((k, None, dim, list(u.shape)))
     owner = _deal(items, ranks)
     locals_ = [u.to_local() for u in updates]
+    outs: list[torch.Tensor | None] = [None if stacked else t for t in locals_]
+    for batch in _rounds(items, owner, ranks, locals_[0].element_size()):
+        _exchange_round(batch, items, owner, locals_, outs, group, ranks, me, stacked)
+    return outs
 
+
+def _numel_on(item, rank: int, ranks: int) -> int:
+    """Elements of `item`'s shard on `rank`."""
+    _, _, dim, shape = item
+    rest = 1
+    for i, s in enumerate(shape):
+        rest *= s if i != dim else 1
+    return rest * chunk_sizes(shape[dim], ranks)[rank]
+
+
+def _rounds(items: list, owner: list[int], ranks: int, itemsize: int) -> list[list[int]]:
+    """The matrices in rounds, largest first, each holding at most ROUND_BYTES of whole matrices
+    on any one owner (a larger matrix alone): what a rank holds at once stays bounded (its whole
+    matrices, the shards sent and received, the results) instead of growing with the model."""
+    order = sorted(range(len(items)), key=lambda n: (-_numel_on(items[n], 0, 1), n))
+    rounds: list[list[int]] = [[]]
+    load = [0] * ranks
+    for n in order:
+        size = _numel_on(items[n], 0, 1) * itemsize
+        if rounds[-1] and load[owner[n]] + size > ROUND_BYTES:
+            rounds.append([])
+            load = [0] * ranks
+        rounds[-1].append(n)
+        load[owner[n]] += size
+    return rounds
+
+
+def _exchange_round(batch: list[int], items: list, owner: list[int], locals_: list[torch.Tensor],
+                    outs: list, group, ranks: int, me: int, stacked: bool) -> None:
+    """One round: every shard of `batch`'s matrices to its owner, each orthogonalized there, each
+    rank's shard of the results back into `outs`."""
     def piece_of(item) -> torch.Tensor:
         k, e, _, _ = item
         return locals_[k] if e is None else locals_[k][e]
 
-    def numel_on(item, rank: int) -> int:
-        _, _, dim, shape = item
-        rest = 1
-        for i, s in enumerate(shape):
-            rest *= s if i != dim else 1
-        return rest * chunk_sizes(shape[dim], ranks)[rank]
-
     dtype, device = locals_[0].dtype, locals_[0].device
+    batch = sorted(batch)  # the same order on every rank, sender and receiver alike
     # 1. every shard to its matrix's owner
-    send = [[piece_of(it).reshape(-1) for it, o in zip(items, owner) if o == r] for r in range(ranks)]
-    mine = [n for n, o in enumerate(owner) if o == me]
-    recv_sizes = [sum(numel_on(items[n], s) for n in mine) for s in range(ranks)]
+    send = [[piece_of(items[n]).reshape(-1) for n in batch if owner[n] == r] for r in range(ranks)]
+    mine = [n for n in batch if owner[n] == me]
+    recv_sizes = [sum(_numel_on(items[n], s, ranks) for n in mine) for s in range(ranks)]
     received = _all_to_all(send, recv_sizes, group, dtype, device)
     results = {}
     offsets = [0] * ranks
     for n in mine:
         _, _, dim, shape = items[n]
+        sizes = chunk_sizes(shape[dim], ranks)
         parts = []
         for s in range(ranks):
-            size = numel_on(items[n], s)
-            part_shape = [chunk_sizes(shape[dim], ranks)[s] if i == dim else x for i, x in enumerate(shape)]
+            size = _numel_on(items[n], s, ranks)
+            part_shape = [sizes[s] if i == dim else x for i, x in enumerate(shape)]
             parts.append(received[s][offsets[s]:offsets[s] + size].view(part_shape))
             offsets[s] += size
         results[n] = orthogonalize_matrix(torch.cat(parts, dim=dim), stacked)
+    del received
     # 2. each rank its shard of every result
     send = []
     for s in range(ranks):
@@ -195,21 +229,20 @@ def _split_over_ranks(updates: list[DTensor], dims: list[int], mesh, mesh_dim: i
             sizes = chunk_sizes(shape[dim], ranks)
             row.append(results[n].narrow(dim, sum(sizes[:s]), sizes[s]).reshape(-1))
         send.append(row)
-    recv_sizes = [sum(numel_on(it, me) for it, o in zip(items, owner) if o == r) for r in range(ranks)]
+    recv_sizes = [sum(_numel_on(items[n], me, ranks) for n in batch if owner[n] == r) for r in range(ranks)]
     received = _all_to_all(send, recv_sizes, group, dtype, device)
     offsets = [0] * ranks
-    outs: list[torch.Tensor | None] = [None if stacked else t for t in locals_]
-    for it, o in zip(items, owner):
-        size = numel_on(it, me)
-        piece = received[o][offsets[o]:offsets[o] + size]
-        offsets[o] += size
-        if it[1] is None:  # a whole local shard: a view of what arrived, no copy
-            outs[it[0]] = piece.view(locals_[it[0]].shape)
+    for n in batch:
+        k, e, _, _ = items[n]
+        size = _numel_on(items[n], me, ranks)
+        piece = received[owner[n]][offsets[owner[n]]:offsets[owner[n]] + size]
+        offsets[owner[n]] += size
+        if e is None:  # a whole local shard: a view of what arrived, no copy
+            outs[k] = piece.view(locals_[k].shape)
         else:  # one expert of a stack whose experts came from several owners
-            if outs[it[0]] is None:
-                outs[it[0]] = torch.empty_like(locals_[it[0]])
-            outs[it[0]][it[1]].copy_(piece.view(outs[it[0]][it[1]].shape))
-    return outs
+            if outs[k] is None:
+                outs[k] = torch.empty_like(locals_[k])
+            outs[k][e].copy_(piece.view(outs[k][e].shape))
 
 
 def _deal(items: list, ranks: int) -> list[int]:

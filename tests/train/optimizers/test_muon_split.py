@@ -111,7 +111,28 @@ def split_rank(rank, world):
         assert r.placements == updates[n].placements and r.shape == updates[n].shape
         differences[n] = (r.full_tensor() - orthogonalize_matrix(fulls[n], stacks[n])).abs().max().item()
     fsdp_tp = fsdp_over_tp(meshes["2d"], muon) if torch_compat.fsdp_runs_on_cpu() else None
-    return {"differences": differences, "counted": counted, "fsdp x tp": fsdp_tp}
+    return {"differences": differences, "counted": counted, "fsdp x tp": fsdp_tp,
+            "rounds": in_rounds(updates, out)}
+
+
+def in_rounds(updates, out):
+    """The plain matrices again with a round budget of one byte (each matrix its own round):
+    (the all-to-alls issued, whether every result is bit-identical to one round's)."""
+    from kiln.train.optimizers import muon_split
+
+    names = [n for n in CASES if not CASES[n][3]]
+    calls, real_budget, real_exchange = [0], muon_split.ROUND_BYTES, muon_split._all_to_all
+
+    def exchange(*args, **kwargs):
+        calls[0] += 1
+        return real_exchange(*args, **kwargs)
+
+    muon_split.ROUND_BYTES, muon_split._all_to_all = 1, exchange
+    try:
+        again = muon_split.orthogonalize_updates([updates[n] for n in names])
+    finally:
+        muon_split.ROUND_BYTES, muon_split._all_to_all = real_budget, real_exchange
+    return calls[0], all(torch.equal(a.to_local(), out[n].to_local()) for n, a in zip(names, again))
 
 
 def fsdp_over_tp(mesh, muon):
@@ -160,6 +181,9 @@ def test_each_sharded_matrix_is_orthogonalized_once_and_every_rank_gets_its_shar
     # (each process group deals its own matrices: the 1-D group's 5 and the 2-D tp groups' 3 can
     # land 2 + 2 on one rank)
     assert sum(per_rank) == 15 and max(per_rank) <= 5, per_rank
+    # in rounds of one matrix: the 1-D group's 5 and the 2-D tp groups' 3 each exchanged alone
+    # (two all-to-alls a round, instead of two per group), the same results
+    assert all(r["rounds"] == (2 * (5 + 3), True) for r in ranks), [r["rounds"] for r in ranks]
     if ranks[0]["fsdp x tp"] is not None:  # FSDP2 runs on CPU (not torch 2.6)
         assert max(r["fsdp x tp"][0] for r in ranks) == 0.0
         assert sum(r["fsdp x tp"][1] for r in ranks) == 4  # 2 matrices, each once per dp index
