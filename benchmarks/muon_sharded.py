@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import free_port, print_table, run_ranks, write_results  # noqa: E402
+from common import print_table, run_ranks, write_results  # noqa: E402
 
 VARIANTS = ("gather", "split")
 
