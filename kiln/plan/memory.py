@@ -72,8 +72,9 @@ from kiln.config import ModelConfig
 from kiln.parallel.zero1_partition import partition
 
 # Optimizer state in bytes per fp32 parameter: two moments for adamw/lamb (muon: AdamW's two for
-# its non-matrix part, one momentum for matrices; counted as two), one for lion and sgd. torch's
-# Adafactor keeps factored row/column statistics, negligible next to the weights.
+# its non-matrix part, one momentum for matrices: `muon_matrix_fraction`; two where only the name
+# is known), one for lion and sgd. torch's Adafactor keeps factored row/column statistics,
+# negligible next to the weights.
 OPTIM_STATE_BYTES = {"adamw": 8, "lamb": 8, "muon": 8, "lion": 4, "sgd": 4, "adafactor": 0}
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 2}
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -538,6 +539,27 @@ def zero1_fullest_share(shape: ModelShape, layout: Layout, last: bool = False, o
 @functools.lru_cache(maxsize=4096)
 def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool], ranks: int,
                  with_experts: bool, cuts: str) -> float:
+    hidden, other = _stage_tensors(shape, tp, stage, with_experts)
+    cut_other = cuts in ("all", "adamw_groups")
+    cuttable = [cuts == "all"] * len(hidden) + [cut_other] * len(other)
+    held = [0] * ranks
+    for runs in partition([round(size) for size in hidden + other], cuttable, ranks):
+        for start, end, rank in runs:
+            held[rank] += end - start
+    return max(held) / sum(held)
+
+
+def muon_matrix_fraction(shape: ModelShape, layout: Layout, last: bool = False) -> float:
+    """The share of a stage rank's dense (non-expert) parameters that Muon orthogonalizes (one
+    momentum, 4 bytes); the rest (embeddings, head, norms, biases) its AdamW steps (8 bytes)."""
+    hidden, other = _stage_tensors(shape, layout.tp, stage_contents(shape, layout, last), False)
+    total = sum(hidden) + sum(other)
+    return sum(hidden) / total if total else 0.0
+
+
+def _stage_tensors(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool],
+                   with_experts: bool) -> tuple[list[float], list[float]]:
+    """A stage rank's local tensor sizes: (Muon's orthogonalized matrices, the rest)."""
     blocks, embedding, head, norm = stage
     d, q, kv, ffn = shape.dim, shape.q_dim, shape.kv_dim, shape.ffn
     moe_blocks = round(blocks * shape.moe_layers / shape.n_layers)
@@ -548,10 +570,10 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
     hidden += [d * ffn / tp] * matrices * (blocks - moe_blocks)  # dense MLPs
     hidden += ([shape.moe_experts * d] + experts) * moe_blocks  # MoE: router (replicated) and experts
     hidden += [d * shape.shared_ffn / tp] * matrices * moe_blocks if shape.shared_ffn else []  # shared experts
+    hidden += [float(d)] * (moe_blocks if shape.shared_gate else 0)  # their gates: (1, dim) matrices (replicated)
     # norms (and their biases) and QK-norm gains (replicated over tp), then the biases
     other = [float(d)] * shape.norm_params * (2 * blocks + (1 if norm else 0))
     other += [float(q // shape.n_heads)] * (2 * blocks if shape.qk_norm else 0)
-    other += [float(d)] * (moe_blocks if shape.shared_gate else 0)  # the shared experts' gates (replicated)
     if shape.qkv_bias:
         other += [q / tp, kv / tp, kv / tp] * blocks
     if shape.bias:  # wo's, then the dense MLPs' w1 (w3) and w2's
@@ -561,13 +583,7 @@ def _zero1_share(shape: ModelShape, tp: int, stage: tuple[int, bool, bool, bool]
         other += [shape.learned_positions_len * d / tp] if shape.learned_positions_len else []
     if head:
         other.append(shape.vocab * d / tp)
-    cut_other = cuts in ("all", "adamw_groups")
-    cuttable = [cuts == "all"] * len(hidden) + [cut_other] * len(other)
-    held = [0] * ranks
-    for runs in partition([round(size) for size in hidden + other], cuttable, ranks):
-        for start, end, rank in runs:
-            held[rank] += end - start
-    return max(held) / sum(held)
+    return hidden, other
 
 
 def holds_head(layout: Layout, last: bool) -> bool:
@@ -611,12 +627,15 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     out.gradients = out.parameters
     # zero1: the fullest rank's partition, ep's experts outside it (zero1_fullest_share)
     if full_mode == "zero1":
-        partitioned = dense + (experts if layout.ep == 1 else 0.0)
-        stepped = (partitioned * zero1_fullest_share(shape, layout, last, optimizer)
-                   + (experts if layout.ep > 1 else 0.0))
+        share = zero1_fullest_share(shape, layout, last, optimizer)
+        stepped_dense, stepped_experts = dense * share, experts * (share if layout.ep == 1 else 1.0)
     else:
-        stepped = dense / shard + experts / expert_shard
-    out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * stepped
+        stepped_dense, stepped_experts = dense / shard, experts / expert_shard
+    if optimizer == "muon":  # one momentum for its matrices (the experts are all matrices), AdamW's two for the rest
+        matrices = muon_matrix_fraction(shape, layout, last)
+        out.optimizer = 4 * stepped_dense * (2 - matrices) + 4 * stepped_experts
+    else:
+        out.optimizer = OPTIM_STATE_BYTES.get(optimizer, 8) * (stepped_dense + stepped_experts)
 
     act = ACT_BYTES[layout.precision]
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch

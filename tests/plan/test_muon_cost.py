@@ -97,3 +97,26 @@ def test_step_time_counts_muon_only_for_muon():
     sgd = step_time(shape, layout, SEQ, cluster, "sgd").optimizer
     assert muon - sgd > muon_seconds(shape, layout, cluster) * 0.999  # state bytes differ a little
     assert adamw < muon
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.activation=gelu", "model.norm=layernorm", "model.bias=true",
+                                            "model.tie_embeddings=false", "model.positions=learned"), MOE],
+                         ids=["llama", "gpt2-like", "moe"])
+def test_muon_state_in_the_memory_model_is_what_kilns_muon_holds(overrides):
+    """One momentum (4 bytes) per orthogonalized parameter, AdamW's two (8) for the rest: the
+    memory model's optimizer bytes equal the state tensors of kiln's Muon after a step (its
+    per-parameter step counters aside)."""
+    from kiln.plan.memory import rank_memory
+
+    cfg = _config(*overrides)
+    model = Transformer(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.numel() > 1)
+    planned = rank_memory(ModelShape.from_config(cfg.model, 300), Layout(), SEQ, "muon").optimizer
+    assert planned == pytest.approx(held, rel=1e-9)
+    adamw = rank_memory(ModelShape.from_config(cfg.model, 300), Layout(), SEQ, "adamw").optimizer
+    assert planned < adamw
