@@ -4,13 +4,15 @@ matrix on one rank (kiln/train/optimizers/muon_split.py).
 N gloo processes (one thread each) hold the parameter set of a Llama-style decoder (optimizer_step.py's
 ShapeOnlyTransformer: 17.3M parameters at the defaults), FSDP2-sharded per block over all N (with
 `--tp T`: over N / T, each block first tensor-parallel over T with Megatron's column / row plan),
-and step kiln's Muon (`build_optimizer`, optim.name = "muon") on fixed random gradients. Two
-variants, built afresh and timed in alternating rounds:
+and step kiln's Muon (`build_optimizer`, optim.name = "muon") on fixed random gradients (`--ddp`:
+replicated on every rank instead, as under DDP). Two variants, built afresh and timed in
+alternating rounds:
 
   gather  each sharded matrix gathered whole on every rank and orthogonalized there (kiln before
           muon_split.py; still its path where DTensor cannot narrow a matrix to one cut);
   split   each matrix orthogonalized on one rank, shards exchanged by two all-to-alls (under
-          FSDP over tp: gathered over FSDP's ranks first, then dealt over tp).
+          FSDP over tp: gathered over FSDP's ranks first, then dealt over tp; `--ddp`: whole
+          matrices dealt over the ranks, one broadcast per owner).
 
 Reported per world size: the step's wall time (median over rounds of the slowest rank's median
 step), CPU seconds per step per rank, bytes each rank wrote to its sockets per step (/proc/self/io
@@ -69,6 +71,8 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     def sharded(seed):  # the parameter set, tp-sharded (Megatron's plan) where tp > 1, FSDP2 per block
         torch.manual_seed(seed)
         model = ShapeOnlyTransformer(args.vocab, args.dim, args.layers, args.hidden)
+        if args.ddp:  # replicated: every rank holds it whole
+            return model
         for block in model.layers:
             if args.tp > 1:
                 parallelize_module(block, mesh["tp"], plan)
@@ -82,6 +86,8 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
         optimizer = build_optimizer(model, OptimConfig(name="muon", lr=0.02, muon_adam_lr=0.004), "cpu")
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"]
+        if args.ddp and dealing:  # what kiln's shard_optimizer_state sets under ddp
+            optimizer.replicas = dist.group.WORLD
         return model, optimizer, grads
 
     def step(model, optimizer, grads) -> None:
@@ -95,6 +101,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     final = {}
     for r in range(args.rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            dealing = variant == "split"
             if variant == "split":
                 muon_split._cut, muon_split._to_one_cut = real
             else:
@@ -111,7 +118,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
                 sent[variant].append(_socket_bytes() - b0)
             results[variant].append(statistics.median(times))
             if r == 0:
-                final[variant] = [p.full_tensor() for p in model.parameters()]
+                final[variant] = [p.detach().clone() if args.ddp else p.full_tensor() for p in model.parameters()]
     muon_split._cut, muon_split._to_one_cut = real
     difference = max((a - b).abs().max().item() for a, b in zip(final["gather"], final["split"]))
     out.put({"rank": rank, "step_s": results, "cpu_s": {v: statistics.median(c) for v, c in cpu.items()},
@@ -129,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree inside each world (FSDP2 over tp)")
+    parser.add_argument("--ddp", action="store_true", help="replicated parameters (DDP) instead of FSDP2: "
+                        "gather = every rank orthogonalizes all, split = dealt over the ranks and broadcast")
     parser.add_argument("--out", default="muon_sharded")
     args = parser.parse_args(argv)
     rows, table, worst = {}, [], 0.0
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                        "difference": max(r["difference"] for r in ranks), "load_avg": os.getloadavg()[0]}
         worst = max(worst, rows[world]["difference"])
         row = rows[world]
-        table.append([f"{world} (tp {args.tp})" if args.tp > 1 else world, f"{step['gather']:.3f} / {step['split']:.3f}",
+        table.append([f"{world} (tp {args.tp})" if args.tp > 1 else f"{world} (ddp)" if args.ddp else world, f"{step['gather']:.3f} / {step['split']:.3f}",
                       f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})",
                       f"{row['cpu_s_per_rank']['gather']:.3f} / {row['cpu_s_per_rank']['split']:.3f}",
                       f"{row['sent_bytes_per_rank']['gather'] / 1e6:.1f} / {row['sent_bytes_per_rank']['split'] / 1e6:.1f}",

@@ -361,7 +361,12 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims, 
     """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state
     partitioned over the data-parallel ranks (under parallel.ep the dense parameters' state only),
     `Zero1Optimizer`; under pp a tied embedding's tensors (`model.tied_embedding_weights`) are cut
-    alike on both end stages. Returns `optimizer` itself unless dp_mode is zero1."""
+    alike on both end stages. Returns `optimizer` itself unless dp_mode is zero1; under ddp,
+    Muon's Newton-Schulz is dealt out over the replicas (`Muon.replicas`)."""
+    from kiln.train.optimizers import Muon
+
+    if dims.dp_mode == "ddp" and dims.grad_ranks > 1 and isinstance(optimizer, Muon):
+        optimizer.replicas = grad_mesh(dims).get_group()  # the ranks DDP averages over: equal gradients
     if dims.dp_mode != "zero1" or dims.grad_ranks == 1:  # (DiLoCo: the ranks inside a replica)
         return optimizer
     if any(isinstance(p, DTensor) and not _is_expert(p) for g in optimizer.param_groups for p in g["params"]):

@@ -6,7 +6,8 @@ l = max, by 5 quintic steps, each a Gram matrix (s x l times l x s: 2 s^2 l FLOP
 (2 s^3) and the polynomial times the matrix (2 s^2 l): 5 (4 s^2 l + 2 s^3) FLOPs. Which matrices a
 rank orthogonalizes follows kiln/train/optimizers/muon_split.py: a matrix one mesh dimension cuts
 is dealt to one of that dimension's ranks (FSDP / ZeRO-2 over dp_shard x cp with tp = 1; tensor
-parallel's tp under ddp); one cut by two (FSDP over tp) is gathered over one and dealt over the
+parallel's tp under ddp); DDP's whole matrices are dealt over the replicas (dp x cp) and broadcast
+(the broadcasts are in timing.py's data-parallel traffic); one cut by two (FSDP over tp) is gathered over one and dealt over the
 other (tp for a column-parallel weight, whose FSDP cut is strided; the wider of the two for a
 row-parallel one); ZeRO-1 steps each matrix on its owner; an expert stack is orthogonalized per expert where its
 experts live (E / ep per rank, FSDP's whole experts over the expert data-parallel shards), dealt
@@ -63,7 +64,9 @@ def dense_dealt_over(layout: Layout, tp_cut: str = "col") -> int:
         return max(shards, layout.tp) if tp_cut == "row" else layout.tp
     if layout.dp_mode == "zero1":
         return layout.dp * layout.cp  # each matrix stepped by its owner (tp > 1 refuses Muon)
-    return cut_by_tp  # ddp: tp's cut, the replicas alike
+    if layout.tp == 1:  # ddp: whole matrices dealt over the replicas (and broadcast: timing.py)
+        return layout.dp * layout.cp
+    return cut_by_tp  # ddp x tp: tp's cut, the replicas alike
 
 
 def expert_dealt_over(layout: Layout) -> float:
@@ -71,8 +74,8 @@ def expert_dealt_over(layout: Layout) -> float:
     experts over the expert shards, tp where it splits the experts' hidden units; without ep,
     ZeRO-1 steps each stack on its owner."""
     shards = 1
-    if layout.dp_mode == "zero1" and layout.ep == 1:  # plain parameters: ZeRO-1 partitions them too
-        return layout.dp * layout.cp
+    if layout.dp_mode in ("zero1", "ddp") and layout.ep == 1 and layout.tp == 1:
+        return layout.dp * layout.cp  # plain parameters: ZeRO-1 partitions them, DDP's replicas deal them out
     if layout.dp_mode in ("fsdp", "zero2"):
         shards = max(1, layout.dp_shard * layout.cp * (layout.tp if layout.ep_borrows_tp else 1) // layout.ep)
     return layout.ep * shards * layout.expert_tp
@@ -81,13 +84,21 @@ def expert_dealt_over(layout: Layout) -> float:
 def muon_seconds(shape: ModelShape, layout: Layout, cluster: Cluster, share: float = 1.0) -> float:
     """Wall seconds one rank spends in Newton-Schulz per optimizer step (its pipeline stage's
     matrices; at `share` of a device where ranks share cores)."""
+    return sum(muon_seconds_by_part(shape, layout, cluster, share))
+
+
+def muon_seconds_by_part(shape: ModelShape, layout: Layout, cluster: Cluster,
+                         share: float = 1.0) -> tuple[float, float]:
+    """`muon_seconds` as (dense matrices, experts)."""
     dev = cluster.device
     peak = dev.peak_flops("fp32" if cluster.backend == "gloo" else "bf16")
     dense, experts = _matrices(shape)
-    seconds = 0.0
-    matrices = [(r, c, n, dense_dealt_over(layout, cut)) for r, c, n, cut in dense]
-    matrices += [(r, c, n, expert_dealt_over(layout)) for r, c, n in experts]
-    for rows, cols, count, over in matrices:
-        eff = dev.efficiency(min(rows, cols) * max(rows, cols))
-        seconds += count * newton_schulz_flops(rows, cols) / (peak * eff) / over
-    return seconds / layout.pp / share
+    parts = []
+    for matrices in ([(r, c, n, dense_dealt_over(layout, cut)) for r, c, n, cut in dense],
+                     [(r, c, n, expert_dealt_over(layout)) for r, c, n in experts]):
+        seconds = 0.0
+        for rows, cols, count, over in matrices:
+            eff = dev.efficiency(min(rows, cols) * max(rows, cols))
+            seconds += count * newton_schulz_flops(rows, cols) / (peak * eff) / over
+        parts.append(seconds / layout.pp / share)
+    return parts[0], parts[1]

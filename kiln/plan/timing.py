@@ -73,7 +73,7 @@ from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p
 from kiln.plan.diloco import outer_sync_seconds, replica_cluster
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, Layout, ModelShape,
                               rank_memory, rank_params, recomputed_blocks, recomputed_matmul_blocks,
-                              resharded_after_forward, zero1_fullest_share)
+                              muon_matrix_fraction, resharded_after_forward, zero1_fullest_share)
 from kiln.plan.muon_cost import muon_seconds
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
@@ -292,6 +292,13 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
                 tensors = shape.param_tensors(layout.pp) + cuts
                 t_b = broadcast(cluster, replicas, 4 * dense, dp_stride, calls=tensors)
                 count("broadcast", tensors, waited=False)
+                exposed += t_b
+                total += t_b
+            elif optimizer == "muon":  # ddp: each replica orthogonalizes its share and broadcasts it
+                matrices = 4 * (dense * muon_matrix_fraction(shape, layout, fuller_last)
+                                + (experts if layout.ep == 1 else 0.0))
+                t_b = broadcast(cluster, replicas, matrices, dp_stride, calls=replicas)
+                count("broadcast", replicas)
                 exposed += t_b
                 total += t_b
         else:

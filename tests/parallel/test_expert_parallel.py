@@ -378,7 +378,7 @@ def four_rank_launch(tmp_path_factory, text_file):
     runs["ep2 -> ddp"] = runs.pop("ep2-ddp")
     train(load_config(None, common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH})), runs["single"])
     runs["single muon"], runs["ep2 muon"] = root / "single-muon", root / "ep2-muon"
-    runs["fsdp2 x tp2 muon"] = root / "fsdp2-tp2-muon"
+    runs["fsdp2 x tp2 muon"], runs["ddp muon"] = root / "fsdp2-tp2-muon", root / "ddp-muon"
     train(load_config(None, common(text_file, **TRAIN_MOE, **MUON, **{"train.batch_size": GLOBAL_BATCH})),
           runs["single muon"])
     runs["ep4 two-level"] = root / "ep4-two-level"
@@ -391,7 +391,9 @@ def four_rank_launch(tmp_path_factory, text_file):
             (runs["ep2 muon"], common(text_file, **TRAIN_MOE, **MUON, **{
                 "train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2, "parallel.dp_mode": "'fsdp'"})),
             (runs["fsdp2 x tp2 muon"], common(text_file, **TRAIN_MOE, **MUON, **{
-                "train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2, "parallel.dp_mode": "'fsdp'"}))]
+                "train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2, "parallel.dp_mode": "'fsdp'"})),
+            (runs["ddp muon"], common(text_file, **TRAIN_MOE, **MUON, **{
+                "train.batch_size": GLOBAL_BATCH // 4, "parallel.dp_mode": "'ddp'"}))]
     (root / "ranks").mkdir()
     return run_ranks(four_ranks, 4, root / "ranks", jobs, timeout=400), runs
 
@@ -502,11 +504,12 @@ def test_kiln_train_ep2_of_dp_shard4_matches_one_process_and_resumes_under_ddp(f
     assert_same_losses(norms, {r["step"]: r["grad_norm"] for r in resumed}, range(4, TRAIN_STEPS + 1))
 
 
-@pytest.mark.parametrize("layout", ["ep2 muon", "fsdp2 x tp2 muon"])
+@pytest.mark.parametrize("layout", ["ep2 muon", "fsdp2 x tp2 muon", "ddp muon"])
 def test_kiln_train_muon_matches_one_process(four_rank_launch, layout):
     """Muon with ep 2 of dp_shard 4 (the dense matrices dealt over 4 FSDP ranks, each rank's whole
-    experts where they live), and FSDP over tp (the dense matrices gathered over dp and dealt over
-    tp, the experts' hidden units dealt over tp)."""
+    experts where they live), FSDP over tp (the dense matrices gathered over dp and dealt over
+    tp, the experts' hidden units dealt over tp), and DDP over 4 (whole matrices and expert
+    stacks dealt over the replicas, broadcast from their owners)."""
     from test_data_parallel import STEPS as TRAIN_STEPS
     from test_data_parallel import assert_same_losses, losses
 

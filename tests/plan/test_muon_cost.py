@@ -12,7 +12,7 @@ from kiln.config import load_config
 from kiln.model.transformer import Transformer
 from kiln.plan.cluster import load_cluster
 from kiln.plan.memory import Layout, ModelShape
-from kiln.plan.muon_cost import _matrices, muon_seconds, newton_schulz_flops
+from kiln.plan.muon_cost import _matrices, muon_seconds, muon_seconds_by_part, newton_schulz_flops
 from kiln.plan.timing import step_time
 from kiln.train.optim import build_optimizer
 
@@ -70,13 +70,13 @@ def test_each_layout_divides_the_iterations_as_the_optimizer_deals_them_out():
 
     assert ratio(dp_shard=4, dp_mode="fsdp") == pytest.approx(1 / 4)  # every matrix dealt over 4
     assert ratio(dp_replicate=2, dp_shard=4, dp_mode="fsdp") == pytest.approx(1 / 4)  # replicas alike
-    assert ratio(dp_replicate=4, dp_mode="ddp") == 1.0  # every replica runs all of it
+    assert ratio(dp_replicate=4, dp_mode="ddp") == pytest.approx(1 / 4)  # whole matrices dealt over the replicas
     assert ratio(dp_replicate=4, dp_mode="zero1") == pytest.approx(1 / 4)  # each matrix on its owner
     # ddp x tp: tp's cut, dealt over tp; the router and the shared gate (replicated over tp) on
     # every rank: a little more than half
     assert 0.5 < ratio(dp_replicate=2, tp=2, dp_mode="ddp") < 0.51
-    assert ratio(pp=2, dp_replicate=2, dp_mode="ddp") == pytest.approx(1 / 2)  # a stage's layers
-    expert_part = 2 * (1 - ratio(dp_replicate=2, ep=2, dp_mode="ddp"))  # ddp with ep 2: half the experts each
+    assert ratio(pp=2, dp_replicate=1, dp_mode="ddp") == pytest.approx(1 / 2)  # a stage's layers
+    expert_part = muon_seconds_by_part(shape, Layout(), cluster)[1] / one
     assert 0 < expert_part < 1
     # FSDP over tp: dense matrices gathered over one dim, dealt over the other (2 ranks either
     # way here); the expert stacks FSDP cuts into whole experts (2 shards), their hidden units
@@ -86,7 +86,7 @@ def test_each_layout_divides_the_iterations_as_the_optimizer_deals_them_out():
     fsdp_ep = ratio(dp_shard=4, ep=2, dp_mode="fsdp")
     assert fsdp_ep == pytest.approx((1 - expert_part) / 4 + expert_part / 4)
     ddp_ep = ratio(dp_replicate=4, ep=2, dp_mode="ddp")
-    assert ddp_ep == pytest.approx((1 - expert_part) + expert_part / 2)
+    assert ddp_ep == pytest.approx((1 - expert_part) / 4 + expert_part / 2)
 
 
 def test_step_time_counts_muon_only_for_muon():
@@ -120,3 +120,11 @@ def test_muon_state_in_the_memory_model_is_what_kilns_muon_holds(overrides):
     assert planned == pytest.approx(held, rel=1e-9)
     adamw = rank_memory(ModelShape.from_config(cfg.model, 300), Layout(), SEQ, "adamw").optimizer
     assert planned < adamw
+
+
+def test_ddp_pays_a_broadcast_per_replica_for_dealing_the_iterations_out():
+    shape = ModelShape.from_config(_config(*MOE).model, 300)
+    cluster, ddp = load_cluster("h100"), Layout(dp_replicate=4, dp_mode="ddp")
+    muon, adamw = step_time(shape, ddp, SEQ, cluster, "muon"), step_time(shape, ddp, SEQ, cluster, "adamw")
+    assert muon.calls.get("broadcast") == 4 and "broadcast" not in adamw.calls
+    assert muon.comm_total > adamw.comm_total

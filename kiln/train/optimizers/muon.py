@@ -87,6 +87,9 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, use_muon=True)
         super().__init__(params, defaults)
+        # a process group whose ranks hold the plain (non-DTensor) parameters and gradients alike
+        # (DDP's replicas): each of them orthogonalizes a share and broadcasts it (muon_split.py)
+        self.replicas = None
         # honours found_inf (kiln/train/optimizers/skip.py; torch's fused AdamW kernel for the AdamW
         # groups), so train_step never syncs with it
         self._step_supports_amp_scaling = all(
@@ -135,7 +138,7 @@ class Muon(torch.optim.Optimizer):
             # gradient's storage (spent once the buffer has it), so the group adds no copy.
             updates.append(p.grad.lerp_(buf, beta) if group["nesterov"] else buf)
         # all of the group's matrices at once: sharded ones are dealt out over their ranks
-        for p, ortho in zip(params, orthogonalize_updates(updates, stacked)):
+        for p, ortho in zip(params, orthogonalize_updates(updates, stacked, self.replicas)):
             zero_if_skipped_(skip, [ortho])
             if wd != 0:
                 p.mul_(decay)

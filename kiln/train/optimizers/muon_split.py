@@ -49,15 +49,22 @@ def orthogonalize_matrix(update: torch.Tensor, stacked: bool = False) -> torch.T
     return orthogonalize(update.reshape(update.size(0), -1)).view_as(update)
 
 
-def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool = False) -> list[torch.Tensor]:
+def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool = False, replicas=None) -> list[torch.Tensor]:
     """Each update orthogonalized whole (as `orthogonalize_matrix` of its full tensor), returned
-    with the update's own type and sharding; sharded ones split over their ranks (module doc)."""
+    with the update's own type and sharding; sharded ones split over their ranks (module doc);
+    plain ones dealt over `replicas` (a process group whose ranks hold them alike: DDP's) where
+    given, each orthogonalized on one of them and broadcast from there."""
     out: list[torch.Tensor | None] = [None] * len(updates)
     work = list(updates)  # what is split: the update, or it gathered down to one cut
     splits: dict[tuple, list[int]] = {}
+    plain = [i for i, u in enumerate(updates) if not isinstance(u, DTensor)]
+    if plain and replicas is not None and dist.get_world_size(replicas) > 1:
+        for i, result in zip(plain, _deal_over_replicas([updates[i] for i in plain], stacked, replicas)):
+            out[i] = result
     for i, u in enumerate(updates):
         if not isinstance(u, DTensor):
-            out[i] = orthogonalize_matrix(u, stacked)
+            if out[i] is None:
+                out[i] = orthogonalize_matrix(u, stacked)
             continue
         cut = _cut(u, stacked)
         if cut == "gather" and (narrowed := _to_one_cut(u, stacked)) is not None:
@@ -245,23 +252,54 @@ def _exchange_round(batch: list[int], items: list, owner: list[int], locals_: li
             outs[k][e].copy_(piece.view(outs[k][e].shape))
 
 
-def _deal(items: list, ranks: int) -> list[int]:
-    """Each matrix's owner: largest Newton-Schulz cost first to the least loaded rank (ties to the
-    lowest rank), in an order every rank computes alike. Cost ~ short side^2 x long side."""
-    def cost(item) -> int:
-        shape = item[3]
-        rows, cols = shape[0], 1
-        for s in shape[1:]:
-            cols *= s
-        short, long_ = min(rows, cols), max(rows, cols)
-        return short * short * long_
+def _deal_over_replicas(tensors: list[torch.Tensor], stacked: bool, group) -> list[torch.Tensor]:
+    """Whole tensors every rank of `group` holds alike (DDP's): each orthogonalized on one rank
+    (dealt by cost, `_deal`), then one broadcast per owner and dtype hands the results to all
+    (modded-nanogpt's distributed Muon, on torch's broadcast)."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    # a stack costs its experts' matrices together (it goes to one owner whole)
+    owner = _deal_costs([_ns_cost(list(t.shape[1:])) * t.shape[0] if stacked else _ns_cost(list(t.shape))
+                         for t in tensors], ranks)
+    out: list[torch.Tensor | None] = [orthogonalize_matrix(t, stacked) if o == me else None
+                                      for t, o in zip(tensors, owner)]
+    for r in range(ranks):
+        for dtype in sorted({t.dtype for t, o in zip(tensors, owner) if o == r}, key=str):
+            mine = [k for k, (t, o) in enumerate(zip(tensors, owner)) if o == r and t.dtype == dtype]
+            if r == me:
+                buffer = torch.cat([out[k].reshape(-1) for k in mine])
+            else:
+                buffer = torch.empty(sum(tensors[k].numel() for k in mine), dtype=dtype, device=tensors[mine[0]].device)
+            dist.broadcast(buffer, src=dist.get_global_rank(group, r), group=group)
+            offset = 0
+            for k in mine:
+                out[k] = buffer[offset:offset + tensors[k].numel()].view(tensors[k].shape)
+                offset += tensors[k].numel()
+    return out
 
-    order = sorted(range(len(items)), key=lambda n: (-cost(items[n]), n))
-    load, owner = [0] * ranks, [0] * len(items)
+
+def _ns_cost(shape: list[int]) -> int:
+    """Newton-Schulz's cost of one matrix, up to a constant: short side^2 x long side."""
+    rows, cols = shape[0], 1
+    for s in shape[1:]:
+        cols *= s
+    short, long_ = min(rows, cols), max(rows, cols)
+    return short * short * long_
+
+
+def _deal(items: list, ranks: int) -> list[int]:
+    """Each matrix's owner (`_deal_costs` of their Newton-Schulz costs)."""
+    return _deal_costs([_ns_cost(item[3]) for item in items], ranks)
+
+
+def _deal_costs(costs: list[int], ranks: int) -> list[int]:
+    """Owners: largest cost first to the least loaded rank (ties to the lowest rank), in an order
+    every rank computes alike."""
+    order = sorted(range(len(costs)), key=lambda n: (-costs[n], n))
+    load, owner = [0] * ranks, [0] * len(costs)
     for n in order:
         r = min(range(ranks), key=lambda q: (load[q], q))
         owner[n] = r
-        load[r] += cost(items[n])
+        load[r] += costs[n]
     return owner
 
 

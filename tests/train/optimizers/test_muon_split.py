@@ -112,7 +112,34 @@ def split_rank(rank, world):
         differences[n] = (r.full_tensor() - orthogonalize_matrix(fulls[n], stacks[n])).abs().max().item()
     fsdp_tp = fsdp_over_tp(meshes["2d"], muon) if torch_compat.fsdp_runs_on_cpu() else None
     return {"differences": differences, "counted": counted, "fsdp x tp": fsdp_tp,
-            "rounds": in_rounds(updates, out)}
+            "rounds": in_rounds(updates, out), "ddp": over_replicas(muon)}
+
+
+def over_replicas(muon):
+    """Whole matrices every rank holds alike (DDP), dealt over the 4 ranks and broadcast: (the
+    largest difference to orthogonalizing each here, how many this rank orthogonalized)."""
+    import torch.distributed as dist
+
+    from kiln.train.optimizers.muon_split import orthogonalize_updates
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(12, 8), (5, 7), (8, 4, 3, 3), (6, 6), (3, 9)]
+    plain = [torch.randn(shape, generator=gen) for shape in shapes] + [torch.randn(4, 4, generator=gen).double()]
+    stacks = [torch.randn(3, 4, 6, generator=gen), torch.randn(2, 6, 4, generator=gen)]
+    calls, real = [0], muon.orthogonalize
+
+    def counting(x, *args, **kwargs):
+        calls[0] += math.prod(x.shape[:-2])
+        return real(x, *args, **kwargs)
+
+    muon.orthogonalize = counting
+    try:
+        got = orthogonalize_updates(plain, False, dist.group.WORLD) + orthogonalize_updates(stacks, True, dist.group.WORLD)
+    finally:
+        muon.orthogonalize = real
+    want = [orthogonalize_matrix(t) for t in plain] + [orthogonalize_matrix(t, True) for t in stacks]
+    assert all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want))
+    return max((g - w).abs().max().item() for g, w in zip(got, want)), calls[0]
 
 
 def in_rounds(updates, out):
@@ -184,6 +211,10 @@ def test_each_sharded_matrix_is_orthogonalized_once_and_every_rank_gets_its_shar
     # in rounds of one matrix: the 1-D group's 5 and the 2-D tp groups' 3 each exchanged alone
     # (two all-to-alls a round, instead of two per group), the same results
     assert all(r["rounds"] == (2 * (5 + 3), True) for r in ranks), [r["rounds"] for r in ranks]
+    # DDP's whole matrices: each orthogonalized on one of the 4 ranks (6 plain, 3 + 2 experts),
+    # every rank getting all results bit for bit
+    assert max(r["ddp"][0] for r in ranks) == 0.0
+    assert sum(r["ddp"][1] for r in ranks) == 6 + 5 and max(r["ddp"][1] for r in ranks) < 6 + 5
     if ranks[0]["fsdp x tp"] is not None:  # FSDP2 runs on CPU (not torch 2.6)
         assert max(r["fsdp x tp"][0] for r in ranks) == 0.0
         assert sum(r["fsdp x tp"][1] for r in ranks) == 4  # 2 matrices, each once per dp index
