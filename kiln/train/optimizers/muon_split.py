@@ -20,7 +20,9 @@ What is split where:
   `redistribute`, the all-gathers FSDP's forward does), then split over that one as above, and
   the result cut back to the original placements (a local slice);
 - anything else (a `Partial`, a layout this torch's DTensor cannot redistribute): gathered whole on
-  every rank (`full_tensor`), as before.
+  every rank (`full_tensor`), as before;
+- plain tensors that every rank of a `replicas` group holds alike (DDP's): each orthogonalized on
+  one of them and broadcast from there (modded-nanogpt's distributed Muon).
 
 `stacked`: each tensor is a stack (E, in, out) of per-expert matrices used as `x @ w[e]` (kiln's
 GroupedExperts): each expert's matrix is orthogonalized on its own, and a cut over dim 0 (expert
@@ -88,6 +90,10 @@ def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool = False, re
     return out
 
 
+def _redistribute(u: DTensor, placements: list) -> DTensor:
+    return u.redistribute(u.device_mesh, placements)
+
+
 def _like(u: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape, stride=u.stride())
 
@@ -131,9 +137,9 @@ def _to_one_cut(u: DTensor, stacked: bool):
     cutting = {d for d, _ in cuts}
     target = [Replicate() if d in cutting and d != keep else p for d, p in enumerate(u.placements)]
     try:
-        narrowed = u.redistribute(u.device_mesh, target)
+        narrowed = _redistribute(u, target)
     except (NotImplementedError, RuntimeError, ValueError, AssertionError):  # alike on every rank
-        return None
+        return None  # DTensor plans a redistribution before any collective: every rank gathers instead
     cut = _cut(narrowed, stacked)
     return (narrowed, cut) if isinstance(cut, tuple) else None
 

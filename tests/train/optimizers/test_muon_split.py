@@ -112,7 +112,31 @@ def split_rank(rank, world):
         differences[n] = (r.full_tensor() - orthogonalize_matrix(fulls[n], stacks[n])).abs().max().item()
     fsdp_tp = fsdp_over_tp(meshes["2d"], muon) if torch_compat.fsdp_runs_on_cpu() else None
     return {"differences": differences, "counted": counted, "fsdp x tp": fsdp_tp,
-            "rounds": in_rounds(updates, out), "ddp": over_replicas(muon)}
+            "rounds": in_rounds(updates, out), "ddp": over_replicas(muon), "fallback": fallback(updates, out, muon)}
+
+
+def fallback(updates, out, muon):
+    """The matrices two mesh dims cut where DTensor cannot narrow them to one cut (a torch whose
+    redistribute refuses): gathered whole on every rank, the same results. (Matrices this rank
+    orthogonalized, whether they are bit-identical to the narrowed ones.)"""
+    from kiln.train.optimizers import muon_split
+
+    names = ["two mesh dims cut it", "two mesh dims, two tensor dims"]
+    calls, real_orth, real_redistribute = [0], muon.orthogonalize, muon_split._redistribute
+
+    def counting(x, *args, **kwargs):
+        calls[0] += 1
+        return real_orth(x, *args, **kwargs)
+
+    def refusing(u, placements):
+        raise NotImplementedError("redistribute refused (test)")
+
+    muon.orthogonalize, muon_split._redistribute = counting, refusing
+    try:
+        again = muon_split.orthogonalize_updates([updates[n] for n in names])
+    finally:
+        muon.orthogonalize, muon_split._redistribute = real_orth, real_redistribute
+    return calls[0], all(torch.equal(a.full_tensor(), out[n].full_tensor()) for n, a in zip(names, again))
 
 
 def over_replicas(muon):
@@ -215,6 +239,8 @@ def test_each_sharded_matrix_is_orthogonalized_once_and_every_rank_gets_its_shar
     # every rank getting all results bit for bit
     assert max(r["ddp"][0] for r in ranks) == 0.0
     assert sum(r["ddp"][1] for r in ranks) == 6 + 5 and max(r["ddp"][1] for r in ranks) < 6 + 5
+    # where DTensor cannot narrow: both gathered and orthogonalized on every rank, the same results
+    assert all(r["fallback"] == (2, True) for r in ranks), [r["fallback"] for r in ranks]
     if ranks[0]["fsdp x tp"] is not None:  # FSDP2 runs on CPU (not torch 2.6)
         assert max(r["fsdp x tp"][0] for r in ranks) == 0.0
         assert sum(r["fsdp x tp"][1] for r in ranks) == 4  # 2 matrices, each once per dp index
