@@ -105,8 +105,10 @@ def _regroup(saved: list[dict], current: list[dict]) -> list[dict]:
     else of the saved group holding its first parameter (a checkpoint from before a group was
     split off, e.g. Muon's "muon_experts" out of "muon"), else its own; only keys it has itself.
     The per-parameter state loads by parameter name whatever the groups."""
-    by_name = {g.get("name"): g for g in saved if g.get("name") is not None}
-    by_param = {name: g for g in saved for name in (g.get("params") or []) if isinstance(name, str)}
+    # a saved group's entries are checked for their type: a damaged checkpoint's odd values fall back
+    by_name = {g["name"]: g for g in saved if isinstance(g.get("name"), str)}
+    by_param = {name: g for g in saved if isinstance(g.get("params"), list)
+                for name in g["params"] if isinstance(name, str)}
     out = []
     for c in current:
         source = by_name.get(c.get("name")) or next((by_param[n] for n in c["params"] if n in by_param), None) or c

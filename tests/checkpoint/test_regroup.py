@@ -62,3 +62,30 @@ def experts_of(model):
     from kiln.model.moe import GroupedExperts
 
     return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)]
+
+
+def test_saved_groups_are_read_from_metadata_keys_only_when_they_make_a_list():
+    from types import SimpleNamespace
+
+    from kiln.checkpoint.manager import saved_param_groups
+
+    def meta(*keys):
+        return SimpleNamespace(state_dict_metadata=dict.fromkeys(keys))
+
+    p = "app.optim.param_groups."
+    assert saved_param_groups(meta(p + "0.name", p + "0.lr", p + "1.name", "app.model.w"), p) == [
+        {"name", "lr"}, {"name"}]
+    assert saved_param_groups(meta(p + "0.name", p + "2.name"), p) is None  # a gap: not a list of groups
+    assert saved_param_groups(meta(p + "x.name", p + "0.betas.0"), p) is None  # no index / a nested key only
+    assert saved_param_groups(meta("app.model.w"), p) is None
+
+
+def test_damaged_saved_groups_fall_back_to_the_optimizers_own():
+    from kiln.checkpoint.manager import _regroup
+
+    current = [{"name": "muon", "params": ["a"], "lr": 0.1, "stacked": False},
+               {"name": "muon_experts", "params": ["b"], "lr": 0.1, "stacked": True}]
+    saved = [{"name": ["not", "a", "name"], "params": 7, "lr": 9.0}, {"params": [3, None, "b"], "lr": 0.5}]
+    out = _regroup(saved, current)
+    assert out[0] == current[0]  # nothing usable names it or holds its parameter
+    assert out[1] == {**current[1], "lr": 0.5}  # the saved group holding "b"

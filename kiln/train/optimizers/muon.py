@@ -63,12 +63,6 @@ def orthogonalize(update: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7
     return x.to(update.dtype)
 
 
-def orthogonalize_update(update: torch.Tensor, stacked: bool = False) -> torch.Tensor:
-    """`orthogonalize` of a weight-shaped update (conv kernels flattened to (out, in*k*k); a
-    stack of expert matrices each on its own); a sharded one (DTensor) as its whole matrix's."""
-    return orthogonalize_updates([update], stacked)[0]
-
-
 def shape_lr_scale(shape: torch.Size, stacked: bool = False) -> float:
     """Keller Jordan's scale: sqrt(max(1, rows / cols)) for an (out, in) weight; for an expert
     stack (E, in, out) that of each expert's matrix."""
