@@ -22,7 +22,8 @@ process's CPU seconds on one thread instead of elapsed seconds, for a loaded sha
 
     python benchmarks/optimizer_step.py [--rounds 5] [--device cpu] [--baseline-ref REF] [--clock cpu]
 
-Prints a table and writes benchmarks/results/optimizer_step.json.
+Prints a table and writes benchmarks/results/optimizer_step.json (optimizer_step_NAMES.json with
+`--optimizers NAMES`).
 """
 
 from __future__ import annotations
@@ -87,13 +88,17 @@ CASES = [  # (optimizer name, implementation); the first is the baseline of the 
     ("lion", "auto"),
     ("lamb", "auto"),
     ("adafactor", "auto"),
+    ("adafactor", "torch"),  # torch.optim.Adafactor, which kiln used until it stepped sharded parameters
     ("muon", "auto"),
 ]
 
 
 def make_case(name: str, impl: str, device: str, seed: int = 0, classes: dict | None = None):
     """Model with random gradients and its optimizer, state allocated; `classes` replaces kiln's
-    optimizer classes (name -> class) for the build, e.g. a baseline commit's."""
+    optimizer classes (name -> class) for the build, e.g. a baseline commit's; implementation
+    "torch" is torch's own class of that name (only Adafactor's has the same constructor)."""
+    if impl == "torch":
+        classes, impl = {**(classes or {}), name.capitalize(): getattr(torch.optim, name.capitalize())}, "auto"
     torch.manual_seed(seed)
     model = ShapeOnlyTransformer().to(device)
     for p in model.parameters():
@@ -256,28 +261,30 @@ def main() -> int:
                      "min_ms": round(min(v), 3), "max_ms": round(max(v), 3),
                      "time_vs_adamw_foreach": round(ratio, 3)})
 
-    fused_speedup = median[("adamw", "foreach")] / median[("adamw", "fused")]
-    fused_faster = fused_speedup > 1.0
-    params = list(built[cases[0]][0].parameters())
-    auto_pick = adamw_implementation(OptimConfig(implementation="auto"), params, device_type)
-    print(f"fused AdamW speedup over foreach: {fused_speedup:.2f}x -> fused is "
-          f"{'faster' if fused_faster else 'slower'}; auto picks {auto_pick!r}")
-    agrees = FUSED_ADAMW_FASTER.get(device_type) == fused_faster
-    if not agrees:
-        print(f"NOTE: kiln.train.optim.FUSED_ADAMW_FASTER[{device_type!r}] = "
-              f"{FUSED_ADAMW_FASTER.get(device_type)} disagrees with this measurement")
+    fused_speedup = fused_faster = auto_pick = agrees = None
+    if ("adamw", "fused") in median:  # not with --optimizers naming others
+        fused_speedup = median[("adamw", "foreach")] / median[("adamw", "fused")]
+        fused_faster = fused_speedup > 1.0
+        params = list(built[cases[0]][0].parameters())
+        auto_pick = adamw_implementation(OptimConfig(implementation="auto"), params, device_type)
+        print(f"fused AdamW speedup over foreach: {fused_speedup:.2f}x -> fused is "
+              f"{'faster' if fused_faster else 'slower'}; auto picks {auto_pick!r}")
+        agrees = FUSED_ADAMW_FASTER.get(device_type) == fused_faster
+        if not agrees:
+            print(f"NOTE: kiln.train.optim.FUSED_ADAMW_FASTER[{device_type!r}] = "
+                  f"{FUSED_ADAMW_FASTER.get(device_type)} disagrees with this measurement")
 
     write_results({
         "benchmark": "optimizer_step", **machine(args),
         "params": n_params,
         "results": rows,
-        "adamw_fused_speedup_over_foreach": round(fused_speedup, 3),
+        "adamw_fused_speedup_over_foreach": fused_speedup and round(fused_speedup, 3),
         "fused_faster": fused_faster,
         "auto_picks": auto_pick,
         "auto_table_agrees": agrees,
         "skip_check": skip_rows,
         "baseline_ref": args.baseline_ref,
-    }, RESULTS)
+    }, RESULTS.with_stem(f"{RESULTS.stem}_{args.optimizers.replace(',', '_')}") if args.optimizers else RESULTS)
     return 0
 
 

@@ -1,5 +1,5 @@
 """Build the optimizer named by `OptimConfig`: param groups with weight decay on matrices only,
-torch's AdamW / Adafactor / SGD, or kiln's LAMB / Lion / Muon (kiln/train/optimizers/).
+torch's AdamW / SGD, or kiln's Adafactor / LAMB / Lion / Muon (kiln/train/optimizers/).
 
 Every group carries `name` (for logs and tests) and `initial_lr`, its peak lr (optim.lr, or
 optim.muon_adam_lr for muon's AdamW part): torch's convention, the key torch's own LRScheduler
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from kiln import torch_compat
 from kiln.config import OptimConfig
 from kiln.errors import ConfigError, KilnError
-from kiln.train.optimizers import Lamb, Lion, Muon
+from kiln.train.optimizers import Adafactor, Lamb, Lion, Muon
 from kiln.train.optimizers.adam_state import fused_adam_supported
 
 __all__ = ["build_optimizer", "param_groups", "adamw_implementation"]
@@ -158,14 +158,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str = "cpu"
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps,
                                  fused=impl == "fused", foreach=impl == "foreach")
     if cfg.name == "adafactor":
-        if not hasattr(torch.optim, "Adafactor"):
-            raise ConfigError(f"optim.name='adafactor' needs torch >= 2.5 (this is {torch.__version__})")
-        if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
-            raise ConfigError("optim.name='adafactor': torch's Adafactor cannot step FSDP-sharded "
-                              "(DTensor) parameters; use adamw, lion, lamb, muon or sgd with data parallelism")
-        # Adafactor has no first moment and sets its own second-moment decay and epsilons;
-        # lr is its maximum relative step size and weight decay is decoupled (lr * wd).
-        return torch.optim.Adafactor(groups, lr=cfg.lr)
+        # torch's algorithm, also on sharded (DTensor) parameters. It has no first moment and sets
+        # its own second-moment decay and epsilons; lr is its maximum relative step size and
+        # weight decay is decoupled (lr * wd).
+        return Adafactor(groups, lr=cfg.lr)
     if cfg.name == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     if cfg.name == "lion":

@@ -7,8 +7,8 @@ non-finite step is skipped on the device by handing the optimizer a `found_inf` 
 protocol torch's grad scaler uses with optimizers that set `_step_supports_amp_scaling`: torch's
 fused Adam/AdamW/SGD (their kernels leave parameters, moments and step counts untouched when it is
 non-zero) and kiln's Lion/LAMB/Muon (kiln/train/optimizers/skip.py). torch's non-fused optimizers
-(foreach or single-tensor AdamW, non-fused SGD, Adafactor) have no such path and fall back to one
-host check per step; the run row says which (`nonfinite_check`).
+(foreach or single-tensor AdamW, non-fused SGD) and kiln's Adafactor have no such path and fall
+back to one host check per step; the run row says which (`nonfinite_check`).
 
 Parameters on the CPU take the host check too (`skips_on_device`): there the check waits for
 nothing (CPU ops run synchronously), while the masked step costs extra passes over the gradients

@@ -192,3 +192,15 @@ def test_muon_sharded_compares_gathering_with_dealing_out(tmp_path):
     row = json.loads(out.read_text())["worlds"]["2"]
     assert row["difference"] == 0.0
     assert all(row["step_s"][v] > 0 and row["sent_bytes_per_rank"][v] > 0 for v in ("gather", "split"))
+
+
+@pytest.mark.timeout(180)
+def test_adafactor_sharded_times_the_sharded_step_against_one_process(tmp_path):
+    out = tmp_path / "adafactor_sharded.json"
+    argv = ["--worlds", "1,2", "--rounds", "1", "--steps", "1", "--dim", "32", "--layers", "2", "--hidden", "64",
+            "--vocab", "64", "--out", str(out)]
+    assert _load("adafactor_sharded").main(argv) == 0  # exits non-zero unless the sharded step is one process's
+    worlds = json.loads(out.read_text())["worlds"]
+    assert set(worlds["1"]["step_s"]) == {"torch", "kiln", "adamw"} and set(worlds["2"]["step_s"]) == {"kiln", "adamw"}
+    assert worlds["2"]["all_reduces_per_step"] == 3 and worlds["2"]["sent_bytes_per_rank"] > 0
+    assert worlds["2"]["difference"] < 1e-5

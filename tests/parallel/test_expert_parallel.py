@@ -381,6 +381,11 @@ def four_rank_launch(tmp_path_factory, text_file):
     runs["fsdp2 x tp2 muon"], runs["ddp muon"] = root / "fsdp2-tp2-muon", root / "ddp-muon"
     train(load_config(None, common(text_file, **TRAIN_MOE, **MUON, **{"train.batch_size": GLOBAL_BATCH})),
           runs["single muon"])
+    runs["single adafactor"], runs["ep2 adafactor"] = root / "single-adafactor", root / "ep2-adafactor"
+    runs["fsdp2 x tp2 adafactor"] = root / "fsdp2-tp2-adafactor"
+    runs["fsdp2 x tp2 -> ep2 adafactor"] = root / "fsdp2-tp2-to-ep2-adafactor"
+    train(load_config(None, common(text_file, **TRAIN_MOE, **ADAFACTOR, **{"train.batch_size": GLOBAL_BATCH})),
+          runs["single adafactor"])
     runs["ep4 two-level"] = root / "ep4-two-level"
     jobs = [(runs["ep2"], common(text_file, **TRAIN_MOE, **{"train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2,
                                                             "parallel.dp_mode": "'fsdp'"})),
@@ -393,7 +398,13 @@ def four_rank_launch(tmp_path_factory, text_file):
             (runs["fsdp2 x tp2 muon"], common(text_file, **TRAIN_MOE, **MUON, **{
                 "train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2, "parallel.dp_mode": "'fsdp'"})),
             (runs["ddp muon"], common(text_file, **TRAIN_MOE, **MUON, **{
-                "train.batch_size": GLOBAL_BATCH // 4, "parallel.dp_mode": "'ddp'"}))]
+                "train.batch_size": GLOBAL_BATCH // 4, "parallel.dp_mode": "'ddp'"})),
+            (runs["ep2 adafactor"], common(text_file, **TRAIN_MOE, **ADAFACTOR, **{
+                "train.batch_size": GLOBAL_BATCH // 4, "parallel.ep": 2, "parallel.dp_mode": "'fsdp'"})),
+            (runs["fsdp2 x tp2 adafactor"], common(text_file, **TRAIN_MOE, **ADAFACTOR, **{
+                "train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2, "parallel.dp_mode": "'fsdp'"})),
+            (runs["fsdp2 x tp2 -> ep2 adafactor"], [f"train.batch_size={GLOBAL_BATCH // 4}", "parallel.tp=1",
+                                                   "parallel.ep=2"], runs["fsdp2 x tp2 adafactor"], 3)]
     (root / "ranks").mkdir()
     return run_ranks(four_ranks, 4, root / "ranks", jobs, timeout=400), runs
 
@@ -432,6 +443,9 @@ TRAIN_MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_f
 # Muon: the dense matrices FSDP-sharded (each orthogonalized on one of the 4 ranks), the experts'
 # stacks per expert where they live (whole experts on each ep rank)
 MUON = {"optim.name": "'muon'", "optim.lr": 0.02, "optim.muon_adam_lr": 0.01}
+# Adafactor: its row and column statistics summed over the ranks that cut each matrix (FSDP's
+# rows, tp's rows or columns, FSDP over tp's twice-cut rows; the experts' over ep and edp)
+ADAFACTOR = {"optim.name": "'adafactor'", "optim.lr": 0.02, "optim.weight_decay": 0.1}
 
 
 def grad_norms(run_dir):
@@ -518,6 +532,26 @@ def test_kiln_train_muon_matches_one_process(four_rank_launch, layout):
     assert expected != pytest.approx(losses(runs["single"]), rel=1e-3)  # another optimizer
     assert_same_losses(expected, losses(runs[layout]), range(1, TRAIN_STEPS + 1))
     assert_same_losses(grad_norms(runs["single muon"]), grad_norms(runs[layout]), range(1, TRAIN_STEPS + 1))
+
+
+@pytest.mark.parametrize("layout", ["ep2 adafactor", "fsdp2 x tp2 adafactor", "fsdp2 x tp2 -> ep2 adafactor"])
+def test_kiln_train_adafactor_matches_one_process(four_rank_launch, layout):
+    """Adafactor with ep 2 of dp_shard 4 and FSDP 2 over tp 2: the losses and grad norms of one
+    process (kiln/train/optimizers/adafactor.py); the FSDP x tp run's step-3 checkpoint (row and
+    column statistics cut as its matrices) continues with ep 2 of dp_shard 4."""
+    from test_data_parallel import STEPS as TRAIN_STEPS
+    from test_data_parallel import assert_same_losses, losses
+
+    runs = four_rank_launch[1]
+    expected = losses(runs["single adafactor"])
+    assert expected != pytest.approx(losses(runs["single"]), rel=1e-3)  # another optimizer
+    steps = range(4 if "->" in layout else 1, TRAIN_STEPS + 1)
+    if "->" in layout:
+        rows = [json.loads(x) for x in (runs[layout] / "metrics.jsonl").read_text().splitlines()]
+        start = next(r for r in rows if r.get("resumed_from"))
+        assert (start["resumed_from"], start["tp"], start["dp_shard"]) == (3, 1, 4)
+    assert_same_losses(expected, losses(runs[layout]), steps)
+    assert_same_losses(grad_norms(runs["single adafactor"]), grad_norms(runs[layout]), steps)
 
 
 def fsdp_manages_experts_rank(rank, world):

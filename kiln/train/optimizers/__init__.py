@@ -1,7 +1,9 @@
-"""Optimizers torch does not ship: LAMB, Lion and Muon (built by `kiln.train.optim.build_optimizer`)."""
+"""Optimizers torch does not ship (LAMB, Lion, Muon) or cannot step on sharded parameters (Adafactor);
+built by `kiln.train.optim.build_optimizer`."""
 
+from kiln.train.optimizers.adafactor import Adafactor
 from kiln.train.optimizers.lamb import Lamb
 from kiln.train.optimizers.lion import Lion
 from kiln.train.optimizers.muon import Muon, orthogonalize
 
-__all__ = ["Lamb", "Lion", "Muon", "orthogonalize"]
+__all__ = ["Adafactor", "Lamb", "Lion", "Muon", "orthogonalize"]
