@@ -253,38 +253,41 @@ def test_tensor_parallel_shards_are_cut_by_their_local_size(tmp_path):
 
 
 def _rank_without_tensors(rank, n, root):
-    """LAMB (whole tensors) over 2 tensors on 3 ranks: rank 2 steps none. Saving through DCP must
-    not take it for never stepped (DCP would step it alone on zero gradients, a collective: a
-    hang), and the checkpoint resumes into a fresh ZeRO-1 like one plain optimizer."""
+    """LAMB and Adafactor (whole tensors) over 2 tensors on 3 ranks: rank 2 steps none. Saving
+    through DCP must not take it for never stepped (DCP would step it alone on zero gradients, a
+    collective: a hang), and the checkpoint resumes into a fresh ZeRO-1 like one plain optimizer."""
     import torch.distributed.checkpoint as dcp
 
-    from kiln.train.optimizers import Lamb
+    from kiln.train.optimizers import Adafactor, Lamb
 
-    def build(seed=0):
-        torch.manual_seed(seed)
-        model = nn.Linear(4, 3)
-        return model, Lamb(model.parameters(), lr=0.01)
+    out = {}
+    for cls in (Lamb, Adafactor):
+        def build(seed=0):
+            torch.manual_seed(seed)
+            model = nn.Linear(4, 3)
+            return model, cls(model.parameters(), lr=0.01)
 
-    model, opt = build()
-    zero = Zero1Optimizer(opt, dist.group.WORLD)
-    plain_model, plain = build()
-    for s in range(2):
-        for m, o in ((model, zero), (plain_model, plain)):
-            m(torch.randn(5, 4, generator=torch.Generator().manual_seed(s))).square().mean().backward()
+        model, opt = build()
+        zero = Zero1Optimizer(opt, dist.group.WORLD)
+        plain_model, plain = build()
+        for s in range(2):
+            for m, o in ((model, zero), (plain_model, plain)):
+                m(torch.randn(5, 4, generator=torch.Generator().manual_seed(s))).square().mean().backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+        held = sum(p.numel() for g in zero.dense.optim.param_groups for p in g["params"])
+        model_sd, optim_sd = get_state_dict(model, zero)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / cls.__name__))
+        resumed_model, opt = build(seed=3)
+        resumed = Zero1Optimizer(opt, dist.group.WORLD)
+        state = dict(zip(("model", "optim"), get_state_dict(resumed_model, resumed)))
+        dcp.load(state, checkpoint_id=str(root / cls.__name__))
+        set_state_dict(resumed_model, resumed, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for m, o in ((resumed_model, resumed), (plain_model, plain)):
+            m(torch.randn(5, 4, generator=torch.Generator().manual_seed(9))).square().mean().backward()
             o.step()
-            o.zero_grad(set_to_none=True)
-    held = sum(p.numel() for g in zero.dense.optim.param_groups for p in g["params"])
-    model_sd, optim_sd = get_state_dict(model, zero)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "ckpt"))
-    resumed_model, opt = build(seed=3)
-    resumed = Zero1Optimizer(opt, dist.group.WORLD)
-    state = dict(zip(("model", "optim"), get_state_dict(resumed_model, resumed)))
-    dcp.load(state, checkpoint_id=str(root / "ckpt"))
-    set_state_dict(resumed_model, resumed, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for m, o in ((resumed_model, resumed), (plain_model, plain)):
-        m(torch.randn(5, 4, generator=torch.Generator().manual_seed(9))).square().mean().backward()
-        o.step()
-    return held, max(_apart(p, q) for p, q in zip(resumed_model.parameters(), plain_model.parameters()))
+        out[cls.__name__] = held, max(_apart(p, q) for p, q in zip(resumed_model.parameters(), plain_model.parameters()))
+    return out
 
 
 def test_a_rank_that_steps_no_tensor_saves_and_resumes(tmp_path):
@@ -292,8 +295,9 @@ def test_a_rank_that_steps_no_tensor_saves_and_resumes(tmp_path):
 
     (tmp_path / "work").mkdir()
     results = run_ranks(_rank_without_tensors, 3, tmp_path / "work", tmp_path, timeout=120)
-    assert sorted(held for held, _ in results) == [0, 3, 12]
-    assert all(apart == 0.0 for _, apart in results), results
+    for name in ("Lamb", "Adafactor"):
+        assert sorted(r[name][0] for r in results) == [0, 3, 12], name
+        assert all(r[name][1] == 0.0 for r in results), (name, results)
 
 
 def _uneven_model():
