@@ -108,19 +108,30 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         skip = skip_flag(self)
+        # every Muon group's updates in one call: matrices and expert stacks dealt out together
+        prepared = [(group, *self._muon_updates(group, skip)) for group in self.param_groups if group["use_muon"]]
+        flags = [group.get("stacked", False) for group, params, _ in prepared for _ in params]
+        results = iter(orthogonalize_updates([u for _, _, updates in prepared for u in updates], flags, self.replicas))
+        for group, params, _ in prepared:
+            lr, wd, stacked = group["lr"], group["weight_decay"], group.get("stacked", False)
+            decay = unless_skipped(skip, 1.0 - lr * wd, 1.0)
+            for p in params:
+                ortho = next(results)
+                zero_if_skipped_(skip, [ortho])
+                if wd != 0:
+                    p.mul_(decay)
+                p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape, stacked))
         for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_group(group, skip)
-            else:
+            if not group["use_muon"]:
                 self._adamw_group(group, skip)
         return loss
 
-    def _muon_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
-        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
-        stacked = group.get("stacked", False)
+    def _muon_updates(self, group: dict[str, Any], skip: torch.Tensor | None) -> tuple[list, list]:
+        """(params, their Nesterov momentum updates) of a Muon group, the momentum buffers stepped."""
+        beta = group["momentum"]
         params = [p for p in group["params"] if p.grad is not None]
         zero_if_skipped_(skip, [p.grad for p in params])  # a skipped step: zero gradients, identity factors
-        weight, decay = unless_skipped(skip, 1.0 - beta, 0.0), unless_skipped(skip, 1.0 - lr * wd, 1.0)
+        weight = unless_skipped(skip, 1.0 - beta, 0.0)
         updates = []
         for p in params:
             state = self.state[p]
@@ -129,14 +140,9 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, weight)  # buf = beta * buf + (1 - beta) * g
             # Nesterov: look ahead along the momentum: (1 - beta) * g + beta * buf, in the
-            # gradient's storage (spent once the buffer has it), so the group adds no copy.
+            # gradient's storage (spent once the buffer has it), so the groups add no copy.
             updates.append(p.grad.lerp_(buf, beta) if group["nesterov"] else buf)
-        # all of the group's matrices at once: sharded ones are dealt out over their ranks
-        for p, ortho in zip(params, orthogonalize_updates(updates, stacked, self.replicas)):
-            zero_if_skipped_(skip, [ortho])
-            if wd != 0:
-                p.mul_(decay)
-            p.add_(ortho, alpha=-lr * shape_lr_scale(p.shape, stacked))
+        return params, updates
 
     def _adamw_group(self, group: dict[str, Any], skip: torch.Tensor | None) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Muon's AdamW part")

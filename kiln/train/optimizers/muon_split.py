@@ -51,38 +51,44 @@ def orthogonalize_matrix(update: torch.Tensor, stacked: bool = False) -> torch.T
     return orthogonalize(update.reshape(update.size(0), -1)).view_as(update)
 
 
-def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool = False, replicas=None) -> list[torch.Tensor]:
+def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool | list[bool] = False,
+                          replicas=None) -> list[torch.Tensor]:
     """Each update orthogonalized whole (as `orthogonalize_matrix` of its full tensor), returned
     with the update's own type and sharding; sharded ones split over their ranks (module doc);
     plain ones dealt over `replicas` (a process group whose ranks hold them alike: DDP's) where
-    given, each orthogonalized on one of them and broadcast from there."""
+    given, each orthogonalized on one of them and broadcast from there. `stacked` per update (or
+    one for all): Muon passes all its groups' updates in one call, so matrices and expert stacks
+    are dealt out together (one exchange, one balance)."""
+    flags = [stacked] * len(updates) if isinstance(stacked, bool) else list(stacked)
     out: list[torch.Tensor | None] = [None] * len(updates)
     work = list(updates)  # what is split: the update, or it gathered down to one cut
     splits: dict[tuple, list[int]] = {}
     plain = [i for i, u in enumerate(updates) if not isinstance(u, DTensor)]
     if plain and replicas is not None and dist.get_world_size(replicas) > 1:
-        for i, result in zip(plain, _deal_over_replicas([updates[i] for i in plain], stacked, replicas)):
+        dealt = _deal_over_replicas([updates[i] for i in plain], [flags[i] for i in plain], replicas)
+        for i, result in zip(plain, dealt):
             out[i] = result
     for i, u in enumerate(updates):
         if not isinstance(u, DTensor):
             if out[i] is None:
-                out[i] = orthogonalize_matrix(u, stacked)
+                out[i] = orthogonalize_matrix(u, flags[i])
             continue
-        cut = _cut(u, stacked)
-        if cut == "gather" and (narrowed := _to_one_cut(u, stacked)) is not None:
+        cut = _cut(u, flags[i])
+        if cut == "gather" and (narrowed := _to_one_cut(u, flags[i])) is not None:
             work[i], cut = narrowed
         if cut is None:
-            out[i] = _like(u, orthogonalize_matrix(u.to_local(), stacked))
+            out[i] = _like(u, orthogonalize_matrix(u.to_local(), flags[i]))
         elif cut == "gather":
-            full = orthogonalize_matrix(u.full_tensor(), stacked)
+            full = orthogonalize_matrix(u.full_tensor(), flags[i])
             # src_data_rank=None: slice locally instead of scattering from rank 0 (where torch has it)
             out[i] = torch_compat.distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
         else:
             splits.setdefault((id(u.device_mesh), cut[0], u.dtype), []).append(i)
     for (_, mesh_dim, _), indices in splits.items():
         mesh = work[indices[0]].device_mesh
-        pieces = [_cut(work[i], stacked) for i in indices]
-        results = _split_over_ranks([work[i] for i in indices], [dim for _, dim in pieces], mesh, mesh_dim, stacked)
+        pieces = [_cut(work[i], flags[i]) for i in indices]
+        results = _split_over_ranks([work[i] for i in indices], [dim for _, dim in pieces], mesh, mesh_dim,
+                                    [flags[i] for i in indices])
         for i, local in zip(indices, results):
             out[i] = _like(work[i], local)
             if work[i] is not updates[i]:  # back to the update's own cut: a local slice
@@ -152,30 +158,30 @@ def chunk_sizes(length: int, parts: int) -> list[int]:
 
 
 def _split_over_ranks(updates: list[DTensor], dims: list[int], mesh, mesh_dim: int,
-                      stacked: bool) -> list[torch.Tensor]:
+                      stacked: list[bool]) -> list[torch.Tensor]:
     """This rank's shard of each update orthogonalized whole, every matrix on its owner."""
     group = mesh.get_group(mesh_dim)
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     # The matrices: per update its expert matrices (stacked: each expert one, dim 0 whole here)
     # or itself; each with the tensor dim the ranks cut (shifted into the expert's matrix).
     items = []  # (update index, expert index or None, cut dim within the item, item's global shape)
-    for k, (u, dim) in enumerate(zip(updates, dims)):
+    for k, (u, dim, is_stack) in enumerate(zip(updates, dims, stacked)):
         local = u.to_local()
         full_len = u.shape[dim]
         sizes = chunk_sizes(full_len, ranks)
         if local.size(dim) != sizes[me]:  # torch's Shard has cut otherwise than torch.chunk does
             raise RuntimeError(f"Muon: a shard of {tuple(u.shape)} holds {local.size(dim)} of dim {dim} on rank "
                                f"{me} of {ranks}; expected {sizes[me]} (torch.chunk's sizes {sizes})")
-        if stacked:
+        if is_stack:
             shape = list(u.shape[1:])
             items += [(k, e, dim - 1, shape) for e in range(local.size(0))]
         else:
             items.append((k, None, dim, list(u.shape)))
     owner = _deal(items, ranks)
     locals_ = [u.to_local() for u in updates]
-    outs: list[torch.Tensor | None] = [None if stacked else t for t in locals_]
+    outs: list[torch.Tensor | None] = [None if is_stack else t for t, is_stack in zip(locals_, stacked)]
     for batch in _rounds(items, owner, ranks, locals_[0].element_size()):
-        _exchange_round(batch, items, owner, locals_, outs, group, ranks, me, stacked)
+        _exchange_round(batch, items, owner, locals_, outs, group, ranks, me)
     return outs
 
 
@@ -206,9 +212,10 @@ def _rounds(items: list, owner: list[int], ranks: int, itemsize: int) -> list[li
 
 
 def _exchange_round(batch: list[int], items: list, owner: list[int], locals_: list[torch.Tensor],
-                    outs: list, group, ranks: int, me: int, stacked: bool) -> None:
-    """One round: every shard of `batch`'s matrices to its owner, each orthogonalized there, each
-    rank's shard of the results back into `outs`."""
+                    outs: list, group, ranks: int, me: int) -> None:
+    """One round: every shard of `batch`'s matrices to its owner, each orthogonalized there (an
+    expert's matrix as a stack's, `items`' expert index set), each rank's shard of the results back
+    into `outs`."""
     def piece_of(item) -> torch.Tensor:
         k, e, _, _ = item
         return locals_[k] if e is None else locals_[k][e]
@@ -231,7 +238,7 @@ def _exchange_round(batch: list[int], items: list, owner: list[int], locals_: li
             part_shape = [sizes[s] if i == dim else x for i, x in enumerate(shape)]
             parts.append(received[s][offsets[s]:offsets[s] + size].view(part_shape))
             offsets[s] += size
-        results[n] = orthogonalize_matrix(torch.cat(parts, dim=dim), stacked)
+        results[n] = orthogonalize_matrix(torch.cat(parts, dim=dim), items[n][1] is not None)
     del received
     # 2. each rank its shard of every result
     send = []
@@ -258,16 +265,16 @@ def _exchange_round(batch: list[int], items: list, owner: list[int], locals_: li
             outs[k][e].copy_(piece.view(outs[k][e].shape))
 
 
-def _deal_over_replicas(tensors: list[torch.Tensor], stacked: bool, group) -> list[torch.Tensor]:
+def _deal_over_replicas(tensors: list[torch.Tensor], stacked: list[bool], group) -> list[torch.Tensor]:
     """Whole tensors every rank of `group` holds alike (DDP's): each orthogonalized on one rank
     (dealt by cost, `_deal`), then one broadcast per owner and dtype hands the results to all
     (modded-nanogpt's distributed Muon, on torch's broadcast)."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     # a stack costs its experts' matrices together (it goes to one owner whole)
-    owner = _deal_costs([_ns_cost(list(t.shape[1:])) * t.shape[0] if stacked else _ns_cost(list(t.shape))
-                         for t in tensors], ranks)
-    out: list[torch.Tensor | None] = [orthogonalize_matrix(t, stacked) if o == me else None
-                                      for t, o in zip(tensors, owner)]
+    owner = _deal_costs([_ns_cost(list(t.shape[1:])) * t.shape[0] if is_stack else _ns_cost(list(t.shape))
+                         for t, is_stack in zip(tensors, stacked)], ranks)
+    out: list[torch.Tensor | None] = [orthogonalize_matrix(t, is_stack) if o == me else None
+                                      for t, o, is_stack in zip(tensors, owner, stacked)]
     for r in range(ranks):
         for dtype in sorted({t.dtype for t, o in zip(tensors, owner) if o == r}, key=str):
             mine = [k for k, (t, o) in enumerate(zip(tensors, owner)) if o == r and t.dtype == dtype]

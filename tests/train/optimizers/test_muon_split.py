@@ -112,7 +112,30 @@ def split_rank(rank, world):
         differences[n] = (r.full_tensor() - orthogonalize_matrix(fulls[n], stacks[n])).abs().max().item()
     fsdp_tp = fsdp_over_tp(meshes["2d"], muon) if torch_compat.fsdp_runs_on_cpu() else None
     return {"differences": differences, "counted": counted, "fsdp x tp": fsdp_tp,
-            "rounds": in_rounds(updates, out), "ddp": over_replicas(muon), "fallback": fallback(updates, out, muon)}
+            "rounds": in_rounds(updates, out), "ddp": over_replicas(muon), "fallback": fallback(updates, out, muon),
+            "together": together(updates, stacks, out)}
+
+
+def together(updates, stacks, out):
+    """Matrices and expert stacks in one call (as Muon passes all its groups): (all-to-alls of the
+    two calls per kind, of the one call, whether every result is bit-identical)."""
+    from kiln.train.optimizers import muon_split
+
+    calls, real = [0], muon_split._all_to_all
+
+    def exchange(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    muon_split._all_to_all = exchange
+    try:
+        for stacked in (False, True):
+            muon_split.orthogonalize_updates([updates[n] for n in CASES if stacks[n] == stacked], stacked)
+        apart = calls[0]
+        joint = muon_split.orthogonalize_updates([updates[n] for n in CASES], [stacks[n] for n in CASES])
+    finally:
+        muon_split._all_to_all = real
+    return apart, calls[0] - apart, all(torch.equal(j.to_local(), out[n].to_local()) for n, j in zip(CASES, joint))
 
 
 def fallback(updates, out, muon):
@@ -239,6 +262,9 @@ def test_each_sharded_matrix_is_orthogonalized_once_and_every_rank_gets_its_shar
     # every rank getting all results bit for bit
     assert max(r["ddp"][0] for r in ranks) == 0.0
     assert sum(r["ddp"][1] for r in ranks) == 6 + 5 and max(r["ddp"][1] for r in ranks) < 6 + 5
+    # matrices and stacks together: the tp groups' hsdp, twice-cut and expert-hidden updates share
+    # one exchange (2 all-to-alls) instead of one per kind; the same results
+    assert all(r["together"] == (2 * 3, 2 * 2, True) for r in ranks), [r["together"] for r in ranks]
     # where DTensor cannot narrow: both gathered and orthogonalized on every rank, the same results
     assert all(r["fallback"] == (2, True) for r in ranks), [r["fallback"] for r in ranks]
     if ranks[0]["fsdp x tp"] is not None:  # FSDP2 runs on CPU (not torch 2.6)
