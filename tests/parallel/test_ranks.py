@@ -1,10 +1,13 @@
 """The launcher cleanup the multi-process tests rely on: a worker that its launcher started in a
-session of its own (as torchrun's SubprocessHandler does) dies with the launcher."""
+session of its own (as torchrun's SubprocessHandler does) dies with the launcher; a rank's process
+that aborts after writing its result (gloo's teardown) does not fail a finished launch."""
 
 import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from ranks import kill_launcher, patch_for_one_run, tag_env
 
@@ -69,3 +72,32 @@ def test_patch_for_one_run_restores_module_attributes_and_a_class_as_it_was():
     assert _Child().inherited() == "child"
     undo()
     assert "inherited" not in vars(_Child) and _Child().inherited() == "base"
+
+
+def _abort_at_exit(rank, n):
+    """Rank 1's process aborts after its result is written, in destroy_process_group, as gloo's
+    teardown sometimes does."""
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        dist.destroy_process_group = lambda *args, **kwargs: os.abort()
+    return rank * 10
+
+
+def _abort_before_result(rank, n):
+    import os
+
+    if rank == 1:
+        os.abort()
+    return rank
+
+
+def test_a_teardown_abort_after_every_result_is_a_finished_launch(tmp_path):
+    from ranks import run_ranks
+
+    assert run_ranks(_abort_at_exit, 2, tmp_path, timeout=60) == [0, 10]
+    (tmp_path / "again").mkdir()
+    with pytest.raises(Exception, match="process 1 terminated"):  # no result: a failure
+        run_ranks(_abort_before_result, 2, tmp_path / "again", timeout=60)

@@ -1,5 +1,7 @@
-import math
 import io
+import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ from kiln.errors import ConfigError, KilnError
 from kiln.train.optim import build_optimizer, param_groups
 from kiln.train.schedule import LRSchedule
 from conftest import require_fsdp2_on_cpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from ranks import run_ranks  # noqa: E402  (tests/parallel/ranks.py)
 
 ALL = ["adamw", "adafactor", "lamb", "lion", "muon", "sgd"]
 
@@ -270,46 +275,40 @@ def _sharded(mesh, seed: int) -> nn.Module:
     return model
 
 
-def _fsdp_worker(rank: int, world: int, store_path: str, ckpt_dir: str, names: list[str]) -> None:
-    import torch.distributed as dist
+def _fsdp_rank(rank: int, world: int, ckpt_dir: str, names: list[str]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)  # two ranks on a small CPU: oversubscribed OpenMP threads crawl
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for name in names:
-            cfg = OptimConfig(name=name, lr=0.01, muon_adam_lr=0.005)
-            sched_cfg = ScheduleConfig(name="cosine", warmup_steps=2)
-            torch.manual_seed(0)
-            ref = ShardedLM()  # every rank sees the same batches, so the mean gradient is this one's
-            ref_opt = build_optimizer(ref, cfg)
-            train(ref, ref_opt, LRSchedule(ref_opt, sched_cfg, 4), range(0, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    for name in names:
+        cfg = OptimConfig(name=name, lr=0.01, muon_adam_lr=0.005)
+        sched_cfg = ScheduleConfig(name="cosine", warmup_steps=2)
+        torch.manual_seed(0)
+        ref = ShardedLM()  # every rank sees the same batches, so the mean gradient is this one's
+        ref_opt = build_optimizer(ref, cfg)
+        train(ref, ref_opt, LRSchedule(ref_opt, sched_cfg, 4), range(0, 4))
 
-            model = _sharded(mesh, 0)
-            opt = build_optimizer(model, cfg)
-            sched = LRSchedule(opt, sched_cfg, 4)
-            train(model, opt, sched, range(0, 2))
-            model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd, "sched": sched.state_dict()},
-                     checkpoint_id=f"{ckpt_dir}/{name}")
+        model = _sharded(mesh, 0)
+        opt = build_optimizer(model, cfg)
+        sched = LRSchedule(opt, sched_cfg, 4)
+        train(model, opt, sched, range(0, 2))
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd, "sched": sched.state_dict()},
+                 checkpoint_id=f"{ckpt_dir}/{name}")
 
-            model = _sharded(mesh, 1)
-            opt = build_optimizer(model, cfg)
-            sched = LRSchedule(opt, sched_cfg, 4)
-            model_sd, optim_sd = get_state_dict(model, opt)
-            loaded = {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict()}
-            dcp.load(loaded, checkpoint_id=f"{ckpt_dir}/{name}")
-            set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-            sched.load_state_dict(loaded["sched"])
-            train(model, opt, sched, range(2, 4))
-            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{name} {n}: {m}")
-    finally:
-        dist.destroy_process_group()
+        model = _sharded(mesh, 1)
+        opt = build_optimizer(model, cfg)
+        sched = LRSchedule(opt, sched_cfg, 4)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        loaded = {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict()}
+        dcp.load(loaded, checkpoint_id=f"{ckpt_dir}/{name}")
+        set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        sched.load_state_dict(loaded["sched"])
+        train(model, opt, sched, range(2, 4))
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} {n}: {m}")
 
 
 @pytest.mark.timeout(240)
@@ -317,12 +316,8 @@ def _fsdp_worker(rank: int, world: int, store_path: str, ckpt_dir: str, names: l
 def test_optimizers_on_fsdp2_sharded_params_with_checkpoint_resume(tmp_path):
     """Two gloo ranks, FSDP2-sharded params (DTensor): kiln's own optimizers match an unsharded run,
     muon's Newton-Schulz sees whole matrices, and a DCP save/load mid-run resumes exactly."""
-    import torch.multiprocessing as mp
-
     require_fsdp2_on_cpu()
-
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "ckpt"),
-                                 ["adafactor", "lamb", "lion", "muon"]), nprocs=2, join=True)
+    run_ranks(_fsdp_rank, 2, tmp_path, str(tmp_path / "ckpt"), ["adafactor", "lamb", "lion", "muon"], timeout=200)
 
 
 def test_adamw_over_two_meshes_steps_each_tensor_where_torch_cannot_fuse_them(tmp_path, monkeypatch):
