@@ -35,48 +35,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, write_results  # noqa: E402
-
-
-def _socket_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
+from common import print_table, run_ranks, sharded_parameter_set, socket_bytes, write_results  # noqa: E402
 
 
 def rank_main(rank: int, world: int, port: int, args, out) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from kiln.config import OptimConfig
     from kiln.train import optim
     from kiln.train.optimizers import adafactor
-    from optimizer_step import ShapeOnlyTransformer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
-
-    def parameter_set(seed, sharded):
-        torch.manual_seed(seed)
-        model = ShapeOnlyTransformer(args.vocab, args.dim, args.layers, args.hidden)
-        if sharded:
-            for block in model.layers:
-                if args.tp > 1:
-                    parallelize_module(block, mesh["tp"], plan)
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(model, mesh=mesh["dp"])
-        return model
 
     def build(variant):
         sharded = variant != "torch" and world > 1
-        model = parameter_set(0, sharded)
-        grads = [p.detach() * 1e-3 for p in parameter_set(1, sharded).parameters()]  # fixed, placed alike
+        model = sharded_parameter_set(args, mesh, 0, sharded)
+        grads = [p.detach() * 1e-3 for p in sharded_parameter_set(args, mesh, 1, sharded).parameters()]  # placed alike
         real = optim.Adafactor
         optim.Adafactor = torch.optim.Adafactor if variant == "torch" else real
         try:
@@ -107,11 +85,11 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
             times, calls[0] = [], 0
             for _ in range(args.steps):
                 dist.barrier()
-                w0, c0, b0 = time.perf_counter(), time.process_time(), _socket_bytes()
+                w0, c0, b0 = time.perf_counter(), time.process_time(), socket_bytes()
                 step(model, optimizer, grads)
                 times.append(time.perf_counter() - w0)
                 cpu[variant].append(time.process_time() - c0)
-                sent[variant].append(_socket_bytes() - b0)
+                sent[variant].append(socket_bytes() - b0)
             results[variant].append(statistics.median(times))
             if r == 0 and variant == "kiln":
                 # numpy: a tensor on the queue is shared memory, gone when this process ends

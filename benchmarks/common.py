@@ -89,6 +89,37 @@ def run_ranks(target, world: int, args: tuple, name: str, timeout_s: float = 900
     return results
 
 
+def socket_bytes() -> int:
+    """Bytes this process has written so far (/proc/self/io wchar: gloo's sockets, for a rank that
+    writes no files while timed)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
+
+
+def sharded_parameter_set(args, mesh, seed: int, sharded: bool = True):
+    """optimizer_step.py's ShapeOnlyTransformer at args' sizes (`vocab`, `dim`, `layers`, `hidden`),
+    seeded; `sharded`: each block tensor-parallel over mesh["tp"] first where args.tp > 1
+    (Megatron's column / row plan), then FSDP2 per block and at the root over mesh["dp"]."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from optimizer_step import ShapeOnlyTransformer
+
+    torch.manual_seed(seed)
+    model = ShapeOnlyTransformer(args.vocab, args.dim, args.layers, args.hidden)
+    if not sharded:
+        return model
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    for block in model.layers:
+        if args.tp > 1:
+            parallelize_module(block, mesh["tp"], plan)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def stepped_transformer(rank: int, world: int, port: int, args, zero1: bool):
     """Inside a rank of `run_ranks`: join the gloo group, build kiln's transformer (args.dim,
     layers, heads, vocab) with the trainer's AdamW (foreach), wrapped in kiln's Zero1Optimizer when

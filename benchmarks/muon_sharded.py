@@ -38,47 +38,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, write_results  # noqa: E402
+from common import print_table, run_ranks, sharded_parameter_set, socket_bytes, write_results  # noqa: E402
 
 VARIANTS = ("gather", "split")
-
-
-def _socket_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
 
 
 def rank_main(rank: int, world: int, port: int, args, out) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from kiln.config import OptimConfig
     from kiln.train.optim import build_optimizer
     from kiln.train.optimizers import muon_split
-    from optimizer_step import ShapeOnlyTransformer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     real = muon_split._cut, muon_split._to_one_cut
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
 
-    def sharded(seed):  # the parameter set, tp-sharded (Megatron's plan) where tp > 1, FSDP2 per block
-        torch.manual_seed(seed)
-        model = ShapeOnlyTransformer(args.vocab, args.dim, args.layers, args.hidden)
-        if args.ddp:  # replicated: every rank holds it whole
-            return model
-        for block in model.layers:
-            if args.tp > 1:
-                parallelize_module(block, mesh["tp"], plan)
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        return model
+    def sharded(seed):  # the parameter set, tp-sharded where tp > 1, FSDP2 per block; --ddp: whole on every rank
+        return sharded_parameter_set(args, mesh, seed, sharded=not args.ddp)
 
     def build():
         model = sharded(0)
@@ -111,11 +91,11 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
             times = []
             for _ in range(args.steps):
                 dist.barrier()
-                w0, c0, b0 = time.perf_counter(), time.process_time(), _socket_bytes()
+                w0, c0, b0 = time.perf_counter(), time.process_time(), socket_bytes()
                 step(model, optimizer, grads)
                 times.append(time.perf_counter() - w0)
                 cpu[variant].append(time.process_time() - c0)
-                sent[variant].append(_socket_bytes() - b0)
+                sent[variant].append(socket_bytes() - b0)
             results[variant].append(statistics.median(times))
             if r == 0:
                 final[variant] = [p.detach().clone() if args.ddp else p.full_tensor() for p in model.parameters()]
