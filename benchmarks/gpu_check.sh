@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU must show for kiln, in one go, with no network, in under 8 minutes on one
-# H100/H200: a device-side check of the sync-free step, then `benchmarks/throughput.py --device
+# H100/H200: a device-side check of the sync-free step (and of kiln's Adafactor against torch's on
+# the GPU, ADAFACTOR_CHECK_DEVICE=cpu dry-runs that block here), then `benchmarks/throughput.py --device
 # cuda` (kiln vs a plain nanoGPT-style loop at GPT-2 124M and Llama-1B shapes, eager/compiled,
 # bf16/float8, the kiln train loop, CUDA graphs at the shakespeare-char size, float8 vs bf16 loss
 # curves, time to a target validation loss). Cases run in priority order under BUDGET_S seconds
@@ -66,6 +67,42 @@ for name in ("adamw", "lion", "lamb", "muon"):
     print(f"device-side skip, {name}: {'found_inf' if skips_on_device(opt) else 'host check'}, "
           f"skipped={bool(skipped)}, parameters unchanged={same}, state unchanged={same_state}, "
           f"host sync in the step: {synced}")
+PY
+[ "${SKIP_CHECK:-1}" = 1 ] && python3 - <<'PY'
+# kiln's Adafactor on the GPU (its device-side alpha and denominator, kiln/train/optimizers/adafactor.py):
+# torch's numbers (torch.optim.Adafactor on the same gradients, 5 steps) and no host sync in its step.
+import copy, os, torch
+from kiln.config import ModelConfig
+from kiln.model.transformer import Transformer
+from kiln.train.optimizers import Adafactor
+dev = torch.device(os.environ.get("ADAFACTOR_CHECK_DEVICE", "cuda"))  # cpu: a dry run of this block
+torch.manual_seed(0)
+ours = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=64)).to(dev)
+theirs = copy.deepcopy(ours)
+opt = Adafactor(ours.parameters(), lr=0.01, weight_decay=0.1)
+ref = torch.optim.Adafactor(theirs.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
+synced = "none"
+for step in range(5):
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(step)).to(dev)
+    for model in (ours, theirs):
+        model(x, x).backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    except RuntimeError as e:  # a synchronizing call: say which, then step without the check
+        synced = str(e).splitlines()[0][:120]
+        torch.cuda.set_sync_debug_mode("default")
+        opt.step()
+    if dev.type == "cuda":
+        torch.cuda.set_sync_debug_mode("default")
+    ref.step()
+    opt.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+apart = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours.parameters(), theirs.parameters()))
+print(f"adafactor on {dev.type}: largest difference to torch's after 5 steps {apart:.1e} (relative), "
+      f"host sync in its step: {synced}")
 PY
 CORPUS=${CORPUS:-.gpudata/tinyshakespeare.txt}
 python3 benchmarks/throughput.py --device cuda --budget-s "${BUDGET_S:-300}" --corpus "$CORPUS" --only "${ONLY:-}" \
