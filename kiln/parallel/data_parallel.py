@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln.model.moe import MoE
 from kiln.parallel.dims import ParallelDims
-from kiln.parallel.zero1 import Zero1Optimizer, _check_elementwise, _is_expert
+from kiln.parallel.zero1 import Zero1Optimizer
 
 
 def grad_mesh(dims: ParallelDims):
@@ -369,8 +369,6 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims, 
         optimizer.replicas = grad_mesh(dims).get_group()  # the ranks DDP averages over: equal gradients
     if dims.dp_mode != "zero1" or dims.grad_ranks == 1:  # (DiLoCo: the ranks inside a replica)
         return optimizer
-    if any(isinstance(p, DTensor) and not _is_expert(p) for g in optimizer.param_groups for p in g["params"]):
-        _check_elementwise(optimizer)
     tied = getattr(model, "tied_embedding_weights", list)()
     return Zero1Optimizer(optimizer, grad_mesh(dims).get_group(), saved_alike=tied)  # under pp: this stage's replicas
 

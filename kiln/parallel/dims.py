@@ -146,11 +146,6 @@ class ParallelDims:
         tp = self.tp
         if tp == 1:
             return
-        if self.dp_mode == "zero1" and self.grad_ranks > 1 and cfg.optim.name not in ("adamw", "lion", "sgd"):
-            # ZeRO-1 steps each tp shard alone (data_parallel.Zero1Optimizer, which checks too)
-            raise ConfigError(f"optim.name={cfg.optim.name!r} with parallel.dp_mode='zero1' and parallel.tp={tp} "
-                              f"is not supported (its update is not elementwise); use optim.name='adamw', 'lion' "
-                              f"or 'sgd', or parallel.dp_mode='ddp' or 'fsdp'")
         m = cfg.model
         sizes = [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
                  ("model.ffn_hidden (the FFN hidden size)", ffn_hidden_size(m)), ("data.seq_len", cfg.data.seq_len)]

@@ -21,7 +21,8 @@ the new values); DCP's ShardedTensor checkpoints. kiln's:
   ZeRO consolidates the whole state on one rank), and DCP reshards it, so a checkpoint resumes in
   any layout;
 - the split for DTensor parameters: parallel.ep's experts stepped plainly, tensor parallel's
-  shards through plain aliases.
+  shards through plain aliases; a tp shard whose update reads the whole tensor is stepped as its
+  DTensor by its owner replica's tp ranks together (`ZeroRedundancyState.stepped_as`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
-from kiln.errors import ConfigError
 from kiln.parallel.zero1_partition import partition
 from kiln.parallel import zero1_shards
 from kiln.parallel.zero1_shards import is_sharded, largest_local_numel, param_boxes
@@ -55,9 +55,24 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
     Zero1Optimizer reads this rank's state (`optim.state`) itself: nothing is consolidated.
     """
 
-    def __init__(self, params, owner: dict[int, int] | None = None, **kwargs):
-        self._owner = owner  # read by _partition_parameters, which ZeroRedundancyOptimizer's init calls
+    def __init__(self, params, owner: dict[int, int] | None = None, stepped_as: dict[int, torch.Tensor] | None = None,
+                 **kwargs):
+        # read by _partition_parameters and _init_local_optimizer, which ZeroRedundancyOptimizer's init calls
+        self._owner, self._stepped_as = owner, stepped_as or {}
         super().__init__(params, **kwargs)
+
+    def _init_local_optimizer(self) -> None:
+        """The local optimizer, as torch's, but over `stepped_as`'s tensors in place of the pieces it
+        names: a tensor-parallel DTensor whose update reads the whole tensor (Muon, LAMB, Adafactor
+        under zero1 x tp) is stepped as the DTensor, whose optimizer sums or gathers over tp (its
+        owners on every tp coordinate step the same tensors: one partition of the same sizes),
+        while torch's broadcasts still go through the plain alias of its local shard."""
+        if not self._stepped_as:
+            return super()._init_local_optimizer()
+        groups = [{**g, "params": [self._stepped_as.get(id(p), p) for p in g["params"]]}
+                  for g in self._partition_parameters()[self.rank]]
+        self.optim = self._optim_constructor(groups, **self._optim_defaults)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
 
     def _partition_parameters(self, params_per_rank=None):
         if params_per_rank is not None or self._partition_parameters_cache:
@@ -85,6 +100,8 @@ class ZeroRedundancyState(ZeroRedundancyOptimizer):
             "state": {position[key]: value for key, value in state_dict["state"].items()},
             "param_groups": [{**g, "params": [position[k] for k in g["params"]]} for g in state_dict["param_groups"]],
         })
+        for piece in [p for p in self.optim.state if id(p) in self._stepped_as]:  # torch's keys it by the piece
+            self.optim.state[self._stepped_as[id(piece)]] = self.optim.state.pop(piece)
 
 
 def _is_expert(p: torch.Tensor) -> bool:
@@ -115,7 +132,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
     collectives have no DTensor sharding rule: "c10d.broadcast_.default does not have a sharding
     strategy", torch 2.13); a tensor the partition cuts, one 1-D parameter per run aliasing its
     elements. Every rank of `group` holds the same tensors (the replicas of one tp coordinate), and
-    only elementwise updates are cut or stepped by shard (`_check_elementwise`).
+    only elementwise updates are cut or stepped by shard; a tp DTensor under another update is
+    stepped as the DTensor (`_DenseParam.as_dtensor`).
 
     Why not ZeRO for the experts too: ZeRO steps each parameter on one rank of `group` and
     broadcasts it, but the ranks of `group` hold different experts (the ep ranks). The experts'
@@ -145,8 +163,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
                          [cut and _local(p).is_contiguous() for p, cut in dense], dist.get_world_size(group),
                          even=[id(p) in alike for p, _ in dense])
         self._rank = dist.get_rank(group)
-        self._dense = [_DenseParam(p, _clipped(r, _local(p).numel()), group) for (p, _), r in zip(dense, runs)]
+        self._dense = [_DenseParam(p, _clipped(r, _local(p).numel()), group, elementwise)
+                       for (p, elementwise), r in zip(dense, runs)]
         owner = {id(piece): rank for d in self._dense for piece, (_, _, rank) in zip(d.pieces, d.runs)}
+        stepped_as = {id(d.pieces[0]): d.param for d in self._dense if d.as_dtensor}
         dense_groups, expert_groups = [], []
         # Per group: its index in the dense and/or the expert optimizer (absent: no such parameters);
         # per parameter in group order: ("dense", index in self._dense) or ("experts", position).
@@ -175,8 +195,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             self._group_index.append(index)
         self._parts = {}
         if dense_groups:
-            self._parts["dense"] = ZeroRedundancyState(dense_groups, owner=owner, optimizer_class=cls,
-                                                       process_group=group, **kwargs)
+            self._parts["dense"] = ZeroRedundancyState(dense_groups, owner=owner, stepped_as=stepped_as,
+                                                       optimizer_class=cls, process_group=group, **kwargs)
         if expert_groups:
             self._parts["experts"] = cls(expert_groups, **kwargs)
         super().__init__(groups, optimizer.defaults)
@@ -224,7 +244,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     state[k] = experts[i]
                 continue
             record = self._dense[i]
-            pieces = [own.get(piece) for piece, (_, _, r) in zip(record.pieces, record.runs) if r == self._rank]
+            pieces = [own.get(record.held(piece)) for piece, (_, _, r) in zip(record.pieces, record.runs)
+                      if r == self._rank]
             if not pieces:  # stepped on other ranks: present and empty (torch's set_state_dict wants every
                 state[k] = {}  # parameter's entry; DCP saves and loads nothing for it here)
             elif all(s is not None for s in pieces):
@@ -275,10 +296,13 @@ class _DenseParam:
     `runs` ((start, end, rank) over its local flat elements): the parameter itself when it is
     plain and whole; else plain parameters aliasing its local tensor (a tp DTensor's shard), or,
     when cut, 1-D runs of it. The aliases are renewed every step (a checkpoint load may have
-    replaced the local tensor) and take the same view of its gradient."""
+    replaced the local tensor) and take the same view of its gradient; except `as_dtensor`'s (a
+    tp DTensor whose update is not elementwise): ZeRO's local optimizer steps the DTensor itself
+    (`ZeroRedundancyState.stepped_as`), its state is DTensors, and the alias is only broadcast."""
 
-    def __init__(self, param: torch.Tensor, runs: list[tuple[int, int, int]], group):
+    def __init__(self, param: torch.Tensor, runs: list[tuple[int, int, int]], group, elementwise: bool = True):
         self.param, self.runs, self.rank = param, runs, dist.get_rank(group)
+        self.as_dtensor = isinstance(param, DTensor) and not elementwise
         with torch.no_grad():
             local = _local(param)
             self.shape = local.shape
@@ -295,8 +319,15 @@ class _DenseParam:
     def cut(self) -> bool:
         return len(self.pieces) > 1
 
+    def held(self, piece: torch.Tensor) -> torch.Tensor:
+        """What ZeRO's local optimizer keys `piece`'s state by."""
+        return self.param if self.as_dtensor else piece
+
     def take_grad(self) -> None:
         if self.pieces[0] is self.param:
+            return
+        if self.as_dtensor:  # the optimizer reads the DTensor's own gradient
+            self.pieces[0].data = self.param.to_local()
             return
         with torch.no_grad():
             grad = self.param.grad
@@ -323,6 +354,8 @@ class _DenseParam:
         per-element tensor a ShardedTensor of the parameter's global shape holding this rank's
         boxes of it (views, kiln/parallel/zero1_shards.py), the rest (Adam's step) the first
         piece's. Nothing is gathered: each rank saves its own share."""
+        if self.as_dtensor:
+            return dict(states[0])  # DTensors, which DCP saves and reshards as it does a plain tp optimizer's
         own = [(a, b) for a, b, r in self.runs if r == self.rank]
         state = dict(states[0])
         for k, v in states[0].items():
@@ -331,6 +364,16 @@ class _DenseParam:
                 state[k] = self.boxes.sharded([s[k] for s in states])
         return state
 
+    def _local_of(self, value, name: str):
+        """This rank's part of a saved state value: a DTensor's local shard; a whole tensor of a tp
+        DTensor parameter's global shape (a plain optimizer's), cut like the parameter."""
+        if isinstance(value, DTensor):
+            return value.to_local()
+        if isinstance(self.param, DTensor) and isinstance(value, torch.Tensor) and not is_sharded(value) \
+                and value.dim() > 0 and value.shape == self.param.shape != self.shape:
+            return _placed_like(value, self.param, name).to_local()
+        return value
+
     def split(self, state: dict, name: object = "") -> list[dict | None]:
         """A saved state of the parameter (`name`, its key in the loaded dict) as its pieces' (None
         for the runs another rank steps): from ShardedTensors (what `sharded` gave DCP to load
@@ -338,7 +381,10 @@ class _DenseParam:
         the runs copied out of them. Scalar tensors such as Adam's step are copied per piece (each
         piece steps its own). A cut parameter's optimizer is elementwise: every other state tensor
         must have the parameter's shape, else one line says which does not."""
-        state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+        if self.as_dtensor:  # (checked on every rank: a refused load is refused everywhere)
+            placed = {k: _placed_like(v, self.param, f"{name}.{k}") for k, v in state.items()}
+            return [placed if self.runs[0][2] == self.rank else None]
+        state = {k: self._local_of(v, f"{name}.{k}") for k, v in state.items()}
         runs = {k: iter(self.boxes.runs_of(v, f"{name}.{k}")) for k, v in state.items() if is_sharded(v)}
         for k, v in state.items():
             if k not in runs and isinstance(v, torch.Tensor) and v.dim() > 0 and self.cut and v.shape != self.shape:
@@ -362,6 +408,28 @@ class _DenseParam:
         return out
 
 
+def _placed_like(value, param: DTensor, name: str):
+    """A saved state value for the DTensor `param`'s optimizer: a DTensor as it is; a whole tensor
+    (a plain optimizer's) cut like `param`, replicated where it has size 1 in a dim `param` is cut
+    along (Adafactor's row and column statistics, as kiln's Adafactor places them); anything else as
+    it is. A tensor of another shape is refused in one line."""
+    if isinstance(value, DTensor) or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value.clone() if isinstance(value, torch.Tensor) else value
+    if value.dim() != param.dim() or any(v not in (1, p) for v, p in zip(value.shape, param.shape)):
+        raise ValueError(f"optimizer state {name!r}: a tensor of shape {tuple(value.shape)}, expected "
+                         f"{tuple(param.shape)} (the parameter's, or 1 in some dims) or a scalar")
+    mesh, local, placements = param.device_mesh, value, []
+    for m, placement in enumerate(param.placements):
+        if placement.is_shard() and value.shape[placement.dim] == param.shape[placement.dim] > 1:
+            chunks, c = local.chunk(mesh.size(m), dim=placement.dim), mesh.get_local_rank(m)
+            local = chunks[c] if c < len(chunks) else local.narrow(placement.dim, 0, 0)  # torch.chunk's rule
+            placements.append(placement)
+        else:
+            placements.append(Replicate())
+    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
+
+
 def _numbered(groups: list[dict]) -> list[dict]:
     """`groups` with each parameter replaced by its position over all of them (how torch's
     optimizers key their state in `state_dict`)."""
@@ -371,18 +439,6 @@ def _numbered(groups: list[dict]) -> list[dict]:
         out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
         start += n
     return out
-
-
-def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """ZeRO-1 steps a tp-sharded parameter's local shard (Zero1Optimizer), which is the shard of
-    the whole step only for elementwise updates; LAMB's trust ratio and Muon's orthogonalization
-    take whole-matrix norms, Adafactor row and column statistics."""
-    for group in optimizer.param_groups:
-        sharded = any(isinstance(p, DTensor) and not _is_expert(p) for p in group["params"])
-        if sharded and not cuts_elementwise(optimizer, group):
-            raise ConfigError(f"parallel.dp_mode='zero1' with parallel.tp > 1 steps each rank's tensor-parallel "
-                              f"shard alone, which {type(optimizer).__name__} cannot (not elementwise); use "
-                              f"optim.name='adamw', 'lion' or 'sgd', or parallel.dp_mode='ddp' or 'fsdp'")
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:

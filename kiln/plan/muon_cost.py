@@ -63,7 +63,8 @@ def dense_dealt_over(layout: Layout, tp_cut: str = "col") -> int:
         # weight's FSDP cut is strided (the same dim as tp's), so tp's is the one kept
         return max(shards, layout.tp) if tp_cut == "row" else layout.tp
     if layout.dp_mode == "zero1":
-        return layout.dp * layout.cp  # each matrix stepped by its owner (tp > 1 refuses Muon)
+        # each matrix stepped by its owner; under tp the owners' tp group deals tp's cut ones out
+        return layout.dp * layout.cp * cut_by_tp
     if layout.tp == 1:  # ddp: whole matrices dealt over the replicas (and broadcast: timing.py)
         return layout.dp * layout.cp
     return cut_by_tp  # ddp x tp: tp's cut, the replicas alike

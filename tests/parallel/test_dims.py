@@ -114,11 +114,12 @@ def test_replicating_modes_take_tp_and_pp_together(mode):
     assert layout(d) + (d.tp, d.pp, d.ep, d.etp) == (mode, 2, 1, 2, 2, 2, 2)
 
 
-def test_zero1_with_tp_refuses_an_optimizer_that_is_not_elementwise():
-    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", "optim.name='lamb'"])
-    with pytest.raises(ConfigError, match="optim.name='lamb' with parallel.dp_mode='zero1' and parallel.tp=2"):
-        dims(4, dp_mode="zero1", tp=2).check_model(cfg)
-    dims(4, dp_mode="ddp", tp=2).check_model(cfg)  # ddp steps whole DTensors
+@pytest.mark.parametrize("optimizer", ["lamb", "muon", "adafactor"])
+def test_zero1_with_tp_takes_an_optimizer_that_is_not_elementwise(optimizer):
+    # ZeRO-1 steps such a tp shard as its DTensor (kiln/parallel/zero1.py; tests/parallel/test_zero1_tp.py)
+    cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", f"optim.name='{optimizer}'"])
+    for mode in ("zero1", "ddp"):
+        dims(4, dp_mode=mode, tp=2).check_model(cfg)
 
 
 def test_compile_with_cp_is_refused_where_dynamo_cannot_compile_ring_attention(monkeypatch):

@@ -384,6 +384,8 @@ def four_rank_launch(tmp_path_factory, text_file):
     runs["single adafactor"], runs["ep2 adafactor"] = root / "single-adafactor", root / "ep2-adafactor"
     runs["fsdp2 x tp2 adafactor"] = root / "fsdp2-tp2-adafactor"
     runs["fsdp2 x tp2 -> ep2 adafactor"] = root / "fsdp2-tp2-to-ep2-adafactor"
+    runs["zero1 x tp2 muon"], runs["zero1 x tp2 adafactor"] = root / "zero1-tp2-muon", root / "zero1-tp2-adafactor"
+    runs["zero1 x tp2 -> fsdp4 adafactor"] = root / "zero1-tp2-to-fsdp4-adafactor"
     train(load_config(None, common(text_file, **TRAIN_MOE, **ADAFACTOR, **{"train.batch_size": GLOBAL_BATCH})),
           runs["single adafactor"])
     runs["ep4 two-level"] = root / "ep4-two-level"
@@ -404,7 +406,12 @@ def four_rank_launch(tmp_path_factory, text_file):
             (runs["fsdp2 x tp2 adafactor"], common(text_file, **TRAIN_MOE, **ADAFACTOR, **{
                 "train.batch_size": GLOBAL_BATCH // 2, "parallel.tp": 2, "parallel.dp_mode": "'fsdp'"})),
             (runs["fsdp2 x tp2 -> ep2 adafactor"], [f"train.batch_size={GLOBAL_BATCH // 4}", "parallel.tp=1",
-                                                   "parallel.ep=2"], runs["fsdp2 x tp2 adafactor"], 3)]
+                                                   "parallel.ep=2"], runs["fsdp2 x tp2 adafactor"], 3),
+            (runs["zero1 x tp2 muon"], common(text_file, **TRAIN_MOE, **MUON, **ZERO1_TP2)),
+            (runs["zero1 x tp2 adafactor"], common(text_file, **TRAIN_MOE, **ADAFACTOR, **ZERO1_TP2)),
+            (runs["zero1 x tp2 -> fsdp4 adafactor"], [f"train.batch_size={GLOBAL_BATCH // 4}", "parallel.tp=1",
+                                                     "parallel.dp_mode='fsdp'", "parallel.dp_replicate=1",
+                                                     "parallel.dp_shard=-1"], runs["zero1 x tp2 adafactor"], 3)]
     (root / "ranks").mkdir()
     return run_ranks(four_ranks, 4, root / "ranks", jobs, timeout=400), runs
 
@@ -446,6 +453,18 @@ MUON = {"optim.name": "'muon'", "optim.lr": 0.02, "optim.muon_adam_lr": 0.01}
 # Adafactor: its row and column statistics summed over the ranks that cut each matrix (FSDP's
 # rows, tp's rows or columns, FSDP over tp's twice-cut rows; the experts' over ep and edp)
 ADAFACTOR = {"optim.name": "'adafactor'", "optim.lr": 0.02, "optim.weight_decay": 0.1}
+# ZeRO-1 over 2 replicas x tp 2: each tp-cut matrix stepped as its DTensor by its owner replica's tp
+# ranks (kiln/parallel/zero1.py), the experts by every rank (their hidden units over tp)
+ZERO1_TP2 = {"train.batch_size": 2,  # the global batch of 4 over 2 replicas
+             "parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.dp_mode": "'zero1'"}
+
+
+def assert_layout(run_dir, layout):
+    """The run's first run row names the layout's data-parallel mode and tp (the jobs above)."""
+    first = next(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(x)["kind"] == "run")
+    mode = next(m for m in ("zero1", "ddp", "fsdp") if layout.startswith(m) or m == "fsdp")
+    assert (first["dp_mode"], first["tp"]) == (mode, 2 if "tp2" in layout.split("->")[0] else 1), first
 
 
 def grad_norms(run_dir):
@@ -518,7 +537,7 @@ def test_kiln_train_ep2_of_dp_shard4_matches_one_process_and_resumes_under_ddp(f
     assert_same_losses(norms, {r["step"]: r["grad_norm"] for r in resumed}, range(4, TRAIN_STEPS + 1))
 
 
-@pytest.mark.parametrize("layout", ["ep2 muon", "fsdp2 x tp2 muon", "ddp muon"])
+@pytest.mark.parametrize("layout", ["ep2 muon", "fsdp2 x tp2 muon", "ddp muon", "zero1 x tp2 muon"])
 def test_kiln_train_muon_matches_one_process(four_rank_launch, layout):
     """Muon with ep 2 of dp_shard 4 (the dense matrices dealt over 4 FSDP ranks, each rank's whole
     experts where they live), FSDP over tp (the dense matrices gathered over dp and dealt over
@@ -528,13 +547,15 @@ def test_kiln_train_muon_matches_one_process(four_rank_launch, layout):
     from test_data_parallel import assert_same_losses, losses
 
     runs = four_rank_launch[1]
+    assert_layout(runs[layout], layout)
     expected = losses(runs["single muon"])
     assert expected != pytest.approx(losses(runs["single"]), rel=1e-3)  # another optimizer
     assert_same_losses(expected, losses(runs[layout]), range(1, TRAIN_STEPS + 1))
     assert_same_losses(grad_norms(runs["single muon"]), grad_norms(runs[layout]), range(1, TRAIN_STEPS + 1))
 
 
-@pytest.mark.parametrize("layout", ["ep2 adafactor", "fsdp2 x tp2 adafactor", "fsdp2 x tp2 -> ep2 adafactor"])
+@pytest.mark.parametrize("layout", ["ep2 adafactor", "fsdp2 x tp2 adafactor", "fsdp2 x tp2 -> ep2 adafactor",
+                                    "zero1 x tp2 adafactor", "zero1 x tp2 -> fsdp4 adafactor"])
 def test_kiln_train_adafactor_matches_one_process(four_rank_launch, layout):
     """Adafactor with ep 2 of dp_shard 4 and FSDP 2 over tp 2: the losses and grad norms of one
     process (kiln/train/optimizers/adafactor.py); the FSDP x tp run's step-3 checkpoint (row and
@@ -543,6 +564,7 @@ def test_kiln_train_adafactor_matches_one_process(four_rank_launch, layout):
     from test_data_parallel import assert_same_losses, losses
 
     runs = four_rank_launch[1]
+    assert_layout(runs[layout], layout)
     expected = losses(runs["single adafactor"])
     assert expected != pytest.approx(losses(runs["single"]), rel=1e-3)  # another optimizer
     steps = range(4 if "->" in layout else 1, TRAIN_STEPS + 1)

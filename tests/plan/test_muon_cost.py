@@ -76,6 +76,11 @@ def test_each_layout_divides_the_iterations_as_the_optimizer_deals_them_out():
     # every rank: a little more than half
     assert 0.5 < ratio(dp_replicate=2, tp=2, dp_mode="ddp") < 0.51
     assert ratio(pp=2, dp_replicate=1, dp_mode="ddp") == pytest.approx(1 / 2)  # a stage's layers
+    # zero1 x tp: each matrix on its owner replica's tp ranks, tp's cut dealt over them: half of
+    # ddp x tp's dense part; the experts (hidden units over tp, stepped on every rank) as there
+    ddp_tp = muon_seconds_by_part(shape, Layout(dp_replicate=2, tp=2, dp_mode="ddp"), cluster)
+    zero1_tp = muon_seconds_by_part(shape, Layout(dp_replicate=2, tp=2, dp_mode="zero1"), cluster)
+    assert zero1_tp[0] == pytest.approx(ddp_tp[0] / 2) and zero1_tp[1] == pytest.approx(ddp_tp[1])
     expert_part = muon_seconds_by_part(shape, Layout(), cluster)[1] / one
     assert 0 < expert_part < 1
     # FSDP over tp: dense matrices gathered over one dim, dealt over the other (2 ranks either
