@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ranks import run_ranks
