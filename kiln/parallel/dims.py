@@ -105,6 +105,8 @@ class ParallelDims:
             dp_replicate, dp_shard, mode = diloco_layout(cfg, mode, dp_replicate, dp_shard, world_size)
         if mode == "auto":  # what a user means by "replicate 2" alone is plain data parallelism
             mode = "ddp" if dp_replicate > 1 and dp_shard == 1 else "fsdp"
+        if cfg.fsdp_reshard_to:
+            check_fsdp_reshard_to(cfg, mode, dp_shard * cfg.cp)
         etp = cfg.tp if cfg.etp == -1 else cfg.etp
         if cfg.ep > 1 and cfg.tp > 1 and etp == 1:
             check_ep_borrowing_tp_layout(cfg, mode, dp_shard, seq_len)
@@ -322,6 +324,27 @@ def diloco_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: i
                           f"inside a replica, never across replicas; use dp_mode='fsdp' with dp_shard a multiple "
                           f"of ep, or change parallel.ep")
     return dp_replicate, dp_shard, mode
+
+
+def check_fsdp_reshard_to(cfg: ParallelConfig, mode: str, shard_ranks: int) -> None:
+    """parallel.fsdp_reshard_to = k (FSDP2's reshard_after_forward=k): fsdp only, k a divisor of the
+    ranks FSDP shards over (dp_shard x cp; a DiLoCo replica's), at least 2, and not under the
+    zero-bubble schedules, which keep every stage's parameters gathered until backward anyway."""
+    from kiln.parallel.pipeline_layout import ZERO_BUBBLE
+
+    k = cfg.fsdp_reshard_to
+    if mode != "fsdp":
+        raise ConfigError(f"parallel.fsdp_reshard_to={k} reshards FSDP's parameters after forward, which "
+                          f"parallel.dp_mode={mode!r} does not; set parallel.dp_mode='fsdp' or "
+                          f"parallel.fsdp_reshard_to=0")
+    if k < 2 or shard_ranks % k:
+        raise ConfigError(f"parallel.fsdp_reshard_to={k} must divide dp_shard x cp = {shard_ranks} (the ranks "
+                          f"FSDP shards over) and be at least 2 (parameters whole until backward: "
+                          f"parallel.dp_mode='zero2'); change parallel.fsdp_reshard_to")
+    if cfg.pp > 1 and cfg.pp_schedule in ZERO_BUBBLE:
+        raise ConfigError(f"parallel.fsdp_reshard_to={k} has no effect with parallel.pp_schedule="
+                          f"{cfg.pp_schedule!r} (it keeps each stage's parameters gathered until backward); "
+                          f"set parallel.fsdp_reshard_to=0")
 
 
 def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int, seq_len: int | None = None) -> None:

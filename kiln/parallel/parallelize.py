@@ -318,12 +318,15 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None, cpu_offload: bool,
-               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool | int = True,
                mesh_names: tuple[str, ...] | None = None) -> None:
     """FSDP2 over the data-parallel mesh: 1-D (dp_shard) shards, 2-D (dp_replicate x dp_shard) is
     HSDP (sharded within a replica group, all-reduced across groups). reshard_after_forward=True
     is ZeRO-3; False keeps each block's parameters gathered from forward to backward (ZeRO-2:
-    parameters are still stored sharded between steps, gradients and optimizer state always)."""
+    parameters are still stored sharded between steps, gradients and optimizer state always); an
+    int k (parallel.fsdp_reshard_to) reshards them over k consecutive shard ranks after forward,
+    so backward gathers over those alone (torch's; ZeRO++'s hpZ). parallel.ep's experts, an FSDP
+    unit over their own mesh, are resharded in full."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     names = mesh_names or dims.grad_mesh_names
@@ -340,9 +343,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
     try:
         for i, block in enumerate(model.layers):
             # The last block is not resharded after forward: backward needs it first.
-            reshard = reshard_after_forward and i < len(model.layers) - 1
+            reshard = reshard_after_forward if i < len(model.layers) - 1 else False
             if dims.ep > 1:  # the experts: their own FSDP unit over edp (kiln/parallel/expert_parallel.py)
-                fully_shard_experts(block, dims.expert_mesh, reshard_after_forward=reshard,
+                fully_shard_experts(block, dims.expert_mesh, reshard_after_forward=reshard is not False,
                                     **{k: v for k, v in kwargs.items() if k != "mesh"})
             fully_shard(block, reshard_after_forward=reshard, **kwargs)
         fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -414,4 +417,5 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, de
     reduce_dtype = torch.bfloat16 if cfg.parallel.reduce_dtype == "bf16" else torch.float32
     for root in getattr(model, "chunks", [model]):  # under pp: FSDP per stage (what the schedule calls)
         apply_fsdp(root, dims, param_dtype, cpu_offload=cfg.parallel.cpu_offload or device.type == "cpu",
-                   reduce_dtype=reduce_dtype, reshard_after_forward=dims.dp_mode != "zero2", mesh_names=mesh_names)
+                   reduce_dtype=reduce_dtype, mesh_names=mesh_names,
+                   reshard_after_forward=dims.dp_mode != "zero2" and (cfg.parallel.fsdp_reshard_to or True))

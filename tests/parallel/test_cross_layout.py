@@ -3,8 +3,9 @@ of one uninterrupted single-process run: weights, optimizer state (AdamW moments
 the loader's global position all carry over, whatever shards or splits them.
 
 Pairs (saved at step 3 -> continued for steps 4..6): TP=2 -> DDP 2, DDP 2 -> TP=2, PP=2 -> FSDP 2,
-FSDP 2 -> PP=2, CP=2 -> 1 process, ZeRO-2 2 -> DDP 2, FSDP 4 -> 2 and ZeRO-1 2 -> TP=2 (ZeRO-1's
-own optimizer state, sharded by hand, into DTensor parameters). Each saving run is also checked
+FSDP 2 -> PP=2, CP=2 -> 1 process, ZeRO-2 2 -> DDP 2, FSDP 4 -> 2, ZeRO-1 2 -> TP=2 (ZeRO-1's
+own optimizer state, sharded by hand, into DTensor parameters) and FSDP 4 resharded to 2 ranks
+after forward -> the same (6 steps of it). Each saving run is also checked
 against the reference for steps 1..3. (Elsewhere: FSDP 2->1, HSDP 4->FSDP 2, ZeRO-1<->FSDP in
 test_data_parallel.py; TP 2->1 in test_tensor_parallel.py; PP 2->1 in test_pipeline_parallel.py;
 EP 2->1 in test_expert_parallel.py.)
@@ -39,19 +40,21 @@ LAYOUTS = {
     "zero2_2": (2, {"parallel.dp_mode": "'zero2'"}),
     "fsdp2": (2, {"parallel.dp_mode": "'fsdp'"}),
     "fsdp4": (4, {"parallel.dp_mode": "'fsdp'"}),
+    # backward gathers each block over 2 of the 4 shard ranks (parallel.fsdp_reshard_to; ZeRO++'s hpZ)
+    "fsdp4_reshard2": (4, {"parallel.dp_mode": "'fsdp'", "parallel.fsdp_reshard_to": 2}),
     "tp2": (2, {"parallel.tp": 2}),
     "pp2": (2, {"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'"}),
     "cp2": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'"}),
 }
 # saved layout -> layouts its step-3 checkpoint continues in
 PAIRS = {"tp2": ["ddp2"], "ddp2": ["tp2"], "pp2": ["fsdp2"], "fsdp2": ["pp2"], "cp2": ["single"],
-         "zero2_2": ["ddp2"], "zero1_2": ["tp2"], "fsdp4": ["fsdp2"]}
+         "zero2_2": ["ddp2"], "zero1_2": ["tp2"], "fsdp4": ["fsdp2"], "fsdp4_reshard2": ["fsdp4_reshard2"]}
 
 
 def overrides(text_file, shards, name):
     world, parallel = LAYOUTS[name]
     per_rank = {"parallel.dp_mode": "'auto'", "parallel.dp_replicate": 1, "parallel.dp_shard": -1,
-                "parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, **parallel}
+                "parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.fsdp_reshard_to": 0, **parallel}
     dp = world // (per_rank["parallel.tp"] * per_rank["parallel.pp"] * per_rank["parallel.cp"])
     return tiny_overrides(text_file, **{
         "train.steps": STEPS, "train.eval_every": 0, "checkpoint.every": SAVE_AT, "checkpoint.keep_last": 5,
@@ -136,6 +139,7 @@ def test_checkpoint_continues_in_another_layout_with_the_same_losses(runs, pair)
     rows = [json.loads(x) for x in (runs[pair] / "metrics.jsonl").read_text().splitlines()]
     run_row = [r for r in rows if r["kind"] == "run"][-1]  # the continued run's
     assert run_row["resumed_from"] == SAVE_AT and run_row["world_size"] == LAYOUTS[target][0]
+    assert run_row.get("fsdp_reshard_to", 0) == LAYOUTS[target][1].get("parallel.fsdp_reshard_to", 0)
     assert_same_losses(reference, got, range(SAVE_AT + 1, STEPS + 1), pair)
 
 

@@ -216,3 +216,30 @@ def test_float8_with_tp_is_refused_where_dtensor_cannot_take_float8_scales(monke
     dims(2).check_model(cfg)  # no tp: float8 alone is not this check's
     monkeypatch.setattr(torch_compat, "dtensor_takes_float8_scales", lambda: True)
     dims(2, tp=2).check_model(cfg)
+
+
+@pytest.mark.parametrize("world, cfg", [
+    (4, {"fsdp_reshard_to": 2}),  # backward gathers over 2 of the 4 shard ranks
+    (8, {"fsdp_reshard_to": 2, "dp_replicate": 2}),  # HSDP: within each replica's 4 shard ranks
+    (8, {"fsdp_reshard_to": 4, "cp": 2, "tp": 2}),  # FSDP shards over dp_shard x cp = 2 x 2
+    (4, {"fsdp_reshard_to": 4}),  # all of them: plain ZeRO-3
+])
+def test_fsdp_reshard_to_divides_the_shard_ranks(world, cfg):
+    assert dims(world, **cfg).dp_mode == "fsdp"
+
+
+@pytest.mark.parametrize("world, cfg, expected", [
+    (4, {"fsdp_reshard_to": 3}, "parallel.fsdp_reshard_to=3 must divide dp_shard x cp = 4 (the ranks FSDP shards "
+                                "over) and be at least 2"),
+    (4, {"fsdp_reshard_to": 1}, "parallel.fsdp_reshard_to=1 must divide dp_shard x cp = 4"),
+    (8, {"fsdp_reshard_to": 4, "dp_replicate": 4}, "parallel.fsdp_reshard_to=4 must divide dp_shard x cp = 2"),
+    (4, {"fsdp_reshard_to": 2, "dp_mode": "zero2"}, "parallel.fsdp_reshard_to=2 reshards FSDP's parameters after "
+                                                    "forward, which parallel.dp_mode='zero2' does not"),
+    (4, {"fsdp_reshard_to": 2, "dp_replicate": 4}, "which parallel.dp_mode='ddp' does not"),  # auto -> ddp
+    (8, {"fsdp_reshard_to": 2, "pp": 2, "pp_schedule": "zbv_zero_bubble", "pp_virtual_stages": 2},
+     "parallel.fsdp_reshard_to=2 has no effect with parallel.pp_schedule='zbv_zero_bubble'"),
+])
+def test_fsdp_reshard_to_that_cannot_apply_is_one_line(world, cfg, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")) as e:
+        dims(world, **cfg)
+    assert "\n" not in str(e.value)
