@@ -116,6 +116,9 @@ class Layout:
     # DiLoCo (kiln/plan/diloco.py): inner steps H between outer syncs; the replicas are dp_replicate
     # (under ddp every data-parallel rank), which then never reduce gradients with each other.
     diloco_inner_steps: int = 0
+    # parallel.fsdp_reshard_to (fsdp): the shard ranks a block's parameters stay sharded over from
+    # forward to backward (ZeRO++'s hpZ; backward gathers over those only); 0: all of them
+    fsdp_reshard_to: int = 0
 
     @property
     def dp(self) -> int:
@@ -159,6 +162,8 @@ class Layout:
             parts.append("etp=1")
         if 1 < self.ep_node_ranks < self.ep:
             parts.append(f"ep_node_ranks={self.ep_node_ranks}")
+        if self.fsdp_reshard_to:
+            parts.append(f"reshard_to={self.fsdp_reshard_to}")
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += [f"mb={self.micro_batch}", f"ga={self.grad_accum}", f"ac={self.ac}"]
@@ -670,6 +675,8 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     if resharded_after_forward(layout) and layout.dp_shard > 1:
         out.temporary += 2 * param_bytes * shape.layer_params / layout.tp  # current + prefetched unit
         out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
+        if layout.fsdp_reshard_to:  # every block that ran forward keeps its 1/k until its backward
+            out.temporary += param_bytes * dense / layout.fsdp_reshard_to
     elif sharded and layout.dp_shard > 1:
         out.temporary += param_bytes * stage_params  # params stay gathered from forward to backward
         out.comm_buffers += 4 * shape.layer_params / layout.tp

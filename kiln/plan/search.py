@@ -39,7 +39,7 @@ from kiln.errors import KilnError
 from kiln.plan.ac import plan_activation_checkpointing
 from kiln.plan.cluster import Cluster
 from kiln.plan.diloco import check_islands
-from kiln.plan.memory import Layout, MemoryBreakdown, ModelShape, rank_memory
+from kiln.plan.memory import ZERO_BUBBLE, Layout, MemoryBreakdown, ModelShape, rank_memory
 from kiln.plan.timing import StepTime, step_time
 
 AC_CHOICES = ("none", "selective", "full")
@@ -168,12 +168,24 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                             continue
                         ddp_ranks = (rep if replicas == 1 else shard) * cp  # DiLoCo: inside a replica
                         for sched, v in pipeline_schedules(shape.n_layers, pp, ga, mode, ddp_ranks):
-                            for (ep, etp), ac in itertools.product(experts, ac_choices):
+                            reshard = fsdp_reshard_choices(cluster, mode, shard * cp, tp, pp, sched)
+                            for (ep, etp), ac, k in itertools.product(experts, ac_choices, reshard):
                                 yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                              etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,
                                              schedule=sched, virtual_stages=v, precision=precision, loss=loss,
-                                             diloco_inner_steps=diloco_inner_steps,
+                                             diloco_inner_steps=diloco_inner_steps, fsdp_reshard_to=k,
                                              ep_node_ranks=ep_node_ranks(cluster, ep, 1 if etp == 1 else tp))
+
+
+def fsdp_reshard_choices(cluster: Cluster, mode: str, shard_ranks: int, tp: int, pp: int, schedule: str) -> list[int]:
+    """parallel.fsdp_reshard_to values worth weighing: 0 (reshard over all the shard ranks), and
+    under fsdp whose shard ranks span nodes, a node's shard ranks (gpus_per_node / tp: FSDP's
+    shard ranks are tp apart), so backward's gathers stay inside a node (dims.check_fsdp_reshard_to
+    says where kiln takes it)."""
+    if mode != "fsdp" or cluster.gpus_per_node % tp or (pp > 1 and schedule in ZERO_BUBBLE):
+        return [0]
+    k = cluster.gpus_per_node // tp
+    return [0, k] if 2 <= k < shard_ranks and shard_ranks % k == 0 else [0]
 
 
 def ep_node_ranks(cluster: Cluster, ep: int, stride: int) -> int:
@@ -267,7 +279,7 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
     p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.ep = (layout.dp_replicate, layout.dp_shard, layout.tp,
                                                          layout.pp, layout.cp, layout.ep)
     p.etp, p.ep_node_ranks = layout.etp, layout.ep_node_ranks
-    p.dp_mode = layout.dp_mode
+    p.dp_mode, p.fsdp_reshard_to = layout.dp_mode, layout.fsdp_reshard_to
     if layout.pp > 1:
         p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches = layout.schedule, layout.virtual_stages, layout.grad_accum
     out.train.batch_size, out.train.grad_accum = layout.micro_batch, layout.grad_accum

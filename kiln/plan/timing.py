@@ -309,14 +309,23 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             # too); it reduce-scatters each unit's gradients once per step. Zero-bubble pipelines
             # keep every unit gathered until backward (kiln/parallel/pipeline.py
             # keep_gathered_until_backward), as zero2 does.
-            gathers, gathered = units, dense
+            gathers, gathered, again = units, dense, 0.0
             if layout.dp_mode == "fsdp" and resharded_after_forward(layout):
-                gathers += units - 1
-                gathered += dense - shape.layer_params / layout.tp
+                again = dense - shape.layer_params / layout.tp
+                if not layout.fsdp_reshard_to:
+                    gathers += units - 1
+                    gathered += again
             gathers *= ga
             shard = shards
             gather_bytes = param_bytes * gathered * ga
             t = all_gather(cluster, shard, gather_bytes, dp_stride, calls=gathers)
+            if layout.fsdp_reshard_to and again:
+                # parallel.fsdp_reshard_to = k: backward gathers over k consecutive shard ranks (k x tp
+                # consecutive ranks, a node's when they fit) from the 1/k each rank kept after forward
+                k, again_bytes = layout.fsdp_reshard_to, param_bytes * again * ga
+                t += all_gather(cluster, k, again_bytes, dp_stride, calls=(units - 1) * ga)
+                gathers += (units - 1) * ga
+                copied += again_bytes * (1 + 1 / k) + again_bytes / k  # and the post-forward copy of the 1/k
             t += reduce_scatter(cluster, shard, grad_bytes, dp_stride, calls=units)
             t += all_reduce(cluster, replicas, grad_bytes / shard, dp_stride * shard, calls=units)  # HSDP
             # the gradient norm of the sharded gradients: one all-reduce per step

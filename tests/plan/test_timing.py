@@ -208,3 +208,33 @@ def test_context_parallel_sends_what_the_ring_sends_and_less_for_short_windows()
     assert local == 2 * (3 * cp - 2) + 2 * 6 and local_s < ring_s
     assert p2p("model.sliding_window=18")[0] == 4 * 12 and p2p("model.sliding_window=1")[0] == 0
     assert p2p("model.sliding_window=64")[0] == ring  # 4 hops each way reach all 8 ranks: the ring
+
+
+def test_resharding_to_a_node_after_forward_moves_backward_gathers_into_it():
+    """parallel.fsdp_reshard_to = 8 on 4 H100 nodes (fsdp over 32): the same gathers, backward's
+    over 8 ranks of one node instead of 32 across nodes, for 1/8 of the parameters held from
+    forward to backward; the search weighs it where the shard ranks span nodes, and kiln takes it."""
+    from kiln.plan.memory import rank_memory
+    from kiln.plan.search import enumerate_layouts, kiln_refusal
+
+    cluster = load_cluster("h100", nodes=4)
+    shape = ModelShape.from_config(load_config(None, ["model.dim=2048", "model.n_layers=16", "model.n_heads=16"]).model,
+                                   32000)
+    plain, hpz = Layout(dp_shard=32, dp_mode="fsdp"), Layout(dp_shard=32, dp_mode="fsdp", fsdp_reshard_to=8)
+    t_plain, t_hpz = step_time(shape, plain, 2048, cluster), step_time(shape, hpz, 2048, cluster)
+    assert t_hpz.calls == t_plain.calls
+    assert t_hpz.comm_total < t_plain.comm_total * 0.85  # one of three parameter-sized passes moves inside nodes
+    dense = rank_params(shape, plain)[0]
+    extra = rank_memory(shape, hpz, 2048).temporary - rank_memory(shape, plain, 2048).temporary
+    assert extra == pytest.approx(2 * dense / 8)  # bf16 parameters
+    layouts = list(enumerate_layouts(shape, cluster, 2048, 64, "bf16", ac_choices=("none",), max_pp=1, max_cp=1))
+    resharded = [x for x in layouts if x.fsdp_reshard_to]
+    assert resharded and all(x.dp_mode == "fsdp" and x.fsdp_reshard_to * x.tp == 8 for x in resharded)
+    assert all(x.dp_shard * x.cp > x.fsdp_reshard_to for x in resharded)
+    cfg = load_config(None, ["model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.max_seq_len=2048",
+                             "data.seq_len=2048"])
+    for x in resharded[:5]:
+        assert kiln_refusal(cfg, x, x.world_size) is None, x.describe()
+    one_node = load_cluster("h100", nodes=1)
+    assert not any(x.fsdp_reshard_to for x in enumerate_layouts(shape, one_node, 2048, 64, "bf16",
+                                                                   ac_choices=("none",), max_pp=1, max_cp=1))
