@@ -467,9 +467,9 @@ class ParallelConfig:
     # fsdp: the ranks a block's parameters stay sharded over from its forward to its backward
     # (FSDP2's reshard_after_forward=k; ZeRO++'s hierarchical partitioning, hpZ). 0: all of
     # dp_shard x cp (ZeRO-3). k, a divisor of dp_shard x cp: backward all-gathers over k
-    # consecutive shard ranks only (k x tp consecutive global ranks: one node's when they fit on
-    # it), for params/k per rank held until backward instead of params/(dp_shard x cp).
-    # docs/parallel.md "Resharding to a node after forward".
+    # consecutive ranks only (one node's when they fit on it), for params/k per rank held until
+    # backward instead of params/(dp_shard x cp). Not with tp, pp or DiLoCo replicas (torch's FSDP2
+    # would hang creating its groups). docs/parallel.md "Resharding to a node after forward".
     fsdp_reshard_to: int = ranged(0, ge=0)
     cpu_offload: bool = False  # zero2/fsdp on GPU: parameters, gradients and optimizer state in CPU memory
     # Pipeline parallel (docs/parallel.md): torch.distributed.pipelining's schedules; the zero-bubble

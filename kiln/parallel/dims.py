@@ -328,8 +328,9 @@ def diloco_layout(cfg: ParallelConfig, mode: str, dp_replicate: int, dp_shard: i
 
 def check_fsdp_reshard_to(cfg: ParallelConfig, mode: str, shard_ranks: int) -> None:
     """parallel.fsdp_reshard_to = k (FSDP2's reshard_after_forward=k): fsdp only, k a divisor of the
-    ranks FSDP shards over (dp_shard x cp; a DiLoCo replica's), at least 2, and not under the
-    zero-bubble schedules, which keep every stage's parameters gathered until backward anyway."""
+    ranks FSDP shards over (dp_shard x cp), at least 2, not under the zero-bubble schedules (which
+    keep every stage's parameters gathered until backward anyway), and only where FSDP's mesh is
+    every rank (not with tp, pp or DiLoCo replicas: see below)."""
     from kiln.parallel.pipeline_layout import ZERO_BUBBLE
 
     k = cfg.fsdp_reshard_to
@@ -345,6 +346,18 @@ def check_fsdp_reshard_to(cfg: ParallelConfig, mode: str, shard_ranks: int) -> N
         raise ConfigError(f"parallel.fsdp_reshard_to={k} has no effect with parallel.pp_schedule="
                           f"{cfg.pp_schedule!r} (it keeps each stage's parameters gathered until backward); "
                           f"set parallel.fsdp_reshard_to=0")
+    # FSDP2 creates the groups it reshards over with new_group over its own mesh's ranks only, and
+    # new_group needs every rank to create the same groups in the same order: where FSDP's mesh is
+    # not every rank (one per tp coordinate, pp stage or DiLoCo replica) the ranks hang there
+    # (seen on 8 gloo ranks, dp 4 x tp 2, torch 2.13).
+    split = [f"parallel.{name}={value}" for name, value in (("tp", cfg.tp), ("pp", cfg.pp)) if value > 1]
+    if cfg.diloco_inner_steps and cfg.dp_replicate > 1:
+        split.append(f"parallel.diloco_inner_steps={cfg.diloco_inner_steps} with dp_replicate={cfg.dp_replicate}")
+    if split:
+        raise ConfigError(f"parallel.fsdp_reshard_to={k} with {' and '.join(split)} is not supported: torch's FSDP2 "
+                          f"creates its resharding groups among the ranks of one FSDP mesh, which is then not "
+                          f"every rank (creating a group needs every rank: it would hang); set "
+                          f"parallel.fsdp_reshard_to=0")
 
 
 def check_ep_borrowing_tp_layout(cfg: ParallelConfig, mode: str, dp_shard: int, seq_len: int | None = None) -> None:

@@ -39,7 +39,7 @@ from kiln.errors import KilnError
 from kiln.plan.ac import plan_activation_checkpointing
 from kiln.plan.cluster import Cluster
 from kiln.plan.diloco import check_islands
-from kiln.plan.memory import ZERO_BUBBLE, Layout, MemoryBreakdown, ModelShape, rank_memory
+from kiln.plan.memory import Layout, MemoryBreakdown, ModelShape, rank_memory
 from kiln.plan.timing import StepTime, step_time
 
 AC_CHOICES = ("none", "selective", "full")
@@ -168,7 +168,7 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                             continue
                         ddp_ranks = (rep if replicas == 1 else shard) * cp  # DiLoCo: inside a replica
                         for sched, v in pipeline_schedules(shape.n_layers, pp, ga, mode, ddp_ranks):
-                            reshard = fsdp_reshard_choices(cluster, mode, shard * cp, tp, pp, sched)
+                            reshard = fsdp_reshard_choices(cluster, mode, shard * cp, tp, pp, replicas > 1)
                             for (ep, etp), ac, k in itertools.product(experts, ac_choices, reshard):
                                 yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                              etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,
@@ -177,14 +177,14 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                                              ep_node_ranks=ep_node_ranks(cluster, ep, 1 if etp == 1 else tp))
 
 
-def fsdp_reshard_choices(cluster: Cluster, mode: str, shard_ranks: int, tp: int, pp: int, schedule: str) -> list[int]:
+def fsdp_reshard_choices(cluster: Cluster, mode: str, shard_ranks: int, tp: int, pp: int, diloco: bool) -> list[int]:
     """parallel.fsdp_reshard_to values worth weighing: 0 (reshard over all the shard ranks), and
-    under fsdp whose shard ranks span nodes, a node's shard ranks (gpus_per_node / tp: FSDP's
-    shard ranks are tp apart), so backward's gathers stay inside a node (dims.check_fsdp_reshard_to
-    says where kiln takes it)."""
-    if mode != "fsdp" or cluster.gpus_per_node % tp or (pp > 1 and schedule in ZERO_BUBBLE):
+    under fsdp whose shard ranks span nodes, a node's GPUs, so backward's gathers stay inside a
+    node; only where kiln takes it (dims.check_fsdp_reshard_to: FSDP's mesh is every rank, so
+    tp = pp = 1 and no DiLoCo replicas)."""
+    if mode != "fsdp" or tp > 1 or pp > 1 or diloco:
         return [0]
-    k = cluster.gpus_per_node // tp
+    k = cluster.gpus_per_node
     return [0, k] if 2 <= k < shard_ranks and shard_ranks % k == 0 else [0]
 
 

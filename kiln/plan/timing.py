@@ -320,8 +320,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             gather_bytes = param_bytes * gathered * ga
             t = all_gather(cluster, shard, gather_bytes, dp_stride, calls=gathers)
             if layout.fsdp_reshard_to and again:
-                # parallel.fsdp_reshard_to = k: backward gathers over k consecutive shard ranks (k x tp
-                # consecutive ranks, a node's when they fit) from the 1/k each rank kept after forward
+                # parallel.fsdp_reshard_to = k: backward gathers over k consecutive shard ranks (tp = 1:
+                # k consecutive ranks, a node's when they fit) from the 1/k each rank kept after forward
                 k, again_bytes = layout.fsdp_reshard_to, param_bytes * again * ga
                 t += all_gather(cluster, k, again_bytes, dp_stride, calls=(units - 1) * ga)
                 gathers += (units - 1) * ga

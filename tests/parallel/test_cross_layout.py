@@ -4,8 +4,9 @@ the loader's global position all carry over, whatever shards or splits them.
 
 Pairs (saved at step 3 -> continued for steps 4..6): TP=2 -> DDP 2, DDP 2 -> TP=2, PP=2 -> FSDP 2,
 FSDP 2 -> PP=2, CP=2 -> 1 process, ZeRO-2 2 -> DDP 2, FSDP 4 -> 2, ZeRO-1 2 -> TP=2 (ZeRO-1's
-own optimizer state, sharded by hand, into DTensor parameters) and FSDP 4 resharded to 2 ranks
-after forward -> the same (6 steps of it). Each saving run is also checked
+own optimizer state, sharded by hand, into DTensor parameters), FSDP 4 resharded to 2 ranks
+after forward -> the same (6 steps of it), and FSDP 2 x CP 2 resharded to 2 of its 4 shard ranks
+-> FSDP 4 resharded to 2. Each saving run is also checked
 against the reference for steps 1..3. (Elsewhere: FSDP 2->1, HSDP 4->FSDP 2, ZeRO-1<->FSDP in
 test_data_parallel.py; TP 2->1 in test_tensor_parallel.py; PP 2->1 in test_pipeline_parallel.py;
 EP 2->1 in test_expert_parallel.py.)
@@ -42,13 +43,15 @@ LAYOUTS = {
     "fsdp4": (4, {"parallel.dp_mode": "'fsdp'"}),
     # backward gathers each block over 2 of the 4 shard ranks (parallel.fsdp_reshard_to; ZeRO++'s hpZ)
     "fsdp4_reshard2": (4, {"parallel.dp_mode": "'fsdp'", "parallel.fsdp_reshard_to": 2}),
+    "fsdp2_cp2_reshard2": (4, {"parallel.dp_mode": "'fsdp'", "parallel.cp": 2, "parallel.fsdp_reshard_to": 2}),
     "tp2": (2, {"parallel.tp": 2}),
     "pp2": (2, {"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'"}),
     "cp2": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'"}),
 }
 # saved layout -> layouts its step-3 checkpoint continues in
 PAIRS = {"tp2": ["ddp2"], "ddp2": ["tp2"], "pp2": ["fsdp2"], "fsdp2": ["pp2"], "cp2": ["single"],
-         "zero2_2": ["ddp2"], "zero1_2": ["tp2"], "fsdp4": ["fsdp2"], "fsdp4_reshard2": ["fsdp4_reshard2"]}
+         "zero2_2": ["ddp2"], "zero1_2": ["tp2"], "fsdp4": ["fsdp2"], "fsdp4_reshard2": ["fsdp4_reshard2"],
+         "fsdp2_cp2_reshard2": ["fsdp4_reshard2"]}
 
 
 def overrides(text_file, shards, name):

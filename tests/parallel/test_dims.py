@@ -221,7 +221,7 @@ def test_float8_with_tp_is_refused_where_dtensor_cannot_take_float8_scales(monke
 @pytest.mark.parametrize("world, cfg", [
     (4, {"fsdp_reshard_to": 2}),  # backward gathers over 2 of the 4 shard ranks
     (8, {"fsdp_reshard_to": 2, "dp_replicate": 2}),  # HSDP: within each replica's 4 shard ranks
-    (8, {"fsdp_reshard_to": 4, "cp": 2, "tp": 2}),  # FSDP shards over dp_shard x cp = 2 x 2
+    (8, {"fsdp_reshard_to": 4, "cp": 2}),  # FSDP shards over dp_shard x cp = 4 x 2
     (4, {"fsdp_reshard_to": 4}),  # all of them: plain ZeRO-3
 ])
 def test_fsdp_reshard_to_divides_the_shard_ranks(world, cfg):
@@ -238,6 +238,12 @@ def test_fsdp_reshard_to_divides_the_shard_ranks(world, cfg):
     (4, {"fsdp_reshard_to": 2, "dp_replicate": 4}, "which parallel.dp_mode='ddp' does not"),  # auto -> ddp
     (8, {"fsdp_reshard_to": 2, "pp": 2, "pp_schedule": "zbv_zero_bubble", "pp_virtual_stages": 2},
      "parallel.fsdp_reshard_to=2 has no effect with parallel.pp_schedule='zbv_zero_bubble'"),
+    # FSDP's mesh one of several: torch's FSDP2 would hang creating its resharding groups
+    (8, {"fsdp_reshard_to": 2, "tp": 2}, "parallel.fsdp_reshard_to=2 with parallel.tp=2 is not supported: torch's "
+                                         "FSDP2 creates its resharding groups among the ranks of one FSDP mesh"),
+    (8, {"fsdp_reshard_to": 2, "pp": 2}, "parallel.fsdp_reshard_to=2 with parallel.pp=2 is not supported"),
+    (8, {"fsdp_reshard_to": 2, "dp_replicate": 2, "diloco_inner_steps": 4, "dp_mode": "fsdp"},
+     "parallel.fsdp_reshard_to=2 with parallel.diloco_inner_steps=4 with dp_replicate=2 is not supported"),
 ])
 def test_fsdp_reshard_to_that_cannot_apply_is_one_line(world, cfg, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")) as e:

@@ -229,7 +229,7 @@ def test_resharding_to_a_node_after_forward_moves_backward_gathers_into_it():
     assert extra == pytest.approx(2 * dense / 8)  # bf16 parameters
     layouts = list(enumerate_layouts(shape, cluster, 2048, 64, "bf16", ac_choices=("none",), max_pp=1, max_cp=1))
     resharded = [x for x in layouts if x.fsdp_reshard_to]
-    assert resharded and all(x.dp_mode == "fsdp" and x.fsdp_reshard_to * x.tp == 8 for x in resharded)
+    assert resharded and all(x.dp_mode == "fsdp" and x.fsdp_reshard_to == 8 and x.tp == 1 for x in resharded)
     assert all(x.dp_shard * x.cp > x.fsdp_reshard_to for x in resharded)
     cfg = load_config(None, ["model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.max_seq_len=2048",
                              "data.seq_len=2048"])
