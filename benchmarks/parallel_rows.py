@@ -6,7 +6,9 @@ step; memory split by part), "mp" rows (tp / cp / pp) run the trainer's own step
 (no data parallelism: time and traffic; the `ddp_pp2_*` rows: each of 2 ddp replicas of a pp=2
 pipeline on its half), "diloco" rows the dp step with no gradient reduction and
 DiLoCo's outer sync every `diloco_inner_steps` steps (kiln/parallel/diloco.py).
-Families: "dense" (the benchmark model; reference row `single`), "moe" (the same model with
+Families: "dense" (the benchmark model; reference row `single`), "muon", "lamb" and "adafactor"
+(the benchmark model with that optimizer, reference row `<name>_single`: ddp and zero1 x tp 2
+at 4), "moe" (the same model with
 every FFN a mixture of experts of the same total FFN parameters; reference row `moe_single`) and
 "deep" (the same model with `DEEP_LAYERS` layers and untied embeddings, for the pipelines with 2
 stages per rank at 4 processes that need more layers than the benchmark model has; reference row
@@ -23,6 +25,9 @@ MOE_EXPERTS, MOE_TOP_K, EP = 4, 2, 2
 MOE_DESC = f"every FFN {MOE_EXPERTS} experts of 1/{MOE_EXPERTS} the hidden units, top-{MOE_TOP_K}"
 PP_MAX, VIRTUAL = 4, 2  # the largest pipeline measured; stages per rank of the multi-stage schedules
 DEEP_LAYERS = PP_MAX * VIRTUAL  # one layer per stage at the largest pipeline
+# Optimizers whose update reads a whole tensor: ZeRO-1 x tp steps their tp shards as DTensors
+# (kiln/parallel/zero1.py); each its own family (its 1-process row the reference).
+WHOLE_TENSOR = ("muon", "lamb", "adafactor")
 # Schedules with VIRTUAL stages per rank (ZBV places its 2 as a V); gpipe and 1f1b hold one.
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 
@@ -44,7 +49,7 @@ class Row:
     @property
     def reference(self) -> str:
         """The single-process row of this row's model, timed in the same run for the ratio."""
-        return {"moe": "moe_single@1", "deep": "deep_single@1"}.get(self.family, "single@1")
+        return "single@1" if self.family == "dense" else f"{self.family}_single@1"
 
 
 ALL = ("params", "grads", "optimizer")
@@ -92,6 +97,8 @@ def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_st
                            + ((f"model.n_heads={tp_heads}",) if tp_heads != heads else ())))
         if n == 4 and heads % 2 == 0:  # 2 replicas (ddp or zero1) of a tp=2 model, each on its half
             out += [Row(f"{m}_tp", n, "mp", ("parallel.tp=2", f"parallel.dp_mode='{m}'")) for m in ("ddp", "zero1")]
+            out += [Row(f"{m}_tp_{o}", n, "mp", ("parallel.tp=2", f"parallel.dp_mode='{m}'", f"optim.name='{o}'"), o)
+                    for o in WHOLE_TENSOR for m in ("ddp", "zero1")]
         if seq % (2 * n) == 0:
             out.append(Row("cp", n, "mp", (f"parallel.cp={n}", "parallel.dp_mode='ddp'")))
         out += [Row(f"pp_{s}", n, "mp", pipeline(s, n)) for s in ("gpipe", "1f1b") if n <= layers]
@@ -102,6 +109,9 @@ def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_st
                 out.append(Row(f"pp_{s}", n, "mp", pipeline(s, n, VIRTUAL) + deep, "deep"))
         if n == 4 and VIRTUAL * 2 <= layers:  # 2 ddp replicas of a pp=2 pipeline, 2 stages per rank
             out += [Row(f"ddp_pp2_{s}", n, "mp", pipeline(s, 2, VIRTUAL)) for s in MULTI_STAGE]
+    for o in WHOLE_TENSOR:
+        if any(r.family == o for r in out):
+            out.insert(2, Row(f"{o}_single", 1, "dp", ("parallel.dp_mode='ddp'", f"optim.name='{o}'"), o))
     if any(r.family == "deep" for r in out):  # 1 process, untied like the pipelines
         out.insert(2, Row("deep_single", 1, "dp", ("parallel.dp_mode='ddp'", "model.tie_embeddings=false") + deep,
                           "deep"))
