@@ -3,7 +3,8 @@ ranks, Megatron's 3-D layout): ddp with 1F1B, zero1 with interleaved 1F1B and dd
 zero-bubble schedule give the per-step losses and grad norms of one process on the same global
 batch, and so do ddp 1F1B with cp2 in place of dp2 (the replicas' all-reduce spans dp x cp) and
 ddp 1F1B with tied embeddings (the last stage's head copy, against a tied one process), and a
-mixture of experts with ep2 (ddp 1F1B, zero1 interleaved 1F1B; SGD) (evaluation is off: its
+mixture of experts with ep2 (ddp 1F1B, zero1 interleaved 1F1B; SGD), and zero1 1F1B with Muon
+(its matrices stepped whole by their owner replica's tp ranks) (evaluation is off: its
 batches are per rank, not split from one process's); the ddp runs' checkpoints, dense and MoE,
 continue in one process on the global batch. The replicas are kiln's (torch's DDP cannot take
 tp's DTensors), on the chunks' local shards, in buckets per chunk: under 1F1B and interleaved 1F1B
@@ -65,12 +66,20 @@ MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_aux_loss_weight"
        "model.moe_z_loss_weight": 0.01, "optim.name": "'sgd'", "optim.lr": 0.1}
 CASES["moe_ep2_ddp_1f1b"] = {**MOE, "parallel.ep": 2, **CASES["ddp_1f1b"]}
 CASES["moe_ep2_zero1_interleaved"] = {**MOE, "parallel.ep": 2, **CASES["zero1_interleaved"]}
+# Muon under zero1: each replica steps the tp-cut matrices it owns as DTensors, its stage's tp
+# ranks gathering each whole (kiln/parallel/zero1.py `ZeroRedundancyState.stepped_as`)
+MUON = {"optim.name": "'muon'", "optim.lr": 0.02, "optim.muon_adam_lr": 0.01}
+CASES["zero1_1f1b_muon"] = {**MUON, "parallel.dp_mode": "'zero1'", "parallel.pp_schedule": "'1f1b'"}
 # the one process each case is held to (else "untied")
-REFERENCE = {"ddp_tied_1f1b": {"model.tie_embeddings": "true"}, "moe": MOE}
+REFERENCE = {"ddp_tied_1f1b": {"model.tie_embeddings": "true"}, "moe": MOE, "muon": MUON}
 
 
 def reference(case: str) -> str:
-    return "moe" if case.startswith("moe") else case if case in REFERENCE else "untied"
+    if case.startswith("moe"):
+        return "moe"
+    if case.endswith("_muon"):
+        return "muon"
+    return case if case in REFERENCE else "untied"
 
 
 def job(text_file, **extra):
