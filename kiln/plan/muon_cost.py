@@ -14,14 +14,23 @@ experts live (E / ep per rank, FSDP's whole experts over the expert data-paralle
 over tp where tp splits the experts' hidden units. Replicas (DDP, HSDP's replicate) each run their
 own share. The iterations run in bf16 on GPUs and fp32 on CPUs (`orthogonalize`), at the device's
 matmul efficiency for a pass of s x l.
+
+`muon_exchanges`: the communication of that split (muon_split.py), per optimizer step: each
+mesh dimension a split runs over takes two all-to-alls per round (the shards of the fp32 momentum
+updates to their owners, the results back), and a matrix FSDP over tp cuts twice is first gathered
+over one of the two (one all-gather per matrix, DTensor's redistribute).
 """
 
 from __future__ import annotations
 
+import math
+
 from kiln.plan.cluster import Cluster
+from kiln.plan.comm_cost import all_gather, all_to_all
 from kiln.plan.memory import Layout, ModelShape
 
 NS_STEPS = 5  # kiln/train/optimizers/muon.py NS_STEPS (not imported: the planner runs without torch)
+ROUND_BYTES = 2**29  # kiln/train/optimizers/muon_split.py ROUND_BYTES: whole matrices per owner per round
 
 
 def newton_schulz_flops(rows: int, cols: int) -> float:
@@ -103,3 +112,45 @@ def muon_seconds_by_part(shape: ModelShape, layout: Layout, cluster: Cluster,
             seconds += count * newton_schulz_flops(rows, cols) / (peak * eff) / over
         parts.append(seconds / layout.pp / share)
     return parts[0], parts[1]
+
+
+def muon_exchanges(shape: ModelShape, layout: Layout, cluster: Cluster) -> tuple[float, dict[str, float]]:
+    """(seconds, collective calls by op) of one rank's Muon exchanges per optimizer step (module
+    docstring): the dense matrices split over FSDP's dp_shard x cp ranks (tp = 1), over tp (ddp /
+    zero1 x tp; zero1 on the owners' tp ranks, each replica its 1/(dp x cp) of the matrices), or
+    under FSDP x tp gathered over one and split over the other (the column-parallel ones over tp,
+    the row-parallel ones over the wider); the experts' hidden units split over tp (etp = tp).
+    Replicated matrices (routers) and whole experts need none; DDP's broadcasts (tp = 1) are
+    timing.py's. Bytes: fp32 updates, a rank's local shard of each matrix it takes part in."""
+    dense, experts = _matrices(shape)
+    fsdp = layout.dp_mode in ("fsdp", "zero2")
+    shards, tp = (layout.dp_shard * layout.cp if fsdp else 1), layout.tp
+    owners = layout.dp * layout.cp if layout.dp_mode == "zero1" and tp > 1 else 1  # ZeRO-1's replicas split them
+    held = {}  # (ranks, stride) the split runs over -> fp32 bytes a rank holds of its matrices
+    gathers = []  # (ranks, stride, bytes gathered, calls): FSDP over tp narrowed to one cut
+    for rows, cols, count, cut in dense:
+        whole = 4.0 * rows * cols * count / layout.pp / owners
+        by_tp = tp if cut != "none" else 1
+        if fsdp and by_tp > 1 and shards > 1:
+            keep_tp = cut == "col" or tp >= shards  # the widest plain Shard, ties to tp (muon_split `_to_one_cut`)
+            over, gather = ((tp, 1), (shards, tp)) if keep_tp else ((shards, tp), (tp, 1))
+            gathers.append((gather[0], gather[1], whole / over[0], count / layout.pp))
+            held[over] = held.get(over, 0.0) + whole / over[0]
+        elif fsdp and shards > 1:
+            held[(shards, tp)] = held.get((shards, tp), 0.0) + whole / (shards * by_tp)
+        elif by_tp > 1:
+            held[(tp, 1)] = held.get((tp, 1), 0.0) + whole / tp
+    if experts and layout.expert_tp > 1:  # the experts a rank holds, their hidden units cut over tp
+        expert_shards = max(1, layout.expert_dp if fsdp else 1)
+        local = sum(4.0 * r * c * n for r, c, n in experts) / (layout.pp * layout.ep * expert_shards * tp)
+        held[("experts", tp)] = local  # a mesh of their own: a split of its own
+    seconds, calls = 0.0, {}
+    for (ranks, stride), nbytes in held.items():
+        n, stride = (tp, 1) if ranks == "experts" else (ranks, stride)
+        rounds = max(1, math.ceil(nbytes / ROUND_BYTES))  # an owner's whole matrices: about what a rank holds
+        seconds += 2 * all_to_all(cluster, n, nbytes, stride, calls=rounds)
+        calls["all_to_all"] = calls.get("all_to_all", 0) + 2 * rounds
+    for ranks, stride, nbytes, matrices in gathers:
+        seconds += all_gather(cluster, ranks, nbytes, stride, calls=matrices)
+        calls["all_gather"] = calls.get("all_gather", 0) + matrices
+    return seconds, calls

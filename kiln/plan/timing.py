@@ -74,7 +74,7 @@ from kiln.plan.diloco import outer_sync_seconds, replica_cluster
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, Layout, ModelShape,
                               rank_memory, rank_params, recomputed_blocks, recomputed_matmul_blocks,
                               muon_matrix_fraction, resharded_after_forward, zero1_fullest_share)
-from kiln.plan.muon_cost import muon_seconds
+from kiln.plan.muon_cost import muon_exchanges, muon_seconds
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
 # Bytes one optimizer step reads and writes per fp32 parameter, by (optimizer, implementation),
@@ -371,8 +371,13 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     opt_bytes = stepped * optimizer_step_bytes(optimizer, optimizer_impl)
     mem_bw = dev.memory_bandwidth_gbps * 1e9
     optimizer_s = opt_bytes / mem_bw / share
-    if optimizer == "muon":  # and its Newton-Schulz matmuls (kiln/plan/muon_cost.py)
+    if optimizer == "muon":  # and its Newton-Schulz matmuls and their exchanges (kiln/plan/muon_cost.py)
         optimizer_s += muon_seconds(shape, layout, cluster, share)
+        t, muon_calls = muon_exchanges(shape, layout, cluster)
+        for op, n in muon_calls.items():
+            count(op, n)
+        exposed += t  # after backward, before the parameters change: nothing to hide behind
+        total += t
     # Host work: each copy reads and writes its bytes; each waited-on call pays the launch cost.
     host = (2 * copied / mem_bw + launched * cluster.collective_launch_us * 1e-6) / share
     memory_bound = 0.0

@@ -133,3 +133,26 @@ def test_ddp_pays_a_broadcast_per_replica_for_dealing_the_iterations_out():
     muon, adamw = step_time(shape, ddp, SEQ, cluster, "muon"), step_time(shape, ddp, SEQ, cluster, "adamw")
     assert muon.calls.get("broadcast") == 4 and "broadcast" not in adamw.calls
     assert muon.comm_total > adamw.comm_total
+
+
+def test_muon_exchanges_follow_where_the_split_runs():
+    """muon_cost.muon_exchanges against the split's rules (muon_split.py; the counts on 2 gloo
+    ranks are tests/plan/test_collective_counts.py's fsdp_muon and tp_muon): none where every rank
+    holds its matrices whole (one process, DDP's replicas, ZeRO-1 without tp), two all-to-alls
+    under FSDP or tp, a gather per matrix first under FSDP over tp, and ZeRO-1 x tp's replicas each
+    exchange their own share."""
+    from kiln.plan.muon_cost import muon_exchanges
+
+    shape = ModelShape.from_config(_config().model, 300)
+    cluster = load_cluster("h100")
+    for layout in (Layout(), Layout(dp_replicate=4, dp_mode="ddp"), Layout(dp_replicate=4, dp_mode="zero1")):
+        assert muon_exchanges(shape, layout, cluster) == (0.0, {})
+    t_fsdp, calls = muon_exchanges(shape, Layout(dp_shard=4, dp_mode="fsdp"), cluster)
+    assert t_fsdp > 0 and calls == {"all_to_all": 2}
+    t_ddp_tp, calls = muon_exchanges(shape, Layout(dp_replicate=2, tp=2, dp_mode="ddp"), cluster)
+    assert t_ddp_tp > 0 and calls == {"all_to_all": 2}
+    t_zero1_tp, _ = muon_exchanges(shape, Layout(dp_replicate=2, tp=2, dp_mode="zero1"), cluster)
+    assert t_zero1_tp < t_ddp_tp
+    _, calls = muon_exchanges(shape, Layout(dp_shard=2, tp=2, dp_mode="fsdp"), cluster)
+    matrices = sum(count for _, _, count, cut in _matrices(shape)[0] if cut != "none")
+    assert calls == {"all_to_all": 2, "all_gather": matrices}

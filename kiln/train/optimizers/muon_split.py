@@ -83,11 +83,12 @@ def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool | list[bool
             # src_data_rank=None: slice locally instead of scattering from rank 0 (where torch has it)
             out[i] = torch_compat.distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
         else:
-            splits.setdefault((id(u.device_mesh), cut[0], u.dtype), []).append(i)
-    for (_, mesh_dim, _), indices in splits.items():
-        mesh = work[indices[0]].device_mesh
+            # keyed by the process group, not the mesh: FSDP2 gives each module's parameters a mesh
+            # object of its own over the same ranks (one exchange per module was 4x the calls)
+            splits.setdefault((work[i].device_mesh.get_group(cut[0]), u.dtype), []).append(i)
+    for (group, _), indices in splits.items():
         pieces = [_cut(work[i], flags[i]) for i in indices]
-        results = _split_over_ranks([work[i] for i in indices], [dim for _, dim in pieces], mesh, mesh_dim,
+        results = _split_over_ranks([work[i] for i in indices], [dim for _, dim in pieces], group,
                                     [flags[i] for i in indices])
         for i, local in zip(indices, results):
             out[i] = _like(work[i], local)
@@ -157,10 +158,9 @@ def chunk_sizes(length: int, parts: int) -> list[int]:
     return [max(0, min(step, length - r * step)) for r in range(parts)]
 
 
-def _split_over_ranks(updates: list[DTensor], dims: list[int], mesh, mesh_dim: int,
-                      stacked: list[bool]) -> list[torch.Tensor]:
-    """This rank's shard of each update orthogonalized whole, every matrix on its owner."""
-    group = mesh.get_group(mesh_dim)
+def _split_over_ranks(updates: list[DTensor], dims: list[int], group, stacked: list[bool]) -> list[torch.Tensor]:
+    """This rank's shard of each update orthogonalized whole, every matrix on its owner (the
+    ranks of `group`, which cuts each update's tensor dim in `dims`)."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     # The matrices: per update its expert matrices (stacked: each expert one, dim 0 whole here)
     # or itself; each with the tensor dim the ranks cut (shifted into the expert's matrix).
