@@ -74,6 +74,9 @@ def rows(dim: int, heads: int, layers: int, seq: int, moe_hidden: int, diloco_st
                 Row("zero1", n, "dp", ("parallel.dp_mode='zero1'",), shard=n, sharded=("optimizer",)),
                 Row("zero2", n, "dp", ("parallel.dp_mode='zero2'",), shard=n, sharded=ALL),
                 Row("fsdp", n, "dp", ("parallel.dp_mode='fsdp'",), shard=n, sharded=ALL)]
+        if n == 4:  # FSDP resharded to 2 of the 4 ranks after forward (ZeRO++'s hpZ): backward gathers over 2
+            out.append(Row("fsdp_reshard2", n, "dp", ("parallel.dp_mode='fsdp'", "parallel.fsdp_reshard_to=2"),
+                           shard=n, sharded=ALL))
         if n == 4:  # HSDP: 2 replicas of a model sharded over 2 ranks each
             out.append(Row("hsdp", n, "dp", ("parallel.dp_mode='fsdp'", "parallel.dp_replicate=2",
                                              "parallel.dp_shard=2"), shard=2, sharded=ALL))
