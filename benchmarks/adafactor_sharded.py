@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, sharded_parameter_set, socket_bytes, write_results  # noqa: E402
+from common import (add_sharded_set_args, print_table, run_ranks, sharded_parameter_set, socket_bytes,  # noqa: E402
+                    write_results)
 
 
 def rank_main(rank: int, world: int, port: int, args, out) -> None:
@@ -104,14 +105,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", default="1,2,4")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--dim", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree inside each world (FSDP2 over tp)")
+    add_sharded_set_args(parser)
     parser.add_argument("--out", default="adafactor_sharded")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]

@@ -96,6 +96,19 @@ def socket_bytes() -> int:
         return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
 
 
+def add_sharded_set_args(parser) -> None:
+    """The command-line options of a sharded-optimizer benchmark run over `sharded_parameter_set`:
+    the worlds, rounds and steps measured, the parameter set's sizes and the tp degree."""
+    parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree inside each world (FSDP2 over tp)")
+
+
 def sharded_parameter_set(args, mesh, seed: int, sharded: bool = True):
     """optimizer_step.py's ShapeOnlyTransformer at args' sizes (`vocab`, `dim`, `layers`, `hidden`),
     seeded; `sharded`: each block tensor-parallel over mesh["tp"] first where args.tp > 1
