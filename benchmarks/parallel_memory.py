@@ -200,8 +200,7 @@ def measure_layout(rank: int, world: int, port: int, args: argparse.Namespace, r
         sent.append((sent_bytes() - s0) / per_step)
     optim_bytes = local_bytes(optimizer_state(optimizer))
     if diloco is not None:  # the anchor and the outer Nesterov momentum: a second optimizer's state
-        optim_bytes += local_bytes(diloco.anchor) + local_bytes(diloco.outer.state[a]["momentum_buffer"]
-                                                                for a in diloco.anchor)
+        optim_bytes += local_bytes(diloco.anchors()) + local_bytes(diloco.momenta())
     result = {"params": local_bytes(model.parameters()), "params_after_forward": after_forward, "grads": grads,
               "optimizer": optim_bytes, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
               "sent": statistics.median(sent), "loss": step.loss, "activations": step.activations,

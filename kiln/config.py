@@ -490,6 +490,16 @@ class ParallelConfig:
     diloco_inner_steps: int = ranged(0, ge=0)
     diloco_outer_lr: float = ranged(0.7, gt=0.0)
     diloco_outer_momentum: float = ranged(0.9, ge=0.0, lt=1.0)
+    # Streaming DiLoCo (Douillard et al. 2025): P fragments of blocks (strided: block i in fragment
+    # i % P; sequential: contiguous runs), one synced every H / P steps (P must divide H); a
+    # fragment's exchange starts diloco_sync_delay (tau < H / P) inner steps before its merge and
+    # overlaps them; the merge keeps diloco_mix (alpha) of the replica's own parameters; the outer
+    # gradient crosses the link in diloco_comm_dtype (bfloat16: half the bytes).
+    diloco_fragments: int = ranged(1, ge=1)
+    diloco_fragment_pattern: str = ranged("strided", choices=("strided", "sequential"))
+    diloco_sync_delay: int = ranged(0, ge=0)
+    diloco_mix: float = ranged(0.0, ge=0.0, lt=1.0)
+    diloco_comm_dtype: str = ranged("float32", choices=("float32", "bfloat16"))
     # Seconds a rank waits in one collective before it fails instead of hanging (kiln/parallel/
     # timeouts.py): init = until the first step is done on every rank (rank 0's tokenization, the
     # checkpoint load, the first compile) and for checkpoint saves; train = every later collective.
@@ -513,9 +523,26 @@ class ParallelConfig:
         if self.ep_node_ranks > 1 and self.ep % self.ep_node_ranks:
             raise ConfigError(f"parallel.ep_node_ranks={self.ep_node_ranks} must divide parallel.ep={self.ep} "
                               f"(the ep ranks on one node); 0 dispatches in one level")
+        self._validate_streaming_diloco()
         if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
             raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "
                               f"not {self.dp_mode!r}")
+
+    def _validate_streaming_diloco(self) -> None:
+        H, P, tau = self.diloco_inner_steps, self.diloco_fragments, self.diloco_sync_delay
+        streaming = {"diloco_fragments": (P, 1), "diloco_fragment_pattern": (self.diloco_fragment_pattern, "strided"),
+                     "diloco_sync_delay": (tau, 0), "diloco_mix": (self.diloco_mix, 0.0),
+                     "diloco_comm_dtype": (self.diloco_comm_dtype, "float32")}
+        changed = [f"parallel.{k}={v!r}" for k, (v, default) in streaming.items() if v != default]
+        if changed and not H:
+            raise ConfigError(f"{changed[0]} sets up DiLoCo's outer syncs, which are off "
+                              f"(parallel.diloco_inner_steps=0); set parallel.diloco_inner_steps or drop it")
+        if H and H % P:
+            raise ConfigError(f"parallel.diloco_fragments={P} must divide parallel.diloco_inner_steps={H} "
+                              f"(one fragment syncs every H / P steps); change either")
+        if H and tau >= H // P:
+            raise ConfigError(f"parallel.diloco_sync_delay={tau} must be below diloco_inner_steps / diloco_fragments "
+                              f"= {H // P} (a fragment's exchange ends before the next one starts); lower it")
 
 
 @dataclass

@@ -145,6 +145,10 @@ class ParallelDims:
             # ring attention's ops must stay outside the CUDA graph (context_parallel._OP_TAGS)
             raise ConfigError(f"train.cuda_graphs=true with parallel.cp={self.cp} needs a torch with the "
                               f"cudagraph_unsafe op tag (this is {torch.__version__}); set train.cuda_graphs=false")
+        if cfg.parallel.diloco_fragments > cfg.model.n_layers:
+            raise ConfigError(f"parallel.diloco_fragments={cfg.parallel.diloco_fragments} deals the model's "
+                              f"model.n_layers={cfg.model.n_layers} blocks into fragments, so it can be at most "
+                              f"{cfg.model.n_layers}; lower it")
         tp = self.tp
         if tp == 1:
             return

@@ -248,13 +248,17 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     if scaler is not None:  # the loss scale and its growth count: an fp16 run resumes with its own
         stateful["scaler"] = ScalerState(scaler)
     diloco = None
+    par = cfg.parallel
     diloco_layout = (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, dims.ep, dims.ep_borrows_tp,
-                     dims.dp_mode in ("ddp", "zero1") and dims.dp_shard > 1)  # DDP / ZeRO-1 inside a replica
-    if cfg.parallel.diloco_inner_steps:  # replicas = dp_replicate (any layout inside): kiln/parallel/diloco.py
+                     dims.dp_mode in ("ddp", "zero1") and dims.dp_shard > 1,  # DDP / ZeRO-1 inside a replica
+                     par.diloco_fragments, par.diloco_sync_delay > 0)
+    if par.diloco_inner_steps:  # replicas = dp_replicate (any layout inside): kiln/parallel/diloco.py
         across = dims.mesh["dp_replicate"] if dims.dp_replicate > 1 else None
-        diloco = DiLoCo(model, cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_outer_lr,
-                        cfg.parallel.diloco_outer_momentum, group=across.get_group() if across else None,
-                        by_name=dims.pp > 1, inside=replicated_group(dims))
+        diloco = DiLoCo(model, par.diloco_inner_steps, par.diloco_outer_lr, par.diloco_outer_momentum,
+                        group=across.get_group() if across else None, by_name=dims.pp > 1,
+                        inside=replicated_group(dims), fragments=par.diloco_fragments,
+                        pattern=par.diloco_fragment_pattern, n_layers=cfg.model.n_layers,
+                        sync_delay=par.diloco_sync_delay, mix=par.diloco_mix, comm_dtype=par.diloco_comm_dtype)
         stateful["diloco"] = diloco
         stateful[layout_key(*diloco_layout)] = DiLoCoLayout(*diloco_layout)
         # every replica saves its own model and moments
@@ -267,7 +271,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
         if names is not None and diloco is not None:
             check_diloco_resume(names, dims.dp_replicate, f"{ckpt.dir}/step-{resume_step}", *diloco_layout[1:3],
                                 pp=dims.pp, cp=dims.cp, ep=dims.ep, ep_borrows_tp=dims.ep_borrows_tp,
-                                replicated=diloco_layout[-1])
+                                replicated=diloco_layout[7], fragments=diloco_layout[8],
+                                overlapped=diloco_layout[9])
         # A checkpoint from before kiln saved the scaler: resume with a fresh scale (saved from now on).
         unsaved = {"scaler"} if names is not None and scaler is not None and "scaler" not in names else set()
         resume_step, recovered_from, recovery_s = ckpt.restore({k: v for k, v in stateful.items() if k not in unsaved})
@@ -418,10 +423,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                 extras["moe_max_load"] = model.moe_max_load
             pending.add(state.step, loss, grad_norm, skipped, lr=schedule.lr, data_wait_s=loader.wait_s,
                         tokens=state.tokens, extras=extras)
-            if diloco is not None and diloco.due(state.step):
-                sent = diloco.outer_step()
-                metrics.log({"kind": "diloco", "step": state.step, "outer_step": diloco.outer_steps,
-                             "bytes_sent": sent})
+            for sync in diloco.after_step(state.step) if diloco is not None else ():
+                metrics.log({"kind": "diloco", "step": state.step, **sync})
             schedule.step()
 
             last_step = state.step == cfg.train.steps
@@ -464,6 +467,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
         else:
             if cfg.checkpoint.save_final and ckpt.latest_step() != state.step:
                 save(state.step)
+        if diloco is not None:
+            diloco.settle()  # no exchange left in flight (streaming DiLoCo's delay) when the ranks part
         log_saves(ckpt.close())
     finally:
         ckpt.close()

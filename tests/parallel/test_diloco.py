@@ -110,8 +110,7 @@ def diloco_rank(rank, world):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if diloco.due(step):
-            sent.append(diloco.outer_step())
+        sent += [sync["bytes_sent"] for sync in diloco.after_step(step)]
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
@@ -258,7 +257,8 @@ def test_check_resume_names_both_counts():
     split = {"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1"}
     check_resume(split, 2, "x", shards=2)
     with pytest.raises(KilnError, match=r"^x holds DiLoCo replicas split dp_shard=2 x tp=1, this run's are "
-                                        r"dp_shard=1 x tp=2; .* set parallel.dp_mode, dp_shard, tp, pp, cp, ep and etp as saved"):
+                                        r"dp_shard=1 x tp=2; .* set parallel.dp_mode, dp_shard, tp, pp, cp, ep, etp, "
+                                        r"diloco_fragments and diloco_sync_delay as saved"):
         check_resume(split, 2, "x", tp=2)
     # pp, cp and ep inside a replica are in the key where > 1 (without them: the key kiln wrote before).
     from kiln.parallel.diloco import layout_key
@@ -278,6 +278,16 @@ def test_check_resume_names_both_counts():
     with pytest.raises(KilnError, match=r"x holds DiLoCo replicas split dp_shard=2 \(ddp/zero1\) x tp=1, this run's "
                                         r"are dp_shard=2 x tp=1; .* set parallel\.dp_mode, dp_shard"):
         check_resume({"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1_ddp"}, 2, "x", shards=2)
+    # Streaming DiLoCo: the fragments (the outer state's slices follow them) and an overlapped sync
+    # (the checkpoint then holds the sync awaiting its merge) are part of the layout.
+    assert layout_key(2, 1, 1, fragments=4, overlapped=True) == "diloco_layout_2x1x1_frag4_overlap"
+    streamed = {"app", "diloco", "diloco_rank1", layout_key(2, 1, 1, fragments=4, overlapped=True)}
+    check_resume(streamed, 2, "x", fragments=4, overlapped=True)
+    with pytest.raises(KilnError, match=r"x holds DiLoCo replicas split dp_shard=1 x tp=1 x diloco_fragments=4 x "
+                                        r"diloco_sync_delay > 0, this run's are dp_shard=1 x tp=1 x diloco_fragments=2;"):
+        check_resume(streamed, 2, "x", fragments=2)
+    with pytest.raises(KilnError, match=r"this run's are dp_shard=1 x tp=1 x diloco_fragments=4;"):
+        check_resume(streamed, 2, "x", fragments=4)
 
 
 def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
@@ -375,7 +385,8 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     from kiln.config import JobConfig, ParallelConfig
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.data_parallel import shard_optimizer_state
-    from kiln.parallel.diloco import DiLoCo, local, replicated_group
+    from kiln.parallel.diloco import DiLoCo, replicated_group
+    from kiln.parallel.diloco_fragment import local
     from kiln.parallel.dims import ParallelDims
     from kiln.parallel.parallelize import apply_data_parallel, parallelize
     from kiln.parallel.pipeline import Pipeline, pipeline_train_step
@@ -415,8 +426,7 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-        if diloco.due(step):
-            sent.append(diloco.outer_step())
+        sent += [sync["bytes_sent"] for sync in diloco.after_step(step)]
         mean = loss.detach().clone()  # pp: every stage's rank holds its pipeline's loss; cp: a slice's
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
@@ -424,7 +434,7 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     if name == "zero1":  # the partition: each rank of a replica steps part of the tensors
         assert 0 < sum(p.numel() for g in opt.dense.optim.param_groups for p in g["params"]) < sum(
             p.numel() for p in model.parameters())
-    return (losses, sent, sum(local(p).numel() for p in model.parameters()), [a.clone() for a in diloco.anchor],
+    return (losses, sent, sum(local(p).numel() for p in model.parameters()), [a.clone() for a in diloco.anchors()],
             params)
 
 

@@ -55,10 +55,9 @@ def _diloco_split_save(rank, n, root):
     state = {"diloco": other.state_dict()}
     dcp.load(state, checkpoint_id=str(root / "ckpt"))
     other.load_state_dict(state["diloco"])
-    same = [torch.equal(a, b) for a, b in ((diloco.anchor[0], other.anchor[0]),
-            (diloco.outer.state[diloco.anchor[0]]["momentum_buffer"], other.outer.state[other.anchor[0]]["momentum_buffer"]))]
+    same = [torch.equal(a, b) for a, b in zip(diloco.anchors() + diloco.momenta(), other.anchors() + other.momenta())]
     saved = sum(t.numel() for k, v in diloco.state_dict().items() if k != "outer_steps" for t in local_tensors(v))
-    return same, saved, 2 * diloco.anchor[0].numel(), dist.get_rank()
+    return same, saved, 2 * diloco.anchors()[0].numel(), dist.get_rank()
 
 
 def test_diloco_split_state_saves_each_slice_once(tmp_path):

@@ -97,11 +97,10 @@ def test_the_outer_state_is_what_kilns_diloco_keeps():
     cfg.model.vocab_size, cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads = 64, 32, 2, 2
     model = Transformer(cfg.model)
     diloco = DiLoCo(model, inner_steps=3)
-    kept = sum(a.numel() * a.element_size() for a in diloco.anchor)
-    kept += sum(diloco.outer.state[a]["momentum_buffer"].numel() * 4 for a in diloco.anchor)
+    kept = sum(t.numel() * t.element_size() for t in diloco.anchors() + diloco.momenta())
     layout = Layout(micro_batch=1, precision="fp32", diloco_inner_steps=3)
     assert rank_memory(ModelShape.from_config(cfg.model, 64), layout, 16).outer_state == kept
-    assert all(a.dtype == torch.float32 for a in diloco.anchor)
+    assert all(a.dtype == torch.float32 for a in diloco.anchors())
 
 
 def test_search_lays_out_one_replica_per_island_as_kiln_runs_it():
