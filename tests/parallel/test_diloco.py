@@ -370,14 +370,16 @@ FOUR_RANK_LAYOUTS = list(LAYOUTS)  # the 8-rank one (below) runs in its own laun
 
 
 def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wrong_group: str | None = None,
-                      world: int = 4):
+                      world: int = 4, fields: dict | None = None, streaming: dict | None = None,
+                      inner_steps: int = H):
     """kiln's DiLoCo on 2 replicas, each split per LAYOUTS[name] ([parallel] keys), through kiln's
     own ParallelDims, parallelize, Pipeline (pp) and ContextParallel (cp), on FIELDS[name]'s model.
     Negative controls: `hsdp`, FSDP over dp_replicate x dp_shard (gradients all-reduced across the
     replicas every step); `wrong_group`, the outer step averaging over that mesh dimension instead
     of dp_replicate. Returns (losses, bytes sent per outer step, this rank's parameter elements,
     the per-parameter local shards of the anchor, {parameter name: local shard} at the end).
-    `world` > 4: for checks by hand (2 replicas x fsdp 2 x tp 2 needs 8 ranks)."""
+    `world` > 4: for checks by hand (2 replicas x fsdp 2 x tp 2 needs 8 ranks). `fields`: another
+    model than FIELDS[name]'s; `streaming`: Streaming DiLoCo's DiLoCo arguments (fragments, ...), with `inner_steps`."""
     import contextlib
 
     import torch.distributed as dist
@@ -392,14 +394,15 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     from kiln.parallel.pipeline import Pipeline, pipeline_train_step
 
     cfg = JobConfig()
-    cfg.model = model_config(**FIELDS[name])
-    cfg.parallel = ParallelConfig(diloco_inner_steps=H, **LAYOUTS[name])
+    fields = FIELDS[name] if fields is None else fields
+    cfg.model = model_config(**fields)
+    cfg.parallel = ParallelConfig(diloco_inner_steps=inner_steps, **LAYOUTS[name])
     cfg.train.batch_size = 2  # a replica's rows (pp: one micro-batch per stage)
     dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank, seq_len=12)
     dims.build_mesh("cpu")
     cpu = torch.device("cpu")
     with torch.device("meta"):  # as kiln builds it (trainer.build_model): parallelize, then initialize
-        model = type(model_and_data()[0])(cfg.model)
+        model = type(model_and_data(**fields)[0])(cfg.model)
     if hsdp:
         apply_data_parallel(model, dims, cfg, cpu, mesh_names=("dp_replicate", "dp_shard"))
     else:
@@ -409,10 +412,11 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     pipeline = Pipeline(model, cfg, dims, cpu) if dims.pp > 1 else None
     context_parallel = ContextParallel(model, dims, 12, cpu)
     opt = shard_optimizer_state(adamw(model), dims)  # zero1: partitioned over the replica's ranks
-    diloco = DiLoCo(model, H, OUTER_LR, MOMENTUM, group=dims.mesh[wrong_group or "dp_replicate"].get_group(),
-                    by_name=dims.pp > 1, inside=None if wrong_group else replicated_group(dims))
+    diloco = DiLoCo(model, inner_steps, OUTER_LR, MOMENTUM, group=dims.mesh[wrong_group or "dp_replicate"].get_group(),
+                    by_name=dims.pp > 1, inside=None if wrong_group else replicated_group(dims),
+                    n_layers=cfg.model.n_layers, **(streaming or {}))
     rows = 4 // dims.dp_size  # a replica's two rows, split over its dp_shard ranks
-    _, data = model_and_data()
+    _, data = model_and_data(**fields)
     losses, sent = [], []
     for step, batch in enumerate(data[:steps], start=1):
         part = batch[rows * dims.dp_rank:rows * (dims.dp_rank + 1)]
