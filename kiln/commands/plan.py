@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.plan.cluster import load_cluster
     from kiln.plan.interval import young_daly_interval
     from kiln.plan.memory import OPTIM_STATE_BYTES, ModelShape
-    from kiln.plan.diloco import check_islands
+    from kiln.plan.diloco import WIRE_BYTES, check_islands
     from kiln.plan.search import kiln_refusal, model_for_params, plan_toml, search
     from kiln.train.memory import vocab_estimate
 
@@ -189,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
                    loss="chunked" if cfg.train.loss == "chunked" else "full",
                    compiled=cfg.train.compile and cfg.train.compile_scope in ("auto", "model"),
                    diloco_inner_steps=inner_steps, op_checkpointing=cfg.model.dropout == 0,
+                   diloco_stream=(cfg.parallel.diloco_fragments, cfg.parallel.diloco_sync_delay,
+                                  WIRE_BYTES[cfg.parallel.diloco_comm_dtype]),
                    **{f"max_{d}": getattr(args, f"max_{d}") for d in ("tp", "pp", "cp") if getattr(args, f"max_{d}")})
     # The search's model knows no kiln rules: keep only the layouts `kiln train` runs as is.
     refusals = [kiln_refusal(cfg, plan.layout, world) for plan in plans]
@@ -211,11 +213,16 @@ def run(args: argparse.Namespace) -> int:
     best = plans[0]
     print("  best plan, per rank: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in best.memory.as_dict().items()))
     if inner_steps:
-        shard = best.memory.parameters
-        print(f"  DiLoCo: {replicas} replicas, one per island of {cluster.nodes_per_island} nodes; every {inner_steps} "
-              f"steps each rank all-reduces {_gib(shard)} GiB of fp32 parameters with the other replicas, the "
-              f"island link ({cluster.island_link_gbps:g} GB/s) {_gib(shard * best.layout.replica.world_size)} GiB: "
-              f"{best.time.outer_sync * inner_steps:.4g} s, {best.time.outer_sync:.4g} s per step")
+        lay = best.layout
+        fragments, every = lay.diloco_fragments, inner_steps // lay.diloco_fragments
+        sent = best.memory.parameters / fragments * lay.diloco_wire_bytes / 4  # one sync's, this rank's
+        what = (f"{'1/' + str(fragments) + ' of its ' if fragments > 1 else ''}"
+                f"{'bf16 outer gradient' if lay.diloco_wire_bytes == 2 else 'fp32 outer gradient'}")
+        hidden = f" under {lay.diloco_sync_delay} inner steps" if lay.diloco_sync_delay else ""
+        print(f"  DiLoCo: {replicas} replicas, one per island of {cluster.nodes_per_island} nodes; every {every} "
+              f"steps each rank all-reduces {_gib(sent)} GiB ({what}) with the other replicas{hidden}, the "
+              f"island link ({cluster.island_link_gbps:g} GB/s) {_gib(sent * lay.replica.world_size)} GiB: "
+              f"{best.time.outer_sync * every:.4g} s exposed, {best.time.outer_sync:.4g} s per step")
 
     steps = max(1, math.ceil(tokens / (global_batch * seq)))
     # DiLoCo: every replica's own model and inner optimizer state, and the anchor and outer momentum once

@@ -11,7 +11,8 @@ memory: the outer state, fp32 and sharded like the parameters (the anchor and th
   of a replica hold the same parameters (ddp/zero1: each keeps 1/S of it, `replicated_ranks`). The outer step's flat fp32
   buffer, one more parameters term, lives only after the optimizer step, when the step has set
   the gradients (fp32, the same shards) to None (kiln/train/step.py), so it adds nothing to the
-  peak;
+  peak; with a sync delay the exchange buffer of a fragment (1/P of the parameters, in the wire
+  dtype, 1/S of that) lives on through the inner steps it overlaps, and is added;
 time: every H = `diloco_inner_steps` steps one all-reduce over the R replicas of every rank's
   parameter shards in fp32 (what `DiLoCo.outer_step` sends; where S ranks of a replica hold the
   same parameters, ddp/zero1, each sends 1/S and they all-gather the result inside the replica),
@@ -19,7 +20,11 @@ time: every H = `diloco_inner_steps` steps one all-reduce over the R replicas of
   step's memory traffic, 48 bytes per parameter of the shard (flatten: read 4, write 4; the delta:
   read 8, write 4; torch's Nesterov SGD: read 12, write 8; the reset: read 4, write 4), where
   the delta and the SGD step (32 of them) cover 1/S of it, both divided by H for the per-step
-  figure.
+  figure. Streaming DiLoCo: P syncs of 1/P of it each per H steps (the same bytes, a P times
+  smaller peak on the link), the outer gradient in `diloco_wire_bytes` per element (bf16: half),
+  and each exchange hidden behind up to `diloco_sync_delay` inner steps of the replica's step
+  time (it runs on the link between replicas while the replica computes and uses its own links;
+  a link the inner step's collectives share is not modelled).
 
 Where the replicas are: on a cluster of `islands` (kiln/plan/cluster.py; groups of nodes joined by
 a slow link, the setting DiLoCo is for) one replica per island, and every rank's ring all-reduce
@@ -44,6 +49,7 @@ from kiln.plan.comm_cost import all_gather, all_reduce
 from kiln.plan.memory import Layout, replicated_ranks  # noqa: F401 (replicated_ranks: re-exported)
 
 OUTER_STEP_BYTES = 48  # memory traffic of the outer step per fp32 parameter of the shard (docstring)
+WIRE_BYTES = {"float32": 4, "bfloat16": 2}  # parallel.diloco_comm_dtype: bytes per element on the wire
 OUTER_STEP_SLICE_BYTES = 32  # of which the delta and the SGD step, on 1/S of it where S ranks split it
 
 
@@ -81,22 +87,27 @@ def replica_cluster(cluster: Cluster, layout: Layout) -> Cluster:
     return replica
 
 
-def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float) -> float:
-    """One outer step of `layout` on `cluster`: the all-reduce over the replicas of every rank's
-    part of its `shard_bytes` (fp32 parameters; 1/S where S ranks of a replica hold the same ones,
-    `replicated_ranks`, which then all-gather the result inside the replica), and the step's
-    memory traffic over the whole shard; not divided by H."""
+def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float, inner_step_s: float = 0.0) -> float:
+    """One outer sync of one fragment of `layout` on `cluster` (the whole model without Streaming
+    DiLoCo), not divided by H: the all-reduce over the replicas of every rank's part of its share
+    of `shard_bytes` (fp32 parameters; 1/P per fragment; 1/S where S ranks of a replica hold the
+    same ones, `replicated_ranks`, which then all-gather the fp32 result inside the replica),
+    in `diloco_wire_bytes` per element, less what `diloco_sync_delay` inner steps of
+    `inner_step_s` hide (the exchange overlaps them); the all-gather and the step's memory traffic
+    over the fragment stay exposed."""
     replicas, ranks = layout.dp_replicate, layout.replica.world_size
     split = replicated_ranks(layout)
-    sent = shard_bytes / split
+    fragment = shard_bytes / layout.diloco_fragments
+    sent = fragment / split * layout.diloco_wire_bytes / 4
     if cluster.islands > 1:
         link_s = max(sent / (cluster.inter_node.bandwidth_gbps * 1e9),
                      sent * ranks / (cluster.island_link_gbps * 1e9))
         sync = 2 * (replicas - 1) / replicas * link_s + 2 * (replicas - 1) * cluster.island_link_latency_ms * 1e-3
     else:
         sync = all_reduce(cluster, replicas, sent, stride=ranks)
+    sync = max(0.0, sync - layout.diloco_sync_delay * inner_step_s)
     if split > 1:  # the averaged slices gathered inside the replica (its data-parallel ranks, tp apart)
-        sync += all_gather(cluster, split, shard_bytes, stride=layout.tp)
+        sync += all_gather(cluster, split, fragment, stride=layout.tp)
     per_param = OUTER_STEP_BYTES - OUTER_STEP_SLICE_BYTES + OUTER_STEP_SLICE_BYTES / split
-    step = per_param * shard_bytes / 4 / (cluster.device.memory_bandwidth_gbps * 1e9)
+    step = per_param * fragment / 4 / (cluster.device.memory_bandwidth_gbps * 1e9)
     return sync + step

@@ -116,6 +116,12 @@ class Layout:
     # DiLoCo (kiln/plan/diloco.py): inner steps H between outer syncs; the replicas are dp_replicate
     # (under ddp every data-parallel rank), which then never reduce gradients with each other.
     diloco_inner_steps: int = 0
+    # Streaming DiLoCo (parallel.diloco_fragments, diloco_sync_delay, diloco_comm_dtype): P fragments,
+    # one synced every H / P steps; each exchange under `diloco_sync_delay` inner steps; bytes per
+    # element of the outer gradient on the wire (4 fp32, 2 bf16)
+    diloco_fragments: int = 1
+    diloco_sync_delay: int = 0
+    diloco_wire_bytes: int = 4
     # parallel.fsdp_reshard_to (fsdp): the shard ranks a block's parameters stay sharded over from
     # forward to backward (ZeRO++'s hpZ; backward gathers over those only); 0: all of them
     fsdp_reshard_to: int = 0
@@ -134,7 +140,8 @@ class Layout:
         replicas, no outer loop (itself without DiLoCo); kiln/plan/diloco.py costs it."""
         if not self.diloco_inner_steps:
             return self
-        return dataclasses.replace(self, dp_replicate=1, diloco_inner_steps=0)
+        return dataclasses.replace(self, dp_replicate=1, diloco_inner_steps=0, diloco_fragments=1,
+                                   diloco_sync_delay=0, diloco_wire_bytes=4)
 
     @property
     def ep_borrows_tp(self) -> bool:
@@ -157,6 +164,9 @@ class Layout:
         parts = [f"dp={self.dp_replicate}x{self.dp_shard}({self.dp_mode})"]
         if self.diloco_inner_steps:
             parts = [f"diloco={self.dp_replicate}x{self.dp_shard}({self.dp_mode}) H={self.diloco_inner_steps}"]
+            parts += [f"{name}={value}" for name, value, default in (
+                ("fragments", self.diloco_fragments, 1), ("sync_delay", self.diloco_sync_delay, 0),
+                ("wire_bytes", self.diloco_wire_bytes, 4)) if value != default]
         parts += [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1]
         if self.ep_borrows_tp:
             parts.append("etp=1")
@@ -612,6 +622,9 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
     if layout.diloco_inner_steps:  # a replica's peak, and DiLoCo's outer state (kiln/plan/diloco.py)
         mem = rank_memory(shape, layout.replica, seq_len, optimizer)
         mem.outer_state = 2 * mem.parameters / replicated_ranks(layout)
+        if layout.diloco_sync_delay:  # a fragment's exchange buffer lives on through the next steps
+            mem.outer_state += (mem.parameters / layout.diloco_fragments / replicated_ranks(layout)
+                                * layout.diloco_wire_bytes / 4)
         return mem
     first = _end_rank_memory(shape, layout, seq_len, optimizer, last=False)
     if layout.pp == 1:

@@ -134,9 +134,11 @@ def _dualpipev_available() -> bool:
 
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                       precision: str, loss: str = "full", ac_choices: tuple[str, ...] = AC_CHOICES,
-                      max_tp: int = 1024, max_pp: int = 64, max_cp: int = 8, diloco_inner_steps: int = 0):
+                      max_tp: int = 1024, max_pp: int = 64, max_cp: int = 8, diloco_inner_steps: int = 0,
+                      diloco_stream: tuple[int, int, int] = (1, 0, 4)):
     """Every layout of `global_batch` sequences on `cluster` kiln's dims accept; with DiLoCo
-    (H = diloco_inner_steps) the layouts of one replica per island (module docstring)."""
+    (H = diloco_inner_steps) the layouts of one replica per island (module docstring), each with
+    Streaming DiLoCo's `diloco_stream` = (fragments, sync delay, wire bytes per element)."""
     replicas = check_islands(cluster, diloco_inner_steps)
     if global_batch % replicas:
         return
@@ -174,6 +176,8 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                                              etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,
                                              schedule=sched, virtual_stages=v, precision=precision, loss=loss,
                                              diloco_inner_steps=diloco_inner_steps, fsdp_reshard_to=k,
+                                             diloco_fragments=diloco_stream[0], diloco_sync_delay=diloco_stream[1],
+                                             diloco_wire_bytes=diloco_stream[2],
                                              ep_node_ranks=ep_node_ranks(cluster, ep, 1 if etp == 1 else tp))
 
 
@@ -199,12 +203,13 @@ def ep_node_ranks(cluster: Cluster, ep: int, stride: int) -> int:
 def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
            precision: str = "bf16", loss: str = "full", top: int | None = None, max_tp: int = 1024,
            max_pp: int = 64, max_cp: int = 8, compiled: bool = False, diloco_inner_steps: int = 0,
-           op_checkpointing: bool = True) -> list[Plan]:
+           op_checkpointing: bool = True, diloco_stream: tuple[int, int, int] = (1, 0, 4)) -> list[Plan]:
     """Every layout that fits, fastest first; a KilnError saying what would fit when none does.
     max_tp/max_pp/max_cp limit the degrees (1: layouts `kiln train` runs before TP/PP/CP land).
     compiled: train.compile with a whole-model scope, which kiln applies on one device (sharded
     layouts compile per block, which the compiled memory and time terms do not describe).
-    diloco_inner_steps: DiLoCo with H inner steps, one replica per island of `cluster`.
+    diloco_inner_steps: DiLoCo with H inner steps, one replica per island of `cluster`;
+    diloco_stream: Streaming DiLoCo's (fragments, sync delay, wire bytes per element).
     op_checkpointing: whether "op" activation checkpointing may be weighed (kiln refuses it with
     dropout)."""
     replicas = check_islands(cluster, diloco_inner_steps)
@@ -213,7 +218,7 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
     budget = cluster.device.usable_bytes
     fits, smallest, count = [], None, 0
     for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ("none",),
-                                    max_tp, max_pp, max_cp, diloco_inner_steps):
+                                    max_tp, max_pp, max_cp, diloco_inner_steps, diloco_stream):
         count += 1
         if compiled and layout.world_size == 1:
             layout = dataclasses.replace(layout, compiled=True)

@@ -144,7 +144,9 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         replica = layout.replica
         t = step_time(shape, replica, seq_len, replica_cluster(cluster, layout), optimizer, optimizer_impl)
         shard_bytes = rank_memory(shape, replica, seq_len, optimizer).parameters
-        t.outer_sync = outer_sync_seconds(cluster, layout, shard_bytes) / layout.diloco_inner_steps
+        # P fragment syncs per H steps (Streaming DiLoCo), each hidden behind up to tau inner steps
+        t.outer_sync = (outer_sync_seconds(cluster, layout, shard_bytes, t.total) * layout.diloco_fragments
+                        / layout.diloco_inner_steps)
         t.flops *= layout.dp_replicate
         return t
     dev = cluster.device

@@ -16,6 +16,7 @@ from kiln.config import JobConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import ffn_hidden_size
 from kiln.parallel.dims import ParallelDims
+from kiln.plan.diloco import WIRE_BYTES
 from kiln.plan.memory import OPTIM_STATE_BYTES, Layout, ModelShape, rank_memory  # noqa: F401 (re-exported)
 
 SIZE_KEYS = ("model.dim", "model.n_layers", "model.ffn_hidden", "model.head_dim", "model.max_seq_len",
@@ -71,7 +72,9 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
                   precision="float8" if cfg.train.float8 else dtype,
                   loss="chunked" if cfg.train.loss == "chunked" else "full",
                   compiled=cfg.train.compile and (d is None or d.world_size == 1) and cfg.train.compile_scope != "blocks",
-                  diloco_inner_steps=cfg.parallel.diloco_inner_steps, fused_projections=fused,
+                  diloco_inner_steps=cfg.parallel.diloco_inner_steps, diloco_fragments=cfg.parallel.diloco_fragments,
+                  diloco_sync_delay=cfg.parallel.diloco_sync_delay,
+                  diloco_wire_bytes=WIRE_BYTES[cfg.parallel.diloco_comm_dtype], fused_projections=fused,
                   fused_ring_blocks=not cuda and cfg.model.dropout == 0, **pipeline)  # ring_blocks.fused_kernel
 
 

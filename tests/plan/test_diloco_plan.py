@@ -56,6 +56,36 @@ def test_the_outer_share_falls_with_h_and_rises_with_a_slower_island_link():
     assert step_time(SHAPE, wide, 2048, four).outer_sync > base
 
 
+def test_streaming_diloco_splits_the_sync_into_fragments_and_hides_the_exchange_behind_inner_steps():
+    # Streaming DiLoCo (kiln/parallel/diloco.py): P fragments each every H steps (one sync every H / P
+    # steps of 1/P of the parameters), the outer gradient in bf16, each exchange under tau inner steps.
+    cluster = _islands()
+    layout = Layout(dp_replicate=2, dp_shard=8, pp=2, dp_mode="fsdp", micro_batch=4, grad_accum=4,
+                    diloco_inner_steps=10)
+    shard = rank_memory(SHAPE, layout.replica, 2048).parameters
+    inner = step_time(SHAPE, layout.replica, 2048, dataclasses.replace(cluster, nodes=2, islands=1)).total
+
+    def exchange(sent):  # one sync's all-reduce across the 2 islands, 16 ranks per island
+        return 2 * (2 - 1) / 2 * max(sent / 50e9, sent * 16 / 1.25e9) + 2 * (2 - 1) * 10e-3
+
+    def local(fragment):  # the outer step's memory traffic over one fragment
+        return OUTER_STEP_BYTES * fragment / 4 / 3350e9
+
+    streamed = dataclasses.replace(layout, diloco_fragments=2, diloco_wire_bytes=2)
+    by_hand = 2 * (exchange(shard / 2 / 2) + local(shard / 2)) / 10  # 2 syncs per 10 steps, bf16 half the bytes
+    assert step_time(SHAPE, streamed, 2048, cluster).outer_sync == pytest.approx(by_hand)
+    assert by_hand < step_time(SHAPE, layout, 2048, cluster).outer_sync
+    overlapped = dataclasses.replace(streamed, diloco_sync_delay=1)
+    hidden = max(0.0, exchange(shard / 4) - inner)
+    assert step_time(SHAPE, overlapped, 2048, cluster).outer_sync == pytest.approx(2 * (hidden + local(shard / 2)) / 10)
+    slow = _islands(island_link_gbps=0.05)  # an exchange longer than an inner step: only the rest shows
+    assert step_time(SHAPE, overlapped, 2048, slow).outer_sync < step_time(SHAPE, streamed, 2048, slow).outer_sync
+    # memory: the exchange buffer of one fragment (bf16) lives on under the delay
+    assert rank_memory(SHAPE, overlapped, 2048).outer_state == pytest.approx(2 * shard + shard / 2 / 2)
+    assert rank_memory(SHAPE, streamed, 2048).outer_state == pytest.approx(2 * shard)
+    assert "fragments=2 sync_delay=1 wire_bytes=2" in overlapped.describe()
+
+
 def test_without_islands_the_replicas_sync_over_the_link_their_group_spans():
     cluster = load_cluster("h100", nodes=2)
     layout = Layout(dp_replicate=2, dp_shard=8, dp_mode="fsdp", micro_batch=4, diloco_inner_steps=4)
@@ -177,6 +207,14 @@ def test_plan_command_writes_a_diloco_config_kiln_train_reads(tmp_path, capsys):
     assert cfg.parallel.diloco_inner_steps == 50 and cfg.parallel.dp_replicate == 2
     world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     assert world == 8
+
+    rc = main(["plan", "--cluster", str(cluster), "--set", "parallel.diloco_inner_steps=50", "--global-batch", "32",
+               "--set", "parallel.diloco_fragments=2", "--set", "parallel.diloco_sync_delay=2", "--set",
+               "parallel.diloco_comm_dtype='bfloat16'", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "every 25 steps each rank all-reduces" in text and "(1/2 of its bf16 outer gradient)" in text
+    assert "under 2 inner steps" in text and "fragments=2 sync_delay=2 wire_bytes=2" in text
+    assert load_config(out).parallel.diloco_fragments == 2  # the config keeps the user's streaming settings
 
     rc = main(["plan", "--cluster", str(cluster), "--islands", "1", "--set", "parallel.diloco_inner_steps=50",
                "--out", str(tmp_path / "p.toml")])
