@@ -295,6 +295,8 @@ class DiLoCo:
     def outer_step(self) -> int:
         """Every fragment's outer sync now, blocking (benchmarks and tests: DiLoCo's sync as one
         call); returns the bytes this rank put into the exchanges."""
+        if self.pending is not None:  # the sync in flight merges first
+            self.after_step(self.pending[1])
         sent = 0
         for part in self.parts.values():
             sent += part.launch(wait=True)
@@ -322,6 +324,7 @@ class DiLoCo:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        self.settle()  # an exchange in flight (a restore mid-run) completes on every rank, then is overwritten
         for part in self.parts.values():
             part.load_state_dict(state)
         self.outer_steps = [int(n) for n in state["outer_steps"].reshape(-1)]

@@ -118,6 +118,26 @@ def test_one_process_schedule_and_rows():
         DiLoCo(model, 8, n_layers=4, fragments=4, sync_delay=2)
 
 
+def test_a_restore_with_an_exchange_in_flight_drops_it():
+    # A loss-spike restore (kiln/train/spikes.py) loads an older state mid-run: the exchange started
+    # since then must not merge into the restored run.
+    from kiln.parallel.diloco import DiLoCo
+
+    model, _ = model_and_data(**DEEP)
+    diloco = DiLoCo(model, 4, n_layers=4, fragments=2, sync_delay=1)
+    saved = {k: v.clone() for k, v in diloco.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)  # an inner step's drift
+    assert [r["fragment"] for r in diloco.after_step(1)] == [0] and diloco.pending == (0, 2)
+    diloco.load_state_dict(saved)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert diloco.after_step(2) == [] and diloco.pending is None
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # nothing merged
+    now = diloco.state_dict()  # the saved anchor, momentum, counts and no pending sync
+    assert now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in saved)
+
+
 def test_streaming_settings_are_checked_in_one_line():
     from kiln.config import ConfigError, JobConfig, ParallelConfig
     from kiln.parallel.dims import ParallelDims
