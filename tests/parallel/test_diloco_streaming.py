@@ -4,7 +4,7 @@ parameters, the outer gradient crossing in bfloat16.
 
 Numerics: 2 gloo ranks (whole replicas) and one 4-rank launch (2 replicas x DDP over 2 ranks, whose
 ranks split the fragment's outer state; x pp 2, the anchor by name and a stage holding part of
-each fragment; x FSDP over 2) give the per-step losses of the definition written out by hand in
+each fragment; x FSDP over 2; x tp 2; x ep 2, MoE under FSDP over 2) give the per-step losses of the definition written out by hand in
 one process below (relative 1e-5 over 9 steps, 4 merges); the bf16 sum of two replicas equals the
 definition's bf16 add. Negative controls: plain DiLoCo and the other fragment pattern give other
 losses. Resume (kiln's trainer, 2 ranks): a checkpoint taken with a fragment's exchange in flight
@@ -198,7 +198,8 @@ def test_two_replicas_match_the_streaming_definition(tmp_path):
     assert sequential[0] != pytest.approx(simulated(strided=True, delay=0, mix=0.0, bf16=False, **DEEP)[0], rel=REL)
 
 
-SPLIT = ("ddp", "pp", "fsdp")  # DDP inside (outer state split over the replica's ranks), pp by name, FSDP shards
+# DDP inside (outer state split over the replica's ranks), pp by name, FSDP shards, tp shards, experts over ep
+SPLIT = ("ddp", "pp", "fsdp", "tp", "ep")
 
 
 def split_streaming_ranks(rank, world):
@@ -215,7 +216,7 @@ def split_runs(tmp_path_factory):
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("layout", SPLIT)
 def test_split_replicas_match_the_streaming_definition(split_runs, layout):
-    expected, exchanged = simulated(**DEEP)
+    expected, exchanged = simulated(**{**FIELDS[layout], **DEEP})
     for rank, runs in enumerate(split_runs):
         losses, sent = runs[layout]
         assert losses == pytest.approx(expected, rel=REL), (rank, layout)
