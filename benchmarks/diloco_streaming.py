@@ -8,6 +8,7 @@ H = --inner-steps. Variants, built afresh and run in alternating order each roun
   diloco            every H steps one fp32 all-reduce of all parameters (Douillard et al. 2023)
   fragments         Streaming DiLoCo's P = --fragments fragments (strided), one every H / P steps
   fragments_bf16    the same, the outer gradient in bfloat16 on the wire
+  fragments_fp8     the same in float8 (e4m3, a scale per 256 elements), all-gathered
   overlapped_bf16   the same, each exchange started one inner step before its merge (tau = 1)
 
 Each round runs 2 H steps per variant. Reported per variant (median over rounds, slowest rank):
@@ -38,12 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 from common import print_table, run_ranks, socket_bytes, write_results  # noqa: E402
 
-VARIANTS = ("diloco", "fragments", "fragments_bf16", "overlapped_bf16")
+VARIANTS = ("diloco", "fragments", "fragments_bf16", "fragments_fp8", "overlapped_bf16")
 
 
 def settings(variant: str, fragments: int) -> dict:
     return {"diloco": {}, "fragments": {"fragments": fragments},
             "fragments_bf16": {"fragments": fragments, "comm_dtype": "bfloat16"},
+            "fragments_fp8": {"fragments": fragments, "comm_dtype": "float8_e4m3fn"},
             "overlapped_bf16": {"fragments": fragments, "comm_dtype": "bfloat16", "sync_delay": 1}}[variant]
 
 

@@ -494,12 +494,13 @@ class ParallelConfig:
     # i % P; sequential: contiguous runs), one synced every H / P steps (P must divide H); a
     # fragment's exchange starts diloco_sync_delay (tau < H / P) inner steps before its merge and
     # overlaps them; the merge keeps diloco_mix (alpha) of the replica's own parameters; the outer
-    # gradient crosses the link in diloco_comm_dtype (bfloat16: half the bytes).
+    # gradient crosses the link in diloco_comm_dtype (bfloat16: half the bytes, summed on the wire;
+    # float8_e4m3fn: a quarter, block-scaled, all-gathered and summed in fp32).
     diloco_fragments: int = ranged(1, ge=1)
     diloco_fragment_pattern: str = ranged("strided", choices=("strided", "sequential"))
     diloco_sync_delay: int = ranged(0, ge=0)
     diloco_mix: float = ranged(0.0, ge=0.0, lt=1.0)
-    diloco_comm_dtype: str = ranged("float32", choices=("float32", "bfloat16"))
+    diloco_comm_dtype: str = ranged("float32", choices=("float32", "bfloat16", "float8_e4m3fn"))
     # Seconds a rank waits in one collective before it fails instead of hanging (kiln/parallel/
     # timeouts.py): init = until the first step is done on every rank (rank 0's tokenization, the
     # checkpoint load, the first compile) and for checkpoint saves; train = every later collective.

@@ -215,12 +215,12 @@ def run(args: argparse.Namespace) -> int:
     if inner_steps:
         lay = best.layout
         fragments, every = lay.diloco_fragments, inner_steps // lay.diloco_fragments
-        sent = best.memory.parameters / fragments * lay.diloco_wire_bytes / 4  # one sync's, this rank's
+        sent = best.memory.parameters / fragments * lay.diloco_wire_bytes / 4  # one sync's, this rank's (scales aside)
         what = (f"{'1/' + str(fragments) + ' of its ' if fragments > 1 else ''}"
-                f"{'bf16 outer gradient' if lay.diloco_wire_bytes == 2 else 'fp32 outer gradient'}")
+                f"{ {4: 'fp32', 2: 'bf16', 1: 'float8 (block-scaled)'}[lay.diloco_wire_bytes]} outer gradient")
         hidden = f" under {lay.diloco_sync_delay} inner steps" if lay.diloco_sync_delay else ""
         print(f"  DiLoCo: {replicas} replicas, one per island of {cluster.nodes_per_island} nodes; every {every} "
-              f"steps each rank all-reduces {_gib(sent)} GiB ({what}) with the other replicas{hidden}, the "
+              f"steps each rank exchanges {_gib(sent)} GiB ({what}) with the other replicas{hidden}, the "
               f"island link ({cluster.island_link_gbps:g} GB/s) {_gib(sent * lay.replica.world_size)} GiB: "
               f"{best.time.outer_sync * every:.4g} s exposed, {best.time.outer_sync:.4g} s per step")
 

@@ -9,8 +9,13 @@ An outer sync of a fragment is two calls, so the exchange can overlap inner step
             momentum only: the parameters are untouched, so settling early, as a checkpoint does
             with an exchange in flight, changes nothing);
   `merge`:  params = mix * params + (1 - mix) * anchor (mix 0: every replica restarts from it).
-The sum runs in the exchange dtype on the wire (as FSDP's bf16 reduce_dtype does); the division and
-the outer step are fp32.
+The exchange dtype: float32 or bfloat16, summed on the wire by one all-reduce in that dtype (as
+FSDP's bf16 reduce_dtype does); or float8_e4m3fn, each block of FP8_BLOCK elements scaled by its
+absolute maximum to e4m3's range (one fp32 scale per block, the quantization torchft's
+quantized all-reduce and Streaming DiLoCo's low-precision outer gradients use), all-gathered
+(every replica's bytes to every rank: (R - 1) x a quarter of fp32's payload, less than a ring
+all-reduce of fp32 for R < 8) and summed in fp32 on each rank in replica order, so every replica
+gets the same mean. The division and the outer step are fp32.
 
 Where several ranks of a replica hold the very same parameters (`inside`: DDP / ZeRO-1 over its
 dp_shard x cp ranks) each keeps, exchanges and steps 1/S of the fragment's flat anchor (padded to S
@@ -32,6 +37,27 @@ from torch.distributed.tensor import DTensor
 from kiln import torch_compat
 from kiln.parallel import zero1_shards
 from kiln.parallel.zero1_shards import is_sharded, largest_local_numel, param_boxes
+
+
+FP8_BLOCK = 256  # elements per fp32 scale of a float8 exchange (1/64 more bytes)
+
+
+def quantize_fp8(x: torch.Tensor) -> torch.Tensor:
+    """`x` (fp32, 1-D) as one uint8 buffer: its float8_e4m3fn bytes, zero-padded to whole blocks of
+    FP8_BLOCK, then the blocks' fp32 scales (absolute maximum / e4m3's largest value)."""
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % FP8_BLOCK)).view(-1, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=1).div_(torch.finfo(torch.float8_e4m3fn).max)
+    scale.clamp_(min=torch.finfo(torch.float32).tiny)  # an all-zero block: 0 / tiny = 0
+    q = (blocks / scale[:, None]).to(torch.float8_e4m3fn)
+    return torch.cat([q.view(torch.uint8).reshape(-1), scale.view(torch.uint8)])
+
+
+def dequantize_fp8(buffer: torch.Tensor, numel: int) -> torch.Tensor:
+    """The fp32 vector of `numel` elements `quantize_fp8` packed into `buffer`."""
+    blocks = -(-numel // FP8_BLOCK)
+    q = buffer[:blocks * FP8_BLOCK].view(torch.float8_e4m3fn).float().view(blocks, FP8_BLOCK)
+    scale = buffer[blocks * FP8_BLOCK:].view(torch.float32)
+    return (q * scale[:, None]).reshape(-1)[:numel]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -91,6 +117,15 @@ class Fragment:
         if self.inside is not None:
             flat = flat.view(dist.get_world_size(self.inside), -1)[dist.get_rank(self.inside)]
         delta = torch.cat([a.reshape(-1) for a in self.anchor]) - flat
+        if self.comm_dtype == torch.float8_e4m3fn:  # every replica's bytes to every rank, summed there
+            payload = quantize_fp8(delta)
+            self._sum = payload.new_empty(self.replicas * payload.numel())
+            if self.replicas > 1:
+                self._work = torch_compat.all_gather_single(self._sum, payload, group=self.group, async_op=not wait)
+            else:
+                self._sum.copy_(payload)
+            self._numel = delta.numel()
+            return payload.numel() if self.replicas > 1 else 0
         self._sum = delta.to(self.comm_dtype)
         if self.replicas > 1:  # gloo has no AVG: sum, then divide (fp32, in settle)
             self._work = dist.all_reduce(self._sum, group=self.group, async_op=not wait)
@@ -108,7 +143,11 @@ class Fragment:
             return
         if self._work is not None:
             self._work.wait()
-        mean = self._sum.float().div_(self.replicas)
+        if self.comm_dtype == torch.float8_e4m3fn:  # fp32 sum in replica order: the same on every rank
+            mean = sum(dequantize_fp8(part, self._numel) for part in self._sum.chunk(self.replicas))
+            mean = mean.div_(self.replicas)
+        else:
+            mean = self._sum.float().div_(self.replicas)
         self._sum = self._work = None
         offset = 0
         for anchor in self.anchor:  # with `inside` one slice, its padding 0 on both sides

@@ -21,7 +21,8 @@ time: every H = `diloco_inner_steps` steps one all-reduce over the R replicas of
   read 8, write 4; torch's Nesterov SGD: read 12, write 8; the reset: read 4, write 4), where
   the delta and the SGD step (32 of them) cover 1/S of it, both divided by H for the per-step
   figure. Streaming DiLoCo: P syncs of 1/P of it each per H steps (the same bytes, a P times
-  smaller peak on the link), the outer gradient in `diloco_wire_bytes` per element (bf16: half),
+  smaller peak on the link), the outer gradient in `diloco_wire_bytes` per element (bf16: half,
+  all-reduced; float8: a quarter plus a 4-byte scale per 256, all-gathered: R - 1 payloads per rank),
   and each exchange hidden behind up to `diloco_sync_delay` inner steps of the replica's step
   time (it runs on the link between replicas while the replica computes and uses its own links;
   a link the inner step's collectives share is not modelled).
@@ -49,7 +50,10 @@ from kiln.plan.comm_cost import all_gather, all_reduce
 from kiln.plan.memory import Layout, replicated_ranks  # noqa: F401 (replicated_ranks: re-exported)
 
 OUTER_STEP_BYTES = 48  # memory traffic of the outer step per fp32 parameter of the shard (docstring)
-WIRE_BYTES = {"float32": 4, "bfloat16": 2}  # parallel.diloco_comm_dtype: bytes per element on the wire
+# parallel.diloco_comm_dtype: bytes per element on the wire; float8 is all-gathered (every replica's
+# bytes to every rank) with one fp32 scale per FP8_BLOCK elements (kiln/parallel/diloco_fragment.py)
+WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
+FP8_SCALE_BYTES = 4 / 256  # per element: diloco_fragment.FP8_BLOCK (not imported: that module imports torch)
 OUTER_STEP_SLICE_BYTES = 32  # of which the delta and the SGD step, on 1/S of it where S ranks split it
 
 
@@ -98,11 +102,16 @@ def outer_sync_seconds(cluster: Cluster, layout: Layout, shard_bytes: float, inn
     replicas, ranks = layout.dp_replicate, layout.replica.world_size
     split = replicated_ranks(layout)
     fragment = shard_bytes / layout.diloco_fragments
-    sent = fragment / split * layout.diloco_wire_bytes / 4
+    gathered = layout.diloco_wire_bytes == 1  # float8: an all-gather of every replica's block-scaled bytes
+    sent = fragment / split * (layout.diloco_wire_bytes + (FP8_SCALE_BYTES if gathered else 0)) / 4
     if cluster.islands > 1:
         link_s = max(sent / (cluster.inter_node.bandwidth_gbps * 1e9),
                      sent * ranks / (cluster.island_link_gbps * 1e9))
-        sync = 2 * (replicas - 1) / replicas * link_s + 2 * (replicas - 1) * cluster.island_link_latency_ms * 1e-3
+        # a ring all-reduce moves 2(R-1)/R of the payload in 2(R-1) steps, an all-gather R-1 payloads in R-1
+        hops = (replicas - 1) if gathered else 2 * (replicas - 1)
+        sync = (hops / (1 if gathered else replicas)) * link_s + hops * cluster.island_link_latency_ms * 1e-3
+    elif gathered:
+        sync = all_gather(cluster, replicas, sent * replicas, stride=ranks)
     else:
         sync = all_reduce(cluster, replicas, sent, stride=ranks)
     sync = max(0.0, sync - layout.diloco_sync_delay * inner_step_s)

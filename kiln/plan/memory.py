@@ -623,8 +623,9 @@ def rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer: str 
         mem = rank_memory(shape, layout.replica, seq_len, optimizer)
         mem.outer_state = 2 * mem.parameters / replicated_ranks(layout)
         if layout.diloco_sync_delay:  # a fragment's exchange buffer lives on through the next steps
+            gathered = layout.dp_replicate if layout.diloco_wire_bytes == 1 else 1  # float8: every replica's
             mem.outer_state += (mem.parameters / layout.diloco_fragments / replicated_ranks(layout)
-                                * layout.diloco_wire_bytes / 4)
+                                * layout.diloco_wire_bytes / 4 * gathered)
         return mem
     first = _end_rank_memory(shape, layout, seq_len, optimizer, last=False)
     if layout.pp == 1:

@@ -6,8 +6,9 @@ Numerics: 2 gloo ranks (whole replicas) and one 4-rank launch (2 replicas x DDP 
 ranks split the fragment's outer state; x pp 2, the anchor by name and a stage holding part of
 each fragment; x FSDP over 2; x tp 2; x ep 2, MoE under FSDP over 2) give the per-step losses of the definition written out by hand in
 one process below (relative 1e-5 over 9 steps, 4 merges); the bf16 sum of two replicas equals the
-definition's bf16 add. Negative controls: plain DiLoCo and the other fragment pattern give other
-losses. Resume (kiln's trainer, 2 ranks): a checkpoint taken with a fragment's exchange in flight
+definition's bf16 add; float8 exchanges (block-scaled, all-gathered, summed in fp32) equal the
+definition's quantization by hand. Negative controls: plain DiLoCo, the other fragment pattern and
+bf16 instead of float8 give other losses. Resume (kiln's trainer, 2 ranks): a checkpoint taken with a fragment's exchange in flight
 continues bit for bit.
 """
 
@@ -25,10 +26,21 @@ DEEP = {"n_layers": 4}  # strided and sequential fragments differ from 4 blocks 
 STREAMING = {"fragments": 2, "sync_delay": 1, "mix": 0.5, "comm_dtype": "bfloat16"}
 
 
-def simulated(fragments=2, strided=True, delay=1, mix=0.5, bf16=True, **fields):
+def fp8_roundtrip(x):
+    """By hand: blocks of 256 elements, each scaled by its absolute maximum / 448 (e4m3's largest)."""
+    padded = torch.cat([x, x.new_zeros(-len(x) % 256)]).view(-1, 256)
+    scale = padded.abs().max(dim=1).values / 448.0
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float32).tiny))
+    return ((padded / scale[:, None]).to(torch.float8_e4m3fn).float() * scale[:, None]).reshape(-1)[:len(x)]
+
+
+def simulated(fragments=2, strided=True, delay=1, mix=0.5, wire="bf16", **fields):
     """Streaming DiLoCo with 2 replicas in one process, written out by hand: fragment f merges
     after the steps s with s % H == (f + 1) H / P (mod H), its exchange starting `delay` steps
-    earlier from the parameters then; the embedding goes with block 0, the final norm with the last."""
+    earlier from the parameters then; the embedding goes with block 0, the final norm with the
+    last. `wire`: fp32; bf16 (each replica's delta rounded, their sum rounded); fp8 (each replica's
+    flat fragment delta block-quantized, the two summed in fp32). Returns the losses and the bytes
+    one replica puts into each exchange."""
     import copy
 
     base, data = model_and_data(**fields)
@@ -72,15 +84,23 @@ def simulated(fragments=2, strided=True, delay=1, mix=0.5, bf16=True, **fields):
         for f in range(fragments):
             if step % H != ((f + 1) * H // fragments - delay) % H:
                 continue
-            mean_delta, sent = [], 0
-            for i, params in enumerate(zip(*(m.parameters() for m in replicas))):
-                deltas = [(anchor[i] - p.detach()) for p in params]
-                if bf16:  # each replica's delta in bf16, their sum in bf16, the mean in fp32
-                    mean_delta.append((deltas[0].bfloat16() + deltas[1].bfloat16()).float() / 2)
-                else:
-                    mean_delta.append((deltas[0] + deltas[1]) / 2)
-                sent += deltas[0].numel() * (2 if bf16 else 4) if fragment(names[i]) == f else 0
-            exchanged.append(sent)
+            mine = [i for i, name in enumerate(names) if fragment(name) == f]
+            flat = [torch.cat([(anchor[i] - list(m.parameters())[i].detach()).reshape(-1) for i in mine])
+                    for m in replicas]
+            if wire == "bf16":
+                mean = (flat[0].bfloat16() + flat[1].bfloat16()).float() / 2
+                exchanged.append(2 * flat[0].numel())
+            elif wire == "fp8":
+                mean = (fp8_roundtrip(flat[0]) + fp8_roundtrip(flat[1])) / 2
+                padded = flat[0].numel() + -flat[0].numel() % 256
+                exchanged.append(padded + 4 * padded // 256)  # the bytes, then a scale per block
+            else:
+                mean = (flat[0] + flat[1]) / 2
+                exchanged.append(4 * flat[0].numel())
+            mean_delta, offset = {}, 0
+            for i in mine:
+                mean_delta[i] = mean[offset:offset + anchor[i].numel()].view_as(anchor[i])
+                offset += anchor[i].numel()
             if delay:
                 waiting = (f, step + delay, mean_delta)
             else:
@@ -101,6 +121,19 @@ def test_fragments_are_dealt_by_block():
     stage = [("layers.2._checkpoint_wrapped_module.attention.wq.weight", a), ("layers.3._orig_mod.w", b),
              ("norm.weight", c)]
     assert fragment_of(stage, 4, 4, "strided") == [2, 3, 3]
+
+
+def test_float8_exchange_packs_block_scaled_bytes():
+    from kiln.parallel.diloco_fragment import FP8_BLOCK, dequantize_fp8, quantize_fp8
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 0, 1000)
+    x[256:512] = 0.0  # an all-zero block
+    packed = quantize_fp8(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == 1024 + 4 * 1024 // FP8_BLOCK
+    back = dequantize_fp8(packed, 1000)
+    assert torch.equal(back, fp8_roundtrip(x)) and torch.equal(back[256:512], torch.zeros(256))
+    blocks = torch.nn.functional.pad(x, (0, 24)).view(-1, FP8_BLOCK).abs().amax(1)
+    assert ((back - x).abs() <= blocks.repeat_interleave(FP8_BLOCK)[:1000] / 16).all()  # e4m3: 3 mantissa bits
 
 
 def test_one_process_schedule_and_rows():
@@ -163,7 +196,8 @@ def streaming_rank(rank, world):
     from kiln.parallel.diloco import DiLoCo
 
     runs = {}
-    for name, kwargs in (("strided", STREAMING), ("sequential", {"fragments": 2, "pattern": "sequential"})):
+    for name, kwargs in (("strided", STREAMING), ("sequential", {"fragments": 2, "pattern": "sequential"}),
+                         ("fp8", {**STREAMING, "comm_dtype": "float8_e4m3fn"})):
         model, data = model_and_data(**DEEP)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         diloco = DiLoCo(model, H, OUTER_LR, MOMENTUM, n_layers=4, **kwargs)
@@ -190,12 +224,16 @@ def test_two_replicas_match_the_streaming_definition(tmp_path):
     expected, exchanged = simulated(**DEEP)
     assert losses == pytest.approx(expected, rel=REL)
     assert sent == exchanged and len(sent) == 5  # bf16: 2 bytes per element of the fragment, one per sync
-    sequential = simulated(strided=False, delay=0, mix=0.0, bf16=False, **DEEP)
+    sequential = simulated(strided=False, delay=0, mix=0.0, wire="fp32", **DEEP)
     assert runs["sequential"][0] == pytest.approx(sequential[0], rel=REL)
     assert runs["sequential"][1] == sequential[1]
-    # Controls: plain DiLoCo and the other pattern are other runs.
-    assert losses != pytest.approx(simulated(fragments=1, delay=0, mix=0.0, bf16=False, **DEEP)[0], rel=REL)
-    assert sequential[0] != pytest.approx(simulated(strided=True, delay=0, mix=0.0, bf16=False, **DEEP)[0], rel=REL)
+    fp8 = simulated(wire="fp8", **DEEP)  # block-quantized deltas, all-gathered, summed in fp32
+    assert runs["fp8"][0] == pytest.approx(fp8[0], rel=REL) and runs["fp8"][1] == fp8[1]
+    assert sum(fp8[1]) < 0.27 * sum(4 * e / 2 for e in exchanged)  # about a quarter of fp32's bytes
+    # Controls: plain DiLoCo, the other pattern and bf16 instead of fp8 are other runs.
+    assert losses != pytest.approx(simulated(fragments=1, delay=0, mix=0.0, wire="fp32", **DEEP)[0], rel=REL)
+    assert sequential[0] != pytest.approx(simulated(strided=True, delay=0, mix=0.0, wire="fp32", **DEEP)[0], rel=REL)
+    assert runs["fp8"][0] != pytest.approx(losses, rel=REL)
 
 
 # DDP inside (outer state split over the replica's ranks), pp by name, FSDP shards, tp shards, experts over ep

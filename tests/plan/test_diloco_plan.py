@@ -212,7 +212,7 @@ def test_plan_command_writes_a_diloco_config_kiln_train_reads(tmp_path, capsys):
                "--set", "parallel.diloco_fragments=2", "--set", "parallel.diloco_sync_delay=2", "--set",
                "parallel.diloco_comm_dtype='bfloat16'", "--out", str(out)])
     text = capsys.readouterr().out
-    assert rc == 0 and "every 25 steps each rank all-reduces" in text and "(1/2 of its bf16 outer gradient)" in text
+    assert rc == 0 and "every 25 steps each rank exchanges" in text and "(1/2 of its bf16 outer gradient)" in text
     assert "under 2 inner steps" in text and "fragments=2 sync_delay=2 wire_bytes=2" in text
     assert load_config(out).parallel.diloco_fragments == 2  # the config keeps the user's streaming settings
 
