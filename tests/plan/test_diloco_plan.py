@@ -84,6 +84,13 @@ def test_streaming_diloco_splits_the_sync_into_fragments_and_hides_the_exchange_
     assert rank_memory(SHAPE, overlapped, 2048).outer_state == pytest.approx(2 * shard + shard / 2 / 2)
     assert rank_memory(SHAPE, streamed, 2048).outer_state == pytest.approx(2 * shard)
     assert "fragments=2 sync_delay=1 wire_bytes=2" in overlapped.describe()
+    # float8: every replica's block-scaled bytes all-gathered (R - 1 payloads, R - 1 latency steps)
+    fp8 = dataclasses.replace(streamed, diloco_wire_bytes=1)
+    sent = shard / 2 * (1 + 4 / 256) / 4
+    gathered = (2 - 1) * max(sent / 50e9, sent * 16 / 1.25e9) + (2 - 1) * 10e-3
+    assert step_time(SHAPE, fp8, 2048, cluster).outer_sync == pytest.approx(2 * (gathered + local(shard / 2)) / 10)
+    delayed_fp8 = dataclasses.replace(fp8, diloco_sync_delay=1)  # the gathered buffer: both replicas' bytes
+    assert rank_memory(SHAPE, delayed_fp8, 2048).outer_state == pytest.approx(2 * shard + 2 * shard / 2 / 4)
 
 
 def test_without_islands_the_replicas_sync_over_the_link_their_group_spans():
