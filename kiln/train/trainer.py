@@ -300,6 +300,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                  "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "cp": dims.cp,
                  "world_peak_flops": world_peak, "resumed_from": resume_step, "pp": dims.pp,
                  **({"fsdp_reshard_to": cfg.parallel.fsdp_reshard_to} if cfg.parallel.fsdp_reshard_to else {}),
+                 **({f"diloco_{k}": getattr(par, f"diloco_{k}") for k in ("inner_steps", "fragments", "sync_delay",
+                                                                           "mix", "comm_dtype")} if diloco else {}),
                  **({"pp_schedule": cfg.parallel.pp_schedule, "pp_microbatches": pipeline.microbatches,
                      "pp_virtual_stages": cfg.parallel.pp_virtual_stages, "bubble_fraction": pipeline.bubble}
                     if pipeline else {}),

@@ -146,6 +146,7 @@ def test_kiln_train_logs_moe_losses_and_outer_steps(tmp_path, text_file):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     run_row = next(r for r in rows if r["kind"] == "run")
     assert run_row["dp_mode"] == "diloco" and run_row["n_params_active"] < run_row["n_params"]
+    assert (run_row["diloco_inner_steps"], run_row["diloco_fragments"], run_row["diloco_comm_dtype"]) == (2, 1, "float32")
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 4 and all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in train)
     assert [(r["step"], r["outer_step"], r["bytes_sent"]) for r in rows if r["kind"] == "diloco"] == \
