@@ -4,7 +4,12 @@ classes in kiln/parallel/zero1.py), and the per-step metrics that need every ran
 Which torch API does what (nothing here is a hand-written collective):
   ddp   -> torch.distributed._composable.replicate (DistributedDataParallel, applied in place so
            parameter names, `model.layers` and checkpoints keep the plain model's FQNs; DDP is
-           built at the first forward, after the meta-device model is materialized)
+           built at the first forward, after the meta-device model is materialized); with
+           train.grad_accum > 1 its `set_requires_gradient_sync` lets only the step's last
+           micro-batch all-reduce (`sync_on_last_micro_batch`), as DDP's no_sync
+  hsdp  -> FSDP2 over (dp_replicate, dp_shard) (kiln/parallel/parallelize.py apply_fsdp); with
+           grad_accum > 1 every micro-batch reduce-scatters inside its replica (gradients stay
+           sharded) and only the last all-reduces across the replicas (`set_requires_all_reduce`)
   ddp under pp -> torch.nn.parallel.DistributedDataParallel around each stage chunk
            (`replicate_stage`), the wrapper torch.distributed.pipelining recognizes: it runs
            every forward and all but the last backward of a step under `no_sync`, so gradients
@@ -65,6 +70,24 @@ def batch_group(dims: ParallelDims):
         return None
     mesh = dims.mesh[tuple(names)]
     return (mesh._flatten() if mesh.ndim > 1 else mesh).get_group()
+
+
+def sync_on_last_micro_batch(model: nn.Module, last: bool) -> None:
+    """Before each micro-batch of a step of several: whether its backward reduces across the
+    data-parallel replicas. HSDP (an FSDP2 root; a 1-D FSDP mesh has no all-reduce to hold back):
+    the reduce-scatter inside a replica runs every micro-batch, the all-reduce across replicas only
+    on the last, after FSDP adds the earlier micro-batches' shards in (torch's
+    `set_requires_all_reduce`; the sum is the same, the slow link carries it once a step). DDP
+    (composable `replicate`): only the last micro-batch all-reduces, the others accumulate
+    (`set_requires_gradient_sync`, DDP's no_sync). Anything else (one process, kiln's
+    OverlappedReplicas, which counts micro-batches itself, pipeline stages, which torch's schedule
+    syncs) is left alone."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(last)
+    elif callable(getattr(model, "set_requires_gradient_sync", None)):
+        model.set_requires_gradient_sync(last)
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, grad_accum: int = 1) -> None:

@@ -328,16 +328,18 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
                 t += all_gather(cluster, k, again_bytes, dp_stride, calls=(units - 1) * ga)
                 gathers += (units - 1) * ga
                 copied += again_bytes * (1 + 1 / k) + again_bytes / k  # and the post-forward copy of the 1/k
-            t += reduce_scatter(cluster, shard, grad_bytes, dp_stride, calls=units)
+            # every micro-batch reduce-scatters (the gradients stay sharded); HSDP all-reduces across
+            # the replicas in the last one only (kiln/parallel/data_parallel.py sync_on_last_micro_batch)
+            t += reduce_scatter(cluster, shard, grad_bytes * ga, dp_stride, calls=units * ga)
             t += all_reduce(cluster, replicas, grad_bytes / shard, dp_stride * shard, calls=units)  # HSDP
             # the gradient norm of the sharded gradients: one all-reduce per step
             t += all_reduce(cluster, replicas * shards, 4, dp_stride)
             count("all_gather", gathers)
-            count("reduce_scatter", units)
+            count("reduce_scatter", units * ga)
             count("all_reduce", 1 + (units if replicas > 1 else 0))
             # copy-in of the local shard and copy-out of the gathered unit; gradients into the
-            # reduce-scatter buffer and the reduced shard out
-            copied += gather_bytes * (1 + 1 / shard) + grad_bytes * (1 + 1 / shard)
+            # reduce-scatter buffer and the reduced shard out, each micro-batch
+            copied += gather_bytes * (1 + 1 / shard) + grad_bytes * ga * (1 + 1 / shard)
             overlappable = compute
         t += _expert_reduction(cluster, shape, layout, experts, param_bytes, count)
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, overlappable))

@@ -96,12 +96,18 @@ def runs(tmp_path_factory, text_file):
     from kiln.train.trainer import train
 
     root = tmp_path_factory.mktemp("dp")
-    out = {name: root / name for name in ["hsdp", "zero1", "zero2", "fsdp"]}
+    out = {name: root / name for name in ["hsdp", "zero1", "zero2", "fsdp", "hsdp accum2", "ddp accum2", "batch8"]}
     (root / "ranks4").mkdir()
-    run_ranks(train_runs, 4, root / "ranks4", [(out["hsdp"], common(
-        text_file, **{"train.batch_size": 1, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}))], timeout=400)
+    hsdp = {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}
+    run_ranks(train_runs, 4, root / "ranks4", [
+        (out["hsdp"], common(text_file, **{"train.batch_size": 1, **hsdp})),
+        # 2 micro-batches of 1 per rank (a global batch of 8): the all-reduce across replicas in the last only
+        (out["hsdp accum2"], common(text_file, **{"train.batch_size": 1, "train.grad_accum": 2, **hsdp}))],
+        timeout=400)
     jobs = [(out[mode], common(text_file, **{"train.batch_size": GLOBAL_BATCH // 2, "parallel.dp_mode": repr(mode)}))
             for mode in ["zero1", "zero2", "fsdp"]]
+    jobs.append((out["ddp accum2"], common(text_file, **{"train.batch_size": 1, "train.grad_accum": 2,
+                                                         "parallel.dp_mode": "'ddp'"})))
     for mode, (nproc, next_mode) in [("zero1", LAYOUTS["zero1"]), ("zero2", LAYOUTS["zero2"]), ("hsdp", (2, "fsdp"))]:
         out[f"{mode} resumed"] = root / f"{mode}-resumed"
         jobs.append((out[f"{mode} resumed"], resume_overrides(nproc, next_mode), out[mode], 3))
@@ -113,6 +119,7 @@ def runs(tmp_path_factory, text_file):
     # same run as one process at twice the learning rate.
     out["doubled lr"] = root / "doubled"
     train(load_config(None, common(text_file, **{"train.batch_size": GLOBAL_BATCH, "optim.lr": 0.2})), out["doubled lr"])
+    train(load_config(None, common(text_file, **{"train.batch_size": 2 * GLOBAL_BATCH})), out["batch8"])
     return out
 
 
@@ -147,6 +154,16 @@ def test_hsdp_on_four_ranks_matches_and_reshards_to_fsdp_on_two(runs, reference)
     assert (run_row["dp_mode"], run_row["dp_replicate"], run_row["dp_shard"]) == ("fsdp", 2, 2)
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
     assert_resumed(reference, runs["hsdp resumed"])
+
+
+@pytest.mark.timeout(600)
+def test_grad_accum_reduces_across_replicas_once_a_step_and_matches_one_process(runs, reference):
+    # DDP (no_sync on all but the last micro-batch) and HSDP (reduce-scatter every micro-batch,
+    # the all-reduce across replicas in the last: data_parallel.sync_on_last_micro_batch) give the
+    # losses of one process on the same global batch; tests/plan/test_collective_counts.py counts
+    # the collectives (one all-reduce per step and bucket or unit).
+    assert_same_losses(reference, losses(runs["ddp accum2"]), range(1, STEPS + 1))
+    assert_same_losses(losses(runs["batch8"]), losses(runs["hsdp accum2"]), range(1, STEPS + 1))
 
 
 def test_tolerance_catches_wrong_gradient_scaling(runs, reference):

@@ -10,7 +10,9 @@ import pytest
 
 from tests.parallel.ranks import run_ranks
 
-MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon")  # *_muon: optim.name muon
+# *_muon: optim.name muon; *_ga2: train.grad_accum 2 (DDP and HSDP reduce across replicas once a step,
+# FSDP reduce-scatters every micro-batch)
+MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2")
 # c10d ops as the profiler names them -> the time model's op names
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
@@ -33,11 +35,13 @@ def _counts(rank, n, modes=MODES):
 
     out = {}
     for mode in modes:
-        base = mode.removesuffix("_muon")
+        base = mode.removesuffix("_muon").removesuffix("_ga2")
         if base == "fsdp_tp":  # 4 ranks: FSDP over 2 x tp 2
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'"]
         elif mode.startswith("tp"):
             extra = ["parallel.tp=2", "parallel.dp_mode='ddp'"]
+        elif base == "hsdp":  # 4 ranks: 2 replicas x FSDP over 2
+            extra = ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
         else:
             extra = [f"parallel.dp_mode={base!r}"]
         extra += ["optim.implementation='foreach'"] if mode == "tp_foreach" else []
@@ -50,10 +54,14 @@ def _counts(rank, n, modes=MODES):
         model = build_model(cfg, dims, device)
         model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
         optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
-        tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
-        if not mode.startswith("tp"):  # data parallel: this replica's half of the batch
+        tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
+        if not mode.startswith("tp"):  # data parallel: this replica's 2 rows
             tokens = tokens[dims.dp_rank * 2:(dims.dp_rank + 1) * 2]
+        else:
+            tokens = tokens[:4]
         batch = [(tokens[:, :-1], tokens[:, 1:])]
+        if mode.endswith("_ga2"):  # the same rows in two micro-batches
+            batch = [(part[:, :-1], part[:, 1:]) for part in tokens.chunk(2)]
 
         def step():
             train_step(model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False), scaler=None, clip=0.0)
@@ -66,7 +74,8 @@ def _counts(rank, n, modes=MODES):
     return out
 
 
-FOUR_RANK_MODES = ("fsdp_tp", "fsdp_tp_muon")  # Muon: a gather per matrix down to tp's cut, then tp's exchange
+# Muon: a gather per matrix down to tp's cut, then tp's exchange; HSDP: the all-reduce across replicas once a step
+FOUR_RANK_MODES = ("fsdp_tp", "fsdp_tp_muon", "hsdp_ga2")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +99,10 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
     fsdp_tp = Layout(dp_shard=2, tp=2, dp_mode="fsdp", micro_batch=2, precision="fp32")
     layout = {"tp": tp, "tp_foreach": tp, "tp_muon": tp, "fsdp": fsdp, "fsdp_muon": fsdp,
               "fsdp_tp": fsdp_tp, "fsdp_tp_muon": fsdp_tp,
+              "ddp_ga2": Layout(dp_replicate=2, dp_mode="ddp", micro_batch=1, grad_accum=2, precision="fp32"),
+              "fsdp_ga2": Layout(dp_shard=2, dp_mode="fsdp", micro_batch=1, grad_accum=2, precision="fp32"),
+              "hsdp_ga2": Layout(dp_replicate=2, dp_shard=2, dp_mode="fsdp", micro_batch=1, grad_accum=2,
+                                 precision="fp32"),
               "zero2": Layout(dp_shard=2, dp_mode="zero2", micro_batch=2, precision="fp32")}.get(
         mode, Layout(dp_replicate=2, dp_mode=mode, micro_batch=2, precision="fp32"))
     impl = "foreach" if mode == "tp_foreach" else "fused"  # kiln's default on cpu: fused
@@ -98,10 +111,10 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
                                                      impl).calls.items() if n}
     from torch.distributed.fsdp import FSDPModule
 
-    if mode.startswith("fsdp") and not hasattr(FSDPModule, "set_reshard_after_forward"):
+    if mode.startswith(("fsdp", "hsdp")) and not hasattr(FSDPModule, "set_reshard_after_forward"):
         # torch 2.7: FSDP2's lazy init keeps the root gathered after forward whatever kiln passed
         # (2.8 on honours reshard_after_forward=True there), so no root all-gather before backward
-        predicted["all_gather"] -= 1
+        predicted["all_gather"] -= layout.grad_accum
     import torch
 
     if mode == "fsdp_tp_muon" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11):

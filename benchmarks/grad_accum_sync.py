@@ -1,0 +1,134 @@
+"""Gradient accumulation under DDP and HSDP: reducing across the replicas in every micro-batch
+(kiln before `sync_on_last_micro_batch`) vs in the last one only (kiln/parallel/data_parallel.py).
+
+N gloo processes (one thread each) build kiln's transformer through the trainer's path
+(`build_model` -> parallelize, `build_optimizer` -> `shard_optimizer_state`; --dim, --layers,
+--heads, --vocab) and take AdamW steps of --accum micro-batches of 2 rows x 64 tokens through
+kiln's `train_step`. Layouts: ddp over --ddp-ranks ranks; HSDP, 2 replicas x FSDP over 2 (4
+ranks). Variants, built afresh and run in alternating order each round:
+
+  every   each micro-batch's backward reduces across the replicas (DDP: its all-reduce; HSDP: the
+          reduce-scatter and the all-reduce), the sync switched off by making
+          `sync_on_last_micro_batch` a no-op
+  last    kiln's: DDP all-reduces in the last micro-batch only; HSDP reduce-scatters inside the
+          replica every micro-batch and all-reduces across the replicas in the last only
+
+Reported per layout and variant: the step time (median over --steps steps, median over rounds
+of the slowest rank), the bytes each rank wrote to its sockets per step (/proc/self/io wchar)
+and the loss after the timed steps (the same in both variants up to the order of sums).
+
+    python benchmarks/grad_accum_sync.py [--accum 4] [--rounds 3] [--steps 3] [--dim 256 --layers 4]
+
+Writes benchmarks/results/grad_accum_sync.json (or --out) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from common import print_table, run_ranks, socket_bytes, write_results  # noqa: E402
+
+VARIANTS = ("every", "last")
+LAYOUTS = {"ddp": ["parallel.dp_mode='ddp'"],
+           "hsdp": ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"]}
+
+
+def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
+    import torch.distributed as dist
+
+    import kiln.parallel.data_parallel as data_parallel
+    from kiln.config import load_config
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.optim import build_optimizer
+    from kiln.train.step import train_step
+    from kiln.train.system import resolve_loss
+    from kiln.train.trainer import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    real = data_parallel.sync_on_last_micro_batch
+    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+                             f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
+                             "train.dtype=fp32", "train.batch_size=2", f"train.grad_accum={args.accum}",
+                             *LAYOUTS[layout]])
+    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
+                                    local_world_size=world, seq_len=64)
+    dims.build_mesh("cpu")
+    device = torch.device("cpu")
+    from kiln.parallel.data_parallel import shard_optimizer_state
+
+    tokens = torch.randint(0, args.vocab, (args.accum, 2, 65), generator=torch.Generator().manual_seed(1 + rank))
+    batch = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    results = {v: {"step_s": [], "sent": [], "loss": None} for v in VARIANTS}
+    for r in range(args.rounds):
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            data_parallel.sync_on_last_micro_batch = real if variant == "last" else (lambda model, last: None)
+            torch.manual_seed(0)
+            model = build_model(cfg, dims, device)
+            model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
+            optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
+
+            def step():
+                return train_step(model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False),
+                                  scaler=None, clip=0.0)[0]
+
+            step()  # DDP builds its reducer, FSDP its buffers
+            times, sent = [], []
+            for _ in range(args.steps):
+                dist.barrier()
+                w0, b0 = time.perf_counter(), socket_bytes()
+                loss = step()
+                times.append(time.perf_counter() - w0)
+                sent.append(socket_bytes() - b0)
+            results[variant]["step_s"].append(statistics.median(times))
+            results[variant]["sent"].append(statistics.median(sent))
+            results[variant]["loss"] = float(loss)
+    data_parallel.sync_on_last_micro_batch = real
+    out.put({"rank": rank, "results": results})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--accum", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ddp-ranks", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--out", default="grad_accum_sync")
+    args = parser.parse_args(argv)
+    target = importlib.import_module(Path(__file__).stem).rank_main  # by module name: spawned ranks import it
+    rows, table = {}, []
+    for layout, world in (("ddp", args.ddp_ranks), ("hsdp", 4)):
+        ranks = run_ranks(target, world, (layout, args), f"grad_accum_sync {layout}", timeout_s=1800)
+        rows[layout] = {}
+        for v in VARIANTS:
+            step = statistics.median(max(r["results"][v]["step_s"][i] for r in ranks) for i in range(args.rounds))
+            sent = statistics.median(max(r["results"][v]["sent"][i] for r in ranks) for i in range(args.rounds))
+            rows[layout][v] = {"step_s": step, "sent_bytes_per_rank": sent, "loss": ranks[0]["results"][v]["loss"]}
+        every, last = rows[layout]["every"], rows[layout]["last"]
+        table.append([f"{layout} x{world}", f"{every['step_s']:.3f} / {last['step_s']:.3f}",
+                      f"{every['sent_bytes_per_rank'] / 1e6:.2f} / {last['sent_bytes_per_rank'] / 1e6:.2f}",
+                      f"{every['loss']:.5f} / {last['loss']:.5f}"])
+    print_table(["layout", "step s: every / last", "MB sent per rank: every / last", "loss: every / last"], table)
+    command = "python benchmarks/grad_accum_sync.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"wrote {write_results(args.out, {'command': command, 'args': vars(args), 'layouts': rows, 'load_avg': os.getloadavg()[0]})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
