@@ -330,4 +330,7 @@ class DiLoCo:
         self.outer_steps = [int(n) for n in state["outer_steps"].reshape(-1)]
         if self.sync_delay:
             fragment, merge_step = (int(v) for v in state["pending"])
+            if not (fragment == -1 or (0 <= fragment < len(self.outer_steps) and merge_step >= 1)):
+                raise KilnError(f"checkpoint DiLoCo pending sync (fragment, merge step) = ({fragment}, {merge_step}): "
+                                f"expected (-1, -1) or a fragment in 0..{len(self.outer_steps) - 1} and a step >= 1")
             self.pending = (fragment, merge_step) if fragment >= 0 else None

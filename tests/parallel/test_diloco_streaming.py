@@ -169,6 +169,11 @@ def test_a_restore_with_an_exchange_in_flight_drops_it():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # nothing merged
     now = diloco.state_dict()  # the saved anchor, momentum, counts and no pending sync
     assert now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in saved)
+    from kiln.errors import KilnError
+
+    with pytest.raises(KilnError, match=r"pending sync \(fragment, merge step\) = \(7, 3\): expected \(-1, -1\) or a "
+                                        r"fragment in 0..1"):
+        diloco.load_state_dict({**saved, "pending": torch.tensor([7, 3])})
 
 
 def test_streaming_settings_are_checked_in_one_line():
