@@ -80,7 +80,9 @@ def run_ranks(fn, n, tmp_path, *args, timeout=120):
     try:
         while True:
             try:
-                if ctx.join(timeout=1):
+                # grace_period: when one rank dies, the others get 10 s to finish on their own before
+                # torch terminates them (a rank aborting in teardown must not cut off another's result)
+                if ctx.join(timeout=1, grace_period=10):
                     break
             except mp.ProcessExitedException:
                 # gloo's teardown can abort a process after its work is done ("terminate called

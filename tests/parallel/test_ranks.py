@@ -76,13 +76,16 @@ def test_patch_for_one_run_restores_module_attributes_and_a_class_as_it_was():
 
 def _abort_at_exit(rank, n):
     """Rank 1's process aborts after its result is written, in destroy_process_group, as gloo's
-    teardown sometimes does."""
+    teardown sometimes does, while rank 0 is still working (its result comes 2 s later)."""
     import os
+    import time
 
     import torch.distributed as dist
 
     if rank == 1:
         dist.destroy_process_group = lambda *args, **kwargs: os.abort()
+    else:
+        time.sleep(2)
     return rank * 10
 
 
