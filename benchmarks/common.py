@@ -133,6 +133,22 @@ def sharded_parameter_set(args, mesh, seed: int, sharded: bool = True):
     return model
 
 
+def gloo_rank_config(rank: int, world: int, port: int, args, *extra: str):
+    """Inside a rank of `run_ranks`: join the gloo group (one thread per process) and return kiln's
+    config of a transformer at args.dim, layers, heads and vocab on 64-token windows with the
+    foreach optimizer, plus the `extra` overrides."""
+    import torch.distributed as dist
+
+    from kiln.config import load_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+                              f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
+                              "optim.implementation='foreach'", *extra])
+
+
 def stepped_transformer(rank: int, world: int, port: int, args, zero1: bool):
     """Inside a rank of `run_ranks`: join the gloo group, build kiln's transformer (args.dim,
     layers, heads, vocab) with the trainer's AdamW (foreach), wrapped in kiln's Zero1Optimizer when
@@ -140,17 +156,11 @@ def stepped_transformer(rank: int, world: int, port: int, args, zero1: bool):
     (build, model, optimizer); build() gives a fresh, unstepped pair."""
     import torch.distributed as dist
 
-    from kiln.config import load_config
     from kiln.model.transformer import Transformer
     from kiln.parallel.zero1 import Zero1Optimizer
     from kiln.train.optim import build_optimizer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
-                             f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
-                             "optim.implementation='foreach'"])
+    cfg = gloo_rank_config(rank, world, port, args)
 
     def build():
         torch.manual_seed(0)

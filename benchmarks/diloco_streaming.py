@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, socket_bytes, write_results  # noqa: E402
+from common import gloo_rank_config, print_table, run_ranks, socket_bytes, write_results  # noqa: E402
 
 VARIANTS = ("diloco", "fragments", "fragments_bf16", "fragments_fp8", "overlapped_bf16")
 
@@ -52,17 +52,11 @@ def settings(variant: str, fragments: int) -> dict:
 def rank_main(rank: int, world: int, port: int, args, out) -> None:
     import torch.distributed as dist
 
-    from kiln.config import load_config
     from kiln.model.transformer import Transformer
     from kiln.parallel.diloco import DiLoCo
     from kiln.train.optim import build_optimizer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
-                             f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
-                             "optim.implementation='foreach'"])
+    cfg = gloo_rank_config(rank, world, port, args)
     steps = 2 * args.inner_steps
     tokens = torch.randint(0, args.vocab, (steps, 4, 65), generator=torch.Generator().manual_seed(1 + rank))
     step_s, outer_s, mean_bytes, peak_bytes, last_loss = ({v: [] for v in VARIANTS} for _ in range(5))

@@ -3,7 +3,7 @@
 
 N gloo processes (one thread each) build kiln's transformer through the trainer's path
 (`build_model` -> parallelize, `build_optimizer` -> `shard_optimizer_state`; --dim, --layers,
---heads, --vocab) and take AdamW steps of --accum micro-batches of 2 rows x 64 tokens through
+--heads, --vocab) and take AdamW (foreach) steps of --accum micro-batches of 2 rows x 64 tokens through
 kiln's `train_step`. Layouts: ddp over --ddp-ranks ranks; HSDP, 2 replicas x FSDP over 2 (4
 ranks). Variants, built afresh and run in alternating order each round:
 
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, socket_bytes, write_results  # noqa: E402
+from common import gloo_rank_config, print_table, run_ranks, socket_bytes, write_results  # noqa: E402
 
 VARIANTS = ("every", "last")
 LAYOUTS = {"ddp": ["parallel.dp_mode='ddp'"],
@@ -47,21 +47,15 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
     import torch.distributed as dist
 
     import kiln.parallel.data_parallel as data_parallel
-    from kiln.config import load_config
     from kiln.parallel.dims import ParallelDims
     from kiln.train.optim import build_optimizer
     from kiln.train.step import train_step
     from kiln.train.system import resolve_loss
     from kiln.train.trainer import build_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     real = data_parallel.sync_on_last_micro_batch
-    cfg = load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
-                             f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
-                             "train.dtype=fp32", "train.batch_size=2", f"train.grad_accum={args.accum}",
-                             *LAYOUTS[layout]])
+    cfg = gloo_rank_config(rank, world, port, args, "train.dtype=fp32", "train.batch_size=2",
+                           f"train.grad_accum={args.accum}", *LAYOUTS[layout])
     dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
                                     local_world_size=world, seq_len=64)
     dims.build_mesh("cpu")

@@ -95,14 +95,12 @@ def simulated(outer_lr=OUTER_LR, momentum=MOMENTUM, **fields):
     return losses
 
 
-def diloco_rank(rank, world):
+def whole_replica_run(rank, world, model, data, diloco):
+    """Each rank a whole DiLoCo replica training on its 2 rows of each step's batch (AdamW):
+    the per-step loss averaged over the ranks, and the bytes of each outer sync started."""
     import torch.distributed as dist
 
-    from kiln.parallel.diloco import DiLoCo
-
-    model, data = model_and_data()
     opt = adamw(model)
-    diloco = DiLoCo(model, H, OUTER_LR, MOMENTUM)
     losses, sent = [], []
     for step, batch in enumerate(data, start=1):
         part = batch[2 * rank:2 * rank + 2]
@@ -114,6 +112,15 @@ def diloco_rank(rank, world):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+    return losses, sent
+
+
+def diloco_rank(rank, world):
+    from kiln.parallel.diloco import DiLoCo
+
+    model, data = model_and_data()
+    diloco = DiLoCo(model, H, OUTER_LR, MOMENTUM)
+    losses, sent = whole_replica_run(rank, world, model, data, diloco)
     n_params = sum(p.numel() for p in model.parameters())
     return losses, sent, n_params, diloco.state_dict()
 

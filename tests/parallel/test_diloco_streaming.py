@@ -19,7 +19,7 @@ import torch
 
 from ranks import run_ranks
 from test_diloco import FIELDS, MOMENTUM, OUTER_LR, RESUME_AT, RESUME_STEPS, STEPS, model_and_data, \
-    resume_overrides, split_replica_run, train_losses
+    resume_overrides, split_replica_run, train_losses, whole_replica_run
 
 H, REL = 4, 1e-5
 DEEP = {"n_layers": 4}  # strided and sequential fragments differ from 4 blocks on
@@ -196,28 +196,14 @@ def test_streaming_settings_are_checked_in_one_line():
 
 
 def streaming_rank(rank, world):
-    import torch.distributed as dist
-
     from kiln.parallel.diloco import DiLoCo
 
     runs = {}
     for name, kwargs in (("strided", STREAMING), ("sequential", {"fragments": 2, "pattern": "sequential"}),
                          ("fp8", {**STREAMING, "comm_dtype": "float8_e4m3fn"})):
         model, data = model_and_data(**DEEP)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-        diloco = DiLoCo(model, H, OUTER_LR, MOMENTUM, n_layers=4, **kwargs)
-        losses, sent = [], []
-        for step, batch in enumerate(data, start=1):
-            part = batch[2 * rank:2 * rank + 2]
-            loss = model(part[:, :-1], part[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            sent += [sync["bytes_sent"] for sync in diloco.after_step(step)]
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
-        runs[name] = losses, sent
+        runs[name] = whole_replica_run(rank, world, model, data, DiLoCo(model, H, OUTER_LR, MOMENTUM, n_layers=4,
+                                                                          **kwargs))
     return runs
 
 
