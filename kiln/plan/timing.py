@@ -329,17 +329,20 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
                 gathers += (units - 1) * ga
                 copied += again_bytes * (1 + 1 / k) + again_bytes / k  # and the post-forward copy of the 1/k
             # every micro-batch reduce-scatters (the gradients stay sharded); HSDP all-reduces across
-            # the replicas in the last one only (kiln/parallel/data_parallel.py sync_on_last_micro_batch)
-            t += reduce_scatter(cluster, shard, grad_bytes * ga, dp_stride, calls=units * ga)
+            # the replicas in the last one only (kiln/parallel/data_parallel.py sync_on_last_micro_batch).
+            # Under pp torch's stage syncs the last backward only (PipelineStage: no gradient sync
+            # before it): one reduce-scatter a step.
+            scatters = ga if layout.pp == 1 else 1
+            t += reduce_scatter(cluster, shard, grad_bytes * scatters, dp_stride, calls=units * scatters)
             t += all_reduce(cluster, replicas, grad_bytes / shard, dp_stride * shard, calls=units)  # HSDP
             # the gradient norm of the sharded gradients: one all-reduce per step
             t += all_reduce(cluster, replicas * shards, 4, dp_stride)
             count("all_gather", gathers)
-            count("reduce_scatter", units * ga)
+            count("reduce_scatter", units * scatters)
             count("all_reduce", 1 + (units if replicas > 1 else 0))
             # copy-in of the local shard and copy-out of the gathered unit; gradients into the
             # reduce-scatter buffer and the reduced shard out, each micro-batch
-            copied += gather_bytes * (1 + 1 / shard) + grad_bytes * ga * (1 + 1 / shard)
+            copied += gather_bytes * (1 + 1 / shard) + grad_bytes * scatters * (1 + 1 / shard)
             overlappable = compute
         t += _expert_reduction(cluster, shape, layout, experts, param_bytes, count)
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, overlappable))
