@@ -65,12 +65,12 @@ def train_step(model, optimizer, micro_batches, *, autocast, scaler, clip: float
     Returns device tensors (mean loss, grad norm, skipped): `skipped` is True when the loss or the
     gradient was not finite, in which case the parameters and optimizer state are unchanged.
     """
-    from kiln.parallel.data_parallel import sync_on_last_micro_batch
-
     total = torch.zeros((), device=micro_batches[0][0].device)
     loads = None  # MoE assignments per layer and expert, for balance_experts
     for i, (x, y, *doc_ids) in enumerate(micro_batches):  # doc_ids: packed_masked windows (kiln/data/loader.py)
         if len(micro_batches) > 1:  # DDP / HSDP reduce across replicas in the last backward only
+            from kiln.parallel.data_parallel import sync_on_last_micro_batch
+
             sync_on_last_micro_batch(model, i == len(micro_batches) - 1)
         with autocast:
             loss = (model(x, y, doc_ids=doc_ids[0]) if doc_ids else model(x, y)) / len(micro_batches)
