@@ -64,6 +64,20 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
 
+def inner_step_of_two(replicas, inner, batch) -> float:
+    """One inner step of each of the 2 simulated replicas (its AdamW) on its 2 rows of `batch`;
+    returns their mean loss."""
+    step_losses = []
+    for r, (model, opt) in enumerate(zip(replicas, inner)):
+        part = batch[2 * r:2 * r + 2]
+        loss = model(part[:, :-1], part[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step_losses.append(loss.item())
+    return sum(step_losses) / 2
+
+
 def simulated(outer_lr=OUTER_LR, momentum=MOMENTUM, **fields):
     """Algorithm 1 of Douillard et al. 2023 with 2 replicas in one process, written out by hand."""
     import copy
@@ -75,15 +89,7 @@ def simulated(outer_lr=OUTER_LR, momentum=MOMENTUM, **fields):
     velocity = [torch.zeros_like(p) for p in anchor]
     losses = []
     for step, batch in enumerate(data, start=1):
-        step_losses = []
-        for r, (model, opt) in enumerate(zip(replicas, inner)):
-            part = batch[2 * r:2 * r + 2]
-            loss = model(part[:, :-1], part[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            step_losses.append(loss.item())
-        losses.append(sum(step_losses) / 2)
+        losses.append(inner_step_of_two(replicas, inner, batch))
         if step % H == 0:
             with torch.no_grad():
                 for i, params in enumerate(zip(*(m.parameters() for m in replicas))):

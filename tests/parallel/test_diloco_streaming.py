@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from test_diloco import FIELDS, MOMENTUM, OUTER_LR, RESUME_AT, RESUME_STEPS, STEPS, model_and_data, \
-    resume_overrides, split_replica_run, train_losses, whole_replica_run
+from test_diloco import FIELDS, MOMENTUM, OUTER_LR, RESUME_AT, RESUME_STEPS, STEPS, adamw, inner_step_of_two, \
+    model_and_data, resume_overrides, split_replica_run, train_losses, whole_replica_run
 
 H, REL = 4, 1e-5
 DEEP = {"n_layers": 4}  # strided and sequential fragments differ from 4 blocks on
@@ -53,7 +53,7 @@ def simulated(fragments=2, strided=True, delay=1, mix=0.5, wire="bf16", **fields
         return i % fragments if strided else i * fragments // n_layers
 
     replicas = [copy.deepcopy(base), copy.deepcopy(base)]
-    inner = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in replicas]
+    inner = [adamw(m) for m in replicas]
     anchor = [p.detach().clone() for p in base.parameters()]
     velocity = [torch.zeros_like(p) for p in anchor]
     losses, exchanged, waiting = [], [], None
@@ -69,15 +69,7 @@ def simulated(fragments=2, strided=True, delay=1, mix=0.5, wire="bf16", **fields
                     p.copy_(mix * p + (1 - mix) * anchor[i])
 
     for step, batch in enumerate(data, start=1):
-        step_losses = []
-        for r, (model, opt) in enumerate(zip(replicas, inner)):
-            part = batch[2 * r:2 * r + 2]
-            loss = model(part[:, :-1], part[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            step_losses.append(loss.item())
-        losses.append(sum(step_losses) / 2)
+        losses.append(inner_step_of_two(replicas, inner, batch))
         if waiting is not None and waiting[1] == step:
             merge(waiting[0], waiting[2])
             waiting = None
