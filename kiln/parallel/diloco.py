@@ -21,8 +21,9 @@ into P fragments (strided: block i to fragment i % P), each synced as above ever
 staggered steps, one fragment every H / P steps, so a sync sends 1/P of the parameters (the peak
 bandwidth a slow link must carry falls by P); a fragment's exchange starts tau inner steps before
 its merge and runs under them, and the merge keeps alpha of the replica's own parameters,
-params = alpha params + (1 - alpha) anchor; the outer gradient crosses the link in bfloat16 if
-asked (half the bytes; the sum on the wire in bf16, the mean and the outer step in fp32). One
+params = alpha params + (1 - alpha) anchor; the outer gradient crosses the link in bfloat16 (half
+the bytes, summed on the wire in bf16) or block-scaled float8 (a quarter, all-gathered and summed
+in fp32) if asked; the mean and the outer step are fp32. One
 fragment's sync is diloco_fragment.py's `Fragment`; this module deals the fragments and runs their
 schedule. Every rank works on its own shards only (the
 DTensor local tensors): it averages them with the ranks holding the same shard in the other
@@ -112,7 +113,8 @@ def describe_layout(key: str) -> str:
         name = next((n for n in (*SPLITS, "etp", "frag") if extra.startswith(n) and extra[len(n):].isdigit()), None)
         if name is None:
             return key
-        parts.append(f"diloco_fragments={extra[4:]}" if name == "frag" else f"{name}={extra[len(name):]}")
+        label = "diloco_fragments" if name == "frag" else name  # the [parallel] key it stands for
+        parts.append(f"{label}={extra[len(name):]}")
     return " x ".join(parts)
 
 
