@@ -317,6 +317,17 @@ def apply_compile(model: nn.Module, scope: str, cuda_graphs: bool = False, exper
     replace_blocks(model, compile_block)
 
 
+def own_embedding_unit(model: nn.Module) -> list[nn.Module]:
+    """The token (and learned position) embeddings, when they are an FSDP unit of their own: not
+    when the head shares the token embedding's weight (tie_embeddings: the root's then), nor on
+    a pipeline stage without them."""
+    tokens = getattr(model, "tok_embeddings", None)
+    head = getattr(model, "output", None)
+    if tokens is None or (head is not None and head.weight is tokens.weight):
+        return []
+    return [m for m in (tokens, getattr(model, "pos_embeddings", None)) if m is not None]
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None, cpu_offload: bool,
                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool | int = True,
                mesh_names: tuple[str, ...] | None = None) -> None:
@@ -348,7 +359,14 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype | 
                 fully_shard_experts(block, dims.expert_mesh, reshard_after_forward=reshard is not False,
                                     **{k: v for k, v in kwargs.items() if k != "mesh"})
             fully_shard(block, reshard_after_forward=reshard, **kwargs)
-        fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        embedding = own_embedding_unit(model)
+        if embedding:  # gathered for its forward only: its backward reads no weight
+            fully_shard(embedding, reshard_after_forward=True, **kwargs)
+            embedding[0].set_unshard_in_backward(False)
+        # The root (the head and final norm, and a tied embedding) stays gathered from forward into
+        # backward, which starts with the head: torch's default for a root, which an explicit True
+        # (torch >= 2.9) would override with a second all-gather of its parameters every step.
+        fully_shard(model, reshard_after_forward=False, **kwargs)
     except NotImplementedError as e:  # torch 2.7: a tp shard that does not split evenly over FSDP's ranks
         if torch_compat.fsdp_shards_tp_unevenly() or "uneven sharding" not in str(e):
             raise

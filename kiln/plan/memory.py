@@ -47,9 +47,11 @@ Closed form (no module is built). Terms, per rank:
   of leaf tensors until its region ends and the matmuls save them for backward), and so does the
   compiled graph (the partitioner saves the casts as backward inputs) except a checkpointed
   block's and, under float8, every block's (recomputed); the LM head's always;
-  the gathered parameters of the largest FSDP unit (x2: prefetch) or all gathered parameters
-  for zero2 (reshard_after_forward=False) and for fsdp under a zero-bubble pipeline (kept gathered
-  until backward: `resharded_after_forward`);
+  the gathered parameters of a block (x2: prefetch) and of the FSDP root (head, final norm; kept
+  gathered from forward into backward: `fsdp_end_units`), or all gathered parameters but an
+  untied embedding's (resharded after its forward) for zero2 (reshard_after_forward=False), and
+  all for fsdp under a zero-bubble pipeline (kept gathered until backward:
+  `resharded_after_forward`);
 - communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
 
 Eager runs take the larger of two phases (`_eager_peak_phase`): the loss's backward (saved
@@ -525,6 +527,19 @@ def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[
     return dense, experts, blocks
 
 
+def fsdp_end_units(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[float, float]:
+    """(own embedding, root): the dense parameters (split over tp) of the two FSDP units outside the
+    blocks on that rank (kiln/parallel/parallelize.py apply_fsdp), 0 where it has none. The token
+    (and learned position) embeddings are a unit of their own, gathered for their forward only,
+    unless the head shares their weight (tied, pp = 1); the root holds the final norm and the head
+    (a tied embedding too) and stays gathered from forward through backward."""
+    blocks, embedding, head, norm = stage_contents(shape, layout, last)
+    embedding_params = (shape.vocab + shape.learned_positions_len) * shape.dim / layout.tp if embedding else 0.0
+    own = not (shape.tied and layout.pp == 1)
+    root = (shape.vocab * shape.dim / layout.tp if head else 0.0) + (shape.dim * shape.norm_params if norm else 0.0)
+    return (embedding_params, root) if own else (0.0, root + embedding_params)
+
+
 # What kiln's ZeRO-1 cuts into runs (kiln/parallel/zero1.py `cuts_elementwise`): every tensor where
 # the update is elementwise, Muon's AdamW tensors (embeddings, head, norms), nothing for LAMB and
 # Adafactor, whose updates read whole tensors.
@@ -686,13 +701,18 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
         logits = act * loss_tokens * shape.vocab / layout.tp
     elif head:  # fp32 logits-sized tensors live at once in the loss's backward (eager_loss_logits)
         logits = eager_loss_logits(layout) * 4 * loss_tokens * shape.vocab / layout.tp
+    own_embedding, root = fsdp_end_units(shape, layout, last)
     if resharded_after_forward(layout) and layout.dp_shard > 1:
-        out.temporary += 2 * param_bytes * shape.layer_params / layout.tp  # current + prefetched unit
+        # current + prefetched block, and the root (head, final norm), gathered from forward to backward
+        out.temporary += param_bytes * (2 * shape.layer_params / layout.tp + root)
         out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
         if layout.fsdp_reshard_to:  # every block that ran forward keeps its 1/k until its backward
-            out.temporary += param_bytes * dense / layout.fsdp_reshard_to
+            out.temporary += param_bytes * (dense - own_embedding - root) / layout.fsdp_reshard_to
     elif sharded and layout.dp_shard > 1:
-        out.temporary += param_bytes * stage_params  # params stay gathered from forward to backward
+        # params stay gathered from forward to backward; an own embedding unit is resharded after its
+        # forward, except under a zero-bubble pipeline (kiln/parallel/pipeline.py keep_gathered_until_backward)
+        kept_gathered = layout.pp > 1 and layout.schedule in ZERO_BUBBLE
+        out.temporary += param_bytes * (stage_params - (0.0 if kept_gathered else own_embedding))
         out.comm_buffers += 4 * shape.layer_params / layout.tp
     elif layout.dp > 1:
         out.comm_buffers += min(2 * DDP_BUCKET_BYTES, 4 * stage_params)

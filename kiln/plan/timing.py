@@ -11,9 +11,9 @@ step on 2 gloo processes; tests/plan/test_collective_counts.py keeps them equal 
 `StepTime.calls`), not guessed: DDP one all-reduce per 25 MiB bucket; ZeRO-1 those plus one
 broadcast per parameter tensor and per run cut off one (torch's ZeroRedundancyOptimizer,
 parameters_as_bucket_view off, over kiln's partition);
-FSDP2 one all-gather per unit (the blocks and the root) before forward, again before backward
-for every unit but the last block, one reduce-scatter per unit and one all-reduce of the
-gradient norm; TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
+FSDP2 one all-gather per unit (the blocks, an untied embedding, the root: head and final norm)
+before forward, again before backward for every block but the last, one reduce-scatter per unit
+and one all-reduce of the gradient norm; TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
 block plus 2 and 2 at the embedding / head and 3 all-reduces of loss_parallel's per-token
 statistics, per step one all-reduce of every norm weight's gradient (settled from Partial before
 the gradient norm) and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
@@ -72,8 +72,9 @@ from kiln.plan.cluster import Cluster
 from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
 from kiln.plan.diloco import outer_sync_seconds, replica_cluster
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, Layout, ModelShape,
-                              rank_memory, rank_params, recomputed_blocks, recomputed_matmul_blocks,
-                              muon_matrix_fraction, resharded_after_forward, zero1_fullest_share)
+                              fsdp_end_units, rank_memory, rank_params, recomputed_blocks,
+                              recomputed_matmul_blocks, muon_matrix_fraction, resharded_after_forward,
+                              stage_contents, zero1_fullest_share)
 from kiln.plan.muon_cost import muon_exchanges, muon_seconds
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
@@ -121,10 +122,14 @@ def ddp_buckets(grad_bytes: float) -> int:
     return max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
 
 
-def fsdp_units(shape: ModelShape, layout: Layout) -> int:
-    """FSDP2 parameter groups per stage: one per block and the root's (kiln/parallel/parallelize.py
-    apply_fsdp), each gathered and reduced by its own collective."""
-    return -(-shape.n_layers // layout.pp) + 1
+def fsdp_units(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[int, int, float]:
+    """(units, blocks, their dense parameters outside the blocks) on one rank of the first (or,
+    `last`, last) stage: the FSDP2 parameter groups kiln/parallel/parallelize.py apply_fsdp makes,
+    each gathered and reduced by its own collective: one per block, an untied embedding's and the
+    root's where they hold parameters (memory.py fsdp_end_units)."""
+    blocks = stage_contents(shape, layout, last)[0]
+    own_embedding, root = fsdp_end_units(shape, layout, last)
+    return blocks + (own_embedding > 0) + (root > 0), blocks, own_embedding + root
 
 
 def compute_share(cluster: Cluster, layout: Layout) -> float:
@@ -304,18 +309,18 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
                 exposed += t_b
                 total += t_b
         else:
-            units = fsdp_units(shape, layout)
+            units, blocks, ends = fsdp_units(shape, layout, fuller_last)
             # FSDP2 all-gathers each unit before its forward and (fsdp: resharded after forward)
-            # again before its backward, except the last block (kiln keeps it; the root is
-            # resharded: kiln passes reshard_after_forward=True, which torch applies to the root
-            # too); it reduce-scatters each unit's gradients once per step. Zero-bubble pipelines
+            # each block again before its backward, except the last (kiln keeps it), not the root
+            # (kept from forward: it starts backward) nor an untied embedding (its backward reads no
+            # weight); it reduce-scatters each unit's gradients once per micro-batch. Zero-bubble pipelines
             # keep every unit gathered until backward (kiln/parallel/pipeline.py
             # keep_gathered_until_backward), as zero2 does.
             gathers, gathered, again = units, dense, 0.0
-            if layout.dp_mode == "fsdp" and resharded_after_forward(layout):
-                again = dense - shape.layer_params / layout.tp
+            if layout.dp_mode == "fsdp" and resharded_after_forward(layout) and blocks:
+                again = (dense - ends) * (blocks - 1) / blocks
                 if not layout.fsdp_reshard_to:
-                    gathers += units - 1
+                    gathers += blocks - 1
                     gathered += again
             gathers *= ga
             shard = shards
@@ -325,8 +330,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
                 # parallel.fsdp_reshard_to = k: backward gathers over k consecutive shard ranks (tp = 1:
                 # k consecutive ranks, a node's when they fit) from the 1/k each rank kept after forward
                 k, again_bytes = layout.fsdp_reshard_to, param_bytes * again * ga
-                t += all_gather(cluster, k, again_bytes, dp_stride, calls=(units - 1) * ga)
-                gathers += (units - 1) * ga
+                t += all_gather(cluster, k, again_bytes, dp_stride, calls=(blocks - 1) * ga)
+                gathers += (blocks - 1) * ga
                 copied += again_bytes * (1 + 1 / k) + again_bytes / k  # and the post-forward copy of the 1/k
             # every micro-batch reduce-scatters (the gradients stay sharded); HSDP all-reduces across
             # the replicas in the last one only (kiln/parallel/data_parallel.py sync_on_last_micro_batch).

@@ -2,7 +2,7 @@
 layouts issue: one trainer step (kiln/train/step.py `train_step`) of a tiny model on 2 gloo
 processes (4 for FSDP over tp) under torch.profiler, whose c10d op events are counted by kind;
 `*_muon` with optim.name muon (its exchanges: kiln/plan/muon_cost.py `muon_exchanges`). A model that guessed a
-count (a 1 MiB first DDP bucket, a root kept gathered, TP's collectives per block) fails here."""
+count (a 1 MiB first DDP bucket, a root gathered again for backward, TP's collectives per block) fails here."""
 
 import collections
 
@@ -11,8 +11,10 @@ import pytest
 from tests.parallel.ranks import run_ranks
 
 # *_muon: optim.name muon; *_ga2: train.grad_accum 2 (DDP and HSDP reduce across replicas once a step,
-# FSDP reduce-scatters every micro-batch)
-MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2")
+# FSDP reduce-scatters every micro-batch); *_untied: model.tie_embeddings false (FSDP: the embedding a
+# unit of its own, the head the root's)
+MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2",
+         "fsdp_untied", "zero2_untied")
 # c10d ops as the profiler names them -> the time model's op names
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
@@ -35,7 +37,7 @@ def _counts(rank, n, modes=MODES):
 
     out = {}
     for mode in modes:
-        base = mode.removesuffix("_muon").removesuffix("_ga2")
+        base = mode.removesuffix("_muon").removesuffix("_ga2").removesuffix("_untied")
         if base == "fsdp_tp":  # 4 ranks: FSDP over 2 x tp 2
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'"]
         elif mode.startswith("tp"):
@@ -46,6 +48,7 @@ def _counts(rank, n, modes=MODES):
             extra = [f"parallel.dp_mode={base!r}"]
         extra += ["optim.implementation='foreach'"] if mode == "tp_foreach" else []
         extra += ["optim.name='muon'"] if mode.endswith("_muon") else []
+        extra += ["model.tie_embeddings=false"] if mode.endswith("_untied") else []
         cfg = load_config(None, OVERRIDES + extra)
         dims = ParallelDims.from_config(cfg.parallel, world_size=n, rank=rank, local_rank=rank, local_world_size=n,
                                         seq_len=cfg.data.seq_len)
@@ -92,7 +95,7 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
     from kiln.plan.memory import Layout, ModelShape
     from kiln.plan.timing import step_time
 
-    cfg = load_config(None, OVERRIDES)
+    cfg = load_config(None, OVERRIDES + (["model.tie_embeddings=false"] if mode.endswith("_untied") else []))
     shape = ModelShape.from_config(cfg.model, 256)
     tp = Layout(tp=2, micro_batch=4, precision="fp32")
     fsdp = Layout(dp_shard=2, dp_mode="fsdp", micro_batch=2, precision="fp32")
@@ -103,18 +106,14 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
               "fsdp_ga2": Layout(dp_shard=2, dp_mode="fsdp", micro_batch=1, grad_accum=2, precision="fp32"),
               "hsdp_ga2": Layout(dp_replicate=2, dp_shard=2, dp_mode="fsdp", micro_batch=1, grad_accum=2,
                                  precision="fp32"),
-              "zero2": Layout(dp_shard=2, dp_mode="zero2", micro_batch=2, precision="fp32")}.get(
+              "zero2": Layout(dp_shard=2, dp_mode="zero2", micro_batch=2, precision="fp32")}
+    layout["fsdp_untied"], layout["zero2_untied"] = fsdp, layout["zero2"]
+    layout = layout.get(
         mode, Layout(dp_replicate=2, dp_mode=mode, micro_batch=2, precision="fp32"))
     impl = "foreach" if mode == "tp_foreach" else "fused"  # kiln's default on cpu: fused
     optimizer = "muon" if mode.endswith("_muon") else "adamw"  # Muon: its two all-to-alls (muon_cost.py)
     predicted = {op: round(n) for op, n in step_time(shape, layout, 32, load_cluster("cpu-local"), optimizer,
                                                      impl).calls.items() if n}
-    from torch.distributed.fsdp import FSDPModule
-
-    if mode.startswith(("fsdp", "hsdp")) and not hasattr(FSDPModule, "set_reshard_after_forward"):
-        # torch 2.7: FSDP2's lazy init keeps the root gathered after forward whatever kiln passed
-        # (2.8 on honours reshard_after_forward=True there), so no root all-gather before backward
-        predicted["all_gather"] -= layout.grad_accum
     import torch
 
     if mode == "fsdp_tp_muon" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11):

@@ -67,7 +67,11 @@ def test_sharding_rules_per_mode():
     assert ddp.optimizer / 4 < lamb.optimizer < ddp.optimizer
     assert zero2.gradients == fsdp.gradients == ddp.gradients / 4
     assert fsdp.parameters == ddp.parameters / 4 and hsdp.parameters == ddp.parameters / 2
-    assert zero2.temporary > fsdp.temporary  # zero2 keeps every parameter gathered through backward
+    # zero2 keeps every block gathered through backward, fsdp two at a time (and the root both)
+    _, deep = _shape(["model.n_layers=4"])
+    assert (rank_memory(deep, Layout(dp_shard=4, dp_mode="zero2", **base), 32).temporary
+            > rank_memory(deep, Layout(dp_shard=4, dp_mode="fsdp", **base), 32).temporary)
+    assert zero2.temporary == fsdp.temporary  # 2 blocks: fsdp's current and prefetched are all
     tp = rank_memory(shape, Layout(tp=2, **base), 32)
     one = rank_memory(shape, Layout(**base), 32)
     norms = (2 * shape.n_layers + 1) * shape.dim  # two per block and the final one

@@ -185,7 +185,7 @@ def test_collective_counts_follow_what_each_mode_issues():
     assert calls("ddp") == ddp_buckets(grad_bytes)
     assert calls("zero1") == ddp_buckets(grad_bytes) + shape.param_tensors() + 1  # a tensor cut between the 2 ranks
     assert calls("zero2") == 4 + 4 + 1  # 3 blocks + root: gathered once, reduce-scattered once; the grad norm
-    assert calls("fsdp") == 4 + 3 + 4 + 1  # blocks 0 and 1 and the root gathered again for backward
+    assert calls("fsdp") == 4 + 2 + 4 + 1  # blocks 0 and 1 gathered again for backward (the root stays gathered)
 
 
 def test_processes_beyond_the_cores_share_them():
