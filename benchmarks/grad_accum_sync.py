@@ -15,7 +15,7 @@ ranks). Variants, built afresh and run in alternating order each round:
 
 Reported per layout and variant: the step time (median over --steps steps, median over rounds
 of the slowest rank), the bytes each rank wrote to its sockets per step (/proc/self/io wchar)
-and the loss after the timed steps (the same in both variants up to the order of sums).
+and rank 0's loss after the timed steps (the same in both variants up to the order of sums).
 
     python benchmarks/grad_accum_sync.py [--accum 4] [--rounds 3] [--steps 3] [--dim 256 --layers 4]
 
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     target = importlib.import_module(Path(__file__).stem).rank_main  # by module name: spawned ranks import it
     rows, table = {}, []
     for layout, world in (("ddp", args.ddp_ranks), ("hsdp", 4)):
-        ranks = run_ranks(target, world, (layout, args), f"grad_accum_sync {layout}", timeout_s=1800)
+        ranks = sorted(run_ranks(target, world, (layout, args), f"grad_accum_sync {layout}", timeout_s=1800),
+                       key=lambda r: r["rank"])  # (in the order they finished): the loss is rank 0's
         rows[layout] = {}
         for v in VARIANTS:
             step = statistics.median(max(r["results"][v]["step_s"][i] for r in ranks) for i in range(args.rounds))

@@ -106,6 +106,9 @@ def layout_for(mode: str, world: int, batch: int, diloco_inner_steps: int = 0) -
     if mode in ("ddp_tp", "zero1_tp"):  # parallel_rows.py: world / 2 replicas of a tp=2 model, each its share
         return Layout(dp_replicate=world // 2, dp_shard=1, tp=2, dp_mode=mode[:-3], micro_batch=batch // (world // 2),
                       precision="fp32")
+    if mode == "fsdp_reshard2":  # parallel_rows.py: fsdp resharded to 2 ranks after forward
+        return Layout(dp_replicate=1, dp_shard=world, dp_mode="fsdp", fsdp_reshard_to=2, micro_batch=per_rank,
+                      precision="fp32")
     if mode == "hsdp":  # parallel_rows.py: 2 replicas x world / 2 shards
         return Layout(dp_replicate=2, dp_shard=world // 2, dp_mode="fsdp", micro_batch=per_rank, precision="fp32")
     if mode in ("ddp", "zero1") or world == 1:

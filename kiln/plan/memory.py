@@ -707,7 +707,8 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
         out.temporary += param_bytes * (2 * shape.layer_params / layout.tp + root)
         out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
         if layout.fsdp_reshard_to:  # every block that ran forward keeps its 1/k until its backward
-            out.temporary += param_bytes * (dense - own_embedding - root) / layout.fsdp_reshard_to
+            # (not the last, kept whole: counted above)
+            out.temporary += param_bytes * (dense - own_embedding - root) * (layers - 1) / layers / layout.fsdp_reshard_to
     elif sharded and layout.dp_shard > 1:
         # params stay gathered from forward to backward; an own embedding unit is resharded after its
         # forward, except under a zero-bubble pipeline (kiln/parallel/pipeline.py keep_gathered_until_backward)

@@ -38,11 +38,15 @@ def test_search_best_plan_never_worse_than_best_run_within_the_measured_spread(w
         f"{row['best_measured']} {row['best_measured_s']:.3f} s (spread {tol:.0%})")
 
 
-@pytest.mark.xfail(strict=True, reason="89 of 92 pairs: pp_1f1b x4 measured 5% faster than ddp x4, 7% faster "
-                   "than zero1 x4 and 5% faster than diloco_ddp x4 (spreads 1%, 3%, 3%, 3%), predicted 8%, 6% and "
+@pytest.mark.xfail(strict=True, reason="100 of 105 pairs: pp_1f1b x4 measured 5% faster than ddp x4, 7% faster "
+                   "than zero1 x4 and 5% faster than diloco_ddp x4 (spreads 1%, 3%, 3%, 3%), predicted 9%, 6% and "
                    "10% slower: the model charges each pipeline "
                    "send/receive the launch cost fitted mostly to FSDP's waited-on collectives (24 per step at 4 "
-                   "processes) and times micro-batch 1 low on the efficiency curve; not yet modelled apart")
+                   "processes) and times micro-batch 1 low on the efficiency curve; not yet modelled apart. "
+                   "cp x4 measured 9% faster than zero1_tp x4 and 27% faster than ddp_tp x4, predicted level "
+                   "(-0%, -1%): the refit of 29 Nov (FSDP rows re-measured, fsdp_reshard2 validated) moved the "
+                   "efficiency curve's half point from 1000 to 1468: cp x4 predicted 20% above its measured step "
+                   "(15% before), ddp_tp x4 9% below (8% before)")
 def test_layouts_apart_by_more_than_their_spread_are_predicted_in_measured_order():
     data = _data()
     for pair in data["ordering"]:
@@ -79,7 +83,8 @@ def test_the_misordered_pairs_are_the_ones_the_xfail_names():
     """The strict xfail above names this one; a change that fixes or breaks another pair must
     update its reason (and benchmarks/README.md, "Planner accuracy")."""
     wrong = {(p["faster"], p["slower"]) for p in _data()["ordering"] if p["predicted_gap"] <= 0}
-    assert wrong == {("pp_1f1b x4", "ddp x4"), ("pp_1f1b x4", "zero1 x4"), ("pp_1f1b x4", "diloco_ddp x4")}
+    assert wrong == {("pp_1f1b x4", "ddp x4"), ("pp_1f1b x4", "zero1 x4"), ("pp_1f1b x4", "diloco_ddp x4"),
+                     ("cp x4", "zero1_tp x4"), ("cp x4", "ddp_tp x4")}
 
 
 def test_the_diloco_rows_are_validated():
