@@ -1,17 +1,24 @@
-"""Gradient accumulation under DDP and HSDP: reducing across the replicas in every micro-batch
-(kiln before `sync_on_last_micro_batch`) vs in the last one only (kiln/parallel/data_parallel.py).
+"""Gradient accumulation under DDP, HSDP and DDP with expert parallelism: reducing across the
+replicas in every micro-batch (kiln before `sync_on_last_micro_batch`) vs in the last one only
+(kiln/parallel/data_parallel.py).
 
 N gloo processes (one thread each) build kiln's transformer through the trainer's path
 (`build_model` -> parallelize, `build_optimizer` -> `shard_optimizer_state`; --dim, --layers,
 --heads, --vocab) and take AdamW (foreach) steps of --accum micro-batches of 2 rows x 64 tokens through
 kiln's `train_step`. Layouts: ddp over --ddp-ranks ranks; HSDP, 2 replicas x FSDP over 2 (4
-ranks). Variants, built afresh and run in alternating order each round:
+ranks); ddp_ep (below). Variants, built afresh and run in alternating order each round:
 
   every   each micro-batch's backward reduces across the replicas (DDP: its all-reduce; HSDP: the
           reduce-scatter and the all-reduce), the sync switched off by making
           `sync_on_last_micro_batch` a no-op
   last    kiln's: DDP all-reduces in the last micro-batch only; HSDP reduce-scatters inside the
           replica every micro-batch and all-reduces across the replicas in the last only
+
+ddp_ep (4 ranks: ddp over 4, MoE with 4 experts of a quarter of the FFN, top-2, ep 2, so each
+expert lives on 2 ranks, edp 2): DDP's dense all-reduce in the last micro-batch in both variants;
+`every` sums the experts' gradients over edp in every micro-batch's backward (kiln before
+expert_parallel.py `ReplicatedExpertGrads` waited for the last; the hook left unmarked), `last`
+once a step.
 
 Reported per layout and variant: the step time (median over --steps steps, median over rounds
 of the slowest rank), the bytes each rank wrote to its sockets per step (/proc/self/io wchar)
@@ -40,7 +47,9 @@ from common import gloo_rank_config, print_table, run_ranks, socket_bytes, write
 
 VARIANTS = ("every", "last")
 LAYOUTS = {"ddp": ["parallel.dp_mode='ddp'"],
-           "hsdp": ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"]}
+           "hsdp": ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
+           "ddp_ep": ["parallel.dp_mode='ddp'", "parallel.ep=2", "model.moe_experts=4", "model.moe_top_k=2"]}
+WORLD = {"hsdp": 4, "ddp_ep": 4}  # ddp: --ddp-ranks
 
 
 def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
@@ -67,9 +76,12 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
     results = {v: {"step_s": [], "sent": [], "loss": None} for v in VARIANTS}
     for r in range(args.rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            data_parallel.sync_on_last_micro_batch = real if variant == "last" else (lambda model, last: None)
+            every_dense = variant == "every" and layout != "ddp_ep"
+            data_parallel.sync_on_last_micro_batch = (lambda model, last: None) if every_dense else real
             torch.manual_seed(0)
             model = build_model(cfg, dims, device)
+            if variant == "every" and layout == "ddp_ep":  # the experts' hook left per micro-batch
+                del model.replicated_expert_grads
             model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
             optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
 
@@ -107,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     target = importlib.import_module(Path(__file__).stem).rank_main  # by module name: spawned ranks import it
     rows, table = {}, []
-    for layout, world in (("ddp", args.ddp_ranks), ("hsdp", 4)):
+    for layout in LAYOUTS:
+        world = WORLD.get(layout, args.ddp_ranks)
         ranks = sorted(run_ranks(target, world, (layout, args), f"grad_accum_sync {layout}", timeout_s=1800),
                        key=lambda r: r["rank"])  # (in the order they finished): the loss is rank 0's
         rows[layout] = {}

@@ -79,11 +79,15 @@ def sync_on_last_micro_batch(model: nn.Module, last: bool) -> None:
     on the last, after FSDP adds the earlier micro-batches' shards in (torch's
     `set_requires_all_reduce`; the sum is the same, the slow link carries it once a step). DDP
     (composable `replicate`): only the last micro-batch all-reduces, the others accumulate
-    (`set_requires_gradient_sync`, DDP's no_sync). Anything else (one process, kiln's
+    (`set_requires_gradient_sync`, DDP's no_sync); under parallel.ep its experts alike
+    (expert_parallel.py `ReplicatedExpertGrads`). Anything else (one process, kiln's
     OverlappedReplicas, which counts micro-batches itself, pipeline stages, which torch's schedule
     syncs) is left alone."""
     from torch.distributed.fsdp import FSDPModule
 
+    experts = getattr(model, "replicated_expert_grads", None)
+    if experts is not None:
+        experts.accumulating = not last
     if isinstance(model, FSDPModule):
         model.set_requires_all_reduce(last)
     elif callable(getattr(model, "set_requires_gradient_sync", None)):

@@ -32,9 +32,10 @@ another layout, and the grad norm of a DTensor counts each expert once.
 - ddp/zero1: the experts are replicated over edp (`Replicate()`), DDP ignores them (composable
   replicate's ignored_modules; under pp the per-stage DDP class, data_parallel.py
   `leave_experts_to_expert_parallel`), and the hook sums the gradients over edp and divides by D
-  (`reduce_expert_grads`' arithmetic). zero1 shards the dense parameters' optimizer state only
+  (`reduce_expert_grads`' arithmetic; `ReplicatedExpertGrads`, which sums once a step under
+  gradient accumulation). zero1 shards the dense parameters' optimizer state only
   (data_parallel.py `Zero1Optimizer`).
-Hooks act per backward pass and are linear, so gradient accumulation is unchanged.
+The hooks are linear, so gradient accumulation is unchanged.
 
 Expert tensor parallel (parallel.ep > 1 with parallel.tp > 1; torchtitan's ExpertTensorParallel
 with etp = tp). ep never borrows tp: the expert mesh is ("pp", "edp", "ep", "tp"), and within each
@@ -128,7 +129,7 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
         hook = functools.partial(_scaled_grad, factor=expert_mesh["edp"].size() / dp_size)
     else:
         replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
-        hook = functools.partial(_reduced_expert_grad, dp_size=dp_size, replica_group=replica_group)
+        hook = model.replicated_expert_grads = ReplicatedExpertGrads(dp_size, replica_group)
     for m in model.modules():
         if not isinstance(m, MoE):
             continue
@@ -144,6 +145,8 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
             setattr(ex, name, nn.Parameter(d))
         # On the local slice in forward (a parameter hook would not survive materialization).
         ex.grad_hook = hook
+        if not fsdp:
+            hook.experts.append(ex)
         m.ep_node_groups = node_groups
 
 
@@ -216,11 +219,46 @@ def _scaled_grad(grad: torch.Tensor, factor: float) -> torch.Tensor:
     return grad * factor
 
 
-@torch.no_grad()
-def _reduced_expert_grad(grad: torch.Tensor, dp_size: int, replica_group) -> torch.Tensor:
-    grad = grad.clone()
-    _reduce_(grad, dp_size, replica_group)
-    return grad
+class ReplicatedExpertGrads:
+    """ddp/zero1's expert gradient hook (on each forward's local slice, `Experts.grad_hook`): the
+    gradient summed over edp and divided by dp_size, in the backward that makes it. In a step of
+    several micro-batches (`accumulating` set by data_parallel.sync_on_last_micro_batch before each
+    micro-batch but the last) the sum waits, as DDP's no_sync: those backwards only divide, and
+    the last one's first expert gradient queues a callback at the end of that backward (the
+    autograd engine's `queue_callback`, as DDP's reducer does) that all-reduces each expert
+    tensor's accumulated local gradient once: one all-reduce per tensor a step instead of one per
+    micro-batch. Pipeline stages (whose schedule runs the backwards) keep the per-backward sum."""
+
+    def __init__(self, dp_size: int, replica_group) -> None:
+        self.dp_size, self.replica_group = dp_size, replica_group
+        self.experts: list[nn.Module] = []  # the modules, not their parameters: those are replaced at materialization
+        self.accumulating = False
+        self.pending = False  # divided gradients accumulated, not yet summed over edp
+        self._queued = False
+
+    @torch.no_grad()
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.replica_group is None:
+            return grad / self.dp_size
+        if self.accumulating:
+            self.pending = True
+            return grad / self.dp_size
+        if not self.pending:
+            grad = grad.clone()
+            _reduce_(grad, self.dp_size, self.replica_group)
+            return grad
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_accumulated)
+            self._queued = True
+        return grad / self.dp_size
+
+    def _reduce_accumulated(self) -> None:
+        for ex in self.experts:
+            for name in ("w1", "w2", "w3"):
+                w = getattr(ex, name)
+                if w is not None and w.grad is not None:
+                    dist.all_reduce(local_weight(w.grad), group=self.replica_group)
+        self.pending = self._queued = False
 
 
 def _reduce_(grad: torch.Tensor, dp_size: int, replica_group) -> None:

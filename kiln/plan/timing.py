@@ -410,17 +410,28 @@ def _expert_reduction(cluster: Cluster, shape: ModelShape, layout: Layout, exper
     """The experts' data-parallel traffic over "edp" (`Layout.expert_dp`; kiln/parallel/
     expert_parallel.py): fsdp/zero2 gather each MoE block's experts per micro-batch (fsdp again for
     backward) and reduce-scatter their gradients once per step; ddp/zero1 (experts replicated, DDP
-    ignores them) all-reduce them once per step per MoE block. The group's ranks are ep x tp apart
-    (etp = tp) or ep apart (ep borrowing tp)."""
+    ignores them) all-reduce each expert weight tensor (w1, w2 and, gated, w3) once per step
+    (`ReplicatedExpertGrads`; under pp in every micro-batch's backward). The group's ranks are ep
+    x tp apart (etp = tp) or ep apart (ep borrowing tp). Under ddp/zero1 the gradient norm takes
+    one more all-reduce a step, of the experts' (a DTensor partial over ep; the dense gradients are
+    plain tensors, whole on every rank: kiln/train/step.py clip_grad_norm)."""
     edp = layout.expert_dp
     moe_blocks = shape.moe_layers / layout.pp
-    if not (layout.ep > 1 and moe_blocks and edp > 1):
+    if not (layout.ep > 1 and moe_blocks):
         return 0.0
+    norm = 0.0
+    if layout.dp_mode in ("ddp", "zero1"):
+        count("all_reduce", 1)
+        norm = all_reduce(cluster, layout.ep, 4, 1 if layout.ep_borrows_tp else layout.tp)
+    if edp == 1:
+        return norm
     stride = layout.ep * (1 if layout.ep_borrows_tp else layout.tp)
     calls = math.ceil(moe_blocks)
     if layout.dp_mode in ("ddp", "zero1"):
-        count("all_reduce", calls)
-        return all_reduce(cluster, edp, 4 * experts, stride, calls=calls)
+        passes = layout.grad_accum if layout.pp > 1 else 1
+        tensors = calls * (3 if shape.gated else 2) * passes
+        count("all_reduce", tensors)
+        return norm + all_reduce(cluster, edp, 4 * experts * passes, stride, calls=tensors)
     passes = (2 if resharded_after_forward(layout) else 1) * layout.grad_accum
     count("all_gather", calls * passes)
     count("reduce_scatter", calls)

@@ -236,8 +236,6 @@ def ep_within_dp_rank(rank, world):
     the replicated layout): expert gradients not summed over their edp replicas (each replica
     keeps only its part of the batch), and a grad norm over this rank's experts only."""
 
-    import functools
-
     import torch.distributed as dist
     from kiln.parallel import expert_parallel as xp
     from kiln.train.step import clip_grad_norm
@@ -261,7 +259,7 @@ def ep_within_dp_rank(rank, world):
         if how == "no_edp_reduce":
             for m in model.modules():
                 if isinstance(m, xp.MoE):
-                    m.experts.grad_hook = functools.partial(xp._reduced_expert_grad, dp_size=world, replica_group=None)
+                    m.experts.grad_hook = xp.ReplicatedExpertGrads(world, None)
         model = materialize(model)
         if how == "fsdp":  # each rank stores E / D experts' worth of every expert weight
             assert all(p.to_local().shape[0] == 4 // world for p in xp.expert_parameters(model))

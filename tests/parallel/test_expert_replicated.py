@@ -60,6 +60,9 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
     "ep2_pp2_ddp": (4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "'ddp'",
                         "parallel.pp_schedule": "'1f1b'"}),
     "ep2_zero1": (4, {"parallel.ep": 2, "parallel.dp_mode": "'zero1'"}),
+    # 2 micro-batches a step: the experts' sum over edp once, after the last (ReplicatedExpertGrads)
+    "single_ga2": (1, {"train.grad_accum": 2}),
+    "ep2_ddp_ga2": (4, {"parallel.ep": 2, "parallel.dp_mode": "'ddp'", "train.grad_accum": 2}),
     "ep2_pp2_zero1": (4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "'zero1'",
                           "parallel.pp_schedule": "'gpipe'"}),
     # The zero-bubble schedules (torch's split weight pass): one stage per rank with 2 layers ...
@@ -73,6 +76,7 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
     "ep2_pp2_zero2_zbv": (4, {**ZBV, "parallel.dp_mode": "'zero2'"}),
 }
 REFERENCE = {name: "single4" if LAYOUTS[name][1].get("model.n_layers") == 4 else "single" for name in LAYOUTS}
+REFERENCE["ep2_ddp_ga2"] = "single_ga2"
 
 
 def overrides(text_file, shards, name):
@@ -86,7 +90,13 @@ def replicated_mistake(kind):
     if kind == "expert_grads_not_reduced":  # the hook is bound when the experts are parallelized
         from kiln.parallel import expert_parallel as xp
 
-        return patch_for_one_run(xp, "_reduced_expert_grad", lambda grad, dp_size, replica_group: grad)
+        return patch_for_one_run(xp.ReplicatedExpertGrads, "__call__", lambda self, grad: grad)
+    if kind == "accumulated_expert_grads_not_reduced":  # the once-a-step sum over edp skipped
+        from kiln.parallel import expert_parallel as xp
+
+        def reset_only(self):
+            self.pending = self._queued = False
+        return patch_for_one_run(xp.ReplicatedExpertGrads, "_reduce_accumulated", reset_only)
     if kind == "split_replicas_not_averaged":  # the dense gradients of a zero-bubble step left per replica
         from kiln.parallel.data_parallel import SplitBackwardReplicas
 
@@ -119,7 +129,7 @@ def runs(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("ep_replicated")
     shards = root / "shards"
     sets = {name: overrides(text_file, shards, name) for name in LAYOUTS}
-    dropped = {"single": [], "single4": []}  # each reference's dropped share of assignments, every MoE forward
+    dropped = {"single": [], "single4": [], "single_ga2": []}  # each reference's dropped share, every MoE forward
     forward = MoE.forward
 
     def recording(self, *args, **kwargs):
@@ -129,14 +139,15 @@ def runs(tmp_path_factory, text_file):
 
     MoE.forward = recording
     try:
-        for reference in ("single", "single4"):  # the first writes the shared shards
+        for reference in ("single", "single4", "single_ga2"):  # the first writes the shared shards
             train(load_config(None, sets[reference]), root / reference)
     finally:
         MoE.forward = forward
     out = {name: root / name for name in LAYOUTS}
     out["dropped"] = dropped
     for name in ("ep2_zero1->ep2_zero1", "ep2_zero1->single", "single->ep2_zero1", "expert_grads_not_reduced",
-                 "lr_not_handed_on", "zbv_expert_grads_not_reduced", "zbv_split_replicas_not_averaged"):
+                 "lr_not_handed_on", "zbv_expert_grads_not_reduced", "zbv_split_replicas_not_averaged",
+                 "accumulated_expert_grads_not_reduced"):
         out[name] = root / name.replace(">", "")
     jobs = [(None, out[name], sets[name], None, None) for name in LAYOUTS if not name.startswith("single")]
     jobs += [(out["ep2_zero1"], out["ep2_zero1->ep2_zero1"], sets["ep2_zero1"], None, None),
@@ -144,7 +155,9 @@ def runs(tmp_path_factory, text_file):
              (None, out["expert_grads_not_reduced"], sets["ep2_pp2_ddp"], 1, "expert_grads_not_reduced"),
              (None, out["lr_not_handed_on"], sets["ep2_zero1"], 2, "lr_not_handed_on"),
              (None, out["zbv_expert_grads_not_reduced"], sets["ep2_pp2_ddp_zbv"], 1, "expert_grads_not_reduced"),
-             (None, out["zbv_split_replicas_not_averaged"], sets["ep2_pp2_ddp_zbv"], 1, "split_replicas_not_averaged")]
+             (None, out["zbv_split_replicas_not_averaged"], sets["ep2_pp2_ddp_zbv"], 1, "split_replicas_not_averaged"),
+             (None, out["accumulated_expert_grads_not_reduced"], sets["ep2_ddp_ga2"], 1,
+              "accumulated_expert_grads_not_reduced")]
     (root / "ranks").mkdir()
     out["weight_pass"] = run_ranks(weight_pass_then_jobs, 4, root / "ranks", jobs, timeout=400)
     shutil.copytree(out["ep2_zero1"], out["ep2_zero1->single"], ignore=shutil.ignore_patterns(f"step-{STEPS}"))
@@ -158,6 +171,7 @@ def run_rows(run):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name, mode", [("ep2_pp2_ddp", "ddp"), ("ep2_zero1", "zero1"), ("ep2_pp2_zero1", "zero1"),
+                                        ("ep2_ddp_ga2", "ddp"),
                                         ("ep2_pp2_ddp_izb", "ddp"), ("ep2_pp2_ddp_zbv", "ddp"),
                                         ("ep2_pp2_zero1_zbv", "zero1"), ("ep2_pp2_fsdp_zbv", "fsdp"),
                                         ("ep2_pp2_zero2_zbv", "zero2")])
@@ -183,7 +197,8 @@ def test_zero1_ep_checkpoint_continues(runs, pair, world):
 @pytest.mark.parametrize("name, step, key, reference", [
     ("expert_grads_not_reduced", 1, "grad_norm", "single"), ("lr_not_handed_on", 2, "loss", "single"),
     ("zbv_expert_grads_not_reduced", 1, "grad_norm", "single4"),
-    ("zbv_split_replicas_not_averaged", 1, "grad_norm", "single4")])
+    ("zbv_split_replicas_not_averaged", 1, "grad_norm", "single4"),
+    ("accumulated_expert_grads_not_reduced", 1, "grad_norm", "single_ga2")])
 def test_each_deliberate_mistake_fails_the_comparison(runs, name, step, key, reference):
     expected, got = rows(runs[reference]), rows(runs[name])
     assert sorted(got) == list(range(1, step + 1))

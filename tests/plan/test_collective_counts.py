@@ -19,6 +19,7 @@ MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_m
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
         "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all"}
+MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
 OVERRIDES = ["model.dim=64", "model.n_layers=3", "model.n_heads=2", "model.vocab_size=256", "data.seq_len=32",
              "model.max_seq_len=32", "train.dtype=fp32", "train.batch_size=4"]
 
@@ -44,6 +45,8 @@ def _counts(rank, n, modes=MODES):
             extra = ["parallel.tp=2", "parallel.dp_mode='ddp'"]
         elif base == "hsdp":  # 4 ranks: 2 replicas x FSDP over 2
             extra = ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
+        elif base == "ddp_ep":  # 4 ranks: ddp over 4, each expert on 2 of them (edp 2 x ep 2)
+            extra = ["parallel.dp_mode='ddp'", "parallel.ep=2", *MOE]
         else:
             extra = [f"parallel.dp_mode={base!r}"]
         extra += ["optim.implementation='foreach'"] if mode == "tp_foreach" else []
@@ -77,8 +80,9 @@ def _counts(rank, n, modes=MODES):
     return out
 
 
-# Muon: a gather per matrix down to tp's cut, then tp's exchange; HSDP: the all-reduce across replicas once a step
-FOUR_RANK_MODES = ("fsdp_tp", "fsdp_tp_muon", "hsdp_ga2")
+# Muon: a gather per matrix down to tp's cut, then tp's exchange; HSDP: the all-reduce across replicas once a step;
+# ddp x ep: edp 2 (4 ranks), the experts' all-reduce once a step
+FOUR_RANK_MODES = ("fsdp_tp", "fsdp_tp_muon", "hsdp_ga2", "ddp_ep_ga2", "ddp_ep")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +99,8 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
     from kiln.plan.memory import Layout, ModelShape
     from kiln.plan.timing import step_time
 
-    cfg = load_config(None, OVERRIDES + (["model.tie_embeddings=false"] if mode.endswith("_untied") else []))
+    cfg = load_config(None, OVERRIDES + (["model.tie_embeddings=false"] if mode.endswith("_untied") else [])
+                      + (MOE if "_ep" in mode else []))
     shape = ModelShape.from_config(cfg.model, 256)
     tp = Layout(tp=2, micro_batch=4, precision="fp32")
     fsdp = Layout(dp_shard=2, dp_mode="fsdp", micro_batch=2, precision="fp32")
@@ -106,6 +111,8 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
               "fsdp_ga2": Layout(dp_shard=2, dp_mode="fsdp", micro_batch=1, grad_accum=2, precision="fp32"),
               "hsdp_ga2": Layout(dp_replicate=2, dp_shard=2, dp_mode="fsdp", micro_batch=1, grad_accum=2,
                                  precision="fp32"),
+              "ddp_ep_ga2": Layout(dp_replicate=4, dp_mode="ddp", ep=2, micro_batch=1, grad_accum=2, precision="fp32"),
+              "ddp_ep": Layout(dp_replicate=4, dp_mode="ddp", ep=2, micro_batch=2, precision="fp32"),
               "zero2": Layout(dp_shard=2, dp_mode="zero2", micro_batch=2, precision="fp32")}
     layout["fsdp_untied"], layout["zero2_untied"] = fsdp, layout["zero2"]
     layout = layout.get(
