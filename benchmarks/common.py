@@ -96,6 +96,29 @@ def socket_bytes() -> int:
         return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
 
 
+def timed_train_steps(model, optimizer, batch, steps: int):
+    """Inside a rank of `run_ranks`: one warm-up fp32 `train_step` of `batch` (micro-batches; DDP
+    builds its reducer, FSDP its buffers), then `steps` timed ones, each after a barrier. Returns
+    (median wall seconds, median bytes written to the sockets, the last loss, the step function)."""
+    import torch.distributed as dist
+
+    from kiln.train.step import train_step
+
+    def step():
+        return train_step(model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False),
+                          scaler=None, clip=0.0)[0]
+
+    step()
+    times, sent = [], []
+    for _ in range(steps):
+        dist.barrier()
+        w0, b0 = time.perf_counter(), socket_bytes()
+        loss = step()
+        times.append(time.perf_counter() - w0)
+        sent.append(socket_bytes() - b0)
+    return statistics.median(times), statistics.median(sent), float(loss), step
+
+
 def add_sharded_set_args(parser) -> None:
     """The command-line options of a sharded-optimizer benchmark run over `sharded_parameter_set`:
     the worlds, rounds and steps measured, the parameter set's sizes and the tp degree."""

@@ -34,14 +34,13 @@ import importlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import gloo_rank_config, print_table, run_ranks, socket_bytes, write_results  # noqa: E402
+from common import gloo_rank_config, print_table, run_ranks, timed_train_steps, write_results  # noqa: E402
 from rank_measures import profiled_peak_bytes  # noqa: E402
 
 VARIANTS = ("root", "units")
@@ -79,7 +78,6 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from kiln.parallel.dims import ParallelDims
-    from kiln.train.step import train_step
 
     cfg = gloo_rank_config(rank, world, port, args, "train.dtype=fp32", "train.batch_size=2", *LAYOUTS[layout])
     dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
@@ -91,22 +89,10 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
     for r in range(args.rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
             model, optimizer = build(cfg, dims, variant)
-
-            def step():
-                return train_step(model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False),
-                                  scaler=None, clip=0.0)[0]
-
-            step()  # FSDP's buffers and lazy init
-            times, sent = [], []
-            for _ in range(args.steps):
-                dist.barrier()
-                w0, b0 = time.perf_counter(), socket_bytes()
-                loss = step()
-                times.append(time.perf_counter() - w0)
-                sent.append(socket_bytes() - b0)
-            results[variant]["step_s"].append(statistics.median(times))
-            results[variant]["sent"].append(statistics.median(sent))
-            results[variant]["loss"] = float(loss)
+            step_s, sent, loss, step = timed_train_steps(model, optimizer, batch, args.steps)
+            results[variant]["step_s"].append(step_s)
+            results[variant]["sent"].append(sent)
+            results[variant]["loss"] = loss
             for _ in range(args.profiled):
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                     step()

@@ -36,14 +36,13 @@ import importlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import gloo_rank_config, print_table, run_ranks, socket_bytes, write_results  # noqa: E402
+from common import gloo_rank_config, print_table, run_ranks, timed_train_steps, write_results  # noqa: E402
 
 VARIANTS = ("every", "last")
 LAYOUTS = {"ddp": ["parallel.dp_mode='ddp'"],
@@ -60,7 +59,6 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
     import kiln.parallel.data_parallel as data_parallel
     from kiln.parallel.dims import ParallelDims
     from kiln.train.optim import build_optimizer
-    from kiln.train.step import train_step
     from kiln.train.system import resolve_loss
     from kiln.train.trainer import build_model
 
@@ -86,22 +84,10 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
                 del model.replicated_expert_grads
             model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
             optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
-
-            def step():
-                return train_step(model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False),
-                                  scaler=None, clip=0.0)[0]
-
-            step()  # DDP builds its reducer, FSDP its buffers
-            times, sent = [], []
-            for _ in range(args.steps):
-                dist.barrier()
-                w0, b0 = time.perf_counter(), socket_bytes()
-                loss = step()
-                times.append(time.perf_counter() - w0)
-                sent.append(socket_bytes() - b0)
-            results[variant]["step_s"].append(statistics.median(times))
-            results[variant]["sent"].append(statistics.median(sent))
-            results[variant]["loss"] = float(loss)
+            step_s, sent, loss, _ = timed_train_steps(model, optimizer, batch, args.steps)
+            results[variant]["step_s"].append(step_s)
+            results[variant]["sent"].append(sent)
+            results[variant]["loss"] = loss
     data_parallel.sync_on_last_micro_batch = real
     out.put({"rank": rank, "results": results})
     dist.destroy_process_group()
