@@ -158,7 +158,7 @@ def _tp_pp_worker(rank, world):
         pipe = pl.Pipeline(model, cfg, dims, torch.device("cpu"))
         if name == "llama_cp_zero_bubble_resharded":  # undo keep_gathered_until_backward
             for chunk in model.chunks:
-                torch_compat.fsdp_set_reshard_after_forward(chunk, True, recurse=False)  # the roots, as apply_fsdp left them
+                torch_compat.fsdp_set_reshard_after_forward(chunk, True, recurse=False)  # the roots resharded after forward
         # evaluation through the pipeline (the trainer's evaluator): full logits on every rank
         got[name] = sgd_steps(step_fn, pipe, model.parameters(), pl.PipelineEvalModel(pipe))
         got[f"{name} chunked"] = pipe.chunked_loss
