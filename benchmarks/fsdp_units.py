@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--profiled", type=int, default=5, choices=range(1, 101), metavar="N", help="profiled steps per round and variant (peak bytes)")
+    parser.add_argument("--profiled", type=int, default=5, choices=range(1, 101), metavar="N",
+                        help="profiled steps per round and variant (peak bytes)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
