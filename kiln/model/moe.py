@@ -323,14 +323,16 @@ class MoE(nn.Module):
         """Routing and sorting, the experts, and the weighted sum, as three steps that
         kiln/parallel/parallelize.py `apply_compile` can compile one by one (expert_parallel.py
         `compile_moe_steps`), leaving the all-to-all and the experts' own FSDP unit eager."""
-        x_experts = x
+        x_router = x
         if self.tp_mesh is not None:
             # The experts see a slice of the hidden units: the gradients they send back to their
-            # replicated inputs (tokens and gates) are partial sums, all-reduced over tp.
-            from kiln.parallel.functional import sum_grad_over_tp
+            # replicated inputs are partial sums. The gates' are all-reduced over tp (below); the
+            # tokens' stay partial, and MoETensorParallel reduce-scatters x's gradient, so the
+            # router's replicated share of it is divided by tp here.
+            from kiln.parallel.functional import grad_share_over_tp, sum_grad_over_tp
 
-            x_experts = sum_grad_over_tp(x, self.tp_mesh)
-        token, gate, kept, counts, rows = self.sort_by_expert(x, x_experts)
+            x_router = grad_share_over_tp(x, self.tp_mesh)
+        token, gate, kept, counts, rows = self.sort_by_expert(x_router, x)
         if self.tp_mesh is not None:  # identity forward: after the sort as well as before it
             gate = sum_grad_over_tp(gate, self.tp_mesh)
         if self.ep_group is None:
@@ -343,7 +345,7 @@ class MoE(nn.Module):
         # assignments stay home), which return each token's gated sum over their experts
         from kiln.parallel.functional import dispatch_and_combine
 
-        y = dispatch_and_combine(x_experts.reshape(-1, x.shape[-1]), token, gate, counts, self.experts, self.ep_group,
+        y = dispatch_and_combine(x.reshape(-1, x.shape[-1]), token, gate, counts, self.experts, self.ep_group,
                                  self.ep_node_groups)
         return y.view(x.shape).to(x.dtype)
 

@@ -52,9 +52,10 @@ full output gradient (the reduce-scatter's backward all-gathers it), so its expe
 exactly its hidden slice of the gradient above - the tp ranks hold disjoint slices, not replicas,
 and the 1 / D arithmetic is unchanged (dividing by tp too is the mistake the tests catch). The
 tokens and gates the experts read are replicated over tp, so their gradients, partial per hidden
-slice, are summed over tp after the reverse all-to-all (`sum_grad_over_tp`, as without ep).
-DCP saves each (expert, hidden slice) once; the grad norm's `full_tensor` sums over edp x ep x tp.
-ddp/zero1 are refused with ep x tp (they take no tensor-parallel DTensors; dims.check_ep_layout).
+slice after the reverse all-to-all, are summed over tp as without ep: the gates' by
+`sum_grad_over_tp`, the tokens' by the reduce-scatter of the block's input gather
+(tensor_parallel.py MoETensorParallel). DCP saves each (expert, hidden slice) once; the grad
+norm's `full_tensor` sums over edp x ep x tp.
 
 Expert parallel borrowing tp (parallel.etp=1; torchtitan's etp = 1). The ep group spans tp (and cp): the
 expert mesh is ("edp", "ep") with ep = dp_shard_in_ep x cp x tp consecutive ranks and edp =

@@ -6,6 +6,8 @@ context_parallel.py), which import the model to find its blocks: the model impor
 module of kiln/parallel, and this module nothing of the model but its loss (kiln/model/loss.py).
 
 - `sum_grad_over_tp`: the identity, its gradient summed over tp (Megatron's "f").
+- `grad_share_over_tp`: the identity, its gradient divided by tp, for a replicated tensor whose
+  gradient joins partial ones that a reduce-scatter over tp then sums.
 - `parallel_lm_loss`, `parallel_chunked_lm_loss`: the mean loss of vocabulary-sharded logits, or of
   a column-parallel head without the logits (train.loss = "chunked").
 - `dispatch_and_combine`: expert parallelism's all-to-alls around this rank's experts, one row
@@ -32,6 +34,25 @@ def sum_grad_over_tp(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     replicated tensor read by a computation whose weights are sharded. DTensor's own rules: a
     Replicate tensor whose local gradient is declared Partial is all-reduced in backward."""
     return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def grad_share_over_tp(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """`t` unchanged; its gradient divided by tp. For a replicated tensor read by a replicated
+    computation (the MoE router) beside a sharded one (the experts), where the gradient of the
+    shared input is left partial and reduce-scattered over tp: every rank's identical share of
+    the replicated path's gradient then sums to it once (kiln/model/moe.py, MoETensorParallel)."""
+    return _ScaleGrad.apply(t, 1.0 / tp_mesh.size())
 
 
 class _LossParallel(torch.autograd.Function):

@@ -5,7 +5,7 @@ RowwiseParallel / SequenceParallel / PrepareModuleInput, and `loss_parallel`); k
 the plan (which module gets which style, following torchtitan's Llama plan) and, in
 kiln/parallel/functional.py (what the model itself calls), the autograd wrapper that keeps the
 loss's backward inside `loss_parallel` without the caller knowing (`parallel_lm_loss`) and the
-gradient sum over tp of replicated inputs to sharded experts (`sum_grad_over_tp`).
+gradient sum over tp of replicated gates read by sharded experts (`sum_grad_over_tp`).
 
 Layout of the residual stream: sharded on the sequence (Shard(1)) between the blocks, as plain
 local tensors. Norms and dropout run on the local sequence shard (SP); attention and the MLP
@@ -26,7 +26,10 @@ so every tp rank routes every token (router replicated; capacity and aux/z losse
 process's, the tokens being the same), each expert's w1/w3 are sharded on their hidden dim
 (Shard(2), column-wise) and w2 on its hidden dim (Shard(1), row-wise), and the partial output is
 reduce-scattered back to the sequence shard. The tokens and gates the experts read are replicated
-while their weights are sharded, so their gradients are all-reduced over tp (`sum_grad_over_tp`).
+while their weights are sharded, so their gradients are partial sums: the gates' all-reduced over
+tp (`sum_grad_over_tp`), for the router to learn from the whole; the tokens' left partial and
+reduce-scattered with the gathered input's gradient in backward, the router's share of it divided
+by tp (`grad_share_over_tp`) so the sum counts it once.
 Why not shard the experts whole over tp instead: that is expert parallelism (parallel.ep), which
 composes with this style: ep then slices each tp shard's experts over the data-parallel ranks
 (expert tensor parallel, kiln/parallel/expert_parallel.py). With parallel.etp=1 ep borrows tp
@@ -174,7 +177,8 @@ class MoETensorParallel(ParallelStyle):
     replicated, experts sharded on their hidden dim, output partial -> reduce-scattered to Shard(1).
     Parameters become DTensors on the tp mesh (so clipping, FSDP and DCP see one kind of
     parameter); the block computes on their local shards and, given `MoE.tp_mesh`, all-reduces
-    its experts' input gradients. torch's `distribute_module` does the hooks and the placing."""
+    its gates' gradients and leaves its tokens' partial, for the gather's backward to
+    reduce-scatter. torch's `distribute_module` does the hooks and the placing."""
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if isinstance(module, MoE):
@@ -190,8 +194,12 @@ class MoETensorParallel(ParallelStyle):
 
     @staticmethod
     def _gather_sequence(module, inputs, mesh):
+        # Backward: the gathered input's gradient is partial (the experts see a slice of the hidden
+        # units; the router's replicated share is divided by tp in moe.py), reduce-scattered back to
+        # the sequence shard: Megatron's sequence-parallel "g", not an all-reduce and a slice.
         (x,) = inputs
-        return (DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local(),)
+        gathered = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+        return (gathered.to_local(grad_placements=[Partial()]),)
 
     @staticmethod
     def _reduce_scatter_sequence(module, output, mesh):

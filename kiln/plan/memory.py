@@ -195,6 +195,7 @@ class ModelShape:
     learned_positions_len: int = 0
     moe_experts: int = 0  # MoE blocks (kiln/model/moe.py): E bias-free experts + a router per block
     moe_layers: int = 0
+    moe_every: int = 1  # model.moe_every: block i is an MoE block when i % moe_every == moe_every - 1
     moe_top_k: int = 1  # experts each token is routed to
     expert_ffn: int = 0  # an expert's hidden width (model.moe_hidden); 0: ffn
     shared_ffn: int = 0  # an MoE block's shared experts' hidden width (a dense, bias-free MLP beside them)
@@ -224,6 +225,7 @@ class ModelShape:
                    ffn=ffn_hidden_size(m), gated=m.activation in ("swiglu", "geglu"), vocab=vocab,
                    tied=m.tie_embeddings, learned_positions_len=m.max_seq_len if m.positions == "learned" else 0,
                    moe_experts=m.moe_experts, moe_layers=m.n_layers // m.moe_every if m.moe_experts else 0,
+                   moe_every=m.moe_every,
                    moe_top_k=m.moe_top_k, expert_ffn=m.moe_hidden if m.moe_experts else 0,
                    shared_ffn=m.moe_shared_experts * (m.moe_hidden or ffn_hidden_size(m)) if m.moe_experts else 0,
                    shared_gate=bool(m.moe_experts and m.moe_shared_gate), moe_sigmoid=m.moe_router == "sigmoid",
@@ -231,6 +233,10 @@ class ModelShape:
                    norm_params=0 if m.norm == "none" else 2 if m.norm == "layernorm" and m.bias else 1,
                    bias=m.bias, qkv_bias=m.bias or m.qkv_bias, qk_norm=m.qk_norm, window=m.sliding_window,
                    local_layers=sum(1 for i in range(m.n_layers) if attention_window(m, i)))
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block i (from 0) is an MoE block (kiln/model/transformer.py)."""
+        return self.moe_layers > 0 and i % self.moe_every == self.moe_every - 1
 
     def attention_keys(self, seq_len: int) -> int:
         """Keys a token attends to, summed over the layers (the attention FLOPs are 12 x q_dim x

@@ -25,8 +25,12 @@ the assignments' row index and gate (taken from kiln/parallel/functional.py, not
 two levels, parallel.ep_node_ranks, count them once among the nodes and once inside each),
 over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp of the tokens
 (etp = 1, whose MoE blocks skip tp's all-gather / reduce-scatter pair); the experts' FSDP or
-all-reduce traffic over edp (`_expert_reduction`). Tied embeddings under pp: one all-reduce per
-step of the embedding gradient between the first and the last stage's ranks.
+all-reduce traffic over edp (`_expert_reduction`) and the experts' gradient norm, one all-reduce
+per dimension of their mesh they are split over. MoE blocks under tp, per block and micro-batch:
+the gates' gradient all-reduced (experts sharded over tp; the tokens' gradient rides the block's
+input reduce-scatter), or, ep borrowing tp, the router weight's gradient all-reduced and the whole
+sequence's routing statistics all-gathered (3 small calls). Tied embeddings under pp: one
+all-reduce per step of the embedding gradient between the first and the last stage's ranks.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
@@ -223,6 +227,21 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         count("all_gather", gathers * ga)
         count("reduce_scatter", scatters * ga)
         count("all_reduce", norm_reads + 3 * ga + 1)
+        # MoE blocks, per block and micro-batch (kiln/model/moe.py): with the experts sharded over
+        # tp their gates' gradient is all-reduced in backward (the tokens' stays partial, the
+        # block's input reduce-scatter sums it); with ep borrowing tp each rank routes its own
+        # tokens: the router weight's gradient all-reduced in backward, and forward all-gathers
+        # the whole sequence's queue counts per expert, balance shares (f, P) and z-loss
+        moe = shape.moe_layers / layout.pp
+        if moe and layout.ep_borrows_tp:
+            t += all_reduce(cluster, layout.tp, 4 * shape.moe_experts * shape.dim * moe * ga, calls=moe * ga)
+            stats = (8 * layout.micro_batch * (shape.moe_top_k + 1) * shape.moe_experts + 4) * layout.tp
+            t += all_gather(cluster, layout.tp, stats * moe * ga, calls=3 * moe * ga)
+            count("all_reduce", moe * ga)
+            count("all_gather", 3 * moe * ga)
+        elif moe:
+            t += all_reduce(cluster, layout.tp, 4 * shape.moe_top_k * tokens_rank_mb * moe * ga, calls=moe * ga)
+            count("all_reduce", moe * ga)
         exposed += t
         total += t
     # Context parallel (ring attention): K and V pass around the ring, hidden behind attention's
@@ -349,8 +368,12 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             # reduce-scatter buffer and the reduced shard out, each micro-batch
             copied += gather_bytes * (1 + 1 / shard) + grad_bytes * scatters * (1 + 1 / shard)
             overlappable = compute
-        t += _expert_reduction(cluster, shape, layout, experts, param_bytes, count)
+        t += _expert_reduction(cluster, shape, layout, experts, param_bytes, count, fuller_last)
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, overlappable))
+        total += t
+    elif layout.ep > 1:  # no dense data parallel, yet the experts' norm (and, ep borrowing tp, their edp)
+        t = _expert_reduction(cluster, shape, layout, experts, param_bytes, count, fuller_last)
+        exposed += t
         total += t
     # Tied embeddings under pp (kiln/parallel/pipeline_tied.py, Megatron-LM's embedding group): once
     # per step, after the schedule's backward and before clipping, the first stage's and the last
@@ -406,36 +429,44 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
 
 
 def _expert_reduction(cluster: Cluster, shape: ModelShape, layout: Layout, experts: float, param_bytes: int,
-                      count) -> float:
+                      count, last: bool = False) -> float:
     """The experts' data-parallel traffic over "edp" (`Layout.expert_dp`; kiln/parallel/
     expert_parallel.py): fsdp/zero2 gather each MoE block's experts per micro-batch (fsdp again for
-    backward) and reduce-scatter their gradients once per step; ddp/zero1 (experts replicated, DDP
-    ignores them) all-reduce each expert weight tensor (w1, w2 and, gated, w3) once per step
+    backward, but for the stage's last block, kept gathered as its dense unit is) and
+    reduce-scatter their gradients once per step; ddp/zero1 (experts replicated, DDP ignores them)
+    all-reduce each expert weight tensor (w1, w2 and, gated, w3) once per step
     (`ReplicatedExpertGrads`; under pp in every micro-batch's backward). The group's ranks are ep
-    x tp apart (etp = tp) or ep apart (ep borrowing tp). Under ddp/zero1 the gradient norm takes
-    one more all-reduce a step, of the experts' (a DTensor partial over ep; the dense gradients are
-    plain tensors, whole on every rank: kiln/train/step.py clip_grad_norm)."""
+    x tp apart (etp = tp) or ep apart (ep borrowing tp). The gradient norm takes one all-reduce
+    per step for each dimension of the experts' mesh their gradients are split over (DTensor's
+    full_tensor of the experts' norm, kiln/train/step.py clip_grad_norm): ep, tp (etp = tp) and,
+    fsdp/zero2, edp."""
     edp = layout.expert_dp
     moe_blocks = shape.moe_layers / layout.pp
     if not (layout.ep > 1 and moe_blocks):
         return 0.0
-    norm = 0.0
-    if layout.dp_mode in ("ddp", "zero1"):
-        count("all_reduce", 1)
-        norm = all_reduce(cluster, layout.ep, 4, 1 if layout.ep_borrows_tp else layout.tp)
+    replicated = layout.dp_mode in ("ddp", "zero1")
+    stride = layout.ep * (1 if layout.ep_borrows_tp else layout.tp)
+    split = [(layout.ep, 1 if layout.ep_borrows_tp else layout.tp)]
+    split += [(layout.tp, 1)] if layout.tp > 1 and not layout.ep_borrows_tp else []
+    split += [(edp, stride)] if edp > 1 and not replicated else []
+    count("all_reduce", len(split))
+    norm = sum(all_reduce(cluster, n, 4, apart) for n, apart in split)
     if edp == 1:
         return norm
-    stride = layout.ep * (1 if layout.ep_borrows_tp else layout.tp)
     calls = math.ceil(moe_blocks)
-    if layout.dp_mode in ("ddp", "zero1"):
+    if replicated:
         passes = layout.grad_accum if layout.pp > 1 else 1
         tensors = calls * (3 if shape.gated else 2) * passes
         count("all_reduce", tensors)
         return norm + all_reduce(cluster, edp, 4 * experts * passes, stride, calls=tensors)
-    passes = (2 if resharded_after_forward(layout) else 1) * layout.grad_accum
-    count("all_gather", calls * passes)
+    gathers = calls * layout.grad_accum
+    if resharded_after_forward(layout):
+        blocks = stage_contents(shape, layout, last)[0]
+        last_block = shape.n_layers - 1 if last or layout.pp == 1 else blocks - 1
+        gathers += (calls - shape.is_moe_block(last_block)) * layout.grad_accum
+    count("all_gather", gathers)
     count("reduce_scatter", calls)
-    return (all_gather(cluster, edp, param_bytes * experts * passes, stride, calls=calls * passes)
+    return (norm + all_gather(cluster, edp, param_bytes * experts * gathers / calls, stride, calls=gathers)
             + reduce_scatter(cluster, edp, 4 * experts, stride, calls=calls))
 
 
