@@ -29,7 +29,8 @@ all-reduce traffic over edp (`_expert_reduction`) and the experts' gradient norm
 per dimension of their mesh they are split over. MoE blocks under tp, per block and micro-batch:
 the gates' gradient all-reduced (experts sharded over tp; the tokens' gradient rides the block's
 input reduce-scatter), or, ep borrowing tp, the router weight's gradient all-reduced and the whole
-sequence's routing statistics all-gathered (3 small calls). Tied embeddings under pp: one
+sequence's routing statistics all-gathered (3 small calls); under cp the queue counts and balance
+shares all-gathered over cp (2 calls, the shares' backward a reduce-scatter). Tied embeddings under pp: one
 all-reduce per step of the embedding gradient between the first and the last stage's ranks.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
@@ -259,6 +260,19 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         attn_compute = t_mb * ga * 12 * shape.q_dim * shape.attention_keys(seq_len) / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
+        # MoE blocks route over the whole sequence (kiln/model/moe.py): per block and micro-batch the
+        # queue counts per expert (int64, per sequence, choice and chunk) and the balance shares
+        # (f, P) all-gathered over cp, the shares' backward a reduce-scatter; on the critical path
+        moe = shape.moe_layers / layout.pp
+        if moe:
+            b, e = layout.micro_batch, shape.moe_experts
+            t = all_gather(cluster, layout.cp, (16 * b * shape.moe_top_k * e + 8 * b * e) * layout.cp * moe * ga,
+                           layout.tp, calls=2 * moe * ga)
+            t += reduce_scatter(cluster, layout.cp, 8 * b * e * layout.cp * moe * ga, layout.tp, calls=moe * ga)
+            count("all_gather", 2 * moe * ga)
+            count("reduce_scatter", moe * ga)
+            exposed += t
+            total += t
     # Expert parallel (kiln/parallel/functional.py dispatch_and_combine): per MoE block and
     # micro-batch a dispatch and a combine all-to-all of one row per token and expert rank
     # forward, their reverses backward; before them a small all-to-all of the per-expert and

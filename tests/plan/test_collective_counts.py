@@ -16,14 +16,18 @@ from tests.parallel.ranks import run_ranks
 # FSDP reduce-scatters every micro-batch); *_untied: model.tie_embeddings false (FSDP: the embedding a
 # unit of its own, the head the root's); tp_moe: MoE (4 experts, top-2) under tp 2, the experts sharded over it
 # (the gates' gradient all-reduced per block); tp_ep_borrow: ep 2 borrowing tp's 2 ranks (whole experts,
-# each rank routing its sequence shard: the routing statistics gathered, the router's gradient all-reduced)
+# each rank routing its sequence shard: the routing statistics gathered, the router's gradient all-reduced);
+# cp: ring attention over cp 2 under the trainer's ContextParallel (its sends counted, each with a receive);
+# cp_moe: with MoE (the routing statistics gathered over cp)
 MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2",
-         "fsdp_untied", "zero2_untied", "tp_moe", "tp_ep_borrow")
+         "fsdp_untied", "zero2_untied", "tp_moe", "tp_ep_borrow", "cp", "cp_moe")
 # c10d ops as the profiler names them -> the time model's op names
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_": "all_gather",
         "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
-        "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all"}
+        "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
+        "c10d::send": "p2p"}
+RECEIVE = "c10d::recv_"  # each pairs a send: the time model counts the sends
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
 OVERRIDES = ["model.dim=64", "model.n_layers=3", "model.n_heads=2", "model.vocab_size=256", "data.seq_len=32",
              "model.max_seq_len=32", "train.dtype=fp32", "train.batch_size=4"]
@@ -34,6 +38,7 @@ def _counts(rank, n, modes=MODES):
     from torch.profiler import ProfilerActivity, profile
 
     from kiln.config import load_config
+    from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.data_parallel import shard_optimizer_state
     from kiln.parallel.dims import ParallelDims
     from kiln.train.optim import build_optimizer
@@ -48,6 +53,8 @@ def _counts(rank, n, modes=MODES):
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'"]
         elif mode == "tp_ep_borrow":  # 2 ranks: ep 2 over tp's 2, the experts whole (etp 1; fsdp, over 1 rank)
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'", "parallel.ep=2", "parallel.etp=1", *MOE]
+        elif base.startswith("cp"):  # 2 ranks: ring attention over cp 2 (FSDP over the cp ranks)
+            extra = ["parallel.cp=2", "parallel.dp_mode='fsdp'"] + (MOE if mode == "cp_moe" else [])
         elif mode.startswith("tp"):
             extra = ["parallel.tp=2", "parallel.dp_mode='ddp'"] + (MOE if mode == "tp_moe" else [])
         elif base == "hsdp":  # 4 ranks: 2 replicas x FSDP over 2
@@ -70,23 +77,30 @@ def _counts(rank, n, modes=MODES):
         model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
         optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
         tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
-        if not mode.startswith("tp"):  # data parallel: this replica's 2 rows
+        if mode.startswith("cp"):  # both cp ranks the same rows (each its zig-zag chunks)
+            tokens = tokens[:2]
+        elif not mode.startswith("tp"):  # data parallel: this replica's 2 rows
             tokens = tokens[dims.dp_rank * 2:(dims.dp_rank + 1) * 2]
         else:
             tokens = tokens[:4]
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         if mode.endswith("_ga2"):  # the same rows in two micro-batches
             batch = [(part[:, :-1], part[:, 1:]) for part in tokens.chunk(2)]
+        context = ContextParallel(model, dims, cfg.data.seq_len, device)  # the trainer's (a no-op but cp)
+        batch = [context.shard(x, y) for x, y in batch]
 
         def step():
-            train_step(model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False), scaler=None, clip=0.0)
+            with context:
+                train_step(model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False), scaler=None,
+                           clip=0.0)
 
         step(), step()  # DDP rebuilds its buckets after the first step; count the third
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
         calls = collections.Counter(C10D[e.name] for e in prof.events() if e.name in C10D)
         # a c10d op this map lacks fails the comparison by name rather than going uncounted
-        calls.update("?" + e.name for e in prof.events() if e.name.startswith("c10d::") and e.name not in C10D)
+        calls.update("?" + e.name for e in prof.events()
+                     if e.name.startswith("c10d::") and e.name not in C10D and e.name != RECEIVE)
         out[mode] = dict(calls)
     return out
 
@@ -121,6 +135,8 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
     fsdp_tp = Layout(dp_shard=2, tp=2, dp_mode="fsdp", micro_batch=2, precision="fp32")
     layout = {"tp": tp, "tp_foreach": tp, "tp_muon": tp, "tp_moe": tp,
               "tp_ep_borrow": Layout(tp=2, ep=2, etp=1, dp_mode="fsdp", micro_batch=4, precision="fp32"),
+              "cp": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
+              "cp_moe": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "fsdp": fsdp, "fsdp_muon": fsdp,
               "fsdp_tp": fsdp_tp, "fsdp_tp_muon": fsdp_tp,
               "ddp_ga2": Layout(dp_replicate=2, dp_mode="ddp", micro_batch=1, grad_accum=2, precision="fp32"),
