@@ -7,13 +7,14 @@ stage-boundary sends: kiln/plan/pipeline_time.py.
 
 Every collective call pays its latency steps: a mode's traffic split over k calls costs k times
 the alpha term. The calls per step are counted on kiln's own layouts (torch.profiler around a
-step on 2 gloo processes; tests/plan/test_collective_counts.py keeps them equal to
+step on 2 or 4 gloo processes; tests/plan/test_collective_counts.py keeps them equal to
 `StepTime.calls`), not guessed: DDP one all-reduce per 25 MiB bucket; ZeRO-1 those plus one
 broadcast per parameter tensor and per run cut off one (torch's ZeroRedundancyOptimizer,
 parameters_as_bucket_view off, over kiln's partition);
 FSDP2 one all-gather per unit (the blocks, an untied embedding, the root: head and final norm)
 before forward, again before backward for every block but the last, one reduce-scatter per unit
-and one all-reduce of the gradient norm; TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
+and one all-reduce of the gradient norm (under pp, a resharded block m + 1 gathers a step, a kept
+unit one: torch's stage keeps units gathered after a backward); TP+SP per micro-batch 4 all-gathers and 4 reduce-scatters of the activations per
 block plus 2 and 2 at the embedding / head and 3 all-reduces of loss_parallel's per-token
 statistics, per step one all-reduce of every norm weight's gradient (settled from Partial before
 the gradient norm) and one of the gradient norms. On gloo (`cluster.backend`) torch's ProcessGroupGloo runs a
@@ -21,8 +22,8 @@ reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all
 each reduce-scatter), so it costs one.
 Expert parallelism: 4 all-to-alls of the routed rows (one per token and expert rank,
 `ranks_per_token`) per MoE block and micro-batch, plus one of the counts per dispatch and two of
-the assignments' row index and gate (taken from kiln/parallel/functional.py, not yet profiled;
-two levels, parallel.ep_node_ranks, count them once among the nodes and once inside each),
+the assignments' row index and gate (profiled at one level; two levels, parallel.ep_node_ranks,
+count them once among the nodes and once inside each, from kiln/parallel/functional.py),
 over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp of the tokens
 (etp = 1, whose MoE blocks skip tp's all-gather / reduce-scatter pair); the experts' FSDP or
 all-reduce traffic over edp (`_expert_reduction`) and the experts' gradient norm, one all-reduce
@@ -30,8 +31,10 @@ per dimension of their mesh they are split over. MoE blocks under tp, per block 
 the gates' gradient all-reduced (experts sharded over tp; the tokens' gradient rides the block's
 input reduce-scatter), or, ep borrowing tp, the router weight's gradient all-reduced and the whole
 sequence's routing statistics all-gathered (3 small calls); under cp the queue counts and balance
-shares all-gathered over cp (2 calls, the shares' backward a reduce-scatter). Tied embeddings under pp: one
-all-reduce per step of the embedding gradient between the first and the last stage's ranks.
+shares all-gathered over cp (2 calls, the shares' backward a reduce-scatter). Pipeline: the sends
+and receives of torch's schedule, and per step the gradient norm's all-reduce over the stages and
+the loss broadcast; tied embeddings one all-reduce per step of the embedding gradient between the
+first and the last stage's ranks. Context parallel: the ring's sends, each with its receive.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
@@ -76,8 +79,8 @@ from kiln.plan.cluster import Cluster
 # the communication and pipeline terms live beside this module; re-exported for callers of timing
 from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p2p, reduce_scatter  # noqa: F401
 from kiln.plan.diloco import outer_sync_seconds, replica_cluster
-from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, Layout, ModelShape,
-                              fsdp_end_units, rank_memory, rank_params, recomputed_blocks,
+from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, ZERO_BUBBLE, Layout,
+                              ModelShape, fsdp_end_units, rank_memory, rank_params, recomputed_blocks,
                               recomputed_matmul_blocks, muon_matrix_fraction, resharded_after_forward,
                               stage_contents, zero1_fullest_share)
 from kiln.plan.muon_cost import muon_exchanges, muon_seconds
@@ -256,7 +259,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         hops = window_hops(layout.cp, seq_len // (2 * layout.cp), shape.window)
         sends = (ring_messages(layout.cp, None) * (stage_layers - local) + ring_messages(layout.cp, hops) * local) * ga
         t = sends * p2p(cluster, kv_bytes, False)
-        count("p2p", sends)
+        count("p2p", sends)  # each with its receive in one batch_isend_irecv, waited on once
+        count("p2p", sends, waited=False)
         attn_compute = t_mb * ga * 12 * shape.q_dim * shape.attention_keys(seq_len) / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
@@ -308,6 +312,12 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         hops = pipeline_p2p_per_microbatch(layout)
         t = hops * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * ga
         count("p2p", hops * ga)
+        # per step (kiln/parallel/pipeline.py pipeline_train_step) the gradient norm's squares summed
+        # over the stages and the last stage's loss broadcast to them, over ranks the rest apart
+        apart = layout.dp * layout.cp * layout.tp
+        t += all_reduce(cluster, layout.pp, 4, apart) + broadcast(cluster, layout.pp, 4, apart)
+        count("all_reduce", 1)
+        count("broadcast", 1)
         exposed += t
         total += t
     # Data parallel: gradient reduction (+ parameter gathers for sharded modes), over dp x cp: the
@@ -343,28 +353,37 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
                 total += t_b
         else:
             units, blocks, ends = fsdp_units(shape, layout, fuller_last)
+            own_embedding = fsdp_end_units(shape, layout, fuller_last)[0]
             # FSDP2 all-gathers each unit before its forward and (fsdp: resharded after forward)
             # each block again before its backward, except the last (kiln keeps it), not the root
             # (kept from forward: it starts backward) nor an untied embedding (its backward reads no
-            # weight); it reduce-scatters each unit's gradients once per micro-batch. Zero-bubble pipelines
-            # keep every unit gathered until backward (kiln/parallel/pipeline.py
-            # keep_gathered_until_backward), as zero2 does.
-            gathers, gathered, again = units, dense, 0.0
-            if layout.dp_mode == "fsdp" and resharded_after_forward(layout) and blocks:
-                again = (dense - ends) * (blocks - 1) / blocks
-                if not layout.fsdp_reshard_to:
-                    gathers += blocks - 1
-                    gathered += again
-            gathers *= ga
+            # weight). pp = 1: every micro-batch. Under pp torch's stage keeps a unit gathered from
+            # a backward until a forward reshards it (`set_reshard_after_backward(False)` until the
+            # step's REDUCE_GRAD), so a unit's pass gathers only after one of its forwards: whatever
+            # the schedule, a resharded block m + 1 times a step (its first pass and each pass after
+            # a forward; the last pass is a backward), an untied embedding m, a kept unit once.
+            # Zero-bubble pipelines keep every unit gathered until backward (kiln/parallel/
+            # pipeline.py keep_gathered_until_backward); zero2 keeps its blocks.
+            resharded_blocks = blocks - 1 if resharded_after_forward(layout) and blocks else 0
+            again = (dense - ends) * resharded_blocks / blocks if blocks else 0.0
+            if layout.pp == 1:
+                gathers, gathered = (units + resharded_blocks) * ga, (dense + again) * ga
+                if layout.fsdp_reshard_to:  # the backward gathers are counted apart, below
+                    gathers, gathered = units * ga, dense * ga
+            elif layout.schedule in ZERO_BUBBLE:
+                gathers, gathered = units, dense
+            else:
+                gathers = units + resharded_blocks * ga + (own_embedding > 0) * (ga - 1)
+                gathered = dense + again * ga + own_embedding * (ga - 1)
             shard = shards
-            gather_bytes = param_bytes * gathered * ga
+            gather_bytes = param_bytes * gathered
             t = all_gather(cluster, shard, gather_bytes, dp_stride, calls=gathers)
             if layout.fsdp_reshard_to and again:
-                # parallel.fsdp_reshard_to = k: backward gathers over k consecutive shard ranks (tp = 1:
-                # k consecutive ranks, a node's when they fit) from the 1/k each rank kept after forward
+                # parallel.fsdp_reshard_to = k (pp = 1): backward gathers over k consecutive shard ranks
+                # (tp = 1: k consecutive ranks, a node's when they fit) from the 1/k each rank kept after forward
                 k, again_bytes = layout.fsdp_reshard_to, param_bytes * again * ga
-                t += all_gather(cluster, k, again_bytes, dp_stride, calls=(blocks - 1) * ga)
-                gathers += (blocks - 1) * ga
+                t += all_gather(cluster, k, again_bytes, dp_stride, calls=resharded_blocks * ga)
+                gathers += resharded_blocks * ga
                 copied += again_bytes * (1 + 1 / k) + again_bytes / k  # and the post-forward copy of the 1/k
             # every micro-batch reduce-scatters (the gradients stay sharded); HSDP all-reduces across
             # the replicas in the last one only (kiln/parallel/data_parallel.py sync_on_last_micro_batch).
@@ -473,11 +492,16 @@ def _expert_reduction(cluster: Cluster, shape: ModelShape, layout: Layout, exper
         tensors = calls * (3 if shape.gated else 2) * passes
         count("all_reduce", tensors)
         return norm + all_reduce(cluster, edp, 4 * experts * passes, stride, calls=tensors)
-    gathers = calls * layout.grad_accum
+    resharded = 0  # expert units resharded after forward: all but the stage's last block's
     if resharded_after_forward(layout):
         blocks = stage_contents(shape, layout, last)[0]
         last_block = shape.n_layers - 1 if last or layout.pp == 1 else blocks - 1
-        gathers += (calls - shape.is_moe_block(last_block)) * layout.grad_accum
+        resharded = calls - shape.is_moe_block(last_block)
+    m = layout.grad_accum
+    if layout.pp == 1:  # every micro-batch; a resharded unit again for its backward
+        gathers = (calls + resharded) * m
+    else:  # as the dense units under pp (step_time): a resharded unit m + 1 times a step, a kept one once
+        gathers = calls + resharded * m
     count("all_gather", gathers)
     count("reduce_scatter", calls)
     return (norm + all_gather(cluster, edp, param_bytes * experts * gathers / calls, stride, calls=gathers)

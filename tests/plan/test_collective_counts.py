@@ -20,14 +20,13 @@ from tests.parallel.ranks import run_ranks
 # cp: ring attention over cp 2 under the trainer's ContextParallel (its sends counted, each with a receive);
 # cp_moe: with MoE (the routing statistics gathered over cp)
 MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2",
-         "fsdp_untied", "zero2_untied", "tp_moe", "tp_ep_borrow", "cp", "cp_moe")
+         "fsdp_untied", "zero2_untied", "tp_moe", "tp_ep_borrow", "cp", "cp_moe", "pp")
 # c10d ops as the profiler names them -> the time model's op names
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_": "all_gather",
         "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
         "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
-        "c10d::send": "p2p"}
-RECEIVE = "c10d::recv_"  # each pairs a send: the time model counts the sends
+        "c10d::send": "p2p", "c10d::recv_": "p2p"}
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
 OVERRIDES = ["model.dim=64", "model.n_layers=3", "model.n_heads=2", "model.vocab_size=256", "data.seq_len=32",
              "model.max_seq_len=32", "train.dtype=fp32", "train.batch_size=4"]
@@ -41,6 +40,7 @@ def _counts(rank, n, modes=MODES):
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.data_parallel import shard_optimizer_state
     from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.pipeline import Pipeline, pipeline_train_step
     from kiln.train.optim import build_optimizer
     from kiln.train.step import train_step
     from kiln.train.system import resolve_loss
@@ -57,6 +57,13 @@ def _counts(rank, n, modes=MODES):
             extra = ["parallel.cp=2", "parallel.dp_mode='fsdp'"] + (MOE if mode == "cp_moe" else [])
         elif mode.startswith("tp"):
             extra = ["parallel.tp=2", "parallel.dp_mode='ddp'"] + (MOE if mode == "tp_moe" else [])
+        elif base == "pp":  # 2 ranks: 2 stages, 1F1B over 2 micro-batches of 2 rows
+            extra = ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=2",
+                     "parallel.dp_mode='ddp'"]
+        elif base.endswith("_fsdp"):  # 4 ranks: 2 stages x FSDP over 2, 4 micro-batches of 1 row
+            schedule = {"pp_fsdp": "1f1b", "pp_gpipe_fsdp": "gpipe", "pp_zbv_fsdp": "zbv_zero_bubble"}[base]
+            extra = ["parallel.pp=2", f"parallel.pp_schedule={schedule!r}", "parallel.pp_microbatches=4",
+                     "parallel.dp_mode='fsdp'"] + (["model.n_layers=4", "parallel.pp_virtual_stages=2"] if "zbv" in base else [])
         elif base == "hsdp":  # 4 ranks: 2 replicas x FSDP over 2
             extra = ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
         elif base.endswith("_ep_tp"):  # 4 ranks: data parallel over 2 x tp 2, the experts over ep 2 (edp 1)
@@ -74,11 +81,16 @@ def _counts(rank, n, modes=MODES):
         dims.build_mesh("cpu")
         device = torch.device("cpu")
         model = build_model(cfg, dims, device)
+        pipeline = Pipeline(model, cfg, dims, device) if dims.pp > 1 else None  # the trainer's order
         model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
         optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
         tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
         if mode.startswith("cp"):  # both cp ranks the same rows (each its zig-zag chunks)
             tokens = tokens[:2]
+        elif mode == "pp":  # the stages the same 4 rows
+            tokens = tokens[:4]
+        elif mode.startswith("pp"):  # this replica's 4 rows
+            tokens = tokens[dims.dp_rank * 4:(dims.dp_rank + 1) * 4]
         elif not mode.startswith("tp"):  # data parallel: this replica's 2 rows
             tokens = tokens[dims.dp_rank * 2:(dims.dp_rank + 1) * 2]
         else:
@@ -91,16 +103,16 @@ def _counts(rank, n, modes=MODES):
 
         def step():
             with context:
-                train_step(model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False), scaler=None,
-                           clip=0.0)
+                (train_step if pipeline is None else pipeline_train_step)(
+                    pipeline or model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False), scaler=None,
+                    clip=0.0)
 
         step(), step()  # DDP rebuilds its buckets after the first step; count the third
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
         calls = collections.Counter(C10D[e.name] for e in prof.events() if e.name in C10D)
         # a c10d op this map lacks fails the comparison by name rather than going uncounted
-        calls.update("?" + e.name for e in prof.events()
-                     if e.name.startswith("c10d::") and e.name not in C10D and e.name != RECEIVE)
+        calls.update("?" + e.name for e in prof.events() if e.name.startswith("c10d::") and e.name not in C10D)
         out[mode] = dict(calls)
     return out
 
@@ -110,7 +122,7 @@ def _counts(rank, n, modes=MODES):
 # (the last block's kept for backward), their norm over edp and ep; *_ep_tp: dp 2 x tp 2, ep 2 (edp 1), the
 # experts' norm over ep and tp
 FOUR_RANK_MODES = ("fsdp_tp", "fsdp_tp_muon", "hsdp_ga2", "ddp_ep_ga2", "ddp_ep", "fsdp_ep", "zero2_ep", "fsdp_ep_tp",
-                   "ddp_ep_tp")
+                   "ddp_ep_tp", "pp_fsdp", "pp_gpipe_fsdp", "pp_zbv_fsdp")
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +140,7 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
     from kiln.plan.timing import step_time
 
     cfg = load_config(None, OVERRIDES + (["model.tie_embeddings=false"] if mode.endswith("_untied") else [])
+                      + (["model.n_layers=4"] if "zbv" in mode else [])
                       + (MOE if "_ep" in mode or "_moe" in mode else []))
     shape = ModelShape.from_config(cfg.model, 256)
     tp = Layout(tp=2, micro_batch=4, precision="fp32")
@@ -137,6 +150,10 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
               "tp_ep_borrow": Layout(tp=2, ep=2, etp=1, dp_mode="fsdp", micro_batch=4, precision="fp32"),
               "cp": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "cp_moe": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
+              "pp": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
+              **{f"pp_{name}fsdp": Layout(pp=2, dp_shard=2, dp_mode="fsdp", schedule=schedule, grad_accum=4, virtual_stages=2 if "zbv" in schedule else 1,
+                                           micro_batch=1, precision="fp32")
+                 for name, schedule in (("", "1f1b"), ("gpipe_", "gpipe"), ("zbv_", "zbv_zero_bubble"))},
               "fsdp": fsdp, "fsdp_muon": fsdp,
               "fsdp_tp": fsdp_tp, "fsdp_tp_muon": fsdp_tp,
               "ddp_ga2": Layout(dp_replicate=2, dp_mode="ddp", micro_batch=1, grad_accum=2, precision="fp32"),
@@ -164,4 +181,9 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
         # tp's cut in three all-gathers where 2.11 on takes one (72 counted, 42 modelled; 2.10 not
         # run): the model follows 2.11 on
         predicted["all_gather"] += 2 * 5 * 3  # q, k, v, w1, w3 in each of the 3 blocks
+    if mode == "fsdp_ep_tp" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11):
+        # edp is 1 here: torch 2.9 still issues a collective over that 1-rank group (a reduce-scatter per
+        # expert unit, one per MoE block, and an all-reduce for the experts' norm over it), 2.11 on none
+        predicted["reduce_scatter"] += 3
+        predicted["all_reduce"] += 1
     assert predicted == counted[mode]
