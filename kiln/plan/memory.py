@@ -49,9 +49,10 @@ Closed form (no module is built). Terms, per rank:
   block's and, under float8, every block's (recomputed); the LM head's always;
   the gathered parameters of a block (x2: prefetch) and of the FSDP root (head, final norm; kept
   gathered from forward into backward: `fsdp_end_units`), or all gathered parameters but an
-  untied embedding's (resharded after its forward) for zero2 (reshard_after_forward=False), and
-  all for fsdp under a zero-bubble pipeline (kept gathered until backward:
-  `resharded_after_forward`);
+  untied embedding's (resharded after its forward) for zero2 (reshard_after_forward=False) and
+  for fsdp under pp (torch's stage keeps a unit gathered from its backward until a forward
+  reshards it, so the whole stage is gathered at the end of a backward), and all for fsdp under
+  a zero-bubble pipeline (kept gathered until backward: `resharded_after_forward`);
 - communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
 
 Eager runs take the larger of two phases (`_eager_peak_phase`): the loss's backward (saved
@@ -708,7 +709,11 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     elif head:  # fp32 logits-sized tensors live at once in the loss's backward (eager_loss_logits)
         logits = eager_loss_logits(layout) * 4 * loss_tokens * shape.vocab / layout.tp
     own_embedding, root = fsdp_end_units(shape, layout, last)
-    if resharded_after_forward(layout) and layout.dp_shard > 1:
+    # Under pp torch's stage keeps each unit gathered from its backward until a forward reshards it
+    # (`set_reshard_after_backward(False)` until the step's REDUCE_GRAD), so by the end of a
+    # micro-batch's backward every block of the stage is gathered, as under zero2 (profiled:
+    # tests/plan/test_collective_counts.py pp_fsdp gathers a block once after its backward)
+    if resharded_after_forward(layout) and layout.dp_shard > 1 and layout.pp == 1:
         # current + prefetched block, and the root (head, final norm), gathered from forward to backward
         out.temporary += param_bytes * (2 * shape.layer_params / layout.tp + root)
         out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
@@ -716,8 +721,9 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
             # (not the last, kept whole: counted above)
             out.temporary += param_bytes * (dense - own_embedding - root) * (layers - 1) / layers / layout.fsdp_reshard_to
     elif sharded and layout.dp_shard > 1:
-        # params stay gathered from forward to backward; an own embedding unit is resharded after its
-        # forward, except under a zero-bubble pipeline (kiln/parallel/pipeline.py keep_gathered_until_backward)
+        # params stay gathered from forward to backward (zero2; fsdp under pp, above); an own embedding
+        # unit is resharded after its forward and not gathered for backward, except under a zero-bubble
+        # pipeline (kiln/parallel/pipeline.py keep_gathered_until_backward)
         kept_gathered = layout.pp > 1 and layout.schedule in ZERO_BUBBLE
         out.temporary += param_bytes * (stage_params - (0.0 if kept_gathered else own_embedding))
         out.comm_buffers += 4 * shape.layer_params / layout.tp
