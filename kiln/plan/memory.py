@@ -711,8 +711,9 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     own_embedding, root = fsdp_end_units(shape, layout, last)
     # Under pp torch's stage keeps each unit gathered from its backward until a forward reshards it
     # (`set_reshard_after_backward(False)` until the step's REDUCE_GRAD), so by the end of a
-    # micro-batch's backward every block of the stage is gathered, as under zero2 (profiled:
-    # tests/plan/test_collective_counts.py pp_fsdp gathers a block once after its backward)
+    # micro-batch's backward every block of the stage is gathered, as under zero2 (pinned:
+    # tests/plan/test_collective_counts.py). Counted as zero2's peak: an upper bound, as the next
+    # forward reshards the stage block by block while its activations grow
     if resharded_after_forward(layout) and layout.dp_shard > 1 and layout.pp == 1:
         # current + prefetched block, and the root (head, final norm), gathered from forward to backward
         out.temporary += param_bytes * (2 * shape.layer_params / layout.tp + root)
