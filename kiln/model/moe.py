@@ -193,11 +193,12 @@ class MoE(nn.Module):
         bsz, seqlen, _ = x.shape
         with torch.autocast(x.device.type, enabled=False):
             weight = self.router.weight  # tensor parallel: replicated, a DTensor
-            weight = weight.to_local() if isinstance(weight, DTensor) else weight
             if self.sp_mesh is not None:  # each tp rank routes other tokens: its gradient is partial
-                from kiln.parallel.functional import sum_grad_over_tp
+                from kiln.parallel.functional import local_with_partial_grad
 
-                weight = sum_grad_over_tp(weight, self.sp_mesh)
+                weight = local_with_partial_grad(weight)
+            elif isinstance(weight, DTensor):
+                weight = weight.to_local()
             logits = F.linear(x.float(), weight.float())  # (B, T, E) fp32
         scores = logits.sigmoid() if self.router_kind == "sigmoid" else logits.softmax(dim=-1)
         if self.expert_bias is None and self.groups == 1:

@@ -69,7 +69,8 @@ and gets its own true gradient (sequence parallel), so an expert's all-to-all ba
 gradients of the dp ranks of its ep group; the global mean over D needs 1 / D over the D * tp / ep
 edp replicas' sum, i.e. a hook factor edp / D = tp / ep after FSDP's average over edp (the factor
 edp / D is 1 / ep when ep does not borrow tp: one formula). The router runs replicated over tp
-on different tokens: its gradient is summed over tp (moe.py, `sum_grad_over_tp`). DCP saves each
+on different tokens: its gradient is summed over tp once a step (functional.py
+`local_with_partial_grad`, settled by kiln/train/step.py settle_grad_placements). DCP saves each
 expert once (Shard(0) over ep x FSDP over edp) and reshards to any other layout.
 """
 

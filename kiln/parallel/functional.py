@@ -8,6 +8,8 @@ module of kiln/parallel, and this module nothing of the model but its loss (kiln
 - `sum_grad_over_tp`: the identity, its gradient summed over tp (Megatron's "f").
 - `grad_share_over_tp`: the identity, its gradient divided by tp, for a replicated tensor whose
   gradient joins partial ones that a reduce-scatter over tp then sums.
+- `local_with_partial_grad`: a replicated DTensor parameter's local tensor whose gradient is left a
+  pending sum (Partial), settled once a step.
 - `parallel_lm_loss`, `parallel_chunked_lm_loss`: the mean loss of vocabulary-sharded logits, or of
   a column-parallel head without the logits (train.loss = "chunked").
 - `dispatch_and_combine`: expert parallelism's all-to-alls around this rank's experts, one row
@@ -34,6 +36,15 @@ def sum_grad_over_tp(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     replicated tensor read by a computation whose weights are sharded. DTensor's own rules: a
     Replicate tensor whose local gradient is declared Partial is all-reduced in backward."""
     return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def local_with_partial_grad(param: DTensor) -> torch.Tensor:
+    """The local tensor of a replicated DTensor parameter that each rank applies to other tokens
+    (the MoE router when ep borrows tp: each tp rank routes its own sequence shard), its gradient
+    accumulated as a Partial DTensor over the micro-batches and summed once a step by
+    kiln/train/step.py settle_grad_placements, as sequence parallelism's norm weights are; not an
+    all-reduce in every micro-batch's backward."""
+    return param.to_local(grad_placements=[Partial()] * param.device_mesh.ndim)
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -29,8 +29,8 @@ over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp 
 all-reduce traffic over edp (`_expert_reduction`) and the experts' gradient norm, one all-reduce
 per dimension of their mesh they are split over. MoE blocks under tp, per block and micro-batch:
 the gates' gradient all-reduced (experts sharded over tp; the tokens' gradient rides the block's
-input reduce-scatter), or, ep borrowing tp, the router weight's gradient all-reduced and the whole
-sequence's routing statistics all-gathered (3 small calls); under cp the queue counts and balance
+input reduce-scatter), or, ep borrowing tp, the whole sequence's routing statistics all-gathered
+(3 small calls) and once a step the router weight's gradient all-reduced; under cp the queue counts and balance
 shares all-gathered over cp (2 calls, the shares' backward a reduce-scatter). Pipeline: the sends
 and receives of torch's schedule, and per step the gradient norm's all-reduce over the stages and
 the loss broadcast; tied embeddings one all-reduce per step of the embedding gradient between the
@@ -234,14 +234,15 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         # MoE blocks, per block and micro-batch (kiln/model/moe.py): with the experts sharded over
         # tp their gates' gradient is all-reduced in backward (the tokens' stays partial, the
         # block's input reduce-scatter sums it); with ep borrowing tp each rank routes its own
-        # tokens: the router weight's gradient all-reduced in backward, and forward all-gathers
-        # the whole sequence's queue counts per expert, balance shares (f, P) and z-loss
+        # tokens: forward all-gathers the whole sequence's queue counts per expert, balance shares
+        # (f, P) and z-loss, and the router weight's gradient, partial, is summed once a step
+        # (functional.py local_with_partial_grad)
         moe = shape.moe_layers / layout.pp
         if moe and layout.ep_borrows_tp:
-            t += all_reduce(cluster, layout.tp, 4 * shape.moe_experts * shape.dim * moe * ga, calls=moe * ga)
+            t += all_reduce(cluster, layout.tp, 4 * shape.moe_experts * shape.dim * moe, calls=moe)
             stats = (8 * layout.micro_batch * (shape.moe_top_k + 1) * shape.moe_experts + 4) * layout.tp
             t += all_gather(cluster, layout.tp, stats * moe * ga, calls=3 * moe * ga)
-            count("all_reduce", moe * ga)
+            count("all_reduce", moe)
             count("all_gather", 3 * moe * ga)
         elif moe:
             t += all_reduce(cluster, layout.tp, 4 * shape.moe_top_k * tokens_rank_mb * moe * ga, calls=moe * ga)

@@ -61,10 +61,10 @@ def deliberate_mistake(kind):
 
         saved = xp._scaled_grad  # edp / D = 1 -> 1 / ep
         return patch_for_one_run(xp, "_scaled_grad", lambda grad, factor: saved(grad, factor / 2))
-    if kind == "router_grad_not_summed":  # MoE looks the helper up at call time
+    if kind == "router_grad_not_summed":  # MoE looks the helper up at call time: the gradient taken as whole
         from kiln.parallel import functional
 
-        return patch_for_one_run(functional, "sum_grad_over_tp", lambda t, mesh: t)
+        return patch_for_one_run(functional, "local_with_partial_grad", lambda param: param.to_local())
     if kind == "capacity_per_tp_shard":
         from kiln.model.moe import MoE
 
