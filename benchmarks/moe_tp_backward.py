@@ -11,7 +11,7 @@ through kiln's `train_step`. Variants, built afresh and run in alternating order
 
   all_reduce      `MoETensorParallel._gather_sequence` patched to the earlier form: the gather's
                   gradient taken as replicated (a slice in backward) after an all-reduce of the
-                  partial sum (`sum_grad_over_tp`); the same numbers, the earlier traffic
+                  partial sum; the same numbers, the earlier traffic
   reduce_scatter  kiln's: the gradient left partial, reduce-scattered by the gather's backward
 
 Reported per tp degree and variant: the step time (median over --steps steps, median over rounds
@@ -51,13 +51,12 @@ VARIANTS = ("all_reduce", "reduce_scatter")
 
 def _gather_then_all_reduce(module, inputs, mesh):
     """The earlier backward: the gathered input's gradient all-reduced over tp, then sliced."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    from kiln.parallel.functional import sum_grad_over_tp
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     (x,) = inputs
-    gathered = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
-    return (sum_grad_over_tp(gathered.to_local(), mesh),)
+    gathered = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+    # the identity, its gradient (a partial sum) all-reduced: Megatron's "f"
+    return (DTensor.from_local(gathered, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()]),)
 
 
 def rank_main(rank: int, world: int, port: int, args, out) -> None:

@@ -193,7 +193,9 @@ class MoE(nn.Module):
         bsz, seqlen, _ = x.shape
         with torch.autocast(x.device.type, enabled=False):
             weight = self.router.weight  # tensor parallel: replicated, a DTensor
-            if self.sp_mesh is not None:  # each tp rank routes other tokens: its gradient is partial
+            if self.sp_mesh is not None or self.tp_mesh is not None:
+                # each tp rank routes other tokens (sp), or sees the experts' outputs for its slice
+                # of their hidden units only (tp): the router's gradient is partial over tp
                 from kiln.parallel.functional import local_with_partial_grad
 
                 weight = local_with_partial_grad(weight)
@@ -324,18 +326,17 @@ class MoE(nn.Module):
         """Routing and sorting, the experts, and the weighted sum, as three steps that
         kiln/parallel/parallelize.py `apply_compile` can compile one by one (expert_parallel.py
         `compile_moe_steps`), leaving the all-to-all and the experts' own FSDP unit eager."""
-        x_router = x
+        token, gate, kept, counts, rows = self.sort_by_expert(x)
         if self.tp_mesh is not None:
-            # The experts see a slice of the hidden units: the gradients they send back to their
-            # replicated inputs are partial sums. The gates' are all-reduced over tp (below); the
-            # tokens' stay partial, and MoETensorParallel reduce-scatters x's gradient, so the
-            # router's replicated share of it is divided by tp here.
-            from kiln.parallel.functional import grad_share_over_tp, sum_grad_over_tp
+            # Under tp (MoETensorParallel) the experts see a slice of the hidden units: the
+            # gradients they send back to their replicated inputs, the tokens and the gates, are
+            # partial sums and stay so: the router weight's is summed once a step (route), x's by
+            # the reduce-scatter of the block's input gather. The aux and z-losses, the same on
+            # every tp rank, join them with a 1/tp share each.
+            from kiln.parallel.functional import grad_share_over_tp
 
-            x_router = grad_share_over_tp(x, self.tp_mesh)
-        token, gate, kept, counts, rows = self.sort_by_expert(x_router, x)
-        if self.tp_mesh is not None:  # identity forward: after the sort as well as before it
-            gate = sum_grad_over_tp(gate, self.tp_mesh)
+            self.last_aux_loss = grad_share_over_tp(self.last_aux_loss, self.tp_mesh)
+            self.last_z_loss = grad_share_over_tp(self.last_z_loss, self.tp_mesh)
         if self.ep_group is None:
             mask = kept[:, None]
             # Dropped rows go in as zeros and come out masked (where, not a product: the experts
@@ -350,19 +351,19 @@ class MoE(nn.Module):
                                  self.ep_node_groups)
         return y.view(x.shape).to(x.dtype)
 
-    def sort_by_expert(self, x: torch.Tensor, x_experts: torch.Tensor):
+    def sort_by_expert(self, x: torch.Tensor):
         """Route x and sort every assignment by expert: kept ones grouped by expert, in (sequence,
         k-major) order within an expert; dropped ones (sort key E) last. Returns the sorted token
         index, gate and kept flag of each assignment, the kept count per expert and the rows
-        (x_experts at each assignment's token; None under expert parallelism, which sends each
-        token once per rank instead). Fixed shapes, no host read: counts by scatter_add
+        (x at each assignment's token; None under expert parallelism, which sends each token once
+        per rank instead). Fixed shapes, no host read: counts by scatter_add
         (bincount reads its max on the host), drops masked rather than removed."""
         dim = x.shape[-1]
         token, expert, gate, keep = self.route(x)
         order = torch.argsort(torch.where(keep, expert, self.n_experts), stable=True)
         token, expert, gate, kept = token[order], expert[order], gate[order], keep[order]
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(0, expert, kept.long())
-        rows = x_experts.reshape(-1, dim)[token] if self.ep_group is None else None
+        rows = x.reshape(-1, dim)[token] if self.ep_group is None else None
         return token, gate, kept, counts, rows
 
     def weighted_sum(self, y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

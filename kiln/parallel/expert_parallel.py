@@ -52,8 +52,8 @@ full output gradient (the reduce-scatter's backward all-gathers it), so its expe
 exactly its hidden slice of the gradient above - the tp ranks hold disjoint slices, not replicas,
 and the 1 / D arithmetic is unchanged (dividing by tp too is the mistake the tests catch). The
 tokens and gates the experts read are replicated over tp, so their gradients, partial per hidden
-slice after the reverse all-to-all, are summed over tp as without ep: the gates' by
-`sum_grad_over_tp`, the tokens' by the reduce-scatter of the block's input gather
+slice after the reverse all-to-all, are summed over tp as without ep: through the router, whose
+weight's gradient is summed once a step, and by the reduce-scatter of the block's input gather
 (tensor_parallel.py MoETensorParallel). DCP saves each (expert, hidden slice) once; the grad
 norm's `full_tensor` sums over edp x ep x tp.
 

@@ -5,9 +5,8 @@ apart from the modules that lay a model out (tensor_parallel.py, expert_parallel
 context_parallel.py), which import the model to find its blocks: the model imports only this
 module of kiln/parallel, and this module nothing of the model but its loss (kiln/model/loss.py).
 
-- `sum_grad_over_tp`: the identity, its gradient summed over tp (Megatron's "f").
-- `grad_share_over_tp`: the identity, its gradient divided by tp, for a replicated tensor whose
-  gradient joins partial ones that a reduce-scatter over tp then sums.
+- `grad_share_over_tp`: the identity, its gradient divided by tp, for a value every tp rank
+  computes alike whose gradient joins partial ones that are summed over tp later.
 - `local_with_partial_grad`: a replicated DTensor parameter's local tensor whose gradient is left a
   pending sum (Partial), settled once a step.
 - `parallel_lm_loss`, `parallel_chunked_lm_loss`: the mean loss of vocabulary-sharded logits, or of
@@ -31,13 +30,6 @@ from kiln import torch_compat
 from kiln.model.loss import CHUNK_TOKENS, IGNORE_INDEX, chunked_lm_loss
 
 
-def sum_grad_over_tp(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
-    """`t` unchanged; its gradient summed over the tp ranks (Megatron's "f" operator), for a
-    replicated tensor read by a computation whose weights are sharded. DTensor's own rules: a
-    Replicate tensor whose local gradient is declared Partial is all-reduced in backward."""
-    return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
-
 def local_with_partial_grad(param: DTensor) -> torch.Tensor:
     """The local tensor of a replicated DTensor parameter that each rank applies to other tokens
     (the MoE router when ep borrows tp: each tp rank routes its own sequence shard), its gradient
@@ -47,23 +39,15 @@ def local_with_partial_grad(param: DTensor) -> torch.Tensor:
     return param.to_local(grad_placements=[Partial()] * param.device_mesh.ndim)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
-
-
 def grad_share_over_tp(t: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
-    """`t` unchanged; its gradient divided by tp. For a replicated tensor read by a replicated
-    computation (the MoE router) beside a sharded one (the experts), where the gradient of the
-    shared input is left partial and reduce-scattered over tp: every rank's identical share of
-    the replicated path's gradient then sums to it once (kiln/model/moe.py, MoETensorParallel)."""
-    return _ScaleGrad.apply(t, 1.0 / tp_mesh.size())
+    """`t` unchanged; its gradient divided by tp. For a value every tp rank computes alike (the
+    MoE's aux and z-losses, from the whole gathered sequence) whose gradient joins partial ones
+    (the experts' hidden slices', through the gates) that are summed over tp afterwards (the
+    router weight's settle, the block input's reduce-scatter): every rank's identical share then
+    sums to it once (kiln/model/moe.py, MoETensorParallel). Plain tensor ops (the value exactly t:
+    the added term is zero), which dynamo traces where a custom autograd.Function failed."""
+    frozen = t.detach()
+    return frozen + (t - frozen) / tp_mesh.size()
 
 
 class _LossParallel(torch.autograd.Function):

@@ -5,7 +5,7 @@ RowwiseParallel / SequenceParallel / PrepareModuleInput, and `loss_parallel`); k
 the plan (which module gets which style, following torchtitan's Llama plan) and, in
 kiln/parallel/functional.py (what the model itself calls), the autograd wrapper that keeps the
 loss's backward inside `loss_parallel` without the caller knowing (`parallel_lm_loss`) and the
-gradient sum over tp of replicated gates read by sharded experts (`sum_grad_over_tp`).
+local view of a replicated parameter whose gradient is a partial sum (`local_with_partial_grad`).
 
 Layout of the residual stream: sharded on the sequence (Shard(1)) between the blocks, as plain
 local tensors. Norms and dropout run on the local sequence shard (SP); attention and the MLP
@@ -26,10 +26,10 @@ so every tp rank routes every token (router replicated; capacity and aux/z losse
 process's, the tokens being the same), each expert's w1/w3 are sharded on their hidden dim
 (Shard(2), column-wise) and w2 on its hidden dim (Shard(1), row-wise), and the partial output is
 reduce-scattered back to the sequence shard. The tokens and gates the experts read are replicated
-while their weights are sharded, so their gradients are partial sums: the gates' all-reduced over
-tp (`sum_grad_over_tp`), for the router to learn from the whole; the tokens' left partial and
-reduce-scattered with the gathered input's gradient in backward, the router's share of it divided
-by tp (`grad_share_over_tp`) so the sum counts it once.
+while their weights are sharded, so their gradients are partial sums, and stay so: the router
+weight's is summed over tp once a step (`local_with_partial_grad`), the tokens' reduce-scattered
+with the gathered input's gradient in backward; the aux and z-losses, alike on every rank, join
+them with a 1/tp share (`grad_share_over_tp`).
 Why not shard the experts whole over tp instead: that is expert parallelism (parallel.ep), which
 composes with this style: ep then slices each tp shard's experts over the data-parallel ranks
 (expert tensor parallel, kiln/parallel/expert_parallel.py). With parallel.etp=1 ep borrows tp
@@ -176,9 +176,9 @@ class MoETensorParallel(ParallelStyle):
     """TP style for an `MoE` block under sequence parallel: input Shard(1) -> gathered, router
     replicated, experts sharded on their hidden dim, output partial -> reduce-scattered to Shard(1).
     Parameters become DTensors on the tp mesh (so clipping, FSDP and DCP see one kind of
-    parameter); the block computes on their local shards and, given `MoE.tp_mesh`, all-reduces
-    its gates' gradients and leaves its tokens' partial, for the gather's backward to
-    reduce-scatter. torch's `distribute_module` does the hooks and the placing."""
+    parameter); the block computes on their local shards and, given `MoE.tp_mesh`, leaves its
+    inputs' gradients partial: the router weight's summed once a step, the tokens' by the
+    gather's backward, a reduce-scatter. torch's `distribute_module` does the hooks and the placing."""
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if isinstance(module, MoE):

@@ -27,10 +27,10 @@ count them once among the nodes and once inside each, from kiln/parallel/functio
 over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp of the tokens
 (etp = 1, whose MoE blocks skip tp's all-gather / reduce-scatter pair); the experts' FSDP or
 all-reduce traffic over edp (`_expert_reduction`) and the experts' gradient norm, one all-reduce
-per dimension of their mesh they are split over. MoE blocks under tp, per block and micro-batch:
-the gates' gradient all-reduced (experts sharded over tp; the tokens' gradient rides the block's
-input reduce-scatter), or, ep borrowing tp, the whole sequence's routing statistics all-gathered
-(3 small calls) and once a step the router weight's gradient all-reduced; under cp the queue counts and balance
+per dimension of their mesh they are split over. MoE blocks under tp: once a step the router
+weight's partial gradient all-reduced (the tokens' gradient rides the block's input
+reduce-scatter), and ep borrowing tp, per block and micro-batch, the whole sequence's routing
+statistics all-gathered (3 small calls); under cp the queue counts and balance
 shares all-gathered over cp (2 calls, the shares' backward a reduce-scatter). Pipeline: the sends
 and receives of torch's schedule, and per step the gradient norm's all-reduce over the stages and
 the loss broadcast; tied embeddings one all-reduce per step of the embedding gradient between the
@@ -231,22 +231,19 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         count("all_gather", gathers * ga)
         count("reduce_scatter", scatters * ga)
         count("all_reduce", norm_reads + 3 * ga + 1)
-        # MoE blocks, per block and micro-batch (kiln/model/moe.py): with the experts sharded over
-        # tp their gates' gradient is all-reduced in backward (the tokens' stays partial, the
-        # block's input reduce-scatter sums it); with ep borrowing tp each rank routes its own
-        # tokens: forward all-gathers the whole sequence's queue counts per expert, balance shares
-        # (f, P) and z-loss, and the router weight's gradient, partial, is summed once a step
-        # (functional.py local_with_partial_grad)
+        # MoE blocks (kiln/model/moe.py): the router weight's gradient is partial over tp (the
+        # gates see the experts' hidden slices, or, ep borrowing tp, each rank routes its own
+        # tokens) and summed once a step; the tokens' gradient rides the block's input
+        # reduce-scatter. Borrowing tp, forward all-gathers per block and micro-batch the whole
+        # sequence's queue counts per expert, balance shares (f, P) and z-loss.
         moe = shape.moe_layers / layout.pp
-        if moe and layout.ep_borrows_tp:
+        if moe:
             t += all_reduce(cluster, layout.tp, 4 * shape.moe_experts * shape.dim * moe, calls=moe)
+            count("all_reduce", moe)
+        if moe and layout.ep_borrows_tp:
             stats = (8 * layout.micro_batch * (shape.moe_top_k + 1) * shape.moe_experts + 4) * layout.tp
             t += all_gather(cluster, layout.tp, stats * moe * ga, calls=3 * moe * ga)
-            count("all_reduce", moe)
             count("all_gather", 3 * moe * ga)
-        elif moe:
-            t += all_reduce(cluster, layout.tp, 4 * shape.moe_top_k * tokens_rank_mb * moe * ga, calls=moe * ga)
-            count("all_reduce", moe * ga)
         exposed += t
         total += t
     # Context parallel (ring attention): K and V pass around the ring, hidden behind attention's

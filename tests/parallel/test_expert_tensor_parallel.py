@@ -38,7 +38,7 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
     "ep2": (4, {"parallel.ep": 2}),
     "tp2": (4, {"parallel.tp": 2}),
 }
-MISTAKES = ("tp_gate_grad_not_summed", "router_share_not_divided_by_tp", "experts_divided_by_ep_x_tp")
+MISTAKES = ("tp_router_grad_not_summed", "aux_z_share_not_divided_by_tp", "experts_divided_by_ep_x_tp")
 
 
 def overrides(text_file, shards, name):
@@ -49,11 +49,11 @@ def overrides(text_file, shards, name):
 
 def deliberate_mistake(kind):
     """Patch one deliberate mistake into this process; returns the undo."""
-    if kind == "tp_gate_grad_not_summed":  # MoE looks the helper up at call time
+    if kind == "tp_router_grad_not_summed":  # MoE looks the helper up at call time
         from kiln.parallel import functional
 
-        return patch_for_one_run(functional, "sum_grad_over_tp", lambda t, mesh: t)
-    if kind == "router_share_not_divided_by_tp":  # then reduce-scattered with the experts' partial sums
+        return patch_for_one_run(functional, "local_with_partial_grad", lambda param: param.to_local())
+    if kind == "aux_z_share_not_divided_by_tp":  # then summed over tp with the gates' partial sums
         from kiln.parallel import functional
 
         return patch_for_one_run(functional, "grad_share_over_tp", lambda t, mesh: t)

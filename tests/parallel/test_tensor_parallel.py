@@ -122,7 +122,7 @@ def run_steps(overrides, tp_mesh=None, plan_edit=None, plain_step=False, loss_im
 # start costs seconds on 2 cores).
 CASES = {"llama": (LLAMA, None), "gpt2": (GPT2, None), "post_norm": (POST_NORM, None), "qk_norm": (QK_NORM, None),
          "llama_wrong_plan": (LLAMA, "_drop_norm_sequence_parallel"), "moe": (MOE, None),
-         "moe_no_grad_sum": (MOE, None), "moe_router_share_whole": (MOE, None)}
+         "moe_no_grad_sum": (MOE, None), "moe_aux_share_whole": (MOE, None)}
 # train.loss='chunked' under tp: name -> (overrides, whether the log-sum-exp is left per rank). The
 # head is tied in Llama (even split of 64) and in GPT-2 tied, untied in GPT-2 (65 = 33 + 32 rows).
 GPT2_TIED = GPT2 + ["model.tie_embeddings=true"]
@@ -141,7 +141,7 @@ def _worker(rank, world, store_path, result_path):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         losses = {}
         for name, (overrides, plan_edit) in CASES.items():
-            broken = {"moe_no_grad_sum": _without_moe_grad_sum, "moe_router_share_whole": _router_share_whole}
+            broken = {"moe_no_grad_sum": _without_moe_grad_sum, "moe_aux_share_whole": _aux_share_whole}
             with broken.get(name, contextlib.nullcontext)():
                 edit = globals()[plan_edit] if plan_edit else None
                 losses[name] = run_steps(overrides, mesh, edit, plain_step=edit is not None)
@@ -174,22 +174,22 @@ def _drop_qk_norm(plan):
 
 @contextlib.contextmanager
 def _without_moe_grad_sum():
-    # The expert-TP bug: the replicated gates get only this rank's hidden units' share of their
-    # gradient (no all-reduce over tp), so the router and earlier layers learn wrongly.
+    # The expert-TP bug: the router's weight gradient, partial over tp (each rank's gates see only
+    # its hidden units' share of the experts' outputs), taken as whole: never summed over tp.
     from kiln.parallel import functional
 
-    saved = functional.sum_grad_over_tp
-    functional.sum_grad_over_tp = lambda t, mesh: t
+    saved = functional.local_with_partial_grad
+    functional.local_with_partial_grad = lambda param: param.to_local()
     try:
         yield
     finally:
-        functional.sum_grad_over_tp = saved
+        functional.local_with_partial_grad = saved
 
 
 @contextlib.contextmanager
-def _router_share_whole():
-    # The tokens' gradient is reduce-scattered over tp as a partial sum; a router's share of it
-    # not divided by tp (it is the same on every rank) would be counted tp times.
+def _aux_share_whole():
+    # Every tp rank computes the same aux and z-losses; their gradients join the gates' partial
+    # ones, summed over tp afterwards: a share not divided by tp is counted tp times.
     from kiln.parallel import functional
 
     saved = functional.grad_share_over_tp
@@ -329,26 +329,26 @@ def test_muon_under_tp2_matches_one_process(tp2):
 
 
 @pytest.mark.timeout(300)
-def test_moe_tp2_without_the_gates_gradient_all_reduce_differs(tp2, moe_one_process):
+def test_moe_tp2_without_the_router_gradient_sum_differs(tp2, moe_one_process):
     expected = moe_one_process
     got = tp2["moe_no_grad_sum"]
     assert got[0] == pytest.approx(expected[0], rel=REL)  # the forward is still right...
     # ...the router's gradient is not (this rank's hidden units' share only): outside the
     # tolerance the equivalence test holds every value to. Deterministic; only the router learns
-    # wrongly, so the errors start small and grow over the steps (to ~5e-4).
+    # wrongly, so the errors start small and grow over the steps.
     rel = [abs(g - e) / abs(e) for g, e in zip(got[1:], expected[1:])]
     assert max(rel) > 20 * REL and sum(r > 2 * REL for r in rel) >= 5, " ".join(f"{r:.1e}" for r in rel)
 
 
 @pytest.mark.timeout(300)
-def test_moe_tp2_with_the_router_share_counted_on_every_rank_differs(tp2, moe_one_process):
-    """The gathered tokens' gradient is reduce-scattered (partial sums of the experts' hidden
-    slices); the router's replicated share enters divided by tp. Undivided, it is summed tp times."""
+def test_moe_tp2_with_the_aux_losses_counted_on_every_rank_differs(tp2, moe_one_process):
+    """The router's gradient is summed over tp after backward (the gates' partial sums); the aux and
+    z-losses, the same on every rank, enter divided by tp. Undivided, they count tp times."""
     expected = moe_one_process
-    got = tp2["moe_router_share_whole"]
+    got = tp2["moe_aux_share_whole"]
     assert got[0] == pytest.approx(expected[0], rel=REL)
     rel = [abs(g - e) / abs(e) for g, e in zip(got[1:], expected[1:])]
-    assert max(rel) > 20 * REL and sum(r > 10 * REL for r in rel) >= 5, rel
+    assert max(rel) > 20 * REL and sum(r > 2 * REL for r in rel) >= 5, " ".join(f"{r:.1e}" for r in rel)
 
 
 @pytest.mark.timeout(300)

@@ -15,13 +15,14 @@ from tests.parallel.ranks import run_ranks
 # *_muon: optim.name muon; *_ga2: train.grad_accum 2 (DDP and HSDP reduce across replicas once a step,
 # FSDP reduce-scatters every micro-batch); *_untied: model.tie_embeddings false (FSDP: the embedding a
 # unit of its own, the head the root's); tp_moe: MoE (4 experts, top-2) under tp 2, the experts sharded over it
-# (the gates' gradient all-reduced per block); tp_ep_borrow: ep 2 borrowing tp's 2 ranks (whole experts,
-# each rank routing its sequence shard: the routing statistics gathered, the router's gradient all-reduced
-# once a step, also over 2 micro-batches: tp_ep_borrow_ga2);
+# (the router's partial gradient summed once a step); tp_ep_borrow: ep 2 borrowing tp's 2 ranks (whole experts,
+# each rank routing its sequence shard: the routing statistics gathered, the router's gradient summed once
+# a step, also over 2 micro-batches: tp_ep_borrow_ga2);
 # cp: ring attention over cp 2 under the trainer's ContextParallel (its sends counted, each with a receive);
 # cp_moe: with MoE (the routing statistics gathered over cp)
 MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2",
-         "fsdp_untied", "zero2_untied", "tp_moe", "tp_ep_borrow", "tp_ep_borrow_ga2", "cp", "cp_moe", "pp")
+         "fsdp_untied", "zero2_untied", "tp_moe", "tp_moe_ga2", "tp_ep_borrow", "tp_ep_borrow_ga2", "cp", "cp_moe",
+         "pp")
 # c10d ops as the profiler names them -> the time model's op names
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_": "all_gather",
@@ -57,7 +58,7 @@ def _counts(rank, n, modes=MODES):
         elif base.startswith("cp"):  # 2 ranks: ring attention over cp 2 (FSDP over the cp ranks)
             extra = ["parallel.cp=2", "parallel.dp_mode='fsdp'"] + (MOE if mode == "cp_moe" else [])
         elif mode.startswith("tp"):
-            extra = ["parallel.tp=2", "parallel.dp_mode='ddp'"] + (MOE if mode == "tp_moe" else [])
+            extra = ["parallel.tp=2", "parallel.dp_mode='ddp'"] + (MOE if base == "tp_moe" else [])
         elif base == "pp":  # 2 ranks: 2 stages, 1F1B over 2 micro-batches of 2 rows
             extra = ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=2",
                      "parallel.dp_mode='ddp'"]
@@ -167,6 +168,7 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
     fsdp = Layout(dp_shard=2, dp_mode="fsdp", micro_batch=2, precision="fp32")
     fsdp_tp = Layout(dp_shard=2, tp=2, dp_mode="fsdp", micro_batch=2, precision="fp32")
     layout = {"tp": tp, "tp_foreach": tp, "tp_muon": tp, "tp_moe": tp,
+              "tp_moe_ga2": Layout(tp=2, micro_batch=2, grad_accum=2, precision="fp32"),
               "tp_ep_borrow": Layout(tp=2, ep=2, etp=1, dp_mode="fsdp", micro_batch=4, precision="fp32"),
               "tp_ep_borrow_ga2": Layout(tp=2, ep=2, etp=1, dp_mode="fsdp", micro_batch=2, grad_accum=2,
                                          precision="fp32"),
