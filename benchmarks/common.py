@@ -119,6 +119,12 @@ def timed_train_steps(model, optimizer, batch, steps: int):
     return statistics.median(times), statistics.median(sent), float(loss), step
 
 
+def slowest_rank_median(ranks: list, values, rounds: int) -> float:
+    """The median over `rounds` of the slowest rank's value in each round; `values(rank_result)`
+    is that rank's list of per-round values."""
+    return statistics.median(max(values(r)[i] for r in ranks) for i in range(rounds))
+
+
 def add_sharded_set_args(parser) -> None:
     """The command-line options of a sharded-optimizer benchmark run over `sharded_parameter_set`:
     the worlds, rounds and steps measured, the parameter set's sizes and the tp degree."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -42,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import gloo_rank_config, print_table, run_ranks, timed_train_steps, write_results  # noqa: E402
+from common import (gloo_rank_config, print_table, run_ranks, slowest_rank_median, timed_train_steps,  # noqa: E402
+                    write_results)
 
 VARIANTS = ("every", "last")
 LAYOUTS = {"ddp": ["parallel.dp_mode='ddp'"],
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                        key=lambda r: r["rank"])  # (in the order they finished): the loss is rank 0's
         rows[layout] = {}
         for v in VARIANTS:
-            step = statistics.median(max(r["results"][v]["step_s"][i] for r in ranks) for i in range(args.rounds))
-            sent = statistics.median(max(r["results"][v]["sent"][i] for r in ranks) for i in range(args.rounds))
+            step = slowest_rank_median(ranks, lambda r: r["results"][v]["step_s"], args.rounds)
+            sent = slowest_rank_median(ranks, lambda r: r["results"][v]["sent"], args.rounds)
             rows[layout][v] = {"step_s": step, "sent_bytes_per_rank": sent, "loss": ranks[0]["results"][v]["loss"]}
         every, last = rows[layout]["every"], rows[layout]["last"]
         table.append([f"{layout} x{world}", f"{every['step_s']:.3f} / {last['step_s']:.3f}",

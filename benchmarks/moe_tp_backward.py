@@ -36,7 +36,6 @@ import argparse
 import collections
 import importlib
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,7 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import gloo_rank_config, print_table, run_ranks, timed_train_steps, write_results  # noqa: E402
+from common import (gloo_rank_config, print_table, run_ranks, slowest_rank_median, timed_train_steps,  # noqa: E402
+                    write_results)
 
 VARIANTS = ("all_reduce", "reduce_scatter")
 
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                        key=lambda r: r["rank"])  # (in the order they finished): the loss is rank 0's
         rows[f"tp{tp}"] = row = {}
         for v in VARIANTS:
-            step = statistics.median(max(r["results"][v]["step_s"][i] for r in ranks) for i in range(args.rounds))
-            sent = statistics.median(max(r["results"][v]["sent"][i] for r in ranks) for i in range(args.rounds))
+            step = slowest_rank_median(ranks, lambda r: r["results"][v]["step_s"], args.rounds)
+            sent = slowest_rank_median(ranks, lambda r: r["results"][v]["sent"], args.rounds)
             row[v] = {"step_s": step, "sent_bytes_per_rank": sent, "loss": ranks[0]["results"][v]["loss"],
                       "c10d_calls": ranks[0]["results"][v]["c10d"]}
         before, after = row["all_reduce"], row["reduce_scatter"]

@@ -204,3 +204,21 @@ def test_adafactor_sharded_times_the_sharded_step_against_one_process(tmp_path):
     assert set(worlds["1"]["step_s"]) == {"torch", "kiln", "adamw"} and set(worlds["2"]["step_s"]) == {"kiln", "adamw"}
     assert worlds["2"]["all_reduces_per_step"] == 3 and worlds["2"]["sent_bytes_per_rank"] > 0
     assert worlds["2"]["difference"] < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_moe_tp_backward_swaps_an_all_reduce_for_a_reduce_scatter_per_block(tmp_path):
+    out = tmp_path / "moe_tp_backward.json"
+    argv = ["--tp", "2", "--rounds", "1", "--steps", "1", "--dim", "64", "--layers", "2", "--heads", "2",
+            "--vocab", "256", "--rows", "2", "--out", str(out)]
+    assert _load("moe_tp_backward").main(argv) == 0
+    row = json.loads(out.read_text())["layouts"]["tp2"]
+    before, after = (row[v]["c10d_calls"] for v in ("all_reduce", "reduce_scatter"))
+
+    def calls(counts, kind):
+        return sum(n for op, n in counts.items() if kind in op)
+
+    # per MoE block (2) one all-reduce of the gathered tokens' gradient becomes a reduce-scatter
+    assert calls(before, "allreduce") - calls(after, "allreduce") == 2
+    assert calls(after, "reduce_scatter") - calls(before, "reduce_scatter") == 2
+    assert row["all_reduce"]["loss"] == pytest.approx(row["reduce_scatter"]["loss"], rel=1e-6)
