@@ -31,11 +31,12 @@ from kiln.model.loss import CHUNK_TOKENS, IGNORE_INDEX, chunked_lm_loss
 
 
 def local_with_partial_grad(param: DTensor) -> torch.Tensor:
-    """The local tensor of a replicated DTensor parameter that each rank applies to other tokens
-    (the MoE router when ep borrows tp: each tp rank routes its own sequence shard), its gradient
-    accumulated as a Partial DTensor over the micro-batches and summed once a step by
-    kiln/train/step.py settle_grad_placements, as sequence parallelism's norm weights are; not an
-    all-reduce in every micro-batch's backward."""
+    """The local tensor of a replicated DTensor parameter whose gradient each rank computes only in
+    part (the MoE router under tp: its gates see the experts' outputs for this rank's hidden slice
+    only, or, ep borrowing tp, it routes this rank's sequence shard only), the gradient accumulated
+    as a Partial DTensor over the micro-batches and summed once a step by kiln/train/step.py
+    settle_grad_placements, as sequence parallelism's norm weights are; not an all-reduce in every
+    micro-batch's backward."""
     return param.to_local(grad_placements=[Partial()] * param.device_mesh.ndim)
 
 

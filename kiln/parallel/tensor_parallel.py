@@ -195,8 +195,9 @@ class MoETensorParallel(ParallelStyle):
     @staticmethod
     def _gather_sequence(module, inputs, mesh):
         # Backward: the gathered input's gradient is partial (the experts see a slice of the hidden
-        # units; the router's replicated share is divided by tp in moe.py), reduce-scattered back to
-        # the sequence shard: Megatron's sequence-parallel "g", not an all-reduce and a slice.
+        # units, and through the gates so does the router; the aux and z-losses' share is divided by
+        # tp in moe.py), reduce-scattered back to the sequence shard: Megatron's sequence-parallel
+        # "g", not an all-reduce and a slice.
         (x,) = inputs
         gathered = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
         return (gathered.to_local(grad_placements=[Partial()]),)
