@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import (add_sharded_set_args, print_table, run_ranks, sharded_parameter_set, socket_bytes,  # noqa: E402
-                    write_results)
+from common import (add_sharded_set_args, print_table, run_ranks, sharded_parameter_set, slowest_rank_median,  # noqa: E402
+                    socket_bytes, write_results)
 
 
 def rank_main(rank: int, world: int, port: int, args, out) -> None:
@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         tp = args.tp if world > 1 else 1
         ranks = run_ranks(target, world, (argparse.Namespace(**{**vars(args), "tp": tp}),),
                           f"adafactor_sharded world {world}", timeout_s=1800)
-        step = {v: statistics.median(max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds))
-                for v in ranks[0]["step_s"]}
+        step = {v: slowest_rank_median(ranks, lambda r: r["step_s"][v], args.rounds) for v in ranks[0]["step_s"]}
         final = next(r["final"] for r in ranks if r["rank"] == 0)  # the queue's order is arrival
         if world == 1:
             baseline, reference = step["torch"], final

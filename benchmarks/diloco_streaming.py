@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import gloo_rank_config, print_table, run_ranks, socket_bytes, write_results  # noqa: E402
+from common import gloo_rank_config, print_table, run_ranks, slowest_rank_median, socket_bytes, write_results  # noqa: E402
 
 VARIANTS = ("diloco", "fragments", "fragments_bf16", "fragments_fp8", "overlapped_bf16")
 
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     target = importlib.import_module(Path(__file__).stem).rank_main  # by module name: spawned ranks import it
     ranks = run_ranks(target, 2, (args,), "diloco_streaming", timeout_s=1800)
 
-    def slowest(key: str, variant: str) -> float:  # median over rounds of the slowest rank
-        return statistics.median(max(r[key][variant][i] for r in ranks) for i in range(args.rounds))
+    def slowest(key: str, variant: str) -> float:
+        return slowest_rank_median(ranks, lambda r: r[key][variant], args.rounds)
 
     rows, table = {}, []
     for v in VARIANTS:

@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import gloo_rank_config, print_table, run_ranks, timed_train_steps, write_results  # noqa: E402
+from common import (gloo_rank_config, print_table, run_ranks, slowest_rank_median, timed_train_steps,  # noqa: E402
+                    write_results)
 from rank_measures import profiled_peak_bytes  # noqa: E402
 
 VARIANTS = ("root", "units")
@@ -123,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in VARIANTS:
             res = [r["results"][v] for r in ranks]
             rows[layout][v] = {
-                "step_s": statistics.median(max(x["step_s"][i] for x in res) for i in range(args.rounds)),
-                "sent_bytes_per_rank": statistics.median(max(x["sent"][i] for x in res) for i in range(args.rounds)),
+                "step_s": slowest_rank_median(res, lambda x: x["step_s"], args.rounds),
+                "sent_bytes_per_rank": slowest_rank_median(res, lambda x: x["sent"], args.rounds),
                 "peak_bytes_rank0": statistics.median(ranks[0]["results"][v]["peak"]),
                 "peak_bytes_rank0_all": ranks[0]["results"][v]["peak"], "loss_rank0": res[0]["loss"]}
         before, now = rows[layout]["root"], rows[layout]["units"]

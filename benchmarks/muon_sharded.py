@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import (add_sharded_set_args, print_table, run_ranks, sharded_parameter_set, socket_bytes,  # noqa: E402
-                    write_results)
+from common import (add_sharded_set_args, print_table, run_ranks, sharded_parameter_set, slowest_rank_median,  # noqa: E402
+                    socket_bytes, write_results)
 
 VARIANTS = ("gather", "split")
 
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in worlds:
         target = importlib.import_module(Path(__file__).stem).rank_main  # by module name: spawned ranks import it
         ranks = run_ranks(target, world, (args,), f"muon_sharded world {world}", timeout_s=1800)
-        step = {v: statistics.median(max(r["step_s"][v][i] for r in ranks) for i in range(args.rounds))
-                for v in VARIANTS}
+        step = {v: slowest_rank_median(ranks, lambda r: r["step_s"][v], args.rounds) for v in VARIANTS}
         per_round = [max(r["step_s"]["gather"][i] for r in ranks) / max(r["step_s"]["split"][i] for r in ranks)
                      for i in range(args.rounds)]
         rows[world] = {"step_s": step, "speedup_per_round": per_round,
