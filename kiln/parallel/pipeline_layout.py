@@ -6,7 +6,6 @@ planner (kiln/plan/) and the memory estimate use it without building a pipeline
 
 from __future__ import annotations
 
-from kiln import torch_compat
 from kiln.config import JobConfig
 from kiln.errors import ConfigError
 
@@ -27,6 +26,8 @@ def n_microbatches(cfg: JobConfig) -> int:
 
 def check_pipeline_config(cfg: JobConfig) -> None:
     """Everything about pp that can be wrong, checked before any work (one line naming the key)."""
+    from kiln import torch_compat  # here: the planner imports this module without torch
+
     p = cfg.parallel
     if p.pp == 1:
         return

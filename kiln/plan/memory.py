@@ -72,6 +72,7 @@ import functools
 from dataclasses import dataclass, field
 
 from kiln.config import ModelConfig
+from kiln.parallel.pipeline_layout import V_SHAPED, ZERO_BUBBLE, stage_layer_ranges, stages_of_rank
 from kiln.parallel.zero1_partition import partition
 
 # Optimizer state in bytes per fp32 parameter: two moments for adamw/lamb (muon: AdamW's two for
@@ -83,9 +84,6 @@ ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float8": 2}
 DDP_BUCKET_BYTES = 25 * 2**20
 LOSS_CHUNK_TOKENS = 1024  # kiln/model/loss.py chunked_lm_loss works on chunks of about this many tokens
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-# kiln/parallel/pipeline_layout.py's ZERO_BUBBLE and V_SHAPED (that module imports torch; this one does not)
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-V_SHAPED = ("zbv_zero_bubble", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -493,22 +491,32 @@ def recomputed_matmul_blocks(ac: str, n_layers: int) -> int:
     return 0 if ac == "op" else recomputed_blocks(ac, n_layers)
 
 
+def rank_chunks(shape: ModelShape, layout: Layout, last: bool = False) -> list[range]:
+    """The blocks of each stage chunk on the pipeline's first (or, `last`, last) rank, in kiln's
+    split (pipeline_layout.py stage_layer_ranges: earlier stages take the remainder; stages_of_rank:
+    looped, or a V). pp = 1: one chunk, the whole model."""
+    if layout.pp == 1:
+        return [range(shape.n_layers)]
+    virtual = 2 if layout.schedule in V_SHAPED else layout.virtual_stages
+    ranges = stage_layer_ranges(shape.n_layers, layout.pp * virtual, [])
+    return [ranges[s] for s in stages_of_rank(layout.schedule, layout.pp, virtual, layout.pp - 1 if last else 0)]
+
+
 def stage_contents(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[int, bool, bool, bool]:
     """(blocks, embedding, head, final norm) of one rank of the pipeline's first (or, `last`, last)
     stage; head is a tensor of its own (an untied head, or under pp a tied model's copy of the
-    embedding). pp = 1: the whole model. pp > 1: kiln's split (pipeline_layout.py
-    stage_layer_ranges, earlier stages take the remainder): the first rank holds ceil(L/pp) blocks
-    and the embedding, the last L//pp blocks, the final norm and the head, which for tied
+    embedding). pp = 1: the whole model. pp > 1: the blocks of the rank's chunks (`rank_chunks`),
+    the first rank the embedding, the last the final norm and the head, which for tied
     embeddings is the last stage's own copy of the embedding (kiln/parallel/pipeline_tied.py,
     Megatron-LM's): weight, gradient and optimizer state on both ends. A V (ZBV, DualPipeV) puts
     the first and the last stage on rank 0 (both ends there; `last` is then a middle rank)."""
-    p, n_layers = layout.pp, shape.n_layers
-    zbv = p > 1 and layout.schedule in V_SHAPED
-    if p == 1:
-        return n_layers, True, not shape.tied, True
+    blocks = sum(len(chunk) for chunk in rank_chunks(shape, layout, last))
+    zbv = layout.pp > 1 and layout.schedule in V_SHAPED
+    if layout.pp == 1:
+        return blocks, True, not shape.tied, True
     if not last:
-        return -(-n_layers // p), True, zbv, zbv
-    return n_layers // p, False, not zbv, not zbv
+        return blocks, True, zbv, zbv
+    return blocks, False, not zbv, not zbv
 
 
 def rank_params(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[float, float, int]:

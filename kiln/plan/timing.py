@@ -22,8 +22,8 @@ reduce-scatter as an all-reduce of the whole tensor (the profiler shows gloo:all
 each reduce-scatter), so it costs one.
 Expert parallelism: 4 all-to-alls of the routed rows (one per token and expert rank,
 `ranks_per_token`) per MoE block and micro-batch, plus one of the counts per dispatch and two of
-the assignments' row index and gate (profiled at one level; two levels, parallel.ep_node_ranks,
-count them once among the nodes and once inside each, from kiln/parallel/functional.py),
+the assignments' row index and gate (two levels, parallel.ep_node_ranks, count them once among
+the nodes and once inside each, kiln/parallel/functional.py),
 over ep ranks tp apart (etp = tp) or ep consecutive ranks each routing its 1/tp of the tokens
 (etp = 1, whose MoE blocks skip tp's all-gather / reduce-scatter pair); the experts' FSDP or
 all-reduce traffic over edp (`_expert_reduction`) and the experts' gradient norm, one all-reduce
@@ -33,8 +33,10 @@ reduce-scatter), and ep borrowing tp, per block and micro-batch, the whole seque
 statistics all-gathered (3 small calls); under cp the queue counts and balance
 shares all-gathered over cp (2 calls, the shares' backward a reduce-scatter). Pipeline: the sends
 and receives of torch's schedule, and per step the gradient norm's all-reduce over the stages and
-the loss broadcast; tied embeddings one all-reduce per step of the embedding gradient between the
-first and the last stage's ranks. Context parallel: the ring's sends, each with its receive.
+the loss broadcast (MoE: two more all-reduces, of the aux losses and of the largest expert load);
+tied embeddings one all-reduce per step of the embedding gradient between the first and the
+last stage's ranks; FSDP's units counted on the fuller end's rank (`fuller_end`), a block kept
+gathered from forward to backward at the end of each of its stage chunks. Context parallel: the ring's sends, each with its receive.
 A group that spans nodes runs at the inter-node link's bandwidth (one NIC per GPU); a rail-only
 network adds an NVLink hop to all-to-all, which leaves its rail. FLOPs per token are the PaLM
 convention 6N + 12*L*dim*seq (Chowdhery et al. 2022, appendix B), plus one more forward for
@@ -81,8 +83,8 @@ from kiln.plan.comm_cost import all_gather, all_reduce, all_to_all, broadcast, p
 from kiln.plan.diloco import outer_sync_seconds, replica_cluster
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, ZERO_BUBBLE, Layout,
                               ModelShape, fsdp_end_units, rank_memory, rank_params, recomputed_blocks,
-                              recomputed_matmul_blocks, muon_matrix_fraction, resharded_after_forward,
-                              stage_contents, zero1_fullest_share)
+                              rank_chunks, recomputed_matmul_blocks, muon_matrix_fraction,
+                              resharded_after_forward, stage_contents, zero1_fullest_share)
 from kiln.plan.muon_cost import muon_exchanges, muon_seconds
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
@@ -140,6 +142,16 @@ def fsdp_units(shape: ModelShape, layout: Layout, last: bool = False) -> tuple[i
     return blocks + (own_embedding > 0) + (root > 0), blocks, own_embedding + root
 
 
+def fuller_end(shape: ModelShape, layout: Layout) -> bool:
+    """Whether the pipeline's last rank (True) or first (False) holds more parameters
+    (rank_params: the embedding on the first stage, the head - for tied embeddings a copy - and
+    the final norm on the last): the rank whose collectives step_time counts. pp = 1: False."""
+    if layout.pp == 1:
+        return False
+    first, last = (sum(rank_params(shape, layout, end)[:2]) for end in (False, True))
+    return last > first
+
+
 def compute_share(cluster: Cluster, layout: Layout) -> float:
     """The fraction of a device each rank computes at: 1, or cores / processes when a node's
     processes outnumber its `cores_per_node` (CPU processes time-share the cores)."""
@@ -186,10 +198,9 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
 
     act = {"fp32": 4}.get(layout.precision, 2)
     param_bytes = 4 if layout.precision == "fp32" else 2
-    # the fuller end of the pipeline (rank_params: the embedding on the first stage, the head - for
-    # tied embeddings a copy - on the last); the data-parallel reduction waits for it
-    ends = [(rank_params(shape, layout, last), last) for last in ((False, True) if layout.pp > 1 else (False,))]
-    (dense, experts, _), fuller_last = max(ends, key=lambda e: e[0][0] + e[0][1])
+    # the data-parallel reduction waits for the fuller end of the pipeline
+    fuller_last = fuller_end(shape, layout)
+    dense, experts, _ = rank_params(shape, layout, fuller_last)
     exposed, total = 0.0, 0.0
     calls: dict[str, float] = {}  # collective calls by op
     launched, copied = 0.0, 0.0  # calls waited on in turn (each pays the launch cost); bytes copied
@@ -312,9 +323,11 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         count("p2p", hops * ga)
         # per step (kiln/parallel/pipeline.py pipeline_train_step) the gradient norm's squares summed
         # over the stages and the last stage's loss broadcast to them, over ranks the rest apart
+        # (MoE: also the aux and z-losses summed and the largest expert load taken over the stages)
         apart = layout.dp * layout.cp * layout.tp
-        t += all_reduce(cluster, layout.pp, 4, apart) + broadcast(cluster, layout.pp, 4, apart)
-        count("all_reduce", 1)
+        sums, nbytes = (3, 16) if shape.moe_layers else (1, 4)
+        t += all_reduce(cluster, layout.pp, nbytes, apart, calls=sums) + broadcast(cluster, layout.pp, 4, apart)
+        count("all_reduce", sums)
         count("broadcast", 1)
         exposed += t
         total += t
@@ -353,7 +366,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             units, blocks, ends = fsdp_units(shape, layout, fuller_last)
             own_embedding = fsdp_end_units(shape, layout, fuller_last)[0]
             # FSDP2 all-gathers each unit before its forward and (fsdp: resharded after forward)
-            # each block again before its backward, except the last (kiln keeps it), not the root
+            # each block again before its backward, except each stage chunk's last (kiln keeps it:
+            # under pp one per chunk of the rank, interleaved v of them), not the root
             # (kept from forward: it starts backward) nor an untied embedding (its backward reads no
             # weight). pp = 1: every micro-batch. Under pp torch's stage keeps a unit gathered from
             # a backward until a forward reshards it (`set_reshard_after_backward(False)` until the
@@ -362,7 +376,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             # a forward; the last pass is a backward), an untied embedding m, a kept unit once.
             # Zero-bubble pipelines keep every unit gathered until backward (kiln/parallel/
             # pipeline.py keep_gathered_until_backward); zero2 keeps its blocks.
-            resharded_blocks = blocks - 1 if resharded_after_forward(layout) and blocks else 0
+            kept = sum(1 for chunk in rank_chunks(shape, layout, fuller_last) if chunk)
+            resharded_blocks = blocks - kept if resharded_after_forward(layout) else 0
             again = (dense - ends) * resharded_blocks / blocks if blocks else 0.0
             if layout.pp == 1:
                 gathers, gathered = (units + resharded_blocks) * ga, (dense + again) * ga
@@ -484,17 +499,16 @@ def _expert_reduction(cluster: Cluster, shape: ModelShape, layout: Layout, exper
     norm = sum(all_reduce(cluster, n, 4, apart) for n, apart in split)
     if edp == 1:
         return norm
-    calls = math.ceil(moe_blocks)
+    chunks = rank_chunks(shape, layout, last)
+    calls = sum(shape.is_moe_block(i) for chunk in chunks for i in chunk)  # the rank's MoE blocks
     if replicated:
         passes = layout.grad_accum if layout.pp > 1 else 1
         tensors = calls * (3 if shape.gated else 2) * passes
         count("all_reduce", tensors)
         return norm + all_reduce(cluster, edp, 4 * experts * passes, stride, calls=tensors)
-    resharded = 0  # expert units resharded after forward: all but the stage's last block's
+    resharded = 0  # expert units resharded after forward: all but each stage chunk's last block's
     if resharded_after_forward(layout):
-        blocks = stage_contents(shape, layout, last)[0]
-        last_block = shape.n_layers - 1 if last or layout.pp == 1 else blocks - 1
-        resharded = calls - shape.is_moe_block(last_block)
+        resharded = calls - sum(shape.is_moe_block(chunk[-1]) for chunk in chunks if chunk)
     m = layout.grad_accum
     if layout.pp == 1:  # every micro-batch; a resharded unit again for its backward
         gathers = (calls + resharded) * m

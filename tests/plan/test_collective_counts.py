@@ -1,7 +1,8 @@
 """The time model's collective counts (kiln/plan/timing.py `StepTime.calls`) equal what kiln's own
 layouts issue: one trainer step (kiln/train/step.py `train_step`) of a tiny model on 2 gloo
 processes (4 for FSDP over tp, HSDP and the expert-parallel data-parallel layouts) under
-torch.profiler, whose c10d op events are counted by kind (an op the map below lacks fails by name);
+torch.profiler, whose c10d op events are counted by kind (an op the map below lacks fails by name) on
+rank 0 and on the last rank (under pp the last stage's: the model counts the fuller end);
 `*_muon` with optim.name muon (its exchanges: kiln/plan/muon_cost.py `muon_exchanges`). A model that guessed a
 count (a 1 MiB first DDP bucket, a root gathered again for backward, TP's collectives per block,
 the experts' norm over one mesh dimension) fails here."""
@@ -19,10 +20,11 @@ from tests.parallel.ranks import run_ranks
 # each rank routing its sequence shard: the routing statistics gathered, the router's gradient summed once
 # a step, also over 2 micro-batches: tp_ep_borrow_ga2);
 # cp: ring attention over cp 2 under the trainer's ContextParallel (its sends counted, each with a receive);
-# cp_moe: with MoE (the routing statistics gathered over cp)
+# cp_moe: with MoE (the routing statistics gathered over cp); pp_moe: 2 stages of MoE blocks (the aux losses
+# summed and the largest load taken over the stages once a step)
 MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2",
          "fsdp_untied", "zero2_untied", "tp_moe", "tp_moe_ga2", "tp_ep_borrow", "tp_ep_borrow_ga2", "cp", "cp_moe",
-         "pp")
+         "pp", "pp_moe")
 # c10d ops as the profiler names them -> the time model's op names
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_": "all_gather",
@@ -30,6 +32,10 @@ C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d
         "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
         "c10d::send": "p2p", "c10d::recv_": "p2p"}
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
+# depths other than 3: ZBV 4 blocks (2 per rank); interleaved 1F1B 5 (chunks of 2 + 1 on rank 0, the fuller end:
+# a block kept per chunk); pp x ep 4 (2 MoE blocks per stage; the last stage, with the norm, the fuller end)
+LAYERS = {"pp_zbv_fsdp": ["model.n_layers=4"], "pp_interleaved_fsdp": ["model.n_layers=5"],
+          "pp_ep_fsdp": ["model.n_layers=4"]}
 OVERRIDES = ["model.dim=64", "model.n_layers=3", "model.n_heads=2", "model.vocab_size=256", "data.seq_len=32",
              "model.max_seq_len=32", "train.dtype=fp32", "train.batch_size=4"]
 
@@ -62,10 +68,18 @@ def _counts(rank, n, modes=MODES):
         elif base == "pp":  # 2 ranks: 2 stages, 1F1B over 2 micro-batches of 2 rows
             extra = ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=2",
                      "parallel.dp_mode='ddp'"]
+        elif base == "pp_moe":  # 2 ranks: 2 stages of MoE blocks, 1F1B over 2 micro-batches of 2 rows
+            extra = ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=2",
+                     "parallel.dp_mode='ddp'", *MOE]
         elif base.endswith("_fsdp"):  # 4 ranks: 2 stages x FSDP over 2, 4 micro-batches of 1 row
-            schedule = {"pp_fsdp": "1f1b", "pp_gpipe_fsdp": "gpipe", "pp_zbv_fsdp": "zbv_zero_bubble"}[base]
+            schedule = {"pp_fsdp": "1f1b", "pp_gpipe_fsdp": "gpipe", "pp_zbv_fsdp": "zbv_zero_bubble",
+                        "pp_interleaved_fsdp": "interleaved_1f1b", "pp_ep_fsdp": "1f1b"}[base]
             extra = ["parallel.pp=2", f"parallel.pp_schedule={schedule!r}", "parallel.pp_microbatches=4",
-                     "parallel.dp_mode='fsdp'"] + (["model.n_layers=4", "parallel.pp_virtual_stages=2"] if "zbv" in base else [])
+                     "parallel.dp_mode='fsdp'", *LAYERS.get(base, [])]
+            extra += ["parallel.pp_virtual_stages=2"] if schedule in ("zbv_zero_bubble", "interleaved_1f1b") else []
+            extra += ["parallel.ep=2", *MOE] if base == "pp_ep_fsdp" else []
+        elif base == "ddp_ep_two_level":  # 4 ranks: ep 4 over the data-parallel ranks, 2 ep ranks a node
+            extra = ["parallel.dp_mode='ddp'", "parallel.ep=4", "parallel.ep_node_ranks=2", *MOE]
         elif base == "hsdp":  # 4 ranks: 2 replicas x FSDP over 2
             extra = ["parallel.dp_mode='fsdp'", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
         elif base.endswith("_ep_tp"):  # 4 ranks: data parallel over 2 x tp 2, the experts over ep 2 (edp 1)
@@ -89,7 +103,7 @@ def _counts(rank, n, modes=MODES):
         tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
         if mode.startswith("cp"):  # both cp ranks the same rows (each its zig-zag chunks)
             tokens = tokens[:2]
-        elif mode == "pp":  # the stages the same 4 rows
+        elif mode in ("pp", "pp_moe"):  # the stages the same 4 rows
             tokens = tokens[:4]
         elif mode.startswith("pp"):  # this replica's 4 rows
             tokens = tokens[dims.dp_rank * 4:(dims.dp_rank + 1) * 4]
@@ -132,16 +146,20 @@ def _counts(rank, n, modes=MODES):
 # Muon: a gather per matrix down to tp's cut, then tp's exchange; HSDP: the all-reduce across replicas once a step;
 # ddp x ep: edp 2 (4 ranks), the experts' all-reduce once a step; fsdp/zero2 x ep: the experts FSDP over edp 2
 # (the last block's kept for backward), their norm over edp and ep; *_ep_tp: dp 2 x tp 2, ep 2 (edp 1), the
-# experts' norm over ep and tp
+# experts' norm over ep and tp; pp_*fsdp: 2 stages x FSDP over 2 (interleaved: a kept block per stage chunk;
+# pp_ep_fsdp: MoE, ep 2 over the stage's 2 ranks); ddp_ep_two_level: ep 4 dispatched among 2 nodes of 2 ranks
+# (parallel.ep_node_ranks)
 FOUR_RANK_MODES = ("fsdp_tp", "fsdp_tp_muon", "hsdp_ga2", "ddp_ep_ga2", "ddp_ep", "fsdp_ep", "zero2_ep", "fsdp_ep_tp",
-                   "ddp_ep_tp", "pp_fsdp", "pp_gpipe_fsdp", "pp_zbv_fsdp")
+                   "ddp_ep_tp", "pp_fsdp", "pp_gpipe_fsdp", "pp_zbv_fsdp", "pp_interleaved_fsdp", "pp_ep_fsdp",
+                   "ddp_ep_two_level")
 
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
-    two = run_ranks(_counts, 2, tmp_path_factory.mktemp("counts"), timeout=240)[0]
-    four = run_ranks(_counts, 4, tmp_path_factory.mktemp("counts4"), FOUR_RANK_MODES, timeout=240)[0]
-    return {**two, **four}
+    """mode -> (rank 0's counts, the last rank's): under pp the first and the last stage's."""
+    two = run_ranks(_counts, 2, tmp_path_factory.mktemp("counts"), timeout=240)
+    four = run_ranks(_counts, 4, tmp_path_factory.mktemp("counts4"), FOUR_RANK_MODES, timeout=240)
+    return {mode: (ranks[0][mode], ranks[-1].get(mode)) for ranks in (two, four) for mode in ranks[0]}
 
 
 def test_under_pp_fsdp_keeps_a_block_gathered_from_its_backward_to_the_next_forward(counted):
@@ -150,7 +168,7 @@ def test_under_pp_fsdp_keeps_a_block_gathered_from_its_backward_to_the_next_forw
     units gathered after each backward but the step's last. 1F1B, first of 2 stages, 4 micro-batches
     (F F B F B F B B): the first block is resharded after the first two forwards, gathered when the
     two forwards that follow a backward start."""
-    assert counted["pp_fsdp gathered at forward"] == [False, False, True, True]
+    assert counted["pp_fsdp gathered at forward"][0] == [False, False, True, True]
 
 
 @pytest.mark.parametrize("mode", MODES + FOUR_RANK_MODES)
@@ -158,11 +176,10 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
     from kiln.config import load_config
     from kiln.plan.cluster import load_cluster
     from kiln.plan.memory import Layout, ModelShape
-    from kiln.plan.timing import step_time
+    from kiln.plan.timing import fuller_end, step_time
 
     cfg = load_config(None, OVERRIDES + (["model.tie_embeddings=false"] if mode.endswith("_untied") else [])
-                      + (["model.n_layers=4"] if "zbv" in mode else [])
-                      + (MOE if "_ep" in mode or "_moe" in mode else []))
+                      + LAYERS.get(mode, []) + (MOE if "_ep" in mode or "_moe" in mode else []))
     shape = ModelShape.from_config(cfg.model, 256)
     tp = Layout(tp=2, micro_batch=4, precision="fp32")
     fsdp = Layout(dp_shard=2, dp_mode="fsdp", micro_batch=2, precision="fp32")
@@ -175,9 +192,14 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
               "cp": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "cp_moe": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "pp": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
-              **{f"pp_{name}fsdp": Layout(pp=2, dp_shard=2, dp_mode="fsdp", schedule=schedule, grad_accum=4, virtual_stages=2 if "zbv" in schedule else 1,
-                                           micro_batch=1, precision="fp32")
-                 for name, schedule in (("", "1f1b"), ("gpipe_", "gpipe"), ("zbv_", "zbv_zero_bubble"))},
+              "pp_moe": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
+              **{f"pp_{name}fsdp": Layout(pp=2, dp_shard=2, dp_mode="fsdp", schedule=schedule, grad_accum=4,
+                                           virtual_stages=1 if schedule in ("1f1b", "gpipe") else 2,
+                                           ep=2 if name == "ep_" else 1, micro_batch=1, precision="fp32")
+                 for name, schedule in (("", "1f1b"), ("gpipe_", "gpipe"), ("zbv_", "zbv_zero_bubble"),
+                                        ("interleaved_", "interleaved_1f1b"), ("ep_", "1f1b"))},
+              "ddp_ep_two_level": Layout(dp_replicate=4, dp_mode="ddp", ep=4, ep_node_ranks=2, micro_batch=2,
+                                         precision="fp32"),
               "fsdp": fsdp, "fsdp_muon": fsdp,
               "fsdp_tp": fsdp_tp, "fsdp_tp_muon": fsdp_tp,
               "ddp_ga2": Layout(dp_replicate=2, dp_mode="ddp", micro_batch=1, grad_accum=2, precision="fp32"),
@@ -205,9 +227,14 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
         # tp's cut in three all-gathers where 2.11 on takes one (72 counted, 42 modelled; 2.10 not
         # run): the model follows 2.11 on
         predicted["all_gather"] += 2 * 5 * 3  # q, k, v, w1, w3 in each of the 3 blocks
-    if mode == "fsdp_ep_tp" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11):
+    if mode in ("fsdp_ep_tp", "pp_ep_fsdp") and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11):
         # edp is 1 here: torch 2.9 still issues a collective over that 1-rank group (a reduce-scatter per
-        # expert unit, one per MoE block, and an all-reduce for the experts' norm over it), 2.11 on none
-        predicted["reduce_scatter"] += 3
+        # expert unit, one per MoE block of the rank, and an all-reduce for the experts' norm over it),
+        # 2.11 on none
+        from kiln.plan.memory import rank_chunks
+
+        chunks = rank_chunks(shape, layout, fuller_end(shape, layout))
+        predicted["reduce_scatter"] += sum(shape.is_moe_block(i) for chunk in chunks for i in chunk)
         predicted["all_reduce"] += 1
-    assert predicted == counted[mode]
+    # the time model counts the fuller end of a pipeline (its data-parallel reduction is the longer)
+    assert predicted == counted[mode][fuller_end(shape, layout)]
