@@ -463,7 +463,10 @@ class ParallelConfig:
     #   zero2: FSDP2 with reshard_after_forward=False (params kept gathered from forward to backward)
     #   fsdp:  FSDP2 = ZeRO-3 (params resharded after forward); with dp_replicate > 1 this is HSDP
     dp_mode: str = ranged("auto", choices=("auto", "ddp", "zero1", "zero2", "fsdp"))
-    reduce_dtype: str = ranged("fp32", choices=("fp32", "bf16"))  # dtype FSDP2 reduce-scatters gradients in
+    # dtype data parallelism sends gradients in (FSDP2's reduce-scatter and HSDP all-reduce, DDP's and
+    # ZeRO-1's bucket all-reduce, kiln's replicas under tp / zero-bubble pp, replicated experts');
+    # bf16 halves the bytes, the sums landing in fp32 gradients
+    reduce_dtype: str = ranged("fp32", choices=("fp32", "bf16"))
     # fsdp: the ranks a block's parameters stay sharded over from its forward to its backward
     # (FSDP2's reshard_after_forward=k; ZeRO++'s hierarchical partitioning, hpZ). 0: all of
     # dp_shard x cp (ZeRO-3). k, a divisor of dp_shard x cp: backward all-gathers over k

@@ -39,6 +39,10 @@ Which torch API does what (nothing here is a hand-written collective):
            experts (`Zero1Optimizer`: its state_dict is a plain optimizer's format holding this
            rank's share, which each rank saves alone: kiln/parallel/zero1_shards.py)
   zero2 / fsdp / hsdp -> FSDP2 `fully_shard` in kiln/parallel/parallelize.py
+  parallel.reduce_dtype = "bf16" -> FSDP2's `MixedPrecisionPolicy(reduce_dtype)`; a DDP comm
+           hook (`bf16_mean_hook`, torch's `register_comm_hook`: the bucket divided, sent and
+           summed in bf16, copied back into the fp32 gradients); kiln's `Replicas` buckets the
+           same way; the replicated experts' all-reduce likewise (kiln/parallel/expert_parallel.py)
 """
 
 from __future__ import annotations
@@ -111,8 +115,24 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, grad_accum: int = 1) -> None
         # parameter into a local tensor (its DDP + TP workaround), ignored modules included,
         # which would cut the experts off from their gradients.
         replicate(model, process_group=mesh.get_group(), bucket_cap_mb=25, ignored_modules=experts)
-        return
-    replicate(model, device_mesh=mesh, bucket_cap_mb=25, ignored_modules=experts)
+    else:
+        replicate(model, device_mesh=mesh, bucket_cap_mb=25, ignored_modules=experts)
+    if dims.grad_wire_dtype is not None:
+        model.register_comm_hook(mesh.get_group(), bf16_mean_hook)
+
+
+def bf16_mean_hook(group, bucket):  # unannotated: DDP compares annotations with classes, not strings
+    """DDP comm hook for parallel.reduce_dtype = "bf16": the bucket divided by the group size,
+    all-reduced in bf16 and copied back into the fp32 bucket. torch's `bf16_compress_hook` does the
+    same but DDP refuses it by name without CUDA and NCCL, so the CPU/gloo runs (and their tests)
+    could not use it; this one divides before the cast, as kiln's `Replicas` do."""
+    buffer = bucket.buffer()
+    wire = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)
+
+    def copy_back(fut):
+        return buffer.copy_(fut.value()[0])
+
+    return dist.all_reduce(wire, group=group, async_op=True).get_future().then(copy_back)
 
 
 def replicate_stage(chunk: nn.Module, dims: ParallelDims) -> nn.Module:
@@ -129,7 +149,11 @@ def replicate_stage(chunk: nn.Module, dims: ParallelDims) -> nn.Module:
 
     if dims.ep > 1:
         leave_experts_to_expert_parallel(chunk)
-    return DistributedDataParallel(chunk, process_group=grad_mesh(dims).get_group(), bucket_cap_mb=25)
+    group = grad_mesh(dims).get_group()
+    ddp = DistributedDataParallel(chunk, process_group=group, bucket_cap_mb=25)
+    if dims.grad_wire_dtype is not None:
+        ddp.register_comm_hook(group, bf16_mean_hook)
+    return ddp
 
 
 def leave_experts_to_expert_parallel(chunk: nn.Module) -> set[str]:
@@ -172,9 +196,10 @@ class Replicas:
 
     BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 
-    def __init__(self, group, bucket_cap_mb: float = 25):
+    def __init__(self, group, bucket_cap_mb: float = 25, wire_dtype: torch.dtype | None = None):
         self.group = group
         self.bucket_cap_mb = bucket_cap_mb
+        self.wire_dtype = wire_dtype  # parallel.reduce_dtype bf16: each bucket all-reduced in bf16
         self.params: list[nn.Parameter] = []
         self.buckets: list[list[nn.Parameter]] = []
         self._inflight: dict[int, tuple] = {}
@@ -214,6 +239,8 @@ class Replicas:
         flat = _flatten_dense_tensors(grads).div_(self.size)
         if scale != 1.0:
             flat.mul_(scale)
+        if self.wire_dtype is not None:  # divided first (in fp32), as DDP's bf16_compress_hook sends it
+            flat = flat.to(self.wire_dtype)
         self._inflight[index] = (grads, flat, dist.all_reduce(flat, group=self.group, async_op=True))
 
     def _wait_all(self) -> None:
@@ -256,7 +283,7 @@ class SplitBackwardReplicas(Replicas):
     in the weight pass too (`autograd.grad` runs tensor hooks; tests/parallel/test_expert_replicated.py)."""
 
     def __init__(self, chunks: list[nn.Module], dims: ParallelDims, bucket_cap_mb: float = 25):
-        super().__init__(grad_mesh(dims).get_group(), bucket_cap_mb)
+        super().__init__(grad_mesh(dims).get_group(), bucket_cap_mb, dims.grad_wire_dtype)
         seen: set[int] = set()
         params, buffers, part_of = [], [], {}
         for index, chunk in enumerate(chunks):  # DDP's constructor, per chunk as replicate_stage's DDP would do it
@@ -341,7 +368,7 @@ class OverlappedReplicas(Replicas):
     parallel.ep the experts are left to expert_parallel.py (as `apply_ddp`'s ignored_modules)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, grad_accum: int, bucket_cap_mb: float = 25):
-        super().__init__(grad_mesh(dims).get_group(), bucket_cap_mb)
+        super().__init__(grad_mesh(dims).get_group(), bucket_cap_mb, dims.grad_wire_dtype)
         self.grad_accum, self.forwards, self.armed, self.built = grad_accum, 0, False, False
         self.leave_experts = dims.ep > 1
         self._callback_queued = False

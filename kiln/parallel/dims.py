@@ -48,10 +48,18 @@ class ParallelDims:
     # DiLoCo (parallel.diloco_inner_steps > 0): the dp_replicate ranks are replicas that never
     # reduce gradients with each other (kiln/parallel/diloco.py); every group below stays inside one.
     diloco: bool = False
+    # parallel.reduce_dtype: what data parallelism sends gradients in (FSDP2's reduce-scatter, DDP's
+    # and kiln's replicas' all-reduce, the replicated experts'); sums land in the fp32 gradients.
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.etp is None:
             self.etp = self.tp
+
+    @property
+    def grad_wire_dtype(self) -> torch.dtype | None:
+        """The dtype data-parallel gradient reductions send (parallel.reduce_dtype), None for fp32."""
+        return torch.bfloat16 if self.reduce_dtype == "bf16" else None
 
     @property
     def ep_borrows_tp(self) -> bool:
@@ -114,7 +122,7 @@ class ParallelDims:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps),
-                   ep_node_ranks=cfg.ep_node_ranks)
+                   ep_node_ranks=cfg.ep_node_ranks, reduce_dtype=cfg.reduce_dtype)
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Ring attention (cp) enters compiled

@@ -107,7 +107,7 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> None:
 
 
 def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, fsdp: bool,
-                                   node_groups: tuple | None = None) -> None:
+                                   node_groups: tuple | None = None, wire_dtype: torch.dtype | None = None) -> None:
     """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP (and after
     tensor parallelism): slice the experts over `expert_mesh["ep"]` and turn each local slice into
     a DTensor of the global shape.
@@ -117,7 +117,8 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
     gradient ends up divided by `dp_size`, the ranks the dense gradients are averaged over
     (data parallel x cp). Under tp (`MoETensorParallel` made each expert weight a DTensor on the tp
     mesh, hidden units sharded) the mesh gains "tp" and the weight keeps its tp placement.
-    `node_groups` (dims.expert_node_groups): the two-level dispatch's (inter-node, intra-node) groups."""
+    `node_groups` (dims.expert_node_groups): the two-level dispatch's (inter-node, intra-node) groups.
+    `wire_dtype` (dims.grad_wire_dtype): what the ddp sum over "edp" sends (FSDP's is its policy's)."""
     names, placements = (("ep",), [Shard(0)]) if fsdp else (("edp", "ep"), [Replicate(), Shard(0)])
     tp_layouts = _unwrap_tensor_parallel_experts(model)
     if tp_layouts:
@@ -131,7 +132,7 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
         hook = functools.partial(_scaled_grad, factor=expert_mesh["edp"].size() / dp_size)
     else:
         replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
-        hook = model.replicated_expert_grads = ReplicatedExpertGrads(dp_size, replica_group)
+        hook = model.replicated_expert_grads = ReplicatedExpertGrads(dp_size, replica_group, wire_dtype)
     for m in model.modules():
         if not isinstance(m, MoE):
             continue
@@ -231,8 +232,8 @@ class ReplicatedExpertGrads:
     tensor's accumulated local gradient once: one all-reduce per tensor a step instead of one per
     micro-batch. Pipeline stages (whose schedule runs the backwards) keep the per-backward sum."""
 
-    def __init__(self, dp_size: int, replica_group) -> None:
-        self.dp_size, self.replica_group = dp_size, replica_group
+    def __init__(self, dp_size: int, replica_group, wire_dtype: torch.dtype | None = None) -> None:
+        self.dp_size, self.replica_group, self.wire_dtype = dp_size, replica_group, wire_dtype
         self.experts: list[nn.Module] = []  # the modules, not their parameters: those are replaced at materialization
         self.accumulating = False
         self.pending = False  # divided gradients accumulated, not yet summed over edp
@@ -247,7 +248,7 @@ class ReplicatedExpertGrads:
             return grad / self.dp_size
         if not self.pending:
             grad = grad.clone()
-            _reduce_(grad, self.dp_size, self.replica_group)
+            _reduce_(grad, self.dp_size, self.replica_group, self.wire_dtype)
             return grad
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce_accumulated)
@@ -259,14 +260,24 @@ class ReplicatedExpertGrads:
             for name in ("w1", "w2", "w3"):
                 w = getattr(ex, name)
                 if w is not None and w.grad is not None:
-                    dist.all_reduce(local_weight(w.grad), group=self.replica_group)
+                    _all_reduce_in(local_weight(w.grad), self.replica_group, self.wire_dtype)
         self.pending = self._queued = False
 
 
-def _reduce_(grad: torch.Tensor, dp_size: int, replica_group) -> None:
+def _reduce_(grad: torch.Tensor, dp_size: int, replica_group, wire_dtype: torch.dtype | None = None) -> None:
     if replica_group is not None and dist.get_world_size(replica_group) > 1:
-        dist.all_reduce(grad, group=replica_group)
+        _all_reduce_in(grad, replica_group, wire_dtype)
     grad.div_(dp_size)
+
+
+def _all_reduce_in(t: torch.Tensor, group, wire_dtype: torch.dtype | None) -> None:
+    """Sum `t` over `group` in place, sent in `wire_dtype` (parallel.reduce_dtype) when given."""
+    if wire_dtype is None or t.dtype == wire_dtype:
+        dist.all_reduce(t, group=group)
+        return
+    wire = t.to(wire_dtype)
+    dist.all_reduce(wire, group=group)
+    t.copy_(wire)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -385,7 +385,8 @@ def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
     from kiln.parallel.expert_parallel import apply_expert_parallel_training
 
     apply_expert_parallel_training(model, dims.expert_mesh, dims.grad_ranks,
-                                   fsdp=dims.dp_mode in ("fsdp", "zero2"), node_groups=dims.expert_node_groups)
+                                   fsdp=dims.dp_mode in ("fsdp", "zero2"), node_groups=dims.expert_node_groups,
+                                   wire_dtype=dims.grad_wire_dtype)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:
@@ -432,7 +433,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig, de
         return
     # Mixed precision: compute in bf16 on GPUs when train.dtype=bf16 (autocast does it on CPU).
     param_dtype = torch.bfloat16 if (cfg.train.dtype == "bf16" and device.type == "cuda") else None
-    reduce_dtype = torch.bfloat16 if cfg.parallel.reduce_dtype == "bf16" else torch.float32
+    reduce_dtype = dims.grad_wire_dtype or torch.float32
     for root in getattr(model, "chunks", [model]):  # under pp: FSDP per stage (what the schedule calls)
         apply_fsdp(root, dims, param_dtype, cpu_offload=cfg.parallel.cpu_offload or device.type == "cpu",
                    reduce_dtype=reduce_dtype, mesh_names=mesh_names,

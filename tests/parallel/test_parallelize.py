@@ -31,7 +31,7 @@ def one_rank_mesh(tmp_path_factory):
 def parallelized(mesh, mode, *overrides):
     cfg = load_config(None, ["model.dim=32", "model.n_layers=3", "model.n_heads=2", "model.vocab_size=64",
                              f"parallel.dp_mode={mode}", *overrides])
-    dims = ParallelDims(1, 1, 1, 1, 1, 1, world_size=1, dp_mode=mode)
+    dims = ParallelDims(1, 1, 1, 1, 1, 1, world_size=1, dp_mode=mode, reduce_dtype=cfg.parallel.reduce_dtype)
     dims.mesh = mesh
     with torch.device("meta"):
         model = Transformer(cfg.model)
