@@ -222,3 +222,15 @@ def test_moe_tp_backward_swaps_an_all_reduce_for_a_reduce_scatter_per_block(tmp_
     assert calls(before, "allreduce") - calls(after, "allreduce") == 2
     assert calls(after, "reduce_scatter") - calls(before, "reduce_scatter") == 2
     assert row["all_reduce"]["loss"] == pytest.approx(row["reduce_scatter"]["loss"], rel=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_reduce_dtype_halves_the_gradient_bytes(tmp_path):
+    out = tmp_path / "reduce_dtype.json"
+    argv = ["--worlds", "2", "--rounds", "1", "--steps", "1", "--dim", "64", "--layers", "2", "--heads", "2",
+            "--vocab", "256", "--rows", "2", "--out", str(out)]
+    assert _load("reduce_dtype").main(argv) == 0
+    row = json.loads(out.read_text())["layouts"]["ddp x2"]
+    fp32, bf16 = (row[v]["sent_bytes_per_rank"] for v in ("fp32", "bf16"))
+    assert 0.45 < bf16 / fp32 < 0.55  # the gradients' all-reduce is (nearly) all the traffic
+    assert row["bf16"]["loss"] == pytest.approx(row["fp32"]["loss"], rel=1e-3)
