@@ -191,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
                    diloco_inner_steps=inner_steps, op_checkpointing=cfg.model.dropout == 0,
                    diloco_stream=(cfg.parallel.diloco_fragments, cfg.parallel.diloco_sync_delay,
                                   WIRE_BYTES[cfg.parallel.diloco_comm_dtype]),
+                   grad_wire_bytes=2 if cfg.parallel.reduce_dtype == "bf16" else 4,
                    **{f"max_{d}": getattr(args, f"max_{d}") for d in ("tp", "pp", "cp") if getattr(args, f"max_{d}")})
     # The search's model knows no kiln rules: keep only the layouts `kiln train` runs as is.
     refusals = [kiln_refusal(cfg, plan.layout, world) for plan in plans]

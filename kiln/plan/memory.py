@@ -123,6 +123,8 @@ class Layout:
     diloco_fragments: int = 1
     diloco_sync_delay: int = 0
     diloco_wire_bytes: int = 4
+    # parallel.reduce_dtype: bytes per element of the data-parallel gradient reductions (4 fp32, 2 bf16)
+    grad_wire_bytes: int = 4
     # parallel.fsdp_reshard_to (fsdp): the shard ranks a block's parameters stay sharded over from
     # forward to backward (ZeRO++'s hpZ; backward gathers over those only); 0: all of them
     fsdp_reshard_to: int = 0
@@ -175,6 +177,8 @@ class Layout:
             parts.append(f"ep_node_ranks={self.ep_node_ranks}")
         if self.fsdp_reshard_to:
             parts.append(f"reshard_to={self.fsdp_reshard_to}")
+        if self.grad_wire_bytes != 4:
+            parts.append(f"grad_wire_bytes={self.grad_wire_bytes}")
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += [f"mb={self.micro_batch}", f"ga={self.grad_accum}", f"ac={self.ac}"]

@@ -135,7 +135,7 @@ def _dualpipev_available() -> bool:
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                       precision: str, loss: str = "full", ac_choices: tuple[str, ...] = AC_CHOICES,
                       max_tp: int = 1024, max_pp: int = 64, max_cp: int = 8, diloco_inner_steps: int = 0,
-                      diloco_stream: tuple[int, int, int] = (1, 0, 4)):
+                      diloco_stream: tuple[int, int, int] = (1, 0, 4), grad_wire_bytes: int = 4):
     """Every layout of `global_batch` sequences on `cluster` kiln's dims accept; with DiLoCo
     (H = diloco_inner_steps) the layouts of one replica per island (module docstring), each with
     Streaming DiLoCo's `diloco_stream` = (fragments, sync delay, wire bytes per element)."""
@@ -177,7 +177,7 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                                              schedule=sched, virtual_stages=v, precision=precision, loss=loss,
                                              diloco_inner_steps=diloco_inner_steps, fsdp_reshard_to=k,
                                              diloco_fragments=diloco_stream[0], diloco_sync_delay=diloco_stream[1],
-                                             diloco_wire_bytes=diloco_stream[2],
+                                             diloco_wire_bytes=diloco_stream[2], grad_wire_bytes=grad_wire_bytes,
                                              ep_node_ranks=ep_node_ranks(cluster, ep, 1 if etp == 1 else tp))
 
 
@@ -203,7 +203,8 @@ def ep_node_ranks(cluster: Cluster, ep: int, stride: int) -> int:
 def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, *, optimizer: str = "adamw",
            precision: str = "bf16", loss: str = "full", top: int | None = None, max_tp: int = 1024,
            max_pp: int = 64, max_cp: int = 8, compiled: bool = False, diloco_inner_steps: int = 0,
-           op_checkpointing: bool = True, diloco_stream: tuple[int, int, int] = (1, 0, 4)) -> list[Plan]:
+           op_checkpointing: bool = True, diloco_stream: tuple[int, int, int] = (1, 0, 4),
+           grad_wire_bytes: int = 4) -> list[Plan]:
     """Every layout that fits, fastest first; a KilnError saying what would fit when none does.
     max_tp/max_pp/max_cp limit the degrees (1: layouts `kiln train` runs before TP/PP/CP land).
     compiled: train.compile with a whole-model scope, which kiln applies on one device (sharded
@@ -211,14 +212,15 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
     diloco_inner_steps: DiLoCo with H inner steps, one replica per island of `cluster`;
     diloco_stream: Streaming DiLoCo's (fragments, sync delay, wire bytes per element).
     op_checkpointing: whether "op" activation checkpointing may be weighed (kiln refuses it with
-    dropout)."""
+    dropout). grad_wire_bytes: the data-parallel gradient reductions' bytes per element
+    (parallel.reduce_dtype: 4 fp32, 2 bf16)."""
     replicas = check_islands(cluster, diloco_inner_steps)
     if precision == "float8" and cluster.device.peak_tflops_fp8 == 0:
         raise KilnError(f"{cluster.device.name} has no float8 tensor cores; use --precision bf16")
     budget = cluster.device.usable_bytes
     fits, smallest, count = [], None, 0
     for layout in enumerate_layouts(shape, cluster, seq_len, global_batch, precision, loss, ("none",),
-                                    max_tp, max_pp, max_cp, diloco_inner_steps, diloco_stream):
+                                    max_tp, max_pp, max_cp, diloco_inner_steps, diloco_stream, grad_wire_bytes):
         count += 1
         if compiled and layout.world_size == 1:
             layout = dataclasses.replace(layout, compiled=True)

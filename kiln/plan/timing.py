@@ -340,9 +340,10 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         replicas, shards = layout.dp * layout.cp, 1
     if replicas * shards > 1:
         grad_bytes = 4 * dense  # the experts are reduced over their own group, below
+        wire_bytes = grad_bytes * layout.grad_wire_bytes / 4  # parallel.reduce_dtype on the wire
         if layout.dp_mode in ("ddp", "zero1"):
             buckets = ddp_buckets(grad_bytes)
-            t = all_reduce(cluster, replicas, grad_bytes, dp_stride, calls=buckets)
+            t = all_reduce(cluster, replicas, wire_bytes, dp_stride, calls=buckets)
             count("all_reduce", buckets)
             copied += 2 * grad_bytes  # gradients into the buckets and back
             overlappable = compute * 2 / 3 / ga  # only the last micro-batch's backward
@@ -403,8 +404,8 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             # Under pp torch's stage syncs the last backward only (PipelineStage: no gradient sync
             # before it): one reduce-scatter a step.
             scatters = ga if layout.pp == 1 else 1
-            t += reduce_scatter(cluster, shard, grad_bytes * scatters, dp_stride, calls=units * scatters)
-            t += all_reduce(cluster, replicas, grad_bytes / shard, dp_stride * shard, calls=units)  # HSDP
+            t += reduce_scatter(cluster, shard, wire_bytes * scatters, dp_stride, calls=units * scatters)
+            t += all_reduce(cluster, replicas, wire_bytes / shard, dp_stride * shard, calls=units)  # HSDP
             # the gradient norm of the sharded gradients: one all-reduce per step
             t += all_reduce(cluster, replicas * shards, 4, dp_stride)
             count("all_gather", gathers)
@@ -505,7 +506,7 @@ def _expert_reduction(cluster: Cluster, shape: ModelShape, layout: Layout, exper
         passes = layout.grad_accum if layout.pp > 1 else 1
         tensors = calls * (3 if shape.gated else 2) * passes
         count("all_reduce", tensors)
-        return norm + all_reduce(cluster, edp, 4 * experts * passes, stride, calls=tensors)
+        return norm + all_reduce(cluster, edp, layout.grad_wire_bytes * experts * passes, stride, calls=tensors)
     resharded = 0  # expert units resharded after forward: all but each stage chunk's last block's
     if resharded_after_forward(layout):
         resharded = calls - sum(shape.is_moe_block(chunk[-1]) for chunk in chunks if chunk)
@@ -517,7 +518,7 @@ def _expert_reduction(cluster: Cluster, shape: ModelShape, layout: Layout, exper
     count("all_gather", gathers)
     count("reduce_scatter", calls)
     return (norm + all_gather(cluster, edp, param_bytes * experts * gathers / calls, stride, calls=gathers)
-            + reduce_scatter(cluster, edp, 4 * experts, stride, calls=calls))
+            + reduce_scatter(cluster, edp, layout.grad_wire_bytes * experts, stride, calls=calls))
 
 
 def block_elementwise_forward_bytes(shape: ModelShape, layout: Layout) -> float:

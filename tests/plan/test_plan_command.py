@@ -56,3 +56,12 @@ def test_calibrate_fits_measured_runs_and_writes_a_loadable_cluster(tmp_path, ca
         assert abs(predicted_step(m, fitted) / m.step_s - 1) < 0.1
     rc = main(["plan", "--cluster", "cpu-local", "--calibrate", str(tmp_path / "nope")])
     assert rc == 2 and "not found" in capsys.readouterr().err
+
+
+def test_plan_keeps_bf16_gradient_reductions_and_weighs_their_bytes(tmp_path, capsys):
+    out = tmp_path / "plan.toml"
+    argv = ["plan", "--cluster", "h100", "--nodes", "2", "--budget-flops", "1e21", "--global-batch", "256",
+            "--set", "data.seq_len=2048", "--set", "model.max_seq_len=2048", "--out", str(out)]
+    assert main(argv + ["--set", "parallel.reduce_dtype='bf16'"]) == 0
+    text = capsys.readouterr().out
+    assert load_config(out).parallel.reduce_dtype == "bf16" and "grad_wire_bytes=2" in text

@@ -246,3 +246,27 @@ def test_resharding_to_a_node_after_forward_moves_backward_gathers_into_it():
     one_node = load_cluster("h100", nodes=1)
     assert not any(x.fsdp_reshard_to for x in enumerate_layouts(shape, one_node, 2048, 64, "bf16",
                                                                    ac_choices=("none",), max_pp=1, max_cp=1))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_bf16_gradient_reductions_send_half_the_bytes(mode):
+    """parallel.reduce_dtype bf16 (Layout.grad_wire_bytes 2): the data-parallel gradient
+    reduction (ddp's all-reduce; fsdp's reduce-scatter) carries 2 bytes an element, nothing else
+    changes (the gathers and the calls)."""
+    from kiln.plan.timing import reduce_scatter
+
+    cluster, shape = load_cluster("h100", nodes=2), _shape()
+    fp32 = Layout(dp_replicate=16, dp_mode="ddp", micro_batch=2) if mode == "ddp" else \
+        Layout(dp_shard=16, dp_mode="fsdp", micro_batch=2)
+    bf16 = dataclasses.replace(fp32, grad_wire_bytes=2)
+    t32, t16 = step_time(shape, fp32, SEQ, cluster), step_time(shape, bf16, SEQ, cluster)
+    grads = 4 * rank_params(shape, fp32)[0]
+    if mode == "ddp":
+        saved = (all_reduce(cluster, 16, grads, calls=ddp_buckets(grads))
+                 - all_reduce(cluster, 16, grads / 2, calls=ddp_buckets(grads)))
+    else:
+        units = shape.n_layers + 1  # the blocks and the root (tied: the embedding is the root's)
+        saved = (reduce_scatter(cluster, 16, grads, calls=units) - reduce_scatter(cluster, 16, grads / 2, calls=units))
+    assert saved > 0
+    assert t32.comm_total - t16.comm_total == pytest.approx(saved)
+    assert t16.calls == t32.calls and "grad_wire_bytes=2" in bf16.describe()
