@@ -4,7 +4,9 @@ classes in kiln/parallel/zero1.py), and the per-step metrics that need every ran
 Which torch API does what (nothing here is a hand-written collective):
   ddp   -> torch.distributed._composable.replicate (DistributedDataParallel, applied in place so
            parameter names, `model.layers` and checkpoints keep the plain model's FQNs; DDP is
-           built at the first forward, after the meta-device model is materialized); with
+           built at the first forward, after the meta-device model is materialized; its
+           `gradient_as_bucket_view`: the gradients live in the all-reduce buckets, not copied
+           into them, one gradient-sized buffer less per rank); with
            train.grad_accum > 1 its `set_requires_gradient_sync` lets only the step's last
            micro-batch all-reduce (`sync_on_last_micro_batch`), as DDP's no_sync
   hsdp  -> FSDP2 over (dp_replicate, dp_shard) (kiln/parallel/parallelize.py apply_fsdp); with
@@ -114,9 +116,10 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, grad_accum: int = 1) -> None
         # By its group: given a mesh sliced from a bigger one (dp x cp), DDP turns every DTensor
         # parameter into a local tensor (its DDP + TP workaround), ignored modules included,
         # which would cut the experts off from their gradients.
-        replicate(model, process_group=mesh.get_group(), bucket_cap_mb=25, ignored_modules=experts)
+        replicate(model, process_group=mesh.get_group(), bucket_cap_mb=25, ignored_modules=experts,
+                  gradient_as_bucket_view=True)
     else:
-        replicate(model, device_mesh=mesh, bucket_cap_mb=25, ignored_modules=experts)
+        replicate(model, device_mesh=mesh, bucket_cap_mb=25, ignored_modules=experts, gradient_as_bucket_view=True)
     if dims.grad_wire_dtype is not None:
         model.register_comm_hook(mesh.get_group(), bf16_mean_hook)
 
@@ -150,7 +153,7 @@ def replicate_stage(chunk: nn.Module, dims: ParallelDims) -> nn.Module:
     if dims.ep > 1:
         leave_experts_to_expert_parallel(chunk)
     group = grad_mesh(dims).get_group()
-    ddp = DistributedDataParallel(chunk, process_group=group, bucket_cap_mb=25)
+    ddp = DistributedDataParallel(chunk, process_group=group, bucket_cap_mb=25, gradient_as_bucket_view=True)
     if dims.grad_wire_dtype is not None:
         ddp.register_comm_hook(group, bf16_mean_hook)
     return ddp

@@ -234,3 +234,14 @@ def test_reduce_dtype_halves_the_gradient_bytes(tmp_path):
     fp32, bf16 = (row[v]["sent_bytes_per_rank"] for v in ("fp32", "bf16"))
     assert 0.45 < bf16 / fp32 < 0.55  # the gradients' all-reduce is (nearly) all the traffic
     assert row["bf16"]["loss"] == pytest.approx(row["fp32"]["loss"], rel=1e-3)
+
+
+@pytest.mark.timeout(240)
+def test_ddp_grad_buckets_runs_both_variants_to_the_same_loss(tmp_path):
+    out = tmp_path / "ddp_grad_buckets.json"
+    argv = ["--rounds", "1", "--steps", "1", "--dim", "64", "--layers", "2", "--heads", "2", "--vocab", "256",
+            "--out", str(out)]
+    assert _load("ddp_grad_buckets").main(argv) == 0
+    rows = json.loads(out.read_text())["variants"]
+    assert rows["copy"]["loss"] == rows["view"]["loss"]  # the same sums, only where they live differs
+    assert all(rows[v]["peak_mib"] >= rows[v]["rss_mib"] > 0 for v in ("copy", "view"))

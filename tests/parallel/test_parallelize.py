@@ -1,6 +1,6 @@
 """`parallelize`'s stages in one process. The final data-parallel stage applies what `[parallel]`
 names (on a one-rank gloo mesh): ZeRO-2 never reshards after forward, FSDP reshards every block
-but the last, reduce_dtype reaches FSDP2's mixed-precision policy, ddp/zero1 replicate in place.
+but the last, reduce_dtype reaches FSDP2's mixed-precision policy, ddp/zero1 replicate in place, their gradients views into DDP's buckets.
 Compile: the mode from train.cuda_graphs / train.autotune. Activation checkpointing: the selective
 checkpoint passes uneven profiler markers through, and "op" (keep_compute_op_outputs) keeps what
 it names and changes no value, eager, compiled and with float8 linears."""
@@ -72,6 +72,23 @@ def test_replicating_modes_keep_the_module_and_its_names(one_rank_mesh, mode):
                                                "model.vocab_size=64"]).model)
     # Checkpoints are keyed by these names: replication must not prefix them (as DDP's `module.`).
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_replicated_gradients_live_in_ddps_buckets(one_rank_mesh, mode):
+    """gradient_as_bucket_view: each gradient is a view into DDP's all-reduce bucket, so the
+    gradients take their bytes once, not once in `.grad` and again in the buckets; also after
+    zero_grad(set_to_none) DDP points the new gradients back into the buckets."""
+    model = parallelized(one_rank_mesh, mode)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads = [p.grad for p in model.parameters()]
+        storages = {g.untyped_storage().data_ptr() for g in grads}
+        assert len(grads) > 10 and len(storages) <= 2  # DDP's small first bucket and the rest
 
 
 @pytest.mark.parametrize("cuda_graphs, autotune, mode", [
