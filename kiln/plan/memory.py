@@ -53,7 +53,9 @@ Closed form (no module is built). Terms, per rank:
   for fsdp under pp (torch's stage keeps a unit gathered from its backward until a forward
   reshards it, so the whole stage is gathered at the end of a backward), and all for fsdp under
   a zero-bubble pipeline (kept gathered until backward: `resharded_after_forward`);
-- communication buffers: DDP's gradient buckets (2 x 25 MiB), FSDP's reduce-scatter buffer.
+- communication buffers: DDP's buckets in flight (2 x 25 MiB: the gradients themselves are views
+  into its buckets, kiln's `gradient_as_bucket_view`; a bf16 reduce_dtype's cast copies), FSDP's
+  reduce-scatter buffer.
 
 Eager runs take the larger of two phases (`_eager_peak_phase`): the loss's backward (saved
 activations and the loss's tensors, no gradients yet with grad_accum 1) and the blocks' backward
