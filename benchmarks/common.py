@@ -178,6 +178,32 @@ def gloo_rank_config(rank: int, world: int, port: int, args, *extra: str):
                               "optim.implementation='foreach'", *extra])
 
 
+def rank_dims(cfg, rank: int, world: int, seq_len: int = 64):
+    """Inside a rank of `run_ranks`: kiln's ParallelDims of cfg.parallel over the `world` gloo
+    ranks (all on one node), its mesh built."""
+    from kiln.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
+                                    local_world_size=world, seq_len=seq_len)
+    dims.build_mesh("cpu")
+    return dims
+
+
+def trainer_model(cfg, dims):
+    """kiln's model and optimizer as the trainer builds them on CPU (`build_model` -> parallelize,
+    the loss, `build_optimizer` -> `shard_optimizer_state`), seeded alike on every rank."""
+    from kiln.parallel.data_parallel import shard_optimizer_state
+    from kiln.train.optim import build_optimizer
+    from kiln.train.system import resolve_loss
+    from kiln.train.trainer import build_model
+
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = build_model(cfg, dims, device)
+    model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
+    return model, shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims, model)
+
+
 def stepped_transformer(rank: int, world: int, port: int, args, zero1: bool):
     """Inside a rank of `run_ranks`: join the gloo group, build kiln's transformer (args.dim,
     layers, heads, vocab) with the trainer's AdamW (foreach), wrapped in kiln's Zero1Optimizer when

@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import gloo_rank_config, print_table, run_ranks, timed_train_steps, write_results  # noqa: E402
+from common import (gloo_rank_config, print_table, rank_dims, run_ranks, timed_train_steps,  # noqa: E402
+                    trainer_model, write_results)
 
 VARIANTS = ("copy", "view")
 
@@ -40,11 +41,6 @@ def _status_mib(key: str) -> float:
 def rank_main(rank: int, world: int, port: int, args, variant: str, out) -> None:
     import torch.distributed as dist
 
-    from kiln.parallel.dims import ParallelDims
-    from kiln.train.optim import build_optimizer
-    from kiln.train.system import resolve_loss
-    from kiln.train.trainer import build_model
-
     if variant == "copy":  # DDP's default: a bucket copy of every gradient (the class composable
         # `replicate` builds)
         from torch.nn.parallel import DistributedDataParallel
@@ -54,14 +50,7 @@ def rank_main(rank: int, world: int, port: int, args, variant: str, out) -> None
             self, *a, **{**kw, "gradient_as_bucket_view": False})
     cfg = gloo_rank_config(rank, world, port, args, "train.dtype=fp32", f"train.batch_size={args.rows}",
                            "parallel.dp_mode='ddp'")
-    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
-                                    local_world_size=world, seq_len=64)
-    dims.build_mesh("cpu")
-    device = torch.device("cpu")
-    torch.manual_seed(0)
-    model = build_model(cfg, dims, device)
-    model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=1)
-    optimizer = build_optimizer(model, cfg.optim, "cpu")
+    model, optimizer = trainer_model(cfg, rank_dims(cfg, rank, world))
     tokens = torch.randint(0, args.vocab, (args.rows * world, 65), generator=torch.Generator().manual_seed(1))
     rows = tokens[rank * args.rows:(rank + 1) * args.rows]
     step_s, _, loss, _ = timed_train_steps(model, optimizer, [(rows[:, :-1], rows[:, 1:])], args.steps)

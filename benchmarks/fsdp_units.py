@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import (gloo_rank_config, print_table, run_ranks, slowest_rank_median, timed_train_steps,  # noqa: E402
-                    write_results)
+from common import (gloo_rank_config, print_table, rank_dims, run_ranks, slowest_rank_median,  # noqa: E402
+                    timed_train_steps, write_results)
 from rank_measures import profiled_peak_bytes  # noqa: E402
 
 VARIANTS = ("root", "units")
@@ -78,12 +78,9 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from kiln.parallel.dims import ParallelDims
 
     cfg = gloo_rank_config(rank, world, port, args, "train.dtype=fp32", "train.batch_size=2", *LAYOUTS[layout])
-    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
-                                    local_world_size=world, seq_len=64)
-    dims.build_mesh("cpu")
+    dims = rank_dims(cfg, rank, world)
     tokens = torch.randint(0, args.vocab, (2, 65), generator=torch.Generator().manual_seed(1 + rank))
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     results = {v: {"step_s": [], "sent": [], "peak": [], "loss": None} for v in VARIANTS}

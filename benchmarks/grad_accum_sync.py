@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import (gloo_rank_config, print_table, run_ranks, slowest_rank_median, timed_train_steps,  # noqa: E402
-                    write_results)
+from common import (gloo_rank_config, print_table, rank_dims, run_ranks, slowest_rank_median,  # noqa: E402
+                    timed_train_steps, write_results)
 
 VARIANTS = ("every", "last")
 LAYOUTS = {"ddp": ["parallel.dp_mode='ddp'"],
@@ -57,7 +57,6 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
     import torch.distributed as dist
 
     import kiln.parallel.data_parallel as data_parallel
-    from kiln.parallel.dims import ParallelDims
     from kiln.train.optim import build_optimizer
     from kiln.train.system import resolve_loss
     from kiln.train.trainer import build_model
@@ -65,9 +64,7 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
     real = data_parallel.sync_on_last_micro_batch
     cfg = gloo_rank_config(rank, world, port, args, "train.dtype=fp32", "train.batch_size=2",
                            f"train.grad_accum={args.accum}", *LAYOUTS[layout])
-    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
-                                    local_world_size=world, seq_len=64)
-    dims.build_mesh("cpu")
+    dims = rank_dims(cfg, rank, world)
     device = torch.device("cpu")
     from kiln.parallel.data_parallel import shard_optimizer_state
 

@@ -43,8 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import (gloo_rank_config, print_table, run_ranks, slowest_rank_median, timed_train_steps,  # noqa: E402
-                    write_results)
+from common import (gloo_rank_config, print_table, rank_dims, run_ranks, slowest_rank_median,  # noqa: E402
+                    timed_train_steps, trainer_model, write_results)
 
 VARIANTS = ("all_reduce", "reduce_scatter")
 
@@ -63,21 +63,14 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from kiln.parallel.dims import ParallelDims
     from kiln.parallel.tensor_parallel import MoETensorParallel
-    from kiln.train.optim import build_optimizer
-    from kiln.train.system import resolve_loss
-    from kiln.train.trainer import build_model
 
     kiln_gather = MoETensorParallel.__dict__["_gather_sequence"]
     cfg = gloo_rank_config(rank, world, port, args, "train.dtype=fp32", f"train.batch_size={args.rows}",
                            f"parallel.tp={world}", "parallel.dp_mode='ddp'", f"model.moe_experts={args.experts}",
                            "model.moe_top_k=2", "model.moe_every=1", f"model.moe_hidden={args.dim}",
                            "optim.implementation='auto'")
-    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
-                                    local_world_size=world, seq_len=64)
-    dims.build_mesh("cpu")
-    device = torch.device("cpu")
+    dims = rank_dims(cfg, rank, world)
     tokens = torch.randint(0, args.vocab, (args.rows, 65), generator=torch.Generator().manual_seed(1))
     batch = [(tokens[:, :-1], tokens[:, 1:])]  # every tp rank the same rows
     results = {v: {"step_s": [], "sent": [], "loss": None} for v in VARIANTS}
@@ -85,10 +78,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
             gather = staticmethod(_gather_then_all_reduce) if variant == "all_reduce" else kiln_gather
             MoETensorParallel._gather_sequence = gather
-            torch.manual_seed(0)
-            model = build_model(cfg, dims, device)
-            model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
-            optimizer = build_optimizer(model, cfg.optim, "cpu")
+            model, optimizer = trainer_model(cfg, dims)
             step_s, sent, loss, step = timed_train_steps(model, optimizer, batch, args.steps)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()

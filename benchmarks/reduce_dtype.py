@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import (gloo_rank_config, print_table, run_ranks, slowest_rank_median, timed_train_steps,  # noqa: E402
-                    write_results)
+from common import (gloo_rank_config, print_table, rank_dims, run_ranks, slowest_rank_median,  # noqa: E402
+                    timed_train_steps, trainer_model, write_results)
 
 VARIANTS = ("fp32", "bf16")
 
@@ -37,28 +37,17 @@ VARIANTS = ("fp32", "bf16")
 def rank_main(rank: int, world: int, port: int, args, tp: int, out) -> None:
     import torch.distributed as dist
 
-    from kiln.parallel.dims import ParallelDims
-    from kiln.train.optim import build_optimizer
-    from kiln.train.system import resolve_loss
-    from kiln.train.trainer import build_model
-
     results = {v: {"step_s": [], "sent": [], "loss": None} for v in VARIANTS}
     base = gloo_rank_config(rank, world, port, args, "train.dtype=fp32", f"train.batch_size={args.rows}",
                             f"parallel.tp={tp}", "parallel.dp_mode='ddp'")
     configs, layouts = {}, {}
     for variant in VARIANTS:  # each variant's config and mesh, built once
         configs[variant] = cfg = replace(base, parallel=replace(base.parallel, reduce_dtype=variant))
-        layouts[variant] = dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=rank, local_rank=rank,
-                                                           local_world_size=world, seq_len=64)
-        dims.build_mesh("cpu")
+        layouts[variant] = rank_dims(cfg, rank, world)
     for r in range(args.rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
             cfg, dims = configs[variant], layouts[variant]
-            device = torch.device("cpu")
-            torch.manual_seed(0)
-            model = build_model(cfg, dims, device)
-            model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
-            optimizer = build_optimizer(model, cfg.optim, "cpu")
+            model, optimizer = trainer_model(cfg, dims)
             tokens = torch.randint(0, args.vocab, (args.rows * dims.dp_size, 65),
                                    generator=torch.Generator().manual_seed(1))
             rows = tokens[dims.dp_rank * args.rows:(dims.dp_rank + 1) * args.rows]
