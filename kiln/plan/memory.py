@@ -731,7 +731,8 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     if resharded_after_forward(layout) and layout.dp_shard > 1 and layout.pp == 1:
         # current + prefetched block, and the root (head, final norm), gathered from forward to backward
         out.temporary += param_bytes * (2 * shape.layer_params / layout.tp + root)
-        out.comm_buffers += 4 * shape.layer_params / layout.tp  # one unit's gradients before reduce-scatter
+        # one unit's gradients before reduce-scatter, in parallel.reduce_dtype
+        out.comm_buffers += layout.grad_wire_bytes * shape.layer_params / layout.tp
         if layout.fsdp_reshard_to:  # every block that ran forward keeps its 1/k until its backward
             # (not the last, kept whole: counted above)
             out.temporary += param_bytes * (dense - own_embedding - root) * (layers - 1) / layers / layout.fsdp_reshard_to
@@ -741,7 +742,7 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
         # pipeline (kiln/parallel/pipeline.py keep_gathered_until_backward)
         kept_gathered = layout.pp > 1 and layout.schedule in ZERO_BUBBLE
         out.temporary += param_bytes * (stage_params - (0.0 if kept_gathered else own_embedding))
-        out.comm_buffers += 4 * shape.layer_params / layout.tp
+        out.comm_buffers += layout.grad_wire_bytes * shape.layer_params / layout.tp
     elif layout.dp > 1:
         out.comm_buffers += min(2 * DDP_BUCKET_BYTES, 4 * stage_params)
     casts_forward = casts_backward = 0.0
