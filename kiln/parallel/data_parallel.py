@@ -195,7 +195,9 @@ class Replicas:
     kiln's: the bucket plan (consecutive parameters of one dtype and device, up to `bucket_cap_mb`,
     as DDP's default 25 MB) and the pre-division by the group size before a SUM (DDP's
     allreduce_hook; gloo has no AVG). Buckets are in flight at once (async) and copied back as they
-    complete: one transient flat copy of the gradients, where DDP keeps its buckets for the run."""
+    complete: one transient flat copy of the gradients (DDP's buckets stay for the run, the
+    gradients living in them: kiln's `gradient_as_bucket_view`). With parallel.reduce_dtype bf16
+    the copy is cast before its all-reduce (`wire_dtype`)."""
 
     BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 
