@@ -17,8 +17,8 @@ ranks); ddp_ep (below). Variants, built afresh and run in alternating order each
 ddp_ep (4 ranks: ddp over 4, MoE with 4 experts of a quarter of the FFN, top-2, ep 2, so each
 expert lives on 2 ranks, edp 2): DDP's dense all-reduce in the last micro-batch in both variants;
 `every` sums the experts' gradients over edp in every micro-batch's backward (kiln before
-expert_parallel.py `ReplicatedExpertGrads` waited for the last; the hook left unmarked), `last`
-once a step.
+expert_parallel.py `ReplicatedExpertGrads` waited for the last; its per-backward sum, as pipeline
+stages take it, switched on), `last` once a step.
 
 Reported per layout and variant: the step time (median over --steps steps, median over rounds
 of the slowest rank), the bytes each rank wrote to its sockets per step (/proc/self/io wchar)
@@ -77,8 +77,8 @@ def rank_main(rank: int, world: int, port: int, layout: str, args, out) -> None:
             data_parallel.sync_on_last_micro_batch = (lambda model, last: None) if every_dense else real
             torch.manual_seed(0)
             model = build_model(cfg, dims, device)
-            if variant == "every" and layout == "ddp_ep":  # the experts' hook left per micro-batch
-                del model.replicated_expert_grads
+            if variant == "every" and layout == "ddp_ep":  # the experts summed in each backward's hook
+                model.replicated_expert_grads.per_backward = True
             model.loss_impl = resolve_loss(cfg.train.loss, device, False, tp=dims.tp)
             optimizer = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)
             step_s, sent, loss, _ = timed_train_steps(model, optimizer, batch, args.steps)

@@ -107,7 +107,8 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> None:
 
 
 def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, fsdp: bool,
-                                   node_groups: tuple | None = None, wire_dtype: torch.dtype | None = None) -> None:
+                                   node_groups: tuple | None = None, wire_dtype: torch.dtype | None = None,
+                                   per_backward: bool = False) -> None:
     """`kiln train`'s expert parallelism, on the meta-device model before FSDP/DDP (and after
     tensor parallelism): slice the experts over `expert_mesh["ep"]` and turn each local slice into
     a DTensor of the global shape.
@@ -118,7 +119,8 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
     (data parallel x cp). Under tp (`MoETensorParallel` made each expert weight a DTensor on the tp
     mesh, hidden units sharded) the mesh gains "tp" and the weight keeps its tp placement.
     `node_groups` (dims.expert_node_groups): the two-level dispatch's (inter-node, intra-node) groups.
-    `wire_dtype` (dims.grad_wire_dtype): what the ddp sum over "edp" sends (FSDP's is its policy's)."""
+    `wire_dtype` (dims.grad_wire_dtype): what the ddp sum over "edp" sends (FSDP's is its policy's);
+    `per_backward` (under pp): that sum in every backward (`ReplicatedExpertGrads`)."""
     names, placements = (("ep",), [Shard(0)]) if fsdp else (("edp", "ep"), [Replicate(), Shard(0)])
     tp_layouts = _unwrap_tensor_parallel_experts(model)
     if tp_layouts:
@@ -132,7 +134,7 @@ def apply_expert_parallel_training(model: nn.Module, expert_mesh, dp_size: int, 
         hook = functools.partial(_scaled_grad, factor=expert_mesh["edp"].size() / dp_size)
     else:
         replica_group = expert_mesh["edp"].get_group() if expert_mesh["edp"].size() > 1 else None
-        hook = model.replicated_expert_grads = ReplicatedExpertGrads(dp_size, replica_group, wire_dtype)
+        hook = model.replicated_expert_grads = ReplicatedExpertGrads(dp_size, replica_group, wire_dtype, per_backward)
     for m in model.modules():
         if not isinstance(m, MoE):
             continue
@@ -223,45 +225,79 @@ def _scaled_grad(grad: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 class ReplicatedExpertGrads:
-    """ddp/zero1's expert gradient hook (on each forward's local slice, `Experts.grad_hook`): the
-    gradient summed over edp and divided by dp_size, in the backward that makes it. In a step of
-    several micro-batches (`accumulating` set by data_parallel.sync_on_last_micro_batch before each
-    micro-batch but the last) the sum waits, as DDP's no_sync: those backwards only divide, and
-    the last one's first expert gradient queues a callback at the end of that backward (the
-    autograd engine's `queue_callback`, as DDP's reducer does) that all-reduces each expert
-    tensor's accumulated local gradient once: one all-reduce per tensor a step instead of one per
-    micro-batch. Pipeline stages (whose schedule runs the backwards) keep the per-backward sum."""
+    """ddp/zero1's expert gradients: divided by dp_size on each forward's local slice
+    (`Experts.grad_hook`, this object called), then summed over edp in the backward of the step's
+    last micro-batch (`accumulating` is set by data_parallel.sync_on_last_micro_batch before each
+    one but the last, as DDP's no_sync), overlapping it as DDP's buckets do: a post-accumulate-grad
+    hook on each expert weight starts its all-reduce (async, in parallel.reduce_dtype) as soon as
+    its gradient is final, and a callback queued at the end of that backward (the autograd engine's
+    `queue_callback`, as DDP's reducer does) waits for them all. One all-reduce per expert tensor
+    a step. The parameter hooks are registered in the first backward (the parameters are replaced
+    at materialization, after this is built); a weight whose sum did not start by the callback
+    (that first backward) is summed there. Pipeline stages (`per_backward`: the schedule runs the
+    backwards) sum each backward's slice gradient in its hook instead.
 
-    def __init__(self, dp_size: int, replica_group, wire_dtype: torch.dtype | None = None) -> None:
+    The sum is of the accumulated gradient, so every backward of a step but the last must be marked
+    `accumulating` (kiln's train_step does): an unmarked earlier backward's sum would be counted
+    again. DDP, which divides each bucket just before its sum, has no such rule; here the slices
+    are divided by dp_size while the sum runs over the edp ranks only (fewer under ep)."""
+
+    def __init__(self, dp_size: int, replica_group, wire_dtype: torch.dtype | None = None,
+                 per_backward: bool = False) -> None:
         self.dp_size, self.replica_group, self.wire_dtype = dp_size, replica_group, wire_dtype
+        self.per_backward = per_backward
         self.experts: list[nn.Module] = []  # the modules, not their parameters: those are replaced at materialization
         self.accumulating = False
-        self.pending = False  # divided gradients accumulated, not yet summed over edp
-        self._queued = False
+        self._queued = False  # the step's last backward runs: sums start as gradients become final
+        self._inflight: dict[int, tuple] = {}  # id(weight) -> (local gradient, what is sent, work)
+        self._hooked: set[int] = set()
+        self.started_in_backward = 0  # sums the last backward started before its end (tests read it)
 
     @torch.no_grad()
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         if self.replica_group is None:
             return grad / self.dp_size
-        if self.accumulating:
-            self.pending = True
-            return grad / self.dp_size
-        if not self.pending:
+        if self.per_backward:
             grad = grad.clone()
             _reduce_(grad, self.dp_size, self.replica_group, self.wire_dtype)
             return grad
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_accumulated)
-            self._queued = True
+        if not self.accumulating and not self._queued:
+            self._hook_weights()
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued, self.started_in_backward = True, 0
         return grad / self.dp_size
 
-    def _reduce_accumulated(self) -> None:
-        for ex in self.experts:
-            for name in ("w1", "w2", "w3"):
-                w = getattr(ex, name)
-                if w is not None and w.grad is not None:
-                    _all_reduce_in(local_weight(w.grad), self.replica_group, self.wire_dtype)
-        self.pending = self._queued = False
+    def _weights(self) -> list[torch.Tensor]:
+        return [w for ex in self.experts for w in (ex.w1, ex.w2, ex.w3) if w is not None]
+
+    def _hook_weights(self) -> None:
+        for w in self._weights():
+            if id(w) not in self._hooked:
+                w.register_post_accumulate_grad_hook(self._start)
+                self._hooked.add(id(w))
+
+    def _start(self, w: torch.Tensor) -> None:
+        """The post-accumulate-grad hook: `w`'s gradient is final in the last micro-batch's backward."""
+        self.started_in_backward += self._launch(w)
+
+    def _launch(self, w: torch.Tensor) -> bool:
+        """Start the sum of `w`'s accumulated gradient over edp; whether it started now."""
+        if self.accumulating or not self._queued or id(w) in self._inflight:
+            return False
+        local = local_weight(w.grad)
+        wire = local if self.wire_dtype is None or local.dtype == self.wire_dtype else local.to(self.wire_dtype)
+        self._inflight[id(w)] = (local, wire, dist.all_reduce(wire, group=self.replica_group, async_op=True))
+        return True
+
+    def _finish(self) -> None:
+        for w in self._weights():
+            if w.grad is not None:
+                self._launch(w)
+        for local, wire, work in self._inflight.values():
+            work.wait()
+            if wire is not local:
+                local.copy_(wire)
+        self._inflight, self._queued = {}, False
 
 
 def _reduce_(grad: torch.Tensor, dp_size: int, replica_group, wire_dtype: torch.dtype | None = None) -> None:

@@ -386,7 +386,7 @@ def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
 
     apply_expert_parallel_training(model, dims.expert_mesh, dims.grad_ranks,
                                    fsdp=dims.dp_mode in ("fsdp", "zero2"), node_groups=dims.expert_node_groups,
-                                   wire_dtype=dims.grad_wire_dtype)
+                                   wire_dtype=dims.grad_wire_dtype, per_backward=dims.pp > 1)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, device: torch.device) -> nn.Module:

@@ -94,9 +94,7 @@ def replicated_mistake(kind):
     if kind == "accumulated_expert_grads_not_reduced":  # the once-a-step sum over edp skipped
         from kiln.parallel import expert_parallel as xp
 
-        def reset_only(self):
-            self.pending = self._queued = False
-        return patch_for_one_run(xp.ReplicatedExpertGrads, "_reduce_accumulated", reset_only)
+        return patch_for_one_run(xp.ReplicatedExpertGrads, "_launch", lambda self, w: False)
     if kind == "split_replicas_not_averaged":  # the dense gradients of a zero-bubble step left per replica
         from kiln.parallel.data_parallel import SplitBackwardReplicas
 
@@ -374,7 +372,7 @@ def split_and_plain_backward(mesh, dp_size, seed):
         with torch.no_grad():
             for p in moe.parameters():
                 p.normal_(0, 0.3)
-        xp.apply_expert_parallel_training(moe, mesh, dp_size=dp_size, fsdp=False)
+        xp.apply_expert_parallel_training(moe, mesh, dp_size=dp_size, fsdp=False, per_backward=True)  # a stage's
         calls = []
         hook = moe.experts.grad_hook
         moe.experts.grad_hook = lambda grad: calls.append(grad.shape) or hook(grad)

@@ -6,7 +6,8 @@ replicas (ddp x tp: `OverlappedReplicas`; ZBV: `SplitBackwardReplicas`) and the 
 
 The sign: a sum made in bf16 and copied into the fp32 gradient is a bf16 value, so after the
 step's reduction every weight matrix's gradient is exactly representable in bf16; with fp32 on the
-wire (the control) it is not. The losses stay within bf16 rounding of the fp32 run's."""
+wire (the control) it is not. The losses stay within bf16 rounding of the fp32 run's. Also: the
+replicated experts' sums start inside the backward (`ReplicatedExpertGrads`' parameter hooks)."""
 
 import pytest
 import torch
@@ -71,7 +72,9 @@ def _train(rank, n):
                     pipeline or model, optimizer, batch, autocast=torch.autocast("cpu", enabled=False),
                     scaler=None, clip=0.0)[0]
                 losses.append(float(loss))
-            out[name, wire] = {"bf16_exact": exact, "losses": losses}
+            experts = getattr(model, "replicated_expert_grads", None)  # ddp x ep: how the last step's sums started
+            started = None if experts is None else (experts.started_in_backward, len(experts._weights()))
+            out[name, wire] = {"bf16_exact": exact, "losses": losses, "experts_started_in_backward": started}
     return out
 
 
@@ -100,3 +103,13 @@ def test_bf16_reduce_trains_as_fp32_within_its_rounding(runs, layout):
     assert bf16[0] == fp32[0]  # the first loss comes before any reduction
     assert bf16[1:] != fp32[1:]  # the bf16 sums moved the weights differently
     assert bf16 == pytest.approx(fp32, rel=2e-3)
+
+
+@pytest.mark.parametrize("layout", ["ddp_ep", "ddp_ep_ga2"])
+def test_replicated_experts_sums_start_inside_the_last_backward(runs, layout):
+    """ddp x ep: each expert weight's sum over its replicas starts from its post-accumulate hook
+    while the backward still runs (overlapping it, as DDP's buckets), not at the backward's end."""
+    for result in runs:
+        for wire in ("bf16", "fp32"):
+            started, weights = result[layout, wire]["experts_started_in_backward"]
+            assert weights == 4 * 3 and started == weights  # 4 MoE blocks, w1 w2 w3 each
