@@ -285,8 +285,7 @@ class ReplicatedExpertGrads:
         if self.accumulating or not self._queued or id(w) in self._inflight:
             return False
         local = local_weight(w.grad)
-        wire = local if self.wire_dtype is None or local.dtype == self.wire_dtype else local.to(self.wire_dtype)
-        self._inflight[id(w)] = (local, wire, dist.all_reduce(wire, group=self.replica_group, async_op=True))
+        self._inflight[id(w)] = (local, *_start_all_reduce(local, self.replica_group, self.wire_dtype))
         return True
 
     def _finish(self) -> None:
@@ -306,14 +305,19 @@ def _reduce_(grad: torch.Tensor, dp_size: int, replica_group, wire_dtype: torch.
     grad.div_(dp_size)
 
 
+def _start_all_reduce(t: torch.Tensor, group, wire_dtype: torch.dtype | None) -> tuple[torch.Tensor, object]:
+    """Start the sum of `t` over `group`, sent in `wire_dtype` (parallel.reduce_dtype) when given:
+    (what is summed, `t` itself or its cast copy to copy back; the work)."""
+    wire = t if wire_dtype is None or t.dtype == wire_dtype else t.to(wire_dtype)
+    return wire, dist.all_reduce(wire, group=group, async_op=True)
+
+
 def _all_reduce_in(t: torch.Tensor, group, wire_dtype: torch.dtype | None) -> None:
-    """Sum `t` over `group` in place, sent in `wire_dtype` (parallel.reduce_dtype) when given."""
-    if wire_dtype is None or t.dtype == wire_dtype:
-        dist.all_reduce(t, group=group)
-        return
-    wire = t.to(wire_dtype)
-    dist.all_reduce(wire, group=group)
-    t.copy_(wire)
+    """Sum `t` over `group` in place, sent in `wire_dtype` when given."""
+    wire, work = _start_all_reduce(t, group, wire_dtype)
+    work.wait()
+    if wire is not t:
+        t.copy_(wire)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
