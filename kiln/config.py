@@ -447,6 +447,11 @@ class ParallelConfig:
     tp: int = ranged(1, gt=0)
     pp: int = ranged(1, gt=0)
     cp: int = ranged(1, gt=0)
+    # How cp ranks attend across the sequence (docs/parallel.md, Context parallelism):
+    #   ring:     ring attention, K/V blocks passed round the cp ranks point to point (any head count)
+    #   ulysses:  DeepSpeed-Ulysses, all-to-alls trading the sequence split for a head split around a
+    #             local attention of whole sequences; needs the heads per tp rank divisible by cp
+    cp_mode: str = ranged("ring", choices=("ring", "ulysses"))
     ep: int = ranged(1, gt=0)
     # Expert tensor parallel degree under ep > 1 and tp > 1 (torchtitan's expert_tensor_parallel_degree):
     # -1 = tp (each expert's hidden units sharded over tp, ep from dp_shard x cp); 1 = experts whole,

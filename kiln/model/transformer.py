@@ -265,6 +265,22 @@ class KVCache:
         return self.k[layer][:, :, :min(end, window)], self.v[layer][:, :, :min(end, window)]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window: int = 0,
+                     mask=None, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal attention of whole sequences q (B, H, T, D) over k/v (B, Hkv, T, D): with `mask`
+    (`document_mask` of packed windows, the layer's window in it) SDPA or FlexAttention under it;
+    else over the `window` most recent keys where the window is shorter than T
+    (`sliding_window_attention`), else SDPA's causal kernel. Attention.forward's path without a KV
+    cache, and Ulysses context parallel's on each rank's heads (kiln/parallel/ulysses.py)."""
+    if mask is not None:
+        if isinstance(mask, torch.Tensor):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=enable_gqa)
+        return _flex()[0](q, k, v, block_mask=mask, enable_gqa=enable_gqa)  # a BlockMask (CUDA); no dropout
+    if window and q.shape[2] > window:  # keys beyond the window exist
+        return sliding_window_attention(q, k, v, window, dropout_p, enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -321,27 +337,18 @@ class Attention(nn.Module):
         # from the config, not the shapes: compiled with dynamic shapes those compare to a SymBool,
         # which torch 2.11's SDPA refuses for enable_gqa (tp divides both head counts alike)
         gqa = self.n_heads != self.n_kv_heads and not self.expand_kv
-        if self.attention_fn is not None:  # context parallel's ring attention (`mask`: Transformer.forward's)
-            out = self.attention_fn(q, k, v, self.dropout if self.training else 0.0, self.window, mask)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.attention_fn is not None:  # context parallel's (`mask`: Transformer.forward's)
+            out = self.attention_fn(q, k, v, dropout_p, self.window, mask)
+        elif cache is None or start_pos == 0 and causal and mask is None:  # whole sequences from 0
+            out = causal_attention(q, k, v, dropout_p, self.window, mask, gqa)
         elif mask is not None:
-            if cache is not None:
-                raise ValueError("a document mask works without a KV cache")
-            if isinstance(mask, torch.Tensor):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                     dropout_p=self.dropout if self.training else 0.0,
-                                                     enable_gqa=gqa)
-            else:  # FlexAttention BlockMask (CUDA); it has no dropout
-                out = _flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa)
-        elif self.window and start_pos + seqlen > self.window:  # keys beyond the window exist
-            if start_pos == 0:  # the whole sequence (training, evaluation, a cache's prefill)
-                out = sliding_window_attention(q, k, v, self.window, self.dropout if self.training else 0.0, gqa)
-            else:  # decoding: the cache's rolling buffer holds this token's window exactly
-                out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            raise ValueError("a document mask works without a KV cache")
+        elif self.window and start_pos + seqlen > self.window:
+            # decoding: the cache's rolling buffer holds this token's window exactly
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=gqa,
-            )
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -438,6 +445,10 @@ class Transformer(nn.Module):
         # Global positions of the tokens this rank holds, when they are not 0..seqlen-1 (context
         # parallel's zig-zag slices; set around a training step by kiln/parallel/context_parallel.py).
         self.seq_positions: torch.Tensor | None = None
+        # Under context parallel, what packed documents' layers get as `mask`: the ids themselves
+        # (ring attention masks each pair of chunks from them), or, set by Ulysses (which attends
+        # to whole sequences), the whole sequences' `document_mask`s as without cp.
+        self.cp_whole_masks = False
         # MoE: (load-balancing loss, z-loss) summed over MoE layers in the last forward with
         # targets, a detached device tensor read at metrics-fetch time (no host sync per step).
         self.moe_losses: torch.Tensor | None = None
@@ -494,7 +505,7 @@ class Transformer(nn.Module):
         else:
             rope = (self.rope_cos[start_pos:start_pos + seqlen], self.rope_sin[start_pos:start_pos + seqlen])
         windows = [attention_window(self.cfg, i) for i in range(len(self.layers))]
-        masks = layer_masks(windows, doc_ids, ring=self.seq_positions is not None)
+        masks = layer_masks(windows, doc_ids, ring=self.seq_positions is not None and not self.cp_whole_masks)
         for layer, mask in zip(self.layers, masks):
             h = layer(h, rope, cache, start_pos, mask)
         h = self.norm(h)

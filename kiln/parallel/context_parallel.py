@@ -316,7 +316,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
 
 class ContextParallel:
     """The trainer's handle: `shard` slices a batch, and `with cp:` runs the model's attention as
-    ring attention with this rank's global positions. With cp == 1 both are no-ops."""
+    ring attention (dims.cp_mode 'ring') or Ulysses' (kiln/parallel/ulysses.py) with this rank's
+    global positions. With cp == 1 both are no-ops."""
 
     def __init__(self, model, dims, seq_len: int, device: torch.device):
         self.model, self.cp = model, dims.cp
@@ -325,6 +326,12 @@ class ContextParallel:
         check_cp_seq_len(self.cp, seq_len)
         self.ring = Ring(dims.mesh["cp"].get_group())
         self.index = zigzag_positions(seq_len, self.cp, self.ring.rank, device=device)
+        self.ulysses = None
+        if dims.cp_mode == "ulysses":
+            from kiln.parallel.ulysses import Ulysses
+
+            self.ulysses = Ulysses(self.ring.group, self.cp)
+            self.attention = self.ulysses.attention
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cp == 1:
@@ -337,6 +344,7 @@ class ContextParallel:
     def __enter__(self):
         if self.cp > 1:
             self.model.seq_positions = self.index
+            self.model.cp_whole_masks = self.ulysses is not None
             for module in _attention_modules(self.model):
                 module.attention_fn = self.attention
             for moe in _moe_modules(self.model):  # capacity and aux loss per whole sequence
@@ -346,6 +354,7 @@ class ContextParallel:
     def __exit__(self, *exc):
         if self.cp > 1:
             self.model.seq_positions = None
+            self.model.cp_whole_masks = False
             for module in _attention_modules(self.model):
                 module.attention_fn = None
             for moe in _moe_modules(self.model):

@@ -51,6 +51,8 @@ class ParallelDims:
     # parallel.reduce_dtype: what data parallelism sends gradients in (FSDP2's reduce-scatter, DDP's
     # and kiln's replicas' all-reduce, the replicated experts'); sums land in the fp32 gradients.
     reduce_dtype: str = "fp32"
+    # parallel.cp_mode: ring attention or Ulysses' all-to-alls across the cp ranks (context_parallel.py)
+    cp_mode: str = "ring"
 
     def __post_init__(self):
         if self.etp is None:
@@ -122,7 +124,8 @@ class ParallelDims:
             check_ep_layout(cfg.ep, mode, dp_replicate, dp_shard, cfg.cp, cfg.tp)
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps),
-                   ep_node_ranks=cfg.ep_node_ranks, reduce_dtype=cfg.reduce_dtype)
+                   ep_node_ranks=cfg.ep_node_ranks, reduce_dtype=cfg.reduce_dtype,
+                   cp_mode=cfg.cp_mode)
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Ring attention (cp) enters compiled
@@ -145,11 +148,19 @@ class ParallelDims:
                               f"train.compile=true and model.moe_experts={cfg.model.moe_experts} needs a torch "
                               f"whose dynamo can skip forward side effects under checkpoint (this is "
                               f"{torch.__version__}); set train.activation_checkpointing='none' or train.compile=false")
-        if self.cp > 1 and cfg.train.compile and not torch_compat.dynamo_traces_ring_objects():
+        ring = self.cp > 1 and self.cp_mode == "ring"
+        if self.cp > 1 and self.cp_mode == "ulysses":
+            heads = cfg.model.n_heads // self.tp  # this tp rank's (divisibility by tp is checked below)
+            if cfg.model.n_heads % self.tp == 0 and heads % self.cp:
+                where = f"model.n_heads={cfg.model.n_heads}" + (f" / parallel.tp={self.tp} = {heads}" if self.tp > 1 else "")
+                raise ConfigError(f"parallel.cp_mode='ulysses' splits each rank's attention heads over "
+                                  f"parallel.cp={self.cp}, which must divide {where}; change parallel.cp or "
+                                  f"set parallel.cp_mode='ring'")
+        if ring and cfg.train.compile and not torch_compat.dynamo_traces_ring_objects():
             raise ConfigError(f"train.compile=true with parallel.cp={self.cp} needs a torch whose dynamo "
                               f"compiles ring attention (>= 2.10; this is {torch.__version__}); set "
                               f"train.compile=false")
-        if self.cp > 1 and cfg.train.cuda_graphs and torch_compat.cudagraph_unsafe_tag() is None:
+        if ring and cfg.train.cuda_graphs and torch_compat.cudagraph_unsafe_tag() is None:
             # ring attention's ops must stay outside the CUDA graph (context_parallel._OP_TAGS)
             raise ConfigError(f"train.cuda_graphs=true with parallel.cp={self.cp} needs a torch with the "
                               f"cudagraph_unsafe op tag (this is {torch.__version__}); set train.cuda_graphs=false")

@@ -77,6 +77,7 @@ class PipelineModel(nn.Module):
         # Context parallel: the global positions of this rank's zig-zag slice, set around a
         # training step by kiln/parallel/context_parallel.py (as on `Transformer`).
         self.seq_positions: torch.Tensor | None = None
+        self.cp_whole_masks = False  # Ulysses: packed documents' masks of whole sequences (as on `Transformer`)
         # The whole model stays on meta, unregistered: init replays its generator draws (see init_weights).
         self.__dict__["_full"] = full
         # MoE: (aux, z) of each stage forward of this step, per stage (add_moe_losses); after
@@ -188,7 +189,7 @@ class StageChunk(nn.Module):
             rope = (self._owner.rope_cos[:seqlen], self._owner.rope_sin[:seqlen])
         else:
             rope = (self._owner.rope_cos[positions], self._owner.rope_sin[positions])
-        masks = layer_masks(self.windows, doc_ids, ring=positions is not None)
+        masks = layer_masks(self.windows, doc_ids, ring=positions is not None and not self._owner.cp_whole_masks)
         for layer, mask in zip(self.layers, masks):
             h = layer(h, rope, None, 0, mask)
         h = add_moe_losses(h, self.layers, *self._moe, scale=self.__dict__.get("loss_scale"))

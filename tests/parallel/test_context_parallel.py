@@ -43,7 +43,15 @@ CP_RUNS = {"cp2-ddp": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train
            "fsdp2xcp2": (4, {"parallel.cp": 2, "parallel.dp_mode": "'fsdp'", "train.batch_size": GLOBAL_BATCH // 2}),
            # op checkpointing keeps the ring's output (parallelize.compute_ops_kept): no second ring in backward
            "cp2-op": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'", "train.batch_size": GLOBAL_BATCH,
-                          "train.activation_checkpointing": "'op'"})}
+                          "train.activation_checkpointing": "'op'"}),
+           # Ulysses (kiln/parallel/ulysses.py): all-to-alls around a local attention of whole sequences
+           "cp2-ulysses": (2, {"parallel.cp": 2, "parallel.cp_mode": "'ulysses'", "parallel.dp_mode": "'ddp'",
+                               "train.batch_size": GLOBAL_BATCH}),
+           "fsdp2xcp2-ulysses": (4, {"parallel.cp": 2, "parallel.cp_mode": "'ulysses'", "parallel.dp_mode": "'fsdp'",
+                                     "train.batch_size": GLOBAL_BATCH // 2})}
+ULYSSES = {"parallel.cp_mode": "'ulysses'"}
+# 4 heads over 2 K/V heads: under tp=2 each rank holds 2 and 1, so Ulysses over cp=2 repeats K/V
+HEADS4 = {"model.n_heads": 4, "model.n_kv_heads": 2}
 
 
 WINDOW = {"model.sliding_window": 12, "model.full_attention_every": 2}
@@ -52,9 +60,9 @@ DOCUMENTS = {"data.windows": "'packed_masked'", **WINDOW}  # a local and a globa
 
 def ring_check_then_train(rank, world, jobs):
     """The 2-rank launch: cp_ring_worker's attention checks, then kiln's trainer on `jobs`."""
-    from cp_ring_worker import check_ring_attention
+    from cp_ring_worker import check_ring_attention, check_ulysses_attention
 
-    result = check_ring_attention()
+    result = [check_ring_attention(), check_ulysses_attention()]
     train_runs(rank, world, jobs)
     return result
 
@@ -62,9 +70,9 @@ def ring_check_then_train(rank, world, jobs):
 def window_check_then_train(rank, world, jobs):
     """The 4-rank launch: cp_ring_worker's window and document checks on a 4-rank ring (windows
     that reach one neighbour each way: the neighbourhood exchange), then kiln's trainer on `jobs`."""
-    from cp_ring_worker import check_ring_attention
+    from cp_ring_worker import check_ring_attention, check_ulysses_attention
 
-    result = check_ring_attention(("window", "documents"))
+    result = [check_ring_attention(("window", "documents")), check_ulysses_attention()]
     train_runs(rank, world, jobs)
     return result
 
@@ -94,9 +102,21 @@ def launches(tmp_path_factory, text_file, short_docs_dir):
     docs = short_docs_dir
     runs["cp2-documents"] = root / "cp2-documents"
     jobs[2].append((runs["cp2-documents"], common(docs, **{**CP_RUNS["cp2-ddp"][1], **DOCUMENTS})))
+    runs["cp2-ulysses-documents"] = root / "cp2-ulysses-documents"  # the model's whole-sequence masks
+    jobs[2].append((runs["cp2-ulysses-documents"], common(docs, **{**CP_RUNS["cp2-ulysses"][1], **DOCUMENTS})))
+    runs["pp2xcp2-ulysses-documents"] = root / "pp2xcp2-ulysses-documents"  # the pipeline stages' masks
+    jobs[4].append((runs["pp2xcp2-ulysses-documents"], common(docs, **{
+        "parallel.cp": 2, "parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", **ULYSSES, **DOCUMENTS,
+        "train.batch_size": GLOBAL_BATCH})))
     for name, extra in (("documents-reference", DOCUMENTS), ("documents-unmasked", {})):
         runs[name] = root / name
         train(load_config(None, common(docs, **{"train.batch_size": GLOBAL_BATCH, **extra})), runs[name])
+    # Ulysses under tp x cp with K/V repeated, against one process of the same 4-head model
+    runs["tp2xcp2-ulysses"] = root / "tp2xcp2-ulysses"
+    jobs[4].append((runs["tp2xcp2-ulysses"], common(text_file, **{"parallel.cp": 2, "parallel.tp": 2, **ULYSSES,
+                                                                  **HEADS4, "train.batch_size": GLOBAL_BATCH})))
+    runs["heads4-reference"] = root / "heads4-reference"
+    train(load_config(None, common(text_file, **{"train.batch_size": GLOBAL_BATCH, **HEADS4})), runs["heads4-reference"])
     for n in (2, 4):
         (root / f"ranks{n}").mkdir()
     ring = run_ranks(ring_check_then_train, 2, root / "ranks2", jobs[2], timeout=400)
@@ -105,8 +125,9 @@ def launches(tmp_path_factory, text_file, short_docs_dir):
 
 
 @pytest.mark.timeout(600)
-def test_ring_attention_matches_full_attention_forward_and_backward(launches):
-    assert launches[0] == [f"rank {r}: ok" for r in (*range(2), *range(4))]  # 2 ranks, then 4 (windows)
+def test_ring_and_ulysses_attention_match_full_attention_forward_and_backward(launches):
+    # 2 ranks, then 4 (ring: windows and documents; Ulysses: all its checks)
+    assert launches[0] == [[f"rank {r}: ok", f"rank {r}: ulysses ok"] for r in (*range(2), *range(4))]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +141,7 @@ def test_context_parallel_run_matches_one_process(launches, reference, name):
     nproc, run = CP_RUNS[name][0], launches[1][name]
     run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
     assert run_row["world_size"] == nproc and run_row["dp_replicate"] * run_row["dp_shard"] == nproc // 2
-    assert run_row["cp"] == 2
+    assert run_row["cp"] == 2 and run_row["cp_mode"] == ("ulysses" if "ulysses" in name else "ring")
     assert_same_losses(reference, losses(run), range(1, STEPS + 1))
 
 
@@ -128,12 +149,16 @@ def test_context_parallel_run_matches_one_process(launches, reference, name):
 @pytest.mark.parametrize("run, reference, without", [
     ("cp2-window", "window-reference", "cp2-ddp"),  # sliding-window layers
     ("cp2-documents", "documents-reference", "documents-unmasked"),  # packed documents
+    ("cp2-ulysses-documents", "documents-reference", "documents-unmasked"),  # packed documents, Ulysses
+    ("pp2xcp2-ulysses-documents", "documents-reference", "documents-unmasked"),  # ... in pipeline stages
+    ("tp2xcp2-ulysses", "heads4-reference", "cp2-ulysses"),  # Ulysses x tp, K/V heads repeated
 ])
-def test_context_parallel_masked_attention_matches_one_process(launches, run, reference, without):
+def test_context_parallel_matches_one_process_of_its_model(launches, run, reference, without):
+    # `without`: another model's run (no mask, no window, other heads): the comparison can fail
     runs = launches[1]
     got = losses(runs[run])
     assert_same_losses(losses(runs[reference]), got, range(1, STEPS + 1))
-    plain = losses(runs[without])  # the mask changes the model: the check can fail
+    plain = losses(runs[without])
     assert any(abs(got[s] - plain[s]) > 1e-4 * abs(plain[s]) for s in plain)
 
 
@@ -160,3 +185,22 @@ def test_train_with_cp_not_dividing_seq_len_fails_before_any_work(tmp_path, text
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "data.seq_len=30 is not divisible by 2*parallel.cp=4" in lines[0], lines
     assert not run.exists()  # nothing was written
+
+
+@pytest.mark.parametrize("tp, heads, expected", [
+    (1, 6, "must divide model.n_heads=6; change parallel.cp or set parallel.cp_mode='ring'"),
+    (2, 4, "must divide model.n_heads=4 / parallel.tp=2 = 2; change parallel.cp"),
+])
+def test_ulysses_with_cp_not_dividing_the_heads_fails_naming_the_values(text_file, tp, heads, expected):
+    from kiln.config import load_config
+
+    cfg = load_config(None, common(text_file, **{"parallel.cp": 4, "parallel.tp": tp, **ULYSSES, "model.dim": 48,
+                                                 "model.n_heads": heads, "model.n_kv_heads": heads}))
+    dims = ParallelDims.from_config(cfg.parallel, world_size=4 * tp, rank=0, local_rank=0, seq_len=cfg.data.seq_len)
+    with pytest.raises(ConfigError, match=r"parallel\.cp_mode='ulysses' splits each rank's attention heads over "
+                                          r"parallel\.cp=4, which " + expected.replace(".", r"\.").replace("(", r"\(")):
+        dims.check_model(cfg)
+    ok = load_config(None, common(text_file, **{"parallel.cp": 4, "parallel.tp": tp, "model.dim": 48,
+                                                "model.n_heads": heads, "model.n_kv_heads": heads}))
+    ParallelDims.from_config(ok.parallel, world_size=4 * tp, rank=0, local_rank=0,
+                             seq_len=ok.data.seq_len).check_model(ok)  # the ring takes any head count

@@ -2,7 +2,8 @@
 opaque op (torch.library custom ops, kiln/parallel/context_parallel.py) and trains like one process.
 
 Training: `kiln train`'s trainer in-process on gloo ranks (tests/parallel/ranks.py), blocks
-compiled (fullgraph), cp=2 under DDP (2 ranks), and in one 4-rank launch FSDP dp_shard=2 x cp=2,
+compiled (fullgraph), cp=2 under DDP (2 ranks; ring attention, and Ulysses' all-to-alls, which
+dynamo traces into the block's graph), and in one 4-rank launch FSDP dp_shard=2 x cp=2,
 tp=2 x cp=2 and pp=2 x cp=2 (1F1B, one block per stage), against ONE
 EAGER process on the same global batch (conftest's dp_reference: test_data_parallel's settings,
 SGD, no clipping, 6 steps); fp32, relative 1e-5 per step (the data-parallel tests' bound).
@@ -22,7 +23,8 @@ Recompiles: a step loop over kiln's `parallelize` and `ContextParallel`, each st
 an evaluation outside `with cp:` (whole sequences, SDPA: kiln's scorer), compiles its graphs in
 the first step; from the second on, dynamo's `error_on_recompile` stays silent and the graph count
 is constant. The same loop with `error_on_recompile` from the first step fails at the evaluation's
-one recompile (no_grad, eval mode, SDPA on whole sequences), so the detector is live.
+one recompile (no_grad, eval mode, SDPA on whole sequences), so the detector is live. Ulysses'
+loop (cp_mode 'ulysses') holds its graph count constant from the second step too.
 
 Backend: `aot_eager` (dynamo + AOTAutograd, which run the ops' fake implementations and their
 registered backward, without inductor's codegen: slow on the shared 2-core machine);
@@ -57,7 +59,7 @@ TP2_CP2 = {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_mode": "'fsdp'", "tr
 PP2_CP2 = {"parallel.cp": 2, "parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", "parallel.dp_mode": "'fsdp'",
            "train.batch_size": GLOBAL_BATCH, "train.compile": "true"}
 LAUNCHES = {  # world -> runs of that launch (name -> settings)
-    2: {"cp2_compiled": CP2},
+    2: {"cp2_compiled": CP2, "cp2_ulysses_compiled": {**CP2, "parallel.cp_mode": "'ulysses'"}},
     4: {"fsdp2_cp2_compiled": FSDP2_CP2, "tp2_cp2_compiled": TP2_CP2, "pp2_cp2_compiled": PP2_CP2},
 }
 
@@ -86,9 +88,12 @@ def _train(rank, world, runs, recompile_job=None):
             torch._dynamo.reset()
     if recompile_job is None:
         return None
-    return {"opcheck": _opcheck_ring_ops(), "attention": _compiled_ring_errors(rank, world),
-            "dropout_calls_differ": _compiled_dropout_draws_afresh(world),
-            "graphs": {strict: _graphs_per_step(rank, world, recompile_job, strict) for strict in (1, 0)}}
+    checks = {"opcheck": _opcheck_ring_ops(), "attention": _compiled_ring_errors(rank, world),
+              "dropout_calls_differ": _compiled_dropout_draws_afresh(world),
+              "graphs": {strict: _graphs_per_step(rank, world, recompile_job, strict) for strict in (1, 0)}}
+    recompile_job.parallel.cp_mode = "ulysses"  # its all-to-alls traced into the blocks' graphs
+    checks["graphs_ulysses"] = _graphs_per_step(rank, world, recompile_job, 1)
+    return checks
 
 
 def _compiled_dropout_draws_afresh(world):
@@ -280,5 +285,7 @@ def test_compiled_blocks_do_not_recompile_across_cp_steps_and_evaluations(runs):
         steady, strict = checks["graphs"][1], checks["graphs"][0]
         assert isinstance(steady, list) and len(steady) == STEPS, f"rank {rank}: {steady}"
         assert steady[0] >= 1 and len(set(steady)) == 1, f"rank {rank}: graphs per step {steady}"
+        ulysses = checks["graphs_ulysses"]
+        assert isinstance(ulysses, list) and ulysses[0] >= 1 and ulysses == [ulysses[0]] * STEPS, ulysses
         # Control: from step 0, the first evaluation (no_grad, SDPA instead of the ring) is a recompile.
         assert isinstance(strict, str) and "Recompiling function" in strict, f"rank {rank}: {strict}"

@@ -1,0 +1,80 @@
+"""Ulysses context parallelism (`parallel.cp_mode = "ulysses"`; DeepSpeed-Ulysses, Jacobs et al.
+2023; Megatron-LM's `--cp-comm-type a2a`): around each attention, all-to-alls over the cp ranks
+trade the sequence split for a head split. Each rank enters attention with its slice of every
+sequence for all its heads, (B, H, T/C, D), and leaves the first all-to-all with the whole
+sequences for H/C of the heads, (B, H/C, T, D); attention then runs locally, exactly as without
+cp (`kiln.model.transformer.causal_attention`: SDPA's causal kernel, the sliding window, packed
+documents' masks, dropout), and a last all-to-all hands each rank its slice of the output for all
+heads again. Autograd runs the reverse all-to-alls backward (torch's functional
+`all_to_all_single_autograd`, which dynamo traces, so a compiled block stays one graph).
+
+Against ring attention (kiln/parallel/context_parallel.py): each rank sends (C-1)/C of its q, k, v
+and output per layer forward (the same backward) instead of K/V round the whole ring, so the
+bytes per rank fall as cp grows where the ring's stay; any attention kernel runs unchanged; but
+cp must divide the heads each tp rank holds, and nothing overlaps the exchange (attention waits
+for its inputs). K/V heads fewer than cp are repeated to the least multiple of cp that keeps each
+query head with its K/V head.
+
+The cp ranks hold their zig-zag chunks (context_parallel.py: the loader, positions and loss are
+cp-mode-agnostic), so the gathered chunks are put in sequence order before attention and back in
+the ranks' order after it. kiln's own: the chunk order and the K/V repetition; the exchange is
+torch's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from kiln.model.transformer import causal_attention
+from kiln.parallel.functional import zigzag_chunks
+
+
+class Ulysses:
+    """Attention over the cp group `group` (of `size` ranks) by all-to-alls: the ContextParallel
+    handle's `attention` under cp_mode 'ulysses'."""
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+        # rank j holds chunks zigzag_chunks(C, j), in that order: gathered in rank order, chunk
+        # number c sits at slot `slots[c]`, and slot s holds chunk `chunk_at[s]`
+        self.chunk_at = [c for j in range(size) for c in zigzag_chunks(size, j)]
+        slots = [0] * (2 * size)
+        for slot, c in enumerate(self.chunk_at):
+            slots[c] = slot
+        self.slots = slots
+
+    def attention(self, q, k, v, dropout_p: float = 0.0, window: int = 0, mask=None):
+        """Causal attention of this rank's sequence slices q (B, H, T/C, D), k/v (B, Hkv, T/C, D);
+        the result as q's. `mask`: packed documents' `document_mask` of the whole sequences (the
+        model builds it: `Transformer.cp_whole_masks`), or None."""
+        heads, kv_heads = q.shape[1], k.shape[1]
+        repeat = self.size // math.gcd(kv_heads, self.size)  # K/V copies so that cp divides them
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        q, k, v = (self._to_heads(t) for t in (q, k, v))
+        out = causal_attention(q, k, v, dropout_p, window, mask, enable_gqa=k.shape[1] != q.shape[1])
+        return self._to_sequence(out, heads)
+
+    def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H, T/C, D) of this rank's chunks -> (B, H/C, T, D) of its heads, in sequence order."""
+        b, h, n, d = t.shape
+        c = self.size
+        # dim 0 the destination: head group j goes to rank j
+        send = t.reshape(b, c, h // c, n, d).transpose(0, 1).contiguous()
+        got = funcol.all_to_all_single_autograd(send, None, None, self.group)  # dim 0: the source rank
+        got = got.view(c, b, h // c, 2, n // 2, d).permute(2, 0, 3, 1, 4, 5).reshape(h // c, 2 * c, b, n // 2, d)
+        got = got[:, self.slots]  # chunks in sequence order
+        return got.permute(2, 0, 1, 3, 4).reshape(b, h // c, c * n, d)
+
+    def _to_sequence(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """(B, H/C, T, D) of this rank's heads -> (B, H, T/C, D) of its chunks."""
+        b, h, length, d = t.shape
+        c = self.size
+        size = length // (2 * c)
+        t = t.reshape(b, h, 2 * c, size, d)[:, :, self.chunk_at]  # chunks in the ranks' order
+        send = t.view(b, h, c, 2 * size, d).permute(2, 0, 1, 3, 4).contiguous()  # dim 0: destination
+        got = funcol.all_to_all_single_autograd(send, None, None, self.group)  # dim 0: the head group
+        return got.transpose(0, 1).reshape(b, heads, 2 * size, d)
