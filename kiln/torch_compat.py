@@ -445,8 +445,9 @@ def dynamo_traces_ring_objects() -> bool:
     (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.9, 2.10, 2.11
     and 2.13 do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around
     it is refused too, kiln compiles whole blocks), and 2.7-2.8 are taken alike (not run with the
-    gate lowered). There train.compile with parallel.cp > 1 is refused in one line
-    (kiln/parallel/dims.py)."""
+    gate lowered). Ulysses' all-to-alls (kiln/parallel/ulysses.py) compile on 2.9-2.13 too; on 2.6
+    inductor hands the all-to-all a non-contiguous buffer ("Tensors must be contiguous"). There
+    train.compile with parallel.cp > 1 is refused in one line (kiln/parallel/dims.py)."""
     import torch
 
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)

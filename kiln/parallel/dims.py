@@ -156,9 +156,9 @@ class ParallelDims:
                 raise ConfigError(f"parallel.cp_mode='ulysses' splits each rank's attention heads over "
                                   f"parallel.cp={self.cp}, which must divide {where}; change parallel.cp or "
                                   f"set parallel.cp_mode='ring'")
-        if ring and cfg.train.compile and not torch_compat.dynamo_traces_ring_objects():
+        if self.cp > 1 and cfg.train.compile and not torch_compat.dynamo_traces_ring_objects():
             raise ConfigError(f"train.compile=true with parallel.cp={self.cp} needs a torch whose dynamo "
-                              f"compiles ring attention (>= 2.10; this is {torch.__version__}); set "
+                              f"compiles context-parallel attention (>= 2.9; this is {torch.__version__}); set "
                               f"train.compile=false")
         if ring and cfg.train.cuda_graphs and torch_compat.cudagraph_unsafe_tag() is None:
             # ring attention's ops must stay outside the CUDA graph (context_parallel._OP_TAGS)

@@ -37,7 +37,9 @@ class Ulysses:
     handle's `attention` under cp_mode 'ulysses'."""
 
     def __init__(self, group, size: int):
-        self.group, self.size = group, size
+        # by name, as torch's functional collectives take it: dynamo before 2.10 cannot put a
+        # ProcessGroup object into a graph
+        self.group_name, self.size = group.group_name, size
         # rank j holds chunks zigzag_chunks(C, j), in that order: gathered in rank order, chunk
         # number c sits at slot `slots[c]`, and slot s holds chunk `chunk_at[s]`
         self.chunk_at = [c for j in range(size) for c in zigzag_chunks(size, j)]
@@ -64,7 +66,7 @@ class Ulysses:
         c = self.size
         # dim 0 the destination: head group j goes to rank j
         send = t.reshape(b, c, h // c, n, d).transpose(0, 1).contiguous()
-        got = funcol.all_to_all_single_autograd(send, None, None, self.group)  # dim 0: the source rank
+        got = funcol.all_to_all_single_autograd(send, None, None, self.group_name)  # dim 0: the source rank
         got = got.view(c, b, h // c, 2, n // 2, d).permute(2, 0, 3, 1, 4, 5).reshape(h // c, 2 * c, b, n // 2, d)
         got = got[:, self.slots]  # chunks in sequence order
         return got.permute(2, 0, 1, 3, 4).reshape(b, h // c, c * n, d)
@@ -76,5 +78,5 @@ class Ulysses:
         size = length // (2 * c)
         t = t.reshape(b, h, 2 * c, size, d)[:, :, self.chunk_at]  # chunks in the ranks' order
         send = t.view(b, h, c, 2 * size, d).permute(2, 0, 1, 3, 4).contiguous()  # dim 0: destination
-        got = funcol.all_to_all_single_autograd(send, None, None, self.group)  # dim 0: the head group
+        got = funcol.all_to_all_single_autograd(send, None, None, self.group_name)  # dim 0: the head group
         return got.transpose(0, 1).reshape(b, heads, 2 * size, d)

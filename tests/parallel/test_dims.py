@@ -128,7 +128,7 @@ def test_compile_with_cp_is_refused_where_dynamo_cannot_compile_ring_attention(m
     cfg = load_config(None, ["model.dim=32", "model.n_heads=4", "data.seq_len=32", "train.compile=true"])
     monkeypatch.setattr(torch_compat, "dynamo_traces_ring_objects", lambda: False)
     with pytest.raises(ConfigError, match=r"train.compile=true with parallel.cp=2 needs a torch whose dynamo "
-                                          r"compiles ring attention .*set train.compile=false"):
+                                          r"compiles context-parallel attention .*set train.compile=false"):
         dims(2, dp_mode="ddp", cp=2).check_model(cfg)
     dims(2, dp_mode="ddp", tp=2).check_model(cfg)  # compile without cp is not concerned
     cfg.train.compile = False
