@@ -79,4 +79,8 @@ class Ulysses:
         t = t.reshape(b, h, 2 * c, size, d)[:, :, self.chunk_at]  # chunks in the ranks' order
         send = t.view(b, h, c, 2 * size, d).permute(2, 0, 1, 3, 4).contiguous()  # dim 0: destination
         got = funcol.all_to_all_single_autograd(send, None, None, self.group_name)  # dim 0: the head group
+        # With a batch of 1 this reshape is a view, and torch's eager result stays a lazy
+        # AsyncCollectiveTensor, waited for at its first compute (the output projection). Not
+        # funcol.wait_tensor: torch 2.9 has no autograd formula for it (2.11 has), and the gradient stops
+        # there (torch 2.9: compiled cp=2 off one process by 1e-4 from step 2).
         return got.transpose(0, 1).reshape(b, heads, 2 * size, d)

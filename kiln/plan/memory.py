@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 from kiln.config import ModelConfig
@@ -116,6 +117,9 @@ class Layout:
     # fused_kernel: CPU without attention dropout); else the matmul kernel's (chunk x chunk) fp32
     # score tensors per head while a block runs (`ring_block_bytes`)
     fused_ring_blocks: bool = False
+    # parallel.cp_mode under cp > 1: "ring" (K/V round the ring) or "ulysses" (all-to-alls around a
+    # local attention of whole sequences for n_heads / (tp x cp) heads, kiln/parallel/ulysses.py)
+    cp_mode: str = "ring"
     # DiLoCo (kiln/plan/diloco.py): inner steps H between outer syncs; the replicas are dp_replicate
     # (under ddp every data-parallel rank), which then never reduce gradients with each other.
     diloco_inner_steps: int = 0
@@ -173,6 +177,8 @@ class Layout:
                 ("fragments", self.diloco_fragments, 1), ("sync_delay", self.diloco_sync_delay, 0),
                 ("wire_bytes", self.diloco_wire_bytes, 4)) if value != default]
         parts += [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1]
+        if self.cp > 1 and self.cp_mode != "ring":
+            parts.append(f"cp_mode={self.cp_mode}")
         if self.ep_borrows_tp:
             parts.append("etp=1")
         if 1 < self.ep_node_ranks < self.ep:
@@ -696,8 +702,11 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
     float8 = layout.precision == "float8"
     per_block = shape.act_bytes_per_token(act, layout.compiled, float8, layout.fused_projections) * tokens / layout.tp
-    if layout.cp == 1:  # sliding-window layers' blocked attention (cp runs the window in its ring)
+    ulysses = layout.cp > 1 and layout.cp_mode == "ulysses"
+    if layout.cp == 1 or ulysses:  # sliding-window layers' blocked attention (the ring runs the window itself)
         per_block += shape.window_bytes_per_token(act, seq_len) * tokens / layout.tp
+    if ulysses:  # K/V heads repeated to a multiple of cp, saved so for the local attention's backward
+        per_block += 2 * act * shape.kv_dim * (ulysses_kv_repeat(shape, layout) - 1) * tokens / layout.tp
     if layout.tp > 1:  # the all-gathered normed inputs of attention and MLP: whole, not 1/tp
         per_block += (1 - 1 / layout.tp) * shape.gathered_bytes_per_token(act, layout.compiled, float8) * tokens
     if layout.tp > 1 and layout.expert_tp > 1:  # experts sharded over tp: each tp rank routes the whole sequence
@@ -756,7 +765,7 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
             out.temporary += param_bytes * (layers * shape.layer_params + head_w) / layout.tp
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
-    if layout.cp > 1 and not layout.fused_ring_blocks:
+    if layout.cp > 1 and layout.cp_mode == "ring" and not layout.fused_ring_blocks:
         out.temporary += ring_block_bytes(shape, layout, seq_len)
     if layout.compiled:
         recomputing = block_input + recomputing if n_ac else 0.0  # the first block's input and activations
@@ -764,6 +773,13 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     else:
         _eager_peak_phase(out, layout, logits, recomputing if n_ac else 0.0)
     return out
+
+
+def ulysses_kv_repeat(shape: ModelShape, layout: Layout) -> int:
+    """How often Ulysses repeats each K/V head (kiln/parallel/ulysses.py): to the least multiple of
+    cp among a tp rank's K/V heads."""
+    kv_heads = shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
+    return layout.cp // math.gcd(kv_heads, layout.cp)
 
 
 RING_MATMUL_BLOCKS = 5  # (chunk x chunk) fp32 tensors per head at a matmul block's peak

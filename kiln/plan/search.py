@@ -171,14 +171,23 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                         ddp_ranks = (rep if replicas == 1 else shard) * cp  # DiLoCo: inside a replica
                         for sched, v in pipeline_schedules(shape.n_layers, pp, ga, mode, ddp_ranks):
                             reshard = fsdp_reshard_choices(cluster, mode, shard * cp, tp, pp, replicas > 1)
-                            for (ep, etp), ac, k in itertools.product(experts, ac_choices, reshard):
-                                yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep,
+                            for (ep, etp), ac, k, cp_mode in itertools.product(experts, ac_choices, reshard,
+                                                                              cp_modes(shape, tp, cp)):
+                                yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, ep=ep,
                                              etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,
                                              schedule=sched, virtual_stages=v, precision=precision, loss=loss,
                                              diloco_inner_steps=diloco_inner_steps, fsdp_reshard_to=k,
                                              diloco_fragments=diloco_stream[0], diloco_sync_delay=diloco_stream[1],
                                              diloco_wire_bytes=diloco_stream[2], grad_wire_bytes=grad_wire_bytes,
                                              ep_node_ranks=ep_node_ranks(cluster, ep, 1 if etp == 1 else tp))
+
+
+def cp_modes(shape: ModelShape, tp: int, cp: int) -> tuple[str, ...]:
+    """parallel.cp_mode values for cp: none without cp; the ring, and Ulysses where cp divides the
+    heads each tp rank holds (kiln/parallel/dims.py check_model)."""
+    if cp == 1:
+        return ("ring",)
+    return ("ring", "ulysses") if (shape.n_heads // tp) % cp == 0 else ("ring",)
 
 
 def fsdp_reshard_choices(cluster: Cluster, mode: str, shard_ranks: int, tp: int, pp: int, diloco: bool) -> list[int]:
@@ -285,7 +294,7 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
     p = out.parallel
     p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.ep = (layout.dp_replicate, layout.dp_shard, layout.tp,
                                                          layout.pp, layout.cp, layout.ep)
-    p.etp, p.ep_node_ranks = layout.etp, layout.ep_node_ranks
+    p.etp, p.ep_node_ranks, p.cp_mode = layout.etp, layout.ep_node_ranks, layout.cp_mode
     p.dp_mode, p.fsdp_reshard_to = layout.dp_mode, layout.fsdp_reshard_to
     if layout.pp > 1:
         p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches = layout.schedule, layout.virtual_stages, layout.grad_accum

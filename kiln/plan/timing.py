@@ -84,7 +84,7 @@ from kiln.plan.diloco import outer_sync_seconds, replica_cluster
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, ZERO_BUBBLE, Layout,
                               ModelShape, fsdp_end_units, rank_memory, rank_params, recomputed_blocks,
                               rank_chunks, recomputed_matmul_blocks, muon_matrix_fraction,
-                              resharded_after_forward, stage_contents, zero1_fullest_share)
+                              resharded_after_forward, stage_contents, ulysses_kv_repeat, zero1_fullest_share)
 from kiln.plan.muon_cost import muon_exchanges, muon_seconds
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
@@ -257,12 +257,23 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
             count("all_gather", 3 * moe * ga)
         exposed += t
         total += t
-    # Context parallel (ring attention): K and V pass around the ring, hidden behind attention's
+    # Context parallel. Ring attention: K and V pass around the ring, hidden behind attention's
     # score and value products only (the ring issues the next block's K/V before this block's
     # attention): their FLOP share of the step, 12*L*dim*seq of the token's FLOPs. A sliding-window
     # layer whose window reaches few ranks exchanges with those neighbours only (ring_layout.py);
-    # its sends both ways share the rank's link, so they are timed one after the other.
-    if layout.cp > 1:
+    # its sends both ways share the rank's link, so they are timed one after the other. Ulysses
+    # (kiln/parallel/ulysses.py): per layer and micro-batch q, k, v (K/V repeated to a multiple of
+    # cp) and the output each one all-to-all over cp forward, the same backward; attention waits
+    # for its inputs and the output projection for its output: exposed.
+    if layout.cp > 1 and layout.cp_mode == "ulysses":
+        per_token = 2 * shape.q_dim + 2 * shape.kv_dim * ulysses_kv_repeat(shape, layout)
+        exchanges = 8 * stage_layers * ga
+        t = all_to_all(cluster, layout.cp, 2 * act * tokens_rank_mb * per_token / layout.tp * stage_layers * ga,
+                       layout.tp, calls=exchanges)
+        count("all_to_all", exchanges)
+        exposed += t
+        total += t
+    elif layout.cp > 1:
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
         local = shape.local_layers / shape.n_layers * stage_layers
         hops = window_hops(layout.cp, seq_len // (2 * layout.cp), shape.window)
@@ -273,6 +284,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         attn_compute = t_mb * ga * 12 * shape.q_dim * shape.attention_keys(seq_len) / flops_token
         exposed += max(0.0, t - cluster.overlap_efficiency * min(t, attn_compute))
         total += t
+    if layout.cp > 1:
         # MoE blocks route over the whole sequence (kiln/model/moe.py): per block and micro-batch the
         # queue counts per expert (int64, per sequence, choice and chunk) and the balance shares
         # (f, P) all-gathered over cp, the shares' backward a reduce-scatter; on the critical path

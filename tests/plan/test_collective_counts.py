@@ -20,11 +20,12 @@ from tests.parallel.ranks import run_ranks
 # each rank routing its sequence shard: the routing statistics gathered, the router's gradient summed once
 # a step, also over 2 micro-batches: tp_ep_borrow_ga2);
 # cp: ring attention over cp 2 under the trainer's ContextParallel (its sends counted, each with a receive);
+# cp_ulysses: Ulysses over cp 2 (q, k, v and the output all-to-all'd forward and backward);
 # cp_moe: with MoE (the routing statistics gathered over cp); pp_moe: 2 stages of MoE blocks (the aux losses
 # summed and the largest load taken over the stages once a step)
 MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2",
          "fsdp_untied", "zero2_untied", "tp_moe", "tp_moe_ga2", "tp_ep_borrow", "tp_ep_borrow_ga2", "cp", "cp_moe",
-         "pp", "pp_moe")
+         "cp_ulysses", "pp", "pp_moe")
 # c10d ops as the profiler names them -> the time model's op names
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_": "all_gather",
@@ -63,6 +64,7 @@ def _counts(rank, n, modes=MODES):
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'", "parallel.ep=2", "parallel.etp=1", *MOE]
         elif base.startswith("cp"):  # 2 ranks: ring attention over cp 2 (FSDP over the cp ranks)
             extra = ["parallel.cp=2", "parallel.dp_mode='fsdp'"] + (MOE if mode == "cp_moe" else [])
+            extra += ["parallel.cp_mode='ulysses'"] if mode == "cp_ulysses" else []
         elif mode.startswith("tp"):
             extra = ["parallel.tp=2", "parallel.dp_mode='ddp'"] + (MOE if base == "tp_moe" else [])
         elif base == "pp":  # 2 ranks: 2 stages, 1F1B over 2 micro-batches of 2 rows
@@ -191,6 +193,7 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
                                          precision="fp32"),
               "cp": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "cp_moe": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
+              "cp_ulysses": Layout(cp=2, cp_mode="ulysses", dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "pp": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
               "pp_moe": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
               **{f"pp_{name}fsdp": Layout(pp=2, dp_shard=2, dp_mode="fsdp", schedule=schedule, grad_accum=4,

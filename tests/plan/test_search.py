@@ -313,3 +313,35 @@ def test_the_search_counts_fused_projections_where_kiln_fuses_them():
         sharded = p.layout.dp * p.layout.cp > 1 and p.layout.dp_mode in ("fsdp", "zero2")
         assert p.layout.fused_projections == (p.layout.tp == 1 and not sharded) == fuses_projections(p.layout)
     assert not any(p.layout.fused_projections for p in search(shape, load_cluster("cpu-local"), 1024, 16))
+
+
+def test_the_search_weighs_ulysses_where_cp_divides_the_heads_and_kiln_accepts_it(tmp_path):
+    """parallel.cp_mode: every cp layout comes as the ring, and as Ulysses where cp divides the
+    heads of a tp rank (kiln/parallel/dims.py check_model takes exactly those); the written plan
+    carries the mode. Ulysses runs its attention locally: no ring block temporaries (GPUs' matmul
+    ring kernel), the K/V repeated where a tp rank's K/V heads are fewer than cp."""
+    from kiln.parallel.dims import ParallelDims
+    from kiln.plan.memory import rank_memory, ring_block_bytes, ulysses_kv_repeat
+
+    model = ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=1000, max_seq_len=4096)
+    shape = ModelShape.from_config(model, 1000)
+    cluster = load_cluster("h100")
+    layouts = list(enumerate_layouts(shape, cluster, 4096, 8, "bf16", ac_choices=("none",)))
+    modes = {(l.tp, l.cp, l.cp_mode) for l in layouts if l.cp > 1}
+    assert {(1, 2, "ulysses"), (1, 4, "ulysses"), (2, 2, "ulysses"), (1, 8, "ring")} <= modes
+    assert not {(tp, cp) for tp, cp, mode in modes if mode == "ulysses"} & {(1, 8), (2, 4), (4, 2)}
+    cfg = load_config(None, ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+                             "data.seq_len=4096", "model.max_seq_len=4096"])
+    for tp, cp, mode in sorted(modes):
+        layout = next(l for l in layouts if (l.tp, l.cp, l.cp_mode) == (tp, cp, mode))
+        planned = config_for_plan(cfg, layout)
+        assert planned.parallel.cp_mode == mode
+        dims = ParallelDims.from_config(planned.parallel, world_size=8, rank=0, local_rank=0, local_world_size=8,
+                                        seq_len=4096)
+        dims.check_model(planned)  # refuses Ulysses where cp does not divide a tp rank's heads
+    ring = Layout(dp_shard=4, cp=2, dp_mode="fsdp", micro_batch=1)
+    ulysses = Layout(dp_shard=4, cp=2, cp_mode="ulysses", dp_mode="fsdp", micro_batch=1)
+    assert ulysses_kv_repeat(shape, ulysses) == 1 and ulysses_kv_repeat(shape, Layout(tp=2, cp=2)) == 2
+    saved = rank_memory(shape, ring, 4096).total - rank_memory(shape, ulysses, 4096).total
+    assert saved == pytest.approx(ring_block_bytes(shape, ring, 4096))
+    assert "cp_mode=ulysses" in ulysses.describe() and "cp_mode" not in ring.describe()

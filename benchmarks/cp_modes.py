@@ -1,0 +1,149 @@
+"""Context parallel's two ways across the cp ranks, one attention layer on `--cp` gloo ranks of
+this machine: ring attention (`parallel.cp_mode = "ring"`, kiln/parallel/context_parallel.py)
+against Ulysses' all-to-alls (`"ulysses"`, kiln/parallel/ulysses.py), on the same zig-zag slices.
+
+Per case (sequence T, K/V heads; batch --batch, --heads query heads of width --head-dim, fp32,
+causal), forward + backward, the two modes on the same inputs, taking turns going first:
+- bytes one rank sends: the ring's counted at torch.distributed.batch_isend_irecv; Ulysses' at each
+  all-to-all's call, (C-1)/C of its input leaving the rank, and its backward's all-to-all (the
+  same sizes the other way) counted as the same again;
+- the slowest rank's wall time, median over --rounds after a warm-up round (noisy on a shared
+  machine);
+- the most tensor bytes allocated and live at once on a rank during one call, its copies of the
+  inputs and their gradients included (the profiler's allocator events);
+- the largest difference of Ulysses' output and dQ/dK/dV from the ring's (the benchmark fails
+  above 1e-5).
+
+    python benchmarks/cp_modes.py [--cp 4] [--cases 4096k8,4096k2] [--rounds 5]
+
+Writes benchmarks/results/cp_modes.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from common import print_table, run_ranks, write_results  # noqa: E402
+from rank_measures import profiled_peak_bytes  # noqa: E402
+
+MODES = ("ring", "ulysses")
+
+
+def parse(case: str) -> tuple[int, int]:
+    seq, kv_heads = case.split("k")
+    return int(seq), int(kv_heads)
+
+
+def _rank(rank: int, world: int, port: int, args, out) -> None:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from kiln.parallel import ulysses as ulysses_module
+    from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
+    from kiln.parallel.ulysses import Ulysses
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ring, sent = Ring(dist.group.WORLD), {"bytes": 0}
+    send_batch, all_to_all = dist.batch_isend_irecv, ulysses_module.funcol.all_to_all_single_autograd
+
+    def counted_sends(ops):
+        sent["bytes"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return send_batch(ops)
+
+    def counted_all_to_all(tensor, *rest):  # forward here, its backward mirror counted alike
+        sent["bytes"] += 2 * tensor.numel() * tensor.element_size() * (world - 1) // world
+        return all_to_all(tensor, *rest)
+
+    dist.batch_isend_irecv = counted_sends
+    ulysses_module.funcol.all_to_all_single_autograd = counted_all_to_all
+    ulysses = Ulysses(dist.group.WORLD, world)
+    attend = {"ring": lambda q, k, v: ring_attention(q, k, v, ring), "ulysses": ulysses.attention}
+    rows = []
+    for case in args.cases.split(","):
+        seq, kv_heads = parse(case)
+        g = torch.Generator().manual_seed(0)
+        index = zigzag_positions(seq, world, rank)
+        q = torch.randn(args.batch, args.heads, seq, args.head_dim, generator=g)[:, :, index].contiguous()
+        k, v = (torch.randn(args.batch, kv_heads, seq, args.head_dim, generator=g)[:, :, index].contiguous()
+                for _ in "kv")
+        dout = torch.randn(args.batch, args.heads, seq, args.head_dim, generator=g)[:, :, index].contiguous()
+
+        def call(mode):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            outputs = attend[mode](*inputs)
+            outputs.backward(dout)
+            return [outputs.detach(), *(t.grad for t in inputs)]
+
+        times, results, counts, peaks = {m: [] for m in MODES}, {}, {}, {}
+        for round_ in range(args.rounds + 1):  # the first round warms up
+            for mode in MODES[round_ % 2:] + MODES[:round_ % 2]:  # each goes first by turns
+                sent["bytes"] = 0
+                dist.barrier()
+                start = time.perf_counter()
+                results[mode] = call(mode)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times[mode].append(elapsed.item())
+                counts[mode] = sent["bytes"]
+        for mode in MODES:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                call(mode)
+            peaks[mode] = profiled_peak_bytes(prof)
+        difference = max((a - b).abs().max().item() for a, b in zip(results["ulysses"], results["ring"]))
+        rows.append({"case": case, "seq": seq, "kv_heads": kv_heads,
+                     **{f"{m}_bytes": counts[m] for m in MODES},
+                     **{f"{m}_s": statistics.median(times[m][1:]) for m in MODES},
+                     **{f"{m}_peak_bytes": peaks[m] for m in MODES}, "max_difference": difference})
+    dist.destroy_process_group()
+    out.put((rank, rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cp", type=int, default=4)
+    parser.add_argument("--cases", default="4096k8,4096k2")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="cp_modes")
+    args = parser.parse_args(argv)
+    if args.heads % args.cp:
+        raise SystemExit(f"--heads {args.heads} is not divisible by --cp {args.cp} (Ulysses splits the heads)")
+    for case in args.cases.split(","):
+        seq, kv_heads = parse(case)
+        if seq % (2 * args.cp) or args.heads % kv_heads:
+            raise SystemExit(f"--cases {case}: the sequence must divide by 2 * --cp = {2 * args.cp} and the "
+                             f"K/V heads divide --heads {args.heads}")
+    target = importlib.import_module(Path(__file__).stem)._rank  # by module name: spawned ranks import it
+    by_rank = dict(run_ranks(target, args.cp, (args,), "cp_modes"))
+    rows = by_rank[0]  # counts and times (the slowest rank's) as rank 0 has them; peaks: the largest rank's
+    for row, *others in zip(rows, *(by_rank[r] for r in range(1, args.cp))):
+        for mode in MODES:
+            row[f"{mode}_peak_bytes"] = max(r[f"{mode}_peak_bytes"] for r in (row, *others))
+        difference = max(r["max_difference"] for r in (row, *others))
+        if difference > 1e-5:
+            raise SystemExit(f"{row['case']}: Ulysses differs from the ring by {difference:.2e}")
+    print_table(["case (T k K/V heads)", "MB sent ring / ulysses", "s ring / ulysses", "peak MB ring / ulysses"],
+                [[r["case"], f"{r['ring_bytes'] / 1e6:.1f} / {r['ulysses_bytes'] / 1e6:.1f}",
+                  f"{r['ring_s']:.3f} / {r['ulysses_s']:.3f}",
+                  f"{r['ring_peak_bytes'] / 1e6:.1f} / {r['ulysses_peak_bytes'] / 1e6:.1f}"] for r in rows])
+    command = "python benchmarks/cp_modes.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"wrote {write_results(args.out, {'command': command, **vars(args), 'rows': rows})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
