@@ -9,7 +9,7 @@ heads again. Autograd runs the reverse all-to-alls backward (torch's functional
 `all_to_all_single_autograd`, which dynamo traces, so a compiled block stays one graph).
 
 Against ring attention (kiln/parallel/context_parallel.py): each rank sends (C-1)/C of its q, k, v
-and output per layer forward (the same backward) instead of K/V round the whole ring, so the
+(in one all-to-all) and of its output per layer forward (the same backward) instead of K/V round the whole ring, so the
 bytes per rank fall as cp grows where the ring's stay; any attention kernel runs unchanged; but
 cp must divide the heads each tp rank holds, and nothing overlaps the exchange (attention waits
 for its inputs). K/V heads fewer than cp are repeated to the least multiple of cp that keeps each
@@ -56,20 +56,22 @@ class Ulysses:
         repeat = self.size // math.gcd(kv_heads, self.size)  # K/V copies so that cp divides them
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        q, k, v = (self._to_heads(t) for t in (q, k, v))
+        c = self.size
+        # one exchange for all three: per destination rank j, its q heads, then its k and v heads
+        grouped = torch.cat([t.unflatten(1, (c, t.shape[1] // c)) for t in (q, k, v)], dim=2)
+        q, k, v = self._to_heads(grouped).split([heads // c, k.shape[1] // c, v.shape[1] // c], dim=1)
         out = causal_attention(q, k, v, dropout_p, window, mask, enable_gqa=k.shape[1] != q.shape[1])
         return self._to_sequence(out, heads)
 
     def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, H, T/C, D) of this rank's chunks -> (B, H/C, T, D) of its heads, in sequence order."""
-        b, h, n, d = t.shape
-        c = self.size
-        # dim 0 the destination: head group j goes to rank j
-        send = t.reshape(b, c, h // c, n, d).transpose(0, 1).contiguous()
+        """(B, C, H', T/C, D) of this rank's chunks, head group j for rank j -> (B, H', T, D) of
+        its own group, in sequence order."""
+        b, c, h, n, d = t.shape
+        send = t.transpose(0, 1).contiguous()  # dim 0 the destination
         got = funcol.all_to_all_single_autograd(send, None, None, self.group_name)  # dim 0: the source rank
-        got = got.view(c, b, h // c, 2, n // 2, d).permute(2, 0, 3, 1, 4, 5).reshape(h // c, 2 * c, b, n // 2, d)
+        got = got.view(c, b, h, 2, n // 2, d).permute(2, 0, 3, 1, 4, 5).reshape(h, 2 * c, b, n // 2, d)
         got = got[:, self.slots]  # chunks in sequence order
-        return got.permute(2, 0, 1, 3, 4).reshape(b, h // c, c * n, d)
+        return got.permute(2, 0, 1, 3, 4).reshape(b, h, c * n, d)
 
     def _to_sequence(self, t: torch.Tensor, heads: int) -> torch.Tensor:
         """(B, H/C, T, D) of this rank's heads -> (B, H, T/C, D) of its chunks."""

@@ -262,12 +262,12 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # attention): their FLOP share of the step, 12*L*dim*seq of the token's FLOPs. A sliding-window
     # layer whose window reaches few ranks exchanges with those neighbours only (ring_layout.py);
     # its sends both ways share the rank's link, so they are timed one after the other. Ulysses
-    # (kiln/parallel/ulysses.py): per layer and micro-batch q, k, v (K/V repeated to a multiple of
-    # cp) and the output each one all-to-all over cp forward, the same backward; attention waits
-    # for its inputs and the output projection for its output: exposed.
+    # (kiln/parallel/ulysses.py): per layer and micro-batch q, k, v together (K/V repeated to a
+    # multiple of cp) and the output all-to-all'd over cp forward, the same backward; attention
+    # waits for its inputs and the output projection for its output: exposed.
     if layout.cp > 1 and layout.cp_mode == "ulysses":
         per_token = 2 * shape.q_dim + 2 * shape.kv_dim * ulysses_kv_repeat(shape, layout)
-        exchanges = 8 * stage_layers * ga
+        exchanges = 4 * stage_layers * ga
         t = all_to_all(cluster, layout.cp, 2 * act * tokens_rank_mb * per_token / layout.tp * stage_layers * ga,
                        layout.tp, calls=exchanges)
         count("all_to_all", exchanges)

@@ -20,7 +20,7 @@ from tests.parallel.ranks import run_ranks
 # each rank routing its sequence shard: the routing statistics gathered, the router's gradient summed once
 # a step, also over 2 micro-batches: tp_ep_borrow_ga2);
 # cp: ring attention over cp 2 under the trainer's ContextParallel (its sends counted, each with a receive);
-# cp_ulysses: Ulysses over cp 2 (q, k, v and the output all-to-all'd forward and backward);
+# cp_ulysses: Ulysses over cp 2 (q, k, v in one all-to-all and the output in another, forward and backward);
 # cp_moe: with MoE (the routing statistics gathered over cp); pp_moe: 2 stages of MoE blocks (the aux losses
 # summed and the largest load taken over the stages once a step)
 MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2",
