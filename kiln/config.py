@@ -452,6 +452,10 @@ class ParallelConfig:
     #   ulysses:  DeepSpeed-Ulysses, all-to-alls trading the sequence split for a head split around a
     #             local attention of whole sequences; needs the heads per tp rank divisible by cp
     cp_mode: str = ranged("ring", choices=("ring", "ulysses"))
+    # cp_mode ulysses: the ranks Ulysses' all-to-alls span (USP / Megatron's a2a+p2p). 0: all of cp;
+    # U, a divisor of cp: U consecutive cp ranks (one node's, say) exchange heads, and ring
+    # attention runs across the cp / U such groups
+    ulysses_degree: int = ranged(0, ge=0)
     ep: int = ranged(1, gt=0)
     # Expert tensor parallel degree under ep > 1 and tp > 1 (torchtitan's expert_tensor_parallel_degree):
     # -1 = tp (each expert's hidden units sharded over tp, ep from dp_shard x cp); 1 = experts whole,
@@ -532,6 +536,10 @@ class ParallelConfig:
         if self.ep_node_ranks > 1 and self.ep % self.ep_node_ranks:
             raise ConfigError(f"parallel.ep_node_ranks={self.ep_node_ranks} must divide parallel.ep={self.ep} "
                               f"(the ep ranks on one node); 0 dispatches in one level")
+        if self.ulysses_degree and (self.cp_mode != "ulysses" or self.cp % self.ulysses_degree):
+            raise ConfigError(f"parallel.ulysses_degree={self.ulysses_degree} needs parallel.cp_mode='ulysses' "
+                              f"and must divide parallel.cp={self.cp} (cp_mode is {self.cp_mode!r}); "
+                              f"0 spans all of cp")
         self._validate_streaming_diloco()
         if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
             raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "

@@ -328,9 +328,15 @@ class ContextParallel:
         self.index = zigzag_positions(seq_len, self.cp, self.ring.rank, device=device)
         self.ulysses = None
         if dims.cp_mode == "ulysses":
-            from kiln.parallel.ulysses import Ulysses
+            from kiln.parallel.ulysses import Ulysses, hybrid_groups, hybrid_positions
 
-            self.ulysses = Ulysses(self.ring.group, self.cp)
+            degree = dims.ulysses_degree or self.cp
+            if degree == self.cp:
+                self.ulysses = Ulysses(self.ring.group, self.cp)
+            else:  # Ulysses inside groups of `degree` ranks, the ring across them
+                heads, ring = hybrid_groups(dims.mesh, degree)
+                self.ulysses = Ulysses(heads, degree, Ring(ring))
+                self.index = hybrid_positions(seq_len, self.cp, degree, self.ring.rank, device=device)
             self.attention = self.ulysses.attention
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,7 +350,8 @@ class ContextParallel:
     def __enter__(self):
         if self.cp > 1:
             self.model.seq_positions = self.index
-            self.model.cp_whole_masks = self.ulysses is not None
+            # Ulysses alone attends whole sequences; the ring masks from the ids
+            self.model.cp_whole_masks = self.ulysses is not None and self.ulysses.ring is None
             for module in _attention_modules(self.model):
                 module.attention_fn = self.attention
             for moe in _moe_modules(self.model):  # capacity and aux loss per whole sequence

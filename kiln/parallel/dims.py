@@ -53,6 +53,7 @@ class ParallelDims:
     reduce_dtype: str = "fp32"
     # parallel.cp_mode: ring attention or Ulysses' all-to-alls across the cp ranks (context_parallel.py)
     cp_mode: str = "ring"
+    ulysses_degree: int = 0  # cp_mode ulysses: the ranks its all-to-alls span (0: all of cp)
 
     def __post_init__(self):
         if self.etp is None:
@@ -125,7 +126,7 @@ class ParallelDims:
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps),
                    ep_node_ranks=cfg.ep_node_ranks, reduce_dtype=cfg.reduce_dtype,
-                   cp_mode=cfg.cp_mode)
+                   cp_mode=cfg.cp_mode, ulysses_degree=cfg.ulysses_degree)
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Ring attention (cp) enters compiled
@@ -148,14 +149,16 @@ class ParallelDims:
                               f"train.compile=true and model.moe_experts={cfg.model.moe_experts} needs a torch "
                               f"whose dynamo can skip forward side effects under checkpoint (this is "
                               f"{torch.__version__}); set train.activation_checkpointing='none' or train.compile=false")
-        ring = self.cp > 1 and self.cp_mode == "ring"
         if self.cp > 1 and self.cp_mode == "ulysses":
             heads = cfg.model.n_heads // self.tp  # this tp rank's (divisibility by tp is checked below)
-            if cfg.model.n_heads % self.tp == 0 and heads % self.cp:
+            degree = self.ulysses_degree or self.cp
+            if cfg.model.n_heads % self.tp == 0 and heads % degree:
                 where = f"model.n_heads={cfg.model.n_heads}" + (f" / parallel.tp={self.tp} = {heads}" if self.tp > 1 else "")
+                over = f"parallel.ulysses_degree={degree}" if self.ulysses_degree else f"parallel.cp={self.cp}"
                 raise ConfigError(f"parallel.cp_mode='ulysses' splits each rank's attention heads over "
-                                  f"parallel.cp={self.cp}, which must divide {where}; change parallel.cp or "
+                                  f"{over}, which must divide {where}; change {over.split('=')[0]} or "
                                   f"set parallel.cp_mode='ring'")
+        ring = self.cp > 1 and (self.cp_mode == "ring" or 0 < self.ulysses_degree < self.cp)
         if self.cp > 1 and cfg.train.compile and not torch_compat.dynamo_traces_ring_objects():
             raise ConfigError(f"train.compile=true with parallel.cp={self.cp} needs a torch whose dynamo "
                               f"compiles context-parallel attention (>= 2.9; this is {torch.__version__}); set "

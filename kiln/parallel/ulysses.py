@@ -26,23 +26,59 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from kiln.model.transformer import causal_attention
+from kiln.parallel.context_parallel import ring_attention, zigzag_positions
 from kiln.parallel.functional import zigzag_chunks
+
+
+def hybrid_positions(seq_len: int, cp: int, degree: int, rank: int, device=None) -> torch.Tensor:
+    """Global token positions of cp rank `rank` under Ulysses over `degree` consecutive ranks and
+    the ring across the cp / degree groups: its group's zig-zag chunks on that ring, each cut in
+    `degree` pieces, piece `rank % degree` of each."""
+    ring_chunks = zigzag_positions(seq_len, cp // degree, rank // degree, device).view(2, degree, -1)
+    return ring_chunks[:, rank % degree].reshape(-1)
+
+
+def hybrid_groups(mesh, degree: int):
+    """(this rank's Ulysses group, its ring group) of every cp group of `mesh` (a DeviceMesh with a
+    "cp" dimension): `degree` consecutive cp ranks, and the ranks `degree` apart. Every rank
+    creates every group, in one order (torch.distributed.new_group's rule)."""
+    cp_dim = mesh.mesh_dim_names.index("cp")
+    me, heads, ring = dist.get_rank(), None, None
+    for ranks in mesh.mesh.movedim(cp_dim, -1).reshape(-1, mesh.size(cp_dim)).tolist():
+        for members in [ranks[a:a + degree] for a in range(0, len(ranks), degree)]:
+            group = dist.new_group(members)
+            heads = group if me in members else heads
+        for members in [ranks[j::degree] for j in range(degree)]:
+            group = dist.new_group(members)
+            ring = group if me in members else ring
+    return heads, ring
 
 
 class Ulysses:
     """Attention over the cp group `group` (of `size` ranks) by all-to-alls: the ContextParallel
-    handle's `attention` under cp_mode 'ulysses'."""
+    handle's `attention` under cp_mode 'ulysses'.
 
-    def __init__(self, group, size: int):
+    With `ring` (parallel.ulysses_degree U < cp, USP's hybrid, Megatron's a2a+p2p), `group` is U
+    consecutive cp ranks: they hold the two zig-zag chunks of their place on the ring of cp / U
+    such groups cut in U pieces each (`hybrid_positions`), the all-to-all gives each rank both
+    chunks whole for n_heads / U heads, and ring attention over `ring` (the ranks of the other
+    groups at the same place) computes them."""
+
+    def __init__(self, group, size: int, ring=None):
         # by name, as torch's functional collectives take it: dynamo before 2.10 cannot put a
         # ProcessGroup object into a graph
-        self.group_name, self.size = group.group_name, size
-        # rank j holds chunks zigzag_chunks(C, j), in that order: gathered in rank order, chunk
-        # number c sits at slot `slots[c]`, and slot s holds chunk `chunk_at[s]`
-        self.chunk_at = [c for j in range(size) for c in zigzag_chunks(size, j)]
+        self.group_name, self.size, self.ring = group.group_name, size, ring
+        # the 2 pieces from each rank j, gathered in rank order (slot 2 j + half), go to place
+        # chunk_at[slot]: the sequence's chunk zigzag_chunks(size, j)[half], or with a ring piece
+        # j of the ring chunk `half`; slots[place] is the inverse
+        if ring is None:
+            self.chunk_at = [c for j in range(size) for c in zigzag_chunks(size, j)]
+        else:
+            self.chunk_at = [half * size + j for j in range(size) for half in range(2)]
         slots = [0] * (2 * size)
         for slot, c in enumerate(self.chunk_at):
             slots[c] = slot
@@ -51,7 +87,7 @@ class Ulysses:
     def attention(self, q, k, v, dropout_p: float = 0.0, window: int = 0, mask=None):
         """Causal attention of this rank's sequence slices q (B, H, T/C, D), k/v (B, Hkv, T/C, D);
         the result as q's. `mask`: packed documents' `document_mask` of the whole sequences (the
-        model builds it: `Transformer.cp_whole_masks`), or None."""
+        model builds it: `Transformer.cp_whole_masks`), with a ring their ids; or None."""
         heads, kv_heads = q.shape[1], k.shape[1]
         repeat = self.size // math.gcd(kv_heads, self.size)  # K/V copies so that cp divides them
         if repeat > 1:
@@ -60,7 +96,10 @@ class Ulysses:
         # one exchange for all three: per destination rank j, its q heads, then its k and v heads
         grouped = torch.cat([t.unflatten(1, (c, t.shape[1] // c)) for t in (q, k, v)], dim=2)
         q, k, v = self._to_heads(grouped).split([heads // c, k.shape[1] // c, v.shape[1] // c], dim=1)
-        out = causal_attention(q, k, v, dropout_p, window, mask, enable_gqa=k.shape[1] != q.shape[1])
+        if self.ring is not None:
+            out = ring_attention(q, k, v, self.ring, dropout_p, window=window, doc_ids=mask)
+        else:
+            out = causal_attention(q, k, v, dropout_p, window, mask, enable_gqa=k.shape[1] != q.shape[1])
         return self._to_sequence(out, heads)
 
     def _to_heads(self, t: torch.Tensor) -> torch.Tensor:

@@ -300,6 +300,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                  "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "cp": dims.cp,
                  "world_peak_flops": world_peak, "resumed_from": resume_step, "pp": dims.pp,
                  **({"cp_mode": dims.cp_mode} if dims.cp > 1 else {}),
+                 **({"ulysses_degree": dims.ulysses_degree} if dims.cp > 1 and dims.ulysses_degree else {}),
                  **({"fsdp_reshard_to": cfg.parallel.fsdp_reshard_to} if cfg.parallel.fsdp_reshard_to else {}),
                  **({f"diloco_{k}": getattr(par, f"diloco_{k}") for k in ("inner_steps", "fragments", "sync_delay",
                                                                            "mix", "comm_dtype")} if diloco else {}),

@@ -233,6 +233,49 @@ def check_ring_window(ring, index, seq_len):
             assert not torch.allclose(out, causal, atol=ATOL, rtol=0), f"window {window} changed nothing"
 
 
+def check_hybrid_attention(degree=2):
+    """Ulysses over `degree` consecutive ranks with the ring across the groups (parallel.ulysses_degree,
+    kiln/parallel/ulysses.py hybrid_groups / hybrid_positions) equals whole causal attention on
+    each rank's positions, forward and dQ/dK/dV, fp32 atol 1e-5: MHA, GQA, K/V repeated, a window
+    across chunks, packed documents (the ring's ids) with a window. The positions cover the
+    sequence once. Returns "rank <r>: hybrid ok"."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from kiln.model.transformer import document_mask, window_mask
+    from kiln.parallel.ulysses import Ulysses, hybrid_groups, hybrid_positions
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    heads_group, ring_group = hybrid_groups(DeviceMesh("cpu", list(range(cp)), mesh_dim_names=("cp",)), degree)
+    hybrid = Ulysses(heads_group, degree, Ring(ring_group))
+    seq_len = 8 * cp
+    index = hybrid_positions(seq_len, cp, degree, rank)
+    everyone = [torch.empty_like(index) for _ in range(cp)]
+    dist.all_gather(everyone, index)
+    assert sorted(torch.cat(everyone).tolist()) == list(range(seq_len))
+    starts = torch.zeros(2, seq_len, dtype=torch.long)
+    starts[0, [3, 8, 17, seq_len - 2]] = 1
+    doc_ids = starts.cumsum(1)
+    for n_heads, n_kv, window, ids in ((4, 4, 0, None), (4, 2, 0, None), (4, 1, 0, None), (4, 2, 9, None),
+                                       (4, 2, 9, doc_ids)):
+        g = torch.Generator().manual_seed(n_heads * 10 + n_kv + window)
+        q = torch.randn(2, n_heads, seq_len, 16, generator=g)
+        k, v = (torch.randn(2, n_kv, seq_len, 16, generator=g) for _ in range(2))
+        dout = torch.randn(2, n_heads, seq_len, 16, generator=g)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask = (document_mask(ids, window) if ids is not None
+                else window_mask(torch.arange(seq_len), seq_len, window or seq_len))
+        ref = F.scaled_dot_product_attention(*full, attn_mask=mask, enable_gqa=n_heads != n_kv)
+        ref.backward(dout)
+        local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+        out = hybrid.attention(*local, window=window, mask=ids)
+        out.backward(dout[:, :, index])
+        case = f"hybrid heads {n_heads}/{n_kv}, window {window}, documents {ids is not None}"
+        torch.testing.assert_close(out, ref[:, :, index], atol=ATOL, rtol=0, msg=lambda m: f"{case}: {m}")
+        for name, got, want in zip("qkv", [t.grad for t in local], [t.grad[:, :, index] for t in full]):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{case} d{n}: {m}")
+    return f"rank {rank}: hybrid ok"
+
+
 def check_ulysses_attention():
     """Ulysses (kiln/parallel/ulysses.py) on zig-zag slices over this process group equals whole
     causal attention, forward and dQ/dK/dV, fp32 atol 1e-5: MHA, GQA with cp dividing the K/V heads

@@ -72,7 +72,9 @@ def window_check_then_train(rank, world, jobs):
     that reach one neighbour each way: the neighbourhood exchange), then kiln's trainer on `jobs`."""
     from cp_ring_worker import check_ring_attention, check_ulysses_attention
 
-    result = [check_ring_attention(("window", "documents")), check_ulysses_attention()]
+    from cp_ring_worker import check_hybrid_attention
+
+    result = [check_ring_attention(("window", "documents")), check_ulysses_attention(), check_hybrid_attention()]
     train_runs(rank, world, jobs)
     return result
 
@@ -115,6 +117,12 @@ def launches(tmp_path_factory, text_file, short_docs_dir):
     runs["tp2xcp2-ulysses"] = root / "tp2xcp2-ulysses"
     jobs[4].append((runs["tp2xcp2-ulysses"], common(text_file, **{"parallel.cp": 2, "parallel.tp": 2, **ULYSSES,
                                                                   **HEADS4, "train.batch_size": GLOBAL_BATCH})))
+    # Ulysses over 2 consecutive ranks and the ring across the 2 groups (parallel.ulysses_degree)
+    hybrid = {"parallel.cp": 4, **ULYSSES, "parallel.ulysses_degree": 2, "train.batch_size": GLOBAL_BATCH}
+    runs["cp4-hybrid"] = root / "cp4-hybrid"
+    jobs[4].append((runs["cp4-hybrid"], common(text_file, **hybrid)))
+    runs["cp4-hybrid-documents"] = root / "cp4-hybrid-documents"  # the ring masks from the ids
+    jobs[4].append((runs["cp4-hybrid-documents"], common(docs, **hybrid, **DOCUMENTS)))
     runs["heads4-reference"] = root / "heads4-reference"
     train(load_config(None, common(text_file, **{"train.batch_size": GLOBAL_BATCH, **HEADS4})), runs["heads4-reference"])
     for n in (2, 4):
@@ -126,8 +134,9 @@ def launches(tmp_path_factory, text_file, short_docs_dir):
 
 @pytest.mark.timeout(600)
 def test_ring_and_ulysses_attention_match_full_attention_forward_and_backward(launches):
-    # 2 ranks, then 4 (ring: windows and documents; Ulysses: all its checks)
-    assert launches[0] == [[f"rank {r}: ok", f"rank {r}: ulysses ok"] for r in (*range(2), *range(4))]
+    # 2 ranks, then 4 (ring: windows and documents; Ulysses: all its checks; Ulysses over 2 x the ring over 2)
+    assert launches[0] == ([[f"rank {r}: ok", f"rank {r}: ulysses ok"] for r in range(2)]
+                           + [[f"rank {r}: ok", f"rank {r}: ulysses ok", f"rank {r}: hybrid ok"] for r in range(4)])
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +161,7 @@ def test_context_parallel_run_matches_one_process(launches, reference, name):
     ("cp2-ulysses-documents", "documents-reference", "documents-unmasked"),  # packed documents, Ulysses
     ("pp2xcp2-ulysses-documents", "documents-reference", "documents-unmasked"),  # ... in pipeline stages
     ("tp2xcp2-ulysses", "heads4-reference", "cp2-ulysses"),  # Ulysses x tp, K/V heads repeated
+    ("cp4-hybrid-documents", "documents-reference", "documents-unmasked"),  # Ulysses x ring, documents
 ])
 def test_context_parallel_matches_one_process_of_its_model(launches, run, reference, without):
     # `without`: another model's run (no mask, no window, other heads): the comparison can fail
@@ -160,6 +170,14 @@ def test_context_parallel_matches_one_process_of_its_model(launches, run, refere
     assert_same_losses(losses(runs[reference]), got, range(1, STEPS + 1))
     plain = losses(runs[without])
     assert any(abs(got[s] - plain[s]) > 1e-4 * abs(plain[s]) for s in plain)
+
+
+@pytest.mark.timeout(600)
+def test_ulysses_inside_groups_with_the_ring_across_matches_one_process(launches, reference):
+    run = launches[1]["cp4-hybrid"]
+    run_row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+    assert (run_row["cp"], run_row["cp_mode"], run_row["ulysses_degree"]) == (4, "ulysses", 2)
+    assert_same_losses(reference, losses(run), range(1, STEPS + 1))
 
 
 @pytest.mark.timeout(600)
@@ -204,3 +222,20 @@ def test_ulysses_with_cp_not_dividing_the_heads_fails_naming_the_values(text_fil
                                                 "model.n_heads": heads, "model.n_kv_heads": heads}))
     ParallelDims.from_config(ok.parallel, world_size=4 * tp, rank=0, local_rank=0,
                              seq_len=ok.data.seq_len).check_model(ok)  # the ring takes any head count
+
+
+def test_ulysses_degree_needs_ulysses_and_a_divisor_of_cp_and_of_the_heads(text_file):
+    from kiln.config import load_config
+
+    for extra in ({"parallel.cp_mode": "'ring'"}, {**ULYSSES, "parallel.ulysses_degree": 3}):
+        with pytest.raises(ConfigError, match=r"parallel\.ulysses_degree=\d needs parallel\.cp_mode='ulysses' and "
+                                              r"must divide parallel\.cp=4"):
+            load_config(None, common(text_file, **{"parallel.cp": 4, "parallel.ulysses_degree": 2, **extra}))
+    cfg = load_config(None, common(text_file, **{"parallel.cp": 4, **ULYSSES, "parallel.ulysses_degree": 4,
+                                                 "model.n_heads": 2}))
+    dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0, seq_len=cfg.data.seq_len)
+    with pytest.raises(ConfigError, match=r"over parallel\.ulysses_degree=4, which must divide model\.n_heads=2; "
+                                          r"change parallel\.ulysses_degree or set parallel\.cp_mode='ring'"):
+        dims.check_model(cfg)
+    cfg.parallel.ulysses_degree = dims.ulysses_degree = 2  # Ulysses over 2 ranks, the ring across 2 groups
+    dims.check_model(cfg)
