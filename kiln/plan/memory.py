@@ -120,6 +120,9 @@ class Layout:
     # parallel.cp_mode under cp > 1: "ring" (K/V round the ring) or "ulysses" (all-to-alls around a
     # local attention of whole sequences for n_heads / (tp x cp) heads, kiln/parallel/ulysses.py)
     cp_mode: str = "ring"
+    # parallel.ulysses_degree under cp_mode ulysses: the cp ranks its all-to-alls span (0: all of
+    # cp); fewer, and the ring runs across the cp / degree groups (`ulysses_ranks`, `ring_ranks`)
+    ulysses_degree: int = 0
     # DiLoCo (kiln/plan/diloco.py): inner steps H between outer syncs; the replicas are dp_replicate
     # (under ddp every data-parallel rank), which then never reduce gradients with each other.
     diloco_inner_steps: int = 0
@@ -138,6 +141,16 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def ulysses_ranks(self) -> int:
+        """The cp ranks Ulysses exchanges heads over: 1 under the ring."""
+        return 1 if self.cp_mode == "ring" else self.ulysses_degree or self.cp
+
+    @property
+    def ring_ranks(self) -> int:
+        """The ranks ring attention runs over: cp, cp / ulysses_degree, or 1 (Ulysses alone)."""
+        return self.cp // self.ulysses_ranks
 
     @property
     def world_size(self) -> int:
@@ -179,6 +192,8 @@ class Layout:
         parts += [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1]
         if self.cp > 1 and self.cp_mode != "ring":
             parts.append(f"cp_mode={self.cp_mode}")
+            if 1 < self.ring_ranks:
+                parts.append(f"ulysses_degree={self.ulysses_ranks}")
         if self.ep_borrows_tp:
             parts.append("etp=1")
         if 1 < self.ep_node_ranks < self.ep:
@@ -702,10 +717,9 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     tokens = layout.micro_batch * seq_len / layout.cp  # per rank per micro-batch
     float8 = layout.precision == "float8"
     per_block = shape.act_bytes_per_token(act, layout.compiled, float8, layout.fused_projections) * tokens / layout.tp
-    ulysses = layout.cp > 1 and layout.cp_mode == "ulysses"
-    if layout.cp == 1 or ulysses:  # sliding-window layers' blocked attention (the ring runs the window itself)
+    if layout.ring_ranks == 1:  # sliding-window layers' blocked attention (the ring runs the window itself)
         per_block += shape.window_bytes_per_token(act, seq_len) * tokens / layout.tp
-    if ulysses:  # K/V heads repeated to a multiple of cp, saved so for the local attention's backward
+    if layout.ulysses_ranks > 1:  # K/V heads repeated to a multiple of its ranks, saved so for backward
         per_block += 2 * act * shape.kv_dim * (ulysses_kv_repeat(shape, layout) - 1) * tokens / layout.tp
     if layout.tp > 1:  # the all-gathered normed inputs of attention and MLP: whole, not 1/tp
         per_block += (1 - 1 / layout.tp) * shape.gathered_bytes_per_token(act, layout.compiled, float8) * tokens
@@ -765,7 +779,7 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
             out.temporary += param_bytes * (layers * shape.layer_params + head_w) / layout.tp
     if layout.pp > 1:
         out.comm_buffers += 2 * act * tokens * shape.dim / layout.tp  # send/recv of stage boundaries
-    if layout.cp > 1 and layout.cp_mode == "ring" and not layout.fused_ring_blocks:
+    if layout.ring_ranks > 1 and not layout.fused_ring_blocks:
         out.temporary += ring_block_bytes(shape, layout, seq_len)
     if layout.compiled:
         recomputing = block_input + recomputing if n_ac else 0.0  # the first block's input and activations
@@ -777,9 +791,9 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
 
 def ulysses_kv_repeat(shape: ModelShape, layout: Layout) -> int:
     """How often Ulysses repeats each K/V head (kiln/parallel/ulysses.py): to the least multiple of
-    cp among a tp rank's K/V heads."""
+    its ranks (`Layout.ulysses_ranks`) among a tp rank's K/V heads; 1 under the ring."""
     kv_heads = shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
-    return layout.cp // math.gcd(kv_heads, layout.cp)
+    return layout.ulysses_ranks // math.gcd(kv_heads, layout.ulysses_ranks)
 
 
 RING_MATMUL_BLOCKS = 5  # (chunk x chunk) fp32 tensors per head at a matmul block's peak
@@ -793,8 +807,8 @@ def ring_block_bytes(shape: ModelShape, layout: Layout, seq_len: int) -> float:
     matmul kernel minus the fused kernel's: 1342 MB = 5.0 x the 268 MB of one such tensor at cp 2,
     16384 tokens, 4 heads; 4.5 x at 512-token chunks). 8.6 GB per tensor at 32 heads and
     8192-token chunks: what a long context with cp costs until GPUs get a fused block kernel."""
-    chunk = seq_len // (2 * layout.cp)
-    return RING_MATMUL_BLOCKS * 4 * layout.micro_batch * shape.n_heads / layout.tp * chunk * chunk
+    chunk = seq_len // (2 * layout.ring_ranks)  # under Ulysses x ring, for n_heads / ulysses_degree heads
+    return RING_MATMUL_BLOCKS * 4 * layout.micro_batch * shape.n_heads / (layout.tp * layout.ulysses_ranks) * chunk * chunk
 
 
 def eager_loss_logits(layout: Layout) -> int:

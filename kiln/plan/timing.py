@@ -263,22 +263,26 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # layer whose window reaches few ranks exchanges with those neighbours only (ring_layout.py);
     # its sends both ways share the rank's link, so they are timed one after the other. Ulysses
     # (kiln/parallel/ulysses.py): per layer and micro-batch q, k, v together (K/V repeated to a
-    # multiple of cp) and the output all-to-all'd over cp forward, the same backward; attention
-    # waits for its inputs and the output projection for its output: exposed.
-    if layout.cp > 1 and layout.cp_mode == "ulysses":
+    # multiple of its ranks) and the output all-to-all'd over its ranks forward, the same backward;
+    # attention waits for its inputs and the output projection for its output: exposed. Under
+    # Ulysses x ring (parallel.ulysses_degree) the ring's ranks are ulysses_degree x tp apart: across
+    # nodes where cp x tp outgrows one (the pure ring is timed on the node's link, as before).
+    if layout.ulysses_ranks > 1:
+        u = layout.ulysses_ranks
         per_token = 2 * shape.q_dim + 2 * shape.kv_dim * ulysses_kv_repeat(shape, layout)
         exchanges = 4 * stage_layers * ga
-        t = all_to_all(cluster, layout.cp, 2 * act * tokens_rank_mb * per_token / layout.tp * stage_layers * ga,
+        t = all_to_all(cluster, u, 2 * act * tokens_rank_mb * per_token / layout.tp * stage_layers * ga,
                        layout.tp, calls=exchanges)
         count("all_to_all", exchanges)
         exposed += t
         total += t
-    elif layout.cp > 1:
-        kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim / layout.tp
+    if layout.ring_ranks > 1:  # after Ulysses (if any) a rank's K/V: u x its tokens, 1/u of the heads
+        ring = layout.ring_ranks
+        kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim * ulysses_kv_repeat(shape, layout) / layout.tp
         local = shape.local_layers / shape.n_layers * stage_layers
-        hops = window_hops(layout.cp, seq_len // (2 * layout.cp), shape.window)
-        sends = (ring_messages(layout.cp, None) * (stage_layers - local) + ring_messages(layout.cp, hops) * local) * ga
-        t = sends * p2p(cluster, kv_bytes, False)
+        hops = window_hops(ring, seq_len // (2 * ring), shape.window)
+        sends = (ring_messages(ring, None) * (stage_layers - local) + ring_messages(ring, hops) * local) * ga
+        t = sends * p2p(cluster, kv_bytes, layout.ulysses_ranks > 1 and layout.cp * layout.tp > cluster.gpus_per_node)
         count("p2p", sends)  # each with its receive in one batch_isend_irecv, waited on once
         count("p2p", sends, waited=False)
         attn_compute = t_mb * ga * 12 * shape.q_dim * shape.attention_keys(seq_len) / flops_token

@@ -62,6 +62,9 @@ def _counts(rank, n, modes=MODES):
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'"]
         elif base == "tp_ep_borrow":  # 2 ranks: ep 2 over tp's 2, the experts whole (etp 1; fsdp, over 1 rank)
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'", "parallel.ep=2", "parallel.etp=1", *MOE]
+        elif base == "cp4_hybrid":  # 4 ranks: Ulysses over 2, the ring across the 2 groups (FSDP over cp 4)
+            extra = ["parallel.cp=4", "parallel.dp_mode='fsdp'", "parallel.cp_mode='ulysses'",
+                     "parallel.ulysses_degree=2"]
         elif base.startswith("cp"):  # 2 ranks: ring attention over cp 2 (FSDP over the cp ranks)
             extra = ["parallel.cp=2", "parallel.dp_mode='fsdp'"] + (MOE if mode == "cp_moe" else [])
             extra += ["parallel.cp_mode='ulysses'"] if mode == "cp_ulysses" else []
@@ -150,10 +153,10 @@ def _counts(rank, n, modes=MODES):
 # (the last block's kept for backward), their norm over edp and ep; *_ep_tp: dp 2 x tp 2, ep 2 (edp 1), the
 # experts' norm over ep and tp; pp_*fsdp: 2 stages x FSDP over 2 (interleaved: a kept block per stage chunk;
 # pp_ep_fsdp: MoE, ep 2 over the stage's 2 ranks); ddp_ep_two_level: ep 4 dispatched among 2 nodes of 2 ranks
-# (parallel.ep_node_ranks)
+# (parallel.ep_node_ranks); cp4_hybrid: Ulysses over 2 ranks x the ring over 2 (parallel.ulysses_degree)
 FOUR_RANK_MODES = ("fsdp_tp", "fsdp_tp_muon", "hsdp_ga2", "ddp_ep_ga2", "ddp_ep", "fsdp_ep", "zero2_ep", "fsdp_ep_tp",
                    "ddp_ep_tp", "pp_fsdp", "pp_gpipe_fsdp", "pp_zbv_fsdp", "pp_interleaved_fsdp", "pp_ep_fsdp",
-                   "ddp_ep_two_level")
+                   "ddp_ep_two_level", "cp4_hybrid")
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +197,8 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
               "cp": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "cp_moe": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "cp_ulysses": Layout(cp=2, cp_mode="ulysses", dp_mode="fsdp", micro_batch=2, precision="fp32"),
+              "cp4_hybrid": Layout(cp=4, cp_mode="ulysses", ulysses_degree=2, dp_mode="fsdp", micro_batch=2,
+                                   precision="fp32"),
               "pp": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
               "pp_moe": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
               **{f"pp_{name}fsdp": Layout(pp=2, dp_shard=2, dp_mode="fsdp", schedule=schedule, grad_accum=4,

@@ -328,6 +328,7 @@ def test_the_search_weighs_ulysses_where_cp_divides_the_heads_and_kiln_accepts_i
     cluster = load_cluster("h100")
     layouts = list(enumerate_layouts(shape, cluster, 4096, 8, "bf16", ac_choices=("none",)))
     modes = {(l.tp, l.cp, l.cp_mode) for l in layouts if l.cp > 1}
+    assert not any(l.ulysses_degree for l in layouts)  # cp x tp within the node: no ring across nodes
     assert {(1, 2, "ulysses"), (1, 4, "ulysses"), (2, 2, "ulysses"), (1, 8, "ring")} <= modes
     assert not {(tp, cp) for tp, cp, mode in modes if mode == "ulysses"} & {(1, 8), (2, 4), (4, 2)}
     cfg = load_config(None, ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
@@ -341,7 +342,20 @@ def test_the_search_weighs_ulysses_where_cp_divides_the_heads_and_kiln_accepts_i
         dims.check_model(planned)  # refuses Ulysses where cp does not divide a tp rank's heads
     ring = Layout(dp_shard=4, cp=2, dp_mode="fsdp", micro_batch=1)
     ulysses = Layout(dp_shard=4, cp=2, cp_mode="ulysses", dp_mode="fsdp", micro_batch=1)
-    assert ulysses_kv_repeat(shape, ulysses) == 1 and ulysses_kv_repeat(shape, Layout(tp=2, cp=2)) == 2
+    assert ulysses_kv_repeat(shape, ulysses) == 1 and ulysses_kv_repeat(shape, Layout(tp=2, cp=2, cp_mode="ulysses")) == 2
+    assert ulysses_kv_repeat(shape, Layout(tp=2, cp=2)) == 1  # the ring repeats nothing
     saved = rank_memory(shape, ring, 4096).total - rank_memory(shape, ulysses, 4096).total
     assert saved == pytest.approx(ring_block_bytes(shape, ring, 4096))
     assert "cp_mode=ulysses" in ulysses.describe() and "cp_mode" not in ring.describe()
+    # cp beyond a node (2 nodes of 2 GPUs): Ulysses inside each node, the ring across (USP)
+    nodes = load_cluster("h100", 2)
+    nodes.gpus_per_node = 2
+    hybrids = [l for l in enumerate_layouts(shape, nodes, 4096, 8, "bf16", ac_choices=("none",)) if l.ulysses_degree]
+    assert {(l.tp, l.cp, l.ulysses_degree) for l in hybrids} == {(1, 4, 2)}
+    planned = config_for_plan(cfg, hybrids[0])
+    assert (planned.parallel.cp_mode, planned.parallel.ulysses_degree) == ("ulysses", 2)
+    dims = ParallelDims.from_config(planned.parallel, world_size=4, rank=0, local_rank=0, local_world_size=2,
+                                    seq_len=4096)
+    dims.check_model(planned)
+    assert "ulysses_degree=2" in hybrids[0].describe()
+    assert (hybrids[0].ulysses_ranks, hybrids[0].ring_ranks) == (2, 2)
