@@ -1,6 +1,8 @@
 """Context parallel's two ways across the cp ranks, one attention layer on `--cp` gloo ranks of
 this machine: ring attention (`parallel.cp_mode = "ring"`, kiln/parallel/context_parallel.py)
-against Ulysses' all-to-alls (`"ulysses"`, kiln/parallel/ulysses.py), on the same zig-zag slices.
+against Ulysses' all-to-alls (`"ulysses"`, kiln/parallel/ulysses.py), and with `--hybrid U`
+Ulysses over U consecutive ranks with the ring across the groups (`parallel.ulysses_degree`), each
+on its own slices of the same sequences (compared on the ring's).
 
 Per case (sequence T, K/V heads; batch --batch, --heads query heads of width --head-dim, fp32,
 causal), forward + backward, the two modes on the same inputs, taking turns going first:
@@ -11,10 +13,10 @@ causal), forward + backward, the two modes on the same inputs, taking turns goin
   machine);
 - the most tensor bytes allocated and live at once on a rank during one call, its copies of the
   inputs and their gradients included (the profiler's allocator events);
-- the largest difference of Ulysses' output and dQ/dK/dV from the ring's (the benchmark fails
-  above 1e-5).
+- the largest difference of Ulysses' (and the hybrid's) output and dQ/dK/dV from the ring's (the
+  benchmark fails above 1e-5).
 
-    python benchmarks/cp_modes.py [--cp 4] [--cases 4096k8,4096k2] [--rounds 5]
+    python benchmarks/cp_modes.py [--cp 4] [--cases 4096k8,4096k2] [--rounds 5] [--hybrid 2]
 
 Writes benchmarks/results/cp_modes.json and prints a table.
 """
@@ -50,7 +52,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
 
     from kiln.parallel import ulysses as ulysses_module
     from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
-    from kiln.parallel.ulysses import Ulysses
+    from kiln.parallel.ulysses import Ulysses, hybrid_groups, hybrid_positions
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -63,32 +65,56 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
         return send_batch(ops)
 
     def counted_all_to_all(tensor, *rest):  # forward here, its backward mirror counted alike
-        sent["bytes"] += 2 * tensor.numel() * tensor.element_size() * (world - 1) // world
+        ranks = tensor.shape[0]  # dim 0: one slice per rank of the group (kiln/parallel/ulysses.py)
+        sent["bytes"] += 2 * tensor.numel() * tensor.element_size() * (ranks - 1) // ranks
         return all_to_all(tensor, *rest)
 
     dist.batch_isend_irecv = counted_sends
     ulysses_module.funcol.all_to_all_single_autograd = counted_all_to_all
     ulysses = Ulysses(dist.group.WORLD, world)
     attend = {"ring": lambda q, k, v: ring_attention(q, k, v, ring), "ulysses": ulysses.attention}
+    positions = {mode: zigzag_positions for mode in attend}
+    modes = MODES
+    if args.hybrid:  # Ulysses over --hybrid consecutive ranks, the ring across the groups
+        from torch.distributed.device_mesh import DeviceMesh
+
+        heads, across = hybrid_groups(DeviceMesh("cpu", list(range(world)), mesh_dim_names=("cp",)), args.hybrid)
+        attend["hybrid"] = Ulysses(heads, args.hybrid, Ring(across)).attention
+        positions["hybrid"] = lambda seq, cp, r: hybrid_positions(seq, cp, args.hybrid, r)
+        modes = MODES + ("hybrid",)
     rows = []
     for case in args.cases.split(","):
         seq, kv_heads = parse(case)
         g = torch.Generator().manual_seed(0)
-        index = zigzag_positions(seq, world, rank)
-        q = torch.randn(args.batch, args.heads, seq, args.head_dim, generator=g)[:, :, index].contiguous()
-        k, v = (torch.randn(args.batch, kv_heads, seq, args.head_dim, generator=g)[:, :, index].contiguous()
-                for _ in "kv")
-        dout = torch.randn(args.batch, args.heads, seq, args.head_dim, generator=g)[:, :, index].contiguous()
+        sequences = [torch.randn(args.batch, h, seq, args.head_dim, generator=g)
+                     for h in (args.heads, kv_heads, kv_heads, args.heads)]  # q, k, v, the output's gradient
 
         def call(mode):
+            index = positions[mode](seq, world, rank)
+            q, k, v, dout = (t[:, :, index].contiguous() for t in sequences)
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
             outputs = attend[mode](*inputs)
             outputs.backward(dout)
             return [outputs.detach(), *(t.grad for t in inputs)]
 
-        times, results, counts, peaks = {m: [] for m in MODES}, {}, {}, {}
+        def whole(mode, tensors):
+            """`tensors` of every rank put together at their positions: whole sequences to compare."""
+            index = positions[mode](seq, world, rank)
+            indices = [torch.empty_like(index) for _ in range(world)]
+            dist.all_gather(indices, index)
+            out = []
+            for t in tensors:
+                parts = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(parts, t.contiguous())
+                full = torch.empty(*t.shape[:2], seq, t.shape[3])
+                full[:, :, torch.cat(indices)] = torch.cat(parts, dim=2)
+                out.append(full)
+            return out
+
+        times, results, counts, peaks = {m: [] for m in modes}, {}, {}, {}
         for round_ in range(args.rounds + 1):  # the first round warms up
-            for mode in MODES[round_ % 2:] + MODES[:round_ % 2]:  # each goes first by turns
+            turn = round_ % len(modes)
+            for mode in modes[turn:] + modes[:turn]:  # each goes first by turns
                 sent["bytes"] = 0
                 dist.barrier()
                 start = time.perf_counter()
@@ -97,15 +123,17 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[mode].append(elapsed.item())
                 counts[mode] = sent["bytes"]
-        for mode in MODES:
+        for mode in modes:
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 call(mode)
             peaks[mode] = profiled_peak_bytes(prof)
-        difference = max((a - b).abs().max().item() for a, b in zip(results["ulysses"], results["ring"]))
+        wholes = {mode: whole(mode, results[mode]) for mode in modes}
+        difference = max((a - b).abs().max().item() for mode in modes[1:]
+                         for a, b in zip(wholes[mode], wholes["ring"]))
         rows.append({"case": case, "seq": seq, "kv_heads": kv_heads,
-                     **{f"{m}_bytes": counts[m] for m in MODES},
-                     **{f"{m}_s": statistics.median(times[m][1:]) for m in MODES},
-                     **{f"{m}_peak_bytes": peaks[m] for m in MODES}, "max_difference": difference})
+                     **{f"{m}_bytes": counts[m] for m in modes},
+                     **{f"{m}_s": statistics.median(times[m][1:]) for m in modes},
+                     **{f"{m}_peak_bytes": peaks[m] for m in modes}, "max_difference": difference})
     dist.destroy_process_group()
     out.put((rank, rows))
 
@@ -118,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hybrid", type=int, default=0, metavar="U",
+                        help="also Ulysses over U consecutive ranks with the ring across the groups")
     parser.add_argument("--out", default="cp_modes")
     args = parser.parse_args(argv)
+    if args.hybrid and (args.cp % args.hybrid or args.heads % args.hybrid or not 1 < args.hybrid < args.cp):
+        raise SystemExit(f"--hybrid {args.hybrid} must be between 1 and --cp {args.cp}, dividing it and --heads")
     if args.heads % args.cp:
         raise SystemExit(f"--heads {args.heads} is not divisible by --cp {args.cp} (Ulysses splits the heads)")
     for case in args.cases.split(","):
@@ -130,16 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     target = importlib.import_module(Path(__file__).stem)._rank  # by module name: spawned ranks import it
     by_rank = dict(run_ranks(target, args.cp, (args,), "cp_modes"))
     rows = by_rank[0]  # counts and times (the slowest rank's) as rank 0 has them; peaks: the largest rank's
+    modes = MODES + (("hybrid",) if args.hybrid else ())
     for row, *others in zip(rows, *(by_rank[r] for r in range(1, args.cp))):
-        for mode in MODES:
+        for mode in modes:
             row[f"{mode}_peak_bytes"] = max(r[f"{mode}_peak_bytes"] for r in (row, *others))
         difference = max(r["max_difference"] for r in (row, *others))
         if difference > 1e-5:
             raise SystemExit(f"{row['case']}: Ulysses differs from the ring by {difference:.2e}")
-    print_table(["case (T k K/V heads)", "MB sent ring / ulysses", "s ring / ulysses", "peak MB ring / ulysses"],
-                [[r["case"], f"{r['ring_bytes'] / 1e6:.1f} / {r['ulysses_bytes'] / 1e6:.1f}",
-                  f"{r['ring_s']:.3f} / {r['ulysses_s']:.3f}",
-                  f"{r['ring_peak_bytes'] / 1e6:.1f} / {r['ulysses_peak_bytes'] / 1e6:.1f}"] for r in rows])
+    names = " / ".join(modes)
+    print_table(["case (T k K/V heads)", f"MB sent {names}", f"s {names}", f"peak MB {names}"],
+                [[r["case"], *(" / ".join(fmt(r[f"{m}_{key}"]) for m in modes)
+                               for key, fmt in (("bytes", lambda b: f"{b / 1e6:.1f}"), ("s", lambda t: f"{t:.3f}"),
+                                                ("peak_bytes", lambda b: f"{b / 1e6:.1f}")))] for r in rows])
     command = "python benchmarks/cp_modes.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"wrote {write_results(args.out, {'command': command, **vars(args), 'rows': rows})}")
     return 0

@@ -166,6 +166,12 @@ def test_cp_modes_compares_ring_and_ulysses(tmp_path):
     # fp32 each, half of it leaving the rank, forward and backward
     assert [r["ulysses_bytes"] for r in rows] == [4 * 16 * 2 * 8 * 4 // 2 * 2] * 2
     assert all(r["ring_bytes"] > 0 and r["ring_s"] > 0 and r["ulysses_peak_bytes"] > 0 for r in rows)
+    # Ulysses over 2 ranks x the ring over 2 (parallel.ulysses_degree), compared on whole sequences
+    argv = ["--cp", "4", "--hybrid", "2", "--cases", "32k4", "--heads", "4", "--head-dim", "8", "--rounds", "1",
+            "--out", str(out)]
+    assert _load("cp_modes").main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["hybrid_bytes"] > 0 and row["hybrid_s"] > 0 and row["max_difference"] <= 1e-5
 
 
 @pytest.mark.timeout(120)
