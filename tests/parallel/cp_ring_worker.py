@@ -273,6 +273,12 @@ def check_hybrid_attention(degree=2):
         torch.testing.assert_close(out, ref[:, :, index], atol=ATOL, rtol=0, msg=lambda m: f"{case}: {m}")
         for name, got, want in zip("qkv", [t.grad for t in local], [t.grad[:, :, index] for t in full]):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{case} d{n}: {m}")
+    misordered = Ulysses(heads_group, degree, Ring(ring_group))
+    misordered.slots = list(range(2 * degree))  # the pieces left in the ranks' order: not the ring's chunks
+    out = misordered.attention(q[:, :, index], k[:, :, index], v[:, :, index], window=window, mask=ids)
+    wrong = torch.tensor([not torch.allclose(out, ref[:, :, index], atol=ATOL, rtol=0)])
+    dist.all_reduce(wrong)
+    assert wrong.item() >= 1, "pieces out of order matched full attention: the check cannot fail"
     return f"rank {rank}: hybrid ok"
 
 
