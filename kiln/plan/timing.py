@@ -264,9 +264,9 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # its sends both ways share the rank's link, so they are timed one after the other. Ulysses
     # (kiln/parallel/ulysses.py): per layer and micro-batch q, k, v together (K/V repeated to a
     # multiple of its ranks) and the output all-to-all'd over its ranks forward, the same backward;
-    # attention waits for its inputs and the output projection for its output: exposed. Under
-    # Ulysses x ring (parallel.ulysses_degree) the ring's ranks are ulysses_degree x tp apart: across
-    # nodes where cp x tp outgrows one (the pure ring is timed on the node's link, as before).
+    # attention waits for its inputs and the output projection for its output: exposed. Where
+    # cp x tp outgrows a node the ring waits on its hops between nodes (under Ulysses x ring,
+    # parallel.ulysses_degree, its ranks are ulysses_degree x tp apart), timed on that link.
     if layout.ulysses_ranks > 1:
         u = layout.ulysses_ranks
         per_token = 2 * shape.q_dim + 2 * shape.kv_dim * ulysses_kv_repeat(shape, layout)
@@ -282,7 +282,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         local = shape.local_layers / shape.n_layers * stage_layers
         hops = window_hops(ring, seq_len // (2 * ring), shape.window)
         sends = (ring_messages(ring, None) * (stage_layers - local) + ring_messages(ring, hops) * local) * ga
-        t = sends * p2p(cluster, kv_bytes, layout.ulysses_ranks > 1 and layout.cp * layout.tp > cluster.gpus_per_node)
+        t = sends * p2p(cluster, kv_bytes, layout.cp * layout.tp > cluster.gpus_per_node)  # a hop between nodes
         count("p2p", sends)  # each with its receive in one batch_isend_irecv, waited on once
         count("p2p", sends, waited=False)
         attn_compute = t_mb * ga * 12 * shape.q_dim * shape.attention_keys(seq_len) / flops_token

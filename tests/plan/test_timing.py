@@ -217,6 +217,31 @@ def test_context_parallel_sends_what_the_ring_sends_and_less_for_short_windows()
     assert p2p("model.sliding_window=64")[0] == ring  # 4 hops each way reach all 8 ranks: the ring
 
 
+def test_ulysses_sends_its_all_to_alls_and_the_hybrid_keeps_them_in_a_node():
+    """cp_mode ulysses: per layer and micro-batch 2 all-to-alls forward and 2 backward (q, k, v
+    together; the output), no ring sends; their bytes: q, k, v and the output per token, (U - 1) / U
+    leaving. With ulysses_degree U < cp the ring runs over cp / U, and a ring whose cp x tp outgrows
+    a node is timed on the link between nodes."""
+    from kiln.plan.comm_cost import p2p
+
+    shape, cluster = _shape(), load_cluster("h100", 2)
+    ulysses = step_time(shape, Layout(micro_batch=2, cp=8, dp_shard=2, cp_mode="ulysses"), SEQ, cluster)
+    assert ulysses.calls["all_to_all"] == 4 * 4 and not ulysses.calls.get("p2p")
+    # everything else alike, the all-to-alls' bytes: q and the output, K/V repeated from 4 heads to 8
+    ring = step_time(shape, Layout(micro_batch=2, cp=8, dp_shard=2), SEQ, cluster)
+    tokens = 2 * SEQ / 8
+    sent = 2 * 2 * tokens * (2 * shape.q_dim + 2 * shape.kv_dim * 2) * 4  # bf16, forward + backward, 4 layers
+    ring_sends = 4 * (3 * 8 - 2) * p2p(cluster, 2 * 2 * tokens * shape.kv_dim, False)
+    assert ulysses.comm_total - ring.comm_total == pytest.approx(all_to_all(cluster, 8, sent, calls=16) - ring_sends)
+    hybrid = step_time(shape, Layout(micro_batch=2, cp=16, cp_mode="ulysses", ulysses_degree=8), SEQ, cluster)
+    assert hybrid.calls["all_to_all"] == 16 and hybrid.calls["p2p"] == 2 * 4 * (3 * 2 - 2)
+    # the same ring (cp 2 of heads / 8) inside one node instead: cheaper
+    inside = dataclasses.replace(cluster, gpus_per_node=16)
+    assert step_time(shape, Layout(micro_batch=2, cp=16, cp_mode="ulysses", ulysses_degree=8), SEQ,
+                     inside).comm_total < hybrid.comm_total
+    assert p2p(cluster, 1e6, True) > p2p(cluster, 1e6, False)
+
+
 def test_resharding_to_a_node_after_forward_moves_backward_gathers_into_it():
     """parallel.fsdp_reshard_to = 8 on 4 H100 nodes (fsdp over 32): the same gathers, backward's
     over 8 ranks of one node instead of 32 across nodes, for 1/8 of the parameters held from
