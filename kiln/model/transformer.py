@@ -331,7 +331,8 @@ class Attention(nn.Module):
             causal = seqlen > 1  # a single new token attends to everything cached
             if causal and start_pos:
                 raise ValueError("prefill with a non-empty cache is not supported; decode one token at a time")
-        if self.expand_kv and q.shape[1] != k.shape[1]:
+        # not before context parallel's exchanges: they move n_kv_heads K/V (and expand after them)
+        if self.expand_kv and q.shape[1] != k.shape[1] and self.attention_fn is None:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # from the config, not the shapes: compiled with dynamic shapes those compare to a SymBool,

@@ -68,10 +68,13 @@ class Ulysses:
     chunks whole for n_heads / U heads, and ring attention over `ring` (the ranks of the other
     groups at the same place) computes them."""
 
-    def __init__(self, group, size: int, ring=None):
+    def __init__(self, group, size: int, ring=None, expand_kv: bool = False):
         # by name, as torch's functional collectives take it: dynamo before 2.10 cannot put a
         # ProcessGroup object into a graph
         self.group_name, self.size, self.ring = group.group_name, size, ring
+        # the model's Attention.expand_kv (kiln/train/attention.py: where only expanded heads get a
+        # fused SDPA kernel): K/V repeated to the query heads after the exchange, not before it
+        self.expand_kv = expand_kv
         # the 2 pieces from each rank j, gathered in rank order (slot 2 j + half), go to place
         # chunk_at[slot]: the sequence's chunk zigzag_chunks(size, j)[half], or with a ring piece
         # j of the ring chunk `half`; slots[place] is the inverse
@@ -96,9 +99,11 @@ class Ulysses:
         # one exchange for all three: per destination rank j, its q heads, then its k and v heads
         grouped = torch.cat([t.unflatten(1, (c, t.shape[1] // c)) for t in (q, k, v)], dim=2)
         q, k, v = self._to_heads(grouped).split([heads // c, k.shape[1] // c, v.shape[1] // c], dim=1)
-        if self.ring is not None:
+        if self.ring is not None:  # the ring takes grouped K/V as they are
             out = ring_attention(q, k, v, self.ring, dropout_p, window=window, doc_ids=mask)
         else:
+            if self.expand_kv and k.shape[1] != q.shape[1]:
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
             out = causal_attention(q, k, v, dropout_p, window, mask, enable_gqa=k.shape[1] != q.shape[1])
         return self._to_sequence(out, heads)
 

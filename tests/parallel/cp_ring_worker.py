@@ -325,6 +325,10 @@ def check_ulysses_attention():
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(2, 4, seq_len, 16, generator=g), *(torch.randn(2, 2, seq_len, 16, generator=g) for _ in range(2))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # the model's expand_kv (GPUs whose fused kernel wants whole heads): K/V repeated after the exchange
+    expanding = Ulysses(dist.group.WORLD, cp, expand_kv=True)
+    out = expanding.attention(q[:, :, zigzag], k[:, :, zigzag], v[:, :, zigzag])
+    torch.testing.assert_close(out, ref[:, :, zigzag], atol=ATOL, rtol=0, msg=lambda m: f"ulysses expand_kv: {m}")
     contiguous = torch.arange(rank * seq_len // cp, (rank + 1) * seq_len // cp)
     misordered = Ulysses(dist.group.WORLD, cp)
     misordered.slots = list(range(2 * cp))  # the chunks left in the ranks' order

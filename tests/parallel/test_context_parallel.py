@@ -239,3 +239,23 @@ def test_ulysses_degree_needs_ulysses_and_a_divisor_of_cp_and_of_the_heads(text_
         dims.check_model(cfg)
     cfg.parallel.ulysses_degree = dims.ulysses_degree = 2  # Ulysses over 2 ranks, the ring across 2 groups
     dims.check_model(cfg)
+
+
+def test_context_parallel_gets_the_kv_heads_unexpanded_where_the_model_expands_them():
+    """Attention.expand_kv (kiln/train/attention.py: repeat K/V heads where only whole heads get a
+    fused kernel) applies after context parallel's exchanges, not before them: the ring and Ulysses
+    move n_kv_heads K/V (Ulysses expands them after its all-to-all; cp_ring_worker checks it). Without
+    cp the expanded heads give the grouped ones' result."""
+    from kiln.config import ModelConfig
+    from kiln.model.transformer import Attention
+
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16, vocab_size=256)
+    attention = Attention(cfg, 0)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    grouped = attention(x, None)
+    attention.expand_kv = True
+    torch.testing.assert_close(attention(x, None), grouped)
+    seen = []
+    attention.attention_fn = lambda q, k, v, *rest: seen.append(k.shape[1]) or torch.zeros_like(q)
+    attention(x, None)
+    assert seen == [2]
