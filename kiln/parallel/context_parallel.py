@@ -1,4 +1,6 @@
-"""Context parallelism: ring attention over the `cp` mesh dimension, with zig-zag load balancing.
+"""Context parallelism: ring attention over the `cp` mesh dimension, with zig-zag load balancing
+(and the `ContextParallel` handle, which runs Ulysses' all-to-alls instead under
+parallel.cp_mode = "ulysses": kiln/parallel/ulysses.py).
 
 Every sequence of a data-parallel rank's batch is split into 2*cp equal chunks; cp rank r keeps
 chunks r and 2*cp-1-r ("zig-zag", as in torchtitan / Megatron-LM), so under a causal mask every
