@@ -8,17 +8,19 @@ documents' masks, dropout), and a last all-to-all hands each rank its slice of t
 heads again. Autograd runs the reverse all-to-alls backward (torch's functional
 `all_to_all_single_autograd`, which dynamo traces, so a compiled block stays one graph).
 
-Against ring attention (kiln/parallel/context_parallel.py): each rank sends (C-1)/C of its q, k, v
-(in one all-to-all) and of its output per layer forward (the same backward) instead of K/V round the whole ring, so the
-bytes per rank fall as cp grows where the ring's stay; any attention kernel runs unchanged; but
-cp must divide the heads each tp rank holds, and nothing overlaps the exchange (attention waits
-for its inputs). K/V heads fewer than cp are repeated to the least multiple of cp that keeps each
-query head with its K/V head.
+Against ring attention (kiln/parallel/context_parallel.py): each rank sends (C-1)/C of its q, k,
+v (in one all-to-all) and of its output per layer forward (the same backward) instead of K/V round
+the whole ring, so the bytes per rank fall as cp grows where the ring's stay; any attention kernel
+runs unchanged; but cp must divide the heads each tp rank holds, and nothing overlaps the exchange
+(attention waits for its inputs). K/V heads fewer than cp are repeated to the least multiple of cp
+that keeps each query head with its K/V head.
 
 The cp ranks hold their zig-zag chunks (context_parallel.py: the loader, positions and loss are
 cp-mode-agnostic), so the gathered chunks are put in sequence order before attention and back in
-the ranks' order after it. kiln's own: the chunk order and the K/V repetition; the exchange is
-torch's.
+the ranks' order after it. With parallel.ulysses_degree U < cp (USP's hybrid) Ulysses runs inside
+groups of U consecutive cp ranks and ring attention across the groups (`Ulysses.ring`,
+`hybrid_groups`, `hybrid_positions`). kiln's own: the chunk order, the hybrid's layout and the K/V
+repetition; the exchange and the groups are torch's.
 """
 
 from __future__ import annotations
