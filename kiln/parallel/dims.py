@@ -158,6 +158,12 @@ class ParallelDims:
                 raise ConfigError(f"parallel.cp_mode='ulysses' splits each rank's attention heads over "
                                   f"{over}, which must divide {where}; change {over.split('=')[0]} or "
                                   f"set parallel.cp_mode='ring'")
+            if cfg.model.dropout > 0 and cfg.train.compile and degree == self.cp:
+                # its dropout stream per head group reseeds torch's generator (ulysses._dropout_stream),
+                # which a compiled block cannot trace
+                raise ConfigError(f"model.dropout={cfg.model.dropout} with parallel.cp_mode='ulysses' and "
+                                  f"train.compile=true is not supported; set train.compile=false, "
+                                  f"model.dropout=0 or parallel.cp_mode='ring'")
         ring = self.cp > 1 and (self.cp_mode == "ring" or 0 < self.ulysses_degree < self.cp)
         if self.cp > 1 and cfg.train.compile and not torch_compat.dynamo_traces_ring_objects():
             raise ConfigError(f"train.compile=true with parallel.cp={self.cp} needs a torch whose dynamo "

@@ -25,6 +25,7 @@ repetition; the exchange and the groups are torch's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -60,6 +61,19 @@ def hybrid_groups(mesh, degree: int):
     return heads, ring
 
 
+@contextlib.contextmanager
+def _dropout_stream(seed: torch.Tensor | None, device: torch.device):
+    """With `seed`, torch's random state on `device` seeded by it inside, restored after; else
+    nothing."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.manual_seed(int(seed))
+        yield
+
+
 class Ulysses:
     """Attention over the cp group `group` (of `size` ranks) by all-to-alls: the ContextParallel
     handle's `attention` under cp_mode 'ulysses'.
@@ -74,6 +88,7 @@ class Ulysses:
         # by name, as torch's functional collectives take it: dynamo before 2.10 cannot put a
         # ProcessGroup object into a graph
         self.group_name, self.size, self.ring = group.group_name, size, ring
+        self.rank = dist.get_rank(group)  # which head group this rank attends for
         # the model's Attention.expand_kv (kiln/train/attention.py: where only expanded heads get a
         # fused SDPA kernel): K/V repeated to the query heads after the exchange, not before it
         self.expand_kv = expand_kv
@@ -101,12 +116,17 @@ class Ulysses:
         # one exchange for all three: per destination rank j, its q heads, then its k and v heads
         grouped = torch.cat([t.unflatten(1, (c, t.shape[1] // c)) for t in (q, k, v)], dim=2)
         q, k, v = self._to_heads(grouped).split([heads // c, k.shape[1] // c, v.shape[1] // c], dim=1)
+        # Attention dropout: the ranks of a group hold one random state (the same seed), so each
+        # draws from a stream of its own head group's, one seed drawn per call from that state
+        # (activation checkpointing's recompute restores it, and draws the same).
+        seed = torch.randint(0, 2**62, (1,)) + self.rank if dropout_p > 0 else None
         if self.ring is not None:  # the ring takes grouped K/V as they are
-            out = ring_attention(q, k, v, self.ring, dropout_p, window=window, doc_ids=mask)
+            out = ring_attention(q, k, v, self.ring, dropout_p, seed=seed, window=window, doc_ids=mask)
         else:
             if self.expand_kv and k.shape[1] != q.shape[1]:
                 k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-            out = causal_attention(q, k, v, dropout_p, window, mask, enable_gqa=k.shape[1] != q.shape[1])
+            with _dropout_stream(seed, q.device):
+                out = causal_attention(q, k, v, dropout_p, window, mask, enable_gqa=k.shape[1] != q.shape[1])
         return self._to_sequence(out, heads)
 
     def _to_heads(self, t: torch.Tensor) -> torch.Tensor:

@@ -325,6 +325,16 @@ def check_ulysses_attention():
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(2, 4, seq_len, 16, generator=g), *(torch.randn(2, 2, seq_len, 16, generator=g) for _ in range(2))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # attention dropout: each head group its own masks (every rank holds the same random state), the
+    # same masks again after restoring that state (checkpointing's recompute)
+    same = q[:, :1].expand(-1, 4, -1, -1)[:, :, zigzag]  # four copies of one head: only the masks differ
+    torch.manual_seed(1234)  # as the trainer seeds every rank
+    state = torch.get_rng_state()
+    dropped = ulysses.attention(same, same, same, dropout_p=0.5)
+    torch.set_rng_state(state)
+    assert torch.equal(ulysses.attention(same, same, same, dropout_p=0.5), dropped)
+    assert all(not torch.equal(dropped[:, 0], dropped[:, h]) for h in range(4 // cp, 4, 4 // cp)), \
+        "head groups of different ranks dropped alike"
     # the model's expand_kv (GPUs whose fused kernel wants whole heads): K/V repeated after the exchange
     expanding = Ulysses(dist.group.WORLD, cp, expand_kv=True)
     out = expanding.attention(q[:, :, zigzag], k[:, :, zigzag], v[:, :, zigzag])

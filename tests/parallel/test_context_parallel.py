@@ -89,6 +89,9 @@ def launches(tmp_path_factory, text_file, short_docs_dir):
             for n in (2, 4)}
     runs["cp2-dropout"] = root / "cp2-dropout"  # attention (ring), residual and embedding dropout
     jobs[2].append((runs["cp2-dropout"], common(text_file, **{**CP_RUNS["cp2-ddp"][1], "model.dropout": 0.1})))
+    runs["cp2-ulysses-dropout"] = root / "cp2-ulysses-dropout"  # each head group its own masks
+    jobs[2].append((runs["cp2-ulysses-dropout"], common(text_file, **{**CP_RUNS["cp2-ulysses"][1],
+                                                                      "model.dropout": 0.1})))
     # sliding-window layers (window 12 across the 8-token chunks: whole, partial and skipped blocks)
     # next to a global one, against one process with the same model (trained here, in this process)
     runs["cp2-window"] = root / "cp2-window"
@@ -185,11 +188,13 @@ def test_context_parallel_trains_with_dropout(launches):
     # model.dropout under cp: attention dropout in the ring (its masks checked against a reference in
     # cp_ring_worker.check_ring_dropout), the rest per token. Random, so not one process's losses:
     # every step finite, the first within 5% of the run without dropout, and none equal to it.
-    plain, dropped = losses(launches[1]["cp2-ddp"]), losses(launches[1]["cp2-dropout"])
-    assert sorted(dropped) == sorted(plain) == list(range(1, STEPS + 1))
-    assert all(math.isfinite(x) for x in dropped.values())
-    assert dropped[1] == pytest.approx(plain[1], rel=0.05)
-    assert all(dropped[s] != plain[s] for s in plain), (dropped, plain)
+    plain = losses(launches[1]["cp2-ddp"])
+    for run in ("cp2-dropout", "cp2-ulysses-dropout"):  # the ring's, and Ulysses' (SDPA's dropout per head group)
+        dropped = losses(launches[1][run])
+        assert sorted(dropped) == sorted(plain) == list(range(1, STEPS + 1))
+        assert all(math.isfinite(x) for x in dropped.values())
+        assert dropped[1] == pytest.approx(plain[1], rel=0.05)
+        assert all(dropped[s] != plain[s] for s in plain), (run, dropped, plain)
 
 
 def test_train_with_cp_not_dividing_seq_len_fails_before_any_work(tmp_path, text_file, monkeypatch, capsys):
@@ -239,6 +244,14 @@ def test_ulysses_degree_needs_ulysses_and_a_divisor_of_cp_and_of_the_heads(text_
         dims.check_model(cfg)
     cfg.parallel.ulysses_degree = dims.ulysses_degree = 2  # Ulysses over 2 ranks, the ring across 2 groups
     dims.check_model(cfg)
+    # compiled with dropout: the ring's seed enters its op as a tensor; Ulysses alone reseeds torch's generator
+    cfg.model.dropout, cfg.train.compile = 0.1, True
+    dims.check_model(cfg)
+    cfg.parallel.ulysses_degree = dims.ulysses_degree = 0
+    cfg.model.n_heads = 4
+    with pytest.raises(ConfigError, match=r"model\.dropout=0\.1 with parallel\.cp_mode='ulysses' and train\.compile=true "
+                                          r"is not supported; set train\.compile=false"):
+        dims.check_model(cfg)
 
 
 def test_context_parallel_gets_the_kv_heads_unexpanded_where_the_model_expands_them():
