@@ -68,9 +68,13 @@ def _dropout_stream(seed: torch.Tensor | None, device: torch.device):
     if seed is None:
         yield
         return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        torch.manual_seed(int(seed))
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
+        if cuda:  # SDPA draws from its device's generator: that one only
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(int(seed))
+        else:
+            torch.default_generator.manual_seed(int(seed))
         yield
 
 
