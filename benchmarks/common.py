@@ -162,17 +162,22 @@ def sharded_parameter_set(args, mesh, seed: int, sharded: bool = True):
     return model
 
 
-def gloo_rank_config(rank: int, world: int, port: int, args, *extra: str):
-    """Inside a rank of `run_ranks`: join the gloo group (one thread per process) and return kiln's
-    config of a transformer at args.dim, layers, heads and vocab on 64-token windows with the
-    foreach optimizer, plus the `extra` overrides."""
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """Inside a rank of `run_ranks`: join the gloo group on this machine, one thread per process."""
     import torch.distributed as dist
-
-    from kiln.config import load_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def gloo_rank_config(rank: int, world: int, port: int, args, *extra: str):
+    """Inside a rank of `run_ranks`: join the gloo group (one thread per process) and return kiln's
+    config of a transformer at args.dim, layers, heads and vocab on 64-token windows with the
+    foreach optimizer, plus the `extra` overrides."""
+    from kiln.config import load_config
+
+    join_gloo(rank, world, port)
     return load_config(None, [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
                               f"model.vocab_size={args.vocab}", "data.seq_len=64", "model.max_seq_len=64",
                               "optim.implementation='foreach'", *extra])

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, write_results  # noqa: E402
+from common import join_gloo, print_table, run_ranks, write_results  # noqa: E402
 from rank_measures import profiled_peak_bytes  # noqa: E402
 
 MODES = ("ring", "ulysses")
@@ -54,9 +53,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
     from kiln.parallel.ulysses import Ulysses, hybrid_groups, hybrid_positions
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     ring, sent = Ring(dist.group.WORLD), {"bytes": 0}
     send_batch, all_to_all = dist.batch_isend_irecv, ulysses_module.funcol.all_to_all_single_autograd
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, write_results  # noqa: E402
+from common import join_gloo, print_table, run_ranks, write_results  # noqa: E402
 
 VARIANTS = ("kiln", "per_assignment")
 
@@ -78,9 +77,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     from kiln.parallel import functional
     from kiln.parallel.expert_parallel import apply_expert_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     node_groups, variants = None, VARIANTS
     if args.node_ranks > 1:  # kiln's groups for a two-level dispatch (ranks // node_ranks = "node")
         from kiln.config import ParallelConfig

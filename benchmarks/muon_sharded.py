@@ -34,12 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import (add_sharded_set_args, print_table, run_ranks, sharded_parameter_set, slowest_rank_median,  # noqa: E402
-                    socket_bytes, write_results)
+from common import (add_sharded_set_args, join_gloo, print_table, run_ranks, sharded_parameter_set,  # noqa: E402
+                    slowest_rank_median, socket_bytes, write_results)
 
 VARIANTS = ("gather", "split")
 
@@ -52,9 +50,7 @@ def rank_main(rank: int, world: int, port: int, args, out) -> None:
     from kiln.train.optim import build_optimizer
     from kiln.train.optimizers import muon_split
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     real = muon_split._cut, muon_split._to_one_cut
 

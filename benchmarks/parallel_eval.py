@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln (also in the spawned ranks)
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import paired_cells, print_table, run_ranks, write_results  # noqa: E402
+from common import join_gloo, paired_cells, print_table, run_ranks, write_results  # noqa: E402
 from rank_measures import profiled_peak_bytes  # noqa: E402
 
 
@@ -53,9 +52,7 @@ def _rank(rank: int, world: int, port: int, layout: str, args, out) -> None:
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.dims import ParallelDims
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     parallel = {"cp": [f"parallel.cp={world}"], "dp": ["parallel.dp_mode='ddp'"],
                 "pp": [f"parallel.pp={world}", f"parallel.pp_microbatches={args.pp_microbatches}",
                        f"train.batch_size={args.batch}", "model.tie_embeddings=false"]}[layout]

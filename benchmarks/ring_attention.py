@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from common import print_table, run_ranks, write_results  # noqa: E402
+from common import join_gloo, print_table, run_ranks, write_results  # noqa: E402
 from rank_measures import profiled_peak_bytes  # noqa: E402
 
 VARIANTS = ("kiln", "ring", "matmul")
@@ -55,9 +54,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     from kiln.parallel import context_parallel, ring_blocks
     from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     ring, sent = Ring(dist.group.WORLD), {"blocks": 0, "bytes": 0}
     send_batch = dist.batch_isend_irecv
 
