@@ -76,12 +76,15 @@ def test_patch_for_one_run_restores_module_attributes_and_a_class_as_it_was():
 
 def _abort_at_exit(rank, n):
     """Rank 1's process aborts after its result is written, in destroy_process_group, as gloo's
-    teardown sometimes does, while rank 0 is still working (its result comes 2 s later)."""
+    teardown sometimes does, while rank 0 is still working (its result comes 2 s later). First a
+    barrier: gloo may still be connecting its pairs when init returns, and a peer aborting then
+    aborts rank 0 too ("connectFullMesh failed ... Connection closed by peer", once in CI)."""
     import os
     import time
 
     import torch.distributed as dist
 
+    dist.barrier()
     if rank == 1:
         dist.destroy_process_group = lambda *args, **kwargs: os.abort()
     else:
