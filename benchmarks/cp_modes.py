@@ -1,5 +1,5 @@
 """Context parallel's two ways across the cp ranks, one attention layer on `--cp` gloo ranks of
-this machine: ring attention (`parallel.cp_mode = "ring"`, kiln/parallel/context_parallel.py)
+this machine: ring attention (`parallel.cp_mode = "ring"`, kiln/parallel/ring_attention.py)
 against Ulysses' all-to-alls (`"ulysses"`, kiln/parallel/ulysses.py), and with `--hybrid U`
 Ulysses over U consecutive ranks with the ring across the groups (`parallel.ulysses_degree`), each
 on its own slices of the same sequences (compared on the ring's).
@@ -50,8 +50,9 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from kiln.parallel import ulysses as ulysses_module
-    from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
-    from kiln.parallel.ulysses import Ulysses, hybrid_groups, hybrid_positions
+    from kiln.parallel.context_parallel import hybrid_groups, hybrid_positions, zigzag_positions
+    from kiln.parallel.ring_attention import Ring, ring_attention
+    from kiln.parallel.ulysses import Ulysses
 
     join_gloo(rank, world, port)
     ring, sent = Ring(dist.group.WORLD), {"bytes": 0}

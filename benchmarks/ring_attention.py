@@ -1,6 +1,6 @@
 """Context parallel's ring attention, one layer, on `--cp` gloo ranks of this machine: kiln as it
 runs against each of the two things it does differently from a plain ring
-(kiln/parallel/context_parallel.py, ring_blocks.py):
+(kiln/parallel/ring_attention.py, ring_blocks.py):
 - "ring": the full ring a sliding-window layer ran before (K/V once round, dK/dV accumulators
   travelling along) instead of the window's neighbourhood (K/V `window_hops` steps both ways,
   dK/dV shares sent straight home); the same where the window reaches every rank (or none is set);
@@ -51,8 +51,10 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from kiln.parallel import context_parallel, ring_blocks
-    from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
+    from kiln.parallel import ring_attention as ring_module
+    from kiln.parallel import ring_blocks
+    from kiln.parallel.context_parallel import zigzag_positions
+    from kiln.parallel.ring_attention import Ring, ring_attention
 
     join_gloo(rank, world, port)
     ring, sent = Ring(dist.group.WORLD), {"blocks": 0, "bytes": 0}
@@ -66,7 +68,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
         return send_batch(ops)
 
     dist.batch_isend_irecv = counted
-    hops, fused = context_parallel.window_hops, ring_blocks.fused_kernel
+    hops, fused = ring_module.window_hops, ring_blocks.fused_kernel
     setups = {"kiln": (hops, fused), "ring": (lambda cp, chunk, window: None, fused),
               "matmul": (hops, lambda device, dropout: False)}
     rows = []
@@ -89,7 +91,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
         results, counts, peaks = {}, {}, {}
         for round_ in range(args.rounds + 1):  # the first round warms up
             for name in VARIANTS[round_ % 3:] + VARIANTS[:round_ % 3]:  # each goes first by turns
-                context_parallel.window_hops, ring_blocks.fused_kernel = setups[name]
+                ring_module.window_hops, ring_blocks.fused_kernel = setups[name]
                 sent.update(blocks=0, bytes=0)
                 dist.barrier()
                 start = time.perf_counter()
@@ -99,11 +101,11 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                 times[name].append(elapsed.item())
                 counts[name] = dict(sent)
         for name in VARIANTS:
-            context_parallel.window_hops, ring_blocks.fused_kernel = setups[name]
+            ring_module.window_hops, ring_blocks.fused_kernel = setups[name]
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 call()
             peaks[name] = profiled_peak_bytes(prof)
-        context_parallel.window_hops, ring_blocks.fused_kernel = hops, fused
+        ring_module.window_hops, ring_blocks.fused_kernel = hops, fused
         difference = {name: max((a - b).abs().max().item() for a, b in zip(results[name], results["kiln"]))
                       for name in VARIANTS[1:]}
         rows.append({"case": case, "seq": seq, "window": window, "hops": hops(world, seq // (2 * world), window),

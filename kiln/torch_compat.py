@@ -442,7 +442,7 @@ def dynamo_traces_data_dependent_splits() -> bool:
 
 def dynamo_traces_ring_objects() -> bool:
     """Whether dynamo compiles a block whose attention is cp's ring attention, given its `Ring`
-    (kiln/parallel/context_parallel.py, a plain object holding the process group): 2.9, 2.10, 2.11
+    (kiln/parallel/ring_attention.py, a plain object holding the process group): 2.9, 2.10, 2.11
     and 2.13 do; 2.6 fails ("Unexpected type in sourceless builder ... Ring"; a graph break around
     it is refused too, kiln compiles whole blocks), and 2.7-2.8 are taken alike (not run with the
     gate lowered). Ulysses' all-to-alls (kiln/parallel/ulysses.py) compile on 2.9-2.13 too; on 2.6

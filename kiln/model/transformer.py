@@ -133,7 +133,7 @@ def layer_masks(windows: list[int], doc_ids: torch.Tensor | None, ring: bool) ->
     (`attention_window`): None without packed documents; with them (`doc_ids` (B, T), data.windows
     = "packed_masked") `document_mask` for the layer's window, one per window in use; under context
     parallel (`ring`) the ids themselves, from which ring attention masks each pair of chunks
-    (kiln/parallel/context_parallel.py)."""
+    (kiln/parallel/ring_attention.py)."""
     if doc_ids is None or ring:
         return [doc_ids] * len(windows)
     masks = {w: document_mask(doc_ids, w) for w in set(windows)}

@@ -130,7 +130,7 @@ class ParallelDims:
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Ring attention (cp) enters compiled
-        blocks as an opaque op (kiln/parallel/context_parallel.py). Tensor parallelism splits
+        blocks as an opaque op (kiln/parallel/ring_attention.py). Tensor parallelism splits
         attention heads, KV heads and FFN hidden units over the tp ranks, the sequence between blocks
         (sequence parallel), and computes the loss on vocab-sharded logits (train.loss='chunked': in
         chunks of tokens, kiln/parallel/functional.py parallel_chunked_lm_loss)."""
@@ -170,7 +170,7 @@ class ParallelDims:
                               f"compiles context-parallel attention (>= 2.9; this is {torch.__version__}); set "
                               f"train.compile=false")
         if ring and cfg.train.cuda_graphs and torch_compat.cudagraph_unsafe_tag() is None:
-            # ring attention's ops must stay outside the CUDA graph (context_parallel._OP_TAGS)
+            # ring attention's ops must stay outside the CUDA graph (ring_attention._OP_TAGS)
             raise ConfigError(f"train.cuda_graphs=true with parallel.cp={self.cp} needs a torch with the "
                               f"cudagraph_unsafe op tag (this is {torch.__version__}); set train.cuda_graphs=false")
         if cfg.parallel.diloco_fragments > cfg.model.n_layers:

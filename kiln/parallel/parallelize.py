@@ -68,7 +68,7 @@ def compute_ops_kept() -> tuple[frozenset, frozenset]:
     otherwise fetch again (tp's reduce-scatter, ep's all-to-all), and whole-tensor max (float8's
     amax, a scalar whose recompute would read the tensor again and, under tp, all-reduce).
     torchtitan's op-level list, with every matmul kept."""
-    import kiln.parallel.context_parallel  # noqa: F401  (registers kiln::ring_attention)
+    import kiln.parallel.ring_attention  # noqa: F401  (registers kiln::ring_attention)
 
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
 

@@ -1,4 +1,4 @@
-"""Ring attention's block math (kiln/parallel/context_parallel.py): one query chunk against one key
+"""Ring attention's block math (kiln/parallel/ring_attention.py): one query chunk against one key
 chunk, forward and backward, and the online merge of the blocks' partial results.
 
 A block is q (B, Hkv, rep, S, D) against k / v (B, Hkv, S, D), fp32, S the chunk length: GQA

@@ -1,6 +1,6 @@
 """Which ranks' K/V a context-parallel rank needs, in plain Python, so that kiln plan
 (kiln/plan/timing.py) counts the messages with the very rule ring attention runs
-(kiln/parallel/context_parallel.py). kiln's own."""
+(kiln/parallel/ring_attention.py). kiln's own."""
 
 from __future__ import annotations
 

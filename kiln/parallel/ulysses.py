@@ -8,7 +8,7 @@ documents' masks, dropout), and a last all-to-all hands each rank its slice of t
 heads again. Autograd runs the reverse all-to-alls backward (torch's functional
 `all_to_all_single_autograd`, which dynamo traces, so a compiled block stays one graph).
 
-Against ring attention (kiln/parallel/context_parallel.py): each rank sends (C-1)/C of its q, k,
+Against ring attention (kiln/parallel/ring_attention.py): each rank sends (C-1)/C of its q, k,
 v (in one all-to-all) and of its output per layer forward (the same backward) instead of K/V round
 the whole ring, so the bytes per rank fall as cp grows where the ring's stay; any attention kernel
 runs unchanged; but cp must divide the heads each tp rank holds, and nothing overlaps the exchange
@@ -18,9 +18,9 @@ that keeps each query head with its K/V head.
 The cp ranks hold their zig-zag chunks (context_parallel.py: the loader, positions and loss are
 cp-mode-agnostic), so the gathered chunks are put in sequence order before attention and back in
 the ranks' order after it. With parallel.ulysses_degree U < cp (USP's hybrid) Ulysses runs inside
-groups of U consecutive cp ranks and ring attention across the groups (`Ulysses.ring`,
-`hybrid_groups`, `hybrid_positions`). kiln's own: the chunk order, the hybrid's layout and the K/V
-repetition; the exchange and the groups are torch's.
+groups of U consecutive cp ranks and ring attention across the groups (`Ulysses.ring`; the groups
+and positions: context_parallel.py `hybrid_groups`, `hybrid_positions`). kiln's own: the chunk
+order, the hybrid's layout and the K/V repetition; the exchange and the groups are torch's.
 """
 
 from __future__ import annotations
@@ -33,32 +33,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from kiln.model.transformer import causal_attention
-from kiln.parallel.context_parallel import ring_attention, zigzag_positions
 from kiln.parallel.functional import zigzag_chunks
-
-
-def hybrid_positions(seq_len: int, cp: int, degree: int, rank: int, device=None) -> torch.Tensor:
-    """Global token positions of cp rank `rank` under Ulysses over `degree` consecutive ranks and
-    the ring across the cp / degree groups: its group's zig-zag chunks on that ring, each cut in
-    `degree` pieces, piece `rank % degree` of each."""
-    ring_chunks = zigzag_positions(seq_len, cp // degree, rank // degree, device).view(2, degree, -1)
-    return ring_chunks[:, rank % degree].reshape(-1)
-
-
-def hybrid_groups(mesh, degree: int):
-    """(this rank's Ulysses group, its ring group) of every cp group of `mesh` (a DeviceMesh with a
-    "cp" dimension): `degree` consecutive cp ranks, and the ranks `degree` apart. Every rank
-    creates every group, in one order (torch.distributed.new_group's rule)."""
-    cp_dim = mesh.mesh_dim_names.index("cp")
-    me, heads, ring = dist.get_rank(), None, None
-    for ranks in mesh.mesh.movedim(cp_dim, -1).reshape(-1, mesh.size(cp_dim)).tolist():
-        for members in [ranks[a:a + degree] for a in range(0, len(ranks), degree)]:
-            group = dist.new_group(members)
-            heads = group if me in members else heads
-        for members in [ranks[j::degree] for j in range(degree)]:
-            group = dist.new_group(members)
-            ring = group if me in members else ring
-    return heads, ring
+from kiln.parallel.ring_attention import ring_attention
 
 
 @contextlib.contextmanager

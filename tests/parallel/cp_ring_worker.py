@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kiln.parallel.context_parallel import Ring, ring_attention, zigzag_positions
+from kiln.parallel.context_parallel import zigzag_positions
+from kiln.parallel.ring_attention import Ring, ring_attention
 from kiln.parallel.ring_blocks import block_keep
 
 ATOL = 1e-5  # fp32; observed < 1e-6
@@ -170,7 +171,7 @@ def check_ring_dropout(ring, index, seq_len, dropout_p=0.3, seed=1234):
     other = dropout_reference(q, k, v, seed, dropout_p, ring.size, wrong_seed=True)[:, :, index]
     assert not torch.allclose(out, other, atol=ATOL, rtol=0), "the comparison cannot tell the masks apart"
     # the backward with another seed's masks (forward's output and lse kept) gives other gradients
-    from kiln.parallel.context_parallel import _ring_attention_backward_op, _ring_attention_op
+    from kiln.parallel.ring_attention import _ring_attention_backward_op, _ring_attention_op
 
     args = [t.detach() for t in local]
     o, lse = _ring_attention_op(*args, ring.group_name, dropout_p, torch.tensor([seed]), 0)
@@ -242,7 +243,8 @@ def check_hybrid_attention(degree=2):
     from torch.distributed.device_mesh import DeviceMesh
 
     from kiln.model.transformer import document_mask, window_mask
-    from kiln.parallel.ulysses import Ulysses, hybrid_groups, hybrid_positions
+    from kiln.parallel.context_parallel import hybrid_groups, hybrid_positions
+    from kiln.parallel.ulysses import Ulysses
 
     cp, rank = dist.get_world_size(), dist.get_rank()
     heads_group, ring_group = hybrid_groups(DeviceMesh("cpu", list(range(cp)), mesh_dim_names=("cp",)), degree)

@@ -1,5 +1,5 @@
 """`train.compile=true` with context parallel: each compiled block calls ring attention as an
-opaque op (torch.library custom ops, kiln/parallel/context_parallel.py) and trains like one process.
+opaque op (torch.library custom ops, kiln/parallel/ring_attention.py) and trains like one process.
 
 Training: `kiln train`'s trainer in-process on gloo ranks (tests/parallel/ranks.py), blocks
 compiled (fullgraph), cp=2 under DDP (2 ranks; ring attention, and Ulysses' all-to-alls, which
@@ -102,12 +102,12 @@ def _compiled_dropout_draws_afresh(world):
     import torch
     import torch.distributed as dist
 
-    from kiln.parallel import context_parallel
+    from kiln.parallel.ring_attention import Ring, ring_attention
 
-    ring = context_parallel.Ring(dist.group.WORLD)
+    ring = Ring(dist.group.WORLD)
     g = torch.Generator().manual_seed(dist.get_rank())
     q, k, v = (torch.randn(1, 2, 8 * world, 4, generator=g) for _ in range(3))
-    attend = torch.compile(lambda q, k, v: context_parallel.ring_attention(q, k, v, ring, 0.5), fullgraph=True)
+    attend = torch.compile(lambda q, k, v: ring_attention(q, k, v, ring, 0.5), fullgraph=True)
     try:
         return not torch.equal(attend(q, k, v), attend(q, k, v))
     finally:
@@ -122,18 +122,18 @@ def _opcheck_ring_ops():
     import torch
     import torch.distributed as dist
 
-    from kiln.parallel import context_parallel
+    from kiln.parallel import ring_attention
 
-    group = context_parallel.Ring(dist.group.WORLD).group_name
+    group = ring_attention.Ring(dist.group.WORLD).group_name
     g = torch.Generator().manual_seed(dist.get_rank())
     q = torch.randn(2, 16, 4, 8, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(2, 2, 16, 8, generator=g).requires_grad_() for _ in range(2))
     # attention dropout on (its masks are a function of the seed) and a sliding window of 6 over the
     # 4-token chunks: partial and skipped blocks
     dropout = (0.25, torch.tensor([7]), 6)
-    forward = torch.library.opcheck(context_parallel._ring_attention_op, (q, k, v, group, *dropout))
-    out, lse = context_parallel._ring_attention_op(q.detach(), k.detach(), v.detach(), group, *dropout)
-    backward = torch.library.opcheck(context_parallel._ring_attention_backward_op,
+    forward = torch.library.opcheck(ring_attention._ring_attention_op, (q, k, v, group, *dropout))
+    out, lse = ring_attention._ring_attention_op(q.detach(), k.detach(), v.detach(), group, *dropout)
+    backward = torch.library.opcheck(ring_attention._ring_attention_backward_op,
                                      (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, group,
                                       *dropout))
     return {"forward": forward, "backward": backward}
@@ -148,12 +148,14 @@ def _compiled_ring_errors(rank, world):
     import torch.distributed as dist
 
     import cp_ring_worker
-    from kiln.parallel import context_parallel, ring_blocks
+    from kiln.parallel import ring_blocks
+    from kiln.parallel.context_parallel import zigzag_positions
+    from kiln.parallel.ring_attention import Ring, ring_attention
 
-    ring = context_parallel.Ring(dist.group.WORLD)
-    index = context_parallel.zigzag_positions(8 * world, world, rank)
+    ring = Ring(dist.group.WORLD)
+    index = zigzag_positions(8 * world, world, rank)
     merge, eager = ring_blocks.merge_block, cp_ring_worker.ring_attention
-    cp_ring_worker.ring_attention = torch.compile(context_parallel.ring_attention, fullgraph=True)
+    cp_ring_worker.ring_attention = torch.compile(ring_attention, fullgraph=True)
     errors = {}
     try:
         for n_heads, n_kv in ((4, 4), (4, 2)):
