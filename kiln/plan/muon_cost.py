@@ -29,7 +29,7 @@ from kiln.plan.cluster import Cluster
 from kiln.plan.comm_cost import all_gather, all_to_all
 from kiln.plan.memory import Layout, ModelShape
 
-NS_STEPS = 5  # kiln/train/optimizers/muon.py NS_STEPS (not imported: the planner runs without torch)
+NS_STEPS = 5  # kiln/train/optimizers/newton_schulz.py NS_STEPS (not imported: the planner runs without torch)
 ROUND_BYTES = 2**29  # kiln/train/optimizers/muon_split.py ROUND_BYTES: whole matrices per owner per round
 
 

@@ -29,7 +29,7 @@ def _config(*overrides):
 
 @pytest.mark.parametrize("rows, cols", [(64, 64), (192, 64), (64, 192), (7, 13), (1, 64)])
 def test_newton_schulz_flops_are_the_matmuls_torch_counts(rows, cols):
-    from kiln.train.optimizers.muon import orthogonalize
+    from kiln.train.optimizers.newton_schulz import orthogonalize
 
     with FlopCounterMode(display=False) as counter:
         orthogonalize(torch.randn(rows, cols))

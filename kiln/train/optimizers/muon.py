@@ -16,8 +16,8 @@ declares torch >= 2.6; and it orthogonalizes each local tensor as it finds it, w
 would orthogonalize a row shard instead of the whole matrix. Here a sharded matrix (DTensor) is
 orthogonalized whole, on one of the ranks that shard it, and each rank gets its shard of the
 result (kiln/train/optimizers/muon_split.py: the ranks split the iterations instead of all
-repeating them); AdamW steps the rest in the same object. Its Newton-Schulz coefficients and step
-count are the same as torch's.
+repeating them); AdamW steps the rest in the same object. Its Newton-Schulz iteration
+(kiln/train/optimizers/newton_schulz.py) has torch's coefficients and step count.
 
 A group with `stacked=True` holds expert stacks (E, in, out) used as `x @ w[e]` (kiln's
 GroupedExperts): each expert's matrix is orthogonalized and scaled on its own.
@@ -35,33 +35,6 @@ from torch.optim.adamw import adamw as adamw_step
 from kiln.train.optimizers.muon_split import orthogonalize_updates
 from kiln.train.optimizers.adam_state import adam_state_lists, fused_adam_supported
 from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
-
-# Quintic coefficients chosen (by the Muon authors) to push all singular values of a
-# unit-spectral-norm matrix into roughly [0.7, 1.2] within five steps, as fast as possible.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
-
-
-def orthogonalize(update: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
-    """Approximate U V^T of the SVD U S V^T of a 2-D (or batched, last two dims) matrix."""
-    a, b, c = NS_COEFFICIENTS
-    # bf16 matmuls are the point on GPUs; on CPUs without AMX, bf16 matmul is far slower than
-    # fp32 (8x for a 384x1024 Gram matrix on our 2-core x86 test box), so keep fp32 there.
-    work_dtype = torch.bfloat16 if update.device.type == "cuda" else torch.float32
-    x = update.to(work_dtype)
-    transposed = x.size(-2) > x.size(-1)
-    if transposed:  # iterate on the wide side: X X^T is then the smaller Gram matrix
-        x = x.mT
-    # Frobenius norm >= spectral norm, so this puts every singular value in [0, 1].
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        poly = b * gram + c * (gram @ gram)
-        x = a * x + poly @ x
-    if transposed:
-        x = x.mT
-    return x.to(update.dtype)
-
 
 def shape_lr_scale(shape: torch.Size, stacked: bool = False) -> float:
     """Keller Jordan's scale: sqrt(max(1, rows / cols)) for an (out, in) weight; for an expert

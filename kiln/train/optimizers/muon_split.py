@@ -36,19 +36,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from kiln import torch_compat
+from kiln.train.optimizers.newton_schulz import orthogonalize_matrix
 
 # Whole matrices one rank orthogonalizes per exchange round (`_rounds`); fp32 bytes
 ROUND_BYTES = 2**29
-
-
-def orthogonalize_matrix(update: torch.Tensor, stacked: bool = False) -> torch.Tensor:
-    """`orthogonalize` of one local weight-shaped tensor: a stack per expert, or one matrix (conv
-    kernels flattened to (out, in*k*k))."""
-    from kiln.train.optimizers.muon import orthogonalize
-
-    if stacked:
-        return orthogonalize(update)
-    return orthogonalize(update.reshape(update.size(0), -1)).view_as(update)
 
 
 def orthogonalize_updates(updates: list[torch.Tensor], stacked: bool | list[bool] = False,

@@ -75,7 +75,7 @@ def split_rank(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    import kiln.train.optimizers.muon as muon
+    import kiln.train.optimizers.newton_schulz as newton_schulz
     from kiln.train.optimizers.muon_split import orthogonalize_updates
 
     meshes = {"1d": init_device_mesh("cpu", (world,)),
@@ -87,14 +87,14 @@ def split_rank(rank, world):
         placed = [Replicate() if p == "R" else Shard(int(p[1])) for p in placements]
         updates[name] = distribute_tensor(fulls[name], meshes[mesh], placed)
         stacks[name] = stacked
-    counted, real = {}, muon.orthogonalize
+    counted, real = {}, newton_schulz.orthogonalize
 
     def counting(x, *args, **kwargs):
         counted[current] = counted.get(current, 0) + math.prod(x.shape[:-2])
         return real(x, *args, **kwargs)
 
     out, differences = {}, {}
-    muon.orthogonalize = counting
+    newton_schulz.orthogonalize = counting
     try:
         for stacked in (False, True):  # as Muon calls it: one call per group
             names = [n for n in CASES if stacks[n] == stacked]
@@ -106,13 +106,14 @@ def split_rank(rank, world):
             current = n
             orthogonalize_updates([updates[n]], stacks[n])
     finally:
-        muon.orthogonalize = real
+        newton_schulz.orthogonalize = real
     for n, r in out.items():
         assert r.placements == updates[n].placements and r.shape == updates[n].shape
         differences[n] = (r.full_tensor() - orthogonalize_matrix(fulls[n], stacks[n])).abs().max().item()
-    fsdp_tp = fsdp_over_tp(meshes["2d"], muon) if torch_compat.fsdp_runs_on_cpu() else None
+    fsdp_tp = fsdp_over_tp(meshes["2d"], newton_schulz) if torch_compat.fsdp_runs_on_cpu() else None
     return {"differences": differences, "counted": counted, "fsdp x tp": fsdp_tp,
-            "rounds": in_rounds(updates, out), "ddp": over_replicas(muon), "fallback": fallback(updates, out, muon),
+            "rounds": in_rounds(updates, out), "ddp": over_replicas(newton_schulz),
+            "fallback": fallback(updates, out, newton_schulz),
             "together": together(updates, stacks, out)}
 
 
@@ -138,14 +139,14 @@ def together(updates, stacks, out):
     return apart, calls[0] - apart, all(torch.equal(j.to_local(), out[n].to_local()) for n, j in zip(CASES, joint))
 
 
-def fallback(updates, out, muon):
+def fallback(updates, out, newton_schulz):
     """The matrices two mesh dims cut where DTensor cannot narrow them to one cut (a torch whose
     redistribute refuses): gathered whole on every rank, the same results. (Matrices this rank
     orthogonalized, whether they are bit-identical to the narrowed ones.)"""
     from kiln.train.optimizers import muon_split
 
     names = ["two mesh dims cut it", "two mesh dims, two tensor dims"]
-    calls, real_orth, real_redistribute = [0], muon.orthogonalize, muon_split._redistribute
+    calls, real_orth, real_redistribute = [0], newton_schulz.orthogonalize, muon_split._redistribute
 
     def counting(x, *args, **kwargs):
         calls[0] += 1
@@ -154,15 +155,15 @@ def fallback(updates, out, muon):
     def refusing(u, placements):
         raise NotImplementedError("redistribute refused (test)")
 
-    muon.orthogonalize, muon_split._redistribute = counting, refusing
+    newton_schulz.orthogonalize, muon_split._redistribute = counting, refusing
     try:
         again = muon_split.orthogonalize_updates([updates[n] for n in names])
     finally:
-        muon.orthogonalize, muon_split._redistribute = real_orth, real_redistribute
+        newton_schulz.orthogonalize, muon_split._redistribute = real_orth, real_redistribute
     return calls[0], all(torch.equal(a.full_tensor(), out[n].full_tensor()) for n, a in zip(names, again))
 
 
-def over_replicas(muon):
+def over_replicas(newton_schulz):
     """Whole matrices every rank holds alike (DDP), dealt over the 4 ranks and broadcast: (the
     largest difference to orthogonalizing each here, how many this rank orthogonalized)."""
     import torch.distributed as dist
@@ -173,17 +174,17 @@ def over_replicas(muon):
     shapes = [(12, 8), (5, 7), (8, 4, 3, 3), (6, 6), (3, 9)]
     plain = [torch.randn(shape, generator=gen) for shape in shapes] + [torch.randn(4, 4, generator=gen).double()]
     stacks = [torch.randn(3, 4, 6, generator=gen), torch.randn(2, 6, 4, generator=gen)]
-    calls, real = [0], muon.orthogonalize
+    calls, real = [0], newton_schulz.orthogonalize
 
     def counting(x, *args, **kwargs):
         calls[0] += math.prod(x.shape[:-2])
         return real(x, *args, **kwargs)
 
-    muon.orthogonalize = counting
+    newton_schulz.orthogonalize = counting
     try:
         got = orthogonalize_updates(plain, False, dist.group.WORLD) + orthogonalize_updates(stacks, True, dist.group.WORLD)
     finally:
-        muon.orthogonalize = real
+        newton_schulz.orthogonalize = real
     want = [orthogonalize_matrix(t) for t in plain] + [orthogonalize_matrix(t, True) for t in stacks]
     assert all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want))
     return max((g - w).abs().max().item() for g, w in zip(got, want)), calls[0]
@@ -209,7 +210,7 @@ def in_rounds(updates, out):
     return calls[0], all(torch.equal(a.to_local(), out[n].to_local()) for n, a in zip(names, again))
 
 
-def fsdp_over_tp(mesh, muon):
+def fsdp_over_tp(mesh, newton_schulz):
     """FSDP2 over tensor parallel's column- and row-parallel weights (`_StridedShard` x `Shard`,
     `Shard` x `Shard` of another dim): (largest difference to one process, matrices counted)."""
     from torch.distributed.fsdp import fully_shard
@@ -223,17 +224,17 @@ def fsdp_over_tp(mesh, muon):
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     updates = [p.detach() for p in model.parameters()]
-    calls, real = [0], muon.orthogonalize
+    calls, real = [0], newton_schulz.orthogonalize
 
     def counting(x, *args, **kwargs):
         calls[0] += 1
         return real(x, *args, **kwargs)
 
-    muon.orthogonalize = counting
+    newton_schulz.orthogonalize = counting
     try:
         results = orthogonalize_updates(updates)
     finally:
-        muon.orthogonalize = real
+        newton_schulz.orthogonalize = real
     assert all(r.placements == u.placements for r, u in zip(results, updates))
     return max((r.full_tensor() - orthogonalize_matrix(f)).abs().max().item() for r, f in zip(results, fulls)), calls[0]
 
