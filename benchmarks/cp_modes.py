@@ -1,8 +1,10 @@
 """Context parallel's two ways across the cp ranks, one attention layer on `--cp` gloo ranks of
 this machine: ring attention (`parallel.cp_mode = "ring"`, kiln/parallel/ring_attention.py)
 against Ulysses' all-to-alls (`"ulysses"`, kiln/parallel/ulysses.py), and with `--hybrid U`
-Ulysses over U consecutive ranks with the ring across the groups (`parallel.ulysses_degree`), each
-on its own slices of the same sequences (compared on the ring's).
+Ulysses over U consecutive ranks with the ring across the groups (`parallel.ulysses_degree`), and
+with `--ulysses-rounds R` Ulysses with its heads in R rounds, each round's all-to-all in flight
+while the round before attends (`parallel.ulysses_rounds`), each on its own slices of the same
+sequences (compared on the ring's).
 
 Per case (sequence T, K/V heads; batch --batch, --heads query heads of width --head-dim, fp32,
 causal), forward + backward, the two modes on the same inputs, taking turns going first:
@@ -10,13 +12,14 @@ causal), forward + backward, the two modes on the same inputs, taking turns goin
   all-to-all's call, (C-1)/C of its input leaving the rank, and its backward's all-to-all (the
   same sizes the other way) counted as the same again;
 - the slowest rank's wall time, median over --rounds after a warm-up round (noisy on a shared
-  machine);
+  machine), of forward + backward and of the forward alone (up to the output's first use);
 - the most tensor bytes allocated and live at once on a rank during one call, its copies of the
   inputs and their gradients included (the profiler's allocator events);
 - the largest difference of Ulysses' (and the hybrid's) output and dQ/dK/dV from the ring's (the
   benchmark fails above 1e-5).
 
     python benchmarks/cp_modes.py [--cp 4] [--cases 4096k8,4096k2] [--rounds 5] [--hybrid 2]
+                                  [--ulysses-rounds 2]
 
 Writes benchmarks/results/cp_modes.json and prints a table.
 """
@@ -80,6 +83,10 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
         attend["hybrid"] = Ulysses(heads, args.hybrid, Ring(across)).attention
         positions["hybrid"] = lambda seq, cp, r: hybrid_positions(seq, cp, args.hybrid, r)
         modes = MODES + ("hybrid",)
+    if args.ulysses_rounds > 1:  # Ulysses over all ranks, its heads in rounds
+        attend["rounds"] = Ulysses(dist.group.WORLD, world, rounds=args.ulysses_rounds).attention
+        positions["rounds"] = zigzag_positions
+        modes = modes + ("rounds",)
     rows = []
     for case in args.cases.split(","):
         seq, kv_heads = parse(case)
@@ -91,9 +98,11 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
             index = positions[mode](seq, world, rank)
             q, k, v, dout = (t[:, :, index].contiguous() for t in sequences)
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-            outputs = attend[mode](*inputs)
+            start = time.perf_counter()
+            outputs = attend[mode](*inputs) * 1  # its first use: a lazy all-to-all result waited for
+            forward_s = time.perf_counter() - start
             outputs.backward(dout)
-            return [outputs.detach(), *(t.grad for t in inputs)]
+            return [outputs.detach(), *(t.grad for t in inputs)], forward_s
 
         def whole(mode, tensors):
             """`tensors` of every rank put together at their positions: whole sequences to compare."""
@@ -109,17 +118,18 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
                 out.append(full)
             return out
 
-        times, results, counts, peaks = {m: [] for m in modes}, {}, {}, {}
+        times, forward_times, results, counts, peaks = {m: [] for m in modes}, {m: [] for m in modes}, {}, {}, {}
         for round_ in range(args.rounds + 1):  # the first round warms up
             turn = round_ % len(modes)
             for mode in modes[turn:] + modes[:turn]:  # each goes first by turns
                 sent["bytes"] = 0
                 dist.barrier()
                 start = time.perf_counter()
-                results[mode] = call(mode)
-                elapsed = torch.tensor([time.perf_counter() - start])
+                results[mode], forward_s = call(mode)
+                elapsed = torch.tensor([time.perf_counter() - start, forward_s])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times[mode].append(elapsed.item())
+                times[mode].append(elapsed[0].item())
+                forward_times[mode].append(elapsed[1].item())
                 counts[mode] = sent["bytes"]
         for mode in modes:
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -131,6 +141,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
         rows.append({"case": case, "seq": seq, "kv_heads": kv_heads,
                      **{f"{m}_bytes": counts[m] for m in modes},
                      **{f"{m}_s": statistics.median(times[m][1:]) for m in modes},
+                     **{f"{m}_forward_s": statistics.median(forward_times[m][1:]) for m in modes},
                      **{f"{m}_peak_bytes": peaks[m] for m in modes}, "max_difference": difference})
     dist.destroy_process_group()
     out.put((rank, rows))
@@ -146,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hybrid", type=int, default=0, metavar="U",
                         help="also Ulysses over U consecutive ranks with the ring across the groups")
+    parser.add_argument("--ulysses-rounds", type=int, default=1, metavar="R",
+                        help="also Ulysses with its heads in R rounds (parallel.ulysses_rounds)")
     parser.add_argument("--out", default="cp_modes")
     args = parser.parse_args(argv)
     if args.hybrid and (args.cp % args.hybrid or args.heads % args.hybrid or not 1 < args.hybrid < args.cp):
         raise SystemExit(f"--hybrid {args.hybrid} must be between 1 and --cp {args.cp}, dividing it and --heads")
+    if args.ulysses_rounds > 1 and args.heads % (args.cp * args.ulysses_rounds):
+        raise SystemExit(f"--ulysses-rounds {args.ulysses_rounds} x --cp {args.cp} must divide --heads {args.heads}")
     if args.heads % args.cp:
         raise SystemExit(f"--heads {args.heads} is not divisible by --cp {args.cp} (Ulysses splits the heads)")
     for case in args.cases.split(","):
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     target = importlib.import_module(Path(__file__).stem)._rank  # by module name: spawned ranks import it
     by_rank = dict(run_ranks(target, args.cp, (args,), "cp_modes"))
     rows = by_rank[0]  # counts and times (the slowest rank's) as rank 0 has them; peaks: the largest rank's
-    modes = MODES + (("hybrid",) if args.hybrid else ())
+    modes = MODES + (("hybrid",) if args.hybrid else ()) + (("rounds",) if args.ulysses_rounds > 1 else ())
     for row, *others in zip(rows, *(by_rank[r] for r in range(1, args.cp))):
         for mode in modes:
             row[f"{mode}_peak_bytes"] = max(r[f"{mode}_peak_bytes"] for r in (row, *others))
@@ -168,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         if difference > 1e-5:
             raise SystemExit(f"{row['case']}: Ulysses differs from the ring by {difference:.2e}")
     names = " / ".join(modes)
-    print_table(["case (T k K/V heads)", f"MB sent {names}", f"s {names}", f"peak MB {names}"],
+    print_table(["case (T k K/V heads)", f"MB sent {names}", f"s {names}", f"forward s {names}",
+                 f"peak MB {names}"],
                 [[r["case"], *(" / ".join(fmt(r[f"{m}_{key}"]) for m in modes)
                                for key, fmt in (("bytes", lambda b: f"{b / 1e6:.1f}"), ("s", lambda t: f"{t:.3f}"),
+                                                ("forward_s", lambda t: f"{t:.3f}"),
                                                 ("peak_bytes", lambda b: f"{b / 1e6:.1f}")))] for r in rows])
     command = "python benchmarks/cp_modes.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"wrote {write_results(args.out, {'command': command, **vars(args), 'rows': rows})}")

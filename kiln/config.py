@@ -456,6 +456,10 @@ class ParallelConfig:
     # U, a divisor of cp: U consecutive cp ranks (one node's, say) exchange heads, and ring
     # attention runs across the cp / U such groups
     ulysses_degree: int = ranged(0, ge=0)
+    # cp_mode ulysses: its heads exchanged and attended in this many rounds, each round's all-to-all
+    # in flight while the round before it attends (forward); must divide the heads per tp rank /
+    # ulysses_degree (or cp). 1: one exchange each way, attention waiting for it
+    ulysses_rounds: int = ranged(1, gt=0)
     ep: int = ranged(1, gt=0)
     # Expert tensor parallel degree under ep > 1 and tp > 1 (torchtitan's expert_tensor_parallel_degree):
     # -1 = tp (each expert's hidden units sharded over tp, ep from dp_shard x cp); 1 = experts whole,
@@ -540,6 +544,9 @@ class ParallelConfig:
             raise ConfigError(f"parallel.ulysses_degree={self.ulysses_degree} needs parallel.cp_mode='ulysses' "
                               f"and must divide parallel.cp={self.cp} (cp_mode is {self.cp_mode!r}); "
                               f"0 spans all of cp")
+        if self.ulysses_rounds > 1 and (self.cp == 1 or self.cp_mode != "ulysses"):
+            raise ConfigError(f"parallel.ulysses_rounds={self.ulysses_rounds} needs parallel.cp > 1 with "
+                              f"parallel.cp_mode='ulysses' (cp={self.cp}, cp_mode={self.cp_mode!r}); set it to 1")
         self._validate_streaming_diloco()
         if self.cpu_offload and self.dp_mode in ("ddp", "zero1"):
             raise ConfigError(f"parallel.cpu_offload=true needs a sharded dp_mode (zero2 or fsdp), "

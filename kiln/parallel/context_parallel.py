@@ -80,10 +80,10 @@ class ContextParallel:
             degree = dims.ulysses_degree or self.cp
             expand_kv = any(m.expand_kv for m in _attention_modules(model))  # kiln/train/attention.py's choice
             if degree == self.cp:
-                self.ulysses = Ulysses(self.ring.group, self.cp, expand_kv=expand_kv)
+                self.ulysses = Ulysses(self.ring.group, self.cp, expand_kv=expand_kv, rounds=dims.ulysses_rounds)
             else:  # Ulysses inside groups of `degree` ranks, the ring across them
                 heads, ring = hybrid_groups(dims.mesh, degree)
-                self.ulysses = Ulysses(heads, degree, Ring(ring), expand_kv=expand_kv)
+                self.ulysses = Ulysses(heads, degree, Ring(ring), expand_kv=expand_kv, rounds=dims.ulysses_rounds)
                 self.index = hybrid_positions(seq_len, self.cp, degree, self.ring.rank, device=device)
             self.attention = self.ulysses.attention
 

@@ -54,6 +54,7 @@ class ParallelDims:
     # parallel.cp_mode: ring attention or Ulysses' all-to-alls across the cp ranks (context_parallel.py)
     cp_mode: str = "ring"
     ulysses_degree: int = 0  # cp_mode ulysses: the ranks its all-to-alls span (0: all of cp)
+    ulysses_rounds: int = 1  # cp_mode ulysses: the rounds its heads go in (ulysses.py)
 
     def __post_init__(self):
         if self.etp is None:
@@ -126,7 +127,7 @@ class ParallelDims:
         return cls(dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, rank, local_rank,
                    dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps),
                    ep_node_ranks=cfg.ep_node_ranks, reduce_dtype=cfg.reduce_dtype,
-                   cp_mode=cfg.cp_mode, ulysses_degree=cfg.ulysses_degree)
+                   cp_mode=cfg.cp_mode, ulysses_degree=cfg.ulysses_degree, ulysses_rounds=cfg.ulysses_rounds)
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Ring attention (cp) enters compiled
@@ -158,6 +159,12 @@ class ParallelDims:
                 raise ConfigError(f"parallel.cp_mode='ulysses' splits each rank's attention heads over "
                                   f"{over}, which must divide {where}; change {over.split('=')[0]} or "
                                   f"set parallel.cp_mode='ring'")
+            rounds = self.ulysses_rounds
+            if cfg.model.n_heads % self.tp == 0 and heads % degree == 0 and (heads // degree) % rounds:
+                where = f"model.n_heads={cfg.model.n_heads}" + (f" / parallel.tp={self.tp}" if self.tp > 1 else "")
+                raise ConfigError(f"parallel.ulysses_rounds={rounds} must divide the heads each rank attends "
+                                  f"under Ulysses, {where} / {degree} = {heads // degree}; change "
+                                  f"parallel.ulysses_rounds")
             if cfg.model.dropout > 0 and cfg.train.compile and degree == self.cp:
                 # its dropout stream per head group reseeds torch's generator (ulysses._dropout_stream),
                 # which a compiled block cannot trace

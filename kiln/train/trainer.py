@@ -301,6 +301,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                  "world_peak_flops": world_peak, "resumed_from": resume_step, "pp": dims.pp,
                  **({"cp_mode": dims.cp_mode} if dims.cp > 1 else {}),
                  **({"ulysses_degree": dims.ulysses_degree} if dims.cp > 1 and dims.ulysses_degree else {}),
+                 **({"ulysses_rounds": dims.ulysses_rounds} if dims.ulysses_rounds > 1 else {}),
                  **({"fsdp_reshard_to": cfg.parallel.fsdp_reshard_to} if cfg.parallel.fsdp_reshard_to else {}),
                  **({f"diloco_{k}": getattr(par, f"diloco_{k}") for k in ("inner_steps", "fragments", "sync_delay",
                                                                            "mix", "comm_dtype")} if diloco else {}),

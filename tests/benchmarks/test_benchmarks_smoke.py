@@ -159,13 +159,17 @@ def test_ring_attention_compares_schedules_and_kernels(tmp_path):
 @pytest.mark.timeout(120)
 def test_cp_modes_compares_ring_and_ulysses(tmp_path):
     out = tmp_path / "cp_modes.json"
-    argv = ["--cp", "2", "--cases", "32k2,32k1", "--heads", "2", "--head-dim", "8", "--rounds", "1", "--out", str(out)]
+    argv = ["--cp", "2", "--cases", "32k2,32k1", "--heads", "4", "--head-dim", "8", "--rounds", "1",
+            "--ulysses-rounds", "2", "--out", str(out)]
     assert _load("cp_modes").main(argv) == 0  # exits non-zero unless Ulysses gives the ring's result
     rows = json.loads(out.read_text())["rows"]
-    # Ulysses: q, k, v (K/V repeated to 2 heads where there is 1) and the output, 16 tokens x 2 heads x 8
-    # fp32 each, half of it leaving the rank, forward and backward
-    assert [r["ulysses_bytes"] for r in rows] == [4 * 16 * 2 * 8 * 4 // 2 * 2] * 2
+    # Ulysses: q, k, v (K/V repeated to 2 heads where there is 1) and the output, 16 tokens x 4 and 2
+    # heads x 8 fp32 each, half of it leaving the rank, forward and backward; in 2 rounds the same (a
+    # rank's one K/V head goes whole in the first round, not repeated)
+    assert [r["ulysses_bytes"] for r in rows] == [(2 * 4 + 2 * 2) * 16 * 8 * 4 // 2 * 2] * 2
+    assert [r["rounds_bytes"] for r in rows] == [r["ulysses_bytes"] for r in rows]
     assert all(r["ring_bytes"] > 0 and r["ring_s"] > 0 and r["ulysses_peak_bytes"] > 0 for r in rows)
+    assert all(0 < r["rounds_forward_s"] < r["rounds_s"] for r in rows)
     # Ulysses over 2 ranks x the ring over 2 (parallel.ulysses_degree), compared on whole sequences
     argv = ["--cp", "4", "--hybrid", "2", "--cases", "32k4", "--heads", "4", "--head-dim", "8", "--rounds", "1",
             "--out", str(out)]

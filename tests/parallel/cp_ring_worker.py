@@ -236,10 +236,11 @@ def check_ring_window(ring, index, seq_len):
 
 def check_hybrid_attention(degree=2):
     """Ulysses over `degree` consecutive ranks with the ring across the groups (parallel.ulysses_degree,
-    kiln/parallel/ulysses.py hybrid_groups / hybrid_positions) equals whole causal attention on
-    each rank's positions, forward and dQ/dK/dV, fp32 atol 1e-5: MHA, GQA, K/V repeated, a window
-    across chunks, packed documents (the ring's ids) with a window. The positions cover the
-    sequence once. Returns "rank <r>: hybrid ok"."""
+    kiln/parallel/context_parallel.py hybrid_groups / hybrid_positions) equals whole causal attention
+    on each rank's positions, forward and dQ/dK/dV, fp32 atol 1e-5: MHA, GQA, K/V repeated, a window
+    across chunks, packed documents (the ring's ids) with a window; in 2 rounds
+    (parallel.ulysses_rounds) with K/V repeated, and with documents and a window. The positions cover
+    the sequence once. Returns "rank <r>: hybrid ok"."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from kiln.model.transformer import document_mask, window_mask
@@ -257,8 +258,11 @@ def check_hybrid_attention(degree=2):
     starts = torch.zeros(2, seq_len, dtype=torch.long)
     starts[0, [3, 8, 17, seq_len - 2]] = 1
     doc_ids = starts.cumsum(1)
-    for n_heads, n_kv, window, ids in ((4, 4, 0, None), (4, 2, 0, None), (4, 1, 0, None), (4, 2, 9, None),
-                                       (4, 2, 9, doc_ids)):
+    rounds = Ulysses(heads_group, degree, Ring(ring_group), rounds=2)  # parallel.ulysses_rounds
+    for hybrid_, n_heads, n_kv, window, ids in ((hybrid, 4, 4, 0, None), (hybrid, 4, 2, 0, None),
+                                                (hybrid, 4, 1, 0, None), (hybrid, 4, 2, 9, None),
+                                                (hybrid, 4, 2, 9, doc_ids), (rounds, 4, 1, 0, None),
+                                                (rounds, 8, 2, 9, doc_ids)):
         g = torch.Generator().manual_seed(n_heads * 10 + n_kv + window)
         q = torch.randn(2, n_heads, seq_len, 16, generator=g)
         k, v = (torch.randn(2, n_kv, seq_len, 16, generator=g) for _ in range(2))
@@ -269,9 +273,9 @@ def check_hybrid_attention(degree=2):
         ref = F.scaled_dot_product_attention(*full, attn_mask=mask, enable_gqa=n_heads != n_kv)
         ref.backward(dout)
         local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        out = hybrid.attention(*local, window=window, mask=ids)
+        out = hybrid_.attention(*local, window=window, mask=ids)
         out.backward(dout[:, :, index])
-        case = f"hybrid heads {n_heads}/{n_kv}, window {window}, documents {ids is not None}"
+        case = f"hybrid heads {n_heads}/{n_kv}, window {window}, documents {ids is not None}, rounds {hybrid_.rounds}"
         torch.testing.assert_close(out, ref[:, :, index], atol=ATOL, rtol=0, msg=lambda m: f"{case}: {m}")
         for name, got, want in zip("qkv", [t.grad for t in local], [t.grad[:, :, index] for t in full]):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{case} d{n}: {m}")
@@ -288,7 +292,8 @@ def check_ulysses_attention():
     """Ulysses (kiln/parallel/ulysses.py) on zig-zag slices over this process group equals whole
     causal attention, forward and dQ/dK/dV, fp32 atol 1e-5: MHA, GQA with cp dividing the K/V heads
     and with K/V heads fewer than cp (repeated), sliding windows (inside a chunk, across chunks) and
-    packed documents (the whole sequences' document mask, with a window). Controls: contiguous
+    packed documents (the whole sequences' document mask, with a window), each also in 2 rounds
+    (parallel.ulysses_rounds) where cp x 2 divides the heads. Controls: contiguous
     slices, or a wrong chunk order inside, give other rows. Returns "rank <r>: ulysses ok"."""
     from kiln.model.transformer import document_mask, window_mask
     from kiln.parallel.ulysses import Ulysses
@@ -303,8 +308,15 @@ def check_ulysses_attention():
     doc_ids = starts.cumsum(1)
     cases = [(4, 4, 0, None), (4, 2, 0, None), (4, 1, 0, None), (8, 2, 0, None),  # MHA, GQA, K/V repeated
              (4, 2, size - 1, None), (4, 2, 2 * size + 1, None),  # windows in a chunk and across
-             (4, 2, 0, doc_ids), (4, 1, size + 1, doc_ids)]  # documents, with a window
-    for n_heads, n_kv, window, ids in cases:
+             (4, 2, 0, doc_ids), (4, 1, size + 1, doc_ids), (8, 1, size + 1, doc_ids),  # documents, with a window
+             (12, 6, 0, None)]  # in 2 rounds on 2 ranks: 3 query heads a round over 3 K/V heads
+    # parallel.ulysses_rounds: the heads in 2 rounds (the K/V heads too where they split in 2, else
+    # all in the first round)
+    rounds = Ulysses(dist.group.WORLD, cp, rounds=2)
+    cases = [(ulysses, *case) for case in cases] + [(rounds, *case) for case in cases if case[0] % (2 * cp) == 0]
+    if cp == 2:  # 4 rounds of 1 query head over a rank's 2 K/V heads, sent in the first round
+        cases.append((Ulysses(dist.group.WORLD, cp, rounds=4), 8, 4, size + 1, doc_ids))
+    for ulysses_, n_heads, n_kv, window, ids in cases:
         g = torch.Generator().manual_seed(n_heads * 10 + n_kv + window)  # the same full tensors on every rank
         q = torch.randn(2, n_heads, seq_len, 16, generator=g)
         k, v = (torch.randn(2, n_kv, seq_len, 16, generator=g) for _ in range(2))
@@ -317,9 +329,9 @@ def check_ulysses_attention():
         ref = F.scaled_dot_product_attention(*full, attn_mask=mask, enable_gqa=n_heads != n_kv)
         ref.backward(dout)
         local = [t[:, :, zigzag].clone().requires_grad_() for t in (q, k, v)]
-        out = ulysses.attention(*local, window=window, mask=None if ids is None else mask)
+        out = ulysses_.attention(*local, window=window, mask=None if ids is None else mask)
         out.backward(dout[:, :, zigzag])
-        case = f"ulysses heads {n_heads}/{n_kv}, window {window}, documents {ids is not None}"
+        case = f"ulysses heads {n_heads}/{n_kv}, window {window}, documents {ids is not None}, rounds {ulysses_.rounds}"
         torch.testing.assert_close(out, ref[:, :, zigzag], atol=ATOL, rtol=0, msg=lambda m: f"{case}: {m}")
         for name, got, want in zip("qkv", [t.grad for t in local], [t.grad[:, :, zigzag] for t in full]):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{case} d{n}: {m}")
@@ -337,6 +349,14 @@ def check_ulysses_attention():
     assert torch.equal(ulysses.attention(same, same, same, dropout_p=0.5), dropped)
     assert all(not torch.equal(dropped[:, 0], dropped[:, h]) for h in range(4 // cp, 4, 4 // cp)), \
         "head groups of different ranks dropped alike"
+    # in rounds: every (rank, round) head group its own masks, again the same after restoring the state
+    same = q[:, :1].expand(-1, 4 * cp, -1, -1)[:, :, zigzag]
+    torch.set_rng_state(state)
+    dropped = rounds.attention(same, same, same, dropout_p=0.5)
+    torch.set_rng_state(state)
+    assert torch.equal(rounds.attention(same, same, same, dropout_p=0.5), dropped)
+    assert all(not torch.equal(dropped[:, 0], dropped[:, h]) for h in range(2, 4 * cp, 2)), \
+        "head groups of different ranks or rounds dropped alike"
     # the model's expand_kv (GPUs whose fused kernel wants whole heads): K/V repeated after the exchange
     expanding = Ulysses(dist.group.WORLD, cp, expand_kv=True)
     out = expanding.attention(q[:, :, zigzag], k[:, :, zigzag], v[:, :, zigzag])

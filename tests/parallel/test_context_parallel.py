@@ -126,6 +126,11 @@ def launches(tmp_path_factory, text_file, short_docs_dir):
     jobs[4].append((runs["cp4-hybrid"], common(text_file, **hybrid)))
     runs["cp4-hybrid-documents"] = root / "cp4-hybrid-documents"  # the ring masks from the ids
     jobs[4].append((runs["cp4-hybrid-documents"], common(docs, **hybrid, **DOCUMENTS)))
+    # Ulysses' heads in 2 rounds (parallel.ulysses_rounds): 1 query head a rank and round, K/V repeated
+    runs["cp2-ulysses-rounds2"] = root / "cp2-ulysses-rounds2"
+    jobs[2].append((runs["cp2-ulysses-rounds2"], common(text_file, **{"parallel.cp": 2, **ULYSSES, **HEADS4,
+                                                                      "parallel.ulysses_rounds": 2,
+                                                                      "train.batch_size": GLOBAL_BATCH})))
     runs["heads4-reference"] = root / "heads4-reference"
     train(load_config(None, common(text_file, **{"train.batch_size": GLOBAL_BATCH, **HEADS4})), runs["heads4-reference"])
     for n in (2, 4):
@@ -164,6 +169,7 @@ def test_context_parallel_run_matches_one_process(launches, reference, name):
     ("cp2-ulysses-documents", "documents-reference", "documents-unmasked"),  # packed documents, Ulysses
     ("pp2xcp2-ulysses-documents", "documents-reference", "documents-unmasked"),  # ... in pipeline stages
     ("tp2xcp2-ulysses", "heads4-reference", "cp2-ulysses"),  # Ulysses x tp, K/V heads repeated
+    ("cp2-ulysses-rounds2", "heads4-reference", "cp2-ulysses"),  # Ulysses' heads in 2 rounds
     ("cp4-hybrid-documents", "documents-reference", "documents-unmasked"),  # Ulysses x ring, documents
 ])
 def test_context_parallel_matches_one_process_of_its_model(launches, run, reference, without):
@@ -173,6 +179,9 @@ def test_context_parallel_matches_one_process_of_its_model(launches, run, refere
     assert_same_losses(losses(runs[reference]), got, range(1, STEPS + 1))
     plain = losses(runs[without])
     assert any(abs(got[s] - plain[s]) > 1e-4 * abs(plain[s]) for s in plain)
+    if "rounds" in run:
+        run_row = next(json.loads(x) for x in (runs[run] / "metrics.jsonl").read_text().splitlines() if '"run"' in x)
+        assert run_row["ulysses_rounds"] == 2
 
 
 @pytest.mark.timeout(600)
@@ -252,6 +261,25 @@ def test_ulysses_degree_needs_ulysses_and_a_divisor_of_cp_and_of_the_heads(text_
     with pytest.raises(ConfigError, match=r"model\.dropout=0\.1 with parallel\.cp_mode='ulysses' and train\.compile=true "
                                           r"is not supported; set train\.compile=false"):
         dims.check_model(cfg)
+
+
+def test_ulysses_rounds_need_ulysses_and_a_divisor_of_the_heads_each_rank_attends(text_file):
+    from kiln.config import load_config
+
+    for extra in ({"parallel.cp": 1, **ULYSSES}, {"parallel.cp": 2, "parallel.cp_mode": "'ring'"}):
+        with pytest.raises(ConfigError, match=r"parallel\.ulysses_rounds=2 needs parallel\.cp > 1 with "
+                                              r"parallel\.cp_mode='ulysses' \(cp=\d, cp_mode='\w+'\); set it to 1"):
+            load_config(None, common(text_file, **{"parallel.ulysses_rounds": 2, **extra}))
+    cfg = load_config(None, common(text_file, **{"parallel.cp": 2, "parallel.tp": 2, **ULYSSES, "model.dim": 48,
+                                                 "model.n_heads": 12, "model.n_kv_heads": 4,
+                                                 "parallel.ulysses_rounds": 4}))
+    dims = ParallelDims.from_config(cfg.parallel, world_size=4, rank=0, local_rank=0, seq_len=cfg.data.seq_len)
+    with pytest.raises(ConfigError, match=r"parallel\.ulysses_rounds=4 must divide the heads each rank attends under "
+                                          r"Ulysses, model\.n_heads=12 / parallel\.tp=2 / 2 = 3; change "
+                                          r"parallel\.ulysses_rounds"):
+        dims.check_model(cfg)
+    cfg.parallel.ulysses_rounds = dims.ulysses_rounds = 3
+    dims.check_model(cfg)
 
 
 def test_context_parallel_gets_the_kv_heads_unexpanded_where_the_model_expands_them():
