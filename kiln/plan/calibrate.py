@@ -72,6 +72,7 @@ def measured_run(run_dir: str | Path) -> Measurement:
     dtype = row.get("dtype") if row.get("dtype") in ("fp32", "bf16", "fp16") else "fp32"
     layout = Layout(dp_replicate=rep, dp_shard=shard, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp,
                     cp_mode=str(row.get("cp_mode", "ring")), ulysses_degree=int(row.get("ulysses_degree", 0)),
+                    ulysses_rounds=int(row.get("ulysses_rounds", 1)),
                     dp_mode="ddp" if mode in ("none", None) else str(mode), micro_batch=cfg.train.batch_size,
                     grad_accum=cfg.train.grad_accum, ac=cfg.train.activation_checkpointing, precision=dtype)
     if layout.world_size != world:

@@ -123,6 +123,9 @@ class Layout:
     # parallel.ulysses_degree under cp_mode ulysses: the cp ranks its all-to-alls span (0: all of
     # cp); fewer, and the ring runs across the cp / degree groups (`ulysses_ranks`, `ring_ranks`)
     ulysses_degree: int = 0
+    # parallel.ulysses_rounds: Ulysses' heads in this many rounds, each round's all-to-all in flight
+    # while the round before attends (forward); timing.py hides them behind attention
+    ulysses_rounds: int = 1
     # DiLoCo (kiln/plan/diloco.py): inner steps H between outer syncs; the replicas are dp_replicate
     # (under ddp every data-parallel rank), which then never reduce gradients with each other.
     diloco_inner_steps: int = 0
@@ -194,6 +197,8 @@ class Layout:
             parts.append(f"cp_mode={self.cp_mode}")
             if 1 < self.ring_ranks:
                 parts.append(f"ulysses_degree={self.ulysses_ranks}")
+            if self.ulysses_rounds > 1:
+                parts.append(f"ulysses_rounds={self.ulysses_rounds}")
         if self.ep_borrows_tp:
             parts.append("etp=1")
         if 1 < self.ep_node_ranks < self.ep:
@@ -794,6 +799,19 @@ def ulysses_kv_repeat(shape: ModelShape, layout: Layout) -> int:
     its ranks (`Layout.ulysses_ranks`) among a tp rank's K/V heads; 1 under the ring."""
     kv_heads = shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
     return layout.ulysses_ranks // math.gcd(kv_heads, layout.ulysses_ranks)
+
+
+def ulysses_first_round_share(shape: ModelShape, layout: Layout) -> float:
+    """The share of Ulysses' input exchange (q, k and v) that goes in its first round: 1 / rounds
+    where a rank's K/V heads split in the rounds, else the first round's queries and every K/V head
+    (kiln/parallel/ulysses.py `Ulysses.attention`)."""
+    rounds = layout.ulysses_rounds
+    kv_heads = shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
+    repeat = ulysses_kv_repeat(shape, layout)
+    if (kv_heads * repeat // layout.ulysses_ranks) % rounds == 0:
+        return 1 / rounds
+    kv = 2 * shape.kv_dim * repeat
+    return (shape.q_dim / rounds + kv) / (shape.q_dim + kv)
 
 
 RING_MATMUL_BLOCKS = 5  # (chunk x chunk) fp32 tensors per head at a matmul block's peak

@@ -171,10 +171,10 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                         ddp_ranks = (rep if replicas == 1 else shard) * cp  # DiLoCo: inside a replica
                         for sched, v in pipeline_schedules(shape.n_layers, pp, ga, mode, ddp_ranks):
                             reshard = fsdp_reshard_choices(cluster, mode, shard * cp, tp, pp, replicas > 1)
-                            for (ep, etp), ac, k, (cp_mode, degree) in itertools.product(
+                            for (ep, etp), ac, k, (cp_mode, degree, rounds) in itertools.product(
                                     experts, ac_choices, reshard, cp_modes(shape, cluster, tp, cp)):
                                 yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode,
-                                             ulysses_degree=degree, ep=ep,
+                                             ulysses_degree=degree, ulysses_rounds=rounds, ep=ep,
                                              etp=etp, dp_mode=mode, micro_batch=mb, grad_accum=ga, ac=ac,
                                              schedule=sched, virtual_stages=v, precision=precision, loss=loss,
                                              diloco_inner_steps=diloco_inner_steps, fsdp_reshard_to=k,
@@ -183,18 +183,21 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, seq_len: int, global_
                                              ep_node_ranks=ep_node_ranks(cluster, ep, 1 if etp == 1 else tp))
 
 
-def cp_modes(shape: ModelShape, cluster: Cluster, tp: int, cp: int) -> list[tuple[str, int]]:
-    """(parallel.cp_mode, parallel.ulysses_degree) pairs for cp: none without cp; the ring; Ulysses
-    over all of cp where cp divides the heads of a tp rank (kiln/parallel/dims.py check_model); and
-    where cp x tp outgrows a node, Ulysses over one node's cp ranks with the ring across the nodes
-    (USP's layout), where those divide the heads."""
+def cp_modes(shape: ModelShape, cluster: Cluster, tp: int, cp: int) -> list[tuple[str, int, int]]:
+    """(parallel.cp_mode, parallel.ulysses_degree, parallel.ulysses_rounds) for cp: none without cp;
+    the ring; Ulysses over all of cp where cp divides the heads of a tp rank (kiln/parallel/dims.py
+    check_model), in one exchange and in 2 and 4 rounds where those divide the heads it leaves a
+    rank; and where cp x tp outgrows a node, Ulysses over one node's cp ranks with the ring across
+    the nodes (USP's layout), where those divide the heads."""
     if cp == 1:
-        return [("ring", 0)]
+        return [("ring", 0, 1)]
     heads = shape.n_heads // tp
-    out = [("ring", 0)] + ([("ulysses", 0)] if heads % cp == 0 else [])
+    out = [("ring", 0, 1)]
+    if heads % cp == 0:
+        out += [("ulysses", 0, rounds) for rounds in (1, 2, 4) if (heads // cp) % rounds == 0]
     node = cluster.gpus_per_node // tp if cluster.gpus_per_node % tp == 0 else 0
     if 1 < node < cp and cp % node == 0 and heads % node == 0:
-        out.append(("ulysses", node))
+        out.append(("ulysses", node, 1))
     return out
 
 
@@ -304,6 +307,7 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
                                                          layout.pp, layout.cp, layout.ep)
     p.etp, p.ep_node_ranks, p.cp_mode, p.ulysses_degree = (layout.etp, layout.ep_node_ranks, layout.cp_mode,
                                                            layout.ulysses_degree)
+    p.ulysses_rounds = layout.ulysses_rounds
     p.dp_mode, p.fsdp_reshard_to = layout.dp_mode, layout.fsdp_reshard_to
     if layout.pp > 1:
         p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches = layout.schedule, layout.virtual_stages, layout.grad_accum

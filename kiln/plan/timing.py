@@ -84,7 +84,8 @@ from kiln.plan.diloco import outer_sync_seconds, replica_cluster
 from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZERO1_CUTS, ZERO_BUBBLE, Layout,
                               ModelShape, fsdp_end_units, rank_memory, rank_params, recomputed_blocks,
                               rank_chunks, recomputed_matmul_blocks, muon_matrix_fraction,
-                              resharded_after_forward, stage_contents, ulysses_kv_repeat, zero1_fullest_share)
+                              resharded_after_forward, stage_contents, ulysses_first_round_share, ulysses_kv_repeat,
+                              zero1_fullest_share)
 from kiln.plan.muon_cost import muon_exchanges, muon_seconds
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
@@ -264,17 +265,28 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     # its sends both ways share the rank's link, so they are timed one after the other. Ulysses
     # (kiln/parallel/ulysses.py): per layer and micro-batch q, k, v together (K/V repeated to a
     # multiple of its ranks) and the output all-to-all'd over its ranks forward, the same backward;
-    # attention waits for its inputs and the output projection for its output: exposed. Where
+    # attention waits for its inputs and the output projection for its output: exposed. In R rounds
+    # (parallel.ulysses_rounds) R times the calls; forward, all but the first round's inputs and the
+    # last round's output can hide behind the other rounds' attention (forward: 4 of attention's
+    # 12*L*dim*seq FLOPs a token), backward stays exposed; credited where Ulysses runs alone (under
+    # the hybrid the ring's sends hide behind the same attention). Where
     # cp x tp outgrows a node the ring waits on its hops between nodes (under Ulysses x ring,
     # parallel.ulysses_degree, its ranks are ulysses_degree x tp apart), timed on that link.
     if layout.ulysses_ranks > 1:
         u = layout.ulysses_ranks
         per_token = 2 * shape.q_dim + 2 * shape.kv_dim * ulysses_kv_repeat(shape, layout)
-        exchanges = 4 * stage_layers * ga
+        rounds = layout.ulysses_rounds
+        exchanges = 4 * rounds * stage_layers * ga
         t = all_to_all(cluster, u, 2 * act * tokens_rank_mb * per_token / layout.tp * stage_layers * ga,
                        layout.tp, calls=exchanges)
         count("all_to_all", exchanges)
-        exposed += t
+        hidden = 0.0
+        if rounds > 1 and layout.ring_ranks == 1:
+            inputs = t / 2 * (per_token - shape.q_dim) / per_token  # forward: q, k, v; then the output
+            hideable = inputs * (1 - ulysses_first_round_share(shape, layout)) + (t / 2 - inputs) * (1 - 1 / rounds)
+            attn_forward = t_mb * ga * 4 * shape.q_dim * shape.attention_keys(seq_len) / flops_token
+            hidden = min(hideable, cluster.overlap_efficiency * attn_forward * (rounds - 1) / rounds)
+        exposed += t - hidden
         total += t
     if layout.ring_ranks > 1:  # after Ulysses (if any) a rank's K/V: u x its tokens, 1/u of the heads
         ring = layout.ring_ranks

@@ -67,7 +67,7 @@ def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:
     fused = fused and (d is None or d.tp == 1) and not cfg.train.float8  # those take one GEMM each
     return Layout(dp_replicate=d.dp_replicate if d else 1, dp_shard=d.dp_shard if d else 1, tp=d.tp if d else 1,
                   pp=d.pp if d else 1, cp=d.cp if d else 1, cp_mode=d.cp_mode if d else "ring",
-                  ulysses_degree=d.ulysses_degree if d else 0,
+                  ulysses_degree=d.ulysses_degree if d else 0, ulysses_rounds=d.ulysses_rounds if d else 1,
                   ep=d.ep if d else 1, etp=d.etp if d else -1,
                   dp_mode=d.dp_mode if d else "ddp", micro_batch=micro_batch,
                   grad_accum=grad_accum, ac=cfg.train.activation_checkpointing,

@@ -21,11 +21,12 @@ from tests.parallel.ranks import run_ranks
 # a step, also over 2 micro-batches: tp_ep_borrow_ga2);
 # cp: ring attention over cp 2 under the trainer's ContextParallel (its sends counted, each with a receive);
 # cp_ulysses: Ulysses over cp 2 (q, k, v in one all-to-all and the output in another, forward and backward);
+# cp_ulysses_rounds: the same with 4 heads in 2 rounds (parallel.ulysses_rounds: twice the all-to-alls);
 # cp_moe: with MoE (the routing statistics gathered over cp); pp_moe: 2 stages of MoE blocks (the aux losses
 # summed and the largest load taken over the stages once a step)
 MODES = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp_foreach", "fsdp_muon", "tp_muon", "ddp_ga2", "fsdp_ga2",
          "fsdp_untied", "zero2_untied", "tp_moe", "tp_moe_ga2", "tp_ep_borrow", "tp_ep_borrow_ga2", "cp", "cp_moe",
-         "cp_ulysses", "pp", "pp_moe")
+         "cp_ulysses", "cp_ulysses_rounds", "pp", "pp_moe")
 # c10d ops as the profiler names them -> the time model's op names
 C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
         "c10d::allgather_": "all_gather",
@@ -33,10 +34,11 @@ C10D = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d
         "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
         "c10d::send": "p2p", "c10d::recv_": "p2p"}
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
-# depths other than 3: ZBV 4 blocks (2 per rank); interleaved 1F1B 5 (chunks of 2 + 1 on rank 0, the fuller end:
-# a block kept per chunk); pp x ep 4 (2 MoE blocks per stage; the last stage, with the norm, the fuller end)
+# the model other than OVERRIDES' for some modes: depths other than 3: ZBV 4 blocks (2 per rank); interleaved
+# 1F1B 5 (chunks of 2 + 1 on rank 0, the fuller end: a block kept per chunk); pp x ep 4 (2 MoE blocks per stage;
+# the last stage, with the norm, the fuller end); Ulysses in 2 rounds over cp 2: 4 heads (1 a rank and round)
 LAYERS = {"pp_zbv_fsdp": ["model.n_layers=4"], "pp_interleaved_fsdp": ["model.n_layers=5"],
-          "pp_ep_fsdp": ["model.n_layers=4"]}
+          "pp_ep_fsdp": ["model.n_layers=4"], "cp_ulysses_rounds": ["model.n_heads=4"]}
 OVERRIDES = ["model.dim=64", "model.n_layers=3", "model.n_heads=2", "model.vocab_size=256", "data.seq_len=32",
              "model.max_seq_len=32", "train.dtype=fp32", "train.batch_size=4"]
 
@@ -67,7 +69,8 @@ def _counts(rank, n, modes=MODES):
                      "parallel.ulysses_degree=2"]
         elif base.startswith("cp"):  # 2 ranks: ring attention over cp 2 (FSDP over the cp ranks)
             extra = ["parallel.cp=2", "parallel.dp_mode='fsdp'"] + (MOE if mode == "cp_moe" else [])
-            extra += ["parallel.cp_mode='ulysses'"] if mode == "cp_ulysses" else []
+            extra += ["parallel.cp_mode='ulysses'"] if mode.startswith("cp_ulysses") else []
+            extra += ["parallel.ulysses_rounds=2", *LAYERS[mode]] if mode == "cp_ulysses_rounds" else []
         elif mode.startswith("tp"):
             extra = ["parallel.tp=2", "parallel.dp_mode='ddp'"] + (MOE if base == "tp_moe" else [])
         elif base == "pp":  # 2 ranks: 2 stages, 1F1B over 2 micro-batches of 2 rows
@@ -197,6 +200,8 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
               "cp": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "cp_moe": Layout(cp=2, dp_mode="fsdp", micro_batch=2, precision="fp32"),
               "cp_ulysses": Layout(cp=2, cp_mode="ulysses", dp_mode="fsdp", micro_batch=2, precision="fp32"),
+              "cp_ulysses_rounds": Layout(cp=2, cp_mode="ulysses", ulysses_rounds=2, dp_mode="fsdp", micro_batch=2,
+                                          precision="fp32"),
               "cp4_hybrid": Layout(cp=4, cp_mode="ulysses", ulysses_degree=2, dp_mode="fsdp", micro_batch=2,
                                    precision="fp32"),
               "pp": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),

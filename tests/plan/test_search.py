@@ -333,6 +333,15 @@ def test_the_search_weighs_ulysses_where_cp_divides_the_heads_and_kiln_accepts_i
     assert not {(tp, cp) for tp, cp, mode in modes if mode == "ulysses"} & {(1, 8), (2, 4), (4, 2)}
     cfg = load_config(None, ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
                              "data.seq_len=4096", "model.max_seq_len=4096"])
+    # Ulysses in rounds where they divide the heads it leaves a rank: 4 heads / cp 2 = 2 at tp 1
+    rounds = {(l.tp, l.cp, l.ulysses_rounds) for l in layouts if l.cp_mode == "ulysses"}
+    assert rounds == {(1, 2, 1), (1, 2, 2), (1, 4, 1), (2, 2, 1)}
+    in_rounds = next(l for l in layouts if l.ulysses_rounds == 2)
+    assert "ulysses_rounds=2" in in_rounds.describe()
+    planned = config_for_plan(cfg, in_rounds)
+    assert planned.parallel.ulysses_rounds == 2
+    ParallelDims.from_config(planned.parallel, world_size=8, rank=0, local_rank=0, local_world_size=8,
+                             seq_len=4096).check_model(planned)
     for tp, cp, mode in sorted(modes):
         layout = next(l for l in layouts if (l.tp, l.cp, l.cp_mode) == (tp, cp, mode))
         planned = config_for_plan(cfg, layout)

@@ -242,6 +242,42 @@ def test_ulysses_sends_its_all_to_alls_and_the_hybrid_keeps_them_in_a_node():
     assert p2p(cluster, 1e6, True) > p2p(cluster, 1e6, False)
 
 
+def test_ulysses_in_rounds_hides_forward_exchanges_behind_the_other_rounds_attention():
+    """parallel.ulysses_rounds R: R times the all-to-alls, the same bytes; forward, all but the first
+    round's inputs (every K/V head where they do not split in R) and the last round's output can
+    hide behind the other rounds' attention, up to (R - 1) / R of attention's forward; backward
+    stays exposed. Where the exchange is latency-bound, the extra calls cost more than they hide.
+    Under the hybrid (the ring's sends behind the same attention) nothing is credited."""
+    from kiln.plan.memory import ulysses_first_round_share
+
+    cluster = load_cluster("h100", 2)
+    big = _shape("model.dim=2048", "model.n_heads=32", "model.n_kv_heads=32", "data.seq_len=65536",
+                 "model.max_seq_len=65536")
+    layouts = {r: Layout(micro_batch=1, cp=16, cp_mode="ulysses", ulysses_rounds=r) for r in (1, 2)}
+    times = {r: step_time(big, layout, 65536, cluster) for r, layout in layouts.items()}  # across 2 nodes
+    assert times[1].calls["all_to_all"] == 4 * 4 and times[2].calls["all_to_all"] == 2 * 4 * 4
+    # the same bytes in more calls: only the calls' launch cost adds to the total
+    assert times[1].comm_total < times[2].comm_total < times[1].comm_total * 1.05
+    assert times[2].comm_exposed < times[1].comm_exposed
+    hidden = times[1].comm_exposed - times[2].comm_exposed + times[2].comm_total - times[1].comm_total
+    assert hidden <= times[1].comm_total / 2 / 2  # at most half of what goes forward
+    small = {r: step_time(_shape("model.n_heads=32", "model.n_kv_heads=32"), layout, SEQ, cluster)
+             for r, layout in layouts.items()}
+    assert small[2].comm_exposed > small[1].comm_exposed
+    # the first round's share of the inputs: 1 / R where the K/V heads split, else every K/V head
+    shape = _shape("model.n_heads=8", "model.n_kv_heads=8")
+    assert ulysses_first_round_share(shape, Layout(cp=2, cp_mode="ulysses", ulysses_rounds=4)) == 1 / 4
+    gqa = _shape("model.n_heads=8", "model.n_kv_heads=2")
+    q, kv = gqa.q_dim, 2 * gqa.kv_dim
+    assert ulysses_first_round_share(gqa, Layout(cp=2, cp_mode="ulysses", ulysses_rounds=2)) == pytest.approx(
+        (q / 2 + kv) / (q + kv))
+    # the hybrid: the calls' cost, no credit
+    hybrid = {r: step_time(big, Layout(micro_batch=1, cp=16, cp_mode="ulysses", ulysses_degree=8,
+                                       ulysses_rounds=r), 65536, cluster) for r in (1, 2)}
+    assert hybrid[2].comm_exposed - hybrid[1].comm_exposed == pytest.approx(
+        hybrid[2].comm_total - hybrid[1].comm_total)
+
+
 def test_resharding_to_a_node_after_forward_moves_backward_gathers_into_it():
     """parallel.fsdp_reshard_to = 8 on 4 H100 nodes (fsdp over 32): the same gathers, backward's
     over 8 ranks of one node instead of 32 across nodes, for 1/8 of the parameters held from
