@@ -213,6 +213,32 @@ class ParallelDims:
         # train.compile_scope='model' runs under tp (one graph over the blocks and the vocab-sharded head;
         # the TP embedding and the loss stay eager; tests/parallel/test_tensor_parallel_compile.py).
 
+    def node_crossings(self, n_heads: int) -> list[str]:
+        """One line for each latency-bound exchange this layout sends between nodes (the ranks of
+        a node: LOCAL_WORLD_SIZE consecutive ranks, as torchrun numbers them; tp is the innermost
+        mesh dimension, then cp): tensor parallelism's per-layer collectives, and Ulysses'
+        all-to-alls (a degree that fits a node suggested where it divides cp and a tp rank's
+        `n_heads`). Advice, not a refusal: the layout runs."""
+        node, lines = self.local_world_size, []
+        if node < 1 or node >= self.world_size:
+            return lines
+        if self.tp > node or node % self.tp:
+            lines.append(f"parallel.tp={self.tp} spans nodes of {node} ranks (LOCAL_WORLD_SIZE): its "
+                         f"collectives, two a layer forward and two backward, cross the link between nodes; "
+                         f"a tp dividing {node} keeps them inside one")
+        if self.cp > 1 and self.cp_mode == "ulysses":
+            degree = self.ulysses_degree or self.cp
+            span = degree * self.tp
+            if span > node or node % span:
+                inside = [u for u in range(2, degree) if self.cp % u == 0 and (n_heads // self.tp) % u == 0
+                          and u * self.tp <= node and node % (u * self.tp) == 0]
+                fix = (f"parallel.ulysses_degree={max(inside)} keeps them inside a node (the ring across)" if inside
+                       else "parallel.cp_mode='ring' passes K/V between neighbours instead")
+                lines.append(f"parallel.cp_mode='ulysses' over {degree} cp ranks x parallel.tp={self.tp} spans nodes "
+                             f"of {node} ranks (LOCAL_WORLD_SIZE): its all-to-alls, four a layer, cross the link "
+                             f"between nodes; {fix}")
+        return lines
+
     @property
     def dp_mesh_names(self) -> tuple[str, ...]:
         """The mesh dimensions data parallelism runs over (replicate first), as built."""

@@ -313,6 +313,9 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                  "compile": compile_scope(cfg, dims) if cfg.train.compile else "none"})
     if recovery:
         metrics.log({"kind": "event", "step": state.step, "message": recovery})
+    for line in dims.node_crossings(cfg.model.n_heads):  # advice on the layout, which runs as it is
+        metrics.log({"kind": "event", "step": state.step, "message": line})
+        metrics.print(f"note: {line}")
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "
                   f"{len(train_windows)} training windows, peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 

@@ -249,3 +249,26 @@ def test_fsdp_reshard_to_that_cannot_apply_is_one_line(world, cfg, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")) as e:
         dims(world, **cfg)
     assert "\n" not in str(e.value)
+
+
+def test_node_crossings_name_tp_and_ulysses_groups_that_span_nodes():
+    """Advice lines (the layout still runs) where tp's or Ulysses' groups, laid out consecutively
+    (tp innermost, then cp), cross nodes of LOCAL_WORLD_SIZE ranks."""
+    def dims(local, **parallel):
+        return ParallelDims.from_config(ParallelConfig(**parallel), world_size=32, rank=0, local_rank=0,
+                                        local_world_size=local, seq_len=4096)
+
+    assert dims(8, tp=8).node_crossings(32) == [] and dims(32, tp=16).node_crossings(32) == []
+    (line,) = dims(8, tp=16).node_crossings(32)
+    assert line.startswith("parallel.tp=16 spans nodes of 8 ranks (LOCAL_WORLD_SIZE)")
+    assert dims(8, tp=2, cp=4, cp_mode="ulysses").node_crossings(32) == []  # 4 x 2 ranks: one node
+    (line,) = dims(8, tp=2, cp=8, cp_mode="ulysses").node_crossings(32)
+    assert line == ("parallel.cp_mode='ulysses' over 8 cp ranks x parallel.tp=2 spans nodes of 8 ranks "
+                    "(LOCAL_WORLD_SIZE): its all-to-alls, four a layer, cross the link between nodes; "
+                    "parallel.ulysses_degree=4 keeps them inside a node (the ring across)")
+    assert dims(8, tp=2, cp=8, cp_mode="ulysses", ulysses_degree=4).node_crossings(32) == []
+    (line,) = dims(4, tp=4, cp=8, cp_mode="ulysses").node_crossings(32)  # no degree fits a node beside tp 4
+    assert line.endswith("parallel.cp_mode='ring' passes K/V between neighbours instead")
+    assert dims(8, tp=2, cp=8).node_crossings(32) == []  # the ring: point to point between neighbours
+    (line,) = dims(8, tp=2, cp=8, cp_mode="ulysses").node_crossings(20)  # 10 heads a tp rank: 4 does not divide
+    assert line.endswith("parallel.ulysses_degree=2 keeps them inside a node (the ring across)")
