@@ -205,11 +205,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{len(plans)} layouts fit {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name} "
           f"({_gib(cluster.device.usable_bytes)} GiB usable); global batch {global_batch} x {seq} tokens. Fastest:")
     outer = f"{'outer':>8}" if inner_steps else ""  # DiLoCo: the outer step's share of each step
-    print(f"  {'layout':<58}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{outer}{'MFU':>6}{'GiB':>8}")
+    width = max([58] + [len(p.layout.describe()) + 1 for p in plans[:args.top]])  # the longest layout's
+    print(f"  {'layout':<{width}}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{outer}{'MFU':>6}{'GiB':>8}")
     for p in plans[:args.top]:
         t = p.time
         outer = f"{t.outer_sync:>8.2g}" if inner_steps else ""
-        print(f"  {p.layout.describe():<58}{t.total:>9.4g}{t.compute:>9.3g}{t.comm_exposed:>8.2g}{t.bubble:>8.2g}"
+        print(f"  {p.layout.describe():<{width}}{t.total:>9.4g}{t.compute:>9.3g}{t.comm_exposed:>8.2g}{t.bubble:>8.2g}"
               f"{outer}{t.mfu(cluster, args.precision, world):>6.0%}{_gib(p.memory.total):>8}")
     best = plans[0]
     print("  best plan, per rank: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in best.memory.as_dict().items()))
