@@ -232,11 +232,11 @@ class ParallelDims:
             if span > node or node % span:
                 inside = [u for u in range(2, degree) if self.cp % u == 0 and (n_heads // self.tp) % u == 0
                           and u * self.tp <= node and node % (u * self.tp) == 0]
-                fix = (f"parallel.ulysses_degree={max(inside)} keeps them inside a node (the ring across)" if inside
-                       else "parallel.cp_mode='ring' passes K/V between neighbours instead")
-                lines.append(f"parallel.cp_mode='ulysses' over {degree} cp ranks x parallel.tp={self.tp} spans nodes "
-                             f"of {node} ranks (LOCAL_WORLD_SIZE): its all-to-alls, four a layer, cross the link "
-                             f"between nodes; {fix}")
+                fix = (f"parallel.ulysses_degree={max(inside)} keeps them inside a node (the ring across)"
+                       if inside else "parallel.cp_mode='ring' passes K/V between neighbours instead")
+                lines.append(f"parallel.cp_mode='ulysses' over {degree} cp ranks x parallel.tp={self.tp} spans "
+                             f"nodes of {node} ranks (LOCAL_WORLD_SIZE): its all-to-alls, four a layer, cross the "
+                             f"link between nodes; {fix}")
         return lines
 
     @property

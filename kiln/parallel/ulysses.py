@@ -17,10 +17,11 @@ head with its K/V head.
 
 With parallel.ulysses_rounds R > 1 the heads go in R rounds (each destination's share of the query
 heads cut in R, and of the K/V heads with them where they split so, else all in the first round):
-every round's all-to-all is started first, round i attends once its own exchange is in, and its output's all-to-all runs while round
-i + 1 attends, so forward all but the first round's inputs and the last round's output travel
-behind attention. Backward, autograd reaches each round's reverse exchanges in turn, each waited
-for where its result is used (benchmarks/cp_modes.py times the forward and the whole step).
+every round's all-to-all is started first, round i attends once its own exchange is in, and its
+output's all-to-all runs while round i + 1 attends, so forward all but the first round's inputs
+and the last round's output travel behind attention. Backward, autograd reaches each round's
+reverse exchanges in turn, each waited for where its result is used (benchmarks/cp_modes.py
+times the forward and the whole step).
 
 The cp ranks hold their zig-zag chunks (context_parallel.py: the loader, positions and loss are
 cp-mode-agnostic), so the gathered chunks are put in sequence order before attention and back in
