@@ -814,6 +814,21 @@ def ulysses_first_round_share(shape: ModelShape, layout: Layout) -> float:
     return (shape.q_dim / rounds + kv) / (shape.q_dim + kv)
 
 
+def ulysses_round_kv_share(shape: ModelShape, layout: Layout) -> float:
+    """The K/V heads one of Ulysses' rounds attends with, as a share of those a rank holds after
+    the exchange (what each round's ring passes round under the hybrid): 1 in one round; 1 / rounds
+    where they split in the rounds; else the one K/V head of the round's queries, or one per query
+    head (kiln/parallel/ulysses.py `_kv_for_query_heads`)."""
+    rounds = layout.ulysses_rounds
+    kv_heads = shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
+    kv_dest = kv_heads * ulysses_kv_repeat(shape, layout) // layout.ulysses_ranks
+    if rounds == 1 or kv_dest % rounds == 0:
+        return 1 / rounds
+    q_round = shape.n_heads // layout.tp // layout.ulysses_ranks // rounds
+    group = shape.n_heads // layout.tp // layout.ulysses_ranks // kv_dest
+    return (1 if group % q_round == 0 else q_round) / kv_dest
+
+
 RING_MATMUL_BLOCKS = 5  # (chunk x chunk) fp32 tensors per head at a matmul block's peak
 
 

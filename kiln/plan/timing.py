@@ -85,7 +85,7 @@ from kiln.plan.memory import (DDP_BUCKET_BYTES, OPTIM_STATE_BYTES, V_SHAPED, ZER
                               ModelShape, fsdp_end_units, rank_memory, rank_params, recomputed_blocks,
                               rank_chunks, recomputed_matmul_blocks, muon_matrix_fraction,
                               resharded_after_forward, stage_contents, ulysses_first_round_share, ulysses_kv_repeat,
-                              zero1_fullest_share)
+                              ulysses_round_kv_share, zero1_fullest_share)
 from kiln.plan.muon_cost import muon_exchanges, muon_seconds
 from kiln.plan.pipeline_time import bubble_fraction, pass_split, pipeline_p2p_per_microbatch  # noqa: F401
 
@@ -291,9 +291,12 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
     if layout.ring_ranks > 1:  # after Ulysses (if any) a rank's K/V: u x its tokens, 1/u of the heads
         ring = layout.ring_ranks
         kv_bytes = 2 * act * tokens_rank_mb * shape.kv_dim * ulysses_kv_repeat(shape, layout) / layout.tp
+        # under the hybrid in rounds, a ring a round: R times the messages, each with the round's K/V
+        rounds = layout.ulysses_rounds if layout.ulysses_ranks > 1 else 1
+        kv_bytes *= ulysses_round_kv_share(shape, layout) if rounds > 1 else 1
         local = shape.local_layers / shape.n_layers * stage_layers
         hops = window_hops(ring, seq_len // (2 * ring), shape.window)
-        sends = (ring_messages(ring, None) * (stage_layers - local) + ring_messages(ring, hops) * local) * ga
+        sends = (ring_messages(ring, None) * (stage_layers - local) + ring_messages(ring, hops) * local) * ga * rounds
         t = sends * p2p(cluster, kv_bytes, layout.cp * layout.tp > cluster.gpus_per_node)  # a hop between nodes
         count("p2p", sends)  # each with its receive in one batch_isend_irecv, waited on once
         count("p2p", sends, waited=False)

@@ -38,7 +38,8 @@ MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
 # 1F1B 5 (chunks of 2 + 1 on rank 0, the fuller end: a block kept per chunk); pp x ep 4 (2 MoE blocks per stage;
 # the last stage, with the norm, the fuller end); Ulysses in 2 rounds over cp 2: 4 heads (1 a rank and round)
 LAYERS = {"pp_zbv_fsdp": ["model.n_layers=4"], "pp_interleaved_fsdp": ["model.n_layers=5"],
-          "pp_ep_fsdp": ["model.n_layers=4"], "cp_ulysses_rounds": ["model.n_heads=4"]}
+          "pp_ep_fsdp": ["model.n_layers=4"], "cp_ulysses_rounds": ["model.n_heads=4"],
+          "cp4_hybrid_rounds": ["model.n_heads=4"]}
 OVERRIDES = ["model.dim=64", "model.n_layers=3", "model.n_heads=2", "model.vocab_size=256", "data.seq_len=32",
              "model.max_seq_len=32", "train.dtype=fp32", "train.batch_size=4"]
 
@@ -64,9 +65,10 @@ def _counts(rank, n, modes=MODES):
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'"]
         elif base == "tp_ep_borrow":  # 2 ranks: ep 2 over tp's 2, the experts whole (etp 1; fsdp, over 1 rank)
             extra = ["parallel.tp=2", "parallel.dp_mode='fsdp'", "parallel.ep=2", "parallel.etp=1", *MOE]
-        elif base == "cp4_hybrid":  # 4 ranks: Ulysses over 2, the ring across the 2 groups (FSDP over cp 4)
+        elif base.startswith("cp4_hybrid"):  # 4 ranks: Ulysses over 2, the ring across the 2 groups (FSDP over cp 4)
             extra = ["parallel.cp=4", "parallel.dp_mode='fsdp'", "parallel.cp_mode='ulysses'",
                      "parallel.ulysses_degree=2"]
+            extra += ["parallel.ulysses_rounds=2", *LAYERS[base]] if base == "cp4_hybrid_rounds" else []
         elif base.startswith("cp"):  # 2 ranks: ring attention over cp 2 (FSDP over the cp ranks)
             extra = ["parallel.cp=2", "parallel.dp_mode='fsdp'"] + (MOE if mode == "cp_moe" else [])
             extra += ["parallel.cp_mode='ulysses'"] if mode.startswith("cp_ulysses") else []
@@ -156,10 +158,11 @@ def _counts(rank, n, modes=MODES):
 # (the last block's kept for backward), their norm over edp and ep; *_ep_tp: dp 2 x tp 2, ep 2 (edp 1), the
 # experts' norm over ep and tp; pp_*fsdp: 2 stages x FSDP over 2 (interleaved: a kept block per stage chunk;
 # pp_ep_fsdp: MoE, ep 2 over the stage's 2 ranks); ddp_ep_two_level: ep 4 dispatched among 2 nodes of 2 ranks
-# (parallel.ep_node_ranks); cp4_hybrid: Ulysses over 2 ranks x the ring over 2 (parallel.ulysses_degree)
+# (parallel.ep_node_ranks); cp4_hybrid: Ulysses over 2 ranks x the ring over 2 (parallel.ulysses_degree), and
+# in 2 rounds (cp4_hybrid_rounds: twice the all-to-alls, a ring a round)
 FOUR_RANK_MODES = ("fsdp_tp", "fsdp_tp_muon", "hsdp_ga2", "ddp_ep_ga2", "ddp_ep", "fsdp_ep", "zero2_ep", "fsdp_ep_tp",
                    "ddp_ep_tp", "pp_fsdp", "pp_gpipe_fsdp", "pp_zbv_fsdp", "pp_interleaved_fsdp", "pp_ep_fsdp",
-                   "ddp_ep_two_level", "cp4_hybrid")
+                   "ddp_ep_two_level", "cp4_hybrid", "cp4_hybrid_rounds")
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +207,8 @@ def test_time_model_counts_the_collectives_kiln_issues(counted, mode):
                                           precision="fp32"),
               "cp4_hybrid": Layout(cp=4, cp_mode="ulysses", ulysses_degree=2, dp_mode="fsdp", micro_batch=2,
                                    precision="fp32"),
+              "cp4_hybrid_rounds": Layout(cp=4, cp_mode="ulysses", ulysses_degree=2, ulysses_rounds=2, dp_mode="fsdp",
+                                          micro_batch=2, precision="fp32"),
               "pp": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
               "pp_moe": Layout(pp=2, schedule="1f1b", grad_accum=2, micro_batch=2, precision="fp32"),
               **{f"pp_{name}fsdp": Layout(pp=2, dp_shard=2, dp_mode="fsdp", schedule=schedule, grad_accum=4,
