@@ -487,7 +487,26 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
         ckpt.replicas.discard()  # finished: free the tmpfs copies (a paused run keeps them for its resume)
     if diverged:
         raise TrainingDiverged(f"stopped: {stop_reason}")
+    if state.step == resume_step and dims.is_main:  # nothing left to train: the losses the run recorded there
+        last_loss, last_val = _recorded_losses(run_dir / "metrics.jsonl", state.step)
     return TrainResult(run_dir, state.step, last_loss, state.best_val_loss, last_val, stop_reason, dims.is_main)
+
+
+def _recorded_losses(path: Path, step: int) -> tuple[float, float]:
+    """(training loss, validation loss) that metrics.jsonl holds for `step`, NaN where it holds none
+    (or cannot be read: the summary line is all they feed)."""
+    from kiln.errors import DataError
+    from kiln.report.run_page import read_metrics
+
+    try:
+        metrics = read_metrics(path)
+    except (DataError, OSError):
+        return math.nan, math.nan
+    at = metrics.train["step"] == step
+    loss = float(metrics.train["loss"][at][-1]) if at.any() else math.nan
+    evals = [r.get("val_loss") for r in metrics.of("eval") if r.get("step") == step]
+    val = float(evals[-1]) if evals and isinstance(evals[-1], (int, float)) else math.nan
+    return loss, val
 
 
 def _barrier() -> None:

@@ -60,6 +60,16 @@ def test_exact_resume_is_bitwise(tmp_path, text_file, extra):
     assert [e["val_loss"] for e in rows(straight, "eval")] == [e["val_loss"] for e in rows(paused, "eval")]
 
 
+def test_a_finished_run_run_again_reports_the_losses_it_recorded(tmp_path, text_file):
+    # the README's `kiln train` twice: the second finds the last checkpoint at the last step
+    cfg = {"train.steps": 6, "train.eval_every": 3, "checkpoint.every": 3}
+    first = train(cfg_for(text_file, **cfg), tmp_path / "run")
+    again = train(cfg_for(text_file, **cfg), tmp_path / "run")
+    assert again.steps_done == 6 and again.stop_reason == "completed"
+    assert (again.final_loss, again.last_val_loss) == (first.final_loss, first.last_val_loss)
+    assert math.isfinite(again.final_loss) and math.isfinite(again.last_val_loss)
+
+
 def test_grad_accumulation_matches_bigger_batch(tmp_path, text_file):
     big = train(cfg_for(text_file, **{"train.steps": 1, "train.batch_size": 4, "train.eval_every": 0}), tmp_path / "a")
     acc = train(cfg_for(text_file, **{"train.steps": 1, "train.batch_size": 2, "train.grad_accum": 2,
