@@ -794,11 +794,21 @@ def _end_rank_memory(shape: ModelShape, layout: Layout, seq_len: int, optimizer:
     return out
 
 
+def _tp_kv_heads(shape: ModelShape, layout: Layout) -> int:
+    return shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
+
+
 def ulysses_kv_repeat(shape: ModelShape, layout: Layout) -> int:
     """How often Ulysses repeats each K/V head (kiln/parallel/ulysses.py): to the least multiple of
     its ranks (`Layout.ulysses_ranks`) among a tp rank's K/V heads; 1 under the ring."""
-    kv_heads = shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
-    return layout.ulysses_ranks // math.gcd(kv_heads, layout.ulysses_ranks)
+    return layout.ulysses_ranks // math.gcd(_tp_kv_heads(shape, layout), layout.ulysses_ranks)
+
+
+def _ulysses_rank_heads(shape: ModelShape, layout: Layout) -> tuple[int, int]:
+    """(query heads, K/V heads) a rank attends after Ulysses' exchange (K/V repeated as it does)."""
+    ranks = layout.ulysses_ranks
+    return (shape.n_heads // layout.tp // ranks,
+            _tp_kv_heads(shape, layout) * ulysses_kv_repeat(shape, layout) // ranks)
 
 
 def ulysses_first_round_share(shape: ModelShape, layout: Layout) -> float:
@@ -806,11 +816,9 @@ def ulysses_first_round_share(shape: ModelShape, layout: Layout) -> float:
     where a rank's K/V heads split in the rounds, else the first round's queries and every K/V head
     (kiln/parallel/ulysses.py `Ulysses.attention`)."""
     rounds = layout.ulysses_rounds
-    kv_heads = shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
-    repeat = ulysses_kv_repeat(shape, layout)
-    if (kv_heads * repeat // layout.ulysses_ranks) % rounds == 0:
+    if _ulysses_rank_heads(shape, layout)[1] % rounds == 0:
         return 1 / rounds
-    kv = 2 * shape.kv_dim * repeat
+    kv = 2 * shape.kv_dim * ulysses_kv_repeat(shape, layout)
     return (shape.q_dim / rounds + kv) / (shape.q_dim + kv)
 
 
@@ -820,13 +828,11 @@ def ulysses_round_kv_share(shape: ModelShape, layout: Layout) -> float:
     where they split in the rounds; else the one K/V head of the round's queries, or one per query
     head (kiln/parallel/ulysses.py `_kv_for_query_heads`)."""
     rounds = layout.ulysses_rounds
-    kv_heads = shape.kv_dim * shape.n_heads // (shape.q_dim or shape.dim) // layout.tp
-    kv_dest = kv_heads * ulysses_kv_repeat(shape, layout) // layout.ulysses_ranks
-    if rounds == 1 or kv_dest % rounds == 0:
+    q_heads, kv_heads = _ulysses_rank_heads(shape, layout)
+    if kv_heads % rounds == 0:
         return 1 / rounds
-    q_round = shape.n_heads // layout.tp // layout.ulysses_ranks // rounds
-    group = shape.n_heads // layout.tp // layout.ulysses_ranks // kv_dest
-    return (1 if group % q_round == 0 else q_round) / kv_dest
+    q_round, group = q_heads // rounds, q_heads // kv_heads
+    return (1 if group % q_round == 0 else q_round) / kv_heads
 
 
 RING_MATMUL_BLOCKS = 5  # (chunk x chunk) fp32 tensors per head at a matmul block's peak

@@ -25,7 +25,7 @@ from kiln.data.loader import Loader, TokenWindows
 from kiln.data.shards import ShardSet
 from kiln.data.mixture import MixtureWindows
 from kiln.data.storage import open_store
-from kiln.errors import KilnError, TrainingDiverged
+from kiln.errors import DataError, KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
 from kiln.parallel.diloco import DiLoCo, layout_key, replica_states, replicated_group
@@ -495,8 +495,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
 def _recorded_losses(path: Path, step: int) -> tuple[float, float]:
     """(training loss, validation loss) that metrics.jsonl holds for `step`, NaN where it holds none
     (or cannot be read: the summary line is all they feed)."""
-    from kiln.errors import DataError
-    from kiln.report.run_page import read_metrics
+    from kiln.report.run_page import read_metrics  # numpy and the charts: only here
 
     try:
         metrics = read_metrics(path)
