@@ -205,7 +205,7 @@ def _finite_or_none(v: Any) -> float | None:
 def run_sweep(plan: SweepPlan, sweep_dir: str | Path, *, retry_failed: bool = False,
               train_fn: Callable | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run every unfinished trial in order; returns the trial records (see sweep.json)."""
-    from kiln.report.run_page import read_metrics, summarize
+    from kiln.report.run_metrics import read_metrics, summarize
 
     if train_fn is None:
         from kiln.train.trainer import train as train_fn

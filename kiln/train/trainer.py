@@ -38,6 +38,7 @@ from kiln.parallel.parallelize import check_float8_device, compile_scope, parall
 from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, pipeline_train_step
 from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fits_schedule
 from kiln.parallel.timeouts import CollectiveTimeouts, record_nccl_collectives
+from kiln.report.run_metrics import read_metrics
 from kiln.train.attention import configure_attention
 from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.memory import check_fits_memory
@@ -495,8 +496,6 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
 def _recorded_losses(path: Path, step: int) -> tuple[float, float]:
     """(training loss, validation loss) that metrics.jsonl holds for `step`, NaN where it holds none
     (or cannot be read: the summary line is all they feed)."""
-    from kiln.report.run_page import read_metrics  # numpy and the charts: only here
-
     try:
         metrics = read_metrics(path)
     except (DataError, OSError):

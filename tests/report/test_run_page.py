@@ -11,7 +11,8 @@ import pytest
 
 from kiln.cli import main
 from kiln.errors import KilnError
-from kiln.report.run_page import ema, read_metrics, write_report
+from kiln.report.run_metrics import read_metrics
+from kiln.report.run_page import ema, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 CHARTS = ["chart-loss", "chart-lr", "chart-grad-norm", "chart-tokens-per-s", "chart-mfu", "chart-memory",
