@@ -65,7 +65,8 @@ def run_image(args: argparse.Namespace, cfg, run_dir: Path) -> int:
 
     from kiln.data.image_ops import ImageSpec
     from kiln.data.image_text import TarIndex
-    from kiln.data.stall_image import analyze_image, chart_svg
+    from kiln.data.stall_image import analyze_image
+    from kiln.report.loader_bench import image_chart_svg
     from kiln.data.storage import ShardStore
     from kiln.data.tokenizer import build_tokenizer
     from kiln.errors import KilnError
@@ -94,7 +95,7 @@ def run_image(args: argparse.Namespace, cfg, run_dir: Path) -> int:
                            workers=workers, batches=args.steps, max_stall=cfg.data.wait_warn_fraction,
                            skip_bad=args.skip_bad, store_kw=store_kw, log=log)
     out = atomic_write_json(run_dir / "reports" / f"{IMAGE_REPORT_NAME}.json", report, indent=1)
-    atomic_write_text(run_dir / "reports" / f"{IMAGE_REPORT_NAME}.svg", chart_svg(report))
+    atomic_write_text(run_dir / "reports" / f"{IMAGE_REPORT_NAME}.svg", image_chart_svg(report))
     print(f"{'mode':8} {'workers':>7} {'warm ms/batch':>14} {'cold ms/batch':>14} {'step ms':>9} {'stall':>7} "
           f"{'fetch':>7} {'prep':>7}")
     for r in report["configs"]:

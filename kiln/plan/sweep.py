@@ -282,21 +282,18 @@ def sweep_page(title: str, records: list[dict[str, Any]], keys: list[str]) -> st
     """A self-contained HTML page: best validation loss against each swept key, and the ranking."""
     from html import escape
 
-    from kiln.report.charts import CHART_CSS, PAGE_CSS, json_script, render_chart
+    from kiln.report.charts import CHART_CSS, PAGE_CSS, html_table, json_script, render_chart
 
     grid = is_grid(records, keys)
     charts = [sweep_chart(records, keys, key, i, grid) for i, key in enumerate(keys)]
     ranked = rank(records)
     head = ["rank", "trial", "status", *keys, "best val loss", "final val loss", "final train loss", "tokens/s",
             "wall s", "note"]
-    rows = []
-    for n, r in enumerate(ranked, start=1):
-        cells = [n if r["status"] == "completed" else "-", r["trial"], r["status"],
-                 *(r["params"].get(k) for k in keys), r.get("best_val_loss"), r.get("final_val_loss"),
-                 r.get("final_loss"), r.get("tokens_per_s"), r.get("wall_s"), r.get("error") or r.get("stop_reason") or ""]
-        rows.append("<tr>" + "".join(f"<td>{escape(format_cell(c))}</td>" for c in cells) + "</tr>")
-    table = ('<table id="ranking"><thead><tr>' + "".join(f"<th>{escape(h)}</th>" for h in head) +
-             "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+    rows = [[n if r["status"] == "completed" else "-", r["trial"], r["status"],
+             *(r["params"].get(k) for k in keys), r.get("best_val_loss"), r.get("final_val_loss"),
+             r.get("final_loss"), r.get("tokens_per_s"), r.get("wall_s"), r.get("error") or r.get("stop_reason") or ""]
+            for n, r in enumerate(ranked, start=1)]
+    table = html_table("ranking", head, rows, cell=format_cell)
     figures = "".join(f"<figure>{render_chart(c)}</figure>" for c in charts)
     data = {"keys": keys, "trials": [{"trial": r["trial"], "status": r["status"], "params": r["params"],
                                       "best_val_loss": r.get("best_val_loss")} for r in records]}

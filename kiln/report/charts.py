@@ -9,8 +9,8 @@ runtime or write files that are not inline SVG):
 - `bar_chart(rows)`: labelled horizontal bars (the prep funnel).
 - `column_chart(labels, groups)`: grouped vertical columns over categories (length histograms).
 
-Also the pieces the report pages share: `PAGE_CSS`, `CHART_CSS` and `json_script` (a chart's
-values embedded as JSON for tools and tests).
+Also the pieces the report pages share: `PAGE_CSS`, `CHART_CSS`, `json_script` (a chart's values
+embedded as JSON for tools and tests) and `html_table`.
 """
 
 from __future__ import annotations
@@ -301,3 +301,22 @@ td { font-variant-numeric: tabular-nums; } thead th { background: #f4f4f4; }
 .charts { display: flex; flex-wrap: wrap; } figure { margin: 0; }
 pre { background: #f7f7f7; border: 1px solid #ddd; padding: 10px; font-size: 12px; overflow-x: auto; }
 """
+
+
+def table_cell(v: Any) -> str:
+    """A table cell's text: thousands separators, 6 significant digits, long text cut at 200."""
+    if isinstance(v, bool) or v is None:
+        return str(v).lower() if v is not None else "-"
+    if isinstance(v, float):
+        return f"{v:.6g}" if math.isfinite(v) else str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    text = str(v)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def html_table(table_id: str, header: list[str], rows: list[list[Any]], cell=table_cell) -> str:
+    """A `<table>` of escaped cells, each written by `cell`."""
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{escape(cell(v))}</td>" for v in row) + "</tr>" for row in rows)
+    return f'<table id="{escape(table_id)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'

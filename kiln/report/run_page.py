@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.stall_image import report_section as loader_bench_image_section
 from kiln.errors import DataError
 from kiln.io import atomic_write_text
-from kiln.report.charts import (CHART_CSS, PAGE_CSS, Chart, Marker, Series, bar_chart, downsample, json_script,
-                                render_chart)
+from kiln.report.charts import (CHART_CSS, PAGE_CSS, Chart, Marker, Series, downsample, html_table, json_script,
+                                render_chart, table_cell)
+from kiln.report.loader_bench import image_section as loader_bench_image_section
+from kiln.report.loader_bench import text_section as loader_bench_text_section
 from kiln.report.run_metrics import RunMetrics, finite_number, read_metrics, summarize
 
 EVAL_COLORS = ("#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
@@ -155,20 +156,9 @@ def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
         return out
     if isinstance(obj, list):
         if len(obj) <= 8 and all(isinstance(v, (int, float, str, bool)) or v is None for v in obj):
-            return [(prefix, ", ".join(_cell(v) for v in obj))]
+            return [(prefix, ", ".join(table_cell(v) for v in obj))]
         return [(prefix, f"[{len(obj)} items]")]
     return [(prefix or "value", obj)]
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, bool) or v is None:
-        return str(v).lower() if v is not None else "-"
-    if isinstance(v, float):
-        return f"{v:.6g}" if math.isfinite(v) else str(v)
-    if isinstance(v, int):
-        return f"{v:,}"
-    text = str(v)
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 # ------------------------------------------------------------------------------------ page
@@ -209,7 +199,7 @@ def build_report(run_dir: str | Path, max_points: int = MAX_POINTS) -> tuple[str
         body.append(f'<figure>{render_chart(chart)}{json_script("data-" + chart.chart_id, chart_data(chart))}</figure>')
     body.append("</div>")
     body.append(_eval_section(m, eval_tables))
-    body.append(_loader_bench_section(run_dir, warnings))
+    body.append(loader_bench_text_section(run_dir, warnings))
     body.append(loader_bench_image_section(run_dir, warnings))
     body.append(_events_section(m))
     body.append('<h2>Resolved config</h2>')
@@ -231,43 +221,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     return out, summary, warnings
 
 
-LOADER_BENCH_TIMES = (("compute", "compute_s_per_step"), ("preprocessing", "prep_s_per_step"),
-                      ("fetch (cold)", "fetch_s_per_step"))
-
-
-def _loader_bench_section(run_dir: Path, warnings: list[str]) -> str:
-    """reports/loader-bench.json (`kiln loader-bench`) as bars of ms per step, the stall and the
-    recommended settings; a file that is not what it should be is a warning, not a crash."""
-    path = run_dir / "reports" / "loader-bench.json"
-    if not path.is_file():
-        return ""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        times = [(label, float(data[key])) for label, key in LOADER_BENCH_TIMES]
-        fractions = [float(data[k]) for k in ("stall_fraction", "fetch_stall_fraction", "prep_stall_fraction")]
-        recommended = data["recommended"]
-        if not all(map(math.isfinite, [v for _, v in times] + fractions)) or min(v for _, v in times) < 0 \
-                or not isinstance(recommended, dict):
-            raise ValueError("times must be finite and >= 0, recommended a table")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        warnings.append(f"{path}: not a loader-bench report ({type(e).__name__}: {e})")
-        return ""
-    bars = bar_chart([(label, v * 1e3, f"{v * 1e3:.2f} ms") for label, v in times], "#1f77b4")
-    stall = (f"stall {fractions[0]:.1%} of the step: fetch {fractions[1]:.1%}, "
-             f"preprocessing {fractions[2]:.1%}")
-    rows = [[f"data.{k}", v] for k, v in recommended.items() if k != "note"]
-    note = f'<p class="note">{escape(str(recommended["note"]))}</p>' if "note" in recommended else ""
-    return (f'<h2>Data loading (kiln loader-bench)</h2><p id="loader-stall">{escape(stall)}</p>'
-            f'<figure id="chart-loader-bench">{bars}</figure>{note}'
-            + _table("loader-recommended", ["recommended setting", "value"], rows))
-
-
-def _table(table_id: str, header: list[str], rows: list[list[Any]]) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{escape(_cell(v))}</td>" for v in row) + "</tr>" for row in rows)
-    return f'<table id="{escape(table_id)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
 def _run_info(m: RunMetrics) -> str:
     runs = m.of("run")
     if not runs:
@@ -278,7 +231,7 @@ def _run_info(m: RunMetrics) -> str:
     rows = [[k, v] for k, v in merged.items() if k not in ("kind", "step", "time")]
     if len(runs) > 1:
         rows.append(["segments (resumes)", len(runs)])
-    return "<h2>Run</h2>" + _table("run-info", ["field", "value"], rows)
+    return "<h2>Run</h2>" + html_table("run-info", ["field", "value"], rows)
 
 
 def _eval_section(m: RunMetrics, eval_tables: list[tuple[str, list[tuple[str, Any]]]]) -> str:
@@ -286,12 +239,12 @@ def _eval_section(m: RunMetrics, eval_tables: list[tuple[str, list[tuple[str, An
     evals = m.of("eval")
     if evals:
         keys = [k for k in dict.fromkeys(k for r in evals for k in r) if k not in ("kind", "step", "time")]
-        out.append(_table("eval-table", ["step", *keys], [[r["step"], *(r.get(k) for k in keys)] for r in evals]))
+        out.append(html_table("eval-table", ["step", *keys], [[r["step"], *(r.get(k) for k in keys)] for r in evals]))
     else:
         out.append('<p>No periodic evaluations in metrics.jsonl (train.eval_every = 0?).</p>')
     for i, (name, items) in enumerate(eval_tables):
         out.append(f"<h3>{escape(name)}</h3>")
-        out.append(_table(f"eval-file-{i}", ["metric", "value"], [[k, _maybe_timestamp(k, v)] for k, v in items]))
+        out.append(html_table(f"eval-file-{i}", ["metric", "value"], [[k, _maybe_timestamp(k, v)] for k, v in items]))
     return "".join(out)
 
 
@@ -309,4 +262,4 @@ def _events_section(m: RunMetrics) -> str:
              r.get("message", "")] for r in events]
     if not rows:
         return '<h2>Events</h2><p id="events">No events.</p>'
-    return "<h2>Events</h2>" + _table("events", ["step", "time (UTC)", "message"], rows)
+    return "<h2>Events</h2>" + html_table("events", ["step", "time (UTC)", "message"], rows)
