@@ -305,7 +305,7 @@ def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int, fixed
 
     from kiln.config import load_config
     from kiln.data.stall import analyze
-    from kiln.train.memory import count_params_closed_form, vocab_estimate
+    from kiln.plan.memory import ModelShape, vocab_estimate
 
     root.mkdir(parents=True, exist_ok=True)
     corpus = root / "corpus.txt"
@@ -321,7 +321,7 @@ def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int, fixed
                  "data.tokenizer=\"byte\"", "data.seq_len=256", f"data.source=\"{corpus}\"", "data.max_bytes=0",
                  "train.batch_size=8", "train.device=\"cpu\""]
     cfg = load_config(None, overrides)
-    out: dict = {"params": count_params_closed_form(cfg.model, vocab_estimate(cfg)[0]), "overrides": overrides,
+    out: dict = {"params": ModelShape.from_config(cfg.model, vocab_estimate(cfg)[0]).params, "overrides": overrides,
                  "steps": steps, "latency_ms": 1000 * latency_s, "torch_threads": torch_threads()}
     local = analyze(cfg, root / "local", steps=steps, log=lambda m: None)
     out["local"] = summary(local)

@@ -152,7 +152,7 @@ def test_python_built_configs_are_checked_by_validate():
 
 def test_one_engine_parses_values_for_every_command():
     from kiln.config import parse_literal
-    from kiln.plan.sweep import parse_value
+    from kiln.train.sweep import parse_value
     from kiln.prep import pipeline
 
     assert parse_value is parse_literal

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.plan.memory import OPTIM_STATE_BYTES, ModelShape
     from kiln.plan.diloco import WIRE_BYTES, check_islands
     from kiln.plan.search import kiln_refusal, model_for_params, plan_toml, search
-    from kiln.train.memory import vocab_estimate
+    from kiln.plan.memory import vocab_estimate
 
     cluster = load_cluster(args.cluster, args.nodes, args.islands)
     if args.calibrate or args.time_collectives or args.collectives:

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.plan.sweep import (SweepPlan, grid_trials, parse_grid, parse_space, random_trials, run_sweep,
+    from kiln.train.sweep import (SweepPlan, grid_trials, parse_grid, parse_space, random_trials, run_sweep,
                                  sweep_page)
 
     if args.grid and (args.random is not None or args.space):
@@ -62,7 +62,7 @@ def _print_table(records: list[dict], keys: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kiln.plan.sweep import format_cell, rank
+    from kiln.train.sweep import format_cell, rank
 
     table = Table(title="sweep results (best validation loss first)")
     for col in ("#", "trial", "status", *keys, "best val", "final val", "tokens/s", "wall s"):

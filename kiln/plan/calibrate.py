@@ -48,7 +48,7 @@ def measured_run(run_dir: str | Path) -> Measurement:
     """A kiln run directory's layout and median step time."""
     from kiln.config import load_config
     from kiln.report.run_metrics import read_metrics, summarize
-    from kiln.train.memory import vocab_estimate
+    from kiln.plan.memory import vocab_estimate
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml")

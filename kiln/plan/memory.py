@@ -74,7 +74,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from kiln.config import ModelConfig
+from kiln.config import JobConfig, ModelConfig
 from kiln.parallel.pipeline_layout import V_SHAPED, ZERO_BUBBLE, stage_layer_ranges, stages_of_rank
 from kiln.parallel.zero1_partition import partition
 
@@ -450,6 +450,14 @@ class ModelShape:
         if self.shared_gate:
             out += act * self.dim + 2 * act
         return out
+
+
+def vocab_estimate(cfg: JobConfig) -> tuple[int, str]:
+    """The vocabulary the model will get, and the key that sets it (model.vocab_size = 0 takes the
+    tokenizer's; a tokenizer.json path is unknown before it is read, so it counts as 0)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size, "model.vocab_size"
+    return {"bpe": cfg.data.vocab_size, "byte": 257}.get(cfg.data.tokenizer, 0), "data.vocab_size"
 
 
 @dataclass

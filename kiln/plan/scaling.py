@@ -148,7 +148,7 @@ def sweep_points(sweep_dir: str | Path) -> list[tuple[float, float, float]]:
     import json
 
     from kiln.config import load_config
-    from kiln.train.memory import count_params_closed_form, vocab_estimate
+    from kiln.plan.memory import ModelShape, vocab_estimate
 
     sweep_dir = Path(sweep_dir)
     path = sweep_dir / "sweep.json"
@@ -166,5 +166,5 @@ def sweep_points(sweep_dir: str | Path) -> list[tuple[float, float, float]]:
         cfg = load_config(sweep_dir / trial / "config.toml")
         vocab, _ = vocab_estimate(cfg)
         tokens = steps * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
-        points.append((float(count_params_closed_form(cfg.model, vocab)), float(tokens), float(loss)))
+        points.append((float(ModelShape.from_config(cfg.model, vocab).params), float(tokens), float(loss)))
     return points

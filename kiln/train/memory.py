@@ -12,28 +12,15 @@ import os
 
 import torch
 
-from kiln.config import JobConfig, ModelConfig
+from kiln.config import JobConfig
 from kiln.errors import ConfigError
 from kiln.model.transformer import ffn_hidden_size
 from kiln.parallel.dims import ParallelDims
 from kiln.plan.diloco import WIRE_BYTES
-from kiln.plan.memory import OPTIM_STATE_BYTES, Layout, ModelShape, rank_memory  # noqa: F401 (re-exported)
+from kiln.plan.memory import Layout, ModelShape, rank_memory, vocab_estimate
 
 SIZE_KEYS = ("model.dim", "model.n_layers", "model.ffn_hidden", "model.head_dim", "model.max_seq_len",
              "train.batch_size", "data.seq_len")
-
-
-def vocab_estimate(cfg: JobConfig) -> tuple[int, str]:
-    """The vocabulary the model will get, and the key that sets it (model.vocab_size = 0 takes the
-    tokenizer's; a tokenizer.json path is unknown before it is read, so it counts as 0)."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size, "model.vocab_size"
-    return {"bpe": cfg.data.vocab_size, "byte": 257}.get(cfg.data.tokenizer, 0), "data.vocab_size"
-
-
-def count_params_closed_form(m: ModelConfig, vocab: int) -> int:
-    """Parameters of kiln's Transformer for `m` (tied embeddings once), without building it."""
-    return ModelShape.from_config(m, vocab).params
 
 
 def layout_of(cfg: JobConfig, dims: ParallelDims | None = None) -> Layout:

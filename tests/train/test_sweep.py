@@ -8,7 +8,7 @@ import pytest
 
 from kiln.cli import main
 from kiln.errors import ConfigError, KilnError
-from kiln.plan.sweep import (Space, SweepPlan, grid_trials, parse_grid, parse_space, random_trials, rank,
+from kiln.train.sweep import (Space, SweepPlan, grid_trials, parse_grid, parse_space, random_trials, rank,
                              run_sweep, sweep_page)
 from kiln.train.trainer import TrainResult
 
@@ -201,7 +201,7 @@ def test_cli_usage_errors(tmp_path, capsys):
 
 
 def test_grids_get_lines_and_exact_ticks_random_searches_get_points():
-    from kiln.plan.sweep import is_grid, sweep_chart
+    from kiln.train.sweep import is_grid, sweep_chart
 
     def rec(i, lr, wd, loss):
         return {"trial": f"t{i}", "status": "completed", "params": {"optim.lr": lr, "optim.weight_decay": wd},
