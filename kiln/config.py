@@ -348,6 +348,11 @@ class TrainConfig:
     steps: int = ranged(400, gt=0)  # the embedded default: ~10 minutes on 2 CPU cores
     batch_size: int = ranged(16, gt=0)  # sequences per micro-batch per data-parallel rank
     grad_accum: int = ranged(1, ge=1, le=65536)
+    # Sequences per optimizer step over all data-parallel ranks (torchtitan's global_batch_size).
+    # 0: batch_size x grad_accum x data-parallel ranks. G > 0: grad_accum is derived for the layout
+    # that runs, G / (batch_size x data-parallel ranks), so one config takes the same optimizer steps
+    # on any [parallel] layout (and a run resumed on another keeps its batch); saved resolved
+    global_batch_size: int = ranged(0, ge=0)
     seed: int = ranged(1337, ge=0)
     device: str = ranged("auto", pattern=r"auto|cpu|cuda(:[0-9]{1,4})?", expect="auto, cpu, cuda or cuda:N")
     # auto | fp32 | bf16 | fp16 (bf16/fp16 are autocast; fp16 uses a grad scaler). auto: bf16 on
@@ -384,6 +389,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_fields(self, "train.")
+        if self.global_batch_size and self.global_batch_size % self.batch_size:
+            raise ConfigError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                              f"train.batch_size={self.batch_size}; change either")
         if self.cuda_graphs and not self.compile:
             raise ConfigError("train.cuda_graphs=true needs train.compile=true (it is torch.compile's "
                               "reduce-overhead mode)")
@@ -391,6 +399,22 @@ class TrainConfig:
             raise ConfigError("train.cuda_graphs=true needs train.compile_scope='model' or 'auto'")
         if self.autotune and not self.compile:
             raise ConfigError("train.autotune=true needs train.compile=true (it is torch.compile's max-autotune mode)")
+
+    def accumulation(self, dp_ranks: int) -> int:
+        """Micro-batches a data-parallel rank accumulates per optimizer step on `dp_ranks` ranks:
+        grad_accum, or global_batch_size / (batch_size x dp_ranks) where that is set."""
+        if not self.global_batch_size:
+            return self.grad_accum
+        per_pass = self.batch_size * dp_ranks
+        if self.global_batch_size % per_pass:
+            raise ConfigError(f"train.global_batch_size={self.global_batch_size} is not a multiple of train.batch_size="
+                              f"{self.batch_size} x {dp_ranks} data-parallel ranks = {per_pass}; change "
+                              f"train.global_batch_size (to a multiple of {per_pass}) or train.batch_size")
+        accum = self.global_batch_size // per_pass
+        if accum > 65536:
+            raise ConfigError(f"train.global_batch_size={self.global_batch_size} needs {accum} micro-batches of "
+                              f"train.batch_size={self.batch_size} per rank (at most 65536); raise train.batch_size")
+        return accum
 
 
 @dataclass

@@ -184,3 +184,18 @@ def test_deeply_nested_toml_is_a_config_error_not_a_recursion_traceback(tmp_path
 def test_head_dim_frees_the_head_width_from_dim():
     cfg = load_config(None, ["model.dim=30", "model.n_heads=4", "model.head_dim=8"]).model
     assert cfg.attention_head_dim() == 8 and load_config(None, []).model.attention_head_dim() == 256 // 4
+
+
+def test_global_batch_size_derives_grad_accum_for_each_layout():
+    train = load_config(None, ["train.batch_size=4", "train.global_batch_size=32"]).train
+    assert [train.accumulation(ranks) for ranks in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    plain = load_config(None, ["train.batch_size=4", "train.grad_accum=3"]).train
+    assert plain.accumulation(8) == 3  # 0: the batch is batch_size x grad_accum x ranks, as set
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=32 is not a multiple of train.batch_size=4 x 16 "
+                                          r"data-parallel ranks = 64; change train.global_batch_size"):
+        train.accumulation(16)
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=6 is not a multiple of train.batch_size=4"):
+        load_config(None, ["train.batch_size=4", "train.global_batch_size=6"])
+    huge = load_config(None, ["train.batch_size=1", f"train.global_batch_size={65537 * 2}"]).train
+    with pytest.raises(ConfigError, match=r"131074 micro-batches .* \(at most 65536\); raise train.batch_size"):
+        huge.accumulation(1)

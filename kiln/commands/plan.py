@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=float, help="training tokens (default: the budget's, else Chinchilla-optimal for the model)")
     p.add_argument("--fit-sweep", metavar="SWEEP_DIR", help="fit the loss law to a `kiln sweep` directory's runs")
     p.add_argument("--global-batch", type=int, metavar="SEQS",
-                   help="sequences per optimizer step (default: train.batch_size x grad_accum x GPUs)")
+                   help="sequences per optimizer step (default: train.global_batch_size, else "
+                        "train.batch_size x grad_accum x GPUs)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16", "float8"))
     for dim in ("tp", "pp", "cp"):
         p.add_argument(f"--max-{dim}", type=int, default=None, metavar="N",
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
           f"(Chinchilla-optimal for it: {scaling.tokens_for_params(shape.params, 1):.3g}); "
           f"predicted loss {law.loss(shape.params, tokens):.3f}")
 
-    global_batch = args.global_batch or cfg.train.batch_size * cfg.train.grad_accum * world
+    global_batch = args.global_batch or cfg.train.global_batch_size or cfg.train.batch_size * cfg.train.grad_accum * world
     if global_batch <= 0:
         raise KilnError(f"--global-batch {global_batch} must be > 0")
     plans = search(shape, cluster, seq, global_batch, optimizer=cfg.optim.name, precision=args.precision,

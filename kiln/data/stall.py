@@ -153,6 +153,7 @@ def analyze(cfg: JobConfig, run_dir: str | Path, *, steps: int = 10, log=print) 
         raise KilnError("loader-bench measures data.source's shards; unset data.mixture")
     if steps < 1:
         raise KilnError(f"--steps={steps} must be >= 1")
+    cfg.train.grad_accum = cfg.train.accumulation(1)  # one process: train.global_batch_size all its own
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     shard_dir, _ = prepare_shards(cfg.data, run_dir, log=log)

@@ -468,9 +468,14 @@ def check_ep_layout(ep: int, mode: str, dp_replicate: int, dp_shard: int, cp: in
     name, size = ("dp_replicate", dp_replicate) if mode in ("ddp", "zero1") and dp_shard == 1 else ("dp_shard", dp_shard)
     if size * cp % ep:
         where = f"{name}={size}" if cp == 1 else f"{name} x cp = {size} x {cp}"
+        other = []  # layouts of the same ranks where ep fits
+        if mode in ("fsdp", "zero2") and dp_replicate * cp % ep == 0 and dp_shard == 1:
+            other.append("parallel.dp_mode='ddp' (ep from the replicas)")
+        if mode in ("fsdp", "zero2") and tp > 1 and ep % (cp * tp) == 0 and dp_shard * cp * tp % ep == 0:
+            other.append("parallel.etp=1 (ep borrows tp)")
         raise ConfigError(f"parallel.ep={ep} must divide {where} (ep is carved out of {name}"
                           f"{' and cp' if cp > 1 else ''} under dp_mode={mode!r}); change parallel.ep or the "
-                          f"number of processes")
+                          f"number of processes{''.join(f', or set {o}' for o in other)}")
 
 
 def pick_device(name: str, dims: ParallelDims, device_count: int | None = None) -> torch.device:

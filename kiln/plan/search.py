@@ -312,6 +312,8 @@ def config_for_plan(cfg: JobConfig, layout: Layout) -> JobConfig:
     if layout.pp > 1:
         p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches = layout.schedule, layout.virtual_stages, layout.grad_accum
     out.train.batch_size, out.train.grad_accum = layout.micro_batch, layout.grad_accum
+    if cfg.train.global_batch_size:  # kept as the config's way of naming the batch: the plan's own
+        out.train.global_batch_size = layout.micro_batch * layout.grad_accum * layout.dp
     out.train.activation_checkpointing = layout.ac
     if layout.precision == "float8":
         out.train.dtype, out.train.float8 = "bf16", True

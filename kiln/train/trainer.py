@@ -121,6 +121,20 @@ def build_mixture(cfg: JobConfig, reference: ShardSet) -> MixtureWindows:
     return MixtureWindows(sources, cfg.data.mixture_weights, seed=cfg.train.seed, names=names)
 
 
+def _resolve_grad_accum(cfg: JobConfig, dims: ParallelDims) -> str | None:
+    """Set train.grad_accum for this layout where train.global_batch_size fixes the global batch
+    (saved resolved with the run's config; a resume on another layout derives it again); the
+    line to print when that changed the config's value."""
+    accum = cfg.train.accumulation(dims.dp_size)
+    if accum == cfg.train.grad_accum:
+        return None
+    note = (f"train.grad_accum={accum} (the config had {cfg.train.grad_accum}): train.global_batch_size="
+            f"{cfg.train.global_batch_size} = train.batch_size={cfg.train.batch_size} x {dims.dp_size} "
+            f"data-parallel rank(s) x {accum}")
+    cfg.train.grad_accum = accum
+    return note
+
+
 def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Transformer:
     cfg.model.fused_projections = resolve_fused_projections(  # saved resolved with the run's config
         cfg.model.fused_projections, device, fsdp=dims.grad_ranks > 1 and dims.dp_mode in ("fsdp", "zero2"))
@@ -150,6 +164,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
 def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: bool | None,
            stop_at: int | None) -> TrainResult:
     dims = ParallelDims.from_config(cfg.parallel, seq_len=cfg.data.seq_len)
+    batch_note = _resolve_grad_accum(cfg, dims)
     dims.check_model(cfg)
     check_pipeline_config(cfg)
     device = pick_device(cfg.train.device, dims)
@@ -294,7 +309,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     metrics.log({"kind": "run", "step": state.step, "n_params": counts["total"],
                  "n_params_non_embedding": counts["non_embedding"], "flops_per_token": flops_tok,
                  "peak_flops": peak, "peak_source": peak_source, "device": str(device),
-                 "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step,
+                 "dtype": cfg.train.dtype, "tokens_per_step": tokens_per_step, "grad_accum": cfg.train.grad_accum,
+                 "global_batch_size": cfg.train.batch_size * cfg.train.grad_accum * dims.dp_size,
                  "world_size": dims.world_size,
                  "dp_mode": "diloco" if diloco else dims.dp_mode if dims.dp_size > 1 else "none",
                  "n_params_active": counts["active"],
@@ -314,7 +330,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                  "compile": compile_scope(cfg, dims) if cfg.train.compile else "none"})
     if recovery:
         metrics.log({"kind": "event", "step": state.step, "message": recovery})
-    for line in dims.node_crossings(cfg.model.n_heads):  # advice on the layout, which runs as it is
+    for line in ([batch_note] if batch_note else []) + dims.node_crossings(cfg.model.n_heads):  # the layout runs as it is
         metrics.log({"kind": "event", "step": state.step, "message": line})
         metrics.print(f"note: {line}")
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "

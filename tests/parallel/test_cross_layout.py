@@ -5,8 +5,9 @@ the loader's global position all carry over, whatever shards or splits them.
 Pairs (saved at step 3 -> continued for steps 4..6): TP=2 -> DDP 2, DDP 2 -> TP=2, PP=2 -> FSDP 2,
 FSDP 2 -> PP=2, CP=2 -> 1 process, ZeRO-2 2 -> DDP 2, FSDP 4 -> 2, ZeRO-1 2 -> TP=2 (ZeRO-1's
 own optimizer state, sharded by hand, into DTensor parameters), FSDP 4 resharded to 2 ranks
-after forward -> the same (6 steps of it), and FSDP 2 x CP 2 resharded to 2 of its 4 shard ranks
--> FSDP 4 resharded to 2. Each saving run is also checked
+after forward -> the same (6 steps of it), FSDP 2 x CP 2 resharded to 2 of its 4 shard ranks
+-> FSDP 4 resharded to 2, and DDP 2 -> 1 process under `train.global_batch_size` (each layout
+derives its grad_accum: 2, then 4 micro-batches of 1). Each saving run is also checked
 against the reference for steps 1..3. (Elsewhere: FSDP 2->1, HSDP 4->FSDP 2, ZeRO-1<->FSDP in
 test_data_parallel.py; TP 2->1 in test_tensor_parallel.py; PP 2->1 in test_pipeline_parallel.py;
 EP 2->1 in test_expert_parallel.py.)
@@ -47,11 +48,15 @@ LAYOUTS = {
     "tp2": (2, {"parallel.tp": 2}),
     "pp2": (2, {"parallel.pp": 2, "parallel.pp_schedule": "'1f1b'"}),
     "cp2": (2, {"parallel.cp": 2, "parallel.dp_mode": "'ddp'"}),
+    # train.global_batch_size fixes the batch, each layout derives its grad_accum: 2 micro-batches of
+    # 1 on each of 2 ranks, then 4 of 1 in one process, from the same [train] section
+    "ddp2_global": (2, {"parallel.dp_mode": "'ddp'", "train.batch_size": 1, "train.global_batch_size": GLOBAL_BATCH}),
+    "single_global": (1, {"train.batch_size": 1, "train.global_batch_size": GLOBAL_BATCH}),
 }
 # saved layout -> layouts its step-3 checkpoint continues in
 PAIRS = {"tp2": ["ddp2"], "ddp2": ["tp2"], "pp2": ["fsdp2"], "fsdp2": ["pp2"], "cp2": ["single"],
          "zero2_2": ["ddp2"], "zero1_2": ["tp2"], "fsdp4": ["fsdp2"], "fsdp4_reshard2": ["fsdp4_reshard2"],
-         "fsdp2_cp2_reshard2": ["fsdp4_reshard2"]}
+         "fsdp2_cp2_reshard2": ["fsdp4_reshard2"], "ddp2_global": ["single_global"]}
 
 
 def overrides(text_file, shards, name):
@@ -143,6 +148,9 @@ def test_checkpoint_continues_in_another_layout_with_the_same_losses(runs, pair)
     run_row = [r for r in rows if r["kind"] == "run"][-1]  # the continued run's
     assert run_row["resumed_from"] == SAVE_AT and run_row["world_size"] == LAYOUTS[target][0]
     assert run_row.get("fsdp_reshard_to", 0) == LAYOUTS[target][1].get("parallel.fsdp_reshard_to", 0)
+    assert run_row["global_batch_size"] == GLOBAL_BATCH  # whatever the split: batch_size x grad_accum x dp
+    if "train.global_batch_size" in LAYOUTS[target][1]:  # derived for the continuing layout: 4 micro-batches of 1
+        assert run_row["grad_accum"] == GLOBAL_BATCH // LAYOUTS[target][0]
     assert_same_losses(reference, got, range(SAVE_AT + 1, STEPS + 1), pair)
 
 

@@ -478,6 +478,10 @@ def grad_norms(run_dir):
     (12, {"ep": 4, "pp": 2, "dp_replicate": 2}, "parallel.ep=4 must divide dp_shard=3"),
     (6, {"ep": 4}, "parallel.ep=4 must divide dp_shard=6"),
     (6, {"ep": 4, "dp_mode": "ddp"}, "parallel.ep=4 must divide dp_replicate=6"),
+    # the ranks hold a layout where ep fits: the line names it
+    (4, {"ep": 2, "dp_replicate": 2, "tp": 2, "dp_mode": "fsdp"}, "parallel.ep=2 must divide dp_shard=1 (ep is carved "
+     "out of dp_shard under dp_mode='fsdp'); change parallel.ep or the number of processes, or set "
+     "parallel.dp_mode='ddp' (ep from the replicas), or set parallel.etp=1 (ep borrows tp)"),
     (4, {"ep": 4, "ep_node_ranks": 3}, "parallel.ep_node_ranks=3 must divide parallel.ep=4"),
 ])
 def test_unsupported_ep_layouts_are_refused_in_one_line(world, degrees, expected):

@@ -224,6 +224,12 @@ def test_layouts_kiln_train_refuses_are_named_and_the_rest_accepted():
                                       virtual_stages=2, micro_batch=1, grad_accum=4))
     assert (run.parallel.pp_schedule, run.parallel.pp_virtual_stages, run.parallel.pp_microbatches) == \
         ("interleaved_1f1b", 2, 4)
+    assert run.train.global_batch_size == 0  # the config named no global batch: neither does the plan's
+    # a config that names its global batch gets the plan's there, which derives the plan's grad_accum
+    fixed = load_config(None, ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "train.batch_size=2",
+                               "train.global_batch_size=64"])
+    run = config_for_plan(fixed, Layout(dp_shard=4, dp_mode="fsdp", micro_batch=4, grad_accum=2))
+    assert (run.train.batch_size, run.train.global_batch_size, run.train.accumulation(4)) == (4, 32, 2)
 
 
 def test_moe_layouts_with_ep_and_etp_are_the_ones_kiln_train_runs():
