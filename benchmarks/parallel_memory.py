@@ -80,7 +80,8 @@ def model_parallel_step(cfg, dims, model, tokens: torch.Tensor):
     parallel, then the optimizer over the stage's parameters); returns (one step, optimizer)."""
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.data_parallel import shard_optimizer_state
-    from kiln.parallel.pipeline import Pipeline, pipeline_train_step
+    from kiln.parallel.pipeline import Pipeline
+    from kiln.train.pipeline_step import pipeline_train_step
     from kiln.train.attention import configure_attention
     from kiln.train.evaluate import autocast_context
     from kiln.train.optim import build_optimizer

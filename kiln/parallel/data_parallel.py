@@ -421,11 +421,10 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, dims: ParallelDims, 
     partitioned over the data-parallel ranks (under parallel.ep the dense parameters' state only),
     `Zero1Optimizer`; under pp a tied embedding's tensors (`model.tied_embedding_weights`) are cut
     alike on both end stages. Returns `optimizer` itself unless dp_mode is zero1; under ddp,
-    Muon's Newton-Schulz is dealt out over the replicas (`Muon.replicas`)."""
-    from kiln.train.optimizers import Muon
-
-    if dims.dp_mode == "ddp" and dims.grad_ranks > 1 and isinstance(optimizer, Muon):
-        optimizer.replicas = grad_mesh(dims).get_group()  # the ranks DDP averages over: equal gradients
+    Muon's Newton-Schulz is dealt out over the replicas (`Muon.share_over_replicas`)."""
+    share = getattr(optimizer, "share_over_replicas", None)
+    if dims.dp_mode == "ddp" and dims.grad_ranks > 1 and share is not None:
+        share(grad_mesh(dims).get_group())  # the ranks DDP averages over: equal gradients
     if dims.dp_mode != "zero1" or dims.grad_ranks == 1:  # (DiLoCo: the ranks inside a replica)
         return optimizer
     tied = getattr(model, "tied_embedding_weights", list)()

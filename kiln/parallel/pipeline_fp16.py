@@ -1,6 +1,6 @@
 """fp16 (a grad scaler) under pipeline parallelism: the schedule's loss function scales the last
 stage's loss, and every rank agrees on the found-inf flag, so all stages skip or step together
-(kiln/parallel/pipeline.py `pipeline_train_step` uses both)."""
+(kiln/train/pipeline_step.py `pipeline_train_step` uses both)."""
 
 from __future__ import annotations
 

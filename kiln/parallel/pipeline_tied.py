@@ -19,7 +19,8 @@ head:
   ddp/zero1 each copy's gradient is already the dp average; under tp both are Shard(0) over
   the vocabulary, so each tp coordinate's pair sums its vocab shard. Both copies then take the
   same optimizer update and stay identical;
-- clipping counts the weight once (`clip_grad_norm_counting_once`): the copy is left out of the
+- clipping counts the weight once (kiln/train/pipeline_step.py `clip_grad_norm_counting_once`):
+  the copy is left out of the
   norm and clipped with the coefficient of the rest, as its gradient equals the embedding's.
 
 Checkpoints (kiln/checkpoint/manager.py `ModelOptimizerState`): the model state holds the weight
@@ -103,20 +104,6 @@ class TiedEmbeddings:
             grads[1].copy_(grads[0])
         elif grads:  # one of the two: summed with the pair's other rank (a middle stage holds neither)
             dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.group)
-
-
-def clip_grad_norm_counting_once(params: list[torch.Tensor], copies: list[torch.Tensor], clip: float,
-                                 norm_group) -> torch.Tensor:
-    """kiln.train.step.clip_grad_norm over `params` without the copies (the tied weight counts
-    once, as in one process); the copies are clipped with the same norm, hence the same factor."""
-    from kiln.train.step import clip_grad_norm
-
-    grad_norm = clip_grad_norm([p for p in params if all(p is not c for c in copies)], clip,
-                               norm_group=norm_group)
-    with_grad = [c for c in copies if c.grad is not None]
-    if clip > 0 and with_grad:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, clip, grad_norm, foreach=True)
-    return grad_norm
 
 
 def optimizer_state_for_save(optim_sd: dict, aliases: dict[str, str]) -> dict:

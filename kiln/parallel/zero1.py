@@ -112,13 +112,12 @@ def _is_expert(p: torch.Tensor) -> bool:
 
 def cuts_elementwise(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     """Whether `optimizer` updates `group`'s parameters element by element (so ZeRO-1 may cut them
-    into runs): AdamW, Adam, SGD, Lion, and Muon's AdamW groups; not Muon's orthogonalized
-    matrices, LAMB (a trust ratio per tensor) or Adafactor (row and column factors)."""
-    from kiln.train.optimizers import Lion, Muon
-
-    if isinstance(optimizer, Muon):
-        return not group.get("use_muon", True)
-    return isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, Lion))
+    into runs): torch's AdamW, Adam and SGD, and kiln's optimizers where their `updates_elementwise`
+    says so (Lion, Muon's AdamW groups; not Muon's orthogonalized matrices, LAMB or Adafactor)."""
+    declared = getattr(optimizer, "updates_elementwise", None)
+    if declared is not None:
+        return bool(declared(group))
+    return isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD))
 
 
 class Zero1Optimizer(torch.optim.Optimizer):

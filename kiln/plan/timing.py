@@ -352,7 +352,7 @@ def step_time(shape: ModelShape, layout: Layout, seq_len: int, cluster: Cluster,
         hops = pipeline_p2p_per_microbatch(layout)
         t = hops * p2p(cluster, act * tokens_rank_mb * shape.dim / layout.tp, spans) * ga
         count("p2p", hops * ga)
-        # per step (kiln/parallel/pipeline.py pipeline_train_step) the gradient norm's squares summed
+        # per step (kiln/train/pipeline_step.py pipeline_train_step) the gradient norm's squares summed
         # over the stages and the last stage's loss broadcast to them, over ranks the rest apart
         # (MoE: also the aux and z-losses summed and the largest expert load taken over the stages)
         apart = layout.dp * layout.cp * layout.tp

@@ -35,7 +35,7 @@ from kiln.parallel.data_parallel import batch_group, shard_optimizer_state, sum_
 from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel import zero1_shards
 from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
-from kiln.parallel.pipeline import Pipeline, PipelineEvalModel, pipeline_train_step
+from kiln.parallel.pipeline import Pipeline, PipelineEvalModel
 from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fits_schedule
 from kiln.parallel.timeouts import CollectiveTimeouts, record_nccl_collectives
 from kiln.report.run_metrics import read_metrics
@@ -44,6 +44,7 @@ from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.memory import check_fits_memory
 from kiln.train.metrics import MetricsLogger
 from kiln.train.optim import build_optimizer
+from kiln.train.pipeline_step import pipeline_train_step
 from kiln.train.peak import peak_flops
 from kiln.train.profiling import StepProfiler
 from kiln.train.run_files import check_resume_settings, write_run_files

@@ -405,7 +405,8 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     from kiln.parallel.diloco_fragment import local
     from kiln.parallel.dims import ParallelDims
     from kiln.parallel.parallelize import apply_data_parallel, parallelize
-    from kiln.parallel.pipeline import Pipeline, pipeline_train_step
+    from kiln.parallel.pipeline import Pipeline
+    from kiln.train.pipeline_step import pipeline_train_step
 
     cfg = JobConfig()
     fields = FIELDS[name] if fields is None else fields

@@ -38,6 +38,7 @@ from kiln.model.transformer import Transformer
 from kiln.parallel import pipeline as pl
 from kiln.parallel import pipeline_layout as layout
 from kiln.parallel.parallelize import apply_activation_checkpointing, apply_compile, convert_float8
+from kiln.train.pipeline_step import pipeline_train_step
 from ranks import run_ranks
 from test_data_parallel import assert_same_losses, losses
 
@@ -321,7 +322,7 @@ def _steps(rank, world):
             got[(variant, schedule, "compiled")] = [
                 sum(type(m).__name__ == "OptimizedModule" for m in c.layers) for c in model.chunks]
             got[(variant, schedule, "chunk compiled")] = [c._compiled_call_impl is not None for c in model.chunks]
-            got[(variant, schedule)] = run(pl.pipeline_train_step, pipe, model.parameters(), whole)
+            got[(variant, schedule)] = run(pipeline_train_step, pipe, model.parameters(), whole)
             dist.barrier()
     return got
 

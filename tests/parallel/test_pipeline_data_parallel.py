@@ -28,6 +28,7 @@ import torch
 
 import test_cross_layout as cross
 from conftest import tiny_overrides  # noqa: F401  (cross.overrides builds on it)
+from kiln.train.pipeline_step import pipeline_train_step
 from ranks import run_ranks
 
 STEPS, REL, CLIP = 5, 1e-5, 0.5
@@ -114,7 +115,7 @@ def step_level(rank, world):
         # this replica's half of every global batch (the Loader's per-rank slice)
         half = slice(dims.dp_rank * cfg.train.batch_size, (dims.dp_rank + 1) * cfg.train.batch_size)
         mine = [(x[half], y[half]) for x, y in batches]
-        rows = _train(pl.pipeline_train_step, pipe, model.parameters(),
+        rows = _train(pipeline_train_step, pipe, model.parameters(),
                       lambda o: shard_optimizer_state(o, dims), mine)
         got[name] = {"rows": rows, "calls": calls, "dp_rank": dims.dp_rank}
         dist.barrier()

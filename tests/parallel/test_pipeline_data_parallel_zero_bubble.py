@@ -16,6 +16,7 @@ import torch
 
 import test_pipeline_data_parallel as ddp_pp
 from kiln.parallel.pipeline_layout import schedule_available
+from kiln.train.pipeline_step import pipeline_train_step
 from ranks import run_ranks
 
 STEPS, REL, CLIP = ddp_pp.STEPS, ddp_pp.REL, ddp_pp.CLIP
@@ -76,7 +77,7 @@ def step_level(rank, world):
             optimizers.append(shard_optimizer_state(o, dims))
             return optimizers[-1]
 
-        rows = ddp_pp._train(pl.pipeline_train_step, pipe, model.parameters(), optimizer,
+        rows = ddp_pp._train(pipeline_train_step, pipe, model.parameters(), optimizer,
                              [(x[half], y[half]) for x, y in batches])
         got[name] = {"rows": rows, "averages": len(calls), "zero1": isinstance(optimizers[0], Zero1Optimizer),
                      "buckets": len(pipe.replicas.buckets)}

@@ -60,6 +60,7 @@ import torch
 from conftest import float8_import_error
 from kiln import torch_compat
 from kiln.parallel.pipeline_layout import schedule_available
+from kiln.train.pipeline_step import pipeline_train_step
 from ranks import run_ranks
 
 FLOAT8 = float8_import_error() is None  # torch 2.6 with the newest torchao (0.18): its cases are left out
@@ -185,19 +186,19 @@ def pipelined(rank, world, cfg, steps=STEPS, scale_moe_losses=True):
 
     def step_fn(*args, **kwargs):
         with cp:
-            return pl.pipeline_train_step(*args, **kwargs)
+            return pipeline_train_step(*args, **kwargs)
 
     opt = shard_optimizer_state(build_optimizer(model, cfg.optim, "cpu"), dims)  # zero1: sharded state
     return train(step_fn, pipe, model, opt, steps, fp16=not cfg.train.float8, batches=mine)
 
 
 def two_rank_jobs(rank, world):
-    from kiln.parallel import pipeline as pl
+    from kiln.train import pipeline_step
 
     got = {name: pipelined(rank, world, job(pp=2, schedule=s, virtual=v, moe=moe), steps)
            for name, (s, v, moe, steps) in CASES.items()}
     got["moe unscaled"] = pipelined(rank, world, job(pp=2, moe=True), STEPS_MOE, scale_moe_losses=False)
-    with mock.patch.object(pl, "agree_found_inf", lambda *args: None):  # the negative control
+    with mock.patch.object(pipeline_step, "agree_found_inf", lambda *args: None):  # the negative control
         got["unagreed"] = pipelined(rank, world, job(pp=2))
     if FLOAT8:
         got["float8"] = pipelined(rank, world, job(pp=2, float8=True), STEPS_F8)

@@ -31,6 +31,7 @@ from kiln.parallel import pipeline as pl
 from kiln.parallel import pipeline_layout as layout
 from kiln.parallel import pipeline_stages as stages
 from kiln.parallel.pipeline_layout import chunked_loss_fits_schedule
+from kiln.train.pipeline_step import pipeline_train_step
 from ranks import continue_in_copy, patch_for_one_run, run_ranks, train_runs
 from test_data_parallel import assert_same_losses, losses, sets
 from conftest import tiny_overrides
@@ -281,7 +282,7 @@ def _pp_worker(rank: int, port: int, results) -> None:
                 x, y = batches[0][0]  # the last row padding: one stage per rank, and a V
                 got[f"eval loss {name}"] = [float(pipe.forward_loss(x, y, 3, m)) for m in (1, 3, 4)]
             count.update(full=0, chunked=0)
-            got[name] = run(cfg, pl.pipeline_train_step, pipe)
+            got[name] = run(cfg, pipeline_train_step, pipe)
             calls[name] = dict(count)
             if undo:
                 undo()
@@ -290,7 +291,7 @@ def _pp_worker(rank: int, port: int, results) -> None:
             dims = ParallelDims.from_config(cfg.parallel, world_size=2, rank=rank, local_rank=rank)
             dims.build_mesh("cpu")
             pipe = pl.Pipeline(build_model(cfg, dims, torch.device("cpu")), cfg, dims, torch.device("cpu"))
-            got[f"documents {schedule}"] = run(cfg, pl.pipeline_train_step, pipe, doc_batches)
+            got[f"documents {schedule}"] = run(cfg, pipeline_train_step, pipe, doc_batches)
         results[rank] = {**got, "calls": calls}
         dist.destroy_process_group()
     except BaseException:

@@ -25,6 +25,7 @@ from unittest import mock
 import pytest
 import torch
 
+from kiln.train.pipeline_step import pipeline_train_step
 from ranks import run_ranks
 
 STEPS, SAVE_AT, REL, CLIP = 5, 3, 1e-5, 0.5
@@ -127,7 +128,7 @@ def pipelined(rank, world, cfg, ckpt_dir=None, resume_from=None):
 
     def step_fn(*args, **kwargs):
         with cp:
-            return pl.pipeline_train_step(*args, **kwargs)
+            return pipeline_train_step(*args, **kwargs)
 
     return train(step_fn, pipe, model, opt, data, range(first, STEPS + 1), ckpt)
 

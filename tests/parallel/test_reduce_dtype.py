@@ -35,7 +35,8 @@ def _train(rank, n):
     from kiln.config import load_config
     from kiln.parallel.data_parallel import shard_optimizer_state
     from kiln.parallel.dims import ParallelDims
-    from kiln.parallel.pipeline import Pipeline, pipeline_train_step
+    from kiln.parallel.pipeline import Pipeline
+    from kiln.train.pipeline_step import pipeline_train_step
     from kiln.train.optim import build_optimizer
     from kiln.train.step import train_step
     from kiln.train.system import resolve_loss

@@ -111,6 +111,7 @@ def _tp_pp_worker(rank, world):
 
     from kiln import torch_compat
     from kiln.parallel import pipeline as pl
+    from kiln.train.pipeline_step import pipeline_train_step
     from kiln.parallel.context_parallel import ContextParallel
     from kiln.parallel.dims import ParallelDims
     from kiln.parallel.pipeline_layout import check_pipeline_config
@@ -140,7 +141,7 @@ def _tp_pp_worker(rank, world):
             step_fn = _context_parallel_step(ContextParallel(model, dims, SEQ, torch.device("cpu")), train_step)
             got[name] = sgd_steps(step_fn, model, model.parameters(), model)
             continue
-        step_fn = pl.pipeline_train_step
+        step_fn = pipeline_train_step
         if cp > 1:
             step_fn = _context_parallel_step(ContextParallel(model, dims, SEQ, torch.device("cpu")))
         if dp > 1:
@@ -173,7 +174,7 @@ def _context_parallel_step(context_parallel, step_fn=None):
     cp ranks (as the trainer's metrics fetch does), the grad norm is already global."""
     import torch.distributed as dist
 
-    from kiln.parallel.pipeline import pipeline_train_step
+    from kiln.train.pipeline_step import pipeline_train_step
 
     step_fn = step_fn or pipeline_train_step
 
@@ -255,8 +256,7 @@ def test_zero_bubble_over_fsdp_units_resharded_after_forward_changes_the_gradien
     assert got[1] != pytest.approx(expected[1], rel=REL)  # the last stage's norm and head lose their grads
 
 
-def test_unverified_pp_layouts_are_refused_naming_the_values():
-    from kiln.errors import ConfigError
+def test_pp_layouts_with_cp_and_tp_pass_the_layout_checks():
     from kiln.parallel.dims import ParallelDims
     from kiln.parallel.pipeline_layout import check_pipeline_config
 

@@ -65,6 +65,10 @@ class Adafactor(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d,
                                       weight_decay=weight_decay, maximize=maximize))
 
+    def updates_elementwise(self, group: dict) -> bool:
+        """No: row and column factors per matrix (ZeRO-1 keeps its tensors whole, kiln/parallel/zero1.py)."""
+        return False
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

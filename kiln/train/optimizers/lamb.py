@@ -36,6 +36,10 @@ class Lamb(torch.optim.Optimizer):
         # honours found_inf (kiln/train/optimizers/skip.py), so train_step never syncs with it
         self._step_supports_amp_scaling = supports_device_skip(p for g in self.param_groups for p in g["params"])
 
+    def updates_elementwise(self, group: dict) -> bool:
+        """No: a trust ratio per tensor (ZeRO-1 keeps its tensors whole, kiln/parallel/zero1.py)."""
+        return False
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

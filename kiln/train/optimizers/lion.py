@@ -32,6 +32,11 @@ class Lion(torch.optim.Optimizer):
         # honours found_inf (kiln/train/optimizers/skip.py), so train_step never syncs with it
         self._step_supports_amp_scaling = supports_device_skip(p for g in self.param_groups for p in g["params"])
 
+    def updates_elementwise(self, group: dict) -> bool:
+        """Each element's update reads only that element's state: ZeRO-1 may cut the parameters
+        into runs (kiln/parallel/zero1.py)."""
+        return True
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

@@ -74,6 +74,16 @@ class Muon(torch.optim.Optimizer):
                             "only matrices can be orthogonalized (put it in a use_muon=False group)"
                         )
 
+    def updates_elementwise(self, group: dict) -> bool:
+        """ZeRO-1 may cut a group into runs (kiln/parallel/zero1.py) only where it is element-wise:
+        the AdamW groups, not the orthogonalized matrices."""
+        return not group.get("use_muon", True)
+
+    def share_over_replicas(self, group) -> None:
+        """`group`'s ranks hold equal plain gradients (DDP's replicas): deal the Newton-Schulz
+        iterations out over them (kiln/parallel/data_parallel.py `shard_optimizer_state`)."""
+        self.replicas = group
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
