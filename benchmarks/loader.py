@@ -296,7 +296,7 @@ def s3_hit_rates(n_shards: int, shard_windows: int, epochs: int, latency_s: floa
 
 def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int, fixed_step_ms: float = 20.0,
               fixed_steps: int = 200) -> dict:
-    """`kiln loader-bench` (kiln/data/stall.py) on a ~10M-parameter model at default [data] loader
+    """`kiln loader-bench` (kiln/train/stall.py) on a ~10M-parameter model at default [data] loader
     settings, shards (a) local and (b) on a loopback moto S3 server with `latency_s` per request:
     the live stall (data wait / step time) of the threaded Loader feeding real steps, cold and warm."""
     import dataclasses
@@ -304,7 +304,7 @@ def stall_10m(root: Path, steps: int, latency_s: float, corpus_bytes: int, fixed
     import sysconfig
 
     from kiln.config import load_config
-    from kiln.data.stall import analyze
+    from kiln.train.stall import analyze
     from kiln.plan.memory import ModelShape, vocab_estimate
 
     root.mkdir(parents=True, exist_ok=True)
@@ -367,7 +367,8 @@ def fixed_step_stall(cfg, shard_dir: str, cache_dir: Path, step_ms: float, steps
     import torch
 
     from kiln.data.shards import ShardSet
-    from kiln.data.stall import drop_page_cache, live_stall
+    from kiln.data.storage import drop_page_cache
+    from kiln.train.stall import live_stall
     from kiln.data.storage import open_store
 
     store = open_store(shard_dir, dataclasses.replace(cfg.data, cache_dir=str(cache_dir)))

@@ -1,7 +1,7 @@
 """kiln loader-bench [CONFIG.toml] [--set section.key=value ...] [--run-dir DIR] [--steps N]
 kiln loader-bench [CONFIG.toml] --image-text SHARDS --step-ms C [--image-size S] [--workers 0,1,2] ...
 
-Measures compute, warm and cold loading (kiln/data/stall.py) and writes
+Measures compute, warm and cold loading (kiln/train/stall.py) and writes
 RUN_DIR/reports/loader-bench.json, which `kiln report` charts. With --image-text, compares
 preprocessing image-text tar shards in CPU workers vs on the device (kiln/data/stall_image.py)
 and writes RUN_DIR/reports/loader-bench-image.{json,svg}."""
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.model.name
     if args.image_text:
         return run_image(args, cfg, run_dir)
-    from kiln.data.stall import analyze
+    from kiln.train.stall import analyze
     from kiln.io import atomic_write_json
 
     report = analyze(cfg, run_dir, steps=args.steps, log=lambda m: print(m, flush=True))

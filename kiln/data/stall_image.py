@@ -41,7 +41,7 @@ def time_loader(index: TarIndex, tokenizer, *, mode: str, workers: int, batches:
     it starts the workers) and the workers * prefetch batches they prepared meanwhile (untimed, so
     the timed ones measure the steady rate); page cache dropped before the timed ones when `cold`."""
     from kiln.data.image_text import ImageTextLoader
-    from kiln.data.stall import drop_page_cache
+    from kiln.data.storage import drop_page_cache
 
     loader = ImageTextLoader(index, tokenizer, mode=mode, workers=workers, log=lambda _m: None, **loader_kw)
     try:

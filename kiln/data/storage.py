@@ -22,7 +22,9 @@ What is library code and what is ours: fsspec (`fsspec.core.url_to_fs`, `cat_fil
 `size`) does all I/O and protocol handling, s3fs the S3 protocol; the cache accounting, the
 eviction order (least recently used, never a file being read right now), retries, the
 parallel range split and the window bookkeeping are written here; .npy headers are parsed by
-numpy (`np.lib.format.read_magic`, `read_array_header_*`).
+numpy (`np.lib.format.read_magic`, `read_array_header_*`). `drop_page_cache` makes the next read
+of local files cold (`os.posix_fadvise`), for the stall analyzers (kiln/train/stall.py,
+kiln/data/stall_image.py).
 """
 
 from __future__ import annotations
@@ -430,3 +432,13 @@ class LazyShard:
     def __array__(self, dtype=None, copy=None):
         arr = np.asarray(self.store.array(self.name, self.shape[0]))
         return arr.astype(dtype) if dtype is not None else arr
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Ask the kernel to forget the cached pages of these (clean) files: the next read is cold."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -7,7 +7,7 @@ from conftest import tiny_overrides
 
 from kiln.cli import main
 from kiln.config import load_config
-from kiln.data import stall
+from kiln.train import stall
 from kiln.report.run_page import build_report
 
 

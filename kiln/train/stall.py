@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -35,30 +34,19 @@ from kiln.config import JobConfig
 from kiln.data.loader import Loader, TokenWindows
 from kiln.data.raw_to_shards import prepare_shards
 from kiln.data.shards import ShardSet
-from kiln.data.storage import open_store
+from kiln.data.storage import drop_page_cache, open_store
 from kiln.errors import KilnError
-
-
-def drop_page_cache(paths: list[Path]) -> None:
-    """Ask the kernel to forget the cached pages of these (clean) files: the next read is cold."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+from kiln.parallel.dims import ParallelDims, pick_device
+from kiln.train.evaluate import autocast_context
+from kiln.train.optim import build_optimizer
+from kiln.train.step import train_step
+from kiln.train.system import resolve_dtype
+from kiln.train.trainer import build_model
 
 
 def build_step(cfg: JobConfig):
     """(step(micro_batches), device): one training step of the trainer's model (`build_model`,
     `build_optimizer`, `train_step`), waiting for the device at its end."""
-    from kiln.parallel.dims import ParallelDims, pick_device
-    from kiln.train.evaluate import autocast_context
-    from kiln.train.optim import build_optimizer
-    from kiln.train.step import train_step
-    from kiln.train.system import resolve_dtype
-    from kiln.train.trainer import build_model
-
     dims = ParallelDims.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0, local_world_size=1,
                                     seq_len=cfg.data.seq_len)
     if dims.world_size > 1:
