@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--max-{dim}", type=int, default=None, metavar="N",
                        help=f"largest {dim} degree to consider (1: data-parallel layouts only)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    p.add_argument("--as-configured", action="store_true",
+                   help="predict the config's own layout (its [parallel], batch and activation checkpointing) on "
+                        "the cluster instead of searching: whether kiln train takes it at the cluster's world "
+                        "size, memory per rank and step time, next to the search's fastest; nothing is written")
     p.add_argument("--out", default="plan.toml", help="where to write the best plan's config (default plan.toml)")
     p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
                    help="fit --cluster's efficiency curve, link bandwidth and overlap to these kiln runs and "
@@ -126,6 +130,60 @@ def _calibrate(args: argparse.Namespace, cluster) -> int:
     return 0
 
 
+def _as_configured(cfg, cluster, shape, args: argparse.Namespace) -> int:
+    """The config's own layout on `cluster`: kiln train's checks at the cluster's world size (a
+    refusal is their one line), then the memory model and step time the search ranks layouts by,
+    and the search's fastest at the same global batch and precision. 0 when it fits, else 1."""
+    import copy
+    import dataclasses
+
+    from kiln.parallel.dims import ParallelDims
+    from kiln.parallel.pipeline_layout import check_pipeline_config
+    from kiln.plan.memory import rank_memory
+    from kiln.plan.search import fuses_projections, search
+    from kiln.plan.timing import step_time
+    from kiln.train.memory import layout_of
+
+    cfg = copy.deepcopy(cfg)
+    world, gpu = cluster.world_size, cluster.backend == "nccl"
+    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=0, local_rank=0,
+                                    local_world_size=cluster.gpus_per_node, seq_len=cfg.data.seq_len)
+    cfg.train.grad_accum = cfg.train.accumulation(dims.dp_size)
+    dims.check_model(cfg)
+    check_pipeline_config(cfg)
+    if cfg.train.dtype == "auto":  # what kiln train resolves it to on the cluster's devices
+        cfg.train.dtype = "bf16" if gpu else "fp32"
+    layout = layout_of(cfg, dims)
+    # as kiln train resolves them on the cluster's devices, not on this machine's
+    value = cfg.model.fused_projections
+    fused = (gpu and fuses_projections(layout)) if value == "auto" else (bool(value) and layout.tp == 1
+                                                                          and layout.precision != "float8")
+    layout = dataclasses.replace(layout, fused_projections=fused, fused_ring_blocks=not gpu and cfg.model.dropout == 0)
+    mem = rank_memory(shape, layout, cfg.data.seq_len, cfg.optim.name)
+    t = step_time(shape, layout, cfg.data.seq_len, cluster, cfg.optim.name)
+    budget = cluster.device.usable_bytes
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum * dims.dp_size
+    print(f"\nas configured on {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name}, global batch "
+          f"{global_batch} x {cfg.data.seq_len} tokens: {layout.describe()}")
+    print(f"  step {t.total:.4g} s (compute {t.compute:.3g}, exposed comm {t.comm_exposed:.2g}, bubble "
+          f"{t.bubble:.2g}), MFU {t.mfu(cluster, layout.precision, world):.0%}")
+    print("  per rank: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in mem.as_dict().items()))
+    fits = mem.total <= budget
+    print(f"  {'fits' if fits else 'does NOT fit'}: {_gib(mem.total)} of {_gib(budget)} GiB usable")
+    try:
+        best = search(shape, cluster, cfg.data.seq_len, global_batch, optimizer=cfg.optim.name,
+                      precision=layout.precision, loss=layout.loss, compiled=layout.compiled,
+                      diloco_inner_steps=layout.diloco_inner_steps, op_checkpointing=cfg.model.dropout == 0,
+                      diloco_stream=(layout.diloco_fragments, layout.diloco_sync_delay, layout.diloco_wire_bytes),
+                      grad_wire_bytes=layout.grad_wire_bytes, top=1)[0]
+    except KilnError as e:
+        print(f"  the search finds no layout to compare with: {e}")
+    else:
+        print(f"  the search's fastest at this batch: {best.layout.describe()}, step {best.time.total:.4g} s, "
+              f"{_gib(best.memory.total)} GiB: the configured step is {t.total / best.time.total:.2f}x its time")
+    return 0 if fits else 1
+
+
 def run(args: argparse.Namespace) -> int:
     from kiln.config import load_config
     from kiln.io import atomic_write_text
@@ -182,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {shape.params / 1e6:,.1f}M parameters; {tokens:.3g} tokens "
           f"(Chinchilla-optimal for it: {scaling.tokens_for_params(shape.params, 1):.3g}); "
           f"predicted loss {law.loss(shape.params, tokens):.3f}")
+
+    if args.as_configured:
+        return _as_configured(cfg, cluster, shape, args)
 
     global_batch = args.global_batch or cfg.train.global_batch_size or cfg.train.batch_size * cfg.train.grad_accum * world
     if global_batch <= 0:

@@ -125,3 +125,21 @@ def test_a_run_compiled_as_one_graph_is_counted_compiled():
     measured = 3.1922574043273926 * 2**30
     assert estimate_train_bytes(eager) > 2.5 * measured
     assert abs(estimate_train_bytes(compiled) / measured - 1) < 0.10
+
+
+def test_the_layout_carries_every_parallel_setting_the_memory_model_reads():
+    """hpZ's reshard_to (params / k held from forward to backward), the gradient reductions' dtype
+    and two-level expert dispatch reach the planner's Layout, so the refusal counts what runs."""
+    from kiln.parallel.dims import ParallelDims
+    from kiln.train.memory import layout_of
+
+    sets = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "train.batch_size=2", "parallel.dp_mode=fsdp"]
+    plain = load_config(None, sets)
+    tuned = load_config(None, sets + ["parallel.fsdp_reshard_to=2", "parallel.reduce_dtype=bf16"])
+    dims = ParallelDims.from_config(tuned.parallel, world_size=8, rank=0)
+    got = layout_of(tuned, dims)
+    assert (got.fsdp_reshard_to, got.grad_wire_bytes) == (2, 2)
+    # each rank holds params / 2 of every block from its forward to its backward, not params / 8
+    assert estimate_train_bytes(tuned, dims) > estimate_train_bytes(plain, ParallelDims.from_config(plain.parallel, world_size=8, rank=0))
+    moe = load_config(None, sets + ["model.moe_experts=8", "parallel.ep=4", "parallel.ep_node_ranks=2"])
+    assert layout_of(moe, ParallelDims.from_config(moe.parallel, world_size=8, rank=0)).ep_node_ranks == 2
