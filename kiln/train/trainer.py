@@ -332,8 +332,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     if recovery:
         metrics.log({"kind": "event", "step": state.step, "message": recovery})
     for line in ([batch_note] if batch_note else []) + dims.node_crossings(cfg.model.n_heads):  # the layout runs as it is
-        metrics.log({"kind": "event", "step": state.step, "message": line})
-        metrics.print(f"note: {line}")
+        metrics.log({"kind": "event", "step": state.step, "message": line})  # printed as "[event] ..." too
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "
                   f"{len(train_windows)} training windows, peak {peak / 1e9:.0f} GFLOP/s ({peak_source})")
 

@@ -234,3 +234,17 @@ def test_fsdp_on_cpu_with_a_torch_whose_fsdp2_cannot_run_there_is_one_line(tmp_p
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "parallel.dp_mode='fsdp' on CPU" in lines[0] and "'ddp'" in lines[0], lines
     assert not run.exists()
+
+
+def test_a_derived_grad_accum_is_one_event_printed_once(tmp_path, text_file, capsys):
+    cfg = cfg_for(text_file, **{"train.steps": 2, "train.eval_every": 0, "train.batch_size": 2,
+                                "train.global_batch_size": 8})
+    train(cfg, tmp_path / "run")
+    out = capsys.readouterr()
+    note = "train.grad_accum=4 (the config had 1): train.global_batch_size=8 = train.batch_size=2 x 1"
+    assert (out.out + out.err).count(note) == 1
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["message"] for r in rows if r["kind"] == "event" and note in r["message"]]
+    (run,) = [r for r in rows if r["kind"] == "run"]
+    assert (run["grad_accum"], run["global_batch_size"], run["tokens_per_step"]) == (4, 8, 8 * 32)
+    assert "global_batch_size = 8" in (tmp_path / "run" / "config.toml").read_text()
