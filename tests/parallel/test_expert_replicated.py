@@ -75,8 +75,15 @@ LAYOUTS = {  # name -> (world, [parallel] settings)
     "ep2_pp2_fsdp_zbv": (4, {**ZBV, "parallel.dp_mode": "'fsdp'"}),
     "ep2_pp2_zero2_zbv": (4, {**ZBV, "parallel.dp_mode": "'zero2'"}),
 }
+# kiln's foreach optimizers on one group of plain dense parameters (DDP) and the experts' DTensors:
+# each tensor layout stepped apart (kiln/train/optimizers/foreach.py; before, torch raised "mixed
+# torch.Tensor and DTensor", found by scripts/layout_fuzz.py)
+for _name, _optim in (("lion", {"optim.name": "'lion'", "optim.lr": 0.001}), ("lamb", {"optim.name": "'lamb'"})):
+    LAYOUTS[f"single_{_name}"] = (1, _optim)
+    LAYOUTS[f"ep2_ddp_{_name}"] = (4, {"parallel.ep": 2, "parallel.dp_mode": "'ddp'", **_optim})
 REFERENCE = {name: "single4" if LAYOUTS[name][1].get("model.n_layers") == 4 else "single" for name in LAYOUTS}
-REFERENCE["ep2_ddp_ga2"] = "single_ga2"
+REFERENCE.update(ep2_ddp_ga2="single_ga2", ep2_ddp_lion="single_lion", ep2_ddp_lamb="single_lamb")
+SINGLES = ("single", "single4", "single_ga2", "single_lion", "single_lamb")
 
 
 def overrides(text_file, shards, name):
@@ -127,7 +134,7 @@ def runs(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("ep_replicated")
     shards = root / "shards"
     sets = {name: overrides(text_file, shards, name) for name in LAYOUTS}
-    dropped = {"single": [], "single4": [], "single_ga2": []}  # each reference's dropped share, every MoE forward
+    dropped = {name: [] for name in SINGLES}  # each reference's dropped share, every MoE forward
     forward = MoE.forward
 
     def recording(self, *args, **kwargs):
@@ -137,7 +144,7 @@ def runs(tmp_path_factory, text_file):
 
     MoE.forward = recording
     try:
-        for reference in ("single", "single4", "single_ga2"):  # the first writes the shared shards
+        for reference in SINGLES:  # the first writes the shared shards
             train(load_config(None, sets[reference]), root / reference)
     finally:
         MoE.forward = forward
@@ -172,7 +179,8 @@ def run_rows(run):
                                         ("ep2_ddp_ga2", "ddp"),
                                         ("ep2_pp2_ddp_izb", "ddp"), ("ep2_pp2_ddp_zbv", "ddp"),
                                         ("ep2_pp2_zero1_zbv", "zero1"), ("ep2_pp2_fsdp_zbv", "fsdp"),
-                                        ("ep2_pp2_zero2_zbv", "zero2")])
+                                        ("ep2_pp2_zero2_zbv", "zero2"), ("ep2_ddp_lion", "ddp"),
+                                        ("ep2_ddp_lamb", "ddp")])
 def test_ep_under_ddp_or_zero1_matches_one_process(runs, name, mode):
     # capacity 1.0 drops assignments: the dropping path is compared too
     assert max(runs["dropped"][REFERENCE[name]]) > 0

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kiln.train.optimizers.adam_state import adam_state_lists
+from kiln.train.optimizers.foreach import by_layout
 from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
 
@@ -50,7 +51,8 @@ class Lamb(torch.optim.Optimizer):
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = adam_state_lists(self, group, "Lamb")
             if params:
-                self._update_group(group, params, grads, exp_avgs, exp_avg_sqs, steps, skip)
+                for lists in by_layout(params, grads, exp_avgs, exp_avg_sqs, steps):  # foreach: one layout
+                    self._update_group(group, *lists, skip)
         return loss
 
     @staticmethod

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kiln.train.optimizers.foreach import by_layout
 from kiln.train.optimizers.skip import skip_flag, supports_device_skip, unless_skipped, zero_if_skipped_
 
 
@@ -59,20 +60,26 @@ class Lion(torch.optim.Optimizer):
                 exp_avgs.append(state["exp_avg"])
             if not params:
                 continue
-            lr, wd = group["lr"], group["weight_decay"]
-            beta1, beta2 = group["betas"]
-            zero_if_skipped_(skip, grads)  # a skipped step: zero gradients, identity factors
-            if wd != 0:
-                torch._foreach_mul_(params, unless_skipped(skip, 1.0 - lr * wd, 1.0))
-            # torch 2.11 has no DTensor sharding rule for the out-of-place _foreach_lerp nor for
-            # _foreach_sign(_), so FSDP-sharded parameters could not step: mul + add, and a
-            # per-tensor sign_ (a plain pointwise op, which DTensor supports everywhere).
-            # beta1 * m + (1 - beta1) * g; skipped: 0 * m + 0 (zeroed g), whose sign 0 moves nothing
-            updates = torch._foreach_mul(exp_avgs, unless_skipped(skip, beta1, 0.0))
-            torch._foreach_add_(updates, grads, alpha=1.0 - beta1)
-            for update in updates:
-                update.sign_()
-            torch._foreach_add_(params, updates, alpha=-lr)
-            torch._foreach_mul_(exp_avgs, unless_skipped(skip, beta2, 1.0))  # m = beta2 * m + (1 - beta2) * g
-            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
+            for lists in by_layout(params, grads, exp_avgs):  # foreach takes one tensor layout
+                self._update(group, *lists, skip)
         return loss
+
+    @staticmethod
+    def _update(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                skip: torch.Tensor | None) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        zero_if_skipped_(skip, grads)  # a skipped step: zero gradients, identity factors
+        if wd != 0:
+            torch._foreach_mul_(params, unless_skipped(skip, 1.0 - lr * wd, 1.0))
+        # torch 2.11 has no DTensor sharding rule for the out-of-place _foreach_lerp nor for
+        # _foreach_sign(_), so FSDP-sharded parameters could not step: mul + add, and a
+        # per-tensor sign_ (a plain pointwise op, which DTensor supports everywhere).
+        # beta1 * m + (1 - beta1) * g; skipped: 0 * m + 0 (zeroed g), whose sign 0 moves nothing
+        updates = torch._foreach_mul(exp_avgs, unless_skipped(skip, beta1, 0.0))
+        torch._foreach_add_(updates, grads, alpha=1.0 - beta1)
+        for update in updates:
+            update.sign_()
+        torch._foreach_add_(params, updates, alpha=-lr)
+        torch._foreach_mul_(exp_avgs, unless_skipped(skip, beta2, 1.0))  # m = beta2 * m + (1 - beta2) * g
+        torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
