@@ -44,8 +44,8 @@ from kiln.train.evaluate import Evaluator, autocast_context
 from kiln.train.memory import check_fits_memory
 from kiln.train.metrics import MetricsLogger
 from kiln.train.optim import build_optimizer
-from kiln.train.pipeline_step import pipeline_train_step
 from kiln.train.peak import peak_flops
+from kiln.train.pipeline_step import pipeline_train_step
 from kiln.train.profiling import StepProfiler
 from kiln.train.run_files import check_resume_settings, write_run_files
 from kiln.train.schedule import LRSchedule
