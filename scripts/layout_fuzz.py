@@ -59,6 +59,11 @@ def draw_model(rng: random.Random) -> dict:
     return m
 
 
+DEFAULTS = {"parallel.ep": 1, "parallel.etp": -1, "parallel.cp_mode": "'ring'", "parallel.ulysses_degree": 0,
+            "parallel.ulysses_rounds": 1, "parallel.pp_schedule": "'1f1b'", "parallel.pp_virtual_stages": 1,
+            "parallel.pp_microbatches": 0, "parallel.fsdp_reshard_to": 0, "parallel.dp_mode": "'auto'"}
+
+
 def draw_layout(rng: random.Random, world: int, moe: bool) -> dict:
     degrees = [1, 1, 1, 1, 1]  # dp_replicate, dp_shard, tp, pp, cp: world's factors dealt at random
     left = world
@@ -68,10 +73,7 @@ def draw_layout(rng: random.Random, world: int, moe: bool) -> dict:
         left //= f
     rep, shard, tp, pp, cp = degrees
     p = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard, "parallel.tp": tp, "parallel.pp": pp,
-         "parallel.cp": cp, "parallel.ep": 1, "parallel.etp": -1, "parallel.cp_mode": "'ring'",
-         "parallel.ulysses_degree": 0, "parallel.ulysses_rounds": 1, "parallel.pp_schedule": "'1f1b'",
-         "parallel.pp_virtual_stages": 1, "parallel.pp_microbatches": 0, "parallel.fsdp_reshard_to": 0,
-         "parallel.dp_mode": "'auto'"}
+         "parallel.cp": cp, **DEFAULTS}  # every key set: a resumed run names its layout whole
     if rep * shard > 1:
         p["parallel.dp_mode"] = f"'{rng.choice(['auto', 'ddp', 'zero1', 'zero2', 'fsdp'])}'"
     if pp > 1:
@@ -99,15 +101,10 @@ def refusal(sets: dict, world: int) -> str | None:
     from kiln.config import load_config
     from kiln.errors import KilnError
     from kiln.parallel.dims import ParallelDims
-    from kiln.parallel.pipeline_layout import check_pipeline_config
 
     try:
-        cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
-        dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=0, local_rank=0,
-                                        local_world_size=world, seq_len=cfg.data.seq_len)
-        cfg.train.grad_accum = cfg.train.accumulation(dims.dp_size)
-        dims.check_model(cfg)
-        check_pipeline_config(cfg)
+        ParallelDims.for_job(load_config(None, [f"{k}={v}" for k, v in sets.items()]), world_size=world, rank=0,
+                             local_rank=0, local_world_size=world)
     except KilnError as e:
         return str(e)
     return None
@@ -124,11 +121,6 @@ def kiln_train(sets: dict, run_dir: Path, world: int, *extra: str) -> subprocess
 def rows(run_dir: Path) -> dict[int, tuple[float, float]]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in lines if r["kind"] == "train"}
-
-
-DEFAULTS = {"parallel.ep": 1, "parallel.etp": -1, "parallel.cp_mode": "'ring'", "parallel.ulysses_degree": 0,
-            "parallel.ulysses_rounds": 1, "parallel.pp_schedule": "'1f1b'", "parallel.pp_virtual_stages": 1,
-            "parallel.pp_microbatches": 0, "parallel.fsdp_reshard_to": 0, "parallel.dp_mode": "'auto'"}
 
 
 def describe(layout: dict) -> str:

@@ -138,7 +138,6 @@ def _as_configured(cfg, cluster, shape, args: argparse.Namespace) -> int:
     import dataclasses
 
     from kiln.parallel.dims import ParallelDims
-    from kiln.parallel.pipeline_layout import check_pipeline_config
     from kiln.plan.memory import rank_memory
     from kiln.plan.search import fuses_projections, search
     from kiln.plan.timing import step_time
@@ -146,11 +145,7 @@ def _as_configured(cfg, cluster, shape, args: argparse.Namespace) -> int:
 
     cfg = copy.deepcopy(cfg)
     world, gpu = cluster.world_size, cluster.backend == "nccl"
-    dims = ParallelDims.from_config(cfg.parallel, world_size=world, rank=0, local_rank=0,
-                                    local_world_size=cluster.gpus_per_node, seq_len=cfg.data.seq_len)
-    cfg.train.grad_accum = cfg.train.accumulation(dims.dp_size)
-    dims.check_model(cfg)
-    check_pipeline_config(cfg)
+    dims, _ = ParallelDims.for_job(cfg, world_size=world, rank=0, local_rank=0, local_world_size=cluster.gpus_per_node)
     if cfg.train.dtype == "auto":  # what kiln train resolves it to on the cluster's devices
         cfg.train.dtype = "bf16" if gpu else "fp32"
     layout = layout_of(cfg, dims)

@@ -18,6 +18,7 @@ from kiln.errors import rank_label  # noqa: F401  (re-exported)
 from kiln.errors import ConfigError
 from kiln.model.transformer import ffn_hidden_size
 from kiln.parallel.context_parallel import check_cp_seq_len
+from kiln.parallel.pipeline_layout import check_pipeline_config
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -128,6 +129,25 @@ class ParallelDims:
                    dp_mode=mode, local_world_size=local_world_size, etp=etp, diloco=bool(cfg.diloco_inner_steps),
                    ep_node_ranks=cfg.ep_node_ranks, reduce_dtype=cfg.reduce_dtype,
                    cp_mode=cfg.cp_mode, ulysses_degree=cfg.ulysses_degree, ulysses_rounds=cfg.ulysses_rounds)
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig, **world) -> tuple["ParallelDims", str | None]:
+        """The layout `kiln train` runs `cfg` with, and every check it makes of it before any work:
+        `from_config` (`world`: its keywords; by default torchrun's environment), the grad_accum
+        `train.global_batch_size` gives this layout (set in `cfg`, which is saved so), the model's
+        and the pipeline's checks. Returns the dims and, where grad_accum changed, the line that
+        says so; a refusal is a ConfigError. The trainer, `kiln plan` and scripts/layout_fuzz.py
+        all check a layout here."""
+        dims = cls.from_config(cfg.parallel, seq_len=cfg.data.seq_len, **world)
+        accum, note = cfg.train.accumulation(dims.dp_size), None
+        if accum != cfg.train.grad_accum:
+            note = (f"train.grad_accum={accum} (the config had {cfg.train.grad_accum}): train.global_batch_size="
+                    f"{cfg.train.global_batch_size} = train.batch_size={cfg.train.batch_size} x {dims.dp_size} "
+                    f"data-parallel rank(s) x {accum}")
+            cfg.train.grad_accum = accum
+        dims.check_model(cfg)
+        check_pipeline_config(cfg)
+        return dims, note
 
     def check_model(self, cfg: JobConfig) -> None:
         """The layout against the model, before any work. Ring attention (cp) enters compiled

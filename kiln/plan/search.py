@@ -334,17 +334,12 @@ def kiln_refusal(cfg: JobConfig, layout: Layout, world_size: int) -> str | None:
     """Why `kiln train` would refuse `layout` for `cfg` on `world_size` processes, or None: the
     trainer's own checks (config validation, ParallelDims, the model and pipeline checks), so a
     plan is never one kiln cannot run (e.g. pp with tied embeddings)."""
-    from kiln.errors import ConfigError
     from kiln.parallel.dims import ParallelDims
-    from kiln.parallel.pipeline_layout import check_pipeline_config
 
     try:
-        run_cfg = config_for_plan(cfg, layout)
-        dims = ParallelDims.from_config(run_cfg.parallel, world_size=world_size, rank=0, local_rank=0,
-                                        local_world_size=world_size, seq_len=run_cfg.data.seq_len)
-        dims.check_model(run_cfg)
-        check_pipeline_config(run_cfg)
-    except (ConfigError, KilnError) as e:
+        ParallelDims.for_job(config_for_plan(cfg, layout), world_size=world_size, rank=0, local_rank=0,
+                             local_world_size=world_size)
+    except KilnError as e:
         return str(e)
     return None
 

@@ -36,7 +36,7 @@ from kiln.parallel.dims import ParallelDims, pick_device
 from kiln.parallel import zero1_shards
 from kiln.parallel.parallelize import check_float8_device, compile_scope, parallelize
 from kiln.parallel.pipeline import Pipeline, PipelineEvalModel
-from kiln.parallel.pipeline_layout import check_pipeline_config, chunked_loss_fits_schedule
+from kiln.parallel.pipeline_layout import chunked_loss_fits_schedule
 from kiln.parallel.timeouts import CollectiveTimeouts, record_nccl_collectives
 from kiln.report.run_metrics import read_metrics
 from kiln.train.attention import configure_attention
@@ -122,20 +122,6 @@ def build_mixture(cfg: JobConfig, reference: ShardSet) -> MixtureWindows:
     return MixtureWindows(sources, cfg.data.mixture_weights, seed=cfg.train.seed, names=names)
 
 
-def _resolve_grad_accum(cfg: JobConfig, dims: ParallelDims) -> str | None:
-    """Set train.grad_accum for this layout where train.global_batch_size fixes the global batch
-    (saved resolved with the run's config; a resume on another layout derives it again); the
-    line to print when that changed the config's value."""
-    accum = cfg.train.accumulation(dims.dp_size)
-    if accum == cfg.train.grad_accum:
-        return None
-    note = (f"train.grad_accum={accum} (the config had {cfg.train.grad_accum}): train.global_batch_size="
-            f"{cfg.train.global_batch_size} = train.batch_size={cfg.train.batch_size} x {dims.dp_size} "
-            f"data-parallel rank(s) x {accum}")
-    cfg.train.grad_accum = accum
-    return note
-
-
 def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Transformer:
     cfg.model.fused_projections = resolve_fused_projections(  # saved resolved with the run's config
         cfg.model.fused_projections, device, fsdp=dims.grad_ranks > 1 and dims.dp_mode in ("fsdp", "zero2"))
@@ -164,10 +150,7 @@ def train(cfg: JobConfig, run_dir: str | Path, *, resume: bool | None = None,
 
 def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: bool | None,
            stop_at: int | None) -> TrainResult:
-    dims = ParallelDims.from_config(cfg.parallel, seq_len=cfg.data.seq_len)
-    batch_note = _resolve_grad_accum(cfg, dims)
-    dims.check_model(cfg)
-    check_pipeline_config(cfg)
+    dims, batch_note = ParallelDims.for_job(cfg)  # grad_accum derived for this layout, every layout check
     device = pick_device(cfg.train.device, dims)
     check_fits_memory(cfg, device, dims)  # before the tokenizer, the shards or the model allocate anything
     fsdp = dims.grad_ranks > 1 and dims.dp_mode in ("fsdp", "zero2")  # what apply_data_parallel shards
