@@ -5,8 +5,9 @@ text on every machine, read at run time, so the default job needs no download. F
 the readers `kiln prep` uses (kiln/data/documents.py): text, JSONL (plain, .gz, .zst), JSON and
 Parquet, suffixes matched case-insensitively.
 
-Documents have a stable id (path, or path:line) so the train/validation split is a hash of the id:
-it does not depend on reading order or on how much of the corpus is read. A source that is a
+Documents have a stable id (path relative to the source, or that:line) so the train/validation split
+is a hash of the id: it does not depend on reading order, on how much of the corpus is read or on
+where the corpus is mounted. A source that is a
 single document is split by position instead (the last `val_fraction` is validation), the usual
 convention for corpora such as tinyshakespeare.
 
@@ -106,9 +107,11 @@ def iter_documents(source: str, glob: str = "**/*", text_field: str = "text",
     opts = ReadOptions(text_field=text_field)
     builtin = source == BUILTIN_STDLIB
     in_dir = builtin or Path(source).is_dir()
-    root = stdlib_root() if builtin else Path(source) if in_dir else None
+    # ids are relative to the source (a directory, or a file's folder) as `kiln prep`'s are: the
+    # split is then the same wherever the corpus lives (another mount point on another node)
+    root = stdlib_root() if builtin else Path(source) if in_dir else Path(source).parent
     for path, fmt in files:
-        name = str(path.relative_to(root)) if builtin else str(path)  # the id: it decides the split
+        name = str(path.relative_to(root))  # the id: it decides the split
         skipped: list[str] = []
         n_docs = 0
 
@@ -124,7 +127,7 @@ def iter_documents(source: str, glob: str = "**/*", text_field: str = "text",
             elif line is None and in_dir and reason in _SKIPPABLE:
                 skipped.append(reason.replace("_", "-"))
             else:
-                where = f"{file}:{line}" if line is not None else file
+                where = f"{path}:{line}" if line is not None else str(path)  # the path one can open
                 raise DataError(f"{where}: {detail}")
 
         for doc in read_file(path, name, fmt, opts, reject):
@@ -133,7 +136,7 @@ def iter_documents(source: str, glob: str = "**/*", text_field: str = "text",
             n_docs += 1
             yield doc
         if skipped:
-            report.skipped.append((str(path.relative_to(root)) if root else name, skipped[0]))
+            report.skipped.append((name, skipped[0]))
         else:
             report.formats[fmt] = report.formats.get(fmt, 0) + 1
 

@@ -21,6 +21,28 @@ def test_split_is_stable_and_bounded(text_dir):
     assert sum(map(len, small_train + small_val)) <= 20_000
 
 
+def test_split_does_not_depend_on_where_the_corpus_lives(text_dir, tmp_path):
+    """Ids are relative to the source, as `kiln prep`'s: a copy of the corpus at another path (another
+    node's mount point) splits the same, a directory and a JSONL file given directly alike."""
+    import shutil
+
+    from kiln.prep.base import StepContext
+    from kiln.prep.readers import ReaderConfig, list_shards, read_shard
+
+    copy = shutil.copytree(text_dir, tmp_path / "elsewhere" / "corpus")
+    assert split_documents(str(copy), 0.2) == split_documents(str(text_dir), 0.2)
+    cfg = ReaderConfig(path=str(copy))
+    prep_ids = [d.id for shard in list_shards(cfg) for d in read_shard(shard, cfg, StepContext(), print)]
+    assert [d.id for d in iter_documents(str(copy))] == prep_ids and prep_ids[0] == "doc000.txt"
+    for folder in ("a", "b/c"):
+        p = tmp_path / folder / "d.jsonl"
+        p.parent.mkdir(parents=True)
+        p.write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(40)) + "\n")
+    ids = [d.id for d in iter_documents(str(tmp_path / "a" / "d.jsonl"))]
+    assert ids[:2] == ["d.jsonl:1", "d.jsonl:2"]
+    assert split_documents(str(tmp_path / "a" / "d.jsonl"), 0.3) == split_documents(str(tmp_path / "b/c/d.jsonl"), 0.3)
+
+
 def test_single_file_splits_by_position(tmp_path):
     p = tmp_path / "one.txt"
     p.write_text("a" * 900 + "b" * 100)
