@@ -6,7 +6,10 @@ refused draws are drawn again and counted). It trains steps 1..3 in the first la
 (`torchrun -m kiln.cli train --stop-at 3`), continues steps 4..6 from that checkpoint in the
 second (`kiln train --resume`), and holds every step's loss and grad norm to one process trained
 6 steps on the same global batch: `train.global_batch_size` fixes it and each layout derives its
-grad_accum. One line per case (OK; DIFF with the worst relative error; DRIFT where steps 1..3
+grad_accum. A quarter of the cases (with --world > 2) train DiLoCo (H = 2 or 3): both layouts
+hold 2 replicas, and the reference is DiLoCo's own definition, 2 processes each one whole replica.
+The corpus is kiln's sources cut into documents of 1-4 lines, some cases windowing them at
+document starts or keeping attention inside each (data.windows). One line per case (OK; DIFF with the worst relative error; DRIFT where steps 1..3
 agree and one process continuing the first layout's checkpoint lands where the second layout did,
 so the checkpoint's last bits were amplified, not mis-laid-out; FAIL with the last error line;
 REFUSED where a launch stopped on a one-line `kiln train: error`); exit status 1 if any case
@@ -31,8 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, SAVE_AT, GLOBAL_BATCH, REL = 6, 3, 8, 1e-4
-BASE = {"model.dim": 32, "model.n_layers": 4, "model.n_heads": 4, "data.tokenizer": "'byte'", "data.seq_len": 16,
+STEPS, SAVE_AT, GLOBAL_BATCH, REL, N_LAYERS, DILOCO_REPLICAS = 6, 3, 8, 1e-4, 4, 2
+BASE = {"model.dim": 32, "model.n_layers": N_LAYERS, "model.n_heads": 4, "data.tokenizer": "'byte'", "data.seq_len": 16,
         "model.max_seq_len": 64, "model.dropout": 0.0, "train.steps": STEPS, "train.eval_every": 0,
         "checkpoint.every": SAVE_AT, "checkpoint.async_save": "false", "train.dtype": "'fp32'",
         "train.device": "'cpu'", "metrics.progress": "'plain'", "metrics.peak_flops": 1e11,
@@ -56,12 +59,15 @@ def draw_model(rng: random.Random) -> dict:
               "train.loss": f"'{rng.choice(['full', 'chunked'])}'"})
     if rng.random() < 0.1:
         m["train.compile"] = "true"
+    if rng.random() < 0.4:  # windows cut at document starts, or attention kept inside each document
+        m["data.windows"] = f"'{rng.choice(['doc_start', 'packed_masked'])}'"
     return m
 
 
 DEFAULTS = {"parallel.ep": 1, "parallel.etp": -1, "parallel.cp_mode": "'ring'", "parallel.ulysses_degree": 0,
             "parallel.ulysses_rounds": 1, "parallel.pp_schedule": "'1f1b'", "parallel.pp_virtual_stages": 1,
-            "parallel.pp_microbatches": 0, "parallel.fsdp_reshard_to": 0, "parallel.dp_mode": "'auto'"}
+            "parallel.pp_microbatches": 0, "parallel.pp_split_points": "[]", "parallel.fsdp_reshard_to": 0,
+            "parallel.dp_mode": "'auto'"}
 
 
 def draw_layout(rng: random.Random, world: int, moe: bool) -> dict:
@@ -81,6 +87,11 @@ def draw_layout(rng: random.Random, world: int, moe: bool) -> dict:
         p["parallel.pp_schedule"] = f"'{schedule}'"
         if schedule not in ("gpipe", "1f1b"):
             p["parallel.pp_virtual_stages"] = 2
+        stages = pp * p["parallel.pp_virtual_stages"]
+        if stages < N_LAYERS and rng.random() < 0.4:  # uneven stages: explicit first layers
+            p["parallel.pp_split_points"] = str(sorted(rng.sample(range(1, N_LAYERS), stages - 1)))
+        if rng.random() < 0.3:  # more micro-batches than stages (kiln refuses a count not dividing the batch)
+            p["parallel.pp_microbatches"] = rng.choice([2, 4, 8])
     if cp > 1 and rng.random() < 0.5:
         p["parallel.cp_mode"] = "'ulysses'"
         if cp == 4 and rng.random() < 0.5:
@@ -97,16 +108,19 @@ def draw_layout(rng: random.Random, world: int, moe: bool) -> dict:
 
 
 def refusal(sets: dict, world: int) -> str | None:
-    """kiln's own line for a layout it will not run, or None (the checks `kiln train` starts with)."""
+    """kiln's own line for a layout it will not run, or None (the checks `kiln train` starts with).
+    Under DiLoCo also a layout of other than DILOCO_REPLICAS replicas, the reference's count."""
     from kiln.config import load_config
     from kiln.errors import KilnError
     from kiln.parallel.dims import ParallelDims
 
     try:
-        ParallelDims.for_job(load_config(None, [f"{k}={v}" for k, v in sets.items()]), world_size=world, rank=0,
-                             local_rank=0, local_world_size=world)
+        dims, _ = ParallelDims.for_job(load_config(None, [f"{k}={v}" for k, v in sets.items()]), world_size=world,
+                                       rank=0, local_rank=0, local_world_size=world)
     except KilnError as e:
         return str(e)
+    if dims.diloco and dims.dp_replicate != DILOCO_REPLICAS:
+        return f"DiLoCo with {dims.dp_replicate} replicas, not {DILOCO_REPLICAS}"
     return None
 
 
@@ -135,6 +149,13 @@ def run_case(rng: random.Random, world: int, out: Path, corpus: Path, refused: l
              dry: bool = False) -> tuple[str, str]:
     model = draw_model(rng)
     moe = "model.moe_experts" in model
+    alone, alone_world = {**DEFAULTS, "parallel.dp_replicate": 1, "parallel.dp_shard": -1, "parallel.tp": 1,
+                          "parallel.pp": 1, "parallel.cp": 1}, 1
+    if world > DILOCO_REPLICAS and rng.random() < 0.25:
+        # DiLoCo against its own definition: the same replicas, each one whole process; H = 2 puts
+        # the layout change between two outer syncs, H = 3 right after one
+        model["parallel.diloco_inner_steps"] = rng.choice([2, 3])
+        alone_world = DILOCO_REPLICAS
     layouts = []
     while len(layouts) < 2:
         layout = draw_layout(rng, world, moe)
@@ -149,9 +170,9 @@ def run_case(rng: random.Random, world: int, out: Path, corpus: Path, refused: l
     common = {**BASE, "data.source": repr(str(corpus)), **model}
     label = (f"{describe(first)} -> {describe(second)} | "
              + " ".join(f"{k.split('.', 1)[1]}={v}" for k, v in model.items()))
-    reference = kiln_train(common, out / "reference", 1)
+    reference = kiln_train({**common, **alone}, out / "reference", alone_world)
     if reference.returncode:
-        return "FAIL", f"{label} | one process: {reference.stderr.strip().splitlines()[-1][:300]}"
+        return "FAIL", f"{label} | reference: {reference.stderr.strip().splitlines()[-1][:300]}"
     for run, layout, extra in (("first", first, ("--stop-at", str(SAVE_AT))), ("second", second, ())):
         if run == "second":
             shutil.copytree(out / "first", out / "second")
@@ -176,11 +197,9 @@ def run_case(rng: random.Random, world: int, out: Path, corpus: Path, refused: l
     first = worst_rel(want, rows(out / "first"), range(1, SAVE_AT + 1))
     if first <= REL:
         shutil.copytree(out / "first", out / "alone")
-        alone = kiln_train({**common, **DEFAULTS, "parallel.dp_replicate": 1, "parallel.dp_shard": -1,
-                            "parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1},
-                           out / "alone", 1, "--resume", str(out / "alone"))
-        if alone.returncode == 0 and worst_rel(got, rows(out / "alone"), range(SAVE_AT + 1, STEPS + 1)) <= REL:
-            return "DRIFT", f"rel {worst:.1e}, one process from the same checkpoint agrees | {label}"
+        again = kiln_train({**common, **alone}, out / "alone", alone_world, "--resume", str(out / "alone"))
+        if again.returncode == 0 and worst_rel(got, rows(out / "alone"), range(SAVE_AT + 1, STEPS + 1)) <= REL:
+            return "DRIFT", f"rel {worst:.1e}, the reference from the same checkpoint agrees | {label}"
     return "DIFF", f"rel {worst:.1e} (steps 1..{SAVE_AT}: {first:.1e}) | {label}"
 
 
@@ -201,9 +220,15 @@ def main() -> int:
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    corpus = out / "corpus.txt"
-    if not corpus.exists():  # real text without ../shared: kiln's own sources
-        corpus.write_text("\n".join(f.read_text() for f in sorted((ROOT / "kiln").rglob("*.py")))[:300_000])
+    corpus = out / "corpus.jsonl"
+    if not corpus.exists():  # real text without ../shared: kiln's own sources, 1-4 lines a document
+        lines = "\n".join(f.read_text() for f in sorted((ROOT / "kiln").rglob("*.py")))[:300_000].splitlines()
+        cut, docs, at = random.Random(0), [], 0
+        while at < len(lines):
+            n = cut.randint(1, 4)
+            docs.append(json.dumps({"text": "\n".join(lines[at:at + n])}))
+            at += n
+        corpus.write_text("\n".join(docs) + "\n")
     rng = random.Random(args.seed)
     refused: list[str] = []
     counts: dict[str, int] = {}
