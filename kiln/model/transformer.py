@@ -409,13 +409,12 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope=None, cache=None, start_pos=0, mask=None):
-        # The mask is passed only when there is one: tensor parallel's PrepareModuleInput plans
-        # the attention's positional inputs (x, rope, cache, start_pos) one by one.
-        extra = () if mask is None else (mask,)
+        # The mask by keyword: tensor parallel's PrepareModuleInput plans the attention's
+        # positional inputs (x, rope, cache, start_pos) one by one and passes keywords through.
         if self.pre_norm:
-            x = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, start_pos, *extra))
+            x = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, start_pos, mask=mask))
             return x + self.dropout(self._ffn(self.ffn_norm(x)))
-        x = self.attention_norm(x + self.dropout(self.attention(x, rope, cache, start_pos, *extra)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, rope, cache, start_pos, mask=mask)))
         return self.ffn_norm(x + self.dropout(self._ffn(x)))
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,9 @@ def launches(tmp_path_factory, text_file, short_docs_dir):
     jobs[2].append((runs["cp2-documents"], common(docs, **{**CP_RUNS["cp2-ddp"][1], **DOCUMENTS})))
     runs["cp2-ulysses-documents"] = root / "cp2-ulysses-documents"  # the model's whole-sequence masks
     jobs[2].append((runs["cp2-ulysses-documents"], common(docs, **{**CP_RUNS["cp2-ulysses"][1], **DOCUMENTS})))
+    runs["tp2-documents"] = root / "tp2-documents"  # the mask past tensor parallel's input plan
+    jobs[2].append((runs["tp2-documents"], common(docs, **{"parallel.tp": 2, **DOCUMENTS,
+                                                           "train.batch_size": GLOBAL_BATCH})))
     runs["pp2xcp2-ulysses-documents"] = root / "pp2xcp2-ulysses-documents"  # the pipeline stages' masks
     jobs[4].append((runs["pp2xcp2-ulysses-documents"], common(docs, **{
         "parallel.cp": 2, "parallel.pp": 2, "parallel.pp_schedule": "'1f1b'", **ULYSSES, **DOCUMENTS,
@@ -168,6 +171,7 @@ def test_context_parallel_run_matches_one_process(launches, reference, name):
     ("cp2-documents", "documents-reference", "documents-unmasked"),  # packed documents
     ("cp2-ulysses-documents", "documents-reference", "documents-unmasked"),  # packed documents, Ulysses
     ("pp2xcp2-ulysses-documents", "documents-reference", "documents-unmasked"),  # ... in pipeline stages
+    ("tp2-documents", "documents-reference", "documents-unmasked"),  # ... under tensor parallel
     ("tp2xcp2-ulysses", "heads4-reference", "cp2-ulysses"),  # Ulysses x tp, K/V heads repeated
     ("cp2-ulysses-rounds2", "heads4-reference", "cp2-ulysses"),  # Ulysses' heads in 2 rounds
     ("cp4-hybrid-documents", "documents-reference", "documents-unmasked"),  # Ulysses x ring, documents
