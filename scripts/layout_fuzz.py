@@ -109,18 +109,25 @@ def draw_layout(rng: random.Random, world: int, moe: bool) -> dict:
 
 def refusal(sets: dict, world: int) -> str | None:
     """kiln's own line for a layout it will not run, or None (the checks `kiln train` starts with).
-    Under DiLoCo also a layout of other than DILOCO_REPLICAS replicas, the reference's count."""
+    Under DiLoCo also a layout of other than DILOCO_REPLICAS replicas, the reference's count, and
+    one whose data-parallel ranks do not divide the global batch (see `run_case`)."""
     from kiln.config import load_config
     from kiln.errors import KilnError
     from kiln.parallel.dims import ParallelDims
 
+    def check():
+        return ParallelDims.for_job(load_config(None, [f"{k}={v}" for k, v in sets.items()]), world_size=world,
+                                    rank=0, local_rank=0, local_world_size=world)[0]
+
     try:
-        dims, _ = ParallelDims.for_job(load_config(None, [f"{k}={v}" for k, v in sets.items()]), world_size=world,
-                                       rank=0, local_rank=0, local_world_size=world)
+        dims = check()
+        if dims.diloco and dims.dp_replicate != DILOCO_REPLICAS:
+            return f"DiLoCo with {dims.dp_replicate} replicas, not {DILOCO_REPLICAS}"
+        if dims.diloco:
+            sets["train.batch_size"] = GLOBAL_BATCH // dims.dp_size
+            check()  # (pp's micro-batches against that batch)
     except KilnError as e:
         return str(e)
-    if dims.diloco and dims.dp_replicate != DILOCO_REPLICAS:
-        return f"DiLoCo with {dims.dp_replicate} replicas, not {DILOCO_REPLICAS}"
     return None
 
 
@@ -153,16 +160,22 @@ def run_case(rng: random.Random, world: int, out: Path, corpus: Path, refused: l
                           "parallel.pp": 1, "parallel.cp": 1}, 1
     if world > DILOCO_REPLICAS and rng.random() < 0.25:
         # DiLoCo against its own definition: the same replicas, each one whole process; H = 2 puts
-        # the layout change between two outer syncs, H = 3 right after one
+        # the layout change between two outer syncs, H = 3 right after one. A replica's samples are
+        # its data-parallel ranks' slices of each micro-batch, so every layout takes the global
+        # batch in one micro-batch (train.batch_size = global / data-parallel ranks): each replica
+        # then trains on the same samples in every layout.
         model["parallel.diloco_inner_steps"] = rng.choice([2, 3])
         alone_world = DILOCO_REPLICAS
+        alone["train.batch_size"] = GLOBAL_BATCH // DILOCO_REPLICAS
     layouts = []
     while len(layouts) < 2:
         layout = draw_layout(rng, world, moe)
-        why = refusal({**BASE, "data.source": repr(str(corpus)), **model, **layout}, world)
+        sets = {**BASE, "data.source": repr(str(corpus)), **model, **layout}
+        why = refusal(sets, world)
         if why:
             refused.append(why)
         else:
+            layout["train.batch_size"] = sets["train.batch_size"]  # (DiLoCo's per layout)
             layouts.append(layout)
     first, second = layouts
     if dry:

@@ -364,10 +364,11 @@ class CheckpointManager:
         return ""
 
     # ---- load
-    def saved_state_names(self, step: int) -> set[str] | None:
-        """The top-level state names (`app`, `loader`, ...) checkpoint `step` holds, from its
-        `.metadata` read through the allowlist unpickler (no tensor data read, nothing hashed);
-        None when it is unreadable (`load` then reports it and falls back to an older one)."""
+    def saved_state_keys(self, step: int) -> set[str] | None:
+        """Every key checkpoint `step` holds (`app.model.tok_embeddings.weight`, `loader.position`,
+        ...), from its `.metadata` read through the allowlist unpickler (no tensor data read,
+        nothing hashed); None when it is unreadable (`load` then reports it and falls back to an
+        older one)."""
         path = self.dir / f"step-{step}" / ".metadata"
         try:
             metadata = load_metadata(path.read_bytes(), str(path))
@@ -375,7 +376,12 @@ class CheckpointManager:
             raise
         except (OSError, KilnError):
             return None
-        return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
+        return set(metadata.state_dict_metadata)
+
+    def saved_state_names(self, step: int) -> set[str] | None:
+        """The top-level state names (`app`, `loader`, ...) of `saved_state_keys`."""
+        keys = self.saved_state_keys(step)
+        return None if keys is None else {fqn.split(".", 1)[0] for fqn in keys}
 
     def restore(self, states: dict[str, Any]) -> tuple[int, str, float]:
         """Resume: from host memory when a replica at least as new as storage's newest is there

@@ -50,13 +50,17 @@ generate and export read, and what a non-DiLoCo run continues from), replica r >
 `diloco_rank<r>` (`replica_states`). The ranks of one replica save their shards under that key
 (DCP writes each shard once), so this is one DCP checkpoint with one manifest, loaded through the
 same safe reader. The anchor and the outer momentum (`diloco`) are equal across replicas, DTensors
-sharded like the parameters (split `inside` a replica: each rank saves its slice's boxes of
-each parameter, kiln/parallel/zero1_shards.py, nothing gathered), and stored once; under pp they are keyed by parameter name (every
-stage holds other parameters), else by position. A `diloco_layout_<R>x<S>x<T>[_pp<P>][_cp<C>]
-[_ep<E>][_etp1][_ddp][_frag<P>][_overlap]` entry records the replica count and the split inside each (dp_shard x tp, and
-pp, cp, ep where > 1, etp1 where ep borrows tp, and the fragments and whether syncs overlap); a DiLoCo run continues only a checkpoint of the
-same layout (`check_resume`, one line otherwise): a replica without its own state would train on
-another's moments, and the anchor's keys and shards follow the split. A sync in flight when a
+sharded like the parameters (split `inside` a replica: each rank saves its slice's boxes of each
+parameter, kiln/parallel/zero1_shards.py, nothing gathered), stored once and keyed by parameter
+name as one process names them (a pp head copy that the checkpoint lacks loads the embedding's:
+`match_checkpoint`). A `diloco_layout_<R>x<S>x<T>[_pp<P>][_cp<C>][_ep<E>][_etp1][_ddp][_frag<P>]
+[_overlap]` entry records the replica count and the split inside each (dp_shard x tp, and pp, cp,
+ep where > 1, etp1 where ep borrows tp, and the fragments and whether syncs overlap). A DiLoCo run
+continues a checkpoint of the same replicas, fragments and sync delay (`check_resume`, one line
+otherwise: a replica without its own state would train on another's moments), split inside each
+replica as it likes: every piece of state is DCP's, so it reshards into the new split as a run
+without DiLoCo does (the replica's model and inner optimizer under its own key, the anchor and
+momentum by name). A sync in flight when a
 checkpoint is taken is settled first (its exchange waited for and its outer step taken, which
 touches no parameter); the checkpoint records its fragment and merge step (`pending`), so a resumed
 run merges it where the uninterrupted one does.
@@ -124,12 +128,22 @@ def replica_states(states: dict, replica: int) -> dict:
     return {replica_key(replica) if name == APP_KEY else name: value for name, value in states.items()}
 
 
+def _streaming_of(key: str) -> tuple[int, bool]:
+    """(fragments, overlapped) of a layout key."""
+    parts = key[len(LAYOUT_PREFIX):].split("_")[1:]
+    frag = next((int(p[4:]) for p in parts if p.startswith("frag") and p[4:].isdigit()), 1)
+    return frag, "overlap" in parts
+
+
 def check_resume(saved_names: set[str], replicas: int, where: str, shards: int = 1, tp: int = 1,
-                 **split) -> None:
+                 **split) -> str | None:
     """One line unless the checkpoint (its top-level state names) holds DiLoCo state for exactly
-    `replicas` replicas, each split dp_shard=`shards` x tp=`tp` x `split` (layout_key's pp, cp, ep,
-    ep_borrows_tp, replicated, fragments, overlapped; a checkpoint without a layout entry was saved
-    by whole replicas)."""
+    `replicas` replicas with this run's fragments and sync delay (or none). Each replica may be
+    split otherwise than when saved (dp_shard=`shards` x tp=`tp` x `split`: layout_key's pp, cp,
+    ep, ep_borrows_tp, replicated, fragments, overlapped; a checkpoint without a layout entry was
+    saved by whole replicas): its model, inner optimizer, anchor and momentum are DCP's, keyed by
+    name, and reshard. Returns the saved layout's key where it differs from this run's (the
+    trainer then leaves the layout entry unloaded and says so), else None."""
     if "diloco" not in saved_names:
         raise KilnError(f"{where} was saved without DiLoCo; a DiLoCo run (parallel.diloco_inner_steps > 0) "
                         f"continues only a DiLoCo checkpoint: set parallel.diloco_inner_steps=0 or start a "
@@ -145,11 +159,12 @@ def check_resume(saved_names: set[str], replicas: int, where: str, shards: int =
     layouts = sorted(n for n in saved_names if n.startswith(LAYOUT_PREFIX))
     saved_layout = layouts[0] if layouts else layout_key(saved, 1, 1)
     mine = layout_key(replicas, shards, tp, **split)
-    if layouts[1:] or saved_layout != mine:
+    if layouts[1:] or _streaming_of(saved_layout) != _streaming_of(mine):
         raise KilnError(f"{where} holds DiLoCo replicas split {describe_layout(saved_layout)}, this run's are "
-                        f"{describe_layout(mine)}; DiLoCo resumes each replica's shards on the same layout: set "
-                        f"parallel.dp_mode, dp_shard, tp, pp, cp, ep, etp, diloco_fragments and diloco_sync_delay as saved (or continue without DiLoCo from "
-                        f"replica 0's state: parallel.diloco_inner_steps=0)")
+                        f"{describe_layout(mine)}; the fragments (each with its own outer state) and the sync "
+                        f"in flight follow diloco_fragments and diloco_sync_delay: set them as saved (or continue "
+                        f"without DiLoCo from replica 0's state: parallel.diloco_inner_steps=0)")
+    return saved_layout if saved_layout != mine else None
 
 
 class Layout:
@@ -230,12 +245,12 @@ class DiLoCo:
     exchange starts `sync_delay` steps earlier and runs under those inner steps (Streaming DiLoCo's
     overlap, tau < H / P so one fragment at a time is in flight); the merge mixes `mix` of the
     replica's own parameters into the new anchor (alpha; 0 = reset to it). `group`, `inside`: as
-    Fragment's. `by_name`: the checkpoint keys parameters by name, not position (pp: each stage's
-    ranks hold other parameters). `n_layers`: the whole model's block count (the fragments'
-    pattern)."""
+    Fragment's. `n_layers`: the whole model's block count (the fragments' pattern). The checkpoint
+    keys the anchor and momentum by parameter name, as one process names them, so any layout of the
+    same replicas loads them (`match_checkpoint`)."""
 
     def __init__(self, model: nn.Module, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 group=None, by_name: bool = False, inside=None, fragments: int = 1, pattern: str = "strided",
+                 group=None, inside=None, fragments: int = 1, pattern: str = "strided",
                  n_layers: int = 1, sync_delay: int = 0, mix: float = 0.0, comm_dtype: str = "float32"):
         if inner_steps < 1 or fragments < 1 or inner_steps % fragments or not 0 <= sync_delay < inner_steps // fragments:
             raise ValueError(f"DiLoCo needs inner_steps >= 1 divisible by fragments >= 1 and 0 <= sync_delay < "
@@ -243,17 +258,20 @@ class DiLoCo:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # The names a checkpoint of the model uses: without the wrappers that activation
         # checkpointing and per-block compile put around blocks (as DCP's get_state_dict drops them).
-        keys = [n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") if by_name else str(i)
-                for i, (n, _) in enumerate(named)]
+        self.names = [n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") for n, _ in named]
         tied = tuple(model.tied_embedding_copies()) if hasattr(model, "tied_embedding_copies") else ()
+        tied_ids = {id(t) for t in tied}
+        self.tied_copies = {i for i, (_, p) in enumerate(named) if id(p) in tied_ids}  # pp's head copies
         which = fragment_of(named, fragments, n_layers, pattern, tied)
-        self.inner_steps, self.sync_delay, self.mix = inner_steps, sync_delay, mix
+        self.inner_steps, self.sync_delay, self.mix, self.inside = inner_steps, sync_delay, mix, inside
         self.params = [p for _, p in named]
         self.parts: dict[int, Fragment] = {}  # only the fragments this rank holds parameters of
+        self.members: dict[int, list[int]] = {}  # each part's parameters, as indices into `named`
         for f in range(fragments):
             mine = [i for i, w in enumerate(which) if w == f]
             if mine:
-                self.parts[f] = Fragment([named[i][1] for i in mine], [keys[i] for i in mine], outer_lr,
+                self.members[f] = mine
+                self.parts[f] = Fragment([named[i][1] for i in mine], [self.names[i] for i in mine], outer_lr,
                                          outer_momentum, group, inside, getattr(torch, comm_dtype))
         self.outer_steps = [0] * fragments  # outer syncs started, per fragment
         self.pending: tuple[int, int] | None = None  # (fragment, merge step) of a started, unmerged sync
@@ -325,10 +343,38 @@ class DiLoCo:
             state["pending"] = torch.tensor(self.pending if self.pending is not None else (-1, -1))
         return state
 
+    def match_checkpoint(self, saved: set[str], where: str, pipeline: bool) -> None:
+        """Before a resume: the keys this rank's anchor and momentum load from, given those the
+        checkpoint holds under `diloco` (`anchor.<key>`, `momentum.<key>`). kiln before 30 Nov 2026
+        keyed them by position without pp: every layout without pp lists the parameters in the same
+        order, so such a checkpoint loads by position there (not under pp, `pipeline`). A tied
+        model's head copy under pp (pipeline_tied.py) that the checkpoint lacks (saved without pp)
+        loads the embedding's anchor and momentum, which it equals; where this rank holds the
+        embedding too (ZBV's first and last stage) both load from the one entry. Saves after the
+        load use the names again (`load_state_dict`)."""
+        from kiln.parallel.pipeline_tied import EMBEDDING
+
+        positional = any(re.fullmatch(r"(anchor|momentum)\.\d+", k) for k in saved)
+        if positional and pipeline:
+            raise KilnError(f"{where} holds DiLoCo's outer state keyed by position (kiln before 30 Nov 2026, saved "
+                            f"without pp), which a pipeline stage cannot match: resume it once with parallel.pp=1 "
+                            f"(the checkpoints it writes are keyed by name)")
+        keys = [str(i) if positional else
+                EMBEDDING if i in self.tied_copies and f"anchor.{name}" not in saved else name
+                for i, name in enumerate(self.names)]
+        if self.inside is not None and len(set(keys)) < len(keys):
+            raise KilnError(f"{where} was saved without pp: under a schedule that puts the first and last stage on "
+                            f"one rank (zbv_zero_bubble, dualpipev) with dp_mode ddp/zero1 the tied embedding and "
+                            f"its head copy cannot both load DiLoCo's state from it; resume it once with another "
+                            f"pp_schedule or dp_mode")
+        for f, part in self.parts.items():
+            part.keys = [keys[i] for i in self.members[f]]
+
     def load_state_dict(self, state: dict) -> None:
         self.settle()  # an exchange in flight (a restore mid-run) completes on every rank, then is overwritten
-        for part in self.parts.values():
+        for f, part in self.parts.items():
             part.load_state_dict(state)
+            part.keys = [self.names[i] for i in self.members[f]]  # saves key by name (match_checkpoint)
         self.outer_steps = [int(n) for n in state["outer_steps"].reshape(-1)]
         if self.sync_delay:
             fragment, merge_step = (int(v) for v in state["pending"])

@@ -28,7 +28,7 @@ from kiln.data.storage import open_store
 from kiln.errors import DataError, KilnError, TrainingDiverged
 from kiln.model.transformer import Transformer, count_params, flops_per_token
 from kiln.parallel.context_parallel import ContextParallel
-from kiln.parallel.diloco import DiLoCo, layout_key, replica_states, replicated_group
+from kiln.parallel.diloco import DiLoCo, describe_layout, layout_key, replica_states, replicated_group
 from kiln.parallel.diloco import Layout as DiLoCoLayout
 from kiln.parallel.diloco import check_resume as check_diloco_resume
 from kiln.parallel.data_parallel import batch_group, shard_optimizer_state, sum_over_ranks, window_stats_over_ranks
@@ -255,7 +255,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     if par.diloco_inner_steps:  # replicas = dp_replicate (any layout inside): kiln/parallel/diloco.py
         across = dims.mesh["dp_replicate"] if dims.dp_replicate > 1 else None
         diloco = DiLoCo(model, par.diloco_inner_steps, par.diloco_outer_lr, par.diloco_outer_momentum,
-                        group=across.get_group() if across else None, by_name=dims.pp > 1,
+                        group=across.get_group() if across else None,
                         inside=replicated_group(dims), fragments=par.diloco_fragments,
                         pattern=par.diloco_fragment_pattern, n_layers=cfg.model.n_layers,
                         sync_delay=par.diloco_sync_delay, mix=par.diloco_mix, comm_dtype=par.diloco_comm_dtype)
@@ -263,18 +263,26 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
         stateful[layout_key(*diloco_layout)] = DiLoCoLayout(*diloco_layout)
         # every replica saves its own model and moments
         stateful = replica_states(stateful, across.get_local_rank() if across else 0)
-    recovery = None
+    recovery, resharded = None, None
     if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
         ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
     elif resume_step is not None:  # memory replica, else the newest checkpoint that verifies
-        names = ckpt.saved_state_names(resume_step) if diloco is not None or scaler is not None else None
-        if names is not None and diloco is not None:
-            check_diloco_resume(names, dims.dp_replicate, f"{ckpt.dir}/step-{resume_step}", *diloco_layout[1:3],
-                                pp=dims.pp, cp=dims.cp, ep=dims.ep, ep_borrows_tp=dims.ep_borrows_tp,
-                                replicated=diloco_layout[7], fragments=diloco_layout[8],
-                                overlapped=diloco_layout[9])
+        keys = ckpt.saved_state_keys(resume_step) if diloco is not None or scaler is not None else None
+        names = None if keys is None else {k.split(".", 1)[0] for k in keys}
         # A checkpoint from before kiln saved the scaler: resume with a fresh scale (saved from now on).
         unsaved = {"scaler"} if names is not None and scaler is not None and "scaler" not in names else set()
+        if names is not None and diloco is not None:
+            where = f"{ckpt.dir}/step-{resume_step}"
+            saved_layout = check_diloco_resume(names, dims.dp_replicate, where, *diloco_layout[1:3], pp=dims.pp,
+                                               cp=dims.cp, ep=dims.ep, ep_borrows_tp=dims.ep_borrows_tp,
+                                               replicated=diloco_layout[7], fragments=diloco_layout[8],
+                                               overlapped=diloco_layout[9])
+            diloco.match_checkpoint({k.split(".", 1)[1] for k in keys if k.startswith("diloco.")}, where,
+                                    pipeline=dims.pp > 1)
+            if saved_layout is not None:  # each replica resharded: its layout entry is this run's from now on
+                unsaved.add(layout_key(*diloco_layout))
+                resharded = (f"DiLoCo's {dims.dp_replicate} replicas resharded from {describe_layout(saved_layout)} "
+                             f"to {describe_layout(layout_key(*diloco_layout))}")
         resume_step, recovered_from, recovery_s = ckpt.restore({k: v for k, v in stateful.items() if k not in unsaved})
         recovery = f"resumed step {resume_step} from {recovered_from} in {recovery_s:.2f} s"
     if dims.is_main:  # only now: a start that failed above leaves the run's files as they were
@@ -312,8 +320,9 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                  "nonfinite_check": "device" if skips_on_device(optimizer) else "host",
                  "loss_impl": model.loss_impl, **attention,
                  "compile": compile_scope(cfg, dims) if cfg.train.compile else "none"})
-    if recovery:
-        metrics.log({"kind": "event", "step": state.step, "message": recovery})
+    for line in (recovery, resharded):
+        if line:
+            metrics.log({"kind": "event", "step": state.step, "message": line})
     for line in ([batch_note] if batch_note else []) + dims.node_crossings(cfg.model.n_heads):  # the layout runs as it is
         metrics.log({"kind": "event", "step": state.step, "message": line})  # printed as "[event] ..." too
     metrics.print(f"model {counts['total'] / 1e6:.2f}M params, {tokens_per_step} tokens/step, "

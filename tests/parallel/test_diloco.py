@@ -267,41 +267,72 @@ def test_check_resume_names_both_counts():
         check_resume({"app", "diloco"}, 2, "x")
     with pytest.raises(KilnError, match="x was saved without DiLoCo"):
         check_resume({"app", "loader"}, 2, "x")
-    # Replicas split inside: the layout entry must match (no entry: whole replicas).
+    # Replicas split otherwise inside: resumed (the state reshards), the saved layout returned
     split = {"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1"}
-    check_resume(split, 2, "x", shards=2)
-    with pytest.raises(KilnError, match=r"^x holds DiLoCo replicas split dp_shard=2 x tp=1, this run's are "
-                                        r"dp_shard=1 x tp=2; .* set parallel.dp_mode, dp_shard, tp, pp, cp, ep, etp, "
-                                        r"diloco_fragments and diloco_sync_delay as saved"):
-        check_resume(split, 2, "x", tp=2)
+    assert check_resume(split, 2, "x", shards=2) is None
+    assert check_resume(split, 2, "x", tp=2) == "diloco_layout_2x2x1"
     # pp, cp and ep inside a replica are in the key where > 1 (without them: the key kiln wrote before).
-    from kiln.parallel.diloco import layout_key
+    from kiln.parallel.diloco import describe_layout, layout_key
 
     assert layout_key(2, 2, 1) == "diloco_layout_2x2x1"
     assert layout_key(2, 1, 2, pp=2, ep=2, ep_borrows_tp=True) == "diloco_layout_2x1x2_pp2_ep2_etp1"
     piped = {"app", "diloco", "diloco_rank1", layout_key(2, 1, 1, pp=2, cp=2)}
-    check_resume(piped, 2, "x", pp=2, cp=2)
-    with pytest.raises(KilnError, match=r"^x holds DiLoCo replicas split dp_shard=1 x tp=1 x pp=2 x cp=2, this "
-                                        r"run's are dp_shard=1 x tp=1 x pp=2; "):
-        check_resume(piped, 2, "x", pp=2)
-    with pytest.raises(KilnError, match=r"x holds DiLoCo replicas split dp_shard=1 x tp=1, this run's are dp_shard=2"):
-        check_resume({"app", "diloco", "diloco_rank1"}, 2, "x", shards=2)
+    assert check_resume(piped, 2, "x", pp=2, cp=2) is None
+    assert describe_layout(check_resume(piped, 2, "x", pp=2)) == "dp_shard=1 x tp=1 x pp=2 x cp=2"
+    assert check_resume({"app", "diloco", "diloco_rank1"}, 2, "x", shards=2) == "diloco_layout_2x1x1"
     # DDP / ZeRO-1 inside a replica (whole parameters) is its own layout: not FSDP's shards
     assert layout_key(2, 2, 1, replicated=True) == "diloco_layout_2x2x1_ddp"
-    check_resume({"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1_ddp"}, 2, "x", shards=2, replicated=True)
-    with pytest.raises(KilnError, match=r"x holds DiLoCo replicas split dp_shard=2 \(ddp/zero1\) x tp=1, this run's "
-                                        r"are dp_shard=2 x tp=1; .* set parallel\.dp_mode, dp_shard"):
-        check_resume({"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1_ddp"}, 2, "x", shards=2)
+    assert check_resume({"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1_ddp"}, 2, "x", shards=2,
+                        replicated=True) is None
+    assert describe_layout(check_resume({"app", "diloco", "diloco_rank1", "diloco_layout_2x2x1_ddp"}, 2, "x",
+                                        shards=2)) == "dp_shard=2 (ddp/zero1) x tp=1"
     # Streaming DiLoCo: the fragments (the outer state's slices follow them) and an overlapped sync
-    # (the checkpoint then holds the sync awaiting its merge) are part of the layout.
+    # (the checkpoint then holds the sync awaiting its merge) must be as saved; the split need not.
     assert layout_key(2, 1, 1, fragments=4, overlapped=True) == "diloco_layout_2x1x1_frag4_overlap"
     streamed = {"app", "diloco", "diloco_rank1", layout_key(2, 1, 1, fragments=4, overlapped=True)}
-    check_resume(streamed, 2, "x", fragments=4, overlapped=True)
+    assert check_resume(streamed, 2, "x", fragments=4, overlapped=True) is None
+    assert check_resume(streamed, 2, "x", tp=2, fragments=4, overlapped=True) == layout_key(2, 1, 1, fragments=4,
+                                                                                          overlapped=True)
     with pytest.raises(KilnError, match=r"x holds DiLoCo replicas split dp_shard=1 x tp=1 x diloco_fragments=4 x "
-                                        r"diloco_sync_delay > 0, this run's are dp_shard=1 x tp=1 x diloco_fragments=2;"):
+                                        r"diloco_sync_delay > 0, this run's are dp_shard=1 x tp=1 x diloco_fragments=2;"
+                                        r" .* set them as saved"):
         check_resume(streamed, 2, "x", fragments=2)
     with pytest.raises(KilnError, match=r"this run's are dp_shard=1 x tp=1 x diloco_fragments=4;"):
         check_resume(streamed, 2, "x", fragments=4)
+
+
+def test_outer_state_keys_name_parameters_and_read_older_and_unpiped_checkpoints():
+    """The anchor and momentum are keyed by parameter name. A checkpoint keyed by position (kiln
+    before names, saved without pp) loads by position, not under pp; a pp head copy (`output.weight`
+    tied to `tok_embeddings.weight`) that the checkpoint lacks loads the embedding's entry, also
+    where this rank holds both; saves key by name again after the load."""
+    from torch import nn
+
+    from kiln.errors import KilnError
+    from kiln.parallel.diloco import DiLoCo
+
+    class Stage(nn.Module):  # a rank holding the first and the last stage of a tied model (ZBV)
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings, self.output = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+
+        def tied_embedding_copies(self):
+            return (self.output.weight,)
+
+    diloco = DiLoCo(Stage(), 2)
+    names = ["anchor.tok_embeddings.weight", "anchor.output.weight"]
+    assert [k for k in diloco.state_dict() if k.startswith("anchor.")] == names
+    diloco.match_checkpoint({"anchor.0", "anchor.1", "momentum.0", "momentum.1"}, "x", pipeline=False)
+    assert [k for k in diloco.state_dict() if k.startswith("anchor.")] == ["anchor.0", "anchor.1"]
+    with pytest.raises(KilnError, match=r"^x holds DiLoCo's outer state keyed by position .* parallel\.pp=1"):
+        diloco.match_checkpoint({"anchor.0", "momentum.0"}, "x", pipeline=True)
+    diloco.match_checkpoint({"anchor.tok_embeddings.weight", "momentum.tok_embeddings.weight"}, "x", pipeline=True)
+    template = diloco.state_dict()
+    assert [k for k in template if k.startswith("anchor.")] == ["anchor.tok_embeddings.weight"]
+    saved = {k: torch.full_like(v, 7.0) if k.endswith(".weight") else v for k, v in template.items()}
+    diloco.load_state_dict(saved)
+    assert all(torch.equal(a, torch.full_like(a, 7.0)) for a in diloco.anchors() + diloco.momenta())
+    assert [k for k in diloco.state_dict() if k.startswith("anchor.")] == names
 
 
 def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
@@ -428,7 +459,7 @@ def split_replica_run(name: str, rank: int, steps: int, hsdp: bool = False, wron
     context_parallel = ContextParallel(model, dims, 12, cpu)
     opt = shard_optimizer_state(adamw(model), dims)  # zero1: partitioned over the replica's ranks
     diloco = DiLoCo(model, inner_steps, OUTER_LR, MOMENTUM, group=dims.mesh[wrong_group or "dp_replicate"].get_group(),
-                    by_name=dims.pp > 1, inside=None if wrong_group else replicated_group(dims),
+                    inside=None if wrong_group else replicated_group(dims),
                     n_layers=cfg.model.n_layers, **(streaming or {}))
     rows = 4 // dims.dp_size  # a replica's two rows, split over its dp_shard ranks
     _, data = model_and_data(**fields)
@@ -488,6 +519,19 @@ def split_replica_ranks(rank, world, root, sets, pp_sets, zero1_sets, zero2_sets
     for name, layout_sets in (("etp1", etp1_sets), ("cp_ep", cp_ep_sets)):
         trainer.train(load_config(None, layout_sets), Path(root) / f"{name}_whole")
         continue_in_copy(Path(root) / f"{name}_whole", RESUME_AT, Path(root) / f"{name}_resumed", layout_sets)
+    # The step-3 checkpoints of runs with H = 2 (after the outer sync at step 2: the anchor and
+    # momentum are the sync's, not the init and zero a fresh start would have) continued on another
+    # split of the same 2 replicas, each replica's batch kept (its data-parallel ranks x
+    # train.batch_size): fsdp 2 -> zero1 2 and -> pp 2 (the tied head copy takes the embedding's
+    # anchor), pp 2 -> fsdp 2
+    h2 = ["parallel.diloco_inner_steps=2"]
+    trainer.train(load_config(None, sets + h2), Path(root) / "fsdp_h2")
+    trainer.train(load_config(None, pp_sets + h2), Path(root) / "pp_h2")
+    to_pp = pp_sets + ["parallel.dp_mode='auto'", "parallel.dp_replicate=1", "train.batch_size=8"]
+    for source, target, target_sets in (("fsdp_h2", "fsdp_to_zero1", zero1_sets + h2),
+                                        ("fsdp_h2", "fsdp_to_pp", to_pp + h2),
+                                        ("pp_h2", "pp_to_fsdp", sets + ["parallel.pp=1", "train.batch_size=2"] + h2)):
+        continue_in_copy(Path(root) / source, RESUME_AT, Path(root) / target, target_sets)
     return runs
 
 
@@ -597,10 +641,32 @@ def test_sharded_replicas_resume_between_outer_syncs_exactly(split_root):
     tensors = {fqn: m for fqn, m in load_metadata(path.read_bytes(), str(path)).state_dict_metadata.items()
                if isinstance(m, TensorStorageMetadata)}
     assert {"app.model.tok_embeddings.weight", "diloco_rank1.model.tok_embeddings.weight",
-            "diloco.anchor.0", "diloco.momentum.0"} <= set(tensors)
+            "diloco.anchor.tok_embeddings.weight", "diloco.momentum.tok_embeddings.weight"} <= set(tensors)
     for fqn, m in tensors.items():
         assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), (fqn, m.chunks)
-    assert len(tensors["diloco.anchor.0"].chunks) == 2  # sharded over dp_shard, like the parameter
+    assert len(tensors["diloco.anchor.tok_embeddings.weight"].chunks) == 2  # sharded over dp_shard, like the parameter
+
+
+@pytest.mark.parametrize("source, target, saved, now", [
+    ("fsdp_h2", "fsdp_to_zero1", "dp_shard=2 x tp=1", "dp_shard=2 (ddp/zero1) x tp=1"),
+    ("fsdp_h2", "fsdp_to_pp", "dp_shard=2 x tp=1", "dp_shard=1 x tp=1 x pp=2"),
+    ("pp_h2", "pp_to_fsdp", "dp_shard=1 x tp=1 x pp=2", "dp_shard=2 x tp=1")])
+def test_replicas_resume_on_another_split_inside(split_root, source, target, saved, now):
+    # A step-3 checkpoint (after the outer sync at 2, before the one at 4) continued with the same 2
+    # replicas split otherwise inside: each replica's model and moments and the anchor and momentum
+    # reshard (DCP, keyed by name), so steps 4-6 are the uninterrupted run's up to the reduction
+    # order; the layout change is one event row. The pp source (replicas of half the batch) differs.
+    import json
+
+    root = split_root[0]
+    want, got = train_losses(root / source), train_losses(root / target)
+    assert sorted(got) == list(range(1, RESUME_STEPS + 1))
+    assert [got[s] for s in range(4, 7)] == pytest.approx([want[s] for s in range(4, 7)], rel=1e-5)
+    other = train_losses(root / ("pp_h2" if source == "fsdp_h2" else "fsdp_h2"))
+    assert all(other[s] != pytest.approx(want[s], rel=1e-5) for s in range(4, 7))
+    rows = [json.loads(x) for x in (root / target / "metrics.jsonl").read_text().splitlines()]
+    events = [r["message"] for r in rows if r["kind"] == "event" and "resharded" in r["message"]]
+    assert events == [f"DiLoCo's 2 replicas resharded from {saved} to {now}"]
 
 
 def test_pipelined_replicas_resume_between_outer_syncs_exactly(split_root):
