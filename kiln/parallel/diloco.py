@@ -263,7 +263,7 @@ class DiLoCo:
         tied_ids = {id(t) for t in tied}
         self.tied_copies = {i for i, (_, p) in enumerate(named) if id(p) in tied_ids}  # pp's head copies
         which = fragment_of(named, fragments, n_layers, pattern, tied)
-        self.inner_steps, self.sync_delay, self.mix, self.inside = inner_steps, sync_delay, mix, inside
+        self.inner_steps, self.sync_delay, self.mix = inner_steps, sync_delay, mix
         self.params = [p for _, p in named]
         self.parts: dict[int, Fragment] = {}  # only the fragments this rank holds parameters of
         self.members: dict[int, list[int]] = {}  # each part's parameters, as indices into `named`
@@ -362,7 +362,7 @@ class DiLoCo:
         keys = [str(i) if positional else
                 EMBEDDING if i in self.tied_copies and f"anchor.{name}" not in saved else name
                 for i, name in enumerate(self.names)]
-        if self.inside is not None and len(set(keys)) < len(keys):
+        if any(part.inside is not None for part in self.parts.values()) and len(set(keys)) < len(keys):
             raise KilnError(f"{where} was saved without pp: under a schedule that puts the first and last stage on "
                             f"one rank (zbv_zero_bubble, dualpipev) with dp_mode ddp/zero1 the tied embedding and "
                             f"its head copy cannot both load DiLoCo's state from it; resume it once with another "
