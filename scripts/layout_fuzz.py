@@ -6,7 +6,8 @@ refused draws are drawn again and counted). It trains steps 1..3 in the first la
 (`torchrun -m kiln.cli train --stop-at 3`), continues steps 4..6 from that checkpoint in the
 second (`kiln train --resume`), and holds every step's loss and grad norm to one process trained
 6 steps on the same global batch: `train.global_batch_size` fixes it and each layout derives its
-grad_accum. A quarter of the cases (with --world > 2) train DiLoCo (H = 2 or 3): both layouts
+grad_accum. A quarter of the cases (with --world > 2) train DiLoCo (H = 2 or 3, or 4 streamed
+in 2 fragments with or without a sync delay): both layouts
 hold 2 replicas, and the reference is DiLoCo's own definition, 2 processes each one whole replica.
 The corpus is kiln's sources cut into documents of 1-4 lines, some cases windowing them at
 document starts or keeping attention inside each (data.windows). One line per case (OK; DIFF with the worst relative error; DRIFT where steps 1..3
@@ -160,11 +161,14 @@ def run_case(rng: random.Random, world: int, out: Path, corpus: Path, refused: l
                           "parallel.pp": 1, "parallel.cp": 1}, 1
     if world > DILOCO_REPLICAS and rng.random() < 0.25:
         # DiLoCo against its own definition: the same replicas, each one whole process; H = 2 puts
-        # the layout change between two outer syncs, H = 3 right after one. A replica's samples are
+        # the layout change between two outer syncs, H = 3 right after one, H = 4 (2 fragments)
+        # between the two fragments' syncs. A replica's samples are
         # its data-parallel ranks' slices of each micro-batch, so every layout takes the global
         # batch in one micro-batch (train.batch_size = global / data-parallel ranks): each replica
         # then trains on the same samples in every layout.
-        model["parallel.diloco_inner_steps"] = rng.choice([2, 3])
+        model["parallel.diloco_inner_steps"] = h = rng.choice([2, 3, 4])
+        if h == 4:  # Streaming DiLoCo: 2 fragments in turn, the exchange maybe under the next step
+            model.update({"parallel.diloco_fragments": 2, "parallel.diloco_sync_delay": rng.choice([0, 1])})
         alone_world = DILOCO_REPLICAS
         alone["train.batch_size"] = GLOBAL_BATCH // DILOCO_REPLICAS
     layouts = []
