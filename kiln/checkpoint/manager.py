@@ -364,11 +364,10 @@ class CheckpointManager:
         return ""
 
     # ---- load
-    def saved_state_keys(self, step: int) -> set[str] | None:
-        """Every key checkpoint `step` holds (`app.model.tok_embeddings.weight`, `loader.position`,
-        ...), from its `.metadata` read through the allowlist unpickler (no tensor data read,
-        nothing hashed); None when it is unreadable (`load` then reports it and falls back to an
-        older one)."""
+    def saved_state_names(self, step: int) -> set[str] | None:
+        """The top-level state names (`app`, `loader`, ...) checkpoint `step` holds, from its
+        `.metadata` read through the allowlist unpickler (no tensor data read, nothing hashed);
+        None when it is unreadable (`load` then reports it and falls back to an older one)."""
         path = self.dir / f"step-{step}" / ".metadata"
         try:
             metadata = load_metadata(path.read_bytes(), str(path))
@@ -376,12 +375,7 @@ class CheckpointManager:
             raise
         except (OSError, KilnError):
             return None
-        return set(metadata.state_dict_metadata)
-
-    def saved_state_names(self, step: int) -> set[str] | None:
-        """The top-level state names (`app`, `loader`, ...) of `saved_state_keys`."""
-        keys = self.saved_state_keys(step)
-        return None if keys is None else {fqn.split(".", 1)[0] for fqn in keys}
+        return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
 
     def restore(self, states: dict[str, Any]) -> tuple[int, str, float]:
         """Resume: from host memory when a replica at least as new as storage's newest is there
@@ -412,13 +406,23 @@ class CheckpointManager:
                 # Refuse a hostile .metadata here, in one line: inside dcp.load the reader's
                 # refusal (same allowlist) would come back wrapped in DCP's own errors.
                 metadata = load_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
+                wanted = dict(states)
                 for name, value in states.items():  # a CPU checkpoint continuing on a GPU
                     if isinstance(value, RNGState):
                         value.cuda_saved = f"{name}.cuda" in metadata.state_dict_metadata
                     if isinstance(value, ModelOptimizerState) and value.optimizer is not None:
                         value.saved_groups = saved_param_groups(metadata, f"{name}.optim.param_groups.")
-                dcp.load(states, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                    # A state that reads this checkpoint's keys under its name first (DiLoCo's outer
+                    # state, its layout entry): False leaves it out of this checkpoint's load.
+                    match = getattr(value, "match_checkpoint", None)
+                    if match is not None:
+                        prefix = f"{name}."
+                        own = {k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix)}
+                        if not match(own, str(path)):
+                            del wanted[name]
+                dcp.load(wanted, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
                          process_group=self.group, **_no_dist(dcp.load))
+                states.update(wanted)  # DCP puts loaded non-tensor values into the dict it was given
                 return candidate
             except UnsafeCheckpointError:
                 raise  # a tampered checkpoint is refused outright, never silently skipped

@@ -143,7 +143,7 @@ def check_resume(saved_names: set[str], replicas: int, where: str, shards: int =
     ep, ep_borrows_tp, replicated, fragments, overlapped; a checkpoint without a layout entry was
     saved by whole replicas): its model, inner optimizer, anchor and momentum are DCP's, keyed by
     name, and reshard. Returns the saved layout's key where it differs from this run's (the
-    trainer then leaves the layout entry unloaded and says so), else None."""
+    trainer says so; `Layout.match_checkpoint` leaves the entry unloaded), else None."""
     if "diloco" not in saved_names:
         raise KilnError(f"{where} was saved without DiLoCo; a DiLoCo run (parallel.diloco_inner_steps > 0) "
                         f"continues only a DiLoCo checkpoint: set parallel.diloco_inner_steps=0 or start a "
@@ -191,6 +191,11 @@ class Layout:
         if self.streaming is not None:
             state["fragments_overlapped"] = self.streaming
         return state
+
+    def match_checkpoint(self, saved: set[str], where: str) -> bool:
+        """Loaded only from a checkpoint of this very layout (CheckpointManager.load calls this):
+        one of another split inside the same replicas (`check_resume`) holds another entry."""
+        return bool(saved)
 
     def load_state_dict(self, state: dict) -> None:
         for name, mine in self.state_dict().items():
@@ -245,13 +250,15 @@ class DiLoCo:
     exchange starts `sync_delay` steps earlier and runs under those inner steps (Streaming DiLoCo's
     overlap, tau < H / P so one fragment at a time is in flight); the merge mixes `mix` of the
     replica's own parameters into the new anchor (alpha; 0 = reset to it). `group`, `inside`: as
-    Fragment's. `n_layers`: the whole model's block count (the fragments' pattern). The checkpoint
+    Fragment's. `n_layers`: the whole model's block count (the fragments' pattern). `pipeline`: the
+    model is this rank's pipeline stages (pp > 1). The checkpoint
     keys the anchor and momentum by parameter name, as one process names them, so any layout of the
     same replicas loads them (`match_checkpoint`)."""
 
     def __init__(self, model: nn.Module, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  group=None, inside=None, fragments: int = 1, pattern: str = "strided",
-                 n_layers: int = 1, sync_delay: int = 0, mix: float = 0.0, comm_dtype: str = "float32"):
+                 n_layers: int = 1, sync_delay: int = 0, mix: float = 0.0, comm_dtype: str = "float32",
+                 pipeline: bool = False):
         if inner_steps < 1 or fragments < 1 or inner_steps % fragments or not 0 <= sync_delay < inner_steps // fragments:
             raise ValueError(f"DiLoCo needs inner_steps >= 1 divisible by fragments >= 1 and 0 <= sync_delay < "
                              f"inner_steps / fragments, got {inner_steps}, {fragments}, {sync_delay}")
@@ -263,7 +270,7 @@ class DiLoCo:
         tied_ids = {id(t) for t in tied}
         self.tied_copies = {i for i, (_, p) in enumerate(named) if id(p) in tied_ids}  # pp's head copies
         which = fragment_of(named, fragments, n_layers, pattern, tied)
-        self.inner_steps, self.sync_delay, self.mix = inner_steps, sync_delay, mix
+        self.inner_steps, self.sync_delay, self.mix, self.pipeline = inner_steps, sync_delay, mix, pipeline
         self.params = [p for _, p in named]
         self.parts: dict[int, Fragment] = {}  # only the fragments this rank holds parameters of
         self.members: dict[int, list[int]] = {}  # each part's parameters, as indices into `named`
@@ -343,11 +350,12 @@ class DiLoCo:
             state["pending"] = torch.tensor(self.pending if self.pending is not None else (-1, -1))
         return state
 
-    def match_checkpoint(self, saved: set[str], where: str, pipeline: bool) -> None:
-        """Before a resume: the keys this rank's anchor and momentum load from, given those the
-        checkpoint holds under `diloco` (`anchor.<key>`, `momentum.<key>`). kiln before 30 Nov 2026
-        keyed them by position without pp: every layout without pp lists the parameters in the same
-        order, so such a checkpoint loads by position there (not under pp, `pipeline`). A tied
+    def match_checkpoint(self, saved: set[str], where: str) -> bool:
+        """Called by CheckpointManager.load before it loads a checkpoint (each one it tries): the
+        keys this rank's anchor and momentum load from, given those the checkpoint holds under
+        `diloco` (`anchor.<key>`, `momentum.<key>`). kiln before 30 Nov 2026 keyed them by position
+        without pp: every layout without pp lists the parameters in the same order, so such a
+        checkpoint loads by position there (not under pp: `pipeline` at construction). A tied
         model's head copy under pp (pipeline_tied.py) that the checkpoint lacks (saved without pp)
         loads the embedding's anchor and momentum, which it equals; where this rank holds the
         embedding too (ZBV's first and last stage) both load from the one entry. Saves after the
@@ -355,7 +363,7 @@ class DiLoCo:
         from kiln.parallel.pipeline_tied import EMBEDDING
 
         positional = any(re.fullmatch(r"(anchor|momentum)\.\d+", k) for k in saved)
-        if positional and pipeline:
+        if positional and self.pipeline:
             raise KilnError(f"{where} holds DiLoCo's outer state keyed by position (kiln before 30 Nov 2026, saved "
                             f"without pp), which a pipeline stage cannot match: resume it once with parallel.pp=1 "
                             f"(the checkpoints it writes are keyed by name)")
@@ -369,6 +377,7 @@ class DiLoCo:
                             f"pp_schedule or dp_mode")
         for f, part in self.parts.items():
             part.keys = [keys[i] for i in self.members[f]]
+        return True
 
     def load_state_dict(self, state: dict) -> None:
         self.settle()  # an exchange in flight (a restore mid-run) completes on every rank, then is overwritten

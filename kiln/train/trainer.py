@@ -258,7 +258,8 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                         group=across.get_group() if across else None,
                         inside=replicated_group(dims), fragments=par.diloco_fragments,
                         pattern=par.diloco_fragment_pattern, n_layers=cfg.model.n_layers,
-                        sync_delay=par.diloco_sync_delay, mix=par.diloco_mix, comm_dtype=par.diloco_comm_dtype)
+                        sync_delay=par.diloco_sync_delay, mix=par.diloco_mix, comm_dtype=par.diloco_comm_dtype,
+                        pipeline=dims.pp > 1)
         stateful["diloco"] = diloco
         stateful[layout_key(*diloco_layout)] = DiLoCoLayout(*diloco_layout)
         # every replica saves its own model and moments
@@ -267,8 +268,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
     if resume_step is not None and (ckpt.dir / f"step-{resume_step}" / WEIGHTS_ONLY_MARKER).is_file():
         ckpt.load({"app": ModelOptimizerState(model)}, resume_step)  # weights only: the rest starts fresh
     elif resume_step is not None:  # memory replica, else the newest checkpoint that verifies
-        keys = ckpt.saved_state_keys(resume_step) if diloco is not None or scaler is not None else None
-        names = None if keys is None else {k.split(".", 1)[0] for k in keys}
+        names = ckpt.saved_state_names(resume_step) if diloco is not None or scaler is not None else None
         # A checkpoint from before kiln saved the scaler: resume with a fresh scale (saved from now on).
         unsaved = {"scaler"} if names is not None and scaler is not None and "scaler" not in names else set()
         if names is not None and diloco is not None:
@@ -277,10 +277,7 @@ def _train(cfg: JobConfig, run_dir: Path, timeouts: CollectiveTimeouts, resume: 
                                                cp=dims.cp, ep=dims.ep, ep_borrows_tp=dims.ep_borrows_tp,
                                                replicated=diloco_layout[7], fragments=diloco_layout[8],
                                                overlapped=diloco_layout[9])
-            diloco.match_checkpoint({k.split(".", 1)[1] for k in keys if k.startswith("diloco.")}, where,
-                                    pipeline=dims.pp > 1)
-            if saved_layout is not None:  # each replica resharded: its layout entry is this run's from now on
-                unsaved.add(layout_key(*diloco_layout))
+            if saved_layout is not None:  # each replica resharded (its layout entry is this run's from now on)
                 resharded = (f"DiLoCo's {dims.dp_replicate} replicas resharded from {describe_layout(saved_layout)} "
                              f"to {describe_layout(layout_key(*diloco_layout))}")
         resume_step, recovered_from, recovery_s = ckpt.restore({k: v for k, v in stateful.items() if k not in unsaved})

@@ -27,6 +27,8 @@ One 8-rank launch: 2 replicas x pp 2 x cp 2 with ep 2 = cp (MoE, ddp), same defi
 
 import os
 
+import json
+
 import pytest
 import torch
 
@@ -319,20 +321,48 @@ def test_outer_state_keys_name_parameters_and_read_older_and_unpiped_checkpoints
         def tied_embedding_copies(self):
             return (self.output.weight,)
 
-    diloco = DiLoCo(Stage(), 2)
+    diloco, piped = DiLoCo(Stage(), 2), DiLoCo(Stage(), 2, pipeline=True)
     names = ["anchor.tok_embeddings.weight", "anchor.output.weight"]
     assert [k for k in diloco.state_dict() if k.startswith("anchor.")] == names
-    diloco.match_checkpoint({"anchor.0", "anchor.1", "momentum.0", "momentum.1"}, "x", pipeline=False)
+    assert diloco.match_checkpoint({"anchor.0", "anchor.1", "momentum.0", "momentum.1"}, "x")
     assert [k for k in diloco.state_dict() if k.startswith("anchor.")] == ["anchor.0", "anchor.1"]
     with pytest.raises(KilnError, match=r"^x holds DiLoCo's outer state keyed by position .* parallel\.pp=1"):
-        diloco.match_checkpoint({"anchor.0", "momentum.0"}, "x", pipeline=True)
-    diloco.match_checkpoint({"anchor.tok_embeddings.weight", "momentum.tok_embeddings.weight"}, "x", pipeline=True)
-    template = diloco.state_dict()
+        piped.match_checkpoint({"anchor.0", "momentum.0"}, "x")
+    assert piped.match_checkpoint({"anchor.tok_embeddings.weight", "momentum.tok_embeddings.weight"}, "x")
+    template = piped.state_dict()
     assert [k for k in template if k.startswith("anchor.")] == ["anchor.tok_embeddings.weight"]
     saved = {k: torch.full_like(v, 7.0) if k.endswith(".weight") else v for k, v in template.items()}
-    diloco.load_state_dict(saved)
-    assert all(torch.equal(a, torch.full_like(a, 7.0)) for a in diloco.anchors() + diloco.momenta())
-    assert [k for k in diloco.state_dict() if k.startswith("anchor.")] == names
+    piped.load_state_dict(saved)
+    assert all(torch.equal(a, torch.full_like(a, 7.0)) for a in piped.anchors() + piped.momenta())
+    assert [k for k in piped.state_dict() if k.startswith("anchor.")] == names
+
+
+def test_a_damaged_newest_checkpoint_falls_back_with_the_outer_state_keyed_for_the_older(tmp_path, text_file):
+    """The outer state's keys are matched to each checkpoint the load tries (CheckpointManager.load
+    calls match_checkpoint), not once from the newest: a replaced .metadata naming position keys
+    fails its manifest and the run resumes from the older checkpoint (before: 'no usable
+    checkpoint', the older one asked for the newest's keys)."""
+    import pickle
+
+    from conftest import tiny_overrides
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    sets = tiny_overrides(text_file, **{"train.steps": 4, "checkpoint.every": 2, "checkpoint.keep_last": 5,
+                                        "train.eval_every": 0, "parallel.diloco_inner_steps": 2,
+                                        "checkpoint.async_save": "false"})
+    run = tmp_path / "run"
+    train(load_config(None, sets), run)
+    path = run / "checkpoints" / "step-4" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    entries = metadata.state_dict_metadata
+    for i, key in enumerate([k for k in entries if k.startswith("diloco.anchor.")]):
+        entries[f"diloco.anchor.{i}"] = entries.pop(key)
+    path.write_bytes(pickle.dumps(metadata))
+    result = train(load_config(None, sets + ["train.steps=6"]), run, resume=True)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["kind"] == "event" and r["message"].startswith("resumed step 2 from storage") for r in rows)
+    assert result is not None and sorted({r["step"] for r in rows if r["kind"] == "train"})[-1] == 6
 
 
 def test_diloco_layouts_kiln_does_not_run_are_refused_naming_the_keys():
